@@ -1,0 +1,28 @@
+"""coordl: a data loader for deep-learning training that removes data stalls.
+
+``CoordLoader`` replaces ``torch.utils.data.DataLoader``: it shards and shuffles like
+``DistributedSampler``, decodes and augments with NVIDIA DALI, and keeps raw samples
+in a node-wide MinIO cache in shared memory so that every epoch after the first reads
+only what the cache cannot hold.
+"""
+
+from coordl.errors import CoordlError, DatasetChangedError, SampleError, SharedMemoryError, StaleStateError
+from coordl.index import Index
+from coordl.loader import CoordLoader
+from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CoordLoader",
+    "CoordlError",
+    "DatasetChangedError",
+    "ImageNetTrain",
+    "ImageNetVal",
+    "Index",
+    "PrepContext",
+    "SampleError",
+    "SharedMemoryError",
+    "StaleStateError",
+    "__version__",
+]

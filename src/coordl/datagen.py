@@ -1,0 +1,666 @@
+"""Generate deterministic ImageNet-like ImageFolder datasets of JPEG files.
+
+The generated tree is ``root/<class>/<class>_<i:06d><ext>`` with ImageNet-style
+class folder names (``n00000000``, ``n00000001``, ...), images spread
+round-robin over the classes. Image sizes, resolutions and compressed bytes per
+pixel resemble ImageNet's (about 400x350 pixels and 0.8 bytes/pixel at JPEG
+quality 90), so the files are realistic inputs for data-loading benchmarks and
+tests.
+
+Two sources of content:
+
+* ``photos_dir`` given: random crops of natural photographs (random scale,
+  aspect ratio and horizontal flip), resized to the target size, plus fine
+  gaussian sensor grain.
+* no ``photos_dir``: synthetic images made of smooth random colour fields,
+  gradients, random shapes and multi-scale texture, plus grain.
+
+Every image is a pure function of ``(seed, index)`` and the generation
+arguments: each has its own random generator (``numpy.random.default_rng([seed,
+index])``), so images can be produced in any order, in parallel, and still be
+byte-identical from run to run. Files are written atomically (temporary name in
+the same folder, then :func:`os.replace`), and each JPEG carries a comment that
+identifies the arguments it was made with, so a second call with the same
+arguments can recognise the existing files cheaply and return without
+regenerating them.
+
+Example:
+    >>> from coordl.datagen import make_dataset
+    >>> summary = make_dataset("/tmp/fake-imagenet", num_images=2000)  # doctest: +SKIP
+    >>> print(summary)  # doctest: +SKIP
+    2000 files in 10 classes, 221.4 MB, mean 110.7 KB, 0.79 bytes/pixel at /tmp/fake-imagenet
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import multiprocessing
+import operator
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+__all__ = ["DatasetSummary", "make_dataset"]
+
+# Bump when the generation algorithm changes, so that files written by an older
+# version are not mistaken for what the current code would write.
+_FORMAT_VERSION = 1
+
+# Default grain (gaussian noise std, in 8-bit levels per RGB channel) used when
+# ``grain=None``. Tuned so that datasets land near ImageNet's ~0.8 bytes/pixel
+# at the default size (400x350) and quality 90. Measured with this code over
+# 500 images, seed 0:
+#   photos (/work/shared/photos, 12 wallpapers): 0.82 bytes/pixel, mean 114 KB
+#     (the same crops without grain: ~0.18 bytes/pixel, ~25 KB);
+#   synthetic (no photos_dir): 0.80 bytes/pixel, mean 112 KB.
+# Other photo folders or qualities give other figures; pass ``grain`` to tune.
+_DEFAULT_GRAIN_PHOTOS = 6.0
+_DEFAULT_GRAIN_SYNTHETIC = 5.0
+
+_PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png"})
+_SIZE_JITTER = 0.15  # each side is size * U(1 - jitter, 1 + jitter)
+_CROP_AREA = (0.15, 0.60)  # fraction of the photo's area covered by a crop
+_CROP_ASPECT_JITTER = math.log(1.15)  # crop aspect = target aspect * exp(U(-j, j))
+_PARALLEL_MIN_IMAGES = 200
+_CHUNK = 8  # images per pool task
+_HEAD_BYTES = 512  # the comment sits right after the JFIF header
+_TMP_NAME = re.compile(r"^(.+)\.\d+\.tmp$")  # see _write_atomic
+
+# Discretised standard normal: the quantiles of N(0, 1) at (k + 0.5) / 65536.
+# Indexing it with uniform random uint16 values draws gaussian grain several
+# times faster than Generator.standard_normal (tails are cut at about 4.3 std,
+# which does not matter for grain).
+_NORMAL_TABLE: np.ndarray | None = None
+_GRAIN_TABLES: dict[float, np.ndarray] = {}  # sigma -> rounded int16 table
+
+# Decoded photographs, keyed by (absolute path, size, mtime_ns): each photo is
+# decoded once per process. Worker processes forked after the parent filled it
+# share it.
+_PHOTO_CACHE: dict[tuple[str, int, int], Image.Image] = {}
+_DIGEST_CACHE: dict[tuple[str, int, int], str] = {}
+
+# The job a pool worker runs, set by the pool initializer.
+_WORKER_JOB: _Job | None = None
+
+
+@dataclass(frozen=True)
+class DatasetSummary:
+    """Size statistics of a generated dataset.
+
+    Attributes:
+        root: Absolute path of the dataset's root folder.
+        files: Number of image files.
+        classes: Number of class folders.
+        total_bytes: Sum of the files' sizes in bytes.
+        mean_bytes: ``total_bytes / files``.
+        bytes_per_pixel: ``total_bytes`` divided by the summed pixel counts
+            (width * height) of all images.
+    """
+
+    root: str
+    files: int
+    classes: int
+    total_bytes: int
+    mean_bytes: float
+    bytes_per_pixel: float
+
+    def __str__(self) -> str:
+        """Return a one-line human description of the dataset."""
+        files = f"{self.files} file{'' if self.files == 1 else 's'}"
+        classes = f"{self.classes} class{'' if self.classes == 1 else 'es'}"
+        return (
+            f"{files} in {classes}, {self.total_bytes / 1e6:.1f} MB, "
+            f"mean {self.mean_bytes / 1e3:.1f} KB, "
+            f"{self.bytes_per_pixel:.2f} bytes/pixel at {self.root}"
+        )
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything needed to produce image ``i`` of a dataset (picklable)."""
+
+    root: str
+    ext: str
+    num_classes: int
+    seed: int
+    size: tuple[int, int]
+    quality: int
+    sigma: float
+    photos: tuple[str, ...]  # empty: synthetic images
+    fingerprint: str
+
+    def class_name(self, i: int) -> str:
+        return _class_name(i % self.num_classes)
+
+    def file_name(self, i: int) -> str:
+        return f"{self.class_name(i)}_{i:06d}{self.ext}"
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.class_name(i), self.file_name(i))
+
+    def comment(self, i: int) -> bytes:
+        return f"coordl.datagen v{_FORMAT_VERSION} {self.fingerprint} {i}".encode("ascii")
+
+    def encode(self, i: int) -> tuple[bytes, int]:
+        """Return image ``i`` as JPEG bytes, and its pixel count."""
+        rng = np.random.default_rng([self.seed, i])
+        w, h = _draw_size(rng, self.size)
+        if self.photos:
+            pixels = _photo_crop(rng, self.photos, w, h)
+        else:
+            pixels = _synthetic(rng, w, h)
+        pixels = _add_grain(rng, pixels, self.sigma)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, "RGB").save(
+            buf,
+            "JPEG",
+            quality=self.quality,
+            subsampling="4:2:0",
+            optimize=False,
+            progressive=False,
+            comment=self.comment(i),
+        )
+        return buf.getvalue(), w * h
+
+    def write(self, i: int) -> tuple[int, int]:
+        """Write image ``i`` atomically; return its size in bytes and pixel count."""
+        data, pixels = self.encode(i)
+        _write_atomic(self.path(i), data)
+        return len(data), pixels
+
+
+def make_dataset(
+    root: str | os.PathLike[str],
+    *,
+    num_images: int,
+    num_classes: int = 10,
+    photos_dir: str | os.PathLike[str] | None = None,
+    size: tuple[int, int] = (400, 350),
+    quality: int = 90,
+    grain: float | None = None,
+    seed: int = 0,
+    ext: str = ".JPEG",
+    progress: bool = True,
+) -> DatasetSummary:
+    """Generate a deterministic ImageNet-like ImageFolder dataset of JPEGs.
+
+    Writes ``root/<class>/<class>_<i:06d><ext>`` for ``i`` in
+    ``range(num_images)``, image ``i`` going to class ``i % num_classes``;
+    class folders are named ``n{index:08d}``. Each image's width and height are
+    drawn independently within +-15% of ``size``. The same arguments give
+    byte-identical files, whatever the number of worker processes.
+
+    If ``root`` already holds files, they must all be files this call would
+    write (same arguments and seed, recognised by the comment embedded in each
+    JPEG); then only the missing ones are generated (none after a complete
+    run, making a second call a cheap no-op) and the summary is recounted from
+    the files on disk. Leftover temporary files of an interrupted run are
+    removed.
+
+    Args:
+        root: Folder to create the dataset in; created if missing, must be
+            empty or hold only this call's files.
+        num_images: Number of images, at least 1.
+        num_classes: Number of class folders, between 1 and ``num_images``.
+        photos_dir: Folder of large natural photographs (``.jpg``, ``.jpeg``,
+            ``.png``) to crop images from; ``None`` for synthetic images.
+        size: Mean ``(width, height)`` of the images in pixels.
+        quality: JPEG quality, 1 to 100.
+        grain: Standard deviation of the gaussian noise added to each RGB
+            channel, in 8-bit levels; ``None`` picks a default that brings the
+            dataset near ImageNet's ~0.8 bytes/pixel (see ``_DEFAULT_GRAIN_*``).
+        seed: Non-negative random seed.
+        ext: File name extension, starting with a dot.
+        progress: Show a tqdm progress bar on stderr while generating.
+
+    Returns:
+        The dataset's summary.
+
+    Raises:
+        ValueError: If an argument is out of range, if ``photos_dir`` holds no
+            photographs, or if ``root`` exists and is not a folder or holds
+            anything this call would not write.
+        TypeError: If a count, size, quality or seed is not an integer.
+        FileNotFoundError: If ``photos_dir`` does not exist.
+    """
+    num_images = _as_int("num_images", num_images)
+    num_classes = _as_int("num_classes", num_classes)
+    if num_images < 1:
+        raise ValueError(f"num_images must be >= 1, got {num_images}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if num_classes > num_images:
+        raise ValueError(
+            f"num_classes must be <= num_images (every class needs an image), "
+            f"got num_classes={num_classes} > num_images={num_images}"
+        )
+    size = _check_size(size)
+    quality = _as_int("quality", quality)
+    if not 1 <= quality <= 100:
+        raise ValueError(f"quality must be between 1 and 100, got {quality}")
+    seed = _as_int("seed", seed)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if not isinstance(ext, str) or len(ext) < 2 or not ext.startswith(".") or any(
+        sep in ext for sep in ("/", "\\", os.sep)
+    ):
+        raise ValueError(f"ext must be a file extension such as '.JPEG', got {ext!r}")
+
+    photos: tuple[str, ...] = ()
+    if photos_dir is not None:
+        photos = _list_photos(photos_dir)
+    if grain is None:
+        sigma = _DEFAULT_GRAIN_PHOTOS if photos else _DEFAULT_GRAIN_SYNTHETIC
+    else:
+        sigma = float(grain)
+        if not math.isfinite(sigma) or sigma < 0:
+            raise ValueError(f"grain must be a finite number >= 0 or None, got {grain!r}")
+
+    root_path = os.path.abspath(os.fspath(root))
+    job = _Job(
+        root=root_path,
+        ext=ext,
+        num_classes=num_classes,
+        seed=seed,
+        size=size,
+        quality=quality,
+        sigma=sigma,
+        photos=photos,
+        fingerprint=_fingerprint(size, quality, sigma, seed, photos),
+    )
+
+    existing, stale = _scan_root(job, num_images)
+    for path in stale:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+    os.makedirs(root_path, exist_ok=True)
+    for c in range(num_classes):
+        os.makedirs(os.path.join(root_path, _class_name(c)), exist_ok=True)
+
+    total_bytes = 0
+    total_pixels = 0
+    for i in existing:
+        nbytes, pixels = existing[i]
+        total_bytes += nbytes
+        total_pixels += pixels
+    todo = [i for i in range(num_images) if i not in existing]
+    if todo:
+        nbytes, pixels = _generate(job, todo, progress)
+        total_bytes += nbytes
+        total_pixels += pixels
+
+    return DatasetSummary(
+        root=root_path,
+        files=num_images,
+        classes=num_classes,
+        total_bytes=total_bytes,
+        mean_bytes=total_bytes / num_images,
+        bytes_per_pixel=total_bytes / total_pixels,
+    )
+
+
+# --------------------------------------------------------------------------
+# argument checks
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _check_size(size: object) -> tuple[int, int]:
+    try:
+        w, h = size  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ValueError(f"size must be a (width, height) pair, got {size!r}") from None
+    w = _as_int("size[0] (width)", w)
+    h = _as_int("size[1] (height)", h)
+    if w < 8 or h < 8:
+        raise ValueError(f"size must be at least (8, 8) pixels, got {(w, h)}")
+    return (w, h)
+
+
+def _list_photos(photos_dir: str | os.PathLike[str]) -> tuple[str, ...]:
+    folder = Path(photos_dir).resolve()
+    if not folder.exists():
+        raise FileNotFoundError(f"photos_dir {folder} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"photos_dir {folder} is not a folder")
+    photos = tuple(
+        str(p)
+        for p in sorted(folder.iterdir(), key=lambda p: p.name)
+        if p.suffix.lower() in _PHOTO_SUFFIXES and p.is_file()
+    )
+    if not photos:
+        raise ValueError(
+            f"photos_dir {folder} holds no photographs "
+            f"(expected files ending in {', '.join(sorted(_PHOTO_SUFFIXES))})"
+        )
+    return photos
+
+
+def _fingerprint(
+    size: tuple[int, int], quality: int, sigma: float, seed: int, photos: tuple[str, ...]
+) -> str:
+    """Hash of everything an image's content depends on, besides its index."""
+    h = hashlib.sha256()
+    h.update(repr((_FORMAT_VERSION, size, quality, float(sigma).hex(), seed)).encode())
+    for path in photos:  # photo contents, not paths: moving the folder is fine
+        h.update(_file_digest(path).encode())
+    return h.hexdigest()[:16]
+
+
+def _file_key(path: str) -> tuple[str, int, int]:
+    st = os.stat(path)
+    return (path, st.st_size, st.st_mtime_ns)
+
+
+def _file_digest(path: str) -> str:
+    key = _file_key(path)
+    digest = _DIGEST_CACHE.get(key)
+    if digest is None:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        _DIGEST_CACHE[key] = digest
+    return digest
+
+
+# --------------------------------------------------------------------------
+# existing files
+
+
+def _class_name(c: int) -> str:
+    return f"n{c:08d}"
+
+
+def _scan_root(job: _Job, num_images: int) -> tuple[dict[int, tuple[int, int]], list[str]]:
+    """Check that ``job.root`` holds only files this job writes.
+
+    Returns:
+        ``{index: (bytes, pixels)}`` for the complete files already there, and
+        the paths of leftover temporary files to delete.
+
+    Raises:
+        ValueError: If the root is not a folder or holds anything else.
+    """
+    root = job.root
+    if not os.path.exists(root):
+        return {}, []
+    if not os.path.isdir(root):
+        raise ValueError(f"root {root} exists and is not a folder")
+
+    expected_dirs = {_class_name(c) for c in range(job.num_classes)}
+    existing: dict[int, tuple[int, int]] = {}
+    stale: list[str] = []
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(
+            f"root {root} is not empty and {what}; make_dataset only reuses a folder "
+            f"that holds nothing but its own output for the same arguments and seed: "
+            f"pass an empty or new folder"
+        )
+
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.name not in expected_dirs or not entry.is_dir(follow_symlinks=False):
+            raise refuse(f"{entry.path} is not one of the {job.num_classes} class folders")
+        c = int(entry.name[1:])
+        prefix = f"{entry.name}_"
+        for file in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            name = file.name
+            m = _TMP_NAME.match(name)
+            if m is not None and _index_of(m.group(1), prefix, job.ext, c, job, num_images) is not None:
+                stale.append(file.path)
+                continue
+            i = _index_of(name, prefix, job.ext, c, job, num_images)
+            if i is None or not file.is_file(follow_symlinks=False):
+                raise refuse(f"{file.path} is not a file of this dataset")
+            found = _check_file(job, i, file.path)
+            if found is None:
+                raise refuse(
+                    f"{file.path} was not written by make_dataset with these arguments "
+                    f"(different seed, size, quality, grain or photos?)"
+                )
+            existing[i] = found
+    return existing, stale
+
+
+def _index_of(name: str, prefix: str, ext: str, c: int, job: _Job, num_images: int) -> int | None:
+    """Return the image index if ``name`` is an expected file name in class ``c``."""
+    if not (name.startswith(prefix) and name.endswith(ext)):
+        return None
+    digits = name[len(prefix) : len(name) - len(ext)]
+    if not digits.isdigit():
+        return None
+    i = int(digits)
+    if i >= num_images or i % job.num_classes != c or job.file_name(i) != name:
+        return None
+    return i
+
+
+def _check_file(job: _Job, i: int, path: str) -> tuple[int, int] | None:
+    """Return (bytes, pixels) if ``path`` is image ``i`` of ``job``, else None.
+
+    Cheap: reads the JPEG header (comment and dimensions) and the last two
+    bytes, without decoding.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD_BYTES)
+            if not head.startswith(b"\xff\xd8") or job.comment(i) not in head:
+                return None
+            nbytes = os.fstat(f.fileno()).st_size
+            f.seek(-2, os.SEEK_END)
+            if f.read(2) != b"\xff\xd9":
+                return None
+            f.seek(0)
+            with Image.open(f) as im:
+                if im.format != "JPEG":
+                    return None
+                w, h = im.size
+    except (OSError, ValueError):
+        return None
+    if (w, h) != _draw_size(np.random.default_rng([job.seed, i]), job.size):
+        return None
+    return nbytes, w * h
+
+
+# --------------------------------------------------------------------------
+# generation
+
+
+def _generate(job: _Job, todo: list[int], progress: bool) -> tuple[int, int]:
+    """Write images ``todo``; return their summed bytes and pixels."""
+    total_bytes = 0
+    total_pixels = 0
+    workers = _cpu_count()
+    with tqdm(
+        total=len(todo), desc="make_dataset", unit="img", disable=not progress, file=sys.stderr
+    ) as bar:
+        if workers > 1 and len(todo) >= _PARALLEL_MIN_IMAGES:
+            for path in job.photos:  # decode before forking: workers share the pixels
+                _load_photo(path)
+            chunks = [todo[k : k + _CHUNK] for k in range(0, len(todo), _CHUNK)]
+            with _mp_context().Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+                for results in pool.imap_unordered(_worker_write, chunks):
+                    for nbytes, pixels in results:
+                        total_bytes += nbytes
+                        total_pixels += pixels
+                    bar.update(len(results))
+        else:
+            for i in todo:
+                nbytes, pixels = job.write(i)
+                total_bytes += nbytes
+                total_pixels += pixels
+                bar.update(1)
+    return total_bytes, total_pixels
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    # fork shares the decoded photos and needs no re-import of this module.
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context()
+
+
+def _init_worker(job: _Job) -> None:
+    global _WORKER_JOB
+    _WORKER_JOB = job
+
+
+def _worker_write(indices: list[int]) -> list[tuple[int, int]]:
+    job = _WORKER_JOB
+    if job is None:  # pragma: no cover - the pool initializer always sets it
+        raise RuntimeError("worker job not initialised")
+    return [job.write(i) for i in indices]
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _draw_size(rng: np.random.Generator, size: tuple[int, int]) -> tuple[int, int]:
+    """Draw an image's (width, height): each side within +-15% of ``size``.
+
+    Must stay the first draws from an image's generator: existing files are
+    checked against it.
+    """
+    jitter = rng.uniform(1.0 - _SIZE_JITTER, 1.0 + _SIZE_JITTER, size=2)
+    return (max(1, round(size[0] * jitter[0])), max(1, round(size[1] * jitter[1])))
+
+
+def _load_photo(path: str) -> Image.Image:
+    key = _file_key(path)
+    photo = _PHOTO_CACHE.get(key)
+    if photo is None:
+        with Image.open(path) as im:
+            photo = im.convert("RGB")
+        photo.load()
+        _PHOTO_CACHE[key] = photo
+    return photo
+
+
+def _photo_crop(rng: np.random.Generator, photos: tuple[str, ...], w: int, h: int) -> np.ndarray:
+    """Random crop of a random photo, resized to (w, h) and maybe flipped."""
+    photo = _load_photo(photos[int(rng.integers(len(photos)))])
+    pw, ph = photo.size
+    area = rng.uniform(*_CROP_AREA) * pw * ph
+    aspect = (w / h) * math.exp(rng.uniform(-_CROP_ASPECT_JITTER, _CROP_ASPECT_JITTER))
+    cw = min(float(pw), math.sqrt(area * aspect))
+    ch = min(float(ph), math.sqrt(area / aspect))
+    x0 = rng.uniform(0.0, pw - cw)
+    y0 = rng.uniform(0.0, ph - ch)
+    flip = bool(rng.integers(2))
+    # reducing_gap: box-reduce by an integer factor first, then bicubic; about
+    # twice as fast as plain bicubic for these 3-6x downscales.
+    img = photo.resize(
+        (w, h), Image.Resampling.BICUBIC, box=(x0, y0, x0 + cw, y0 + ch), reducing_gap=1.5
+    )
+    pixels = np.asarray(img)
+    return pixels[:, ::-1] if flip else pixels
+
+
+def _synthetic(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
+    """A synthetic 'photo': colour fields, gradient, shapes and texture."""
+    # Smooth low-frequency colour field: a tiny random image, upsampled.
+    gw, gh = (int(v) for v in rng.integers(2, 6, size=2))
+    field = rng.integers(0, 256, size=(gh, gw, 3), dtype=np.uint8)
+    base = np.asarray(
+        Image.fromarray(field, "RGB").resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32
+    )
+    # A linear gradient (like lighting falloff).
+    gx, gy = rng.uniform(-60.0, 60.0, size=2)
+    ramp = (np.linspace(-0.5, 0.5, w, dtype=np.float32)[None, :] * gx) + (
+        np.linspace(-0.5, 0.5, h, dtype=np.float32)[:, None] * gy
+    )
+    base += ramp[:, :, None]
+    np.clip(base, 0, 255, out=base)
+    img = Image.fromarray(base.astype(np.uint8), "RGB")
+
+    # A few random shapes (objects with hard edges).
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 9))):
+        kind = int(rng.integers(3))
+        x = rng.uniform(-0.1, 1.1, size=2) * w
+        y = rng.uniform(-0.1, 1.1, size=2) * h
+        box = (min(x), min(y), max(x), max(y))
+        fill = tuple(int(v) for v in rng.integers(0, 256, size=3))
+        if kind == 0:
+            draw.ellipse(box, fill=fill)
+        elif kind == 1:
+            draw.rectangle(box, fill=fill)
+        else:
+            n = int(rng.integers(3, 7))
+            pts = rng.uniform(-0.1, 1.1, size=(n, 2)) * (w, h)
+            draw.polygon([(float(px), float(py)) for px, py in pts], fill=fill)
+
+    # Multi-scale luminance texture (roughly 1/f, like natural images).
+    pixels = np.asarray(img, dtype=np.int16)
+    texture = np.zeros((h, w), dtype=np.float32)
+    for cell, amplitude in ((48, 14.0), (16, 9.0), (5, 6.0)):
+        grid = rng.integers(0, 256, size=(h // cell + 2, w // cell + 2), dtype=np.uint8)
+        up = Image.fromarray(grid, "L").resize(
+            (w, h), Image.Resampling.BICUBIC, box=(0.5, 0.5, w / cell + 0.5, h / cell + 0.5)
+        )
+        texture += (np.asarray(up, dtype=np.float32) - 128.0) * (amplitude / 128.0)
+    pixels += np.rint(texture).astype(np.int16)[:, :, None]
+    np.clip(pixels, 0, 255, out=pixels)
+    return pixels.astype(np.uint8)
+
+
+def _normal_table() -> np.ndarray:
+    global _NORMAL_TABLE
+    if _NORMAL_TABLE is None:
+        from statistics import NormalDist
+
+        inv = NormalDist().inv_cdf
+        _NORMAL_TABLE = np.array(
+            [inv((k + 0.5) / 65536.0) for k in range(65536)], dtype=np.float32
+        )
+    return _NORMAL_TABLE
+
+
+def _add_grain(rng: np.random.Generator, pixels: np.ndarray, sigma: float) -> np.ndarray:
+    """Add iid gaussian noise of std ``sigma`` to every channel of every pixel."""
+    if sigma <= 0:
+        return np.ascontiguousarray(pixels)
+    table = _GRAIN_TABLES.get(sigma)
+    if table is None:
+        scaled = np.clip(np.rint(_normal_table() * sigma), -255, 255)
+        table = _GRAIN_TABLES[sigma] = scaled.astype(np.int16)
+    idx = np.frombuffer(rng.bytes(2 * pixels.size), dtype="<u2")
+    noisy = pixels.astype(np.int16)
+    noisy += table.take(idx).reshape(pixels.shape)
+    np.clip(noisy, 0, 255, out=noisy)
+    return noisy.astype(np.uint8)

@@ -1,0 +1,40 @@
+"""Exceptions that coordl raises for problems in the environment, not the caller's arguments.
+
+Mistakes in arguments raise the built-in ``ValueError`` / ``TypeError``. Everything
+here derives from :class:`CoordlError`, so ``except coordl.CoordlError`` catches all
+of coordl's own failures.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CoordlError", "DatasetChangedError", "SampleError", "SharedMemoryError", "StaleStateError"]
+
+
+class CoordlError(RuntimeError):
+    """Base class of coordl's errors about the environment or the data."""
+
+
+class SharedMemoryError(CoordlError):
+    """``/dev/shm`` (or ``COORDL_SHM_DIR``) is missing, too small or not usable."""
+
+
+class StaleStateError(CoordlError):
+    """Shared state left by another process does not match what this process expects."""
+
+
+class DatasetChangedError(CoordlError):
+    """A file differs from the index (size changed, file gone): the index is stale."""
+
+
+class SampleError(CoordlError):
+    """A sample could not be read or decoded.
+
+    Attributes:
+        path: the file that failed.
+        index: the sample's position in the index.
+    """
+
+    def __init__(self, message: str, *, path: str, index: int):
+        super().__init__(message)
+        self.path = path
+        self.index = index

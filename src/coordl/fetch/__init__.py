@@ -1,0 +1,109 @@
+"""Raw encoded bytes of samples: the node's MinIO cache first, then storage.
+
+:class:`Fetcher` is the only way the rest of coordl gets sample bytes. Only storage
+reads admit items into the cache, and caching never changes which samples are
+read, only where their bytes come from. The partitioned cache (a peer's cache
+between the local one and storage) plugs in here.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from coordl.errors import CoordlError, SampleError
+from coordl.fetch import storage
+from coordl.fetch.cache import MinIOCache
+from coordl.index import Index
+
+__all__ = ["FetchCounters", "Fetcher"]
+
+
+@dataclass
+class FetchCounters:
+    """Where one process's bytes came from since the counters were reset."""
+
+    cache_hits: int = 0
+    cache_hit_bytes: int = 0
+    storage_reads: int = 0
+    storage_bytes: int = 0
+    admitted: int = 0
+    peer_reads: int = 0
+    peer_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Fetcher:
+    """Reads sample bytes through the cache.
+
+    Args:
+        index: the dataset.
+        cache: the node's MinIO cache, or None to read storage only.
+        drop_page_cache: advise the kernel to drop storage-read pages from the page cache.
+    """
+
+    def __init__(self, index: Index, cache: MinIOCache | None, *, drop_page_cache: bool):
+        self.index = index
+        self.cache = cache
+        self.drop_page_cache = drop_page_cache
+        self.counters = FetchCounters()
+        self._lock = threading.Lock()
+
+    def reset_counters(self) -> FetchCounters:
+        """Returns the counters so far and starts new ones."""
+        with self._lock:
+            old, self.counters = self.counters, FetchCounters()
+        return old
+
+    def cached(self, ids: np.ndarray) -> np.ndarray:
+        """A mask of the ids whose bytes are in the node's cache right now."""
+        if self.cache is None:
+            return np.zeros(len(ids), dtype=bool)
+        return self.cache.ready_mask(ids)
+
+    def fetch(self, i: int) -> np.ndarray:
+        """The raw bytes of sample ``i`` (a read-only view when it comes from the cache).
+
+        Raises:
+            SampleError: the file cannot be read (its path and index are attached).
+        """
+        i = int(i)
+        if self.cache is not None:
+            hit = self.cache.get(i)
+            if hit is not None:
+                with self._lock:
+                    self.counters.cache_hits += 1
+                    self.counters.cache_hit_bytes += len(hit)
+                return hit
+        return self._from_storage(i)
+
+    def _from_storage(self, i: int) -> np.ndarray:
+        path, size = self.index.paths[i], int(self.index.sizes[i])
+        views = self.cache.reserve(i) if self.cache is not None else None
+        try:
+            if views is None:
+                data = storage.read(path, size, drop_page_cache=self.drop_page_cache)
+                admitted = False
+            else:
+                storage.read_into(path, size, views, drop_page_cache=self.drop_page_cache)
+                self.cache.publish(i)
+                data = self.cache.get(i)
+                admitted = True
+        except BaseException as e:
+            if views is not None:
+                self.cache.abort(i)
+            if isinstance(e, OSError):
+                raise SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i) from e
+            if isinstance(e, CoordlError) and not isinstance(e, SampleError):
+                raise SampleError(str(e), path=path, index=i) from e
+            raise
+        with self._lock:
+            c = self.counters
+            c.storage_reads += 1
+            c.storage_bytes += size
+            c.admitted += admitted
+        return data

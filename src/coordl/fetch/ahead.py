@@ -1,0 +1,114 @@
+"""Fetches the raw bytes of the next few batches ahead of pre-processing.
+
+Cache hits are views taken in the calling thread; misses are read by a thread
+pool, so storage always has work queued while earlier batches are decoded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordl.errors import SampleError
+from coordl.fetch import Fetcher
+
+__all__ = ["FetchAhead", "RawBatch", "Stopped"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RawBatch:
+    """Encoded samples of one batch, in delivery order."""
+
+    ids: np.ndarray  # int64 positions in the index
+    data: list[np.ndarray]  # raw bytes per sample
+    labels: np.ndarray  # int64
+
+
+class FetchAhead:
+    """Iterates :class:`RawBatch` es of ``batches`` in order, fetching ``depth`` batches ahead.
+
+    Args:
+        fetcher: where bytes come from.
+        batches: sample ids of each batch, in delivery order.
+        labels: label of every sample of the index.
+        pool: threads that read misses.
+        depth: batches in flight ahead of the one being returned.
+        on_error: ``"raise"`` or ``"skip"`` for samples that cannot be read.
+        stop: when set, iteration ends early.
+    """
+
+    def __init__(self, fetcher: Fetcher, batches: list[np.ndarray], labels: np.ndarray,
+                 pool: cf.ThreadPoolExecutor, *, depth: int, on_error: str, stop: threading.Event):  # fmt: skip
+        self.fetcher = fetcher
+        self.batches = batches
+        self.labels = labels
+        self.pool = pool
+        self.depth = max(1, depth)
+        self.on_error = on_error
+        self.stop = stop
+        self.wait_s = 0.0  # time spent waiting for storage
+        self.skipped: list[tuple[int, str, str]] = []
+
+    def __iter__(self) -> Iterator[RawBatch]:
+        inflight: deque = deque()
+        nxt = 0
+        try:
+            for _ in range(len(self.batches)):
+                while nxt < len(self.batches) and len(inflight) <= self.depth:
+                    inflight.append(self._submit(self.batches[nxt]))
+                    nxt += 1
+                batch = self._collect(*inflight.popleft())
+                if self.stop.is_set():
+                    return
+                yield batch
+        finally:
+            for _, _, futures in inflight:
+                for f in futures.values():
+                    f.cancel()
+
+    def _submit(self, ids: np.ndarray):
+        hit = self.fetcher.cached(ids)
+        futures = {int(i): self.pool.submit(self.fetcher.fetch, int(i)) for i in ids[~hit]}
+        return ids, hit, futures
+
+    def _collect(self, ids: np.ndarray, hit: np.ndarray, futures: dict) -> RawBatch:
+        data, keep = [], []
+        for k, i in enumerate(ids.tolist()):
+            try:
+                data.append(self.fetcher.fetch(i) if hit[k] else self._result(futures[i]))
+                keep.append(k)
+            except SampleError as e:
+                if self.on_error != "skip":
+                    raise
+                log.warning("coordl: skipping sample %d (%s): %s", i, e.path, e)
+                self.skipped.append((i, e.path, str(e)))
+        if len(keep) != len(ids):
+            ids = ids[keep]
+        return RawBatch(ids, data, self.labels[ids])
+
+    def _result(self, future: cf.Future):
+        if future.done():
+            return future.result()
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.1)
+                except cf.TimeoutError:
+                    if self.stop.is_set():
+                        raise Stopped() from None
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+
+class Stopped(Exception):
+    """The consumer went away while a read was outstanding."""

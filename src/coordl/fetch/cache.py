@@ -1,0 +1,467 @@
+"""The MinIO cache: raw encoded samples in shared memory, admitted until full, never evicted.
+
+One cache per dataset per node, shared by every process that opens it (ranks,
+workers, other jobs). Layout, all in the shm directory under the dataset's
+fingerprint (see :mod:`coordl.shm.names`):
+
+- ``table``: a :data:`HEADER` then one :data:`ENTRY` per sample of the index.
+- ``chunk.<k>``: the data, a logical byte space ``[0, budget)`` cut into chunks of
+  ``chunk_bytes`` created (and reserved with ``posix_fallocate``) only as they fill.
+  An item occupies ``[offset, offset + length)`` of that space, possibly across a
+  chunk boundary, so that no byte of the budget is wasted.
+
+An entry goes ``EMPTY -> WRITING -> READY`` and never back from ``READY``: a
+published item is immutable and readers only look at ``READY`` entries, so no
+reader sees a half-written item. Allocation and state changes happen under a
+``flock`` on the table. An entry left ``WRITING`` by a killed process keeps its
+reserved bytes; whoever next attaches alone resets it to ``EMPTY`` and the next
+storage read of that sample refills the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from coordl.errors import SharedMemoryError, StaleStateError
+from coordl.shm import group, segment
+
+__all__ = ["ENTRY", "HEADER", "MinIOCache", "headroom", "resolve_budget"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"COORDLC1"
+VERSION = 1
+HEADER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("full", "<u4"),
+        ("num_items", "<u8"),
+        ("budget", "<u8"),
+        ("chunk_bytes", "<u8"),
+        ("alloc", "<u8"),  # next free byte of the logical space
+        ("num_chunks", "<u8"),
+        ("resident_bytes", "<u8"),  # bytes of READY items
+        ("resident_items", "<u8"),
+        ("dataset", "S32"),  # the index fingerprint, checked on attach
+    ]
+)
+HEADER_BYTES = 128
+ENTRY = np.dtype([("offset", "<u8"), ("length", "<u4"), ("state", "<u4")])
+EMPTY, WRITING, READY = 0, 1, 2
+NO_OFFSET = np.uint64(2**64 - 1)
+DEFAULT_CHUNK_BYTES = 64 << 20
+assert HEADER.itemsize <= HEADER_BYTES and ENTRY.itemsize == 16
+
+
+def headroom(total: int) -> int:
+    """Bytes of the shm filesystem that coordl never takes, for PyTorch's and DALI's own use.
+
+    10% of the filesystem, at least 64 MiB and at most 1 GiB.
+    """
+    return min(1 << 30, max(64 << 20, total // 10))
+
+
+def resolve_budget(request, dataset_bytes: int, directory: str) -> int:
+    """Turns a cache budget as the user gives it into bytes, checked against free space.
+
+    Args:
+        request: ``"auto"`` (default: half of the shm space free beyond :func:`headroom`,
+            at most the dataset), bytes as an ``int``, a string like ``"40GB"`` or
+            ``"512MiB"``, or a ``float`` in (0, 1] for a fraction of the dataset. ``0``
+            disables the cache.
+        dataset_bytes: total bytes of the dataset's files.
+        directory: the shm directory.
+
+    Returns:
+        The budget in bytes, never more than the dataset, and never more than the free
+        space beyond the headroom (a larger request is shrunk with a warning).
+    """
+    auto = isinstance(request, str) and request.strip().lower() == "auto"
+    wanted = dataset_bytes if auto else parse_bytes(request, dataset_bytes)
+    if wanted == 0:
+        return 0
+    try:
+        space = segment.space(directory)
+    except FileNotFoundError:
+        raise SharedMemoryError(
+            f"the shared-memory directory {directory} does not exist; mount a tmpfs there "
+            "or point COORDL_SHM_DIR at one, or pass cache_bytes=0 to run without a cache"
+        ) from None
+    usable = max(0, space.free - headroom(space.total))
+    if auto:
+        return min(dataset_bytes, usable // 2)
+    wanted = min(wanted, dataset_bytes)
+    if wanted > usable:
+        warnings.warn(
+            f"coordl: cache budget of {_fmt(wanted)} does not fit in {directory} "
+            f"({_fmt(space.free)} free of {_fmt(space.total)}, {_fmt(headroom(space.total))} kept free "
+            f"for other shared memory); using {_fmt(usable)}. Enlarge {directory} "
+            "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or ask for less.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        wanted = usable
+    return wanted
+
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(value, dataset_bytes: int | None = None) -> int:
+    """Parses ``"40GB"``, ``"512MiB"``, ``1_000_000`` or a fraction like ``0.5`` into bytes."""
+    if isinstance(value, bool):
+        raise TypeError("a byte size must be an int, a float fraction or a string, not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte size cannot be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if dataset_bytes is None or not 0.0 <= value <= 1.0:
+            raise ValueError(f"a float byte size is a fraction of the dataset in [0, 1], got {value}")
+        return int(value * dataset_bytes)
+    if isinstance(value, str):
+        text = value.strip().lower().replace("_", "").replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num):] or "b"
+        if unit.endswith("%") or num.endswith("%"):
+            raise ValueError(f"write a fraction as a float (0.5), not {value!r}")
+        if unit not in _UNITS or not num:
+            raise ValueError(f"cannot parse byte size {value!r}; expected e.g. '40GB', '512MiB' or 1000000")
+        return int(float(num) * _UNITS[unit])
+    raise TypeError(f"a byte size must be an int, a float fraction or a string, got {type(value).__name__}")
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+class MinIOCache:
+    """A node-wide MinIO cache of one dataset's raw samples.
+
+    Args:
+        fingerprint: the dataset's fingerprint (names the shared segments).
+        sizes: bytes of every sample, in index order.
+        budget: bytes the cache may hold (see :func:`resolve_budget`). Used only by
+            the process that creates the cache; later processes use the existing one.
+        keep: keep the segments after the last user leaves, so the next run starts warm.
+        directory: the shm directory.
+        chunk_bytes: size of each data segment.
+    """
+
+    def __init__(
+        self,
+        fingerprint: str,
+        sizes: np.ndarray,
+        budget: int,
+        *,
+        keep: bool = False,
+        directory: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        self.fingerprint = fingerprint
+        self.directory = directory
+        self._sizes = np.asarray(sizes, dtype=np.uint64)
+        self._min_size = int(self._sizes.min()) if len(self._sizes) else 1
+        self._keep = keep
+        self._tlock = threading.Lock()
+        self._chunks: dict[int, mmap.mmap] = {}
+        self._table_fd: int | None = None
+        self._table: mmap.mmap | None = None
+        self._warned_full = False
+        self._group = group.Membership(fingerprint, directory)
+        self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes))
+
+    # -- attach ----------------------------------------------------------------------
+    def _setup(self, alone: bool, budget: int, chunk_bytes: int) -> None:
+        path = self._group.path("table")
+        n = len(self._sizes)
+        size = HEADER_BYTES + n * ENTRY.itemsize
+        try:
+            fd = segment.create_exclusive(path)
+            created = True
+        except FileExistsError:
+            fd = segment.open_existing(path)
+            created = False
+        try:
+            if not created and not self._valid(fd, size):
+                if not alone:
+                    raise StaleStateError(
+                        f"{path} belongs to another version or another index of this dataset and "
+                        "is in use; close the other jobs or run `coordl cache clean`"
+                    )
+                log.warning("coordl: replacing stale cache state in %s", path)
+                os.close(fd)
+                group.remove_group(self.fingerprint, self.directory, keep_locks=True)
+                fd = segment.create_exclusive(path)
+                created = True
+            if created:
+                self._create_table(fd, size, budget, chunk_bytes)
+            else:
+                self._map_table(fd, size)
+                if alone:
+                    self._recover()
+        except BaseException:
+            self._unmap()
+            self._table_fd = None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        self._table_fd = fd
+        if self._keep:
+            with open(self._group.path("keep"), "a"):
+                pass
+            os.chmod(self._group.path("keep"), 0o600)
+
+    def _create_table(self, fd: int, size: int, budget: int, chunk_bytes: int) -> None:
+        try:
+            segment.reserve(fd, size)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise SharedMemoryError(
+                    f"no space in {self.directory} for the cache table ({size} bytes); "
+                    "free it up, enlarge it, or pass cache_bytes=0"
+                ) from None
+            raise
+        self._map_table(fd, size)
+        h = self._header
+        h["version"] = VERSION
+        h["num_items"] = len(self._sizes)
+        h["budget"] = budget
+        h["chunk_bytes"] = chunk_bytes
+        h["dataset"] = self.fingerprint.encode()
+        self._entries["offset"] = NO_OFFSET
+        self._entries["length"] = self._sizes
+        # Magic last: a table without it was not finished and is replaced.
+        h["magic"] = MAGIC
+
+    def _valid(self, fd: int, size: int) -> bool:
+        if os.fstat(fd).st_size != size:
+            return False
+        head = np.frombuffer(os.pread(fd, HEADER.itemsize, 0), dtype=HEADER)[0]
+        return (
+            head["magic"] == MAGIC
+            and head["version"] == VERSION
+            and head["num_items"] == len(self._sizes)
+            and head["dataset"] == self.fingerprint.encode()
+        )
+
+    def _map_table(self, fd: int, size: int) -> None:
+        self._table_fd = fd
+        self._table = segment.map_fd(fd, size)
+        self._header = np.frombuffer(self._table, dtype=HEADER, count=1)[0]
+        entries = np.frombuffer(self._table, dtype=ENTRY, offset=HEADER_BYTES)
+        self._entries = entries
+        self._state = entries["state"]
+        self._offset = entries["offset"]
+
+    def _recover(self) -> None:
+        """Alone on attach: undo what killed processes left half-done."""
+        stale = np.flatnonzero(self._state == WRITING)
+        if len(stale):
+            log.info("coordl: reclaiming %d cache entries left half-written by a dead process", len(stale))
+            self._state[stale] = EMPTY
+        # A chunk file past num_chunks is one whose creator died before recording it.
+        k = int(self._header["num_chunks"])
+        while os.path.exists(self._group.path("chunk", k)):
+            os.unlink(self._group.path("chunk", k))
+            k += 1
+
+    # -- reading ---------------------------------------------------------------------
+    @property
+    def budget(self) -> int:
+        return int(self._header["budget"])
+
+    @property
+    def resident_bytes(self) -> int:
+        return int(self._header["resident_bytes"])
+
+    @property
+    def resident_items(self) -> int:
+        return int(self._header["resident_items"])
+
+    def ready_mask(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` are published in the cache (vectorised, no locks)."""
+        return self._state[ids] == READY
+
+    def get(self, i: int) -> np.ndarray | None:
+        """The raw bytes of sample ``i`` as a read-only uint8 array, or None on a miss."""
+        if self._state[i] != READY:
+            return None
+        return self._view(int(self._offset[i]), int(self._sizes[i]), writable=False)
+
+    def _view(self, offset: int, length: int, writable: bool) -> np.ndarray:
+        parts = self._views(offset, length)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not writable:
+            out.flags.writeable = False
+        return out
+
+    def _views(self, offset: int, length: int) -> list[np.ndarray]:
+        step = int(self._header["chunk_bytes"])
+        parts = []
+        while length:
+            k, start = divmod(offset, step)
+            n = min(length, step - start)
+            parts.append(np.frombuffer(self._chunk(k), dtype=np.uint8, count=n, offset=start))
+            offset += n
+            length -= n
+        return parts
+
+    def _chunk(self, k: int) -> mmap.mmap:
+        m = self._chunks.get(k)
+        if m is None:
+            fd = segment.open_existing(self._group.path("chunk", k))
+            try:
+                m = segment.map_fd(fd, self._chunk_size(k))
+            finally:
+                os.close(fd)
+            self._chunks[k] = m
+        return m
+
+    def _chunk_size(self, k: int) -> int:
+        step = int(self._header["chunk_bytes"])
+        return min(step, self.budget - k * step)
+
+    # -- writing ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._tlock:
+            fcntl.flock(self._table_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._table_fd, fcntl.LOCK_UN)
+
+    def reserve(self, i: int) -> list[np.ndarray] | None:
+        """Claims sample ``i`` for writing and returns writable views of its bytes.
+
+        Returns None when the item is cached or being written already, or does not fit
+        in the budget: the caller then reads it from storage without caching it. After
+        filling the views, call :meth:`publish` (or :meth:`abort` on failure).
+        """
+        if self._state[i] != EMPTY or self._header["full"]:
+            return None
+        with self._locked():
+            if self._state[i] != EMPTY:
+                return None
+            offset = self._offset[i]
+            size = int(self._sizes[i])
+            if offset == NO_OFFSET:
+                offset = self._allocate(size)
+                if offset is None:
+                    return None
+                self._offset[i] = offset
+            self._state[i] = WRITING
+        return self._views(int(offset), size)
+
+    def _allocate(self, size: int) -> int | None:
+        h = self._header
+        start = int(h["alloc"])
+        end = start + size
+        if end > self.budget:
+            if self.budget - start < self._min_size:
+                h["full"] = 1
+            return None
+        step = int(h["chunk_bytes"])
+        while int(h["num_chunks"]) * step < end:
+            if not self._create_chunk(int(h["num_chunks"])):
+                h["full"] = 1
+                return None
+            h["num_chunks"] += 1
+        h["alloc"] = end
+        return start
+
+    def _create_chunk(self, k: int) -> bool:
+        size = self._chunk_size(k)
+        space = segment.space(self.directory)
+        if space.free - size < headroom(space.total):
+            self._warn_full(f"only {_fmt(space.free)} of {self.directory} is free")
+            return False
+        path = self._group.path("chunk", k)
+        try:
+            fd = segment.create_exclusive(path)
+        except FileExistsError:
+            # Left by a creator that died before recording it; we hold the table lock.
+            os.unlink(path)
+            fd = segment.create_exclusive(path)
+        try:
+            segment.reserve(fd, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            if e.errno != errno.ENOSPC:
+                raise
+            self._warn_full(f"{self.directory} is full")
+            return False
+        try:
+            self._chunks[k] = segment.map_fd(fd, size)
+        finally:
+            os.close(fd)
+        return True
+
+    def _warn_full(self, why: str) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(
+                f"coordl: the cache stopped growing at {_fmt(int(self._header['alloc']))} of its "
+                f"{_fmt(self.budget)} budget because {why}; further misses are read from storage.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def publish(self, i: int) -> None:
+        """Marks sample ``i``, fully written, as readable by everyone. It never changes again."""
+        with self._locked():
+            self._state[i] = READY
+            self._header["resident_bytes"] += self._sizes[i]
+            self._header["resident_items"] += 1
+
+    def abort(self, i: int) -> None:
+        """Gives up writing sample ``i``; its reserved bytes stay reserved for it."""
+        with self._locked():
+            self._state[i] = EMPTY
+
+    # -- leaving ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Detaches; the last process to leave removes the segments unless ``keep`` was asked."""
+        if self._table_fd is None:
+            return
+        fd, self._table_fd = self._table_fd, None
+        self._unmap()
+        os.close(fd)
+        keep = self._keep or os.path.exists(self._group.path("keep"))
+        self._group.leave(remove_if_last=not keep)
+
+    def _unmap(self) -> None:
+        self._state = self._offset = self._entries = self._header = None
+        maps = list(self._chunks.values())
+        if self._table is not None:
+            maps.append(self._table)
+        self._chunks.clear()
+        self._table = None
+        for m in maps:
+            with contextlib.suppress(BufferError):
+                # A caller may still hold a view; the mapping then lives until it is dropped.
+                m.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()

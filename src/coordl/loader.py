@@ -1,0 +1,479 @@
+"""CoordLoader: a drop-in replacement for ``torch.utils.data.DataLoader`` on DALI with a MinIO cache.
+
+The chain, each link in its own module: :mod:`~coordl.index` (samples) ->
+:mod:`~coordl.sampler` (this rank's order for the epoch) ->
+:mod:`~coordl.fetch` (raw bytes: node cache, then storage) ->
+:mod:`~coordl.prep.dali` (decode + augment) -> this iterator (torch tensors).
+The loader owns the resume state: which epoch, and how many batches the consumer
+has received.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from coordl import sampler, world
+from coordl.errors import CoordlError
+from coordl.fetch import Fetcher
+from coordl.fetch.ahead import FetchAhead, Stopped
+from coordl.fetch.cache import MinIOCache, resolve_budget
+from coordl.index import IMG_EXTENSIONS, Index
+from coordl.prep.recipes import recipe_key, resolve_recipe
+from coordl.shm import names, reaper
+
+__all__ = ["CoordLoader"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_reaped = False
+
+
+def _reap_once(directory: str) -> None:
+    """Reclaims, once per process, what crashed jobs left in the shm directory."""
+    global _reaped
+    if _reaped:
+        return
+    _reaped = True
+    try:
+        for g in reaper.reap(directory):
+            log.info("coordl: removed %d bytes of shared memory left by a dead job (%s)", g.bytes, g.fingerprint)
+    except OSError as e:  # an unreadable directory is reported when the cache is opened
+        log.debug("coordl: reaping %s failed: %s", directory, e)
+
+
+class CoordLoader:
+    """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
+
+    Args:
+        data: an ImageFolder-style folder (one sub-folder per class), a list of
+            ``(path, label)`` pairs, or an :class:`~coordl.index.Index`.
+        batch_size: samples per batch.
+        pipeline: ``"imagenet-train"`` (random resized crop, flip, normalise),
+            ``"imagenet-val"`` (resize, center crop, normalise), a recipe object
+            (:class:`coordl.ImageNetTrain`, :class:`coordl.ImageNetVal`) or a callable
+            ``f(encoded, ctx)`` returning DALI ops (see the user guide).
+        shuffle: reshuffle every epoch, seeded by ``(seed, epoch)``.
+        drop_last: drop the last incomplete batch, and shard without padding.
+        seed: seed of the order and of the augmentation.
+        cache_bytes: MinIO cache budget: ``"auto"`` (half of the free shared memory,
+            at most the dataset), bytes (int), a string (``"40GB"``), a float fraction
+            of the dataset, or 0 for no cache.
+        keep_cache: keep the cache in shared memory after the last user leaves.
+        rank: this process's rank (default: ``torch.distributed`` or ``RANK``).
+        world_size: number of ranks (default: ``torch.distributed`` or ``WORLD_SIZE``).
+        device_id: GPU for decoding and outputs; ``"auto"`` uses the current CUDA device
+            if there is one, None forces the CPU.
+        num_threads: DALI threads (default: CPU cores / ranks on this node).
+        io_threads: threads reading from storage.
+        prefetch_batches: batches fetched ahead of pre-processing.
+        return_index: also yield each sample's position in the index.
+        on_error: ``"raise"`` (default) stops at an unreadable or undecodable sample with
+            its path; ``"skip"`` leaves it out of its batch and counts it in ``stats()``.
+        extensions: file endings that count as images when scanning a folder.
+        index_dir: where scanned indexes are saved (default: ``~/.cache/coordl``).
+    """
+
+    def __init__(
+        self,
+        data: str | os.PathLike | Sequence[tuple[str, int]] | Index,
+        batch_size: int = 1,
+        *,
+        pipeline="imagenet-train",
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        cache_bytes: int | float | str = "auto",
+        keep_cache: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        device_id: int | str | None = "auto",
+        num_threads: int | None = None,
+        io_threads: int = 8,
+        prefetch_batches: int = 2,
+        return_index: bool = False,
+        on_error: str = "raise",
+        extensions: Sequence[str] = IMG_EXTENSIONS,
+        index_dir: str | None = None,
+    ):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if io_threads < 1 or prefetch_batches < 1:
+            raise ValueError("io_threads and prefetch_batches must be at least 1")
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.seed = seed
+        self.return_index = return_index
+        self.on_error = on_error
+        self.prefetch_batches = prefetch_batches
+        self.world = world.detect(rank, world_size)
+        self.index = _make_index(data, extensions, index_dir)
+        self.recipe = resolve_recipe(pipeline)
+        self.device_id = _resolve_device(device_id)
+        cores = os.cpu_count() or 1
+        self.num_threads = num_threads or max(1, cores // max(1, self.world.local_world_size))
+        self._epoch = 0
+        self._delivered = 0  # batches of self._epoch the consumer has received
+        self._resume_from = 0
+        self._iter: _Pass | None = None
+        self._stats: dict = {}
+        self._closed = False
+        self.cache = self._open_cache(cache_bytes, keep_cache)
+        self._fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None)
+        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io")
+        from coordl.prep.dali import DaliPrep  # DALI is imported when a loader is made, not with coordl
+
+        self._prep = DaliPrep(
+            self.recipe,
+            batch_size=batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device_id,
+            seed=seed * 7919 + self.world.rank,
+            on_error=on_error,
+        )
+
+    def _open_cache(self, cache_bytes, keep: bool) -> MinIOCache | None:
+        directory = names.shm_dir()
+        budget = resolve_budget(cache_bytes, self.index.total_bytes, directory)
+        if budget == 0 and cache_bytes != 0:
+            log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
+        if budget == 0:
+            return None
+        _reap_once(directory)
+        return MinIOCache(self.index.fingerprint, self.index.sizes, budget, keep=keep, directory=directory)
+
+    # -- DataLoader-like surface -----------------------------------------------------------
+    def __len__(self) -> int:
+        per_rank = sampler.shard_size(len(self.index), self.world.world_size, self.drop_last)
+        return sampler.num_batches(per_rank, self.batch_size, self.drop_last)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) pass delivers."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Chooses the epoch of the next pass (its order is decided by ``(seed, epoch)``).
+
+        Optional: after a complete pass the loader moves to the next epoch by itself.
+        """
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if self._iter is not None and self._iter.active:
+            raise RuntimeError("set_epoch() was called while an epoch is being iterated; finish or close it first")
+        if epoch != self._epoch:
+            self._epoch, self._delivered, self._resume_from = epoch, 0, 0
+
+    def __iter__(self):
+        if self._closed:
+            raise RuntimeError("this CoordLoader is closed")
+        if self._iter is not None:
+            self._iter.close()  # a new pass abandons an unfinished one, as with DataLoader
+        start = self._resume_from
+        self._resume_from = 0
+        self._delivered = start
+        order = sampler.epoch_order(len(self.index), self.seed, self._epoch, self.shuffle)
+        ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
+        batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
+        self._iter = _Pass(self, self._epoch, batches)
+        return self._iter
+
+    def _on_batch(self) -> None:
+        self._delivered += 1
+
+    def _on_pass_end(self, p: _Pass) -> None:
+        self._stats = p.stats(complete=True)
+        self._epoch += 1
+        self._delivered = 0
+
+    # -- resume ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The position of delivery: JSON-able, a few integers and strings."""
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "batches": self._delivered,
+            "rank": self.world.rank,
+            "world_size": self.world.world_size,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shuffle": self.shuffle,
+            "dataset": self.index.fingerprint,
+            "config": self._config_fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from ``state``: the next pass delivers exactly the batches not yet received.
+
+        Raises:
+            ValueError: ``state`` was saved by a differently configured loader (the message
+                names the field) or is malformed.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        mine = self.state_dict()
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
+        for key in ("version", "seed", "rank", "world_size", "batch_size", "drop_last", "shuffle", "dataset", "config"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume: state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}"
+                )
+        epoch, batches = state["epoch"], state["batches"]
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batches, int) and 0 <= batches <= len(self)):
+            raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {len(self)}")
+        if self._iter is not None:
+            self._iter.close()
+        if batches == len(self):
+            epoch, batches = epoch + 1, 0
+        self._epoch, self._delivered, self._resume_from = epoch, batches, batches
+
+    def _config_fingerprint(self) -> str:
+        key = [self.index.fingerprint, recipe_key(self.recipe), self.batch_size, self.drop_last, self.shuffle]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters of the current epoch, or of the last finished one if none is running.
+
+        Keys: ``epoch``, ``batches``, ``samples``, ``cache_hits``, ``storage_reads``,
+        ``storage_bytes``, ``peer_reads``, ``peer_bytes``, ``cache_bytes`` (bytes resident
+        in the node's cache), ``cache_items``, ``cache_budget``, ``admitted``, ``stall_s``
+        (time the consumer waited for batches), ``fetch_wait_s``, ``elapsed_s``,
+        ``samples_per_s``, ``skipped`` and ``skipped_paths``.
+        """
+        if self._iter is not None and self._iter.active:
+            return self._iter.stats(complete=False)
+        return dict(self._stats) if self._stats else self._empty_stats()
+
+    def _empty_stats(self) -> dict:
+        return _Pass.base_stats(self, self._epoch)
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops background work and leaves the cache (the last user removes it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._prep.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"CoordLoader({self.index.root or f'{len(self.index)} samples'!s}, batch_size={self.batch_size}, "
+            f"pipeline={getattr(self.recipe, 'name', 'custom')!r}, rank={self.world.rank}/{self.world.world_size}, "
+            f"cache={'off' if self.cache is None else self.cache.budget})"
+        )
+
+
+class _Pass:
+    """One pass over an epoch: a driver thread runs fetch + DALI, the consumer takes ready batches."""
+
+    _END = object()
+
+    def __init__(self, loader: CoordLoader, epoch: int, batches: list[np.ndarray]):
+        self.loader = loader
+        self.epoch = epoch
+        self.active = True
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._batches = 0
+        self._samples = 0
+        self._stall = 0.0
+        self._t0 = time.perf_counter()
+        self._elapsed = 0.0
+        loader._fetcher.reset_counters()
+        self._ahead = FetchAhead(
+            loader._fetcher,
+            batches,
+            loader.index.labels,
+            loader._pool,
+            depth=loader.prefetch_batches,
+            on_error=loader.on_error,
+            stop=self._stop,
+        )
+        self._skipped_before = len(loader._prep.skipped)
+        self._thread = threading.Thread(target=self._drive, name="coordl-prep", daemon=True)
+        self._thread.start()
+
+    def _drive(self) -> None:
+        paths = self.loader.index.paths
+        try:
+            for tensors in self.loader._prep.epoch(iter(self._ahead), paths.__getitem__):
+                if not self._put(tensors):
+                    return
+            self._put(self._END)
+        except Stopped:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer with its traceback
+            if not self._stop.is_set():
+                self._put(_Failure(e))
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.active:
+            raise StopIteration
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self.close()
+                    raise CoordlError("coordl's pre-processing thread stopped without a result") from None
+        self._stall += time.perf_counter() - t0
+        if item is self._END:
+            self._elapsed = time.perf_counter() - self._t0
+            self.active = False
+            self._thread.join()
+            self.loader._on_pass_end(self)
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        images, labels, ids = item
+        self._batches += 1
+        self._samples += len(labels)
+        self.loader._on_batch()
+        if self.loader.return_index:
+            return images, labels, ids
+        return images, labels
+
+    def __len__(self) -> int:
+        return len(self._ahead.batches) - self._batches
+
+    @staticmethod
+    def base_stats(loader: CoordLoader, epoch: int) -> dict:
+        cache = loader.cache
+        return {
+            "epoch": epoch,
+            "batches": 0,
+            "samples": 0,
+            "cache_hits": 0,
+            "storage_reads": 0,
+            "storage_bytes": 0,
+            "peer_reads": 0,
+            "peer_bytes": 0,
+            "admitted": 0,
+            "cache_bytes": cache.resident_bytes if cache else 0,
+            "cache_items": cache.resident_items if cache else 0,
+            "cache_budget": cache.budget if cache else 0,
+            "stall_s": 0.0,
+            "fetch_wait_s": 0.0,
+            "elapsed_s": 0.0,
+            "samples_per_s": 0.0,
+            "skipped": 0,
+            "skipped_paths": [],
+        }
+
+    def stats(self, complete: bool) -> dict:
+        s = self.base_stats(self.loader, self.epoch)
+        c = self.loader._fetcher.counters
+        elapsed = self._elapsed if complete else time.perf_counter() - self._t0
+        skipped = self._ahead.skipped + self.loader._prep.skipped[self._skipped_before :]
+        s.update(
+            batches=self._batches,
+            samples=self._samples,
+            cache_hits=c.cache_hits,
+            storage_reads=c.storage_reads,
+            storage_bytes=c.storage_bytes,
+            peer_reads=c.peer_reads,
+            peer_bytes=c.peer_bytes,
+            admitted=c.admitted,
+            stall_s=self._stall,
+            fetch_wait_s=self._ahead.wait_s,
+            elapsed_s=elapsed,
+            samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
+            skipped=len(skipped),
+            skipped_paths=[p for _, p, _ in skipped[:100]],
+        )
+        return s
+
+    def close(self) -> None:
+        """Stops the driver thread; idempotent."""
+        if self._stop.is_set() and not self._thread.is_alive():
+            return
+        self.active = False
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _make_index(data, extensions, index_dir) -> Index:
+    if isinstance(data, Index):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        return Index.scan(data, extensions=extensions, index_dir=index_dir)
+    if isinstance(data, Sequence):
+        return Index.from_list(data)
+    raise TypeError(
+        f"data must be a folder, a list of (path, label) pairs or an Index, got {type(data).__name__}"
+    )
+
+
+def _resolve_device(device_id) -> int | None:
+    if device_id is None:
+        return None
+    if device_id == "auto":
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise ValueError(f"device_id must be 'auto', None or a GPU number, got {device_id!r}")
+    return device_id

@@ -1,0 +1,251 @@
+"""Runs a recipe as an NVIDIA DALI pipeline fed with raw bytes; the only module importing DALI.
+
+The pipeline's input is ``fn.external_source`` with a callback that returns the
+next raw batch (encoded bytes, labels, sample ids). DALI decodes and augments on
+its own threads; :meth:`DaliPrep.epoch` yields torch tensors. A decoding error
+rebuilds the pipeline, finds the bad samples by decoding the failed batch one sample
+at a time, and then raises :class:`~coordl.errors.SampleError` naming the file, or
+(``on_error="skip"``) drops them and goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
+
+from coordl.errors import SampleError
+from coordl.fetch.ahead import RawBatch
+from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
+
+__all__ = ["DaliPrep"]
+
+log = logging.getLogger(__name__)
+
+
+def _build_recipe(recipe, encoded, ctx: PrepContext):
+    if isinstance(recipe, ImageNetTrain):
+        images = fn.decoders.image_random_crop(
+            encoded,
+            device=ctx.decoder_device,
+            output_type=types.RGB,
+            random_area=list(recipe.scale),
+            random_aspect_ratio=list(recipe.ratio),
+        )
+        images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
+        mirror = fn.random.coin_flip(probability=recipe.flip)
+        return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
+    if isinstance(recipe, ImageNetVal):
+        images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+        images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
+        return _normalize(images, recipe, ctx, mirror=0, crop=(recipe.size, recipe.size))
+    return recipe(encoded, ctx)
+
+
+def _normalize(images, recipe, ctx, *, mirror, crop):
+    kwargs = {"crop": crop} if crop else {}
+    if recipe.dtype == "uint8":
+        return fn.crop_mirror_normalize(
+            images, device=ctx.device, dtype=types.UINT8, output_layout="CHW", mirror=mirror,
+            mean=[0.0], std=[1.0], **kwargs,
+        )  # fmt: skip
+    return fn.crop_mirror_normalize(
+        images,
+        device=ctx.device,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mirror=mirror,
+        mean=[m * 255 for m in recipe.mean],
+        std=[s * 255 for s in recipe.std],
+        **kwargs,
+    )
+
+
+class DaliPrep:
+    """A DALI pipeline for one recipe; reused across epochs, rebuilt after an error.
+
+    Args:
+        recipe: an :class:`ImageNetTrain`, :class:`ImageNetVal` or callable recipe.
+        batch_size: the largest batch fed.
+        num_threads: DALI CPU threads.
+        device_id: GPU to decode and augment on, or None for CPU only.
+        seed: seed of DALI's random augmentation.
+        on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
+        prefetch_queue_depth: batches DALI works on ahead of the consumer.
+    """
+
+    def __init__(self, recipe, *, batch_size: int, num_threads: int, device_id: int | None, seed: int,
+                 on_error: str = "raise", prefetch_queue_depth: int = 2):  # fmt: skip
+        self.recipe = recipe
+        self.batch_size = batch_size
+        self.num_threads = num_threads
+        self.device_id = device_id
+        self.seed = seed
+        self.on_error = on_error
+        self.depth = prefetch_queue_depth
+        gpu = device_id is not None
+        self.ctx = PrepContext("mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id)
+        self._pipe = None
+        self._builds = 0
+        self._source: Iterator[RawBatch] | None = None
+        self._pending: collections.deque[RawBatch] = collections.deque()
+        self._inflight: collections.deque[RawBatch] = collections.deque()
+        self.skipped: list[tuple[int, str, str]] = []  # (index, path, reason)
+        self._paths: Callable[[int], str] = str
+        self._stream = torch.cuda.Stream(device=device_id) if gpu else None
+
+    def _build(self):
+        # A new seed per build keeps a rebuilt pipeline from replaying old randomness.
+        seed = (self.seed * 1_000_003 + self._builds) % (2**31)
+        self._builds += 1
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
+                      seed=seed, prefetch_queue_depth=self.depth)  # fmt: skip
+        def graph():
+            encoded, labels, ids = fn.external_source(
+                source=self._next_raw, num_outputs=3, batch=True,
+                dtype=[types.UINT8, types.INT64, types.INT64],
+            )  # fmt: skip
+            images = _build_recipe(self.recipe, encoded, self.ctx)
+            return images, labels, ids
+
+        pipe = graph()
+        pipe.build()
+        return pipe
+
+    def _next_raw(self):
+        batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
+        self._inflight.append(batch)
+        return batch.data, batch.labels, batch.ids
+
+    def epoch(self, source: Iterator[RawBatch], path_of: Callable[[int], str]) -> Iterator[tuple]:
+        """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``."""
+        self._source = _non_empty(source)
+        self._paths = path_of
+        self._pending.clear()
+        self._inflight.clear()
+        if self._pipe is None:
+            self._pipe = self._build()
+        try:
+            self._pipe.schedule_run()
+            while True:
+                try:
+                    out = self._pipe.outputs()
+                except StopIteration:
+                    break
+                except RuntimeError as e:
+                    self._recover(e)
+                    self._pipe.schedule_run()
+                    continue
+                self._inflight.popleft()
+                tensors = self._to_torch(out)
+                self._pipe.schedule_run()
+                yield tensors
+            self._pipe.reset()
+        except BaseException:
+            self._pipe = None  # a pipeline interrupted mid-epoch is not reused
+            raise
+        finally:
+            self._source = None
+
+    def _recover(self, error: RuntimeError) -> None:
+        """After a failed batch: find the bad samples, apply the policy, rebuild, re-feed."""
+        self._pipe = None
+        inflight = list(self._inflight)
+        self._inflight.clear()
+        if not inflight:
+            raise error
+        bad = {}
+        for batch in inflight:
+            bad.update(self._find_bad(batch))
+            if bad:
+                break
+        if not bad:
+            raise error
+        if self.on_error == "raise":
+            i, reason = next(iter(bad.items()))
+            raise SampleError(
+                f"cannot decode sample {i} ({self._paths(i)}): {reason}. Pass on_error='skip' to "
+                "skip such samples (they are counted in stats()['skipped'])",
+                path=self._paths(i),
+                index=i,
+            ) from error
+        for i, reason in bad.items():
+            log.warning("coordl: skipping sample %d (%s): cannot decode: %s", i, self._paths(i), reason)
+            self.skipped.append((i, self._paths(i), reason))
+        for batch in inflight:
+            keep = [k for k, i in enumerate(batch.ids) if int(i) not in bad]
+            if keep:
+                self._pending.append(
+                    RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep])
+                )
+        self._pipe = self._build()
+
+    def _find_bad(self, batch: RawBatch) -> dict[int, str]:
+        bad = {}
+        for i, data in zip(batch.ids, batch.data, strict=True):
+            probe = _probe_pipeline(self.ctx.decoder_device, self.device_id)
+            try:
+                probe.feed_input("x", [data])
+                probe.run()
+            except RuntimeError as e:
+                bad[int(i)] = _short(str(e))
+        return bad
+
+    def _to_torch(self, out) -> tuple:
+        result = []
+        for k, tl in enumerate(out):
+            try:
+                t = tl.as_tensor()
+            except RuntimeError:
+                raise ValueError(
+                    "the recipe's output samples differ in shape, so they cannot form one batch tensor; "
+                    "end the recipe with a crop or resize to a fixed size"
+                ) from None
+            on_gpu = k == 0 and self.device_id is not None
+            arr = torch.empty(
+                t.shape(), dtype=to_torch_type[t.dtype], device=f"cuda:{self.device_id}" if on_gpu else "cpu"
+            )
+            if on_gpu:
+                feed_ndarray(t, arr, cuda_stream=self._stream)
+            else:
+                feed_ndarray(t, arr)
+            result.append(arr)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return tuple(result)
+
+    def close(self) -> None:
+        self._pipe = None
+        self._source = None
+        self._pending.clear()
+        self._inflight.clear()
+
+
+def _non_empty(source: Iterator[RawBatch]) -> Iterator[RawBatch]:
+    for batch in source:
+        if len(batch.ids):
+            yield batch
+
+
+def _probe_pipeline(decoder_device: str, device_id: int | None):
+    @pipeline_def(batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1,
+                  exec_async=False, exec_pipelined=False)  # fmt: skip
+    def probe():
+        x = fn.external_source(name="x", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(x, device=decoder_device, output_type=types.RGB)
+
+    pipe = probe()
+    pipe.build()
+    return pipe
+
+
+def _short(message: str) -> str:
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "decode" in ln.lower() or "failure" in ln.lower() or "error" in ln.lower()]
+    return (useful[-1] if useful else lines[-1] if lines else "decoding failed")[:300]

@@ -1,0 +1,110 @@
+"""The pre-processing recipes a loader can run, as plain validated configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImageNetTrain", "ImageNetVal", "PrepContext", "resolve_recipe"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class PrepContext:
+    """What a custom DALI recipe needs to know to build its ops.
+
+    Attributes:
+        decoder_device: ``"cpu"`` or ``"mixed"`` (the GPU decoder), for ``fn.decoders.*``.
+        device: ``"cpu"`` or ``"gpu"``, for the ops after decoding.
+        device_id: the GPU, or None on CPU.
+    """
+
+    decoder_device: str
+    device: str
+    device_id: int | None
+
+
+def _check_common(size, mean, std, dtype):
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
+        raise ValueError(f"mean and std need 3 values each (std > 0), got mean={mean}, std={std}")
+    if dtype not in ("float32", "uint8"):
+        raise ValueError(f"dtype must be 'float32' (normalised) or 'uint8' (raw pixels), got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class ImageNetTrain:
+    """The standard ImageNet training recipe.
+
+    Decode with a random crop of ``scale`` of the area and ``ratio`` aspect, resize to
+    ``size`` x ``size``, flip horizontally with probability ``flip``, normalise with
+    ``mean``/``std`` (fractions of 255), CHW. ``dtype="uint8"`` skips normalisation.
+    """
+
+    size: int = 224
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: float = 0.5
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    dtype: str = "float32"
+    name: str = field(default="imagenet-train", init=False)
+
+    def __post_init__(self):
+        _check_common(self.size, self.mean, self.std, self.dtype)
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {self.scale}")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"ratio must satisfy 0 < min <= max, got {self.ratio}")
+        if not 0 <= self.flip <= 1:
+            raise ValueError(f"flip is a probability in [0, 1], got {self.flip}")
+
+
+@dataclass(frozen=True)
+class ImageNetVal:
+    """The standard ImageNet validation recipe: resize the shorter side to ``resize``,
+    center-crop ``size`` x ``size``, normalise, CHW."""
+
+    size: int = 224
+    resize: int = 256
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    dtype: str = "float32"
+    name: str = field(default="imagenet-val", init=False)
+
+    def __post_init__(self):
+        _check_common(self.size, self.mean, self.std, self.dtype)
+        if not isinstance(self.resize, int) or self.resize < self.size:
+            raise ValueError(f"resize must be an int >= size ({self.size}), got {self.resize!r}")
+
+
+_NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal}
+
+Recipe = ImageNetTrain | ImageNetVal | Callable
+
+
+def resolve_recipe(pipeline) -> Recipe:
+    """A recipe from what the user passed as ``pipeline=``.
+
+    Args:
+        pipeline: ``"imagenet-train"``, ``"imagenet-val"``, an :class:`ImageNetTrain` /
+            :class:`ImageNetVal`, or a callable ``f(encoded, ctx) -> images`` that builds
+            DALI ops from the encoded-bytes ``DataNode`` and a :class:`PrepContext`.
+    """
+    if isinstance(pipeline, str):
+        if pipeline not in _NAMED:
+            raise ValueError(f"unknown pipeline {pipeline!r}; expected one of {sorted(_NAMED)} or a callable")
+        return _NAMED[pipeline]()
+    if isinstance(pipeline, (ImageNetTrain, ImageNetVal)) or callable(pipeline):
+        return pipeline
+    raise TypeError(f"pipeline must be a recipe name, a recipe or a callable, got {type(pipeline).__name__}")
+
+
+def recipe_key(recipe) -> str:
+    """A stable description of a recipe, for config fingerprints."""
+    if isinstance(recipe, (ImageNetTrain, ImageNetVal)):
+        return repr(recipe)
+    return f"callable:{getattr(recipe, '__module__', '?')}.{getattr(recipe, '__qualname__', repr(recipe))}"

@@ -1,0 +1,16 @@
+"""Shared-memory primitives: names, segments, locks and the reaper.
+
+Every piece of state coordl shares between processes is a file in the shm
+directory (``/dev/shm``, or ``COORDL_SHM_DIR``) named by :func:`names.segment_name`
+as ``coordl.<fingerprint>.<kind>[.<id>]``; ``ls /dev/shm/coordl.*`` shows all of it.
+
+- :mod:`.names` builds and parses those names and lists every kind.
+- :mod:`.segment` creates segments exclusively (mode 0600), reserves their space
+  with ``posix_fallocate`` before anything is written, and maps them.
+- :mod:`.group` is the membership of one fingerprint's segments: every user holds a
+  shared ``flock`` on the group's lock file, so the kernel knows who is alive; the
+  last one out removes the group.
+- :mod:`.reaper` removes groups that no live process uses.
+
+Nothing here imports the rest of coordl.
+"""

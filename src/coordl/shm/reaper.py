@@ -1,0 +1,81 @@
+"""Finds coordl's groups in the shm directory and removes the ones no live process uses."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from coordl.shm import group, names
+
+__all__ = ["GroupInfo", "list_groups", "reap"]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What ``coordl cache ls`` shows about one group of segments."""
+
+    fingerprint: str
+    files: int
+    bytes: int
+    kinds: tuple[str, ...]
+    in_use: bool
+    keep: bool
+
+
+def _fingerprints(directory: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        parsed = names.parse_name(entry)
+        if parsed is not None:
+            found.setdefault(parsed[0], []).append(entry)
+    return found
+
+
+def list_groups(directory: str | None = None) -> list[GroupInfo]:
+    """Every group in the shm directory, with its size and whether a live process uses it."""
+    directory = directory or names.shm_dir()
+    out = []
+    for fp, entries in sorted(_fingerprints(directory).items()):
+        size = 0
+        for entry in entries:
+            try:
+                size += os.stat(os.path.join(directory, entry)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        with group.try_lock_unused(fp, directory) as unused:
+            in_use = not unused
+        kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
+        out.append(GroupInfo(fp, len(entries), size, kinds, in_use, "keep" in kinds))
+    return out
+
+
+def reap(directory: str | None = None, *, include_kept: bool = False, exclude: str | None = None) -> list[GroupInfo]:
+    """Removes every group that no live process is attached to.
+
+    Args:
+        directory: the shm directory (default :func:`names.shm_dir`).
+        include_kept: also remove groups marked ``keep`` (kept warm for a next run).
+        exclude: a fingerprint to leave alone (the caller's own group).
+
+    Returns:
+        The groups removed.
+    """
+    directory = directory or names.shm_dir()
+    removed = []
+    for fp, entries in sorted(_fingerprints(directory).items()):
+        if fp == exclude:
+            continue
+        with group.try_lock_unused(fp, directory) as unused:
+            if not unused:
+                continue
+            keep = os.path.exists(os.path.join(directory, names.segment_name(fp, "keep")))
+            if keep and not include_kept:
+                continue
+            freed = group.remove_group(fp, directory)
+            kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
+            removed.append(GroupInfo(fp, len(entries), freed, kinds, False, keep))
+    return removed

@@ -1,0 +1,75 @@
+"""Shared-memory segments: exclusive creation (0600), reserved space, mapping, free space."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from dataclasses import dataclass
+
+__all__ = ["ShmSpace", "create_exclusive", "map_fd", "open_existing", "reserve", "space"]
+
+
+@dataclass(frozen=True)
+class ShmSpace:
+    """Size and free bytes of the filesystem holding the shm directory."""
+
+    total: int
+    free: int
+
+
+def space(directory: str) -> ShmSpace:
+    """Returns the total and free bytes of the filesystem that holds ``directory``."""
+    st = os.statvfs(directory)
+    return ShmSpace(total=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
+
+
+def create_exclusive(path: str) -> int:
+    """Creates ``path`` with ``O_EXCL`` and mode 0600 and returns its fd.
+
+    Raises:
+        FileExistsError: someone else created it first; attach to theirs instead.
+    """
+    # The umask cannot widen 0600, and O_EXCL makes exactly one creator win.
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+def open_existing(path: str) -> int:
+    """Opens an existing segment read-write and returns its fd."""
+    return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+
+def reserve(fd: int, size: int) -> None:
+    """Reserves ``size`` bytes for ``fd`` before anything is written to them.
+
+    On tmpfs, writing to a page of a sparse mapping when the filesystem is full
+    raises ``SIGBUS`` and kills the process; ``posix_fallocate`` instead fails
+    cleanly with ``ENOSPC`` up front, so a full ``/dev/shm`` is an error we can handle.
+
+    Raises:
+        OSError: with ``errno.ENOSPC`` when there is not enough space.
+    """
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            # Filesystems without fallocate: fall back to writing zeros, which
+            # also fails with ENOSPC instead of faulting later.
+            _zero_fill(fd, size)
+        else:
+            raise
+
+
+def _zero_fill(fd: int, size: int) -> None:
+    block = bytes(1 << 20)
+    os.lseek(fd, 0, os.SEEK_SET)
+    left = size
+    while left:
+        left -= os.write(fd, block[: min(left, len(block))])
+
+
+def map_fd(fd: int, size: int) -> mmap.mmap:
+    """Maps ``size`` bytes of ``fd`` shared and read-write."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,0 +1,95 @@
+"""Fixtures: tiny real JPEG datasets, an isolated shm directory, and a leak check.
+
+Every test runs with ``COORDL_SHM_DIR`` pointing at a fresh folder on /dev/shm (a
+real tmpfs) and ``COORDL_INDEX_DIR`` at a temp folder, so tests never see each
+other's segments. A test that leaves coordl segments, coordl threads or child
+processes behind fails.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def write_jpeg(path: Path, rng: np.random.Generator, size=(48, 40), quality=90) -> None:
+    """A small smooth-ish JPEG (a colour gradient plus noise) that decodes quickly."""
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = rng.integers(0, 256, 3)
+    img = (base + 60 * np.sin(xx[..., None] / (3 + rng.random() * 5) + rng.random(3) * 6)
+           + rng.normal(0, 12, (h, w, 3)))  # fmt: skip
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=quality)
+    path.write_bytes(buf.getvalue())
+
+
+def make_tree(root: Path, classes: int, per_class: int, seed: int = 0, varied: bool = True) -> Path:
+    """An ImageFolder tree ``root/class_k/img_i.jpg`` of real JPEGs with varied sizes."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / f"class_{c:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            size = (int(rng.integers(32, 80)), int(rng.integers(32, 80))) if varied else (48, 40)
+            write_jpeg(d / f"img_{i:04d}.jpg", rng, size=size)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """120 JPEGs in 4 classes; read-only for tests (copy it to modify)."""
+    return make_tree(tmp_path_factory.mktemp("tiny") / "train", classes=4, per_class=30)
+
+
+@pytest.fixture
+def dataset_copy(tiny_dataset, tmp_path) -> Path:
+    """A private copy of the tiny dataset that a test may change."""
+    dst = tmp_path / "train"
+    shutil.copytree(tiny_dataset, dst)
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """A private shm folder and index folder per test; fails the test on leaks."""
+    shm = Path(tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm"))
+    monkeypatch.setenv("COORDL_SHM_DIR", str(shm))
+    monkeypatch.setenv("COORDL_INDEX_DIR", str(tmp_path / "index"))
+    import coordl.loader
+
+    monkeypatch.setattr(coordl.loader, "_reaped", False)
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield shm
+    leaks = []
+    deadline = time.monotonic() + 5
+    while True:
+        left = sorted(os.listdir(shm))
+        threads = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("coordl")]
+        children = multiprocessing.active_children()
+        if not (left or threads or children) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if left:
+        leaks.append(f"shm segments left: {left}")
+    if threads:
+        leaks.append(f"threads left: {threads}")
+    if children:
+        leaks.append(f"child processes left: {children}")
+        for p in children:
+            p.kill()
+    shutil.rmtree(shm, ignore_errors=True)
+    if leaks:
+        pytest.fail("; ".join(leaks))
