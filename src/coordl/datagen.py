@@ -10,7 +10,7 @@ tests.
 Two sources of content:
 
 * ``photos_dir`` given: random crops of natural photographs (random scale,
-  aspect ratio and horizontal flip), resized to the target size, plus fine
+  aspect ratio and horizontal flip), resized to the target size, plus
   gaussian sensor grain.
 * no ``photos_dir``: synthetic images made of smooth random colour fields,
   gradients, random shapes and multi-scale texture, plus grain.
@@ -55,15 +55,21 @@ __all__ = ["DatasetSummary", "make_dataset"]
 _FORMAT_VERSION = 1
 
 # Default grain (gaussian noise std, in 8-bit levels per RGB channel) used when
-# ``grain=None``. Tuned so that datasets land near ImageNet's ~0.8 bytes/pixel
-# at the default size (400x350) and quality 90. Measured with this code over
-# 500 images, seed 0:
-#   photos (/work/shared/photos, 12 wallpapers): 0.82 bytes/pixel, mean 114 KB
-#     (the same crops without grain: ~0.18 bytes/pixel, ~25 KB);
-#   synthetic (no photos_dir): 0.80 bytes/pixel, mean 112 KB.
-# Other photo folders or qualities give other figures; pass ``grain`` to tune.
-_DEFAULT_GRAIN_PHOTOS = 6.0
-_DEFAULT_GRAIN_SYNTHETIC = 5.0
+# ``grain=None``, tuned so that datasets land near ImageNet's ~0.8 bytes/pixel
+# at the default size (400x350) and quality 90. Measured with this code, 500
+# images, seed 0:
+#   photos (/work/shared/photos, 12 wallpapers): 0.81 bytes/pixel, mean 113.5 KB
+#     (grain 0: 0.23 B/px, 32 KB; grain 20: 0.55 B/px, 77 KB);
+#   synthetic (no photos_dir): 0.80 bytes/pixel, mean 112.7 KB
+#     (grain 0: 0.16 B/px; grain 20: 0.53 B/px).
+# Bytes grow only logarithmically with noise amplitude at quality 90, so
+# matching ImageNet's size needs strong grain: the images look like very high
+# ISO shots and the noise carries most of the bytes. Decoding them costs what
+# ImageNet-sized JPEGs cost (Pillow, about 1.4 ms each, no slower per byte than
+# clean ones), which is what loader benchmarks need. Pass e.g. ``grain=20`` for
+# cleaner-looking images (~0.55 bytes/pixel).
+_DEFAULT_GRAIN_PHOTOS = 60.0
+_DEFAULT_GRAIN_SYNTHETIC = 60.0
 
 _PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png"})
 _SIZE_JITTER = 0.15  # each side is size * U(1 - jitter, 1 + jitter)
@@ -418,14 +424,12 @@ def _scan_root(job: _Job, num_images: int) -> tuple[dict[int, tuple[int, int]], 
         if entry.name not in expected_dirs or not entry.is_dir(follow_symlinks=False):
             raise refuse(f"{entry.path} is not one of the {job.num_classes} class folders")
         c = int(entry.name[1:])
-        prefix = f"{entry.name}_"
         for file in sorted(os.scandir(entry.path), key=lambda e: e.name):
-            name = file.name
-            m = _TMP_NAME.match(name)
-            if m is not None and _index_of(m.group(1), prefix, job.ext, c, job, num_images) is not None:
+            m = _TMP_NAME.match(file.name)
+            if m is not None and _index_of(job, m.group(1), c, num_images) is not None:
                 stale.append(file.path)
                 continue
-            i = _index_of(name, prefix, job.ext, c, job, num_images)
+            i = _index_of(job, file.name, c, num_images)
             if i is None or not file.is_file(follow_symlinks=False):
                 raise refuse(f"{file.path} is not a file of this dataset")
             found = _check_file(job, i, file.path)
@@ -438,11 +442,12 @@ def _scan_root(job: _Job, num_images: int) -> tuple[dict[int, tuple[int, int]], 
     return existing, stale
 
 
-def _index_of(name: str, prefix: str, ext: str, c: int, job: _Job, num_images: int) -> int | None:
+def _index_of(job: _Job, name: str, c: int, num_images: int) -> int | None:
     """Return the image index if ``name`` is an expected file name in class ``c``."""
-    if not (name.startswith(prefix) and name.endswith(ext)):
+    prefix = f"{_class_name(c)}_"
+    if not (name.startswith(prefix) and name.endswith(job.ext)):
         return None
-    digits = name[len(prefix) : len(name) - len(ext)]
+    digits = name[len(prefix) : len(name) - len(job.ext)]
     if not digits.isdigit():
         return None
     i = int(digits)
@@ -490,7 +495,8 @@ def _generate(job: _Job, todo: list[int], progress: bool) -> tuple[int, int]:
     with tqdm(
         total=len(todo), desc="make_dataset", unit="img", disable=not progress, file=sys.stderr
     ) as bar:
-        if workers > 1 and len(todo) >= _PARALLEL_MIN_IMAGES:
+        # (daemonic processes, e.g. pool workers, may not start a pool of their own)
+        if workers > 1 and len(todo) >= _PARALLEL_MIN_IMAGES and not multiprocessing.current_process().daemon:
             for path in job.photos:  # decode before forking: workers share the pixels
                 _load_photo(path)
             chunks = [todo[k : k + _CHUNK] for k in range(0, len(todo), _CHUNK)]

@@ -40,7 +40,7 @@ def shard(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.
     total = per_rank * world_size
     if total > n:
         order = np.resize(order, total)  # repeats the head, as DistributedSampler pads
-    return order[rank:total:world_size]
+    return np.ascontiguousarray(order[rank:total:world_size])
 
 
 def num_batches(samples: int, batch_size: int, drop_last: bool) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from coordl.errors import CoordlError, SampleError
+from coordl.errors import SampleError
 from coordl.fetch import storage
 from coordl.fetch.cache import MinIOCache
 from coordl.index import Index
@@ -70,6 +70,7 @@ class Fetcher:
 
         Raises:
             SampleError: the file cannot be read (its path and index are attached).
+            DatasetChangedError: the file's size is not the index's: the index is stale.
         """
         i = int(i)
         if self.cache is not None:
@@ -98,8 +99,6 @@ class Fetcher:
                 self.cache.abort(i)
             if isinstance(e, OSError):
                 raise SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i) from e
-            if isinstance(e, CoordlError) and not isinstance(e, SampleError):
-                raise SampleError(str(e), path=path, index=i) from e
             raise
         with self._lock:
             c = self.counters

@@ -93,6 +93,7 @@ class FetchAhead:
                 self.skipped.append((i, e.path, str(e)))
         if len(keep) != len(ids):
             ids = ids[keep]
+        ids = np.ascontiguousarray(ids, dtype=np.int64)  # DALI takes only dense arrays
         return RawBatch(ids, data, self.labels[ids])
 
     def _result(self, future: cf.Future):

@@ -1,0 +1,174 @@
+"""The ``coordl`` command: demo, dataset generation, and shared-memory cache housekeeping."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+
+__all__ = ["main"]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def stats_table(rows: list[dict]) -> str:
+    """A plain-text table of per-epoch ``CoordLoader.stats()`` dicts."""
+    cols = [
+        ("epoch", lambda s: str(s["epoch"])),
+        ("samples", lambda s: str(s["samples"])),
+        ("time s", lambda s: f"{s['elapsed_s']:.2f}"),
+        ("samples/s", lambda s: f"{s['samples_per_s']:.0f}"),
+        ("cache hits", lambda s: str(s["cache_hits"])),
+        ("storage reads", lambda s: str(s["storage_reads"])),
+        ("storage MB", lambda s: _mb(s["storage_bytes"])),
+        ("cached MB", lambda s: _mb(s["cache_bytes"])),
+        ("stall s", lambda s: f"{s['stall_s']:.2f}"),
+    ]
+    cells = [[name for name, _ in cols]] + [[f(s) for _, f in cols] for s in rows]
+    widths = [max(len(r[k]) for r in cells) for k in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _demo(args) -> int:
+    import coordl
+    from coordl.datagen import make_dataset
+
+    with tempfile.TemporaryDirectory(prefix="coordl-demo-") as tmp:
+        root = args.dir or os.path.join(tmp, "train")
+        print(f"Generating {args.images} ImageNet-like JPEGs in {root} ...", flush=True)
+        summary = make_dataset(root, num_images=args.images, num_classes=args.classes, seed=0, progress=not args.quiet)
+        print(summary, flush=True)
+        print(f"\nTraining loop: {args.epochs} epochs, batch size {args.batch_size}, "
+              f"MinIO cache = {args.cache:.0%} of the dataset, DALI on the CPU\n", flush=True)  # fmt: skip
+        rows = []
+        with coordl.CoordLoader(root, batch_size=args.batch_size, pipeline="imagenet-train",
+                                cache_bytes=args.cache, device_id=None) as loader:  # fmt: skip
+            for epoch in range(args.epochs):
+                loader.set_epoch(epoch)
+                bar = _progress(len(loader), f"epoch {epoch}", disable=args.quiet)
+                for images, _labels in loader:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{tuple(images.shape)}")
+                bar.close()
+                rows.append(loader.stats())
+        print("\n" + stats_table(rows))
+        first, last = rows[0], rows[-1]
+        print(
+            f"\nEpoch 0 read all {first['storage_reads']} samples from storage and filled the cache with "
+            f"{last['cache_items']} of them ({_mb(last['cache_bytes'])} MB). Later epochs read only the rest: "
+            f"{last['storage_reads']} samples, {_mb(last['storage_bytes'])} MB "
+            f"(dataset {_mb(summary.total_bytes)} MB - cache {_mb(last['cache_bytes'])} MB)."
+        )
+    return 0
+
+
+def _progress(total: int, desc: str, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", disable=disable, file=sys.stderr, leave=True)
+
+
+def _make_dataset(args) -> int:
+    from coordl.datagen import make_dataset
+
+    summary = make_dataset(
+        args.root,
+        num_images=args.images,
+        num_classes=args.classes,
+        photos_dir=args.photos,
+        size=(args.width, args.height),
+        quality=args.quality,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    print(summary)
+    return 0
+
+
+def _cache_ls(args) -> int:
+    from coordl.shm import names, reaper
+
+    directory = names.shm_dir()
+    groups = reaper.list_groups(directory)
+    if not groups:
+        print(f"no coordl shared memory in {directory}")
+        return 0
+    print(f"{'fingerprint':<18} {'files':>5} {'MB':>10}  state")
+    for g in groups:
+        state = "in use" if g.in_use else "unused"
+        if g.keep:
+            state += ", kept warm"
+        print(f"{g.fingerprint:<18} {g.files:>5} {_mb(g.bytes):>10}  {state}")
+    return 0
+
+
+def _cache_clean(args) -> int:
+    from coordl.shm import names, reaper
+
+    directory = names.shm_dir()
+    removed = reaper.reap(directory, include_kept=not args.keep_warm)
+    for g in removed:
+        print(f"removed {g.fingerprint}: {g.files} files, {_mb(g.bytes)} MB")
+    busy = [g for g in reaper.list_groups(directory) if g.in_use]
+    if busy:
+        print(f"left {len(busy)} group(s) in use by running processes")
+    if not removed:
+        print(f"nothing to remove in {directory}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coordl", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what coordl does")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="generate a small dataset and train-loop over it twice")
+    d.add_argument("--images", type=int, default=600, help="JPEGs to generate (default 600)")
+    d.add_argument("--classes", type=int, default=10)
+    d.add_argument("--epochs", type=int, default=2)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--cache", type=float, default=0.5, help="cache budget as a fraction of the dataset")
+    d.add_argument("--dir", help="where to put the dataset (default: a temp dir, removed afterwards)")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    d.set_defaults(func=_demo)
+
+    m = sub.add_parser("make-dataset", help="generate an ImageNet-like ImageFolder tree of JPEGs")
+    m.add_argument("root")
+    m.add_argument("--images", type=int, required=True)
+    m.add_argument("--classes", type=int, default=10)
+    m.add_argument("--photos", help="folder of large photographs to crop from (else generated images)")
+    m.add_argument("--width", type=int, default=400)
+    m.add_argument("--height", type=int, default=350)
+    m.add_argument("--quality", type=int, default=90)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("-q", "--quiet", action="store_true")
+    m.set_defaults(func=_make_dataset)
+
+    c = sub.add_parser("cache", help="inspect or clean coordl's shared memory")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    ls = csub.add_parser("ls", help="list caches in the shm directory")
+    ls.set_defaults(func=_cache_ls)
+    cl = csub.add_parser("clean", help="remove every cache no running process uses")
+    cl.add_argument("--keep-warm", action="store_true", help="keep caches made with keep_cache=True")
+    cl.set_defaults(func=_cache_clean)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    t0 = time.perf_counter()
+    code = args.func(args)
+    logging.getLogger(__name__).info("done in %.1f s", time.perf_counter() - t0)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

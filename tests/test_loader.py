@@ -1,0 +1,306 @@
+"""CoordLoader's guarantees on the DALI CPU path: exactly-once, reshuffling, sharding,
+resume, statistics and the corrupt-sample policy."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import coordl
+from coordl import CoordLoader, SampleError
+
+SMALL = coordl.ImageNetTrain(size=32)
+
+
+def make(data, **kw):
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("pipeline", SMALL)
+    kw.setdefault("device_id", None)
+    kw.setdefault("num_threads", 2)
+    kw.setdefault("return_index", True)
+    return CoordLoader(data, **kw)
+
+
+def epoch_ids(loader):
+    out = []
+    for batch in loader:
+        out.append(batch[2].tolist())
+    return out
+
+
+def flat(batches):
+    return [i for b in batches for i in b]
+
+
+def test_batches_are_torch_tensors_with_the_right_labels(tiny_dataset):
+    with make(tiny_dataset, batch_size=16) as loader:
+        assert len(loader) == 8  # 120 / 16, last one partial
+        sizes = []
+        for images, labels, ids in loader:
+            assert images.dtype == torch.float32 and images.shape[1:] == (3, 32, 32)
+            assert labels.dtype == torch.int64 and ids.dtype == torch.int64
+            assert labels.tolist() == loader.index.labels[ids.numpy()].tolist()
+            sizes.append(len(labels))
+        assert sizes == [16] * 7 + [8]
+        # normalised with ImageNet mean/std: roughly zero-centred, not 0..255
+        assert -3 < float(images.mean()) < 3 and float(images.std()) < 5
+
+
+def test_every_epoch_visits_every_sample_once_in_a_fresh_order(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0.5) as loader:
+        orders = []
+        for _ in range(3):
+            ids = flat(epoch_ids(loader))
+            assert sorted(ids) == list(range(120))
+            orders.append(ids)
+        assert loader.epoch == 3  # advances by itself after a complete pass
+        assert len({tuple(o) for o in orders}) == 3
+
+
+def test_same_seed_same_order_and_set_epoch(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0) as a:
+        a.set_epoch(5)
+        first = epoch_ids(a)
+    with make(tiny_dataset, cache_bytes=0) as b:
+        b.set_epoch(5)
+        assert epoch_ids(b) == first
+        b.set_epoch(6)
+        assert epoch_ids(b) != first
+    with make(tiny_dataset, cache_bytes=0, seed=1) as c:
+        c.set_epoch(5)
+        assert epoch_ids(c) != first
+
+
+def test_no_shuffle_is_index_order(tiny_dataset):
+    with make(tiny_dataset, shuffle=False, cache_bytes=0) as loader:
+        assert flat(epoch_ids(loader)) == list(range(120))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
+    n, world = 121, 3  # 121 samples: not a multiple of 3, exercises padding / dropping
+    index = coordl.Index.scan(tiny_dataset)
+    extra = coordl.Index.from_list(list(zip(index.paths, index.labels.tolist(), strict=True)) + [(index.paths[0], 0)])
+    assert len(extra) == n
+    loaders = [make(extra, rank=r, world_size=world, drop_last=drop_last, batch_size=7) for r in range(world)]
+    try:
+        for epoch in range(2):
+            shards = []
+            for ld in loaders:
+                ld.set_epoch(epoch)
+                shards.append(flat(epoch_ids(ld)))
+            lengths = {len(s) for s in shards}
+            assert len(lengths) == 1
+            counts = np.bincount(flat(shards), minlength=n)
+            if drop_last:
+                assert counts.max() == 1 and len(shards[0]) == (n // world) // 7 * 7
+            else:
+                assert counts.min() == 1 and counts.sum() - n == world * 41 - n  # padding only
+            assert not set(shards[0]) & set(shards[1]) or not drop_last
+    finally:
+        for ld in loaders:
+            ld.close()
+
+
+def test_rank_and_world_come_from_the_environment(tiny_dataset, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with make(tiny_dataset, cache_bytes=0) as loader:
+        assert (loader.world.rank, loader.world.world_size) == (1, 2)
+        assert len(flat(epoch_ids(loader))) == 60
+
+
+@pytest.mark.parametrize("stop_after", [0, 3, 14])
+def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, stop_after):
+    with make(tiny_dataset, cache_bytes=0.3) as ref:
+        ref.set_epoch(2)
+        expected = epoch_ids(ref)
+    with make(tiny_dataset, cache_bytes=0.3) as first:
+        first.set_epoch(2)
+        it = iter(first)
+        got = [next(it)[2].tolist() for _ in range(stop_after)]
+        state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint file
+    assert state["epoch"] == 2 and state["batches"] == stop_after
+    with make(tiny_dataset, cache_bytes=0.3) as second:
+        second.load_state_dict(state)
+        rest = epoch_ids(second)
+        assert got + rest == expected
+        assert second.epoch == 3 and second.state_dict()["batches"] == 0
+        # the next epoch after a resumed one is a full, fresh epoch
+        assert sorted(flat(epoch_ids(second))) == list(range(120))
+
+
+def test_resume_refuses_a_different_configuration(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0) as a:
+        state = a.state_dict()
+    with make(tiny_dataset, cache_bytes=0, batch_size=4) as b:
+        with pytest.raises(ValueError, match="batch_size=8 but this loader has batch_size=4"):
+            b.load_state_dict(state)
+    with make(tiny_dataset, cache_bytes=0, seed=3) as c:
+        with pytest.raises(ValueError, match="seed"):
+            c.load_state_dict(state)
+        with pytest.raises(ValueError, match="missing"):
+            c.load_state_dict({"epoch": 0})
+        bad = dict(state, seed=3, batches=999)
+        with pytest.raises(ValueError, match="invalid position"):
+            c.load_state_dict(bad)
+
+
+def test_augmentation_is_fresh_every_epoch_and_val_is_deterministic(tiny_dataset):
+    def by_id(loader):
+        out = {}
+        for images, _, ids in loader:
+            for img, i in zip(images, ids.tolist(), strict=True):
+                out[i] = img
+        return out
+
+    with make(tiny_dataset, cache_bytes=0) as train:
+        e0, e1 = by_id(train), by_id(train)
+        same = sum(torch.equal(e0[i], e1[i]) for i in e0)
+        assert same < 5  # random crops and flips differ between epochs
+    val = coordl.ImageNetVal(size=32, resize=36)
+    with make(tiny_dataset, cache_bytes=0, pipeline=val, shuffle=False) as ev:
+        v0, v1 = by_id(ev), by_id(ev)
+        assert all(torch.equal(v0[i], v1[i]) for i in v0)
+
+
+def test_custom_dali_recipe(tiny_dataset):
+    from nvidia.dali import fn, types
+
+    def gray_thumbnails(encoded, ctx):
+        images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.GRAY)
+        return fn.resize(images, device=ctx.device, size=(16, 16))
+
+    with make(tiny_dataset, pipeline=gray_thumbnails, cache_bytes=0, batch_size=10) as loader:
+        images, labels, ids = next(iter(loader))
+        assert images.dtype == torch.uint8 and tuple(images.shape) == (10, 16, 16, 1)
+
+
+def test_stats_count_cache_and_storage(tiny_dataset):
+    total = coordl.Index.scan(tiny_dataset).total_bytes
+    with make(tiny_dataset, cache_bytes=0.5) as loader:
+        rows = []
+        for _ in range(3):
+            epoch_ids(loader)
+            rows.append(loader.stats())
+    for key in ("epoch", "samples", "cache_hits", "storage_reads", "storage_bytes", "peer_reads",
+                "peer_bytes", "cache_bytes", "stall_s"):  # fmt: skip
+        assert key in rows[0]
+    assert rows[0]["storage_reads"] == 120 and rows[0]["storage_bytes"] == total
+    assert 0 < rows[0]["cache_bytes"] <= rows[0]["cache_budget"] == total // 2
+    for s in rows[1:]:
+        assert s["samples"] == 120
+        assert s["cache_hits"] == s["cache_items"]
+        assert s["storage_reads"] == 120 - s["cache_items"]
+        assert s["storage_bytes"] == total - s["cache_bytes"]
+        assert s["stall_s"] >= 0 and s["admitted"] == 0
+
+
+def test_cache_off_reads_everything_every_epoch(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0) as loader:
+        assert loader.cache is None
+        epoch_ids(loader)
+        epoch_ids(loader)
+        assert loader.stats()["storage_reads"] == 120 and loader.stats()["cache_hits"] == 0
+    assert not os.listdir(os.environ["COORDL_SHM_DIR"])
+
+
+def corrupt(root, how):
+    victims = sorted((root / "class_01").iterdir())[:2]
+    for v in victims:
+        data = v.read_bytes()
+        v.write_bytes(data[: len(data) // 3] if how == "truncate" else b"this is not an image" * 20)
+    return [str(v) for v in victims]
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_corrupt_sample_raises_with_its_path(dataset_copy, how):
+    bad = corrupt(dataset_copy, how)
+    with make(dataset_copy, cache_bytes=0) as loader:
+        with pytest.raises(SampleError) as info:
+            epoch_ids(loader)
+        assert info.value.path in bad and info.value.path in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_corrupt_samples_are_skipped_and_counted(dataset_copy, how):
+    bad = corrupt(dataset_copy, how)
+    with make(dataset_copy, cache_bytes=0.5, on_error="skip") as loader:
+        bad_ids = {loader.index.paths.index(p) for p in bad}
+        for _ in range(2):
+            ids = flat(epoch_ids(loader))
+            assert sorted(ids) == sorted(set(range(120)) - bad_ids)
+            s = loader.stats()
+            assert s["skipped"] == 2 and sorted(s["skipped_paths"]) == sorted(bad)
+            assert s["samples"] == 118
+
+
+def test_missing_or_changed_file(dataset_copy):
+    index = coordl.Index.scan(dataset_copy)  # indexed before the files change
+    victim, grown = index.paths[5], index.paths[7]
+    os.unlink(victim)
+    with make(index, cache_bytes=0) as loader:
+        with pytest.raises(SampleError, match=victim):
+            epoch_ids(loader)
+    with make(index, cache_bytes=0, on_error="skip") as loader:
+        ids = flat(epoch_ids(loader))
+        assert sorted(ids) == [i for i in range(120) if i != 5]
+        assert loader.stats()["skipped_paths"] == [victim]
+    with open(grown, "ab") as f:
+        f.write(b"\0" * 10)
+    with make(index, cache_bytes=0, on_error="skip") as loader:
+        with pytest.raises(coordl.DatasetChangedError, match=f"{grown} is .* changed after it was indexed"):
+            epoch_ids(loader)  # a changed dataset is never silently skipped
+    with make(dataset_copy, cache_bytes=0) as fresh:
+        assert len(fresh.index) == 119  # a new scan sees the tree as it is now
+        assert sorted(flat(epoch_ids(fresh))) == list(range(119))
+
+
+def test_breaking_out_and_closing_leaves_nothing_running(tiny_dataset):
+    loader = make(tiny_dataset, cache_bytes=0.5)
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    # a new pass starts the epoch again, like DataLoader
+    assert sorted(flat(epoch_ids(loader))) == list(range(120))
+    it = iter(loader)
+    next(it)
+    loader.close()
+    loader.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+
+
+def test_argument_errors(tiny_dataset):
+    with pytest.raises(ValueError, match="batch_size"):
+        CoordLoader(tiny_dataset, batch_size=0)
+    with pytest.raises(ValueError, match="on_error"):
+        CoordLoader(tiny_dataset, batch_size=2, on_error="ignore")
+    with pytest.raises(ValueError, match="unknown pipeline"):
+        CoordLoader(tiny_dataset, batch_size=2, pipeline="imagenet-tran", cache_bytes=0)
+    with pytest.raises(TypeError, match="data must be"):
+        CoordLoader(42, batch_size=2)
+    with pytest.raises(ValueError, match="cannot parse byte size"):
+        CoordLoader(tiny_dataset, batch_size=2, cache_bytes="lots")
+    with make(tiny_dataset, cache_bytes=0) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(RuntimeError, match="set_epoch"):
+            loader.set_epoch(3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_path_outputs_on_the_device(tiny_dataset):
+    with make(tiny_dataset, device_id=0, cache_bytes=0.5) as loader:
+        for _ in range(2):
+            ids = []
+            for images, labels, idx in loader:
+                assert images.is_cuda and images.device.index == 0
+                assert images.shape[1:] == (3, 32, 32) and images.dtype == torch.float32
+                assert labels.tolist() == loader.index.labels[idx.numpy()].tolist()
+                ids += idx.tolist()
+            assert sorted(ids) == list(range(120))
+        assert loader.stats()["cache_hits"] == loader.stats()["cache_items"] > 0
