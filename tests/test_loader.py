@@ -112,24 +112,54 @@ def test_rank_and_world_come_from_the_environment(tiny_dataset, monkeypatch):
         assert len(flat(epoch_ids(loader))) == 60
 
 
-@pytest.mark.parametrize("stop_after", [0, 3, 14])
-def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, stop_after):
-    with make(tiny_dataset, cache_bytes=0.3) as ref:
-        ref.set_epoch(2)
+def check_resume(make_loader, epoch: int, stop_after: int) -> None:
+    """The one resume check: stop after ``stop_after`` batches of ``epoch``, save the state
+    through JSON, resume in a new loader, and compare with an uninterrupted run."""
+    with make_loader() as ref:
+        ref.set_epoch(epoch)
         expected = epoch_ids(ref)
-    with make(tiny_dataset, cache_bytes=0.3) as first:
-        first.set_epoch(2)
+        following = epoch_ids(ref)
+    with make_loader() as first:
+        first.set_epoch(epoch)
         it = iter(first)
         got = [next(it)[2].tolist() for _ in range(stop_after)]
         state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint file
-    assert state["epoch"] == 2 and state["batches"] == stop_after
-    with make(tiny_dataset, cache_bytes=0.3) as second:
+    assert (state["epoch"], state["batches"]) == (epoch, stop_after)
+    with make_loader() as second:
         second.load_state_dict(state)
-        rest = epoch_ids(second)
-        assert got + rest == expected
-        assert second.epoch == 3 and second.state_dict()["batches"] == 0
-        # the next epoch after a resumed one is a full, fresh epoch
-        assert sorted(flat(epoch_ids(second))) == list(range(120))
+        assert got + epoch_ids(second) == expected
+        assert second.epoch == epoch + 1 and second.state_dict()["batches"] == 0
+        assert epoch_ids(second) == following  # the epoch after a resumed one is the usual one
+
+
+RESUME_CONFIGS = {
+    "shuffle": dict(cache_bytes=0.3),
+    "no-shuffle": dict(cache_bytes=0, shuffle=False),
+    "drop-last": dict(cache_bytes=0.3, drop_last=True, batch_size=7),
+    "rank-1-of-3": dict(cache_bytes=0.3, rank=1, world_size=3, batch_size=5),
+    "skip-policy": dict(cache_bytes=0.3, on_error="skip", seed=11),
+}
+
+
+@pytest.mark.parametrize("config", sorted(RESUME_CONFIGS))
+@pytest.mark.parametrize("stop_after", [0, 3, 8])
+def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, config, stop_after):
+    check_resume(lambda: make(tiny_dataset, **RESUME_CONFIGS[config]), epoch=2, stop_after=stop_after)
+
+
+def test_resume_after_the_last_batch_does_not_replay_the_epoch(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0) as a:
+        a.set_epoch(4)
+        it = iter(a)
+        for _ in range(len(a)):
+            next(it)
+        state = a.state_dict()  # saved inside the loop, after the last batch
+    assert (state["epoch"], state["batches"]) == (4, len(a))
+    with make(tiny_dataset, cache_bytes=0) as b:
+        b.load_state_dict(state)
+        b.set_epoch(4)  # the training script's loop does this again after a restart
+        assert epoch_ids(b) == []
+        assert b.epoch == 5
 
 
 def test_resume_refuses_a_different_configuration(tiny_dataset):

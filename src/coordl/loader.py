@@ -241,8 +241,8 @@ class CoordLoader:
             raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {len(self)}")
         if self._iter is not None:
             self._iter.close()
-        if batches == len(self):
-            epoch, batches = epoch + 1, 0
+        # A state saved after the last batch (before the loop saw StopIteration) resumes as an
+        # empty pass of that epoch, so a script that calls set_epoch(epoch) again does not replay it.
         self._epoch, self._delivered, self._resume_from = epoch, batches, batches
 
     def _config_fingerprint(self) -> str:

@@ -1,0 +1,126 @@
+"""coordl's overhead over bare DALI: warm-cache CoordLoader vs the same DALI ops fed from memory.
+
+Both run the ImageNet training recipe (random-crop decode, resize, flip, normalise, CHW
+float) with the same batch size, DALI threads and prefetch depth, and hand torch tensors
+to the loop. The bare pipeline gets every encoded sample from a Python list in memory
+through ``fn.external_source`` and ``DALIGenericIterator``; coordl gets them from its
+MinIO cache (100% of the dataset, filled by a first epoch that is not timed). Epochs are
+interleaved A B A B so that drift on a shared machine hits both alike.
+
+    python benchmarks/dali_overhead.py --data /var/tmp/coordl-bench/train --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+
+import coordl  # noqa: E402
+
+
+def bare_dali(index, batch_size: int, threads: int, size: int):
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    encoded = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
+    labels = index.labels
+    n = len(encoded)
+
+    class Source:
+        """A callable source: one epoch of batches, then StopIteration, then the next epoch."""
+
+        def __init__(self):
+            self.epoch, self.k = 0, None
+
+        def __call__(self):
+            if self.k is None:
+                self.order = np.random.default_rng(self.epoch).permutation(n)
+                self.epoch += 1
+                self.k = 0
+            if self.k >= n:
+                self.k = None
+                raise StopIteration
+            ids = self.order[self.k : self.k + batch_size]
+            self.k += batch_size
+            return [encoded[i] for i in ids], labels[ids]
+
+    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
+    def pipe():
+        jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True,
+                                         dtype=[types.UINT8, types.INT64])  # fmt: skip
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])  # fmt: skip
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        return fn.crop_mirror_normalize(
+            images, dtype=types.FLOAT, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+        ), labs  # fmt: skip
+
+    p = pipe()
+    p.build()
+    return DALIGenericIterator(p, ["images", "labels"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+
+
+def time_epoch(it) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    n = 0
+    for batch in it:
+        images = batch[0]["images"] if isinstance(batch, list) else batch[0]
+        n += images.shape[0]
+    return time.perf_counter() - t0, n
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--photos")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dali_overhead.json"))
+    args = p.parse_args()
+
+    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    recipe = coordl.ImageNetTrain(size=args.size)
+    loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=1.0,
+                                device_id=None, num_threads=args.threads)  # fmt: skip
+    bare = bare_dali(loader.index, args.batch_size, args.threads, args.size)
+    try:
+        time_epoch(loader)  # fills the cache
+        time_epoch(bare)  # warms the bare pipeline
+        assert loader.stats()["cache_items"] == len(loader.index), "cache did not take the whole dataset"
+        runs = {"coordl": [], "dali": []}
+        for rep in range(args.reps):
+            for name, it in (("coordl", loader), ("dali", bare)) if rep % 2 == 0 else (("dali", bare), ("coordl", loader)):
+                seconds, n = time_epoch(it)
+                assert n == len(loader.index)
+                runs[name].append(n / seconds)
+                print(f"rep {rep} {name:6s} {n / seconds:8.1f} samples/s")
+        s = loader.stats()
+        assert s["storage_reads"] == 0, "a warm epoch read storage"
+    finally:
+        loader.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratio = med["coordl"] / med["dali"]
+    result = {"benchmark": "dali_overhead", "args": vars(args), "dataset": dataset, "machine": common.machine(),
+              "samples_per_s": runs, "median": med, "ratio_coordl_over_dali": round(ratio, 4)}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}; ratio {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

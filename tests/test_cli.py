@@ -1,0 +1,53 @@
+"""The ``coordl`` command as a user runs it: demo, cache ls / clean, make-dataset."""
+
+import os
+import subprocess
+import sys
+
+import coordl
+
+
+def run(*args, env=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or os.environ.copy(), check=False)  # fmt: skip
+
+
+def test_demo_fills_the_cache_then_hits_it(tmp_path):
+    r = run("demo", "--images", "60", "--classes", "3", "--batch-size", "16", "--quiet", "--dir", str(tmp_path / "d"))
+    assert r.returncode == 0, r.stderr
+    assert "60 files in 3 classes" in r.stdout
+    lines = [ln.split() for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 9]
+    assert [row[0] for row in lines] == ["0", "1"]
+    e0, e1 = lines
+    assert e0[4] == "0" and e0[5] == "60"  # epoch 0: no hits, everything from storage
+    assert int(e1[4]) > 0 and int(e1[4]) + int(e1[5]) == 60  # epoch 1: hits + storage = dataset
+    assert not os.listdir(os.environ["COORDL_SHM_DIR"])
+
+
+def test_cache_ls_and_clean(tiny_dataset):
+    r = run("cache", "ls")
+    assert r.returncode == 0 and "no coordl shared memory" in r.stdout
+    with coordl.CoordLoader(tiny_dataset, batch_size=30, cache_bytes=0.5, keep_cache=True, device_id=None,
+                            pipeline=coordl.ImageNetTrain(size=32)) as loader:  # fmt: skip
+        for _ in loader:
+            pass
+        fp = loader.index.fingerprint
+        r = run("cache", "ls")
+        assert fp in r.stdout and "in use" in r.stdout and "kept warm" in r.stdout
+        r = run("cache", "clean")
+        assert "left 1 group(s) in use" in r.stdout and fp not in r.stdout.split("left")[0]
+    r = run("cache", "ls")
+    assert fp in r.stdout and "unused, kept warm" in r.stdout
+    r = run("cache", "clean", "--keep-warm")
+    assert "nothing to remove" in r.stdout
+    r = run("cache", "clean")
+    assert f"removed {fp}" in r.stdout
+    assert not os.listdir(os.environ["COORDL_SHM_DIR"])
+
+
+def test_make_dataset(tmp_path):
+    r = run("make-dataset", str(tmp_path / "ds"), "--images", "12", "--classes", "3", "--width", "64",
+            "--height", "48", "-q")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "12 files in 3 classes" in r.stdout
+    assert len(coordl.Index.scan(tmp_path / "ds")) == 12
