@@ -346,18 +346,22 @@ def test_join_whose_setup_fails_is_not_attached(isolated):
 
     with pytest.raises(OSError, match="setup failed"):
         m.join(boom)
-    with group.try_lock_unused(FP, d) as unused:
-        assert unused  # the failed joiner holds no lock
-    assert m.leave(remove_if_last=True) is False
-    group.remove_group(FP, d)
+    assert os.listdir(d) == []  # alone: what the failed setup left is removed
+    assert m.leave(remove_if_last=True) is False  # not attached
+
+    other = group.Membership(FP, d)
+    other.join(lambda alone: open(other.path("table"), "w").close())
+    try:
+        with pytest.raises(OSError, match="setup failed"):
+            m.join(boom)  # not alone: the others' files stay
+        assert files_of(d, FP) == sorted(names.segment_name(FP, k) for k in ("init", "lock", "table"))
+        with group.try_lock_unused(FP, d) as unused:
+            assert not unused
+    finally:
+        assert other.leave(remove_if_last=True) is True  # the failed joiner holds no lock
     assert os.listdir(d) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: list_groups() (`coordl cache ls`) racing the last user's leave() re-creates the removed "
-    "group's init and lock files (try_lock_unused opens them with O_CREAT) and leaves them behind",
-)
 def test_list_groups_racing_the_last_leave_leaves_nothing(isolated):
     d = str(isolated)
     m = group.Membership(FP, d)
@@ -374,5 +378,5 @@ def test_list_groups_racing_the_last_leave_leaves_nothing(isolated):
     left = sorted(os.listdir(d))
     with contextlib.suppress(FileNotFoundError):
         group.remove_group(FP, d)
-    assert listed and [g.fingerprint for g in listed[0]] == [FP]
+    assert listed == [[]]  # the group was gone by the time it could be looked at: not listed
     assert left == [], f"listing the groups left {left} behind"

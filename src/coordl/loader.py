@@ -149,7 +149,7 @@ class CoordLoader:
 
     def _open_cache(self, cache_bytes, keep: bool) -> MinIOCache | None:
         directory = names.shm_dir()
-        budget = resolve_budget(cache_bytes, self.index.total_bytes, directory)
+        budget = resolve_budget(cache_bytes, self.index.total_bytes, directory, num_items=len(self.index))
         if budget == 0 and cache_bytes != 0:
             log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
         if budget == 0:

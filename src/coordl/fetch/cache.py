@@ -71,7 +71,13 @@ def headroom(total: int) -> int:
     return min(1 << 30, max(64 << 20, total // 10))
 
 
-def resolve_budget(request, dataset_bytes: int, directory: str) -> int:
+def table_bytes(num_items: int) -> int:
+    """Shared memory taken by the cache table of ``num_items`` samples, in whole pages."""
+    page = mmap.PAGESIZE
+    return -(-(HEADER_BYTES + num_items * ENTRY.itemsize) // page) * page
+
+
+def resolve_budget(request, dataset_bytes: int, directory: str, num_items: int | None = None) -> int:
     """Turns a cache budget as the user gives it into bytes, checked against free space.
 
     Args:
@@ -81,6 +87,7 @@ def resolve_budget(request, dataset_bytes: int, directory: str) -> int:
             disables the cache.
         dataset_bytes: total bytes of the dataset's files.
         directory: the shm directory.
+        num_items: samples in the dataset; their table's space is kept out of the budget.
 
     Returns:
         The budget in bytes, never more than the dataset, and never more than the free
@@ -97,7 +104,8 @@ def resolve_budget(request, dataset_bytes: int, directory: str) -> int:
             f"the shared-memory directory {directory} does not exist; mount a tmpfs there "
             "or point COORDL_SHM_DIR at one, or pass cache_bytes=0 to run without a cache"
         ) from None
-    usable = max(0, space.free - headroom(space.total))
+    table = table_bytes(num_items) if num_items is not None else 0
+    usable = max(0, space.free - headroom(space.total) - table)
     if auto:
         return min(dataset_bytes, usable // 2)
     wanted = min(wanted, dataset_bytes)
@@ -108,7 +116,7 @@ def resolve_budget(request, dataset_bytes: int, directory: str) -> int:
             f"for other shared memory); using {_fmt(usable)}. Enlarge {directory} "
             "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or ask for less.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user's CoordLoader(...) line
         )
         wanted = usable
     return wanted
@@ -139,9 +147,16 @@ def parse_bytes(value, dataset_bytes: int | None = None) -> int:
         unit = text[len(num):] or "b"
         if unit.endswith("%") or num.endswith("%"):
             raise ValueError(f"write a fraction as a float (0.5), not {value!r}")
+        expected = f"cannot parse byte size {value!r}; expected e.g. '40GB', '512MiB' or 1000000"
         if unit not in _UNITS or not num:
-            raise ValueError(f"cannot parse byte size {value!r}; expected e.g. '40GB', '512MiB' or 1000000")
-        return int(float(num) * _UNITS[unit])
+            raise ValueError(expected)
+        try:
+            number = float(num)
+        except ValueError:
+            raise ValueError(expected) from None
+        if number < 0 or number != number:
+            raise ValueError(f"a byte size cannot be negative, got {value!r}")
+        return int(number * _UNITS[unit])
     raise TypeError(f"a byte size must be an int, a float fraction or a string, got {type(value).__name__}")
 
 
@@ -357,14 +372,16 @@ class MinIOCache:
         in the budget: the caller then reads it from storage without caching it. After
         filling the views, call :meth:`publish` (or :meth:`abort` on failure).
         """
-        if self._state[i] != EMPTY or self._header["full"]:
+        if self._state[i] != EMPTY or (self._header["full"] and self._offset[i] == NO_OFFSET):
             return None
         with self._locked():
             if self._state[i] != EMPTY:
                 return None
             offset = self._offset[i]
             size = int(self._sizes[i])
-            if offset == NO_OFFSET:
+            if offset == NO_OFFSET:  # an entry that owns bytes (aborted, reclaimed) reuses them
+                if self._header["full"]:
+                    return None
                 offset = self._allocate(size)
                 if offset is None:
                     return None

@@ -82,14 +82,44 @@ def remove_group(fingerprint: str, directory: str | None = None, *, keep_locks: 
     return freed
 
 
+def _lock_init_if_exists(fingerprint: str, directory: str) -> int | None:
+    """Locks the group's init file exclusively without creating a group that is gone; None if gone."""
+    path = os.path.join(directory, names.segment_name(fingerprint, "init"))
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not group_files(fingerprint, directory):
+                return None
+            # Files without an init lock: a removal was interrupted. Lock to finish it.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            now = None
+        st = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+        os.close(fd)  # the last user removed the group while we waited; look again
+
+
 @contextlib.contextmanager
-def try_lock_unused(fingerprint: str, directory: str | None = None) -> Iterator[bool]:
-    """Yields True, holding the group's locks, if no live process is attached to the group."""
+def try_lock_unused(fingerprint: str, directory: str | None = None) -> Iterator[bool | None]:
+    """Yields True, holding the group's locks, if no live process is attached to the group;
+    False if one is; None if the group no longer exists. Creates nothing for a group that is gone."""
     directory = directory or names.shm_dir()
-    init_fd = _lock_retrying(os.path.join(directory, names.segment_name(fingerprint, "init")), fcntl.LOCK_EX)
+    init_fd = _lock_init_if_exists(fingerprint, directory)
+    if init_fd is None:
+        yield None
+        return
     try:
         lock_path = os.path.join(directory, names.segment_name(fingerprint, "lock"))
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield True  # attaching creates the lock file under the init lock we hold: nobody is attached
+            return
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -125,17 +155,21 @@ class Membership:
 
         ``alone`` is True when no other live process is attached: ``setup`` may then
         create, validate or repair the segments freely. With ``alone`` False it
-        attaches to what the others use. If ``setup`` raises, this process is not attached.
+        attaches to what the others use. If ``setup`` raises, this process is not attached
+        (and, when alone, the group's files are removed).
         """
         if self._lock_fd is not None:
             raise RuntimeError("already joined")
         init_fd = _lock_retrying(self.path("init"), fcntl.LOCK_EX)
         try:
             lock_fd = _lock_retrying(self.path("lock"), fcntl.LOCK_SH)
+            alone = False
             try:
                 alone = self._alone_except_me(lock_fd)
                 setup(alone)
             except BaseException:
+                if alone:  # nobody else uses what setup left half-made
+                    remove_group(self.fingerprint, self.directory)
                 os.close(lock_fd)
                 raise
             self._lock_fd = lock_fd

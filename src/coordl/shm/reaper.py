@@ -47,6 +47,8 @@ def list_groups(directory: str | None = None) -> list[GroupInfo]:
             except FileNotFoundError:
                 pass
         with group.try_lock_unused(fp, directory) as unused:
+            if unused is None:
+                continue  # removed by its last user meanwhile
             in_use = not unused
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
         out.append(GroupInfo(fp, len(entries), size, kinds, in_use, "keep" in kinds))
