@@ -529,7 +529,7 @@ def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isol
         offset, alloc, num_chunks = entries["offset"][victim], head["alloc"], head["num_chunks"]
         chunk_total = sum(chunk_sizes(isolated))
 
-        again = MinIOCache(fp, index.sizes, budget, directory=str(isolated), chunk_bytes=4096)  # alone
+        again = MinIOCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)  # alone
         try:
             head2, entries2 = table(isolated, fp)
             assert entries2["state"][victim] == EMPTY and entries2["offset"][victim] == offset
@@ -789,7 +789,7 @@ def test_loader_close_leaves_nothing_and_keep_cache_starts_warm(tiny_dataset, is
     assert {names.parse_name(e)[1] for e in kept} >= {"table", "chunk", "keep"}
     try:
         assert reaper.reap(str(isolated)) == []  # kept groups survive a plain reap
-        with coordl.CoordLoader(tiny_dataset, 8, **kw) as loader:
+        with coordl.CoordLoader(tiny_dataset, 8, keep_cache=True, **kw) as loader:  # the next run, kept again
             for _ in loader:
                 pass
             s = loader.stats()
@@ -897,3 +897,15 @@ def test_resolve_budget(isolated):
 
     with pytest.raises(SharedMemoryError, match="/nonexistent/coordl"):
         resolve_budget(1000, 10**6, "/nonexistent/coordl")
+
+
+def test_the_last_process_to_leave_decides_whether_the_cache_is_kept(tiny_dataset, isolated):
+    index = Index.scan(tiny_dataset)
+    fp, d = index.fingerprint, str(isolated)
+    kept = MinIOCache(fp, index.sizes, 10_000, keep=True, directory=d)
+    kept.close()
+    assert "keep" in {names.parse_name(e)[1] for e in group_entries(isolated, fp)}
+    plain = MinIOCache(fp, index.sizes, 10_000, directory=d)  # a later run that does not ask to keep it
+    assert os.path.exists(os.path.join(d, names.segment_name(fp, "table")))  # it started from the kept one
+    plain.close()
+    assert os.listdir(isolated) == []

@@ -315,10 +315,48 @@ def test_argument_errors(tiny_dataset):
     with pytest.raises(ValueError, match="cannot parse byte size"):
         CoordLoader(tiny_dataset, batch_size=2, cache_bytes="lots")
     with make(tiny_dataset, cache_bytes=0) as loader:
+        with pytest.raises(ValueError, match="epoch"):
+            loader.set_epoch(-1)
+
+
+def test_set_epoch_during_or_after_a_pass_applies_to_the_next_pass(tiny_dataset):
+    with make(tiny_dataset, cache_bytes=0) as ref:
+        ref.set_epoch(1)
+        epoch1 = epoch_ids(ref)
+        ref.set_epoch(7)
+        epoch7 = epoch_ids(ref)
+    with make(tiny_dataset, cache_bytes=0) as loader:
+        loader.set_epoch(1)
+        got = []
+        for k, (_, _, ids) in enumerate(loader):
+            got.append(ids.tolist())
+            if k == 2:
+                loader.set_epoch(7)  # like DistributedSampler: the running pass keeps its epoch
+        assert got == epoch1
+        assert epoch_ids(loader) == epoch7
+        for k, _ in enumerate(loader):  # a step-limited epoch: break, then move on
+            if k == 1:
+                break
+        loader.set_epoch(3)
+        assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batches"] == 0
+        assert sorted(flat(epoch_ids(loader))) == list(range(120)) and loader.epoch == 4
+
+
+def test_skipped_whole_batch_keeps_the_resume_position(dataset_copy):
+    index = coordl.Index.scan(dataset_copy)
+    with make(index, cache_bytes=0, shuffle=False, batch_size=10, on_error="skip") as loader:
+        for p in index.paths[10:20]:  # every sample of batch 1: same size, not a JPEG
+            size = os.path.getsize(p)
+            with open(p, "wb") as f:
+                f.write((b"garbage" * size)[:size])
         it = iter(loader)
-        next(it)
-        with pytest.raises(RuntimeError, match="set_epoch"):
-            loader.set_epoch(3)
+        assert next(it)[2].tolist() == list(range(10))
+        assert next(it)[2].tolist() == list(range(20, 30))  # batch 1 was skipped whole
+        assert loader.state_dict()["batches"] == 3  # position of batch 2, not a count of deliveries
+        state = loader.state_dict()
+    with make(index, cache_bytes=0, shuffle=False, batch_size=10, on_error="skip") as again:
+        again.load_state_dict(state)
+        assert flat(epoch_ids(again)) == list(range(30, 120))
 
 
 @pytest.mark.gpu

@@ -49,7 +49,8 @@ def _demo(args) -> int:
               f"MinIO cache = {args.cache:.0%} of the dataset, DALI on the CPU\n", flush=True)  # fmt: skip
         rows = []
         with coordl.CoordLoader(root, batch_size=args.batch_size, pipeline="imagenet-train",
-                                cache_bytes=args.cache, device_id=None) as loader:  # fmt: skip
+                                cache_bytes=args.cache, device_id=None,
+                                index_dir="" if not args.dir else None) as loader:  # fmt: skip
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 bar = _progress(len(loader), f"epoch {epoch}", disable=args.quiet)

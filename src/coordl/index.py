@@ -11,6 +11,7 @@ thousand folder times instead of listing a million files; a changed tree is resc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,6 +57,7 @@ class Index:
     classes: tuple[str, ...]
     root: str | None
     fingerprint: str
+    saved_path: str | None = None  # where this index is saved, if it is
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -134,14 +136,23 @@ class Index:
         if saved and not rebuild:
             index = _load_if_fresh(saved, root)
             if index is not None:
-                return index
+                return dataclasses.replace(index, saved_path=saved)
         index, dirs = _scan(root, extensions)
         if saved:
             try:
                 _save(index, dirs, saved)
+                index = dataclasses.replace(index, saved_path=saved)
             except OSError as e:
                 log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
         return index
+
+    def forget_saved(self) -> None:
+        """Deletes the saved copy of this index, so that the next start scans the tree again."""
+        if self.saved_path:
+            try:
+                os.unlink(self.saved_path)
+            except FileNotFoundError:
+                pass
 
 
 def _size(path: str) -> int:

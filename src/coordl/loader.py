@@ -72,8 +72,9 @@ class CoordLoader:
         keep_cache: keep the cache in shared memory after the last user leaves.
         rank: this process's rank (default: ``torch.distributed`` or ``RANK``).
         world_size: number of ranks (default: ``torch.distributed`` or ``WORLD_SIZE``).
-        device_id: GPU for decoding and outputs; ``"auto"`` uses the current CUDA device
-            if there is one, None forces the CPU.
+        device_id: GPU for decoding and outputs; ``"auto"`` uses GPU ``LOCAL_RANK`` under a
+            launcher that sets it (torchrun), else the current CUDA device, else the CPU;
+            None forces the CPU.
         num_threads: DALI threads (default: CPU cores / ranks on this node).
         io_threads: threads reading from storage.
         prefetch_batches: batches fetched ahead of pre-processing.
@@ -81,7 +82,8 @@ class CoordLoader:
         on_error: ``"raise"`` (default) stops at an unreadable or undecodable sample with
             its path; ``"skip"`` leaves it out of its batch and counts it in ``stats()``.
         extensions: file endings that count as images when scanning a folder.
-        index_dir: where scanned indexes are saved (default: ``~/.cache/coordl``).
+        index_dir: where scanned indexes are saved (default: ``$COORDL_INDEX_DIR``, else
+            ``$XDG_CACHE_HOME/coordl``, else ``~/.cache/coordl``); ``""`` saves none.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class CoordLoader:
         cores = os.cpu_count() or 1
         self.num_threads = num_threads or max(1, cores // max(1, self.world.local_world_size))
         self._epoch = 0
+        self._pending_epoch: int | None = None  # set_epoch() during a pass: for the next one
         self._delivered = 0  # batches of self._epoch the consumer has received
         self._resume_from = 0
         self._iter: _Pass | None = None
@@ -150,12 +153,14 @@ class CoordLoader:
     def _open_cache(self, cache_bytes, keep: bool) -> MinIOCache | None:
         directory = names.shm_dir()
         budget = resolve_budget(cache_bytes, self.index.total_bytes, directory, num_items=len(self.index))
-        if budget == 0 and cache_bytes != 0:
+        if budget == 0 and cache_bytes == "auto":
             log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
         if budget == 0:
             return None
         _reap_once(directory)
-        return MinIOCache(self.index.fingerprint, self.index.sizes, budget, keep=keep, directory=directory)
+        # Per user: segments are 0600, so two users of one dataset get a cache each.
+        group = hashlib.sha256(f"{self.index.fingerprint}:{os.getuid()}".encode()).hexdigest()[:16]
+        return MinIOCache(group, self.index.sizes, budget, keep=keep, directory=directory, dataset=self.index.fingerprint)
 
     # -- DataLoader-like surface -----------------------------------------------------------
     def __len__(self) -> int:
@@ -170,13 +175,16 @@ class CoordLoader:
     def set_epoch(self, epoch: int) -> None:
         """Chooses the epoch of the next pass (its order is decided by ``(seed, epoch)``).
 
-        Optional: after a complete pass the loader moves to the next epoch by itself.
+        Optional: after a complete pass the loader moves to the next epoch by itself. As with
+        ``DistributedSampler``, a pass already running keeps its epoch; the next ``iter()``
+        uses the new one. Setting the epoch a resumed state is in keeps the resume position.
         """
-        if not isinstance(epoch, int) or epoch < 0:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
         if self._iter is not None and self._iter.active:
-            raise RuntimeError("set_epoch() was called while an epoch is being iterated; finish or close it first")
-        if epoch != self._epoch:
+            self._pending_epoch = epoch
+        elif epoch != self._epoch:
+            self._pending_epoch = None
             self._epoch, self._delivered, self._resume_from = epoch, 0, 0
 
     def __iter__(self):
@@ -184,17 +192,22 @@ class CoordLoader:
             raise RuntimeError("this CoordLoader is closed")
         if self._iter is not None:
             self._iter.close()  # a new pass abandons an unfinished one, as with DataLoader
+        if self._pending_epoch is not None:
+            if self._pending_epoch != self._epoch:
+                self._epoch, self._resume_from = self._pending_epoch, 0
+            self._pending_epoch = None
         start = self._resume_from
         self._resume_from = 0
         self._delivered = start
+        self._resume_from_started = start
         order = sampler.epoch_order(len(self.index), self.seed, self._epoch, self.shuffle)
         ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
         batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
         self._iter = _Pass(self, self._epoch, batches)
         return self._iter
 
-    def _on_batch(self) -> None:
-        self._delivered += 1
+    def _on_batch(self, position: int) -> None:
+        self._delivered = position
 
     def _on_pass_end(self, p: _Pass) -> None:
         self._stats = p.stats(complete=True)
@@ -204,11 +217,14 @@ class CoordLoader:
     # -- resume ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The position of delivery: JSON-able, a few integers and strings."""
+        epoch, batches = self._epoch, self._delivered
+        if self._pending_epoch is not None and self._pending_epoch != epoch:
+            epoch, batches = self._pending_epoch, 0
         return {
             "version": STATE_VERSION,
             "seed": self.seed,
-            "epoch": self._epoch,
-            "batches": self._delivered,
+            "epoch": epoch,
+            "batches": batches,
             "rank": self.world.rank,
             "world_size": self.world.world_size,
             "batch_size": self.batch_size,
@@ -241,6 +257,7 @@ class CoordLoader:
             raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {len(self)}")
         if self._iter is not None:
             self._iter.close()
+        self._pending_epoch = None
         # A state saved after the last batch (before the loop saw StopIteration) resumes as an
         # empty pass of that epoch, so a script that calls set_epoch(epoch) again does not replay it.
         self._epoch, self._delivered, self._resume_from = epoch, batches, batches
@@ -327,6 +344,13 @@ class _Pass:
             stop=self._stop,
         )
         self._skipped_before = len(loader._prep.skipped)
+        # Batch number of every id of this pass, so a delivered batch knows its position even
+        # when an earlier batch was skipped whole. Padding repeats an id at most once more;
+        # the minimum over a batch's ids is its own number.
+        self._start = loader._resume_from_started
+        self._position = np.full(len(loader.index), np.iinfo(np.int64).max, dtype=np.int64)
+        for k in range(len(batches) - 1, -1, -1):
+            self._position[batches[k]] = k
         self._thread = threading.Thread(target=self._drive, name="coordl-prep", daemon=True)
         self._thread.start()
 
@@ -380,7 +404,7 @@ class _Pass:
         images, labels, ids = item
         self._batches += 1
         self._samples += len(labels)
-        self.loader._on_batch()
+        self.loader._on_batch(self._start + int(self._position[ids.numpy()].min()) + 1)
         if self.loader.return_index:
             return images, labels, ids
         return images, labels
@@ -473,7 +497,12 @@ def _resolve_device(device_id) -> int | None:
     if device_id == "auto":
         import torch
 
-        return torch.cuda.current_device() if torch.cuda.is_available() else None
+        if not torch.cuda.is_available():
+            return None
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is not None and local_rank.isdigit():
+            return int(local_rank) % torch.cuda.device_count()
+        return torch.cuda.current_device()
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be 'auto', None or a GPU number, got {device_id!r}")
     return device_id

@@ -61,7 +61,8 @@ def detect(rank: int | None = None, world_size: int | None = None) -> World:
             rank = dist_rank if dist_rank is not None else _env_int("RANK", 0)
         if world_size is None:
             world_size = dist_world if dist_world is not None else _env_int("WORLD_SIZE", 1)
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1 if world_size == 1 else world_size)
+    # Without a launcher saying otherwise, assume one rank per node (each may use all cores).
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     return World(
         rank=rank,
         world_size=world_size,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from coordl.errors import SampleError
+from coordl.errors import DatasetChangedError, SampleError
 from coordl.fetch import storage
 from coordl.fetch.cache import MinIOCache
 from coordl.index import Index
@@ -97,6 +97,8 @@ class Fetcher:
         except BaseException as e:
             if views is not None:
                 self.cache.abort(i)
+            if isinstance(e, DatasetChangedError):
+                self.index.forget_saved()  # so that the restart the error asks for rescans the tree
             if isinstance(e, OSError):
                 raise SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i) from e
             raise

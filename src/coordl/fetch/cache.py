@@ -150,6 +150,9 @@ def parse_bytes(value, dataset_bytes: int | None = None) -> int:
         expected = f"cannot parse byte size {value!r}; expected e.g. '40GB', '512MiB' or 1000000"
         if unit not in _UNITS or not num:
             raise ValueError(expected)
+        if not text[len(num):] and "." in num:
+            raise ValueError(f"{value!r} has no unit; write a fraction of the dataset as a float (0.5), "
+                             "or bytes with a unit ('0.5GB')")
         try:
             number = float(num)
         except ValueError:
@@ -172,13 +175,14 @@ class MinIOCache:
     """A node-wide MinIO cache of one dataset's raw samples.
 
     Args:
-        fingerprint: the dataset's fingerprint (names the shared segments).
+        fingerprint: names the shared segments (the loader derives it from the dataset and the user).
         sizes: bytes of every sample, in index order.
         budget: bytes the cache may hold (see :func:`resolve_budget`). Used only by
             the process that creates the cache; later processes use the existing one.
         keep: keep the segments after the last user leaves, so the next run starts warm.
         directory: the shm directory.
         chunk_bytes: size of each data segment.
+        dataset: the index fingerprint, recorded in and checked against the table.
     """
 
     def __init__(
@@ -190,8 +194,10 @@ class MinIOCache:
         keep: bool = False,
         directory: str,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        dataset: str | None = None,
     ):
         self.fingerprint = fingerprint
+        self.dataset = dataset or fingerprint
         self.directory = directory
         self._sizes = np.asarray(sizes, dtype=np.uint64)
         self._min_size = int(self._sizes.min()) if len(self._sizes) else 1
@@ -201,6 +207,8 @@ class MinIOCache:
         self._table_fd: int | None = None
         self._table: mmap.mmap | None = None
         self._warned_full = False
+        self._header = None
+        self._final = (0, 0, 0)
         self._group = group.Membership(fingerprint, directory)
         self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes))
 
@@ -261,7 +269,7 @@ class MinIOCache:
         h["num_items"] = len(self._sizes)
         h["budget"] = budget
         h["chunk_bytes"] = chunk_bytes
-        h["dataset"] = self.fingerprint.encode()
+        h["dataset"] = self.dataset.encode()
         self._entries["offset"] = NO_OFFSET
         self._entries["length"] = self._sizes
         # Magic last: a table without it was not finished and is replaced.
@@ -275,7 +283,7 @@ class MinIOCache:
             head["magic"] == MAGIC
             and head["version"] == VERSION
             and head["num_items"] == len(self._sizes)
-            and head["dataset"] == self.fingerprint.encode()
+            and head["dataset"] == self.dataset.encode()
         )
 
     def _map_table(self, fd: int, size: int) -> None:
@@ -302,15 +310,16 @@ class MinIOCache:
     # -- reading ---------------------------------------------------------------------
     @property
     def budget(self) -> int:
-        return int(self._header["budget"])
+        return int(self._header["budget"]) if self._header is not None else self._final[0]
 
     @property
     def resident_bytes(self) -> int:
-        return int(self._header["resident_bytes"])
+        """Bytes of the samples in the cache (as last seen, after :meth:`close`)."""
+        return int(self._header["resident_bytes"]) if self._header is not None else self._final[1]
 
     @property
     def resident_items(self) -> int:
-        return int(self._header["resident_items"])
+        return int(self._header["resident_items"]) if self._header is not None else self._final[2]
 
     def ready_mask(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` are published in the cache (vectorised, no locks)."""
@@ -462,10 +471,11 @@ class MinIOCache:
         if self._table_fd is None:
             return
         fd, self._table_fd = self._table_fd, None
+        self._final = (self.budget, self.resident_bytes, self.resident_items)
         self._unmap()
         os.close(fd)
-        keep = self._keep or os.path.exists(self._group.path("keep"))
-        self._group.leave(remove_if_last=not keep)
+        # The last process to leave decides: keep_cache=True keeps the segments (and the marker).
+        self._group.leave(remove_if_last=not self._keep)
 
     def _unmap(self) -> None:
         self._state = self._offset = self._entries = self._header = None

@@ -46,10 +46,13 @@ def list_groups(directory: str | None = None) -> list[GroupInfo]:
                 size += os.stat(os.path.join(directory, entry)).st_blocks * 512
             except FileNotFoundError:
                 pass
-        with group.try_lock_unused(fp, directory) as unused:
-            if unused is None:
-                continue  # removed by its last user meanwhile
-            in_use = not unused
+        try:
+            with group.try_lock_unused(fp, directory) as unused:
+                if unused is None:
+                    continue  # removed by its last user meanwhile
+                in_use = not unused
+        except PermissionError:
+            continue  # another user's cache: theirs to list
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
         out.append(GroupInfo(fp, len(entries), size, kinds, in_use, "keep" in kinds))
     return out
@@ -71,13 +74,16 @@ def reap(directory: str | None = None, *, include_kept: bool = False, exclude: s
     for fp, entries in sorted(_fingerprints(directory).items()):
         if fp == exclude:
             continue
-        with group.try_lock_unused(fp, directory) as unused:
-            if not unused:
-                continue
-            keep = os.path.exists(os.path.join(directory, names.segment_name(fp, "keep")))
-            if keep and not include_kept:
-                continue
-            freed = group.remove_group(fp, directory)
-            kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
-            removed.append(GroupInfo(fp, len(entries), freed, kinds, False, keep))
+        try:
+            with group.try_lock_unused(fp, directory) as unused:
+                if not unused:
+                    continue
+                keep = os.path.exists(os.path.join(directory, names.segment_name(fp, "keep")))
+                if keep and not include_kept:
+                    continue
+                freed = group.remove_group(fp, directory)
+        except PermissionError:
+            continue  # another user's cache: not ours to remove
+        kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
+        removed.append(GroupInfo(fp, len(entries), freed, kinds, False, keep))
     return removed
