@@ -135,7 +135,8 @@ class DaliPrep:
             self._pipe.schedule_run()
             while True:
                 try:
-                    out = self._pipe.outputs()
+                    # Synchronised with the host (no stream given), so the tensors are ready.
+                    out = self._pipe.share_outputs()
                 except StopIteration:
                     break
                 except RuntimeError as e:
@@ -144,6 +145,8 @@ class DaliPrep:
                     continue
                 self._inflight.popleft()
                 tensors = self._to_torch(out)
+                del out
+                self._pipe.release_outputs()
                 self._pipe.schedule_run()
                 yield tensors
             self._pipe.reset()
@@ -198,6 +201,13 @@ class DaliPrep:
         return bad
 
     def _to_torch(self, out) -> tuple:
+        """Torch tensors of one batch's outputs (images on the GPU when there is one).
+
+        With DALI's dynamic executor (its default) output buffers stay valid after they are
+        handed out, so they are wrapped with DLPack and not copied, as DALI's own PyTorch
+        iterator does; otherwise they are copied once.
+        """
+        zero_copy = self._pipe.exec_dynamic
         result = []
         for k, tl in enumerate(out):
             try:
@@ -208,6 +218,13 @@ class DaliPrep:
                     "end the recipe with a crop or resize to a fixed size"
                 ) from None
             on_gpu = k == 0 and self.device_id is not None
+            if zero_copy:
+                if on_gpu:
+                    with torch.cuda.device(self.device_id):
+                        result.append(torch.from_dlpack(t))
+                else:
+                    result.append(torch.from_dlpack(t))
+                continue
             arr = torch.empty(
                 t.shape(), dtype=to_torch_type[t.dtype], device=f"cuda:{self.device_id}" if on_gpu else "cpu"
             )
@@ -216,7 +233,7 @@ class DaliPrep:
             else:
                 feed_ndarray(t, arr)
             result.append(arr)
-        if self._stream is not None:
+        if self._stream is not None and not zero_copy:
             self._stream.synchronize()
         return tuple(result)
 
