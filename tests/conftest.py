@@ -48,6 +48,25 @@ def make_tree(root: Path, classes: int, per_class: int, seed: int = 0, varied: b
     return root
 
 
+@pytest.fixture
+def procs():
+    """Starts spawned processes (``procs(target, *args)``); every one is killed if still
+    alive and joined at teardown."""
+    started = []
+
+    def start(target, *args):
+        p = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """120 JPEGs in 4 classes; read-only for tests (copy it to modify)."""

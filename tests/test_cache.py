@@ -103,23 +103,6 @@ def result(q, timeout: float = WAIT):
     return value
 
 
-@pytest.fixture
-def procs():
-    """Starts spawned processes; every one is killed (if still alive) and joined at teardown."""
-    started = []
-
-    def start(target, *args):
-        p = CTX.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-
 
 @pytest.fixture
 def closing():

@@ -48,23 +48,6 @@ def files_of(directory, fp: str) -> list[str]:
     return sorted(e for e in os.listdir(directory) if (p := names.parse_name(e)) is not None and p[0] == fp)
 
 
-@pytest.fixture
-def procs():
-    """Starts spawned processes; every one is killed (if still alive) and joined at teardown."""
-    started = []
-
-    def start(target, *args):
-        p = CTX.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-
 
 def kill9(p) -> None:
     os.kill(p.pid, signal.SIGKILL)
