@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
+from childproc import report, result
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -89,18 +89,6 @@ def file_bytes(index: Index, i: int) -> np.ndarray:
     return np.fromfile(index.paths[i], dtype=np.uint8)
 
 
-def child_report(q, fn, *args) -> None:
-    """Runs ``fn`` in a child and hands its result (or its traceback) to the parent."""
-    try:
-        q.put(("ok", fn(*args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put(("error", traceback.format_exc()))
-
-
-def result(q, timeout: float = WAIT):
-    status, value = q.get(timeout=timeout)
-    assert status == "ok", f"child process failed:\n{value}"
-    return value
 
 
 
@@ -300,7 +288,7 @@ def _sharing_member(root, budget, k, attached, filled, done, q):
         finally:
             cache.close()
 
-    child_report(q, body)
+    report(q, body)
 
 
 def test_processes_share_one_cache_within_one_budget(tiny_dataset, isolated, procs):
@@ -352,7 +340,7 @@ def _half_writer(directory, sizes, budget, chunk, i, half, go_on, q):
         finally:
             cache.close()
 
-    child_report(q, body)
+    report(q, body)
 
 
 def test_reader_never_sees_half_written_item(isolated, procs, closing):
@@ -398,7 +386,7 @@ def _racing_writer(directory, sizes, budget, chunk, k, start, q):
         finally:
             cache.close()
 
-    child_report(q, body)
+    report(q, body)
 
 
 def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs, closing):
@@ -453,7 +441,7 @@ def _killed_mid_write(root, budget, keep, fill, i, written, q):
         write_range(views, garbage, 0, len(garbage) // 2)
         return True
 
-    child_report(q, body)
+    report(q, body)
     written.set()
     time.sleep(3 * WAIT)  # killed here, cache still open, item i still WRITING
 

@@ -17,6 +17,7 @@ import time
 import traceback
 
 import numpy as np
+from childproc import report, result
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,17 +32,6 @@ FP_LIVE = "a11ce0a11ce0a11c"
 WAIT = 30
 
 
-def report(q, fn, *args) -> None:
-    try:
-        q.put(("ok", fn(*args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put(("error", traceback.format_exc()))
-
-
-def result(q, timeout: float = WAIT):
-    status, value = q.get(timeout=timeout)
-    assert status == "ok", f"child process failed:\n{value}"
-    return value
 
 
 def files_of(directory, fp: str) -> list[str]:
