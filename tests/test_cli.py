@@ -51,3 +51,32 @@ def test_make_dataset(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "12 files in 3 classes" in r.stdout
     assert len(coordl.Index.scan(tmp_path / "ds")) == 12
+
+
+def test_make_dataset_of_a_size(tmp_path):
+    root = tmp_path / "ds"
+    args = ("make-dataset", str(root), "--size", "200KB", "--classes", "3", "--width", "64", "--height", "56", "-q")
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    files = [f for f in root.rglob("*") if f.is_file()]
+    total = sum(f.stat().st_size for f in files)
+    assert total >= 200_000
+    assert f"{len(files)} files in 3 classes, {total / 1e6:.1f} MB, mean {total / len(files) / 1e3:.1f} KB" in r.stdout
+    before = {f: f.stat().st_mtime_ns for f in files}
+    r = run(*args)  # again: recognises the files, writes nothing
+    assert r.returncode == 0, r.stderr
+    assert f"{len(files)} files in 3 classes" in r.stdout
+    assert {f: f.stat().st_mtime_ns for f in root.rglob("*") if f.is_file()} == before
+
+
+def test_make_dataset_size_or_images(tmp_path):
+    root = str(tmp_path / "ds")
+    r = run("make-dataset", root, "--images", "4", "--size", "1MB")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+    r = run("make-dataset", root)
+    assert r.returncode == 2 and "one of the arguments --images --size is required" in r.stderr
+    r = run("make-dataset", root, "--size", "lots")
+    assert r.returncode == 2 and "cannot parse size 'lots'" in r.stderr
+    r = run("make-dataset", root, "--size", "1KB", "--classes", "10", "-q")  # 1 image > 1 KB
+    assert r.returncode == 2 and "fewer than num_classes=10" in r.stderr and "Traceback" not in r.stderr
+    assert not os.path.exists(root)

@@ -253,3 +253,158 @@ def test_photos_deterministic_and_distinct_from_synthetic(tmp_path: Path) -> Non
     # A photo-mode folder is not mistaken for the synthetic dataset of the same name.
     with pytest.raises(ValueError):
         make_dataset(tmp_path / "a", num_images=4, num_classes=2, grain=10, progress=False)
+
+
+# --------------------------------------------------------------------------
+# total_bytes: a dataset of a requested size
+
+SMALL = {"size": (64, 56), "progress": False}  # ~4 KB per image
+
+
+def sizes_by_index(root: Path) -> dict[int, int]:
+    """Map each image's index (from its file name) to its size in bytes."""
+    found = {}
+    for f in root.rglob("*"):
+        if f.is_file():
+            found[int(f.stem.rsplit("_", 1)[1])] = f.stat().st_size
+    return found
+
+
+def stats_of(root: Path) -> dict[Path, tuple[int, int]]:
+    """Map every path under root to its (inode, mtime_ns)."""
+    return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def test_total_bytes_reaches_target_with_fewest_images(tmp_path: Path) -> None:
+    target = 300_000
+    root = tmp_path / "ds"
+    summary = make_dataset(root, total_bytes=target, num_classes=3, **SMALL)
+    sizes = sizes_by_index(root)
+    n = summary.files
+    assert sorted(sizes) == list(range(n))  # images 0..n-1, nothing past them
+    assert sum(sizes.values()) >= target
+    assert sum(sizes[i] for i in range(n - 1)) < target  # n - 1 images would not do
+    files, classes, total_bytes, pixels = recount(root)
+    assert (summary.files, summary.classes, summary.total_bytes) == (files, classes, total_bytes)
+    assert summary.mean_bytes == pytest.approx(total_bytes / files)
+    assert summary.bytes_per_pixel == pytest.approx(total_bytes / pixels)
+    # The same images as asking for n of them.
+    make_dataset(tmp_path / "ref", num_images=n, num_classes=3, **SMALL)
+    assert files_of(root) == files_of(tmp_path / "ref")
+
+
+def test_total_bytes_deterministic_whatever_the_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = 250_000
+    a = make_dataset(tmp_path / "a", total_bytes=target, num_classes=4, seed=5, **SMALL)
+    # Many small rounds with no margin, written by a pool of workers.
+    monkeypatch.setattr(datagen, "_FIRST_ROUND", 3)
+    monkeypatch.setattr(datagen, "_ROUND_MARGIN", -0.5)
+    monkeypatch.setattr(datagen, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(datagen, "_PARALLEL_MIN_IMAGES", 1)
+    rounds = []
+    generate = datagen._generate
+    monkeypatch.setattr(datagen, "_generate", lambda *args: rounds.append(1) or generate(*args))
+    b = make_dataset(tmp_path / "b", total_bytes=target, num_classes=4, seed=5, **SMALL)
+    assert len(rounds) > 3
+    assert a == DatasetSummary(**{**b.__dict__, "root": a.root})
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
+    c = make_dataset(tmp_path / "c", total_bytes=target, num_classes=4, seed=6, **SMALL)
+    assert files_of(tmp_path / "c") != files_of(tmp_path / "a")
+    assert c.total_bytes >= target
+
+
+def test_total_bytes_second_call_is_a_noop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ds"
+    first = make_dataset(root, total_bytes=120_000, num_classes=3, **SMALL)
+    before = stats_of(root)
+    monkeypatch.setattr(datagen, "_generate", lambda *args: pytest.fail("generated again"))
+    second = make_dataset(root, total_bytes=120_000, num_classes=3, **SMALL)
+    assert second == first
+    assert stats_of(root) == before
+
+
+def test_total_bytes_trims_overshoot(tmp_path: Path) -> None:
+    # The first round (64 images) overshoots a small target: the extra files go.
+    root = tmp_path / "ds"
+    summary = make_dataset(root, total_bytes=50_000, num_classes=2, **SMALL)
+    assert 2 <= summary.files < datagen._FIRST_ROUND
+    assert sorted(sizes_by_index(root)) == list(range(summary.files))
+    # Files of a larger dataset of the same arguments are trimmed too; the rest are kept.
+    big = tmp_path / "big"
+    make_dataset(big, num_images=40, num_classes=2, **SMALL)
+    before = stats_of(big)
+    trimmed = make_dataset(big, total_bytes=50_000, num_classes=2, **SMALL)
+    assert trimmed == DatasetSummary(**{**summary.__dict__, "root": str(big)})
+    assert files_of(big) == files_of(root)
+    after = stats_of(big)
+    assert all(after[p] == before[p] for p in after if p.is_file())  # kept files untouched
+
+
+def test_total_bytes_grows_an_existing_dataset(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    make_dataset(root, num_images=10, num_classes=2, **SMALL)
+    before = stats_of(root)
+    summary = make_dataset(root, total_bytes=150_000, num_classes=2, **SMALL)
+    assert summary.files > 10 and summary.total_bytes >= 150_000
+    after = stats_of(root)
+    assert all(after[p] == before[p] for p in before if p.is_file())
+    make_dataset(tmp_path / "ref", total_bytes=150_000, num_classes=2, **SMALL)
+    assert files_of(root) == files_of(tmp_path / "ref")
+
+
+def test_total_bytes_refuses_other_arguments_in_root(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    make_dataset(root, num_images=6, num_classes=2, seed=0, **SMALL)
+    before = stats_of(root)
+    with pytest.raises(ValueError, match="not empty"):
+        make_dataset(root, total_bytes=50_000, num_classes=2, seed=1, **SMALL)
+    with pytest.raises(ValueError, match="not empty"):
+        make_dataset(root, total_bytes=50_000, num_classes=3, seed=0, **SMALL)
+    assert stats_of(root) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "exactly one of num_images and total_bytes"),
+        ({"num_images": 5, "total_bytes": 10_000}, "exactly one of num_images and total_bytes"),
+        ({"total_bytes": 0}, "total_bytes must be >= 1"),
+        ({"total_bytes": 10_000, "num_classes": 0}, "num_classes"),
+        ({"total_bytes": 10_000, "quality": 101}, "quality"),
+    ],
+)
+def test_total_bytes_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_dataset(tmp_path / "ds", progress=False, **kwargs)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_total_bytes_must_be_an_integer(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="total_bytes"):
+        make_dataset(tmp_path / "ds", total_bytes=1e6, progress=False)  # type: ignore[arg-type]
+    assert not (tmp_path / "ds").exists()
+
+
+def test_total_bytes_too_small_for_the_classes(tmp_path: Path) -> None:
+    # One ~4 KB image already exceeds 1000 bytes: 1 image < 5 classes.
+    root = tmp_path / "ds"
+    with pytest.raises(ValueError, match=r"reached with 1 image, fewer than num_classes=5"):
+        make_dataset(root, total_bytes=1000, num_classes=5, **SMALL)
+    assert not root.exists()  # what the call wrote is gone
+    # In an existing dataset, the files that were there are left alone.
+    make_dataset(root, num_images=5, num_classes=5, **SMALL)
+    before = stats_of(root)
+    with pytest.raises(ValueError, match="fewer than num_classes=5"):
+        make_dataset(root, total_bytes=1000, num_classes=5, **SMALL)
+    assert stats_of(root) == before
+
+
+def test_total_bytes_progress_in_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dataset(tmp_path / "ds", total_bytes=30_000, num_classes=1, size=(64, 56), progress=True)
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "make_dataset" in err and "100%" in err and "30.0k/30.0k" in err
+    make_dataset(tmp_path / "ds", total_bytes=30_000, num_classes=1, size=(64, 56), progress=True)
+    assert capsys.readouterr() == ("", "")  # nothing to do: no bar

@@ -79,18 +79,38 @@ def _progress(total: int, desc: str, disable: bool):
 def _make_dataset(args) -> int:
     from coordl.datagen import make_dataset
 
-    summary = make_dataset(
-        args.root,
-        num_images=args.images,
-        num_classes=args.classes,
-        photos_dir=args.photos,
-        size=(args.width, args.height),
-        quality=args.quality,
-        seed=args.seed,
-        progress=not args.quiet,
-    )
+    try:
+        summary = make_dataset(
+            args.root,
+            num_images=args.images,
+            total_bytes=args.size,
+            num_classes=args.classes,
+            photos_dir=args.photos,
+            size=(args.width, args.height),
+            quality=args.quality,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    except (ValueError, FileNotFoundError) as e:  # bad arguments or root: no traceback
+        print(f"coordl make-dataset: error: {e}", file=sys.stderr)
+        return 2
     print(summary)
     return 0
+
+
+def _byte_size(text: str) -> int:
+    """argparse type of ``make-dataset --size``: ``500MB``, ``2GB``, ``1.5GiB`` or plain bytes."""
+    from coordl.fetch.cache import parse_bytes
+
+    try:
+        size = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"cannot parse size {text!r}; expected e.g. 500MB, 2GB, 1.5GiB or a whole number of bytes"
+        ) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return size
 
 
 def _cache_ls(args) -> int:
@@ -140,9 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=_demo)
 
-    m = sub.add_parser("make-dataset", help="generate an ImageNet-like ImageFolder tree of JPEGs")
+    m = sub.add_parser("make-dataset", help="generate an ImageNet-like ImageFolder tree of JPEGs",
+                       description="Generate a deterministic ImageNet-like ImageFolder tree of JPEGs of a "
+                       "given image count or total size, then print its file count, total bytes and "
+                       "mean size. Running it again with the same arguments is a cheap no-op.")  # fmt: skip
     m.add_argument("root")
-    m.add_argument("--images", type=int, required=True)
+    howmany = m.add_mutually_exclusive_group(required=True)
+    howmany.add_argument("--images", type=int, help="number of JPEGs")
+    howmany.add_argument("--size", type=_byte_size,
+                         help="total size: the fewest JPEGs that add up to at least SIZE, "
+                         "e.g. 500MB, 2GB, 1.5GiB or plain bytes")  # fmt: skip
     m.add_argument("--classes", type=int, default=10)
     m.add_argument("--photos", help="folder of large photographs to crop from (else generated images)")
     m.add_argument("--width", type=int, default=400)

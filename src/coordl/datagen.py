@@ -7,6 +7,14 @@ pixel resemble ImageNet's (about 400x350 pixels and 0.8 bytes/pixel at JPEG
 quality 90), so the files are realistic inputs for data-loading benchmarks and
 tests.
 
+A dataset is sized either by its number of images (``num_images``) or by its
+total size in bytes (``total_bytes``): then it holds images ``0..n-1`` for the
+smallest ``n`` whose files add up to at least ``total_bytes``. ``n`` is found
+in rounds (estimate the mean file size from the files known so far, generate
+about as many images as are still missing, repeat), and any images generated
+past ``n`` are deleted again, so the result is as deterministic as with
+``num_images``.
+
 Two sources of content:
 
 * ``photos_dir`` given: random crops of natural photographs (random scale,
@@ -29,6 +37,9 @@ Example:
     >>> summary = make_dataset("/tmp/fake-imagenet", num_images=2000)  # doctest: +SKIP
     >>> print(summary)  # doctest: +SKIP
     2000 files in 10 classes, 221.4 MB, mean 110.7 KB, 0.79 bytes/pixel at /tmp/fake-imagenet
+    >>> summary = make_dataset("/tmp/fake-imagenet-1g", total_bytes=10**9)  # doctest: +SKIP
+    >>> summary.total_bytes >= 10**9  # doctest: +SKIP
+    True
 """
 
 from __future__ import annotations
@@ -41,7 +52,9 @@ import operator
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +89,8 @@ _SIZE_JITTER = 0.15  # each side is size * U(1 - jitter, 1 + jitter)
 _CROP_AREA = (0.15, 0.60)  # fraction of the photo's area covered by a crop
 _CROP_ASPECT_JITTER = math.log(1.15)  # crop aspect = target aspect * exp(U(-j, j))
 _PARALLEL_MIN_IMAGES = 200
+_FIRST_ROUND = 64  # images generated to estimate the mean file size (total_bytes mode)
+_ROUND_MARGIN = 0.01  # aim this fraction (plus one mean image) past the missing bytes
 _CHUNK = 8  # images per pool task
 _HEAD_BYTES = 512  # the comment sits right after the JFIF header
 _TMP_NAME = re.compile(r"^(.+)\.\d+\.tmp$")  # see _write_atomic
@@ -186,7 +201,8 @@ class _Job:
 def make_dataset(
     root: str | os.PathLike[str],
     *,
-    num_images: int,
+    num_images: int | None = None,
+    total_bytes: int | None = None,
     num_classes: int = 10,
     photos_dir: str | os.PathLike[str] | None = None,
     size: tuple[int, int] = (400, 350),
@@ -198,24 +214,39 @@ def make_dataset(
 ) -> DatasetSummary:
     """Generate a deterministic ImageNet-like ImageFolder dataset of JPEGs.
 
-    Writes ``root/<class>/<class>_<i:06d><ext>`` for ``i`` in
-    ``range(num_images)``, image ``i`` going to class ``i % num_classes``;
-    class folders are named ``n{index:08d}``. Each image's width and height are
-    drawn independently within +-15% of ``size``. The same arguments give
-    byte-identical files, whatever the number of worker processes.
+    Writes ``root/<class>/<class>_<i:06d><ext>`` for ``i`` in ``range(n)``,
+    image ``i`` going to class ``i % num_classes``; class folders are named
+    ``n{index:08d}``. Each image's width and height are drawn independently
+    within +-15% of ``size``. The same arguments give byte-identical files,
+    whatever the number of worker processes.
+
+    Give exactly one of ``num_images`` and ``total_bytes``. With
+    ``num_images``, ``n = num_images``. With ``total_bytes``, ``n`` is the
+    smallest count of images whose file sizes add up to at least
+    ``total_bytes`` (so images ``0..n-2`` add up to less). Since every image
+    is a pure function of the seed, its index and the arguments, ``n`` and
+    the files are deterministic too. They are generated in rounds: the mean
+    file size is estimated from the files known so far (a first round of 64
+    images when there are none), about as many images as are still missing
+    are generated, and so on until the sum reaches ``total_bytes``; images
+    generated past ``n`` are then deleted.
 
     If ``root`` already holds files, they must all be files this call would
     write (same arguments and seed, recognised by the comment embedded in each
     JPEG); then only the missing ones are generated (none after a complete
     run, making a second call a cheap no-op) and the summary is recounted from
     the files on disk. Leftover temporary files of an interrupted run are
-    removed.
+    removed. With ``num_images``, files of images ``>= num_images`` are
+    refused; with ``total_bytes``, existing images past ``n`` are deleted.
 
     Args:
         root: Folder to create the dataset in; created if missing, must be
             empty or hold only this call's files.
         num_images: Number of images, at least 1.
-        num_classes: Number of class folders, between 1 and ``num_images``.
+        total_bytes: Minimum total size of the dataset's files in bytes, at
+            least 1.
+        num_classes: Number of class folders, between 1 and the number of
+            images ``n``.
         photos_dir: Folder of large natural photographs (``.jpg``, ``.jpeg``,
             ``.png``) to crop images from; ``None`` for synthetic images.
         size: Mean ``(width, height)`` of the images in pixels.
@@ -225,25 +256,40 @@ def make_dataset(
             dataset near ImageNet's ~0.8 bytes/pixel (see ``_DEFAULT_GRAIN_*``).
         seed: Non-negative random seed.
         ext: File name extension, starting with a dot.
-        progress: Show a tqdm progress bar on stderr while generating.
+        progress: Show a tqdm progress bar on stderr while generating (in
+            images with ``num_images``, in bytes with ``total_bytes``).
 
     Returns:
         The dataset's summary.
 
     Raises:
-        ValueError: If an argument is out of range, if ``photos_dir`` holds no
+        ValueError: If neither or both of ``num_images`` and ``total_bytes``
+            are given, if an argument is out of range, if ``total_bytes`` is
+            reached with fewer than ``num_classes`` images (then the files this
+            call wrote are deleted again), if ``photos_dir`` holds no
             photographs, or if ``root`` exists and is not a folder or holds
             anything this call would not write.
-        TypeError: If a count, size, quality or seed is not an integer.
+        TypeError: If a count, byte size, image size, quality or seed is not
+            an integer.
         FileNotFoundError: If ``photos_dir`` does not exist.
     """
-    num_images = _as_int("num_images", num_images)
+    if (num_images is None) == (total_bytes is None):
+        raise ValueError(
+            "give exactly one of num_images and total_bytes, "
+            f"got num_images={num_images!r}, total_bytes={total_bytes!r}"
+        )
     num_classes = _as_int("num_classes", num_classes)
-    if num_images < 1:
-        raise ValueError(f"num_images must be >= 1, got {num_images}")
+    if num_images is not None:
+        num_images = _as_int("num_images", num_images)
+        if num_images < 1:
+            raise ValueError(f"num_images must be >= 1, got {num_images}")
+    else:
+        total_bytes = _as_int("total_bytes", total_bytes)
+        if total_bytes < 1:
+            raise ValueError(f"total_bytes must be >= 1, got {total_bytes}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    if num_classes > num_images:
+    if num_images is not None and num_classes > num_images:
         raise ValueError(
             f"num_classes must be <= num_images (every class needs an image), "
             f"got num_classes={num_classes} > num_images={num_images}"
@@ -285,34 +331,123 @@ def make_dataset(
 
     existing, stale = _scan_root(job, num_images)
     for path in stale:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+        _remove(path)
+    created = [] if os.path.isdir(root_path) else [root_path]
     os.makedirs(root_path, exist_ok=True)
     for c in range(num_classes):
-        os.makedirs(os.path.join(root_path, _class_name(c)), exist_ok=True)
+        folder = os.path.join(root_path, _class_name(c))
+        if not os.path.isdir(folder):
+            os.mkdir(folder)
+            created.append(folder)
 
-    total_bytes = 0
-    total_pixels = 0
-    for i in existing:
-        nbytes, pixels = existing[i]
-        total_bytes += nbytes
-        total_pixels += pixels
-    todo = [i for i in range(num_images) if i not in existing]
-    if todo:
-        nbytes, pixels = _generate(job, todo, progress)
-        total_bytes += nbytes
-        total_pixels += pixels
+    if num_images is not None:
+        known = dict(existing)
+        todo = [i for i in range(num_images) if i not in known]
+        if todo:
+            with _progress_bar(len(todo), progress) as bar:
+                known.update(_generate(job, todo, lambda nbytes: bar.update(1)))
+        n = num_images
+    else:
+        known, n = _fill_to_bytes(job, existing, total_bytes, progress)
+        if n < num_classes:
+            for i in known:  # undo this call: delete what it wrote, keep what was there
+                if i not in existing:
+                    _remove(job.path(i))
+            for folder in reversed(created):
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    pass
+            raise ValueError(
+                f"total_bytes={total_bytes} is reached with {n} image{'' if n == 1 else 's'}, "
+                f"fewer than num_classes={num_classes} (every class needs an image): "
+                f"ask for more bytes or fewer classes"
+            )
+        for i in known:  # images generated (or found) past n
+            if i >= n:
+                _remove(job.path(i))
 
+    nbytes = sum(known[i][0] for i in range(n))
+    pixels = sum(known[i][1] for i in range(n))
     return DatasetSummary(
         root=root_path,
-        files=num_images,
+        files=n,
         classes=num_classes,
-        total_bytes=total_bytes,
-        mean_bytes=total_bytes / num_images,
-        bytes_per_pixel=total_bytes / total_pixels,
+        total_bytes=nbytes,
+        mean_bytes=nbytes / n,
+        bytes_per_pixel=nbytes / pixels,
     )
+
+
+def _fill_to_bytes(
+    job: _Job, existing: dict[int, tuple[int, int]], target: int, progress: bool
+) -> tuple[dict[int, tuple[int, int]], int]:
+    """Generate images in rounds until images ``0..n-1`` reach ``target`` bytes.
+
+    Returns:
+        ``{index: (bytes, pixels)}`` of every image of the dataset on disk
+        (``existing`` plus the generated ones, possibly past ``n``), and ``n``:
+        the smallest count of images whose sizes add up to ``target`` or more.
+    """
+    known = dict(existing)
+    bar = None
+    k = 0  # images 0..k-1 are known and add up to `prefix` bytes
+    prefix = 0
+    try:
+        while True:
+            while prefix < target and k in known:
+                prefix += known[k][0]
+                k += 1
+            if prefix >= target:
+                if bar is not None:
+                    bar.update(bar.total - bar.n)
+                return known, k
+            if known:
+                mean = sum(b for b, _ in known.values()) / len(known)
+                # Aim a little past the target (a margin plus one mean-sized
+                # image), so that a round rarely falls short and needs another.
+                need = (target - prefix) * (1.0 + _ROUND_MARGIN) + mean
+                todo = []
+                i = k
+                while need > 0:
+                    if i in known:
+                        need -= known[i][0]
+                    else:
+                        todo.append(i)
+                        need -= mean
+                    i += 1
+            else:
+                todo = list(range(k, k + _FIRST_ROUND))
+            if bar is None:
+                bar = _progress_bar(target, progress, unit="B")
+                bar.update(prefix)
+            known.update(_generate(job, todo, partial(_advance_capped, bar)))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _advance_capped(bar: tqdm, nbytes: int) -> None:
+    """Advance a bytes bar, not past its total (the last round overshoots)."""
+    bar.update(min(nbytes, bar.total - bar.n))
+
+
+def _progress_bar(total: int, progress: bool, unit: str = "img") -> tqdm:
+    return tqdm(
+        total=total,
+        desc="make_dataset",
+        unit=unit,
+        unit_scale=unit == "B",
+        disable=not progress,
+        file=sys.stderr,
+    )
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 # --------------------------------------------------------------------------
@@ -393,8 +528,15 @@ def _class_name(c: int) -> str:
     return f"n{c:08d}"
 
 
-def _scan_root(job: _Job, num_images: int) -> tuple[dict[int, tuple[int, int]], list[str]]:
+def _scan_root(
+    job: _Job, num_images: int | None
+) -> tuple[dict[int, tuple[int, int]], list[str]]:
     """Check that ``job.root`` holds only files this job writes.
+
+    Args:
+        job: The dataset's generation arguments.
+        num_images: Images of index ``>= num_images`` are refused; ``None``
+            accepts any index.
 
     Returns:
         ``{index: (bytes, pixels)}`` for the complete files already there, and
@@ -442,8 +584,11 @@ def _scan_root(job: _Job, num_images: int) -> tuple[dict[int, tuple[int, int]], 
     return existing, stale
 
 
-def _index_of(job: _Job, name: str, c: int, num_images: int) -> int | None:
-    """Return the image index if ``name`` is an expected file name in class ``c``."""
+def _index_of(job: _Job, name: str, c: int, num_images: int | None) -> int | None:
+    """Return the image index if ``name`` is an expected file name in class ``c``.
+
+    Indices ``>= num_images`` are not expected, unless ``num_images`` is ``None``.
+    """
     prefix = f"{_class_name(c)}_"
     if not (name.startswith(prefix) and name.endswith(job.ext)):
         return None
@@ -451,7 +596,9 @@ def _index_of(job: _Job, name: str, c: int, num_images: int) -> int | None:
     if not digits.isdigit():
         return None
     i = int(digits)
-    if i >= num_images or i % job.num_classes != c or job.file_name(i) != name:
+    if num_images is not None and i >= num_images:
+        return None
+    if i % job.num_classes != c or job.file_name(i) != name:
         return None
     return i
 
@@ -487,32 +634,31 @@ def _check_file(job: _Job, i: int, path: str) -> tuple[int, int] | None:
 # generation
 
 
-def _generate(job: _Job, todo: list[int], progress: bool) -> tuple[int, int]:
-    """Write images ``todo``; return their summed bytes and pixels."""
-    total_bytes = 0
-    total_pixels = 0
+def _generate(
+    job: _Job, todo: list[int], advance: Callable[[int], None]
+) -> dict[int, tuple[int, int]]:
+    """Write images ``todo``, calling ``advance(bytes)`` after each one.
+
+    Returns:
+        ``{index: (bytes, pixels)}`` of the written images.
+    """
+    done: dict[int, tuple[int, int]] = {}
     workers = _cpu_count()
-    with tqdm(
-        total=len(todo), desc="make_dataset", unit="img", disable=not progress, file=sys.stderr
-    ) as bar:
-        # (daemonic processes, e.g. pool workers, may not start a pool of their own)
-        if workers > 1 and len(todo) >= _PARALLEL_MIN_IMAGES and not multiprocessing.current_process().daemon:
-            for path in job.photos:  # decode before forking: workers share the pixels
-                _load_photo(path)
-            chunks = [todo[k : k + _CHUNK] for k in range(0, len(todo), _CHUNK)]
-            with _mp_context().Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
-                for results in pool.imap_unordered(_worker_write, chunks):
-                    for nbytes, pixels in results:
-                        total_bytes += nbytes
-                        total_pixels += pixels
-                    bar.update(len(results))
-        else:
-            for i in todo:
-                nbytes, pixels = job.write(i)
-                total_bytes += nbytes
-                total_pixels += pixels
-                bar.update(1)
-    return total_bytes, total_pixels
+    # (daemonic processes, e.g. pool workers, may not start a pool of their own)
+    if workers > 1 and len(todo) >= _PARALLEL_MIN_IMAGES and not multiprocessing.current_process().daemon:
+        for path in job.photos:  # decode before forking: workers share the pixels
+            _load_photo(path)
+        chunks = [todo[k : k + _CHUNK] for k in range(0, len(todo), _CHUNK)]
+        with _mp_context().Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+            for results in pool.imap_unordered(_worker_write, chunks):
+                for i, nbytes, pixels in results:
+                    done[i] = (nbytes, pixels)
+                    advance(nbytes)
+    else:
+        for i in todo:
+            done[i] = job.write(i)
+            advance(done[i][0])
+    return done
 
 
 def _cpu_count() -> int:
@@ -534,11 +680,11 @@ def _init_worker(job: _Job) -> None:
     _WORKER_JOB = job
 
 
-def _worker_write(indices: list[int]) -> list[tuple[int, int]]:
+def _worker_write(indices: list[int]) -> list[tuple[int, int, int]]:
     job = _WORKER_JOB
     if job is None:  # pragma: no cover - the pool initializer always sets it
         raise RuntimeError("worker job not initialised")
-    return [job.write(i) for i in indices]
+    return [(i, *job.write(i)) for i in indices]
 
 
 def _write_atomic(path: str, data: bytes) -> None:
