@@ -38,11 +38,14 @@ def drop_page_cache(level: int = 3) -> str | None:
         return f"cannot drop the page cache ({e}); run as root for cold-storage numbers"
 
 
-def ensure_dataset(root: str, images: int, classes: int, photos: str | None) -> dict:
+def ensure_dataset(root: str, images: int | None, classes: int, photos: str | None, total_bytes: int | None = None) -> dict:
+    """Generates (or finds, made before with the same arguments) a dataset of ``images`` files
+    or of ``total_bytes``; returns its figures."""
     from coordl.datagen import make_dataset
 
     photos = photos or (str(SHARED_PHOTOS) if SHARED_PHOTOS.is_dir() else None)
-    s = make_dataset(root, num_images=images, num_classes=classes, photos_dir=photos, progress=sys.stderr.isatty())
+    size = {"num_images": images} if total_bytes is None else {"total_bytes": total_bytes}
+    s = make_dataset(root, num_classes=classes, photos_dir=photos, progress=sys.stderr.isatty(), **size)
     return {
         "root": s.root,
         "files": s.files,

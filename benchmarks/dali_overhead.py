@@ -1,11 +1,17 @@
-"""coordl's overhead over bare DALI: warm-cache CoordLoader vs the same DALI ops fed from memory.
+"""coordl's overhead over bare DALI: warm-cache CoordLoader vs the same DALI ops without coordl.
 
-Both run the ImageNet training recipe (random-crop decode, resize, flip, normalise, CHW
-float) with the same batch size, DALI threads and prefetch depth, and hand torch tensors
-to the loop. The bare pipeline gets every encoded sample from a Python list in memory
-through ``fn.external_source`` and ``DALIGenericIterator``; coordl gets them from its
-MinIO cache (100% of the dataset, filled by a first epoch that is not timed). Epochs are
-interleaved A B A B so that drift on a shared machine hits both alike.
+All three run the ImageNet training recipe (random-crop decode, resize, flip, normalise,
+CHW float) with the same batch size, DALI threads and prefetch depth, and hand torch
+tensors to the loop:
+
+- ``coordl``: encoded samples from its MinIO cache (100% of the dataset, filled by a first
+  epoch that is not timed);
+- ``dali``: every encoded sample from a Python list in memory through
+  ``fn.external_source`` and ``DALIGenericIterator``;
+- ``dali-reader``: DALI's own ``fn.readers.file(shuffle_after_epoch=True)`` over the files
+  in the (warm) page cache.
+
+Epochs are interleaved A B C, B C A, ... so that drift on a shared machine hits all alike.
 
     python benchmarks/dali_overhead.py --data /var/tmp/coordl-bench/train --reps 5
 """
@@ -23,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
+import loaders  # noqa: E402
 
 import coordl  # noqa: E402
 
@@ -74,7 +81,7 @@ def time_epoch(it) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
     for batch in it:
-        images = batch[0]["images"] if isinstance(batch, list) else batch[0]
+        images = batch[0]["images"] if isinstance(batch, list) else batch[0] if isinstance(batch, tuple) else batch
         n += images.shape[0]
     return time.perf_counter() - t0, n
 
@@ -97,14 +104,19 @@ def main() -> int:
     loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=1.0,
                                 device_id=None, num_threads=args.threads)  # fmt: skip
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.size)
+    # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
+    reader = loaders.DaliLoader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
+    epochs = {"coordl": lambda: loader, "dali": lambda: bare, "dali-reader": reader.epoch}
     try:
         time_epoch(loader)  # fills the cache
         time_epoch(bare)  # warms the bare pipeline
+        time_epoch(reader.epoch())  # and the reader's page cache
         assert loader.stats()["cache_items"] == len(loader.index), "cache did not take the whole dataset"
-        runs = {"coordl": [], "dali": []}
+        runs = {name: [] for name in epochs}
+        names = list(epochs)
         for rep in range(args.reps):
-            for name, it in (("coordl", loader), ("dali", bare)) if rep % 2 == 0 else (("dali", bare), ("coordl", loader)):
-                seconds, n = time_epoch(it)
+            for name in names[rep % 3 :] + names[: rep % 3]:  # interleaved, rotating the order
+                seconds, n = time_epoch(epochs[name]())
                 assert n == len(loader.index)
                 runs[name].append(n / seconds)
                 print(f"rep {rep} {name:6s} {n / seconds:8.1f} samples/s")
@@ -114,11 +126,14 @@ def main() -> int:
         loader.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratio = med["coordl"] / med["dali"]
+    ratio_reader = med["coordl"] / med["dali-reader"]
     result = {"benchmark": "dali_overhead", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-              "samples_per_s": runs, "median": med, "ratio_coordl_over_dali": round(ratio, 4)}  # fmt: skip
+              "samples_per_s": runs, "median": med, "ratio_coordl_over_dali": round(ratio, 4),
+              "ratio_coordl_over_dali_reader": round(ratio_reader, 4)}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}; ratio {ratio:.3f}")
+    print(f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}, DALI file reader "
+          f"{med['dali-reader']:.1f}; ratios {ratio:.3f}, {ratio_reader:.3f}")
     return 0
 
 

@@ -1,0 +1,471 @@
+"""Epoch time and storage bytes of coordl vs DataLoader and DALI, with short memory and slow storage.
+
+One command runs the whole comparison:
+
+    python benchmarks/run.py --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
+
+For every scenario (a cache fraction of the dataset and a storage bandwidth) and every
+loader (see ``loaders.py``: ``torch``, ``dali-shuffle``, ``dali-seq``,
+``dali-epoch-shuffle``, ``coordl``), a child process runs the same training-shaped loop
+for several epochs in its own memory cgroup and blkio cgroup:
+
+1. the child builds its loader and runs a few warm-up batches (libraries, worker processes
+   and buffers are loaded before anything is limited or measured);
+2. the runner drops the page cache, reads the child's working set (its cgroup's usage,
+   less coordl's shared-memory cache), sets the memory limit to
+   ``working set + slack + cache fraction * dataset`` and throttles reads from the
+   dataset's device;
+3. the child finishes epoch 0 (cold) and runs the rest, reporting per epoch: seconds,
+   samples/s, bytes the device delivered (``/proc/diskstats``), time waiting for
+   batches, the cgroup's peak memory, and coordl's own counters.
+
+So every loader gets the same memory for caching data beyond what it needs itself: the
+page cache for DataLoader and DALI, the MinIO cache for coordl.
+
+The first scenario, ``fits``, gives every loader the whole dataset's worth of memory and no
+throttle: it is the overhead check, and it measures the prep rate P (the fastest steady
+samples/s of the DALI pipelines) that relative bandwidths such as ``0.25P`` refer to.
+
+Writes ``results.json`` (after every run, so ``--resume`` can pick up after an interruption),
+``results.md`` and ``results.png`` to ``--out``; prints the ratios. Without root or v1
+cgroups it says so (also in the JSON) and runs unlimited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+import limits  # noqa: E402
+from loaders import LOADERS, image_folder  # noqa: E402
+
+from coordl.fetch.cache import parse_bytes  # noqa: E402
+
+MB = 1e6
+PIPELINES_OF_P = ("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")  # same DALI ops
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+def parse_bandwidth(spec: str) -> tuple[float, str] | None:
+    """``"0.25P"`` -> (0.25, "P") (a fraction of the prep rate); ``"20MB"`` -> (20e6, "B/s");
+    ``"none"`` -> None (unthrottled)."""
+    spec = spec.strip()
+    if spec.lower() in ("none", "0", "off"):
+        return None
+    m = re.fullmatch(r"([0-9.]+)\s*[pP]", spec)
+    if m:
+        return float(m.group(1)), "P"
+    return float(parse_bytes(spec)), "B/s"
+
+
+def scenarios(args) -> list[dict]:
+    cells = []
+    if not args.no_fit:
+        cells.append({"name": "fits", "cache": 1.0, "bandwidth": None, "label": "fits in memory, unthrottled"})
+    for spec in args.bandwidth:
+        bw = parse_bandwidth(spec)
+        for c in args.cache:
+            cells.append({"name": f"{spec}@{c:g}", "cache": c, "bandwidth": bw, "spec": spec})
+    return cells
+
+
+def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
+    bw = cell["bandwidth"]
+    if bw is None:
+        return None
+    value, unit = bw
+    if unit == "P":
+        if prep_bps is None:
+            raise SystemExit(f"scenario {cell['name']} needs the prep rate: keep the 'fits' scenario or pass --prep-rate")
+        return int(value * prep_bps)
+    return int(value)
+
+
+# -- one run ---------------------------------------------------------------------------------------
+class Child:
+    """A loader child process with its stdout read by a thread (so waits can time out)."""
+
+    def __init__(self, cmd: list[str], lim: limits.Limits | None, logfile: Path):
+        self.log = open(logfile, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     preexec_fn=lim.join if lim else None)  # fmt: skip
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def message(self, timeout: float) -> dict:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no word from the child for {timeout:.0f} s") from None
+            if line is None:
+                raise RuntimeError(f"the child exited with status {self.proc.wait()}; see {self.log.name}")
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
+    total = dataset["total_bytes"]
+    cache_bytes = int(round(cell["cache"] * total))
+    name = f"coordl-bench-{os.getpid()}-{k}"
+    use_cgroups = caps["memory"] or caps["blkio"]
+    lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
+    cmd = [sys.executable, str(HERE / "loaders.py"), "--loader", loader, "--data", dataset["root"],
+           "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.fit_epochs if cell["name"] == "fits" else args.epochs),
+           "--seed", str(args.seed), "--cache-bytes", str(cache_bytes), "--compute-ms", str(args.compute_ms),
+           "--warmup-batches", str(args.warmup_batches), "--device", f"{dev[0]}:{dev[1]}"]  # fmt: skip
+    if lim and lim.memory_path:
+        cmd += ["--memcg", lim.memory_path]
+    logs = Path(args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
+        common.drop_page_cache(3)
+    child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
+    run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes,
+           "bandwidth_bps": bandwidth, "epochs": []}  # fmt: skip
+    try:
+        run["ready"] = child.message(args.timeout)
+        if caps["drop_caches"]:
+            common.drop_page_cache(3)
+        if lim and lim.memory and cell["name"] != "fits":
+            ws = working_set(args, loader, lim)
+            run["working_set_bytes"], run["working_set_source"] = ws
+            # coordl's cache is fixed at the budget: the slack only keeps its peaks from the OOM
+            # killer. The page cache would use any slack for data, so the others get none.
+            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader == "coordl" else 0)
+            lim.limit_memory(run["memory_limit_bytes"])
+        if lim:
+            lim.throttle(dev, bandwidth)
+        child.send("go")
+        while True:
+            msg = child.message(args.timeout)
+            if msg.get("done"):
+                break
+            run["epochs"].append(msg)
+            c = msg.get("counters") or {}
+            log(f"  epoch {msg['epoch']}: {msg['seconds']:7.2f} s  {msg['samples_per_s']:7.1f} samples/s  "
+                f"device {msg['device_bytes'] / MB:7.1f} MB  wait {msg['wait_s']:6.2f} s"
+                + (f"  coordl storage {c['storage_bytes'] / MB:.1f} MB, hits {c['cache_hits']}" if c else ""))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        run["error"] = f"{type(e).__name__}: {e}"
+        log(f"  FAILED: {run['error']}")
+    finally:
+        child.close()
+        if lim:
+            lim.remove()
+    steady = run["epochs"][1:]
+    if steady and cell["name"] == "fits" and lim and lim.memory:
+        # The loader's own memory, with the whole dataset cached, less the dataset. coordl's
+        # cache cannot shrink under pressure, so it needs room for its peak; the page cache
+        # shrinks and grows around the other loaders' working set, so their mean is what
+        # leaves them the same cache on average.
+        if loader == "coordl":
+            ws = max(e["peak_memory_bytes"] for e in steady) - steady[-1]["counters"]["cache_budget"]
+        else:
+            ws = max(e["mean_memory_bytes"] for e in steady) - dataset["page_bytes"]
+        args.working_sets[loader] = run["working_set_bytes"] = ws
+    if steady:
+        run["steady"] = {
+            "seconds": statistics.median(e["seconds"] for e in steady),
+            "samples_per_s": statistics.median(e["samples_per_s"] for e in steady),
+            "device_bytes": sum(e["device_bytes"] for e in steady) / len(steady),
+            "wait_s": sum(e["wait_s"] for e in steady) / len(steady),
+            "peak_memory_bytes": max(e["peak_memory_bytes"] for e in steady),
+        }
+        if all("mean_file_cache_bytes" in e for e in steady):
+            run["steady"]["mean_page_cache_bytes"] = sum(e["mean_file_cache_bytes"] for e in steady) / len(steady)
+        if steady[-1].get("counters"):
+            run["steady"]["coordl_cache_bytes"] = steady[-1]["counters"]["cache_bytes"]
+            run["steady"]["coordl_storage_bytes"] = sum(e["counters"]["storage_bytes"] for e in steady) / len(steady)
+    return run
+
+
+def working_set(args, loader: str, lim: limits.Limits) -> tuple[int, str]:
+    """The memory the loader needs for itself, without any cached data: measured in the 'fits'
+    scenario (peak with the dataset cached, less the dataset), else its usage after warm-up."""
+    if loader in args.working_sets:
+        return args.working_sets[loader], "fits-peak"
+    own = lim.stat("total_shmem") if loader == "coordl" else 0  # coordl's cache is not its working set
+    return lim.usage() - own, "after-warmup"
+
+
+# -- analysis ---------------------------------------------------------------------------------------
+def prep_rate(runs: list[dict]) -> float | None:
+    """P in samples/s: the fastest steady rate of the DALI pipelines with everything in memory."""
+    rates = [r["steady"]["samples_per_s"] for r in runs
+             if r["scenario"] == "fits" and r["loader"] in PIPELINES_OF_P and "steady" in r]  # fmt: skip
+    return max(rates) if rates else None
+
+
+def summarise(result: dict) -> list[dict]:
+    """Per scenario: the best baseline, coordl, their ratio, bytes vs the minimum, the bound."""
+    total = result["dataset"]["total_bytes"]
+    files = result["dataset"]["files"]
+    p = result.get("prep_rate_samples_per_s")
+    out = []
+    for cell in result["scenarios"]:
+        runs = [r for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r]
+        base = [r for r in runs if r["loader"] != "coordl"]
+        mine = next((r for r in runs if r["loader"] == "coordl"), None)
+        if not runs:
+            continue
+        minimum = total - int(round(cell["cache"] * total))
+        row = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": cell.get("bandwidth_bps"),
+               "minimum_bytes": minimum}  # fmt: skip
+        if base:
+            best = min(base, key=lambda r: r["steady"]["seconds"])
+            row.update(best_baseline=best["loader"], best_baseline_s=best["steady"]["seconds"])
+        if mine:
+            row.update(coordl_s=mine["steady"]["seconds"], coordl_device_bytes=mine["steady"]["device_bytes"],
+                       coordl_storage_bytes=mine["steady"].get("coordl_storage_bytes"))  # fmt: skip
+            if minimum:
+                row["coordl_device_over_min"] = mine["steady"]["device_bytes"] / minimum
+            if base:
+                row["speedup_vs_best"] = row["best_baseline_s"] / row["coordl_s"]
+            if p:
+                bw = cell.get("bandwidth_bps")
+                fetch = (1 - cell["cache"]) * total / bw if bw else 0.0
+                row["bound_s"] = max(fetch, files / p)
+                row["coordl_over_bound"] = row["coordl_s"] / row["bound_s"]
+        out.append(row)
+    return out
+
+
+def fmt_bw(bps: int | None) -> str:
+    return "unthrottled" if not bps else f"{bps / MB:.0f} MB/s"
+
+
+def markdown(result: dict) -> str:
+    d = result["dataset"]
+    lines = [
+        f"Dataset: {d['files']} files in {d['classes']} classes, {d['total_bytes'] / MB:.1f} MB, "
+        f"mean {d['mean_bytes'] / 1e3:.1f} KB ({d['source']}) at `{d['root']}`.",
+        f"Machine: {result['machine']['cpus']} cores, {result['machine']['mem_gib']} GiB, "
+        f"kernel {result['machine']['kernel']}; batch {result['args']['batch_size']}, "
+        f"{result['args']['workers']} workers/threads per loader, {result['args']['epochs']} epochs "
+        f"({result['args']['fit_epochs']} when everything fits; epoch 0 cold, the rest steady: median time, "
+        f"mean bytes), compute step {result['args']['compute_ms']} ms/batch.",
+        f"Limits: memory cgroup {'yes' if result['limits']['memory'] else 'NO'}, blkio throttle "
+        f"{'yes' if result['limits']['blkio'] else 'NO'}, page cache dropped "
+        f"{'yes' if result['limits']['drop_caches'] else 'NO'}; slack {result['args']['slack'] / 2**20:.0f} MiB.",
+    ]
+    if result.get("prep_rate_samples_per_s"):
+        p = result["prep_rate_samples_per_s"]
+        lines.append(f"Prep rate P = {p:.0f} samples/s = {p * d['mean_bytes'] / MB:.1f} MB/s "
+                     f"(fastest DALI pipeline, everything in memory).")  # fmt: skip
+    for n in result["limits"]["notes"]:
+        lines.append(f"**NOTE:** {n}")
+    lines += ["", "| scenario | storage | cache | loader | cold s | steady s | samples/s | device MB/epoch | "
+              "vs minimum | waiting s | data in memory MB | peak MB | limit MB |", "|" + "---|" * 13]  # fmt: skip
+    for cell in result["scenarios"]:
+        minimum = d["total_bytes"] * (1 - cell["cache"])
+        for r in (r for r in result["runs"] if r["scenario"] == cell["name"]):
+            if "steady" not in r:
+                lines.append(f"| {cell['name']} | | | {r['loader']} | failed: {r.get('error', '?')} |" + " |" * 8)
+                continue
+            s = r["steady"]
+            vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 0.5 * MB else "-"
+            lim = f"{r['memory_limit_bytes'] / MB:.0f}" if r.get("memory_limit_bytes") else "-"
+            held = s.get("coordl_cache_bytes", s.get("mean_page_cache_bytes"))
+            lines.append(
+                f"| {cell['name']} | {fmt_bw(r['bandwidth_bps'])} | {cell['cache']:.0%} | {r['loader']} | "
+                f"{r['epochs'][0]['seconds']:.1f} | {s['seconds']:.2f} | {s['samples_per_s']:.0f} | "
+                f"{s['device_bytes'] / MB:.1f} | {vs} | {s['wait_s']:.1f} | {_f(held and held / MB, 0)} | "
+                f"{s['peak_memory_bytes'] / MB:.0f} | {lim} |"
+            )
+    lines += ["", "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
+              "coordl device/min | bound s | coordl/bound |", "|" + "---|" * 10]  # fmt: skip
+    for row in result["summary"]:
+        g = row.get
+        lines.append(
+            f"| {row['scenario']} | {fmt_bw(g('bandwidth_bps'))} | {row['cache_fraction']:.0%} | "
+            f"{g('best_baseline', '-')} | {_f(g('best_baseline_s'))} | {_f(g('coordl_s'))} | "
+            f"{_f(g('speedup_vs_best'), 3)}x | {_f(g('coordl_device_over_min'), 3)} | {_f(g('bound_s'))} | "
+            f"{_f(g('coordl_over_bound'), 3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def plot(result: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib, or the 'bench' extra): no plot"
+    groups: dict[str, list[dict]] = {}
+    for cell in result["scenarios"]:
+        key = "fits" if cell["name"] == "fits" else fmt_bw(cell.get("bandwidth_bps"))
+        groups.setdefault(key, []).append(cell)
+    loaders = [name for name in LOADERS if any(r["loader"] == name for r in result["runs"])]
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
+    width = 0.8 / max(1, len(loaders))
+    total = result["dataset"]["total_bytes"]
+    for col, (key, cells) in enumerate(groups.items()):
+        for row, metric in enumerate(("seconds", "device_bytes")):
+            ax = axes[row][col]
+            for j, name in enumerate(loaders):
+                xs, ys = [], []
+                for i, cell in enumerate(cells):
+                    r = next((r for r in result["runs"] if r["scenario"] == cell["name"] and r["loader"] == name
+                              and "steady" in r), None)  # fmt: skip
+                    if r:
+                        xs.append(i + (j - (len(loaders) - 1) / 2) * width)
+                        ys.append(r["steady"][metric] / (MB if metric == "device_bytes" else 1))
+                ax.bar(xs, ys, width, label=name)
+            if metric == "device_bytes":
+                for i, cell in enumerate(cells):
+                    ax.hlines(total * (1 - cell["cache"]) / MB, i - 0.45, i + 0.45, colors="k", linestyles="--",
+                              label="minimum" if i == 0 else None)  # fmt: skip
+            ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
+            ax.set_title(key if row == 0 else "")
+            ax.set_ylabel("steady epoch s" if metric == "seconds" else "device MB per steady epoch")
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=8)
+    fig.suptitle(f"{result['dataset']['files']} images, {total / MB:.0f} MB; memory = working set + cache; "
+                 f"{result['machine']['cpus']} cores")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -- main ------------------------------------------------------------------------------------------
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="/var/tmp/coordl-bench/bench", help="dataset root (generated if missing)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--size", default=None, help="total dataset size to generate, e.g. 500MB (default)")
+    size.add_argument("--images", type=int, help="number of images to generate instead of --size")
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
+    p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
+    p.add_argument("--bandwidth", default="0.25P,0.5P,2P",
+                   help="storage throttles: '20MB' (per second), or a multiple of the measured prep rate, '0.5P'")
+    p.add_argument("--no-fit", action="store_true", help="skip the everything-fits scenario (needs --prep-rate)")
+    p.add_argument("--prep-rate", type=float, help="prep rate P in samples/s, instead of measuring it")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--fit-epochs", type=int, default=6, help="epochs of the 'fits' scenario (the overhead check)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="worker processes / DALI threads per loader")
+    p.add_argument("--compute-ms", type=float, default=0.0, help="a fixed compute step per batch (a stand-in GPU)")
+    p.add_argument("--warmup-batches", type=int, default=3)
+    p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="memory beyond coordl's peak working set + cache (OOM headroom)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
+    p.add_argument("--out", default=str(HERE / "results" / "run"))
+    p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.json")
+    args = p.parse_args()
+    args.cache = [float(c) for c in args.cache.split(",") if c]
+    args.bandwidth = [b for b in args.bandwidth.split(",") if b]
+    args.loaders = [name for name in args.loaders.split(",") if name]
+    unknown = set(args.loaders) - set(LOADERS)
+    if unknown:
+        p.error(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
+    if args.images is None and args.size is None:
+        args.size = "500MB"
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    caps = limits.probe()
+    for n in caps["notes"]:
+        log("NOTE:", n)
+    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos,
+                                    total_bytes=parse_bytes(args.size) if args.size else None)  # fmt: skip
+    dev = common.device_of(args.data)
+    # what the dataset occupies in the page cache: whole 4 KiB pages per file
+    dataset["page_bytes"] = sum(-(-os.path.getsize(f) // 4096) * 4096 for f, _ in image_folder(args.data))
+    args.working_sets = {}
+    log(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / MB:.1f} MB, mean "
+        f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}); device {dev[0]}:{dev[1]}")  # fmt: skip
+
+    cells = scenarios(args)
+    result = {"benchmark": "run", "args": {k: v for k, v in vars(args).items() if k != "working_sets"},
+              "dataset": dataset, "machine": common.machine(), "limits": caps, "scenarios": cells,
+              "working_sets": args.working_sets, "runs": []}  # fmt: skip
+    path = out / "results.json"
+    done: dict[tuple[str, str], dict] = {}
+    if args.resume and path.exists():
+        old = json.loads(path.read_text())
+        if old["dataset"]["total_bytes"] == dataset["total_bytes"]:
+            done = {(r["scenario"], r["loader"]): r for r in old["runs"] if "steady" in r}
+            args.working_sets.update(old.get("working_sets", {}))
+    p_rate = args.prep_rate
+    k = 0
+    for ci, cell in enumerate(cells):
+        if cell["name"] != "fits" and p_rate is None:
+            p_rate = prep_rate(result["runs"])
+            result["prep_rate_samples_per_s"] = p_rate
+            if p_rate:
+                log(f"prep rate P = {p_rate:.0f} samples/s = {p_rate * dataset['mean_bytes'] / MB:.1f} MB/s")
+        bw = resolve_bandwidth(cell, p_rate * dataset["mean_bytes"] if p_rate else None)
+        cell["bandwidth_bps"] = bw
+        order = args.loaders[ci % len(args.loaders):] + args.loaders[: ci % len(args.loaders)]  # interleave
+        for loader in order:
+            if (cell["name"], loader) in done:
+                result["runs"].append(done[(cell["name"], loader)])
+                continue
+            log(f"[{cell['name']}] {loader}: cache {cell['cache']:.0%}, storage {fmt_bw(bw)}")
+            k += 1
+            result["runs"].append(run_one(args, cell, loader, dataset, dev, caps, bw, k))
+            path.write_text(json.dumps(result, indent=1))
+    if p_rate and "prep_rate_samples_per_s" not in result:
+        result["prep_rate_samples_per_s"] = p_rate
+    result["summary"] = summarise(result)
+    path.write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "results.md").write_text(md)
+    why = plot(result, out / "results.png")
+    if why:
+        result["limits"]["notes"].append(why)
+        log("NOTE:", why)
+    print(md)
+    for row in result["summary"]:
+        if "speedup_vs_best" in row:
+            print(f"{row['scenario']:>12}: coordl {row['coordl_s']:.2f} s vs {row['best_baseline']} "
+                  f"{row['best_baseline_s']:.2f} s -> {row['speedup_vs_best']:.2f}x"
+                  + (f"; {row['coordl_over_bound']:.2f}x the bound" if "coordl_over_bound" in row else ""))  # fmt: skip
+    log(f"wrote {path}, {out / 'results.md'}, {out / 'results.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
