@@ -108,7 +108,7 @@ class DaliPrep:
                       seed=seed, prefetch_queue_depth=self.depth)  # fmt: skip
         def graph():
             encoded, labels, ids = fn.external_source(
-                source=self._next_raw, num_outputs=3, batch=True,
+                source=self._next_raw, num_outputs=3, batch=True, no_copy=True,
                 dtype=[types.UINT8, types.INT64, types.INT64],
             )  # fmt: skip
             images = _build_recipe(self.recipe, encoded, self.ctx)

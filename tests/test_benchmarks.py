@@ -1,0 +1,110 @@
+"""The benchmark runner (benchmarks/run.py): its arithmetic, and one small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import run  # noqa: E402
+
+
+def test_bandwidth_specs():
+    assert run.parse_bandwidth("0.25P") == (0.25, "P")
+    assert run.parse_bandwidth("2p") == (2.0, "P")
+    assert run.parse_bandwidth("20MB") == (20e6, "B/s")
+    assert run.parse_bandwidth("none") is None
+    cell = {"name": "x", "bandwidth": (0.5, "P")}
+    assert run.resolve_bandwidth(cell, prep_bps=80e6) == 40_000_000
+    with pytest.raises(SystemExit, match="prep rate"):
+        run.resolve_bandwidth(cell, prep_bps=None)
+
+
+def _run(scenario, loader, seconds, device_bytes, samples_per_s=100.0, storage=None):
+    r = {"scenario": scenario, "loader": loader, "bandwidth_bps": None, "epochs": [{"seconds": 1.0}],
+         "steady": {"seconds": seconds, "device_bytes": device_bytes, "samples_per_s": samples_per_s,
+                    "wait_s": 0.0, "peak_memory_bytes": 1}}  # fmt: skip
+    if storage is not None:
+        r["steady"]["coordl_storage_bytes"] = storage
+    return r
+
+
+def test_summary_ratios_and_bound():
+    result = {
+        "dataset": {"total_bytes": 1000, "files": 100, "mean_bytes": 10},
+        "prep_rate_samples_per_s": 50.0,  # 100 files: 2 s at the prep rate
+        "scenarios": [{"name": "fits", "cache": 1.0, "bandwidth_bps": None},
+                      {"name": "io", "cache": 0.5, "bandwidth_bps": 100}],  # fmt: skip
+        "runs": [
+            _run("fits", "dali-seq", 2.0, 0, samples_per_s=50.0),
+            _run("fits", "coordl", 2.1, 0, samples_per_s=47.0),
+            _run("io", "torch", 9.0, 800),
+            _run("io", "dali-shuffle", 6.0, 600),
+            _run("io", "coordl", 5.5, 510, storage=500),
+        ],
+    }
+    rows = {r["scenario"]: r for r in run.summarise(result)}
+    assert run.prep_rate(result["runs"]) == 50.0
+    assert rows["fits"]["best_baseline"] == "dali-seq"
+    assert rows["fits"]["speedup_vs_best"] == pytest.approx(2.0 / 2.1)
+    assert rows["fits"]["bound_s"] == pytest.approx(2.0)
+    io = rows["io"]
+    assert io["minimum_bytes"] == 500
+    assert io["best_baseline"] == "dali-shuffle"
+    assert io["speedup_vs_best"] == pytest.approx(6.0 / 5.5)
+    assert io["coordl_device_over_min"] == pytest.approx(510 / 500)
+    assert io["bound_s"] == pytest.approx(max(500 / 100, 2.0))  # fetch-bound: 5 s
+    assert io["coordl_over_bound"] == pytest.approx(5.5 / 5.0)
+
+
+def _bench_cgroups() -> set[str]:
+    found = set()
+    for controller in ("memory", "blkio"):
+        base = Path("/sys/fs/cgroup") / controller
+        if base.is_dir():
+            found |= {str(p) for p in base.rglob("coordl-bench-*") if p.is_dir()}
+    return found
+
+
+@pytest.mark.slow
+def test_runner_end_to_end(tmp_path):
+    """Two loaders, the 'fits' scenario and one limited scenario, two epochs each: results
+    for every run, the report files, and no cgroup left behind."""
+    before = _bench_cgroups()
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "run.py"), "--data", str(tmp_path / "ds"), "--images", "48",
+           "--classes", "3", "--loaders", "dali-seq,coordl", "--cache", "0.5", "--bandwidth", "0.5P",
+           "--epochs", "2", "--fit-epochs", "2", "--batch-size", "8", "--workers", "1", "--warmup-batches", "1",
+           "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert [(r["scenario"], r["loader"]) for r in result["runs"]] == [
+        ("fits", "dali-seq"), ("fits", "coordl"), ("0.5P@0.5", "coordl"), ("0.5P@0.5", "dali-seq")]  # fmt: skip
+    for r in result["runs"]:
+        assert "error" not in r, r["error"]
+        assert [e["samples"] for e in r["epochs"][1:]] == [48]  # every steady epoch is whole
+    coordl = [r for r in result["runs"] if r["loader"] == "coordl"]
+    assert coordl[0]["epochs"][1]["counters"]["storage_bytes"] == 0  # everything cached
+    half = coordl[1]["epochs"][1]["counters"]
+    assert half["storage_bytes"] == result["dataset"]["total_bytes"] - half["cache_bytes"]
+    assert result["prep_rate_samples_per_s"] > 0
+    assert {row["scenario"] for row in result["summary"]} == {"fits", "0.5P@0.5"}
+    assert "| 0.5P@0.5 |" in (out / "results.md").read_text()
+    if result["limits"]["memory"]:
+        assert coordl[1]["memory_limit_bytes"] > coordl[1]["cache_bytes"]
+    else:
+        assert result["limits"]["notes"], "running without limits must say why"
+    try:
+        import matplotlib  # noqa: F401
+
+        assert (out / "results.png").stat().st_size > 0
+    except ImportError:
+        assert "matplotlib" in p.stderr
+    assert _bench_cgroups() == before
