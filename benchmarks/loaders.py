@@ -51,20 +51,15 @@ LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 SIZE = 224
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 # -- torch: DataLoader + Pillow ---------------------------------------------------------------
-def image_folder(root: str) -> list[tuple[str, int]]:
-    """(path, label) pairs in torchvision ImageFolder's order: sorted classes, sorted files."""
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    samples = []
-    for label, c in enumerate(classes):
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, c), followlinks=True)):
-            for f in sorted(files):
-                if f.lower().endswith(IMG_EXTENSIONS):
-                    samples.append((os.path.join(dirpath, f), label))
-    return samples
+def image_folder(root: str):
+    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan follows
+    ImageFolder's rules, checked against them in tests/test_index.py); not saved anywhere."""
+    from coordl.index import Index
+
+    return Index.scan(root, index_dir="")
 
 
 def random_resized_crop(width: int, height: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
@@ -93,7 +88,8 @@ class PillowImageFolder:
     """An ImageFolder-style dataset: Pillow decode, random-resized crop, flip, normalise."""
 
     def __init__(self, root: str):
-        self.samples = image_folder(root)
+        index = image_folder(root)
+        self.samples = list(zip(index.paths, index.labels.tolist()))
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -412,7 +411,7 @@ def main() -> int:
                                     total_bytes=parse_bytes(args.size) if args.size else None)  # fmt: skip
     dev = common.device_of(args.data)
     # what the dataset occupies in the page cache: whole 4 KiB pages per file
-    dataset["page_bytes"] = sum(-(-os.path.getsize(f) // 4096) * 4096 for f, _ in image_folder(args.data))
+    dataset["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())
     args.working_sets = {}
     log(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / MB:.1f} MB, mean "
         f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}); device {dev[0]}:{dev[1]}")  # fmt: skip
