@@ -6,7 +6,7 @@ in a node-wide MinIO cache in shared memory so that every epoch after the first 
 only what the cache cannot hold.
 """
 
-from coordl.errors import CoordlError, DatasetChangedError, SampleError, SharedMemoryError, StaleStateError
+from coordl.errors import CoordlError, DatasetChangedError, GroupConfigError, SampleError, SharedMemoryError, StaleStateError
 from coordl.index import Index
 from coordl.loader import CoordLoader
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
@@ -17,6 +17,7 @@ __all__ = [
     "CoordLoader",
     "CoordlError",
     "DatasetChangedError",
+    "GroupConfigError",
     "ImageNetTrain",
     "ImageNetVal",
     "Index",

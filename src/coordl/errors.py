@@ -7,7 +7,7 @@ of coordl's own failures.
 
 from __future__ import annotations
 
-__all__ = ["CoordlError", "DatasetChangedError", "SampleError", "SharedMemoryError", "StaleStateError"]
+__all__ = ["CoordlError", "DatasetChangedError", "GroupConfigError", "SampleError", "SharedMemoryError", "StaleStateError"]
 
 
 class CoordlError(RuntimeError):
@@ -38,3 +38,8 @@ class SampleError(CoordlError):
         super().__init__(message)
         self.path = path
         self.index = index
+
+
+class GroupConfigError(CoordlError, ValueError):
+    """A job tried to join an ``hp_group`` whose members load differently (the message names
+    what differs: dataset, batch size, pipeline, seed...)."""

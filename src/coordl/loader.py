@@ -11,6 +11,7 @@ has received.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,10 +26,10 @@ import numpy as np
 from coordl import sampler, world
 from coordl.errors import CoordlError
 from coordl.fetch import Fetcher
-from coordl.fetch.ahead import FetchAhead, Stopped
+from coordl.fetch.ahead import FetchAhead, RawBatch, Stopped
 from coordl.fetch.cache import MinIOCache, resolve_budget
 from coordl.index import IMG_EXTENSIONS, Index
-from coordl.prep.recipes import recipe_key, resolve_recipe
+from coordl.prep.recipes import ImageNetTrain, ImageNetVal, recipe_key, resolve_recipe
 from coordl.shm import names, reaper
 
 __all__ = ["CoordLoader"]
@@ -84,6 +85,14 @@ class CoordLoader:
         extensions: file endings that count as images when scanning a folder.
         index_dir: where scanned indexes are saved (default: ``$COORDL_INDEX_DIR``, else
             ``$XDG_CACHE_HOME/coordl``, else ``~/.cache/coordl``); ``""`` saves none.
+        hp_group: a name shared by the jobs of a hyper-parameter search on this machine: each
+            batch is then fetched and pre-processed once, by one of them, and consumed by all
+            (see the coordinated-prep guide). Members must use the same dataset, batch size,
+            pipeline, seed and shuffling; a mismatch raises :class:`~coordl.GroupConfigError`.
+        hp_staging: memory bound of the group's staging area of ready batches: ``"auto"``
+            (16 batches, at most 2 GiB, at least 4) or bytes (int or ``"1GB"``).
+        hp_idle_timeout: seconds a member that is between epochs may keep the others waiting
+            on a full staging area before it is dropped (it rejoins at a later epoch).
     """
 
     def __init__(
@@ -107,6 +116,9 @@ class CoordLoader:
         on_error: str = "raise",
         extensions: Sequence[str] = IMG_EXTENSIONS,
         index_dir: str | None = None,
+        hp_group: str | None = None,
+        hp_staging: int | str = "auto",
+        hp_idle_timeout: float = 60.0,
     ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -116,6 +128,16 @@ class CoordLoader:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if io_threads < 1 or prefetch_batches < 1:
             raise ValueError("io_threads and prefetch_batches must be at least 1")
+        if hp_group is not None and (not isinstance(hp_group, str) or not hp_group):
+            raise ValueError(f"hp_group must be a non-empty string, got {hp_group!r}")
+        if hp_idle_timeout <= 0:
+            raise ValueError(f"hp_idle_timeout must be positive, got {hp_idle_timeout!r}")
+        self.hp_group = hp_group
+        self.hp_staging = hp_staging
+        self.hp_idle_timeout = float(hp_idle_timeout)
+        self._area = None
+        self._gprep = None
+        self._group_in_step = True  # every group pass so far had the order of this loader's epoch
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
@@ -130,6 +152,8 @@ class CoordLoader:
         cores = os.cpu_count() or 1
         self.num_threads = num_threads or max(1, cores // max(1, self.world.local_world_size))
         self._epoch = 0
+        self._order_epoch = 0  # the sampler epoch of the current pass (an HP group's may differ)
+        self._resume_order: int | None = None
         self._pending_epoch: int | None = None  # set_epoch() during a pass: for the next one
         self._delivered = 0  # batches of self._epoch the consumer has received
         self._resume_from = 0
@@ -194,13 +218,22 @@ class CoordLoader:
             self._iter.close()  # a new pass abandons an unfinished one, as with DataLoader
         if self._pending_epoch is not None:
             if self._pending_epoch != self._epoch:
-                self._epoch, self._resume_from = self._pending_epoch, 0
+                self._epoch, self._resume_from, self._resume_order = self._pending_epoch, 0, None
             self._pending_epoch = None
         start = self._resume_from
-        self._resume_from = 0
+        order_epoch = self._resume_order if self._resume_order is not None else self._epoch
+        self._resume_from, self._resume_order = 0, None
         self._delivered = start
         self._resume_from_started = start
-        order = sampler.epoch_order(len(self.index), self.seed, self._epoch, self.shuffle)
+        if self.hp_group is not None and start == 0:
+            from coordl.staging.hp import GroupPass
+
+            self._iter = GroupPass(self, self._epoch)
+            return self._iter
+        # Alone: a plain pass, or the rest of an HP group's epoch this job resumes mid-way
+        # (it joins the group at the next epoch).
+        self._order_epoch = order_epoch
+        order = sampler.epoch_order(len(self.index), self.seed, order_epoch, self.shuffle)
         ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
         batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
         self._iter = _Pass(self, self._epoch, batches)
@@ -209,7 +242,7 @@ class CoordLoader:
     def _on_batch(self, position: int) -> None:
         self._delivered = position
 
-    def _on_pass_end(self, p: _Pass) -> None:
+    def _on_pass_end(self, p) -> None:
         self._stats = p.stats(complete=True)
         self._epoch += 1
         self._delivered = 0
@@ -218,9 +251,12 @@ class CoordLoader:
     def state_dict(self) -> dict:
         """The position of delivery: JSON-able, a few integers and strings."""
         epoch, batches = self._epoch, self._delivered
+        order_epoch = self._order_epoch if batches else None
+        if self._resume_order is not None:
+            order_epoch = self._resume_order
         if self._pending_epoch is not None and self._pending_epoch != epoch:
-            epoch, batches = self._pending_epoch, 0
-        return {
+            epoch, batches, order_epoch = self._pending_epoch, 0, None
+        state = {
             "version": STATE_VERSION,
             "seed": self.seed,
             "epoch": epoch,
@@ -233,6 +269,9 @@ class CoordLoader:
             "dataset": self.index.fingerprint,
             "config": self._config_fingerprint(),
         }
+        if order_epoch is not None and order_epoch != epoch:
+            state["order_epoch"] = order_epoch  # an HP group's pass follows the group's order
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from ``state``: the next pass delivers exactly the batches not yet received.
@@ -244,7 +283,7 @@ class CoordLoader:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
         mine = self.state_dict()
-        missing = sorted(set(mine) - set(state))
+        missing = sorted(set(mine) - set(state) - {"order_epoch"})
         if missing:
             raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
         for key in ("version", "seed", "rank", "world_size", "batch_size", "drop_last", "shuffle", "dataset", "config"):
@@ -253,14 +292,18 @@ class CoordLoader:
                     f"cannot resume: state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}"
                 )
         epoch, batches = state["epoch"], state["batches"]
+        order_epoch = state.get("order_epoch", epoch)
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batches, int) and 0 <= batches <= len(self)):
             raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {len(self)}")
+        if not (isinstance(order_epoch, int) and order_epoch >= 0):
+            raise ValueError(f"state has an invalid order_epoch: {order_epoch!r}")
         if self._iter is not None:
             self._iter.close()
         self._pending_epoch = None
         # A state saved after the last batch (before the loop saw StopIteration) resumes as an
         # empty pass of that epoch, so a script that calls set_epoch(epoch) again does not replay it.
         self._epoch, self._delivered, self._resume_from = epoch, batches, batches
+        self._resume_order = order_epoch if batches else None
 
     def _config_fingerprint(self) -> str:
         key = [self.index.fingerprint, recipe_key(self.recipe), self.batch_size, self.drop_last, self.shuffle]
@@ -281,6 +324,10 @@ class CoordLoader:
         return dict(self._stats) if self._stats else self._empty_stats()
 
     def _empty_stats(self) -> dict:
+        if self.hp_group is not None:
+            from coordl.staging.hp import GroupPass
+
+            return GroupPass.base_stats(self, self._epoch)
         return _Pass.base_stats(self, self._epoch)
 
     # -- lifetime -------------------------------------------------------------------------
@@ -292,10 +339,84 @@ class CoordLoader:
         if self._iter is not None:
             self._iter.close()
             self._iter = None
+        if self._area is not None:
+            self._area.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._prep.close()
+        if self._gprep is not None:
+            self._gprep.close()
         if self.cache is not None:
             self.cache.close()
+
+    # -- HP group ---------------------------------------------------------------------------
+    def _group_area(self):
+        """This loader's staging area, attached on the first pass."""
+        if self._area is None:
+            from coordl.staging.area import StagingArea
+
+            _reap_once(names.shm_dir())
+            shape, dtype = self._staged_format()
+            config = {
+                "dataset": self.index.fingerprint,
+                "pipeline": recipe_key(self.recipe),
+                "batch_size": self.batch_size,
+                "drop_last": self.drop_last,
+                "shuffle": self.shuffle,
+                "seed": self.seed,
+                "world_size": self.world.world_size,
+                "on_error": self.on_error,
+            }
+            self._area = StagingArea(
+                self.hp_group, self.world.rank, config, batch_size=self.batch_size, batches_per_pass=len(self),
+                sample_shape=shape, dtype=dtype, epoch=self._epoch, bound=self.hp_staging,
+                idle_timeout=self.hp_idle_timeout,
+            )  # fmt: skip
+        return self._area
+
+    def _staged_format(self) -> tuple[tuple[int, ...], str]:
+        """Shape and dtype of one staged image: the recipe's output, or uint8 pixels that the
+        consumer normalises (on a GPU, or when ``COORDL_HP_STAGE_UINT8=1``)."""
+        r = self.recipe
+        if isinstance(r, (ImageNetTrain, ImageNetVal)):
+            raw = r.dtype == "float32" and (self.device_id is not None or os.environ.get("COORDL_HP_STAGE_UINT8") == "1")
+            return (3, r.size, r.size), "uint8" if raw else r.dtype
+        # A custom recipe: run it on one sample to learn its output.
+        i = 0
+        data = self._fetcher.fetch(i)
+        raw = RawBatch(np.array([i], np.int64), [data], self.index.labels[[i]])
+        images, _, _ = next(iter(self._prep.epoch(iter([raw]), self.index.paths.__getitem__)))
+        return tuple(images.shape[1:]), str(images.dtype).removeprefix("torch.")
+
+    def _group_prep(self):
+        """The DALI pipeline that makes this member's share of the group's batches."""
+        area = self._area
+        r = self.recipe
+        if isinstance(r, (ImageNetTrain, ImageNetVal)) and area.dtype == "uint8" and r.dtype == "float32":
+            if self._gprep is None:
+                from coordl.prep.dali import DaliPrep
+
+                self._gprep = DaliPrep(
+                    dataclasses.replace(r, dtype="uint8"), batch_size=self.batch_size, num_threads=self.num_threads,
+                    device_id=self.device_id, seed=self.seed * 7919 + self.world.rank + 104729, on_error=self.on_error,
+                )  # fmt: skip
+            return self._gprep
+        return self._prep
+
+    def _group_normalize(self):
+        """``(mean, std)`` (x255, shaped for NCHW) when staged pixels still need normalising."""
+        r = self.recipe
+        if self._area.dtype == "uint8" and isinstance(r, (ImageNetTrain, ImageNetVal)) and r.dtype == "float32":
+            import torch
+
+            mean = torch.tensor([m * 255 for m in r.mean]).view(1, 3, 1, 1)
+            std = torch.tensor([s * 255 for s in r.std]).view(1, 3, 1, 1)
+            return mean, std
+        return None
+
+    def _output_device(self):
+        import torch
+
+        return torch.device("cpu") if self.device_id is None else torch.device("cuda", self.device_id)
 
     def __enter__(self):
         return self

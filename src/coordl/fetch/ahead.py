@@ -75,6 +75,10 @@ class FetchAhead:
                 for f in futures.values():
                     f.cancel()
 
+    def collect(self, ids: np.ndarray) -> RawBatch:
+        """Fetches one batch now (misses in parallel on the pool), outside the look-ahead."""
+        return self._collect(*self._submit(ids))
+
     def _submit(self, ids: np.ndarray):
         hit = self.fetcher.cached(ids)
         futures = {int(i): self.pool.submit(self.fetcher.fetch, int(i)) for i in ids[~hit]}

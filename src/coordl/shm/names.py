@@ -17,6 +17,10 @@ KINDS = {
     "table": "MinIO cache header and one entry per sample (offset, length, state)",
     "chunk": "MinIO cache data: raw encoded sample bytes, reserved with posix_fallocate",
     "keep": "marker: keep this group after its last user leaves (keep_cache=True)",
+    "stage": "HP-group staging area: header, configuration, member and slot records",
+    "batches": "HP-group staging area: the slots of ready batches, reserved with posix_fallocate",
+    "mutex": "HP-group staging area: serialises changes of its records (held for microseconds)",
+    "member": "HP-group staging area: member k holds an exclusive flock on member.k while alive",
 }
 
 _FINGERPRINT = re.compile(r"^[0-9a-f]{8,64}$")

@@ -1,0 +1,308 @@
+"""Coordinated prep: jobs that name one ``hp_group`` share every batch, made once.
+
+Members are real spawned processes sharing a real staging area in the test's shm
+folder; a killed member is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from childproc import WAIT, report, result
+from coordl import CoordLoader, GroupConfigError, ImageNetTrain, ImageNetVal
+from coordl.index import Index
+from coordl.shm import names
+from coordl.staging.area import StagingArea
+
+CTX = multiprocessing.get_context("spawn")
+RECIPE = ImageNetTrain(size=16)
+N = 120  # samples in tiny_dataset
+
+
+def _loader(root, **kw):
+    kw.setdefault("batch_size", 8)
+    kw.setdefault("pipeline", RECIPE)
+    return CoordLoader(root, return_index=True, num_threads=1, io_threads=2, **kw)
+
+
+def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, stop_after=None, ready=None):
+    """Runs ``epochs`` epochs in the group; reports ids, image sums and stats per epoch."""
+
+    def body():
+        out = {"ids": [], "sums": [], "stats": [], "max_gap": 0.0, "pid": os.getpid()}
+        with _loader(root, hp_group=group, **kw) as loader:
+            if start is not None:
+                start.wait(WAIT)
+            if ready is not None:
+                ready.set()
+            taken = 0
+            for e in range(epochs):
+                loader.set_epoch(e)
+                ids, sums = [], []
+                last = time.monotonic()
+                for x, _, i in loader:
+                    out["max_gap"] = max(out["max_gap"], time.monotonic() - last)
+                    ids.append(i.tolist())
+                    sums.append(float(x.double().sum()))
+                    x.mul_(0)  # a consumer's writes must not reach the other members
+                    taken += 1
+                    if progress is not None and taken == stop_after:
+                        progress.set()
+                        time.sleep(3600)  # killed here
+                    time.sleep(per_batch_s)
+                    last = time.monotonic()
+                out["ids"].append(ids)
+                out["sums"].append(sums)
+                out["stats"].append(loader.stats())
+        return out
+
+    report(q, body)
+
+
+def _flat(batches):
+    return [i for b in batches for i in b]
+
+
+def _check_epochs(out, n=N):
+    for ids in out["ids"]:
+        assert sorted(_flat(ids)) == list(range(n)), "an epoch missed or repeated a sample"
+
+
+# -- a group of one ------------------------------------------------------------------------
+def test_group_of_one_delivers_what_a_plain_loader_delivers(tiny_dataset, isolated):
+    def epochs(**kw):
+        got = []
+        with _loader(str(tiny_dataset), **kw) as loader:
+            for e in (0, 1, 2, 5):
+                loader.set_epoch(e)
+                got.append([i.tolist() for _, _, i in loader])
+            stats = loader.stats()
+        return got, stats
+
+    plain, _ = epochs()
+    grouped, stats = epochs(hp_group="alone")
+    assert grouped == plain  # same order, same batches, set_epoch respected
+    assert stats["hp_members"] == 1 and stats["consumed_shared"] == 0
+    assert 0 < stats["staging_peak_bytes"] <= stats["staging_bound"]
+    assert os.listdir(isolated) == []  # closing the last member removed the area
+
+
+# -- 2 to 4 members ------------------------------------------------------------------------
+@pytest.mark.parametrize("members", [2, 4])
+def test_members_see_every_sample_once_and_each_batch_is_made_once(tiny_dataset, isolated, procs, members):
+    start, q = CTX.Barrier(members), CTX.Queue()
+    for _ in range(members):
+        procs(_member, str(tiny_dataset), "sweep", 3, {}, start, q, 0.01)
+    outs = [result(q, 120) for _ in range(members)]
+    nb = 15
+    keys = set()
+    for out in outs:
+        _check_epochs(out)
+        keys |= {s["order_epoch"] for s in out["stats"]}
+        assert all(s["hp_members"] <= members for s in out["stats"])
+    # Started together, they shared their passes: each batch was consumed by every member...
+    assert keys == {0, 1, 2}
+    assert sum(s["consumed_shared"] for o in outs for s in o["stats"]) >= (members - 1) * 3 * nb
+    # ...and decoded once for the group, not once per member (work-ahead may add a pass).
+    produced = sum(s["produced"] for o in outs for s in o["stats"])
+    assert 3 * nb <= produced <= 4 * nb
+    # Storage was read once for the group (the cache holds the dataset).
+    total = Index.scan(tiny_dataset).total_bytes
+    assert sum(s["storage_bytes"] for o in outs for s in o["stats"]) == total
+    # Members received identical batches, whatever the others did to theirs in place.
+    for k in range(1, members):
+        assert outs[k]["ids"] == outs[0]["ids"]
+        np.testing.assert_allclose(outs[k]["sums"], outs[0]["sums"], rtol=1e-6)
+
+
+# -- death ---------------------------------------------------------------------------------
+def test_a_member_killed_mid_epoch_does_not_stop_the_others(tiny_dataset, isolated, procs):
+    start, q, q_victim, progress = CTX.Barrier(3), CTX.Queue(), CTX.Queue(), CTX.Event()
+    victim = procs(_member, str(tiny_dataset), "kill", 2, {}, start, q_victim, 0.0, progress, 5)
+    for _ in range(2):
+        procs(_member, str(tiny_dataset), "kill", 2, {}, start, q, 0.05)
+    assert progress.wait(WAIT)
+    os.kill(victim.pid, signal.SIGKILL)  # it holds batches the others need, maybe claims too
+    victim.join(WAIT)
+    outs = [result(q, 120) for _ in range(2)]
+    for out in outs:
+        _check_epochs(out)
+        assert out["max_gap"] < 5.0, f"a survivor waited {out['max_gap']:.1f} s for a batch"
+    assert outs[0]["ids"] == outs[1]["ids"]
+
+
+def test_the_claim_of_a_dead_producer_is_made_by_another(isolated, procs):
+    q, claimed = CTX.Queue(), CTX.Event()
+    area = _area("dead-claim")
+    try:
+        area.enroll(0, may_rebase=False)
+        p = procs(_claim_and_hang, str(isolated), claimed, q)
+        assert claimed.wait(WAIT)
+        assert area.claim(block=False).q == 1  # batch 0 is the child's
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(WAIT)
+        area.health()
+        again = area.claim(block=False)
+        assert again.q == 0  # given back when its producer died, and made first
+    finally:
+        area.close()
+
+
+def _claim_and_hang(directory, claimed, q):
+    os.environ["COORDL_SHM_DIR"] = directory
+    area = _area("dead-claim")
+    assert area.claim(block=False).q == 0
+    claimed.set()
+    time.sleep(3600)
+
+
+def _area(name, **kw):
+    kw.setdefault("batch_size", 2)
+    return StagingArea(name, 0, {"dataset": "x"}, batches_per_pass=10, sample_shape=(3, 4, 4), dtype="uint8",
+                       epoch=0, bound=kw.pop("bound", 4 * 4096), **kw)  # fmt: skip
+
+
+def test_the_ring_never_holds_more_than_the_bound(isolated):
+    area = _area("ring")
+    try:
+        assert area.slots == 4
+        files = {e: os.path.getsize(os.path.join(isolated, e)) for e in os.listdir(isolated)}
+        assert sum(v for k, v in files.items() if k.endswith(".batches")) <= 4 * 4096
+        area.enroll(0, may_rebase=False)
+        claims = [area.claim(block=False) for _ in range(4)]
+        assert [c.q for c in claims] == [0, 1, 2, 3]
+        assert area.claim(block=False) is None  # full until the member consumes batch 0
+        for c in claims:
+            area.publish(c, 2)
+        t = area.take(0)
+        assert area.claim(block=False) is None  # consumed but still held by its tensor
+        area.release(t)
+        assert area.claim(block=False).q == 4
+        assert area.stats()["staging_peak_bytes"] <= area.stats()["staging_bound"] == 4 * 4096
+    finally:
+        area.close()
+
+
+# -- joining -------------------------------------------------------------------------------
+def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tiny_dataset, isolated, procs):
+    q_a, q_b, progress, ready = CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
+    kw = {"batch_size": 4, "hp_staging": 4 * 4 * 3 * 16 * 16 * 4 + 4 * 4096}  # 4-5 slots, 30 batches a pass
+    procs(_member_signalling, str(tiny_dataset), "join", 3, kw, q_a, progress, ready)
+    assert progress.wait(WAIT)  # A is in the middle of its first epoch, and waits for B to start
+    procs(_member, str(tiny_dataset), "join", 2, kw, None, q_b, 0.0, None, None, ready)
+    a, b = result(q_a, 120), result(q_b, 120)
+    _check_epochs(a)
+    _check_epochs(b)
+    first = b["stats"][0]["order_epoch"]
+    assert first == 1  # not the epoch it arrived in the middle of: the next one
+    assert [s["order_epoch"] for s in b["stats"]] == [first, first + 1]
+    assert b["stats"][0]["consumed_shared"] > 0
+    shared = [s["order_epoch"] for s in a["stats"]].index(first)
+    assert a["ids"][shared] == b["ids"][0]
+
+
+def _member_signalling(root, group, epochs, kw, q, progress, ready):
+    def body():
+        out = {"ids": [], "stats": []}
+        with _loader(root, hp_group=group, **kw) as loader:
+            for e in range(epochs):
+                loader.set_epoch(e)
+                ids = []
+                for k, (_, _, i) in enumerate(loader):
+                    ids.append(i.tolist())
+                    if e == 0 and k == 10:
+                        progress.set()
+                        assert ready.wait(WAIT)  # B is about to iterate
+                        time.sleep(0.5)
+                    time.sleep(0.03)
+                out["ids"].append(ids)
+                out["stats"].append(loader.stats())
+        return out
+
+    report(q, body)
+
+
+# -- configuration ------------------------------------------------------------------------
+def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
+    with _loader(str(tiny_dataset), hp_group="cfg") as first:
+        next(iter(first))
+        other = _loader(str(tiny_dataset), hp_group="cfg", batch_size=16)
+        try:
+            with pytest.raises(GroupConfigError, match="batch_size: the group has 8, this job has 16"):
+                next(iter(other))
+        finally:
+            other.close()
+        seeded = _loader(str(tiny_dataset), hp_group="cfg", seed=3)
+        try:
+            with pytest.raises(GroupConfigError, match="seed"):
+                next(iter(seeded))
+        finally:
+            seeded.close()
+        ok = _loader(str(tiny_dataset), hp_group="another-name", batch_size=16)
+        try:
+            next(iter(ok))  # a different name is a different group
+        finally:
+            ok.close()
+
+
+def test_bad_arguments_are_refused(tiny_dataset):
+    with pytest.raises(ValueError, match="hp_group"):
+        CoordLoader(str(tiny_dataset), hp_group="")
+    with pytest.raises(ValueError, match="hp_staging"):
+        loader = _loader(str(tiny_dataset), hp_group="small", hp_staging=1000)
+        try:
+            next(iter(loader))
+        finally:
+            loader.close()
+
+
+# -- cleanup ------------------------------------------------------------------------------
+def test_members_that_all_die_leave_nothing_the_next_start_does_not_clean(tiny_dataset, isolated, procs):
+    start, q, progress = CTX.Barrier(2), CTX.Queue(), CTX.Event()
+    ps = [procs(_member, str(tiny_dataset), "dies", 1, {}, start, q, 0.0, progress, 3) for _ in range(2)]
+    assert progress.wait(WAIT)
+    for p in ps:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(WAIT)
+    assert any(".stage" in e for e in os.listdir(isolated))  # left behind by the dead
+    with _loader(str(tiny_dataset), hp_group="dies") as loader:  # the next start cleans up
+        assert sorted(i for _, _, b in loader for i in b.tolist()) == list(range(N))
+        kinds = {names.parse_name(e)[1] for e in os.listdir(isolated)}
+        assert "stage" in kinds
+    assert os.listdir(isolated) == []
+
+
+# -- resume, formats ----------------------------------------------------------------------
+def test_resuming_mid_epoch_finishes_that_epoch_then_joins_the_group(tiny_dataset, isolated):
+    with _loader(str(tiny_dataset), hp_group="resume") as loader:
+        it = iter(loader)
+        first = [next(it)[2].tolist() for _ in range(5)]
+        state = loader.state_dict()
+    with _loader(str(tiny_dataset), hp_group="resume") as loader:
+        loader.load_state_dict(state)
+        rest = [i.tolist() for _, _, i in loader]
+        assert sorted(_flat(first + rest)) == list(range(N))
+        nxt = [i.tolist() for _, _, i in loader]  # the next epoch comes from the group
+        assert sorted(_flat(nxt)) == list(range(N))
+        assert loader.stats()["hp_members"] == 1
+
+
+def test_uint8_staging_normalised_by_the_consumer_matches_the_pipeline(tiny_dataset, isolated, monkeypatch):
+    val = ImageNetVal(size=16, resize=20)  # deterministic, so both ways must agree
+    with _loader(str(tiny_dataset), pipeline=val, shuffle=False) as plain:
+        want = [x for x, _, _ in plain]
+    monkeypatch.setenv("COORDL_HP_STAGE_UINT8", "1")
+    with _loader(str(tiny_dataset), pipeline=val, shuffle=False, hp_group="u8") as grouped:
+        got = [x for x, _, _ in grouped]
+        assert grouped.stats()["staging_bound"] <= 16 * 8 * 3 * 16 * 16 + 16 * 4096  # one byte per value
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
