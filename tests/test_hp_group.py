@@ -113,9 +113,12 @@ def test_members_see_every_sample_once_and_each_batch_is_made_once(tiny_dataset,
     # ...and decoded once for the group, not once per member (work-ahead may add a pass).
     produced = sum(s["produced"] for o in outs for s in o["stats"])
     assert 3 * nb <= produced <= 4 * nb
-    # Storage was read once for the group (the cache holds the dataset).
+    # Storage was read once for the group (the cache holds the dataset), not once per member.
+    # The one exception: a sample whose first read is still in flight when a producer working
+    # ahead on the next epoch needs it too is read twice (the cache never waits on a writer).
     total = Index.scan(tiny_dataset).total_bytes
-    assert sum(s["storage_bytes"] for o in outs for s in o["stats"]) == total
+    read = sum(s["storage_bytes"] for o in outs for s in o["stats"])
+    assert total <= read < 1.25 * total
     # Members received identical batches, whatever the others did to theirs in place.
     for k in range(1, members):
         assert outs[k]["ids"] == outs[0]["ids"]

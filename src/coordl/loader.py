@@ -137,7 +137,9 @@ class CoordLoader:
         self.hp_idle_timeout = float(hp_idle_timeout)
         self._area = None
         self._gprep = None
-        self._group_in_step = True  # every group pass so far had the order of this loader's epoch
+        self._group_in_step = True
+        self._produced_total = 0  # group batches this loader's producers made
+        self._produced_mark = 0  # every group pass so far had the order of this loader's epoch
         self.batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)

@@ -39,7 +39,6 @@ class _Producer:
         self.prep = prep
         self.stop = stop
         self.failure: BaseException | None = None
-        self.produced = 0
         self._fetch = FetchAhead(loader._fetcher, [], loader.index.labels, loader._pool, depth=1,
                                  on_error=loader.on_error, stop=stop)  # fmt: skip
         self._inflight: collections.deque[tuple[Claim, np.ndarray]] = collections.deque()
@@ -136,7 +135,7 @@ class _Producer:
         np.frombuffer(view, np.int64, n, self._images_bytes + 8 * bs)[:] = ids.cpu().numpy()
         del dst, view
         self.area.publish(c, n)
-        self.produced += 1
+        self.loader._produced_total += 1
 
 
 class GroupPass:
@@ -156,6 +155,9 @@ class GroupPass:
         self._t0 = time.perf_counter()
         loader._fetcher.reset_counters()
         self._skipped: list[tuple[int, str]] = []
+        # Batches this member made since the previous pass's statistics (a producer drains the
+        # batches it has in flight after its pass ends; they count in the next pass).
+        self._produced_from = loader._produced_mark
         self.start, continues = self.area.enroll(epoch, may_rebase=loader._group_in_step)
         self.order_epoch = self.area.order_key(self.start)
         loader._order_epoch = self.order_epoch
@@ -268,6 +270,7 @@ class GroupPass:
         self._stop.set()
         self.area.finish_pass()
         self.loader._on_pass_end(self)
+        self.loader._produced_mark = self.loader._produced_total
 
     @staticmethod
     def base_stats(loader, epoch: int) -> dict:
@@ -297,7 +300,7 @@ class GroupPass:
             samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
             skipped=len(skipped),
             skipped_paths=[p for _, p in skipped[:100]],
-            produced=self.producer.produced,
+            produced=self.loader._produced_total - self._produced_from,
             consumed_shared=self._shared,
             order_epoch=self.order_epoch,
         )

@@ -1,0 +1,52 @@
+"""Launches N trials of a learning-rate sweep as separate processes sharing one ``hp_group``.
+
+Each trial is an ordinary training script (``train.py``) started by its own command, as an
+HP-search tool would start it; naming the same group is all they share. With
+``--alone`` the same trials run without the group, for comparison.
+
+    python examples/hpsearch/launch.py /path/to/train --lrs 0.4,0.1,0.02,0.005
+    python examples/hpsearch/launch.py --demo            # on a generated dataset
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", nargs="?", help="ImageFolder-style folder")
+    p.add_argument("--demo", action="store_true", help="generate a 600-image dataset in /tmp and use it")
+    p.add_argument("--lrs", default="0.4,0.1,0.02", help="one trial per learning rate")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--group", default="lr-sweep")
+    p.add_argument("--alone", action="store_true", help="run the trials without sharing, for comparison")
+    args = p.parse_args()
+    if args.demo:
+        from coordl.datagen import make_dataset
+
+        args.data = "/tmp/coordl-hpsearch-demo/train"
+        make_dataset(args.data, num_images=600, num_classes=10, progress=False)
+    if not args.data:
+        p.error("give a dataset folder or --demo")
+    trials = []
+    t0 = time.perf_counter()
+    for lr in args.lrs.split(","):
+        cmd = [sys.executable, str(HERE / "train.py"), args.data, "--lr", lr, "--epochs", str(args.epochs)]
+        if not args.alone:
+            cmd += ["--hp-group", args.group]
+        trials.append(subprocess.Popen(cmd))  # independent processes, as an HP tool starts them
+    codes = [t.wait() for t in trials]
+    print(f"{len(trials)} trials {'alone' if args.alone else f'sharing hp_group {args.group!r}'}: "
+          f"{time.perf_counter() - t0:.1f} s, exit codes {codes}")  # fmt: skip
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
