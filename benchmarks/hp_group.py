@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -59,6 +60,8 @@ def job(args) -> None:
                 **{k: s.get(k) for k in ("produced", "consumed_shared", "storage_bytes", "staging_peak_bytes",
                                          "staging_bound", "order_epoch", "hp_members")},
             })  # fmt: skip
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = {"user": ru.ru_utime, "sys": ru.ru_stime}
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -189,10 +192,11 @@ def main() -> int:
                     "staging_bound": max((e["staging_bound"] or 0) for e in steady),
                     "page_cache": "dataset evicted with POSIX_FADV_DONTNEED before the cold epoch",
                     "jobs": [j["epochs"] for j in run["jobs"]],
+                    "cpu_s_per_epoch": sum(j["cpu_s"]["user"] + j["cpu_s"]["sys"] for j in run["jobs"]) / args.epochs,
                 }
                 print(f"N={n} {mode:>11}: per job {[round(r) for r in rates]} samples/s, cold epoch read "
                       f"{cold_bytes / 1e6:.1f} MB from the device, {row[mode]['batches_decoded_per_epoch']:.0f} "
-                      f"batches decoded per epoch")  # fmt: skip
+                      f"batches decoded per epoch, {row[mode]['cpu_s_per_epoch']:.1f} CPU-s per epoch")  # fmt: skip
             row["ratio"] = row["coordinated"]["mean_per_job_samples_per_s"] / row["alone"]["mean_per_job_samples_per_s"]
             print(f"N={n}: coordinated / alone per-job throughput = {row['ratio']:.2f} (target >= {0.8 * n:.1f})")
             results["rows"].append(row)

@@ -309,3 +309,18 @@ def test_uint8_staging_normalised_by_the_consumer_matches_the_pipeline(tiny_data
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32 and g.shape == w.shape
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
+
+
+# -- the example ---------------------------------------------------------------------------
+def test_the_hpsearch_example_runs_trials_that_share(tiny_dataset, isolated):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    launch = Path(__file__).resolve().parents[1] / "examples" / "hpsearch" / "launch.py"
+    run = subprocess.run([sys.executable, str(launch), str(tiny_dataset), "--lrs", "0.1,0.01", "--epochs", "1",
+                          "--group", "example-test"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = [ln for ln in run.stdout.splitlines() if "epoch 0" in ln]
+    assert len(lines) == 2 and all("batches made by other trials" in ln for ln in lines), run.stdout
+    assert "2 trials sharing hp_group 'example-test'" in run.stdout

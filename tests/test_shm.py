@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordl.fetch.cache import MinIOCache
+from coordl.staging.area import StagingArea
 from coordl.shm import group, names, reaper
 
 CTX = multiprocessing.get_context("spawn")
@@ -85,6 +86,8 @@ def test_every_segment_is_private_and_named_by_the_one_function(isolated):
     old = os.umask(0)  # the most permissive umask must not widen anything
     try:
         cache = MinIOCache(FP, sizes, 20_000, keep=True, directory=str(isolated), chunk_bytes=4096)
+        area = StagingArea("sweep", 0, {}, batch_size=2, batches_per_pass=5, sample_shape=(3, 4, 4), dtype="uint8",
+                           epoch=0, bound=4 * 4096, directory=str(isolated))  # fmt: skip
     finally:
         os.umask(old)
     try:
@@ -104,16 +107,18 @@ def test_every_segment_is_private_and_named_by_the_one_function(isolated):
             parsed = names.parse_name(e)
             assert parsed is not None, f"{e} is not named by names.segment_name"
             fp, kind, ident = parsed
-            assert fp == FP and kind in names.KINDS
+            assert fp in (FP, area.fingerprint) and kind in names.KINDS
             assert names.segment_name(fp, kind, ident) == e
             kinds.add(kind)
-        assert kinds == set(names.KINDS)  # every kind a cache makes is listed, and the tests saw them all
+        assert kinds == set(names.KINDS)  # every kind a cache or a staging area makes is listed, and seen here
         assert sum(1 for e in entries if names.parse_name(e)[1] == "chunk") == 5
-        (info,) = reaper.list_groups(str(isolated))
-        assert (info.fingerprint, info.files, info.in_use, info.keep) == (FP, len(entries), True, True)
-        assert set(info.kinds) == kinds
+        (info,) = [g for g in reaper.list_groups(str(isolated)) if g.fingerprint == FP]
+        mine = [e for e in entries if names.parse_name(e)[0] == FP]
+        assert (info.fingerprint, info.files, info.in_use, info.keep) == (FP, len(mine), True, True)
+        assert set(info.kinds) == {names.parse_name(e)[1] for e in mine}
     finally:
         cache.close()
+        area.close()
     assert reaper.reap(str(isolated)) == []  # kept
     (removed,) = reaper.reap(str(isolated), include_kept=True)
     assert removed.fingerprint == FP and removed.keep

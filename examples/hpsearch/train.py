@@ -53,7 +53,7 @@ def main() -> None:
                 opt.step()
                 total += len(labels)
                 correct += int((out.argmax(1) == labels).sum())
-                loss_sum += float(loss) * len(labels)
+                loss_sum += loss.item() * len(labels)
             s = loader.stats()
             shared = f", {s['consumed_shared']}/{s['batches']} batches made by other trials" if args.hp_group else ""
             print(f"lr={args.lr:g} epoch {epoch}: loss {loss_sum / total:.3f}, train acc {correct / total:.1%}, "
