@@ -560,27 +560,12 @@ class _Pass:
         }
 
     def stats(self, complete: bool) -> dict:
-        s = self.base_stats(self.loader, self.epoch)
-        c = self.loader._fetcher.counters
         elapsed = self._elapsed if complete else time.perf_counter() - self._t0
         skipped = self._ahead.skipped + self.loader._prep.skipped[self._skipped_before :]
-        s.update(
-            batches=self._batches,
-            samples=self._samples,
-            cache_hits=c.cache_hits,
-            storage_reads=c.storage_reads,
-            storage_bytes=c.storage_bytes,
-            peer_reads=c.peer_reads,
-            peer_bytes=c.peer_bytes,
-            admitted=c.admitted,
-            stall_s=self._stall,
-            fetch_wait_s=self._ahead.wait_s,
-            elapsed_s=elapsed,
-            samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
-            skipped=len(skipped),
-            skipped_paths=[p for _, p, _ in skipped[:100]],
-        )
-        return s
+        return pass_stats(self.base_stats(self.loader, self.epoch), self.loader._fetcher.counters,
+                          batches=self._batches, samples=self._samples, stall_s=self._stall,
+                          fetch_wait_s=self._ahead.wait_s, elapsed_s=elapsed,
+                          skipped_paths=[p for _, p, _ in skipped])  # fmt: skip
 
     def close(self) -> None:
         """Stops the driver thread; idempotent."""
@@ -595,6 +580,28 @@ class _Pass:
             except queue.Empty:
                 pass
             self._thread.join(timeout=0.1)
+
+
+def pass_stats(s: dict, c, *, batches: int, samples: int, stall_s: float, fetch_wait_s: float, elapsed_s: float,
+               skipped_paths: list[str]) -> dict:
+    """Fills a pass's statistics ``s`` from its counters and the fetcher's ``c``."""
+    s.update(
+        batches=batches,
+        samples=samples,
+        cache_hits=c.cache_hits,
+        storage_reads=c.storage_reads,
+        storage_bytes=c.storage_bytes,
+        peer_reads=c.peer_reads,
+        peer_bytes=c.peer_bytes,
+        admitted=c.admitted,
+        stall_s=stall_s,
+        fetch_wait_s=fetch_wait_s,
+        elapsed_s=elapsed_s,
+        samples_per_s=samples / elapsed_s if elapsed_s > 0 else 0.0,
+        skipped=len(skipped_paths),
+        skipped_paths=skipped_paths[:100],
+    )
+    return s
 
 
 class _Failure:

@@ -209,6 +209,7 @@ class StagingArea:
         self._freed: collections.deque = collections.deque()  # (slot, q) whose tensors were freed
         self._closed = False
         self._last_health = 0.0
+        self._img_bytes: int | None = None
         layout = dict(batch_size=batch_size, nb=batches_per_pass, shape=tuple(sample_shape), dtype=dtype,
                       epoch=epoch, bound=bound)  # fmt: skip
         self._membership.join(lambda alone: self._setup(alone, layout))
@@ -543,10 +544,12 @@ class StagingArea:
         return labels, ids
 
     def _images_bytes(self) -> int:
-        import torch
+        if self._img_bytes is None:
+            import torch
 
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return int(self._h["batch_size"]) * int(np.prod(self.sample_shape, dtype=np.int64)) * itemsize
+            itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+            self._img_bytes = int(self._h["batch_size"]) * int(np.prod(self.sample_shape, dtype=np.int64)) * itemsize
+        return self._img_bytes
 
     def shared_images(self, t: Taken) -> memoryview:
         """The image bytes of a taken batch in the shared mapping (copy them, then :meth:`release`)."""

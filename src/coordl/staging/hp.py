@@ -281,25 +281,14 @@ class GroupPass:
         return s
 
     def stats(self, complete: bool) -> dict:
-        s = self.base_stats(self.loader, self.epoch)
-        c = self.loader._fetcher.counters
+        from coordl.loader import pass_stats
+
         elapsed = self._elapsed if complete else time.perf_counter() - self._t0
-        skipped = self._skipped
+        s = pass_stats(self.base_stats(self.loader, self.epoch), self.loader._fetcher.counters,
+                       batches=self._batches, samples=self._samples, stall_s=self._stall,
+                       fetch_wait_s=self.producer._fetch.wait_s, elapsed_s=elapsed,
+                       skipped_paths=[p for _, p in self._skipped])  # fmt: skip
         s.update(
-            batches=self._batches,
-            samples=self._samples,
-            cache_hits=c.cache_hits,
-            storage_reads=c.storage_reads,
-            storage_bytes=c.storage_bytes,
-            peer_reads=c.peer_reads,
-            peer_bytes=c.peer_bytes,
-            admitted=c.admitted,
-            stall_s=self._stall,
-            fetch_wait_s=self.producer._fetch.wait_s,
-            elapsed_s=elapsed,
-            samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
-            skipped=len(skipped),
-            skipped_paths=[p for _, p in skipped[:100]],
             produced=self.loader._produced_total - self._produced_from,
             consumed_shared=self._shared,
             order_epoch=self.order_epoch,
