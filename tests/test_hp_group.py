@@ -193,6 +193,27 @@ def test_the_ring_never_holds_more_than_the_bound(isolated):
         area.close()
 
 
+def test_a_member_idle_between_epochs_is_dropped_after_the_timeout(isolated):
+    busy, idle = _area("idle", idle_timeout=0.3), _area("idle", idle_timeout=0.3)
+    try:
+        busy.enroll(0, may_rebase=False)
+        idle.enroll(0, may_rebase=False)
+        idle.finish_pass()  # enrolled for batch 0 on, but not iterating
+        claims = [busy.claim(block=False) for _ in range(4)]
+        for c in claims:
+            busy.publish(c, 2)
+        for q in range(4):
+            busy.release(busy.take(q))
+        assert busy.claim(block=False) is None  # the idle member still needs batch 0
+        time.sleep(0.4)
+        assert busy.claim(block=False).q == 4  # dropped: the ring moves on
+        start, continues = idle.enroll(1, may_rebase=False)
+        assert not continues and start == 10  # it rejoins at the next pass
+    finally:
+        idle.close()
+        busy.close()
+
+
 # -- joining -------------------------------------------------------------------------------
 def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tiny_dataset, isolated, procs):
     q_a, q_b, progress, ready = CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
@@ -236,18 +257,13 @@ def _member_signalling(root, group, epochs, kw, q, progress, ready):
 def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
     with _loader(str(tiny_dataset), hp_group="cfg") as first:
         next(iter(first))
-        other = _loader(str(tiny_dataset), hp_group="cfg", batch_size=16)
-        try:
-            with pytest.raises(GroupConfigError, match="batch_size: the group has 8, this job has 16"):
-                next(iter(other))
-        finally:
-            other.close()
-        seeded = _loader(str(tiny_dataset), hp_group="cfg", seed=3)
-        try:
-            with pytest.raises(GroupConfigError, match="seed"):
-                next(iter(seeded))
-        finally:
-            seeded.close()
+        for kw, message in (({"batch_size": 16}, "batch_size: the group has 8, this job has 16"), ({"seed": 3}, "seed")):
+            other = _loader(str(tiny_dataset), hp_group="cfg", **kw)
+            try:
+                with pytest.raises(GroupConfigError, match=message):
+                    next(iter(other))
+            finally:
+                other.close()
         ok = _loader(str(tiny_dataset), hp_group="another-name", batch_size=16)
         try:
             next(iter(ok))  # a different name is a different group
