@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +114,8 @@ class Index:
         extensions: Sequence[str] = IMG_EXTENSIONS,
         index_dir: str | None = None,
         rebuild: bool = False,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
     ) -> Index:
         """The index of an ImageFolder tree, loaded from the index directory when still valid.
 
@@ -122,6 +124,9 @@ class Index:
             extensions: file endings that count as samples (case-insensitive).
             index_dir: where to save and look for the index; ``""`` disables saving.
             rebuild: rescan even if a saved index is valid.
+            is_valid_file: a function of a path that decides which files count, instead of
+                ``extensions`` (an index scanned with one is not saved).
+            allow_empty: accept class folders without a valid file.
 
         Raises:
             FileNotFoundError: ``root`` is missing, has no class folders, or a class
@@ -132,12 +137,14 @@ class Index:
             raise FileNotFoundError(f"dataset folder {root} does not exist or is not a folder")
         extensions = tuple(e.lower() for e in extensions)
         index_dir = default_index_dir() if index_dir is None else index_dir
-        saved = _saved_path(index_dir, root, extensions) if index_dir else None
+        if is_valid_file is not None:
+            index_dir = ""  # a predicate has no key to save the index under
+        saved = _saved_path(index_dir, root, extensions, allow_empty) if index_dir else None
         if saved and not rebuild:
             index = _load_if_fresh(saved, root)
             if index is not None:
                 return dataclasses.replace(index, saved_path=saved)
-        index, dirs = _scan(root, extensions)
+        index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
         if saved:
             try:
                 _save(index, dirs, saved)
@@ -165,7 +172,10 @@ def _size(path: str) -> int:
     return st.st_size
 
 
-def _scan(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str, int]]]:
+def _scan(
+    root: str, extensions: tuple[str, ...], is_valid_file=None, allow_empty: bool = False
+) -> tuple[Index, list[tuple[str, int]]]:
+    valid = is_valid_file or (lambda path: path.lower().endswith(extensions))
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise FileNotFoundError(f"no class folders found in {root}; expected one sub-folder per class")
@@ -176,15 +186,15 @@ def _scan(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str
         for folder, subdirs, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
             dirs.append((folder, os.stat(folder).st_mtime_ns))
             for fname in sorted(files):
-                if fname.lower().endswith(extensions):
-                    path = os.path.join(folder, fname)
+                path = os.path.join(folder, fname)
+                if valid(path):
                     sizes.append(_size(path))
                     paths.append(path)
                     labels.append(label)
                     found += 1
         if not found:
             empty.append(name)
-    if empty:
+    if empty and not allow_empty:
         shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
         raise FileNotFoundError(
             f"found no valid file for the classes {shown} in {root}. "
@@ -193,8 +203,9 @@ def _scan(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str
     return Index.build(paths, labels, sizes, classes, root), dirs
 
 
-def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...]) -> str:
-    key = hashlib.sha256(json.dumps([root, list(extensions)]).encode()).hexdigest()[:16]
+def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> str:
+    key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
+    key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return os.path.join(index_dir, f"index-{key}.npz")
 
 

@@ -56,9 +56,17 @@ def _reap_once(directory: str) -> None:
 class CoordLoader:
     """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
 
+    Two backends share the order, sharding, resume, cache and statistics. A folder, a list or
+    an index is decoded and augmented by DALI (``pipeline``). A dataset of
+    :mod:`coordl.datasets` (``ImageFolder(root, transform=...)``, ``DatasetFolder``,
+    ``FileDataset``) runs the *torch backend*: PyTorch ``DataLoader`` workers read the bytes
+    through the node's cache and apply the dataset's own Python transforms, and batches are
+    whatever its ``collate_fn`` makes.
+
     Args:
         data: an ImageFolder-style folder (one sub-folder per class), a list of
-            ``(path, label)`` pairs, or an :class:`~coordl.index.Index`.
+            ``(path, label)`` pairs, an :class:`~coordl.index.Index`, or a dataset of
+            :mod:`coordl.datasets` (the torch backend).
         batch_size: samples per batch.
         pipeline: ``"imagenet-train"`` (random resized crop, flip, normalise),
             ``"imagenet-val"`` (resize, center crop, normalise), a recipe object
@@ -93,6 +101,16 @@ class CoordLoader:
             (16 batches, at most 2 GiB, at least 4) or bytes (int or ``"1GB"``).
         hp_idle_timeout: seconds a member that is between epochs may keep the others waiting
             on a full staging area before it is dropped (it rejoins at a later epoch).
+        num_workers: the torch backend's worker processes (``DataLoader``'s meaning; default 0,
+            loading in the main process). With DALI, the number of DALI threads when
+            ``num_threads`` is not given.
+        pin_memory, collate_fn, worker_init_fn, timeout, multiprocessing_context, generator,
+        prefetch_factor, persistent_workers, pin_memory_device: as for ``DataLoader``, on
+            the torch backend. ``generator`` defaults to one seeded by ``(seed, epoch, rank)``,
+            so workers' random transforms repeat from run to run. ``pin_memory`` has no effect
+            with DALI, whose outputs are on their device already.
+        sampler, batch_sampler: not accepted: coordl decides the order (``shuffle``, ``seed``,
+            ``set_epoch``, the rank's shard) so that it can guarantee and resume it.
     """
 
     def __init__(
@@ -119,7 +137,27 @@ class CoordLoader:
         hp_group: str | None = None,
         hp_staging: int | str = "auto",
         hp_idle_timeout: float = 60.0,
+        num_workers: int | None = None,
+        pin_memory: bool = False,
+        collate_fn=None,
+        worker_init_fn=None,
+        timeout: float = 0,
+        multiprocessing_context=None,
+        generator=None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        sampler=None,
+        batch_sampler=None,
     ):
+        if sampler is not None or batch_sampler is not None:
+            raise ValueError(
+                "CoordLoader decides the order of samples itself (shuffle=, seed=, set_epoch(), one shard per "
+                "rank) so that every epoch is exactly-once and resumable; drop sampler=/batch_sampler="
+            )
+        if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
+                                        or num_workers < 0):  # fmt: skip
+            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if on_error not in ("raise", "skip"):
@@ -148,11 +186,43 @@ class CoordLoader:
         self.on_error = on_error
         self.prefetch_batches = prefetch_batches
         self.world = world.detect(rank, world_size)
-        self.index = _make_index(data, extensions, index_dir)
-        self.recipe = resolve_recipe(pipeline)
-        self.device_id = _resolve_device(device_id)
+        self.dataset = _as_dataset(data)
+        self.backend = "dali" if self.dataset is None else "torch"
+        torch_args = {"collate_fn": collate_fn, "worker_init_fn": worker_init_fn, "timeout": timeout,
+                      "multiprocessing_context": multiprocessing_context, "generator": generator,
+                      "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers,
+                      "pin_memory_device": pin_memory_device}  # fmt: skip
+        if self.backend == "dali":
+            given = [k for k, v in torch_args.items() if v not in (None, 0, False, "")]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to the torch backend, which runs a dataset of coordl.datasets "
+                    "(e.g. coordl.datasets.ImageFolder(root, transform=...)); a folder or a list is decoded by DALI"
+                )
+            self.index = _make_index(data, extensions, index_dir)
+            self.recipe = resolve_recipe(pipeline)
+            self.device_id = _resolve_device(device_id)
+        else:
+            if pipeline != "imagenet-train":
+                raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
+            if hp_group is not None:
+                raise ValueError(
+                    "hp_group is not available on the torch backend yet: use a folder or a list of files, "
+                    "decoded by DALI, for coordinated pre-processing"
+                )
+            self.index = self.dataset.index
+            self.recipe = None
+            self.device_id = None  # the batches are collate_fn's, on the CPU (pinned with pin_memory)
+        if len(self.index) == 0:
+            raise ValueError("the dataset has no samples")
         cores = os.cpu_count() or 1
-        self.num_threads = num_threads or max(1, cores // max(1, self.world.local_world_size))
+        self.num_threads = num_threads or num_workers or max(1, cores // max(1, self.world.local_world_size))
+        self.num_workers = 0 if num_workers is None else num_workers
+        self.persistent_workers = bool(persistent_workers)
+        self._torch_args = dict(torch_args, pin_memory=bool(pin_memory))
+        self._own_generator = generator is None
+        self._generator = generator
+        self._loader_obj = None  # the torch backend's DataLoader, made on the first pass
         self._epoch = 0
         self._order_epoch = 0  # the sampler epoch of the current pass (an HP group's may differ)
         self._resume_order: int | None = None
@@ -164,6 +234,17 @@ class CoordLoader:
         self._closed = False
         self.cache = self._open_cache(cache_bytes, keep_cache)
         self._fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None)
+        self._prep = None
+        self._pool = None
+        if self.backend == "torch":
+            from coordl.prep import torch_backend
+
+            self._batch_sampler = torch_backend.EpochBatches()
+            if self._own_generator:
+                import torch
+
+                self._generator = torch.Generator()
+            return
         self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io")
         from coordl.prep.dali import DaliPrep  # DALI is imported when a loader is made, not with coordl
 
@@ -186,7 +267,22 @@ class CoordLoader:
         _reap_once(directory)
         # Per user: segments are 0600, so two users of one dataset get a cache each.
         group = hashlib.sha256(f"{self.index.fingerprint}:{os.getuid()}".encode()).hexdigest()[:16]
+        self._cache_spec = (group, budget, keep, directory)
         return MinIOCache(group, self.index.sizes, budget, keep=keep, directory=directory, dataset=self.index.fingerprint)
+
+    def _dataloader(self):
+        """The torch backend's ``DataLoader`` (one for the loader's life: persistent workers persist)."""
+        if self._loader_obj is None:
+            from coordl.prep import torch_backend as tb
+
+            spec = None
+            if self.cache is not None:
+                group, budget, keep, directory = self._cache_spec
+                spec = tb.CacheSpec(group, budget, keep, directory, self.index.fingerprint)
+            items = tb.Items(self.dataset, self._fetcher, spec, self.on_error)
+            args = dict(self._torch_args, generator=self._generator)
+            self._loader_obj = tb.make_dataloader(items, self._batch_sampler, num_workers=self.num_workers, **args)
+        return self._loader_obj
 
     # -- DataLoader-like surface -----------------------------------------------------------
     def __len__(self) -> int:
@@ -238,7 +334,12 @@ class CoordLoader:
         order = sampler.epoch_order(len(self.index), self.seed, order_epoch, self.shuffle)
         ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
         batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
-        self._iter = _Pass(self, self._epoch, batches)
+        if self.backend == "torch":
+            from coordl.prep.torch_backend import TorchPass
+
+            self._iter = TorchPass(self, self._epoch, batches)
+        else:
+            self._iter = _Pass(self, self._epoch, batches)
         return self._iter
 
     def _on_batch(self, position: int) -> None:
@@ -308,7 +409,8 @@ class CoordLoader:
         self._resume_order = order_epoch if batches else None
 
     def _config_fingerprint(self) -> str:
-        key = [self.index.fingerprint, recipe_key(self.recipe), self.batch_size, self.drop_last, self.shuffle]
+        prep = recipe_key(self.recipe) if self.backend == "dali" else f"torch:{type(self.dataset).__qualname__}"
+        key = [self.index.fingerprint, prep, self.batch_size, self.drop_last, self.shuffle]
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
     # -- stats ----------------------------------------------------------------------------
@@ -343,8 +445,15 @@ class CoordLoader:
             self._iter = None
         if self._area is not None:
             self._area.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._prep.close()
+        if self._loader_obj is not None:
+            it = getattr(self._loader_obj, "_iterator", None)  # persistent workers
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+            self._loader_obj = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._prep is not None:
+            self._prep.close()
         if self._gprep is not None:
             self._gprep.close()
         if self.cache is not None:
@@ -435,9 +544,15 @@ class CoordLoader:
     def __repr__(self) -> str:
         return (
             f"CoordLoader({self.index.root or f'{len(self.index)} samples'!s}, batch_size={self.batch_size}, "
-            f"pipeline={getattr(self.recipe, 'name', 'custom')!r}, rank={self.world.rank}/{self.world.world_size}, "
+            f"{self._prep_repr()}, rank={self.world.rank}/{self.world.world_size}, "
             f"cache={'off' if self.cache is None else self.cache.budget})"
         )
+
+
+    def _prep_repr(self) -> str:
+        if self.backend == "torch":
+            return f"dataset={type(self.dataset).__name__}, num_workers={self.num_workers}"
+        return f"pipeline={getattr(self.recipe, 'name', 'custom')!r}"
 
 
 class _Pass:
@@ -607,6 +722,42 @@ def pass_stats(s: dict, c, *, batches: int, samples: int, stall_s: float, fetch_
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
+
+
+def _as_dataset(data):
+    """The dataset of the torch backend, or None for data that DALI decodes."""
+    from coordl.datasets import FileDataset
+
+    if isinstance(data, FileDataset):
+        return data
+    converted = _from_torchvision(data)
+    if converted is not None:
+        return converted
+    try:
+        from torch.utils.data import Dataset
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(data, Dataset):
+        raise TypeError(
+            f"CoordLoader reads the files of a dataset itself, so it needs a dataset that separates reading from "
+            f"decoding: coordl.datasets.ImageFolder, DatasetFolder or FileDataset (see the torch backend guide); "
+            f"got {type(data).__module__}.{type(data).__qualname__}"
+        )
+    return None
+
+
+def _from_torchvision(data):
+    """A torchvision folder dataset with its default (path-opening) loader, as coordl's equivalent."""
+    from coordl.datasets import FileDataset, _is_torchvision_path_loader, pil_decode
+
+    if not type(data).__module__.startswith("torchvision.") or not hasattr(data, "samples"):
+        return None
+    if not _is_torchvision_path_loader(getattr(data, "loader", None)):
+        return None
+    log.info("coordl: reading %s through coordl (Pillow decoding, the same transforms)", type(data).__name__)
+    ds = FileDataset(data.samples, pil_decode, transform=data.transform, target_transform=data.target_transform)
+    ds.classes, ds.class_to_idx, ds.root = list(data.classes), dict(data.class_to_idx), data.root
+    return ds
 
 
 def _make_index(data, extensions, index_dir) -> Index:

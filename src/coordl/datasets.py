@@ -1,0 +1,255 @@
+"""Map-style datasets whose bytes coordl reads: the torch backend of :class:`~coordl.CoordLoader`.
+
+A dataset here is split in two: *which files* (an :class:`~coordl.index.Index`: paths,
+targets, sizes) and *how bytes become an item* (:meth:`FileDataset.decode`, then the
+user's ``transform``). coordl does the reading, through the node's MinIO cache and
+then storage, in the worker processes of a ``torch.utils.data.DataLoader`` that
+:class:`~coordl.CoordLoader` runs; decoding and transforms are ordinary Python, so any
+callable works (a user's own, torchvision's).
+
+- :class:`ImageFolder`: torchvision's ``ImageFolder`` (same arguments, classes, sample
+  order and items), decoding with Pillow (Pillow-SIMD when installed, as it replaces Pillow).
+- :class:`DatasetFolder`: any file type in a class-per-folder tree, with a ``loader``
+  that reads a binary file object (audio with ``wave`` or ``soundfile``, NumPy arrays...).
+- :class:`FileDataset`: any list of ``(path, target)`` files with a ``decode`` function.
+
+Used on their own (``dataset[i]``, or a plain ``DataLoader``) they read files directly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from coordl.fetch import storage
+from coordl.index import IMG_EXTENSIONS, Index
+
+try:  # a Dataset subclass where torch is installed, so that torch's type checks pass
+    from torch.utils.data import Dataset as _Base
+except ImportError:  # pragma: no cover - coordl depends on torch
+    _Base = object
+
+__all__ = ["IMG_EXTENSIONS", "DatasetFolder", "FileDataset", "ImageFolder", "pil_decode"]
+
+
+def pil_decode(f) -> Any:
+    """Decodes an image file object with Pillow into an RGB ``PIL.Image``, like torchvision's
+    ``pil_loader`` (which opens a path instead)."""
+    from PIL import Image
+
+    img = Image.open(f)
+    return img.convert("RGB")
+
+
+class FileDataset(_Base):
+    """A dataset of files, read by coordl and decoded by ``decode``.
+
+    Items are ``(transform(decode(file)), target_transform(target))``, as with torchvision's
+    folder datasets.
+
+    Args:
+        samples: ``(path, target)`` pairs (targets are non-negative ints), or an
+            :class:`~coordl.index.Index`.
+        decode: turns one file into a sample; called with a binary file object (an
+            ``io.BytesIO`` of the file's bytes whose ``name`` is the file's path). Errors it
+            raises count as an unreadable sample (``on_error`` of the loader decides). Or
+            override :meth:`decode` in a subclass.
+        transform: applied to each decoded sample.
+        target_transform: applied to each target.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str | os.PathLike, int]] | Index,
+        decode: Callable[[io.BytesIO], Any] | None = None,
+        *,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+    ):
+        index = samples if isinstance(samples, Index) else Index.from_list(samples)
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be callable, got {type(decode).__name__}")
+        self._init(index, decode, transform, target_transform)
+
+    def _init(self, index: Index, decode, transform, target_transform) -> None:
+        self.index = index
+        self._decode = decode
+        self.transform = transform
+        self.target_transform = target_transform
+        self._targets = index.labels.tolist()
+
+    # -- the torchvision-style surface ----------------------------------------------------
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(path, target)`` of every item, in order (paths are absolute)."""
+        return list(zip(self.index.paths, self._targets))
+
+    @property
+    def targets(self) -> list[int]:
+        return list(self._targets)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        i = _check_position(i, len(self))
+        return self.item(self.decode(self.open(i)), i)
+
+    # -- the split coordl relies on ---------------------------------------------------------
+    def open(self, i: int) -> io.BytesIO:
+        """Item ``i``'s file as an in-memory binary file object, read from storage. (A
+        CoordLoader reads through the node's cache instead, then calls :meth:`decode`.)"""
+        data = storage.read(self.index.paths[i], int(self.index.sizes[i]), drop_page_cache=False)
+        return as_file(data, self.index.paths[i])
+
+    def decode(self, f: io.BytesIO) -> Any:
+        """Turns a file into a sample (before ``transform``). Override, or pass ``decode``."""
+        if self._decode is None:
+            raise NotImplementedError(f"{type(self).__name__} needs a decode function, or override decode()")
+        return self._decode(f)
+
+    def item(self, sample, i: int):
+        """The dataset's item ``i`` from its decoded sample: the transforms applied."""
+        target = self._targets[i]
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def __repr__(self) -> str:
+        lines = [f"Dataset {type(self).__name__}", f"    Number of datapoints: {len(self)}"]
+        if getattr(self, "root", None) is not None:
+            lines.append(f"    Root location: {self.root}")
+        if self.transform is not None:
+            lines += ["    " + line for line in repr(self.transform).splitlines()]
+        if self.target_transform is not None:
+            lines += ["    Target transform: " + repr(self.target_transform)]
+        return "\n".join(lines)
+
+
+class DatasetFolder(FileDataset):
+    """torchvision's ``DatasetFolder``: one sub-folder per class, any file type.
+
+    Classes are the sorted sub-folder names; files are found with ``os.walk(followlinks=True)``
+    and sorted, exactly as torchvision does.
+
+    Args:
+        root: the folder.
+        loader: turns a file into a sample. Unlike torchvision's, it receives a binary file
+            object (``io.BytesIO``, its ``name`` the path) rather than a path, because coordl
+            has already read the bytes; ``PIL.Image.open``, ``wave.open``, ``numpy.load``,
+            ``soundfile.read`` and ``torchaudio.load`` all accept one.
+        extensions: file endings that count (case-insensitive); exclusive with ``is_valid_file``.
+        transform, target_transform: applied to each sample and target.
+        is_valid_file: a function of a path deciding which files count.
+        allow_empty: accept class folders without a valid file (otherwise an error names them).
+        index_dir: where the scanned file list is saved (see :meth:`coordl.index.Index.scan`).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        loader: Callable[[io.BytesIO], Any],
+        extensions: Sequence[str] | str | None = None,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        index_dir: str | None = None,
+    ):
+        if (extensions is None) == (is_valid_file is None):
+            raise ValueError("Both extensions and is_valid_file cannot be None or not None at the same time")
+        if not callable(loader):
+            raise TypeError(f"loader must be callable, got {type(loader).__name__}")
+        if isinstance(extensions, str):
+            extensions = (extensions,)
+        index = Index.scan(root, extensions=tuple(extensions or ()), is_valid_file=is_valid_file,
+                           allow_empty=allow_empty, index_dir=index_dir)  # fmt: skip
+        self.root = os.fspath(root)
+        self.loader = loader
+        self.extensions = tuple(extensions) if extensions is not None else None
+        self.classes = list(index.classes)
+        self.class_to_idx = index.class_to_idx
+        self._init(index, loader, transform, target_transform)
+
+    @property
+    def imgs(self) -> list[tuple[str, int]]:
+        return self.samples
+
+    def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+        """The class names of a folder and their indices, as torchvision's ``find_classes``."""
+        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir())
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {c: i for i, c in enumerate(classes)}
+
+
+class ImageFolder(DatasetFolder):
+    """torchvision's ``ImageFolder`` with coordl reading the files.
+
+    Same arguments, classes, sample order and items as ``torchvision.datasets.ImageFolder``:
+    items are ``(transform(image), target_transform(class_index))`` where ``image`` is an RGB
+    ``PIL.Image`` decoded by Pillow (Pillow-SIMD when installed).
+
+    Args:
+        root: one sub-folder per class.
+        transform: applied to each PIL image (any callable; torchvision's transforms work).
+        target_transform: applied to each class index.
+        loader: turns an image file object into a sample (default :func:`pil_decode`); it
+            receives a binary file object, not a path (see :class:`DatasetFolder`).
+            torchvision's ``default_loader`` and ``pil_loader``, which open a path, are
+            replaced by :func:`pil_decode`, which gives the same images.
+        is_valid_file: a function of a path deciding which files count (instead of the
+            image extensions).
+        allow_empty: accept class folders without an image.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        loader: Callable[[io.BytesIO], Any] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        index_dir: str | None = None,
+    ):
+        if loader is None or _is_torchvision_path_loader(loader):
+            loader = pil_decode
+        super().__init__(
+            root, loader, IMG_EXTENSIONS if is_valid_file is None else None, transform=transform,
+            target_transform=target_transform, is_valid_file=is_valid_file, allow_empty=allow_empty,
+            index_dir=index_dir,
+        )  # fmt: skip
+
+
+def as_file(data, path: str) -> io.BytesIO:
+    """An in-memory binary file of ``data`` (bytes or a uint8 array), named ``path``."""
+    f = io.BytesIO(data.tobytes() if isinstance(data, np.ndarray) else bytes(data))
+    f.name = path
+    return f
+
+
+def _is_torchvision_path_loader(fn) -> bool:
+    return getattr(fn, "__module__", "") == "torchvision.datasets.folder" and getattr(fn, "__name__", "") in (
+        "default_loader",
+        "pil_loader",
+    )
+
+
+def _check_position(i, n: int) -> int:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        raise TypeError(f"dataset indices must be integers, got {type(i).__name__}")
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"index {i} is out of range for a dataset of {n} items")
+    return i

@@ -1,0 +1,317 @@
+"""The torch backend: PyTorch's ``DataLoader`` workers read through the node's cache and run the
+dataset's own Python decoding and transforms.
+
+:class:`~coordl.CoordLoader` keeps what makes it coordl (the order of every epoch, sharding,
+resume, the MinIO cache, statistics) and hands the rest to ``torch.utils.data.DataLoader``:
+worker processes, prefetching, ``collate_fn``, ``pin_memory``, worker seeding, timeouts. The
+``DataLoader`` gets
+
+- a batch sampler holding this pass's batches (coordl's order, from the resume position);
+- :class:`Items`, whose ``__getitems__`` runs in a worker: it fetches each sample's bytes
+  through a :class:`~coordl.fetch.Fetcher` attached to the node's cache *by that worker*
+  (a forked worker must not use its parent's locks), decodes them with the dataset, applies
+  the transforms, and returns them with where the bytes came from;
+- :class:`Collate`, which calls the user's ``collate_fn`` in the worker and passes the
+  accounting through, so the main process sums it without any shared counters.
+
+A sample that cannot be read or decoded comes back as a failure record, raised in the main
+process as the same :class:`~coordl.SampleError` the DALI path raises (``on_error="raise"``), or
+left out of its batch (``"skip"``). Errors in transforms and ``collate_fn`` are the user's and
+propagate as ``DataLoader`` reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import traceback
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from coordl.datasets import as_file
+from coordl.errors import CoordlError, DatasetChangedError, SampleError
+from coordl.fetch import FetchCounters, Fetcher
+from coordl.fetch.cache import MinIOCache
+
+__all__ = ["CacheSpec", "Collate", "EpochBatches", "Fetched", "Items", "TorchPass"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a worker needs to attach to the node's cache (picklable)."""
+
+    fingerprint: str
+    budget: int
+    keep: bool
+    directory: str
+    dataset: str
+
+
+@dataclasses.dataclass
+class Fetched:
+    """One batch as a worker returns it: the collated batch and its accounting."""
+
+    batch: object = None
+    items: list | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)  # (id, path, why)
+    counters: dict | None = None
+    read_s: float = 0.0
+    prep_s: float = 0.0
+    failure: tuple[str, str, str, int, str] | None = None  # (kind, message, path, id, worker traceback)
+
+    def pin_memory(self, device=None) -> Fetched:
+        """Called by the DataLoader's pinning thread: pins the batch, as it would pin a batch."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        if self.batch is not None:
+            self.batch = pin_memory(self.batch, device)
+        return self
+
+
+class Items(torch.utils.data.Dataset):
+    """The dataset as the DataLoader sees it: fetches, decodes and transforms a batch of ids."""
+
+    def __init__(self, dataset, fetcher: Fetcher, cache: CacheSpec | None, on_error: str):
+        self.dataset = dataset
+        self.index = dataset.index
+        self.cache = cache
+        self.on_error = on_error
+        self._pid = os.getpid()
+        self._fetcher: Fetcher | None = fetcher  # the loader's, used in its own process
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_fetcher"], state["_pid"] = None, None  # a spawned worker attaches by itself
+        return state
+
+    def fetcher(self) -> Fetcher:
+        """This process's fetcher: a worker attaches to the node's cache on its first batch."""
+        if self._pid != os.getpid() or self._fetcher is None:
+            c = self.cache
+            cache = None
+            if c is not None:
+                cache = MinIOCache(c.fingerprint, self.index.sizes, c.budget, keep=c.keep,
+                                   directory=c.directory, dataset=c.dataset)  # fmt: skip
+            self._fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
+            self._pid = os.getpid()
+        return self._fetcher
+
+    def __getitem__(self, i: int):
+        raise TypeError("coordl's torch backend fetches whole batches; use __getitems__")
+
+    def __getitems__(self, ids: list[int]) -> Fetched:
+        fetcher = self.fetcher()
+        ds, paths = self.dataset, self.index.paths
+        out = Fetched(items=[])
+        t_read = t_prep = 0.0
+        for i in ids:
+            t0 = time.perf_counter()
+            try:
+                data = fetcher.fetch(i)
+            except DatasetChangedError as e:
+                out.failure = ("changed", str(e), paths[i], i, traceback.format_exc())
+                break
+            except SampleError as e:
+                if self._failed(out, i, str(e), "unreadable"):
+                    break
+                t_read += time.perf_counter() - t0
+                continue
+            t1 = time.perf_counter()
+            t_read += t1 - t0
+            try:
+                sample = ds.decode(as_file(data, paths[i]))
+            except Exception as e:  # noqa: BLE001 - any decoder's failure is this sample's
+                message = f"cannot decode sample {i} ({paths[i]}): {type(e).__name__}: {e}"
+                if self._failed(out, i, message, "undecodable"):
+                    break
+                t_prep += time.perf_counter() - t1
+                continue
+            out.items.append(ds.item(sample, i))  # a transform's error is the user's: it propagates
+            out.ids.append(int(i))
+            t_prep += time.perf_counter() - t1
+        out.counters = fetcher.reset_counters().as_dict()
+        out.read_s, out.prep_s = t_read, t_prep
+        return out
+
+    def _failed(self, out: Fetched, i: int, message: str, why: str) -> bool:
+        """Records a bad sample; True when the batch must stop (``on_error="raise"``)."""
+        path = self.index.paths[i]
+        if self.on_error == "raise":
+            out.failure = ("sample", message, path, int(i), traceback.format_exc())
+            return True
+        out.skipped.append((int(i), path, why))
+        return False
+
+
+class Collate:
+    """Runs the user's ``collate_fn`` in the worker; an all-skipped batch collates to None."""
+
+    def __init__(self, collate_fn=None):
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, fetched: Fetched) -> Fetched:
+        if fetched.failure is None and fetched.items:
+            t0 = time.perf_counter()
+            fetched.batch = self.collate_fn(fetched.items)
+            fetched.prep_s += time.perf_counter() - t0
+        fetched.items = None
+        return fetched
+
+
+class EpochBatches:
+    """The DataLoader's batch sampler: the batches of the current pass, set before each pass."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def make_dataloader(items: Items, batch_sampler: EpochBatches, *, num_workers: int, collate_fn, pin_memory: bool,
+                    timeout: float, worker_init_fn, multiprocessing_context, generator: torch.Generator,
+                    prefetch_factor: int | None, persistent_workers: bool, pin_memory_device: str) -> DataLoader:  # fmt: skip
+    """The DataLoader that runs the backend's passes (built once, so persistent workers persist)."""
+    return DataLoader(
+        items, batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=Collate(collate_fn),
+        pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+        multiprocessing_context=multiprocessing_context, generator=generator, prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+    )  # fmt: skip
+
+
+class TorchPass:
+    """One pass over an epoch on the torch backend, iterated like a DataLoader pass."""
+
+    def __init__(self, loader, epoch: int, batches: list[np.ndarray]):
+        self.loader = loader
+        self.epoch = epoch
+        self.active = True
+        self._start = loader._resume_from_started
+        self._n = len(batches)
+        self._k = 0
+        self._batches = 0
+        self._samples = 0
+        self._stall = 0.0
+        self._read_s = 0.0
+        self._prep_s = 0.0
+        self._elapsed = 0.0
+        self._skipped: list[tuple[int, str, str]] = []
+        self._counters = FetchCounters()
+        self._t0 = time.perf_counter()
+        loader._batch_sampler.batches = [b.tolist() for b in batches]
+        if loader._own_generator:
+            # The workers' seeds follow (seed, epoch, rank): a rerun augments alike, ranks differ.
+            loader._generator.manual_seed(_mix(loader.seed, epoch, loader.world.rank))
+        self._it = iter(loader._dataloader())
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._n - self._k
+
+    def __next__(self):
+        if not self.active:
+            raise StopIteration
+        t0 = time.perf_counter()
+        while True:
+            try:
+                fetched: Fetched = next(self._it)
+            except StopIteration:
+                self._stall += time.perf_counter() - t0
+                self._finish()
+                raise
+            except BaseException:
+                self.close()
+                raise
+            self._k += 1
+            self._account(fetched)
+            if fetched.failure is not None:
+                self.close()
+                raise _failure(fetched.failure)
+            self.loader._on_batch(self._start + self._k)
+            if fetched.batch is not None:
+                break  # else every sample of the batch was skipped: on to the next
+        self._stall += time.perf_counter() - t0
+        self._batches += 1
+        self._samples += len(fetched.ids)
+        if self.loader.return_index:
+            return _with_ids(fetched.batch, torch.tensor(fetched.ids, dtype=torch.int64))
+        return fetched.batch
+
+    def _account(self, f: Fetched) -> None:
+        c = self._counters
+        for key, value in (f.counters or {}).items():
+            setattr(c, key, getattr(c, key) + value)
+        self._read_s += f.read_s
+        self._prep_s += f.prep_s
+        self._skipped += f.skipped
+
+    def _finish(self) -> None:
+        self._elapsed = time.perf_counter() - self._t0
+        self.active = False
+        self._it = None
+        self.loader._on_pass_end(self)
+
+    def stats(self, complete: bool) -> dict:
+        from coordl.loader import _Pass, pass_stats
+
+        loader = self.loader
+        elapsed = self._elapsed if complete else time.perf_counter() - self._t0
+        workers = max(1, loader.num_workers)
+        s = pass_stats(_Pass.base_stats(loader, self.epoch), self._counters, batches=self._batches,
+                       samples=self._samples, stall_s=self._stall, fetch_wait_s=self._read_s / workers,
+                       elapsed_s=elapsed, skipped_paths=[p for _, p, _ in self._skipped])  # fmt: skip
+        s.update(read_s=self._read_s, prep_s=self._prep_s)
+        return s
+
+    def close(self) -> None:
+        """Abandons the pass: stops its workers (persistent workers stay for the next pass)."""
+        if self._it is None:
+            return
+        self.active = False
+        it, self._it = self._it, None
+        if not self.loader.persistent_workers and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+def _mix(seed: int, epoch: int, rank: int) -> int:
+    """A 63-bit seed from ``(seed, epoch, rank)`` (SplitMix64 steps)."""
+    x = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for v in (seed, epoch, rank):
+            x = (x ^ np.uint64(v & (2**64 - 1))) + np.uint64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x = x ^ (x >> np.uint64(31))
+    return int(x) >> 1
+
+
+def _with_ids(batch, ids: torch.Tensor):
+    """A batch with the samples' index positions appended (``return_index=True``)."""
+    if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
+        return (*batch, ids)
+    if isinstance(batch, list):
+        return [*batch, ids]
+    return batch, ids
+
+
+def _failure(f: tuple[str, str, str, int, str]) -> CoordlError:
+    kind, message, path, i, worker_tb = f
+    e = DatasetChangedError(message) if kind == "changed" else SampleError(message, path=path, index=i)
+    e.add_note(f"In the worker that read it:\n{worker_tb.rstrip()}")
+    return e
