@@ -313,5 +313,9 @@ def _with_ids(batch, ids: torch.Tensor):
 def _failure(f: tuple[str, str, str, int, str]) -> CoordlError:
     kind, message, path, i, worker_tb = f
     e = DatasetChangedError(message) if kind == "changed" else SampleError(message, path=path, index=i)
-    e.add_note(f"In the worker that read it:\n{worker_tb.rstrip()}")
+    note = f"In the worker that read it:\n{worker_tb.rstrip()}"
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:  # Python 3.10
+        e.args = (f"{message}\n{note}",)
     return e
