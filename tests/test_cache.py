@@ -880,3 +880,29 @@ def test_the_last_process_to_leave_decides_whether_the_cache_is_kept(tiny_datase
     assert os.path.exists(os.path.join(d, names.segment_name(fp, "table")))  # it started from the kept one
     plain.close()
     assert os.listdir(isolated) == []
+
+
+def test_a_forked_child_cannot_use_or_release_its_parents_attachment(isolated):
+    """flock belongs to the open file, which a fork shares: a child using the parent's
+    attachment would not be excluded, and its close would drop the parent's membership."""
+    cache = MinIOCache(FP, np.array([10, 20]), 100, directory=str(isolated))
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            code = 1
+            try:
+                cache.reserve(0)
+            except RuntimeError as e:
+                code = 0 if "forked process" in str(e) else 2
+            cache.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.listdir(isolated)  # the child's close removed nothing
+        views = cache.reserve(0)  # and the parent's attachment still works
+        views[0][:] = 7
+        cache.publish(0)
+        assert cache.get(0).tolist() == [7] * 10
+    finally:
+        cache.close()
+    assert os.listdir(isolated) == []

@@ -209,6 +209,7 @@ class MinIOCache:
         self._warned_full = False
         self._header = None
         self._final = (0, 0, 0)
+        self._pid = os.getpid()  # a forked child's copy must not use or release this attachment
         self._group = group.Membership(fingerprint, directory)
         self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes))
 
@@ -367,6 +368,9 @@ class MinIOCache:
     # -- writing ---------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self):
+        if os.getpid() != self._pid:
+            # flock belongs to the open file, which a forked child shares: no mutual exclusion.
+            raise RuntimeError("a MinIOCache attachment was inherited by a forked process; attach a new one there")
         with self._tlock:
             fcntl.flock(self._table_fd, fcntl.LOCK_EX)
             try:
@@ -474,6 +478,9 @@ class MinIOCache:
         self._final = (self.budget, self.resident_bytes, self.resident_items)
         self._unmap()
         os.close(fd)
+        if os.getpid() != self._pid:
+            self._group.forget()  # the parent's attachment: its lock is the parent's to release
+            return
         # The last process to leave decides: keep_cache=True keeps the segments (and the marker).
         self._group.leave(remove_if_last=not self._keep)
 

@@ -189,6 +189,14 @@ class Membership:
         fcntl.flock(lock_fd, fcntl.LOCK_SH)
         return alone
 
+    def forget(self) -> None:
+        """Closes this process's descriptor of the lock without unlocking it: for a forked
+        child's copy of its parent's membership (the lock lives on with the parent's)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def leave(self, remove_if_last: bool, on_last: Callable[[], None] | None = None) -> bool:
         """Detaches; returns True if this was the last process attached.
 
