@@ -5,9 +5,9 @@ scale 0.08-1 and aspect 3/4-4/3, horizontal flip, normalise, CHW float32) with t
 batch size and the same number of CPU workers/threads:
 
 ``torch``
-    ``torch.utils.data.DataLoader`` over an ImageFolder-style dataset; Pillow (or
-    Pillow-SIMD when installed) decodes in ``workers`` worker processes; shuffled by
-    ``RandomSampler``, persistent workers.
+    ``torch.utils.data.DataLoader`` over an ImageFolder-style dataset that opens each file by
+    path; Pillow (or Pillow-SIMD when installed) decodes in ``workers`` worker processes and
+    :class:`TrainAugment` augments; shuffled by ``RandomSampler``, persistent workers.
 ``dali-shuffle``
     ``fn.readers.file(random_shuffle=True)``: DALI shuffles the file list once (a fixed
     seed) and samples from a 1024-sample buffer, so every epoch reads the files in the
@@ -21,6 +21,11 @@ batch size and the same number of CPU workers/threads:
     access pattern of PyTorch's sampler.
 ``coordl``
     ``coordl.CoordLoader`` with its MinIO cache at the given budget.
+``coordl-torch``
+    ``coordl.CoordLoader`` over ``coordl.datasets.ImageFolder(data, transform=TrainAugment())``:
+    coordl's torch backend, whose ``DataLoader`` workers read the bytes through the MinIO cache
+    (at the given budget), decode them with Pillow and run the same :class:`TrainAugment` as
+    ``torch``; ``workers`` worker processes, persistent workers.
 
 Run as a script, this is the child the runner (``run.py``) starts in a memory and blkio
 cgroup. It builds the loader, runs a few warm-up batches (imports, worker processes, DALI's
@@ -47,7 +52,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
-LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
+LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-torch")
+COORDL_LOADERS = ("coordl", "coordl-torch")  # the loaders with a MinIO cache in shared memory
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 SIZE = 224
@@ -84,30 +90,43 @@ def random_resized_crop(width: int, height: int, scale=(0.08, 1.0), ratio=(3 / 4
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-class PillowImageFolder:
-    """An ImageFolder-style dataset: Pillow decode, random-resized crop, flip, normalise."""
+class TrainAugment:
+    """The Pillow loaders' training augmentation of an RGB ``PIL.Image``: random-resized crop
+    resized to 224 (bilinear, one ``resize`` with a box), horizontal flip with probability 0.5,
+    CHW float32, normalised. ``torch`` and ``coordl-torch`` both run it, so they do the same
+    work per sample; a module-level class, so a ``DataLoader`` can pickle it for its workers."""
 
-    def __init__(self, root: str):
+    def __call__(self, im):
+        import torch
+        from PIL import Image
+
+        x, y, w, h = random_resized_crop(*im.size)
+        im = im.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
+        if random.random() < 0.5:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        t = torch.from_numpy(np.asarray(im, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
+        return t.sub_(torch.tensor(MEAN).view(3, 1, 1)).div_(torch.tensor(STD).view(3, 1, 1))
+
+
+class PillowImageFolder:
+    """An ImageFolder-style dataset that opens each file by path: Pillow decode to RGB (as
+    torchvision's ``pil_loader`` and coordl's ``pil_decode`` do), then ``transform``."""
+
+    def __init__(self, root: str, transform):
         index = image_folder(root)
         self.samples = list(zip(index.paths, index.labels.tolist()))
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        import torch
         from PIL import Image
 
         path, label = self.samples[i]
         with Image.open(path) as im:
-            im = im.convert("RGB")
-            x, y, w, h = random_resized_crop(*im.size)
-            im = im.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
-        if random.random() < 0.5:
-            im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        t = torch.from_numpy(np.asarray(im, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
-        t.sub_(torch.tensor(MEAN).view(3, 1, 1)).div_(torch.tensor(STD).view(3, 1, 1))
-        return t, label
+            image = im.convert("RGB")
+        return self.transform(image), label
 
 
 class TorchLoader:
@@ -115,7 +134,7 @@ class TorchLoader:
         import torch
         from torch.utils.data import DataLoader
 
-        self.dataset = PillowImageFolder(data)
+        self.dataset = PillowImageFolder(data, TrainAugment())
         g = torch.Generator()
         g.manual_seed(seed)
         self.loader = DataLoader(self.dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
@@ -205,13 +224,28 @@ class CoordlLoader:
         self.loader.close()
 
 
+class CoordlTorchLoader(CoordlLoader):
+    """coordl's torch backend: ``CoordLoader`` over coordl's ``ImageFolder`` with :class:`TrainAugment`."""
+
+    def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
+        import coordl
+        from coordl.datasets import ImageFolder
+
+        dataset = ImageFolder(data, transform=TrainAugment())
+        self.loader = coordl.CoordLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                         persistent_workers=workers > 0, cache_bytes=cache_bytes, seed=seed)  # fmt: skip
+
+
 def make(kind: str, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
+    """A loader of ``kind`` (one of ``LOADERS``); ``cache_bytes`` is the budget of the coordl loaders' cache."""
     if kind == "torch":
         return TorchLoader(data, batch_size, workers, seed)
     if kind in DaliLoader.READERS:
         return DaliLoader(kind, data, batch_size, workers, seed)
     if kind == "coordl":
         return CoordlLoader(data, batch_size, workers, seed, cache_bytes)
+    if kind == "coordl-torch":
+        return CoordlTorchLoader(data, batch_size, workers, seed, cache_bytes)
     raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}")
 
 

@@ -6,8 +6,9 @@ One command runs the whole comparison:
 
 For every scenario (a cache fraction of the dataset and a storage bandwidth) and every
 loader (see ``loaders.py``: ``torch``, ``dali-shuffle``, ``dali-seq``,
-``dali-epoch-shuffle``, ``coordl``), a child process runs the same training-shaped loop
-for several epochs in its own memory cgroup and blkio cgroup:
+``dali-epoch-shuffle``, ``coordl`` by default; ``coordl-torch``, coordl's torch backend, on
+request), a child process runs the same training-shaped loop for several epochs in its own
+memory cgroup and blkio cgroup:
 
 1. the child builds its loader and runs a few warm-up batches (libraries, worker processes
    and buffers are loaded before anything is limited or measured);
@@ -24,7 +25,8 @@ page cache for DataLoader and DALI, the MinIO cache for coordl.
 
 The first scenario, ``fits``, gives every loader the whole dataset's worth of memory and no
 throttle: it is the overhead check, and it measures the prep rate P (the fastest steady
-samples/s of the DALI pipelines) that relative bandwidths such as ``0.25P`` refer to.
+samples/s of the DALI pipelines, or of the Pillow ones when no DALI pipeline runs) that
+relative bandwidths such as ``0.25P`` refer to.
 
 Writes ``results.json`` (after every run, so ``--resume`` can pick up after an interruption),
 ``results.md`` and ``results.png`` to ``--out``; prints the ratios. Without root or v1
@@ -48,12 +50,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import limits  # noqa: E402
-from loaders import LOADERS, image_folder  # noqa: E402
+from loaders import COORDL_LOADERS, LOADERS, image_folder  # noqa: E402
 
 from coordl.fetch.cache import parse_bytes  # noqa: E402
 
 MB = 1e6
-PIPELINES_OF_P = ("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")  # same DALI ops
+DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
+# Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
+PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
 
 
 def log(*a) -> None:
@@ -163,7 +167,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
             run["working_set_bytes"], run["working_set_source"] = ws
             # coordl's cache is fixed at the budget: the slack only keeps its peaks from the OOM
             # killer. The page cache would use any slack for data, so the others get none.
-            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader == "coordl" else 0)
+            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader in COORDL_LOADERS else 0)
             lim.limit_memory(run["memory_limit_bytes"])
         if lim:
             lim.throttle(dev, bandwidth)
@@ -190,7 +194,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
         # cache cannot shrink under pressure, so it needs room for its peak; the page cache
         # shrinks and grows around the other loaders' working set, so their mean is what
         # leaves them the same cache on average.
-        if loader == "coordl":
+        if loader in COORDL_LOADERS:
             ws = max(e["peak_memory_bytes"] for e in steady) - steady[-1]["counters"]["cache_budget"]
         else:
             ws = max(e["mean_memory_bytes"] for e in steady) - dataset["page_bytes"]
@@ -216,28 +220,35 @@ def working_set(args, loader: str, lim: limits.Limits) -> tuple[int, str]:
     scenario (peak with the dataset cached, less the dataset), else its usage after warm-up."""
     if loader in args.working_sets:
         return args.working_sets[loader], "fits-peak"
-    own = lim.stat("total_shmem") if loader == "coordl" else 0  # coordl's cache is not its working set
+    own = lim.stat("total_shmem") if loader in COORDL_LOADERS else 0  # coordl's cache is not its working set
     return lim.usage() - own, "after-warmup"
 
 
 # -- analysis ---------------------------------------------------------------------------------------
 def prep_rate(runs: list[dict]) -> float | None:
-    """P in samples/s: the fastest steady rate of the DALI pipelines with everything in memory."""
-    rates = [r["steady"]["samples_per_s"] for r in runs
-             if r["scenario"] == "fits" and r["loader"] in PIPELINES_OF_P and "steady" in r]  # fmt: skip
-    return max(rates) if rates else None
+    """P in samples/s: the fastest steady rate with everything in memory of the DALI pipelines,
+    or of the Pillow pipelines (``torch``, ``coordl-torch``) when no DALI pipeline ran."""
+    for family in PIPELINES_OF_P:
+        rates = [r["steady"]["samples_per_s"] for r in runs
+                 if r["scenario"] == "fits" and r["loader"] in family and "steady" in r]  # fmt: skip
+        if rates:
+            return max(rates)
+    return None
 
 
 def summarise(result: dict) -> list[dict]:
-    """Per scenario: the best baseline, coordl, their ratio, bytes vs the minimum, the bound."""
+    """Per scenario: the best baseline, coordl, their ratio, bytes vs the minimum, the bound;
+    and coordl's torch backend against ``torch``, the baseline that runs the same Python."""
     total = result["dataset"]["total_bytes"]
     files = result["dataset"]["files"]
     p = result.get("prep_rate_samples_per_s")
     out = []
     for cell in result["scenarios"]:
         runs = [r for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r]
-        base = [r for r in runs if r["loader"] != "coordl"]
+        base = [r for r in runs if r["loader"] not in COORDL_LOADERS]
         mine = next((r for r in runs if r["loader"] == "coordl"), None)
+        mine_torch = next((r for r in runs if r["loader"] == "coordl-torch"), None)
+        torch_run = next((r for r in runs if r["loader"] == "torch"), None)
         if not runs:
             continue
         minimum = total - int(round(cell["cache"] * total))
@@ -258,6 +269,13 @@ def summarise(result: dict) -> list[dict]:
                 fetch = (1 - cell["cache"]) * total / bw if bw else 0.0
                 row["bound_s"] = max(fetch, files / p)
                 row["coordl_over_bound"] = row["coordl_s"] / row["bound_s"]
+        if mine_torch:
+            row["coordl_torch_s"] = mine_torch["steady"]["seconds"]
+            if minimum:
+                row["coordl_torch_device_over_min"] = mine_torch["steady"]["device_bytes"] / minimum
+            if torch_run:
+                row["torch_s"] = torch_run["steady"]["seconds"]
+                row["coordl_torch_speedup_vs_torch"] = row["torch_s"] / row["coordl_torch_s"]
         out.append(row)
     return out
 
@@ -283,7 +301,7 @@ def markdown(result: dict) -> str:
     if result.get("prep_rate_samples_per_s"):
         p = result["prep_rate_samples_per_s"]
         lines.append(f"Prep rate P = {p:.0f} samples/s = {p * d['mean_bytes'] / MB:.1f} MB/s "
-                     f"(fastest DALI pipeline, everything in memory).")  # fmt: skip
+                     f"(fastest DALI pipeline, else fastest Pillow one; everything in memory).")  # fmt: skip
     for n in result["limits"]["notes"]:
         lines.append(f"**NOTE:** {n}")
     lines += ["", "| scenario | storage | cache | loader | cold s | steady s | samples/s | device MB/epoch | "
@@ -375,7 +393,7 @@ def main() -> int:
     size.add_argument("--images", type=int, help="number of images to generate instead of --size")
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
-    p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
+    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
     p.add_argument("--bandwidth", default="0.25P,0.5P,2P",
                    help="storage throttles: '20MB' (per second), or a multiple of the measured prep rate, '0.5P'")
@@ -387,6 +405,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="worker processes / DALI threads per loader")
     p.add_argument("--compute-ms", type=float, default=0.0, help="a fixed compute step per batch (a stand-in GPU)")
     p.add_argument("--warmup-batches", type=int, default=3)
+    p.add_argument("--no-memory-limit", action="store_true",
+                   help="no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on "
+                        "datasets smaller than a loader's memory swings, where any budget ends in the OOM killer")  # fmt: skip
     p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="memory beyond coordl's peak working set + cache (OOM headroom)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
@@ -405,6 +426,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     caps = limits.probe()
+    if args.no_memory_limit and caps["memory"]:
+        caps["memory"] = False
+        caps["notes"].append("--no-memory-limit: no memory cgroup, every loader may cache the whole dataset")
     for n in caps["notes"]:
         log("NOTE:", n)
     dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos,
@@ -462,6 +486,9 @@ def main() -> int:
             print(f"{row['scenario']:>12}: coordl {row['coordl_s']:.2f} s vs {row['best_baseline']} "
                   f"{row['best_baseline_s']:.2f} s -> {row['speedup_vs_best']:.2f}x"
                   + (f"; {row['coordl_over_bound']:.2f}x the bound" if "coordl_over_bound" in row else ""))  # fmt: skip
+        if "coordl_torch_speedup_vs_torch" in row:
+            print(f"{row['scenario']:>12}: coordl-torch {row['coordl_torch_s']:.2f} s vs torch {row['torch_s']:.2f} s "
+                  f"-> {row['coordl_torch_speedup_vs_torch']:.2f}x")  # fmt: skip
     log(f"wrote {path}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
 

@@ -1,9 +1,12 @@
-"""The benchmark runner (benchmarks/run.py): its arithmetic, and one small end-to-end run."""
+"""The benchmarks: the runner's arithmetic (benchmarks/run.py), the Pillow loaders' shared
+augmentation, and small end-to-end runs of run.py and torch_backend.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +15,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
+import loaders  # noqa: E402
 import run  # noqa: E402
 
 
@@ -47,6 +51,7 @@ def test_summary_ratios_and_bound():
             _run("io", "torch", 9.0, 800),
             _run("io", "dali-shuffle", 6.0, 600),
             _run("io", "coordl", 5.5, 510, storage=500),
+            _run("io", "coordl-torch", 4.5, 505, storage=500),  # not a baseline: compared with torch
         ],
     }
     rows = {r["scenario"]: r for r in run.summarise(result)}
@@ -61,6 +66,14 @@ def test_summary_ratios_and_bound():
     assert io["coordl_device_over_min"] == pytest.approx(510 / 500)
     assert io["bound_s"] == pytest.approx(max(500 / 100, 2.0))  # fetch-bound: 5 s
     assert io["coordl_over_bound"] == pytest.approx(5.5 / 5.0)
+    assert io["coordl_torch_speedup_vs_torch"] == pytest.approx(9.0 / 4.5)
+    assert io["coordl_torch_device_over_min"] == pytest.approx(505 / 500)
+
+
+def test_prep_rate_of_pillow_pipelines_without_dali():
+    runs = [_run("fits", "torch", 2.0, 0, samples_per_s=40.0), _run("fits", "coordl-torch", 2.1, 0, samples_per_s=38.0)]
+    assert run.prep_rate(runs) == 40.0
+    assert run.prep_rate(runs + [_run("fits", "dali-seq", 1.0, 0, samples_per_s=80.0)]) == 80.0  # DALI's first
 
 
 def _bench_cgroups() -> set[str]:
@@ -107,4 +120,66 @@ def test_runner_end_to_end(tmp_path):
         assert (out / "results.png").stat().st_size > 0
     except ImportError:
         assert "matplotlib" in p.stderr
+    assert _bench_cgroups() == before
+
+
+def test_pillow_loaders_do_the_same_work(tiny_dataset):
+    """``torch`` (files opened by path) and ``coordl-torch`` (coordl's ImageFolder) give the same
+    tensor for the same sample and random state: the same decode and the same picklable augmentation."""
+    import torch
+
+    from coordl.datasets import ImageFolder
+
+    augment = pickle.loads(pickle.dumps(loaders.TrainAugment()))
+    by_path = loaders.PillowImageFolder(str(tiny_dataset), augment)
+    by_coordl = ImageFolder(str(tiny_dataset), transform=augment)
+    assert len(by_path) == len(by_coordl)
+    for i in (0, 7, len(by_path) - 1):
+        random.seed(i)
+        a, label_a = by_path[i]
+        random.seed(i)
+        b, label_b = by_coordl[i]
+        assert a.shape == (3, loaders.SIZE, loaders.SIZE) and a.dtype == torch.float32
+        assert torch.equal(a, b) and label_a == label_b
+
+
+@pytest.mark.slow
+def test_torch_backend_quick(tmp_path):
+    """torch_backend.py --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
+    fields, coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads
+    exactly the dataset less its cache), the tables printed, and no cgroup left behind. (The
+    fixture fails the test on shared memory left behind.)"""
+    before = _bench_cgroups()
+    out = tmp_path / "tb.json"
+    cmd = [sys.executable, str(BENCH / "torch_backend.py"), "--quick", "--data", str(tmp_path / "ds"),
+           "--images", "48", "--classes", "3", "--batch-size", "8", "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    total = result["dataset"]["total_bytes"]
+    assert result["dataset"]["files"] == 48
+
+    warm = result["warm"]
+    assert [(e["rep"], e["loader"]) for e in warm["epochs"]] == [(0, "coordl-torch"), (0, "coordl"), (0, "torch")]
+    assert all(e["samples"] == 48 and e["samples_per_s"] > 0 for e in warm["epochs"])
+    assert set(warm["median_samples_per_s"]) == {"torch", "coordl-torch", "coordl"}
+    assert warm["ratio_coordl_torch_over_torch"] > 0 and warm["target_ratio"] == 0.95
+    coordl_epoch = warm["epochs"][0]["counters"]
+    assert coordl_epoch["cache_hits"] == 48 and coordl_epoch["storage_reads"] == 0
+
+    limited = result["limited"]
+    assert limited["cache_fraction"] == 0.5 and limited["bandwidth_bps"] > 0
+    assert set(limited["loaders"]) == {"torch", "coordl-torch"}
+    for name, entry in limited["loaders"].items():
+        assert entry["error"] is None, entry["error"]
+        assert [e["epoch"] for e in entry["epochs"]] == [0, 1]
+        assert entry["epochs"][0]["minimum_bytes"] is None  # cold and partly read during the warm-up
+        steady = entry["epochs"][1]
+        assert steady["minimum_bytes"] > 0 and "device_over_min" in steady
+        assert (steady["storage_bytes"] is None) == (name == "torch")
+    steady = limited["loaders"]["coordl-torch"]["epochs"][1]
+    assert 0 < steady["minimum_bytes"] < total
+    assert steady["storage_bytes"] == steady["minimum_bytes"] and steady["storage_over_min"] == 1.0
+    assert limited["ratio_torch_over_coordl_torch"] > 0
+    assert "coordl-torch / torch" in p.stdout and "steady epoch time torch / coordl-torch" in p.stdout
     assert _bench_cgroups() == before
