@@ -177,8 +177,10 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, conf
 def test_later_epochs_read_exactly_the_uncached_items(tiny_dataset):
     total = ImageFolder(tiny_dataset).index.total_bytes
     with make(tiny_dataset, cache_bytes=0.5) as loader:
+        before = loader.stats()
         epoch_ids(loader)
         first = loader.stats()
+        assert set(before) == set(first) and before["samples"] == 0
         assert first["storage_reads"] == N and first["storage_bytes"] == total
         assert 0 < first["admitted"] == first["cache_items"] < N
         for _ in range(2):

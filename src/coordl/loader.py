@@ -432,7 +432,10 @@ class CoordLoader:
             from coordl.staging.hp import GroupPass
 
             return GroupPass.base_stats(self, self._epoch)
-        return _Pass.base_stats(self, self._epoch)
+        s = _Pass.base_stats(self, self._epoch)
+        if self.backend == "torch":
+            s.update(read_s=0.0, prep_s=0.0)  # the keys a torch-backend pass reports
+        return s
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
