@@ -219,6 +219,7 @@ class CoordLoader:
         self.num_threads = num_threads or num_workers or max(1, cores // max(1, self.world.local_world_size))
         self.num_workers = 0 if num_workers is None else num_workers
         self.persistent_workers = bool(persistent_workers)
+        torch_args.pop("generator")  # kept apart: coordl seeds its own one before every pass
         self._torch_args = dict(torch_args, pin_memory=bool(pin_memory))
         self._own_generator = generator is None
         self._generator = generator
@@ -267,7 +268,6 @@ class CoordLoader:
         _reap_once(directory)
         # Per user: segments are 0600, so two users of one dataset get a cache each.
         group = hashlib.sha256(f"{self.index.fingerprint}:{os.getuid()}".encode()).hexdigest()[:16]
-        self._cache_spec = (group, budget, keep, directory)
         return MinIOCache(group, self.index.sizes, budget, keep=keep, directory=directory, dataset=self.index.fingerprint)
 
     def _dataloader(self):
@@ -276,9 +276,9 @@ class CoordLoader:
             from coordl.prep import torch_backend as tb
 
             spec = None
-            if self.cache is not None:
-                group, budget, keep, directory = self._cache_spec
-                spec = tb.CacheSpec(group, budget, keep, directory, self.index.fingerprint)
+            c = self.cache
+            if c is not None:  # each worker attaches to the same cache by itself
+                spec = tb.CacheSpec(c.fingerprint, c.budget, c.keep, c.directory, c.dataset)
             items = tb.Items(self.dataset, self._fetcher, spec, self.on_error)
             args = dict(self._torch_args, generator=self._generator)
             self._loader_obj = tb.make_dataloader(items, self._batch_sampler, num_workers=self.num_workers, **args)

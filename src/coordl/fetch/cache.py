@@ -310,6 +310,11 @@ class MinIOCache:
 
     # -- reading ---------------------------------------------------------------------
     @property
+    def keep(self) -> bool:
+        """Whether the segments outlive the last user (``keep_cache``)."""
+        return self._keep
+
+    @property
     def budget(self) -> int:
         return int(self._header["budget"]) if self._header is not None else self._final[0]
 
