@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from coordl import sampler, world
+from coordl.accounting import StepWaits, print_epoch_line
 from coordl.errors import CoordlError
 from coordl.fetch import Fetcher
 from coordl.fetch.ahead import FetchAhead, RawBatch, Stopped
@@ -109,6 +110,8 @@ class CoordLoader:
             the torch backend. ``generator`` defaults to one seeded by ``(seed, epoch, rank)``,
             so workers' random transforms repeat from run to run. ``pin_memory`` has no effect
             with DALI, whose outputs are on their device already.
+        log_epochs: print one line of statistics per epoch to stderr (where the time went, where
+            the bytes came from); also turned on by the environment variable ``COORDL_LOG_EPOCHS=1``.
         sampler, batch_sampler: not accepted: coordl decides the order (``shuffle``, ``seed``,
             ``set_epoch``, the rank's shard) so that it can guarantee and resume it.
     """
@@ -147,6 +150,7 @@ class CoordLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
+        log_epochs: bool = False,
         sampler=None,
         batch_sampler=None,
     ):
@@ -170,6 +174,7 @@ class CoordLoader:
             raise ValueError(f"hp_group must be a non-empty string, got {hp_group!r}")
         if hp_idle_timeout <= 0:
             raise ValueError(f"hp_idle_timeout must be positive, got {hp_idle_timeout!r}")
+        self.log_epochs = bool(log_epochs) or os.environ.get("COORDL_LOG_EPOCHS", "") not in ("", "0")
         self.hp_group = hp_group
         self.hp_staging = hp_staging
         self.hp_idle_timeout = float(hp_idle_timeout)
@@ -347,6 +352,8 @@ class CoordLoader:
 
     def _on_pass_end(self, p) -> None:
         self._stats = p.stats(complete=True)
+        if self.log_epochs:
+            print_epoch_line(self._stats, self.world.rank)
         self._epoch += 1
         self._delivered = 0
 
@@ -417,10 +424,18 @@ class CoordLoader:
     def stats(self) -> dict:
         """Counters of the current epoch, or of the last finished one if none is running.
 
-        Keys: ``epoch``, ``batches``, ``samples``, ``cache_hits``, ``storage_reads``,
-        ``storage_bytes``, ``peer_reads``, ``peer_bytes``, ``cache_bytes`` (bytes resident
-        in the node's cache), ``cache_items``, ``cache_budget``, ``admitted``, ``stall_s``
-        (time the consumer waited for batches), ``fetch_wait_s``, ``elapsed_s``,
+        Where the bytes came from: ``cache_hits``, ``cache_hit_bytes``, ``peer_reads``,
+        ``peer_bytes``, ``storage_reads``, ``storage_bytes``, ``admitted`` (items this process
+        put into the cache); the cache: ``cache_bytes`` (resident in the node's cache),
+        ``cache_items``, ``cache_budget``. Where the time went: ``elapsed_s``, ``stall_s``
+        (the consumer waited for batches), split into ``stall_fetch_s`` (the pipeline was
+        waiting for sample bytes) and ``stall_prep_s`` (it was decoding and augmenting; an HP
+        group member's waits are not split), ``compute_s`` (the consumer's own time between
+        batches), ``wait_p50_s``/``wait_p95_s``/``wait_max_s`` (per-step waits),
+        ``fetch_wait_s`` (the pipeline waited for storage), ``read_s`` (storage reads, summed
+        over threads; on the torch backend every read, over workers), ``prep_s`` (DALI: the
+        pipeline waited for DALI's outputs; torch backend: decode, transforms and
+        ``collate_fn``, summed over workers). Also ``epoch``, ``batches``, ``samples``,
         ``samples_per_s``, ``skipped`` and ``skipped_paths``.
         """
         if self._iter is not None and self._iter.active:
@@ -432,10 +447,7 @@ class CoordLoader:
             from coordl.staging.hp import GroupPass
 
             return GroupPass.base_stats(self, self._epoch)
-        s = _Pass.base_stats(self, self._epoch)
-        if self.backend == "torch":
-            s.update(read_s=0.0, prep_s=0.0)  # the keys a torch-backend pass reports
-        return s
+        return _Pass.base_stats(self, self._epoch)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -571,9 +583,10 @@ class _Pass:
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._batches = 0
         self._samples = 0
-        self._stall = 0.0
+        self._waits = StepWaits()
         self._t0 = time.perf_counter()
         self._elapsed = 0.0
+        self._prep0 = loader._prep.waiting.total()
         loader._fetcher.reset_counters()
         self._ahead = FetchAhead(
             loader._fetcher,
@@ -623,7 +636,8 @@ class _Pass:
     def __next__(self):
         if not self.active:
             raise StopIteration
-        t0 = time.perf_counter()
+        fetching = self._ahead.waiting
+        f0, t0 = fetching.total(), time.perf_counter()
         while True:
             try:
                 item = self._queue.get(timeout=1.0)
@@ -632,8 +646,9 @@ class _Pass:
                 if not self._thread.is_alive() and self._queue.empty():
                     self.close()
                     raise CoordlError("coordl's pre-processing thread stopped without a result") from None
-        self._stall += time.perf_counter() - t0
+        wait = time.perf_counter() - t0
         if item is self._END:
+            self._waits.add_tail(wait)
             self._elapsed = time.perf_counter() - self._t0
             self.active = False
             self._thread.join()
@@ -642,6 +657,7 @@ class _Pass:
         if isinstance(item, _Failure):
             self.close()
             raise item.error
+        self._waits.record(wait, fetch=fetching.total() - f0)
         images, labels, ids = item
         self._batches += 1
         self._samples += len(labels)
@@ -661,6 +677,7 @@ class _Pass:
             "batches": 0,
             "samples": 0,
             "cache_hits": 0,
+            "cache_hit_bytes": 0,
             "storage_reads": 0,
             "storage_bytes": 0,
             "peer_reads": 0,
@@ -670,7 +687,15 @@ class _Pass:
             "cache_items": cache.resident_items if cache else 0,
             "cache_budget": cache.budget if cache else 0,
             "stall_s": 0.0,
+            "stall_fetch_s": 0.0,
+            "stall_prep_s": 0.0,
+            "compute_s": 0.0,
+            "wait_p50_s": 0.0,
+            "wait_p95_s": 0.0,
+            "wait_max_s": 0.0,
             "fetch_wait_s": 0.0,
+            "read_s": 0.0,
+            "prep_s": 0.0,
             "elapsed_s": 0.0,
             "samples_per_s": 0.0,
             "skipped": 0,
@@ -680,9 +705,10 @@ class _Pass:
     def stats(self, complete: bool) -> dict:
         elapsed = self._elapsed if complete else time.perf_counter() - self._t0
         skipped = self._ahead.skipped + self.loader._prep.skipped[self._skipped_before :]
-        return pass_stats(self.base_stats(self.loader, self.epoch), self.loader._fetcher.counters,
-                          batches=self._batches, samples=self._samples, stall_s=self._stall,
-                          fetch_wait_s=self._ahead.wait_s, elapsed_s=elapsed,
+        c = self.loader._fetcher.counters
+        return pass_stats(self.base_stats(self.loader, self.epoch), c, batches=self._batches, samples=self._samples,
+                          waits=self._waits, fetch_wait_s=self._ahead.wait_s, read_s=c.storage_ns / 1e9,
+                          prep_s=self.loader._prep.waiting.total() - self._prep0, elapsed_s=elapsed,
                           skipped_paths=[p for _, p, _ in skipped])  # fmt: skip
 
     def close(self) -> None:
@@ -700,25 +726,28 @@ class _Pass:
             self._thread.join(timeout=0.1)
 
 
-def pass_stats(s: dict, c, *, batches: int, samples: int, stall_s: float, fetch_wait_s: float, elapsed_s: float,
-               skipped_paths: list[str]) -> dict:
+def pass_stats(s: dict, c, *, batches: int, samples: int, waits: StepWaits, fetch_wait_s: float, read_s: float,
+               prep_s: float, elapsed_s: float, skipped_paths: list[str]) -> dict:
     """Fills a pass's statistics ``s`` from its counters and the fetcher's ``c``."""
     s.update(
         batches=batches,
         samples=samples,
         cache_hits=c.cache_hits,
+        cache_hit_bytes=c.cache_hit_bytes,
         storage_reads=c.storage_reads,
         storage_bytes=c.storage_bytes,
         peer_reads=c.peer_reads,
         peer_bytes=c.peer_bytes,
         admitted=c.admitted,
-        stall_s=stall_s,
         fetch_wait_s=fetch_wait_s,
+        read_s=read_s,
+        prep_s=prep_s,
         elapsed_s=elapsed_s,
         samples_per_s=samples / elapsed_s if elapsed_s > 0 else 0.0,
         skipped=len(skipped_paths),
         skipped_paths=skipped_paths[:100],
     )
+    s.update(waits.summary(elapsed_s))
     return s
 
 

@@ -9,6 +9,7 @@ between the local one and storage) plugs in here.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -29,6 +30,7 @@ class FetchCounters:
     cache_hit_bytes: int = 0
     storage_reads: int = 0
     storage_bytes: int = 0
+    storage_ns: int = 0  # time spent in storage reads, summed over threads
     admitted: int = 0
     peer_reads: int = 0
     peer_bytes: int = 0
@@ -85,6 +87,7 @@ class Fetcher:
     def _from_storage(self, i: int) -> np.ndarray:
         path, size = self.index.paths[i], int(self.index.sizes[i])
         views = self.cache.reserve(i) if self.cache is not None else None
+        t0 = time.perf_counter_ns()
         try:
             if views is None:
                 data = storage.read(path, size, drop_page_cache=self.drop_page_cache)
@@ -102,8 +105,10 @@ class Fetcher:
             if isinstance(e, OSError):
                 raise SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i) from e
             raise
+        dt = time.perf_counter_ns() - t0
         with self._lock:
             c = self.counters
+            c.storage_ns += dt
             c.storage_reads += 1
             c.storage_bytes += size
             c.admitted += admitted

@@ -9,13 +9,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch import Fetcher
 
@@ -55,7 +55,7 @@ class FetchAhead:
         self.depth = max(1, depth)
         self.on_error = on_error
         self.stop = stop
-        self.wait_s = 0.0  # time spent waiting for storage
+        self.waiting = BusyClock()  # runs while the caller waits for storage
         self.skipped: list[tuple[int, str, str]] = []
 
     def __iter__(self) -> Iterator[RawBatch]:
@@ -103,7 +103,7 @@ class FetchAhead:
     def _result(self, future: cf.Future):
         if future.done():
             return future.result()
-        t0 = time.perf_counter()
+        self.waiting.enter()
         try:
             while True:
                 try:
@@ -112,7 +112,12 @@ class FetchAhead:
                     if self.stop.is_set():
                         raise Stopped() from None
         finally:
-            self.wait_s += time.perf_counter() - t0
+            self.waiting.leave()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the caller has waited for storage."""
+        return self.waiting.total()
 
 
 class Stopped(Exception):

@@ -19,6 +19,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
+from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import RawBatch
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
@@ -98,6 +99,7 @@ class DaliPrep:
         self.skipped: list[tuple[int, str, str]] = []  # (index, path, reason)
         self._paths: Callable[[int], str] = str
         self._stream = torch.cuda.Stream(device=device_id) if gpu else None
+        self.waiting = BusyClock()  # runs while the caller waits for DALI's outputs
 
     def _build(self):
         # A new seed per build keeps a rebuilt pipeline from replaying old randomness.
@@ -134,6 +136,7 @@ class DaliPrep:
         try:
             self._pipe.schedule_run()
             while True:
+                self.waiting.enter()
                 try:
                     # Synchronised with the host (no stream given), so the tensors are ready.
                     out = self._pipe.share_outputs()
@@ -143,6 +146,8 @@ class DaliPrep:
                     self._recover(e)
                     self._pipe.schedule_run()
                     continue
+                finally:
+                    self.waiting.leave()
                 self._inflight.popleft()
                 tensors = self._to_torch(out)
                 del out

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from coordl.accounting import StepWaits
 from coordl.datasets import as_file
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
 from coordl.fetch import FetchCounters, Fetcher
@@ -205,7 +206,7 @@ class TorchPass:
         self._k = 0
         self._batches = 0
         self._samples = 0
-        self._stall = 0.0
+        self._waits = StepWaits()
         self._read_s = 0.0
         self._prep_s = 0.0
         self._elapsed = 0.0
@@ -228,11 +229,12 @@ class TorchPass:
         if not self.active:
             raise StopIteration
         t0 = time.perf_counter()
+        read = prep = 0.0  # the worker time of the batches this step waited for
         while True:
             try:
                 fetched: Fetched = next(self._it)
             except StopIteration:
-                self._stall += time.perf_counter() - t0
+                self._waits.add_tail(time.perf_counter() - t0)
                 self._finish()
                 raise
             except BaseException:
@@ -240,13 +242,16 @@ class TorchPass:
                 raise
             self._k += 1
             self._account(fetched)
+            read, prep = read + fetched.read_s, prep + fetched.prep_s
             if fetched.failure is not None:
                 self.close()
                 raise _failure(fetched.failure)
             self.loader._on_batch(self._start + self._k)
             if fetched.batch is not None:
                 break  # else every sample of the batch was skipped: on to the next
-        self._stall += time.perf_counter() - t0
+        # A worker reads and then prepares each batch: the wait splits in the same proportion.
+        wait = time.perf_counter() - t0
+        self._waits.record(wait, fetch=wait * read / (read + prep) if read + prep > 0 else 0.0)
         self._batches += 1
         self._samples += len(fetched.ids)
         if self.loader.return_index:
@@ -273,11 +278,10 @@ class TorchPass:
         loader = self.loader
         elapsed = self._elapsed if complete else time.perf_counter() - self._t0
         workers = max(1, loader.num_workers)
-        s = pass_stats(_Pass.base_stats(loader, self.epoch), self._counters, batches=self._batches,
-                       samples=self._samples, stall_s=self._stall, fetch_wait_s=self._read_s / workers,
-                       elapsed_s=elapsed, skipped_paths=[p for _, p, _ in self._skipped])  # fmt: skip
-        s.update(read_s=self._read_s, prep_s=self._prep_s)
-        return s
+        return pass_stats(_Pass.base_stats(loader, self.epoch), self._counters, batches=self._batches,
+                          samples=self._samples, waits=self._waits, fetch_wait_s=self._read_s / workers,
+                          read_s=self._read_s, prep_s=self._prep_s, elapsed_s=elapsed,
+                          skipped_paths=[p for _, p, _ in self._skipped])  # fmt: skip
 
     def close(self) -> None:
         """Abandons the pass: stops its workers (persistent workers stay for the next pass)."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from coordl import sampler
+from coordl.accounting import StepWaits
 from coordl.errors import CoordlError, SampleError
 from coordl.fetch.ahead import FetchAhead
 from coordl.staging.area import Claim, StagingArea
@@ -39,6 +40,7 @@ class _Producer:
         self.prep = prep
         self.stop = stop
         self.failure: BaseException | None = None
+        self._prep0 = prep.waiting.total()
         self._fetch = FetchAhead(loader._fetcher, [], loader.index.labels, loader._pool, depth=1,
                                  on_error=loader.on_error, stop=stop)  # fmt: skip
         self._inflight: collections.deque[tuple[Claim, np.ndarray]] = collections.deque()
@@ -49,6 +51,11 @@ class _Producer:
         self._images_bytes = area._images_bytes()
         self.thread = threading.Thread(target=self._run, name="coordl-hp-producer", daemon=True)
         self.thread.start()
+
+    @property
+    def prep_s(self) -> float:
+        """Seconds this producer has waited for its DALI pipeline."""
+        return self.prep.waiting.total() - self._prep0
 
     def _run(self) -> None:
         try:
@@ -149,7 +156,7 @@ class GroupPass:
         self._stop = threading.Event()
         self._batches = 0
         self._samples = 0
-        self._stall = 0.0
+        self._waits = StepWaits()
         self._shared = 0
         self._elapsed = 0.0
         self._t0 = time.perf_counter()
@@ -187,7 +194,7 @@ class GroupPass:
         t0 = time.perf_counter()
         while True:
             if self.q == self.end:
-                self._stall += time.perf_counter() - t0
+                self._waits.add_tail(time.perf_counter() - t0)
                 self._finish()
                 raise StopIteration
             q = self.q
@@ -210,7 +217,7 @@ class GroupPass:
             images = self._hand_off(taken)
             self.area.release_older(q - 1)  # the consumer may still hold the previous batch
             break
-        self._stall += time.perf_counter() - t0
+        self._waits.record(time.perf_counter() - t0)  # made by the group: not attributed
         self._batches += 1
         self._samples += len(ids)
         self._shared += shared
@@ -284,9 +291,10 @@ class GroupPass:
         from coordl.loader import pass_stats
 
         elapsed = self._elapsed if complete else time.perf_counter() - self._t0
-        s = pass_stats(self.base_stats(self.loader, self.epoch), self.loader._fetcher.counters,
-                       batches=self._batches, samples=self._samples, stall_s=self._stall,
-                       fetch_wait_s=self.producer._fetch.wait_s, elapsed_s=elapsed,
+        c = self.loader._fetcher.counters
+        s = pass_stats(self.base_stats(self.loader, self.epoch), c, batches=self._batches, samples=self._samples,
+                       waits=self._waits, fetch_wait_s=self.producer._fetch.wait_s, read_s=c.storage_ns / 1e9,
+                       prep_s=self.producer.prep_s, elapsed_s=elapsed,
                        skipped_paths=[p for _, p in self._skipped])  # fmt: skip
         s.update(
             produced=self.loader._produced_total - self._produced_from,
