@@ -113,6 +113,26 @@ def _byte_size(text: str) -> int:
     return size
 
 
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return v
+
+
+def _analyze(args) -> int:
+    from coordl.analyze.run import main
+
+    return main(args)
+
+
 def _cache_ls(args) -> int:
     from coordl.shm import names, reaper
 
@@ -178,6 +198,28 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("-q", "--quiet", action="store_true")
     m.set_defaults(func=_make_dataset)
+
+    a = sub.add_parser(
+        "analyze", help="measure data stalls of a training script and predict what more resources buy",
+        description="Runs the training command (which must use coordl.CoordLoader) once per DS-Analyzer phase, "
+        "each bounded by a number of steps: G (its step on synthetic batches), P and R (a cached subset, "
+        "the loader alone and with training), S (storage reads), F (training from a cold cache). Then prints "
+        "the rates, the stall split, the bottleneck and what-if predictions, and saves JSON and a plot.",
+        usage="coordl analyze [options] -- python train.py [args ...]",
+    )  # fmt: skip
+    a.add_argument("--steps", type=_positive_int, default=100, help="measured steps per phase (default 100)")
+    a.add_argument("--warmup", type=_non_negative_int, default=5, help="steps before measuring (default 5)")
+    a.add_argument("--out", default="coordl-analyze", help="folder for logs and the report (default ./coordl-analyze)")
+    a.add_argument("--json", help="where to write the JSON report (default OUT/report.json)")
+    a.add_argument("--plot", help="where to write the PNG plot (default OUT/report.png)")
+    a.add_argument("--timeout", type=float, default=900, help="seconds a phase may take (default 900)")
+    a.add_argument("--subset-batches", type=_positive_int, default=16,
+                   help="batches per rank in phase P's cached subset (default 16)")  # fmt: skip
+    a.add_argument("--storage-seconds", type=float, default=20.0, help="longest storage measurement (default 20)")
+    a.add_argument("--network-bandwidth", type=_byte_size, default=1_250_000_000,
+                   help="bytes/s between nodes for the multi-node what-if (default 1.25GB, i.e. 10 Gbit/s)")  # fmt: skip
+    a.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+    a.set_defaults(func=_analyze)
 
     c = sub.add_parser("cache", help="inspect or clean coordl's shared memory")
     csub = c.add_subparsers(dest="cache_command", required=True)

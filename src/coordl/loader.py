@@ -266,6 +266,7 @@ class CoordLoader:
     def _open_cache(self, cache_bytes, keep: bool) -> MinIOCache | None:
         directory = names.shm_dir()
         budget = resolve_budget(cache_bytes, self.index.total_bytes, directory, num_items=len(self.index))
+        self._analyze_budget = budget  # the budget DS-Analyzer's fetch phase uses
         if budget == 0 and cache_bytes == "auto":
             log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
         if budget == 0:
@@ -319,6 +320,13 @@ class CoordLoader:
             raise RuntimeError("this CoordLoader is closed")
         if self._iter is not None:
             self._iter.close()  # a new pass abandons an unfinished one, as with DataLoader
+        if os.environ.get("COORDL_ANALYZE"):  # `coordl analyze` runs this script
+            from coordl.analyze import probe
+
+            phase = probe.claim(self)
+            if phase is not None:
+                self._iter = phase
+                return phase
         if self._pending_epoch is not None:
             if self._pending_epoch != self._epoch:
                 self._epoch, self._resume_from, self._resume_order = self._pending_epoch, 0, None

@@ -1,0 +1,176 @@
+"""How well ``coordl analyze`` predicts training speed at other cache sizes.
+
+One ``coordl analyze`` run of ``small_resnet.py`` (a small ResNet trained on the CPU) under a
+memory cgroup and a blkio throttle predicts the steady-epoch throughput at cache sizes 25%,
+50%, 75% and 100%; then each of them is measured: the same script, the same limits, one cold
+epoch and two steady ones.
+
+The throttle is chosen so that the no-cache case is I/O-bound: an unthrottled phase P
+measures R (training on cached data) first, and storage is set to ``--storage-factor`` x R x
+the mean sample size (0.4: fetch-bound below about 60% cache, prep/compute-bound above).
+
+    python benchmarks/analyze_accuracy.py            # ~10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+import limits  # noqa: E402
+
+from coordl.analyze import report as rep  # noqa: E402
+from coordl.analyze.run import run_phase  # noqa: E402
+
+MB = 1e6
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def settle(root: str) -> None:
+    """Libraries in the page cache (each phase starts a fresh Python that imports torch and DALI,
+    which must not crawl through the storage throttle), the dataset's files out of it."""
+    subprocess.run([sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"],
+                   check=True)  # fmt: skip
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
+    lim = limits.Limits(name, caps["memory"], caps["blkio"])
+    lim.limit_memory(memory)
+    lim.throttle(dev, bandwidth)
+    return lim
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--analyze-cache", type=float, default=0.5, help="the analysed job's cache fraction")
+    p.add_argument("--fractions", default="0.25,0.5,0.75,1.0")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per measurement (the first is cold)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--storage-factor", type=float, default=0.4)
+    p.add_argument("--bandwidth", type=float, help="storage bytes/s (default: from --storage-factor)")
+    p.add_argument("--working-set", type=float, default=1.6e9, help="memory the script needs besides the cache")
+    p.add_argument("--out", default=str(HERE / "results" / "analyze_accuracy.json"))
+    p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
+    args = p.parse_args()
+    if args.quick:
+        args.images, args.classes, args.steps, args.epochs, args.fractions = 192, 4, 4, 2, "0.5,1.0"
+        args.batch_size, args.data = 16, args.data + "-quick"
+
+    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    root, total = dataset["root"], dataset["total_bytes"]
+    b = total / dataset["files"]
+    caps = limits.probe()
+    dev = common.device_of(root)
+    out_dir = Path(args.out).with_suffix("")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    script = [sys.executable, str(HERE / "small_resnet.py"), root, "--batch-size", str(args.batch_size)]
+    log(f"dataset {dataset['files']} files, {total / MB:.1f} MB; limits: {caps}")
+
+    # 1. The throttle: a fraction of what training on cached data needs.
+    if args.bandwidth is None:
+        res = run_phase(script + ["--cache", "0"], "P", out=str(out_dir), steps=args.steps, warmup=5,
+                        run_id=uuid.uuid4().hex[:12], timeout=900, extra={"subset_batches": 16})  # fmt: skip
+        R = sum(r["R_samples_per_s"] for r in res)
+        args.bandwidth = args.storage_factor * R * b
+        log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {args.bandwidth / MB:.1f} MB/s")
+    bw = int(args.bandwidth)
+    if args.quick:  # storage need not be slow to check the harness
+        bw = max(bw, 200_000_000)
+
+    # 2. One analysis, at the job's cache size.
+    settle(root)
+    memory = int(args.working_set + args.analyze_cache * total + 16 * args.batch_size * b * 1.1)
+    lim = limited(args, f"coordl-analyze-{os.getpid()}", memory, bw, dev, caps)
+    report_path = out_dir / "report.json"
+    t0 = time.perf_counter()
+    try:
+        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir),
+               "--json", str(report_path), "--", *script, "--cache", str(args.analyze_cache)]  # fmt: skip
+        subprocess.run(cmd, check=True, preexec_fn=lim.join)
+    finally:
+        lim.remove()
+    analyze_s = time.perf_counter() - t0
+    report = json.loads(report_path.read_text())
+
+    # 3. Measure each cache size.
+    fractions = [float(x) for x in args.fractions.split(",")]
+    model = rep.Model(rep.rates_from(report["phases"]))
+    rows = []
+    for x in fractions:
+        settle(root)
+        memory = int(args.working_set + x * total)
+        lim = limited(args, f"coordl-analyze-m-{os.getpid()}", memory, bw, dev, caps)
+        try:
+            proc = subprocess.run(script + ["--cache", str(x), "--epochs", str(args.epochs)], check=True,
+                                  capture_output=True, text=True, preexec_fn=lim.join)  # fmt: skip
+        finally:
+            lim.remove()
+        epochs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        steady = epochs[1:]
+        measured = statistics.median(e["samples"] / e["elapsed_s"] for e in steady)
+        predicted = model.throughput(x)
+        rows.append({
+            "cache_fraction": x, "predicted_samples_per_s": predicted, "measured_samples_per_s": measured,
+            "error": predicted / measured - 1, "bound": model.bound(x),
+            "storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady),
+            "epochs": epochs,
+        })  # fmt: skip
+        log(f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s "
+            f"({100 * (predicted / measured - 1):+.1f}%), {model.bound(x)}-bound")  # fmt: skip
+
+    result = {
+        "machine": common.machine(),
+        "dataset": dataset,
+        "limits": caps,
+        "storage_bytes_per_s": bw,
+        "analyze_cache_fraction": args.analyze_cache,
+        "analyze_seconds": analyze_s,
+        "rates": report["rates"],
+        "rows": rows,
+        "max_abs_error": max(abs(r["error"]) for r in rows),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    png = Path(args.out).with_suffix(".png")
+    try:
+        rep.plot(report, str(png), measured=[(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows],
+                 title=f"small ResNet on 2 CPU cores, storage {bw / MB:.1f} MB/s: predicted vs measured")  # fmt: skip
+    except ImportError:
+        png = None
+    print("\n| cache | predicted samples/s | measured samples/s | error | bound |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['cache_fraction']:.0%} | {r['predicted_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
+              f"| {100 * r['error']:+.1f}% | {r['bound']} |")  # fmt: skip
+    print(f"\nrates: G {report['rates']['G']:.0f}, P {report['rates']['P']:.0f}, R {report['rates']['R']:.0f} "
+          f"samples/s; S {report['rates']['S'] / MB:.1f} MB/s; analysis took {analyze_s:.0f} s")  # fmt: skip
+    print(f"results: {args.out}" + (f", plot: {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""DS-Analyzer's model: training speed from the measured rates, and what more resources buy.
+
+The measured rates (all global, over every rank of the job):
+
+- ``G``: samples/s the training step ingests with synthetic batches (no fetch, no prep);
+- ``P``: samples/s the loader alone delivers from data held in its cache (prep only);
+- ``R``: samples/s of training on data held in the cache (prep and compute together, no
+  fetch): the paper's phase 2;
+- ``S``: bytes/s read from storage (random reads, all I/O threads);
+- ``C``: bytes/s read from the cache.
+
+The fetch rate at a cache of ``x`` of the dataset (the paper's equation 2, in bytes since
+samples differ in size; MinIO never evicts, so ``x`` of the bytes hit every epoch)::
+
+    F(x) = 1 / (b * x / C + b * (1 - x) / S)        b = mean bytes per sample
+
+and training runs at ``min(F, R)``. The paper uses ``min(F, P, G)``; ``R`` is at most
+``min(P, G)`` and equals it only when prep and compute run on separate hardware (a GPU
+trains while CPUs prepare). When both run on the CPU they share its cores and
+``R`` is close to ``1 / (1/P + 1/G)``; measuring ``R`` covers both cases, and the what-if
+for cores uses whichever of the two explains the measured ``R``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+__all__ = ["Rates", "Model", "stall_split", "bottleneck", "describe_bottleneck"]
+
+
+@dataclass
+class Rates:
+    """Measured rates and the facts of the job they were measured on."""
+
+    G: float  # samples/s
+    P: float  # samples/s
+    R: float  # samples/s
+    S: float  # bytes/s
+    C: float  # bytes/s
+    F: float  # samples/s measured in the fetch phase (cold cache, the job's cache budget)
+    sample_bytes: float  # mean bytes per sample of the dataset
+    dataset_samples: int
+    dataset_bytes: int
+    cache_bytes: int  # the job's cache budget (per node)
+    prep_threads: int  # threads (DALI) or workers (torch backend) per rank
+    ranks: int = 1
+    nodes: int = 1
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def stall_split(step_rate: float, G: float, R: float) -> dict:
+    """The paper's differential split of a step at ``step_rate`` samples/s into fractions.
+
+    Compute is what a step costs with synthetic data (``1/G``); prep stall what caching all
+    data still adds (``1/R - 1/G``); fetch stall the rest. Fractions sum to 1.
+    """
+    t = 1.0 / step_rate
+    t_g = 1.0 / G
+    t_r = max(1.0 / R, t_g)
+    if t < t_r:  # measured faster than with all data cached: noise; no fetch stall
+        return {"compute": t_g / t_r, "prep": (t_r - t_g) / t_r, "fetch": 0.0}
+    return {"compute": t_g / t, "prep": (t_r - t_g) / t, "fetch": (t - t_r) / t}
+
+
+def bottleneck(split: dict, threshold: float = 0.05) -> str:
+    """``"fetch"``, ``"prep"`` or ``"compute"``: the larger stall, unless both are small."""
+    worst = max(("fetch", "prep"), key=lambda k: split[k])
+    return worst if split[worst] > threshold else "compute"
+
+
+def describe_bottleneck(split: dict) -> str:
+    """A sentence: ``fetch-bound: 41% of the time is spent waiting for storage``."""
+    b = bottleneck(split)
+    pct = lambda k: f"{100 * split[k]:.0f}%"  # noqa: E731
+    if b == "fetch":
+        return f"fetch-bound: {pct('fetch')} of the time is spent waiting for storage"
+    if b == "prep":
+        return f"prep-bound: {pct('prep')} of the time is spent waiting for decoding and augmentation"
+    return f"compute-bound: the training step takes {pct('compute')} of the time; data stalls are " \
+           f"{100 * (split['fetch'] + split['prep']):.0f}%"  # fmt: skip
+
+
+class Model:
+    """Predictions from :class:`Rates`."""
+
+    def __init__(self, rates: Rates):
+        self.r = rates
+        r = rates
+        self.G = r.G
+        self.R = min(r.R, r.G)
+        # How prep and compute share the machine: the model that explains the measured R,
+        # scaled to match it exactly.
+        overlapped = min(r.P, r.G)
+        shared = 1.0 / (1.0 / r.P + 1.0 / r.G)
+        self.sharing = "overlapped" if abs(math.log(self.R / overlapped)) <= abs(math.log(self.R / shared)) else "shared"
+        self._calibration = self.R / (overlapped if self.sharing == "overlapped" else shared)
+
+    # -- fetch ------------------------------------------------------------------------------
+    def fetch_rate(self, x: float, S: float | None = None) -> float:
+        """F(x) in samples/s for a cache holding ``x`` (0..1) of the dataset's bytes."""
+        S = self.r.S if S is None else S
+        b = self.r.sample_bytes
+        x = min(max(x, 0.0), 1.0)
+        t = b * x / self.r.C + b * (1.0 - x) / S
+        return math.inf if t <= 0 else 1.0 / t
+
+    def throughput(self, x: float, *, S: float | None = None, R: float | None = None) -> float:
+        """Predicted training samples/s in epochs after the first, cache fraction ``x``."""
+        return min(self.fetch_rate(x, S), self.R if R is None else R)
+
+    def paper_throughput(self, x: float) -> float:
+        """The paper's ``min(F, P, G)``."""
+        return min(self.fetch_rate(x), self.r.P, self.r.G)
+
+    def cache_fraction(self) -> float:
+        """The job's cache budget as a fraction of the dataset."""
+        return min(1.0, self.r.cache_bytes / self.r.dataset_bytes) if self.r.dataset_bytes else 0.0
+
+    def cache_to_remove_fetch_stalls(self) -> float:
+        """The smallest cache fraction at which F(x) >= R (0 when storage alone keeps up)."""
+        b, S, C = self.r.sample_bytes, self.r.S, self.r.C
+        need = 1.0 / self.R  # seconds per sample the fetch may take
+        if b / S <= need:
+            return 0.0
+        return min(1.0, (b / S - need) / (b / S - b / C))
+
+    def bound(self, x: float) -> str:
+        """The bottleneck at cache fraction ``x``: ``"fetch"``, ``"prep"`` or ``"compute"``."""
+        return bottleneck(self.steady_split(x))
+
+    def steady_split(self, x: float) -> dict:
+        return stall_split(self.throughput(x), self.G, self.R)
+
+    def sweep(self, fractions) -> list[dict]:
+        return [
+            {
+                "cache_fraction": round(x, 4),
+                "cache_bytes": int(x * self.r.dataset_bytes),
+                "predicted_samples_per_s": self.throughput(x),
+                "fetch_samples_per_s": self.fetch_rate(x),
+                "paper_min_F_P_G": self.paper_throughput(x),
+                "bound": self.bound(x),
+            }
+            for x in fractions
+        ]
+
+    # -- cores ------------------------------------------------------------------------------
+    def R_with_prep(self, P: float, G: float | None = None) -> float:
+        """Training rate with no fetch stalls if prep ran at ``P`` (and compute at ``G``)."""
+        G = self.G if G is None else G
+        base = min(P, G) if self.sharing == "overlapped" else 1.0 / (1.0 / P + 1.0 / G)
+        return min(G, self._calibration * base)
+
+    def with_cores(self, factor: float) -> dict:
+        """More (or fewer) prep threads: P scales with them (DALI and workers scale near-linearly)."""
+        P = self.r.P * factor
+        R = self.R_with_prep(P)
+        x = self.cache_fraction()
+        return {"prep_threads_per_rank": self.r.prep_threads * factor, "P": P, "R": R,
+                "predicted_samples_per_s": self.throughput(x, R=R)}  # fmt: skip
+
+    # -- storage ----------------------------------------------------------------------------
+    def with_bandwidth(self, factor: float) -> dict:
+        S = self.r.S * factor
+        x = self.cache_fraction()
+        return {"storage_bytes_per_s": S, "predicted_samples_per_s": self.throughput(x, S=S)}
+
+    # -- nodes with the partitioned cache ---------------------------------------------------
+    def with_nodes(self, n: int, network_bytes_per_s: float) -> dict:
+        """``n`` nodes like this one, each with this job's cache budget and storage.
+
+        Each node trains on ``1/n`` of every epoch. Without peers a node hits its own cache
+        (``x``); with the partitioned cache the nodes together hold ``min(1, n*x)`` and a node
+        finds ``1/n`` of that locally and the rest at peers over the network; with
+        locality-aware assignment each node trains on the items it holds, so peers serve
+        almost nothing.
+        """
+        b, C, S = self.r.sample_bytes, self.r.C, self.r.S
+        x = self.cache_fraction()
+        agg = min(1.0, n * x)
+
+        def rate(local: float, peer: float) -> float:
+            storage = max(0.0, 1.0 - local - peer)
+            t = b * (local / C + peer / network_bytes_per_s + storage / S)
+            return n * min(1.0 / t, self.R / self.r.nodes)
+
+        return {
+            "nodes": n,
+            "aggregate_cache_fraction": agg,
+            "no_peers": rate(x, 0.0),
+            "partitioned": rate(agg / n, agg * (n - 1) / n),
+            "locality_aware": rate(agg, 0.0),
+        }
+
+    # -- HP jobs with coordinated prep ------------------------------------------------------
+    def with_hp_jobs(self, n: int) -> dict:
+        """``n`` jobs of this kind on this node, sharing its cache, storage and CPUs.
+
+        Independent jobs each fetch and prepare every sample: storage and prep are shared
+        ``n`` ways. With coordinated prep (``hp_group``) each batch is fetched and prepared
+        once for all. Compute is shared too when it runs on the CPU (``shared`` sharing).
+        """
+        x = self.cache_fraction()
+        F = self.fetch_rate(x)
+        P, G = self.r.P, self.G
+        if self.sharing == "shared":  # compute on the CPU: n steps per sample share the cores
+            G_job = G / n
+            alone = self._calibration / (n / P + n / G)
+            coord = self._calibration / (1.0 / P + n / G)
+        else:  # one accelerator per job
+            G_job = G
+            alone = self._calibration * min(P / n, G)
+            coord = self._calibration * min(P, G)
+        independent = min(F / n, alone, G_job)
+        coordinated = min(F, coord, G_job)
+        return {
+            "jobs": n,
+            "independent_per_job": independent,
+            "coordinated_per_job": coordinated,
+            "speedup": coordinated / independent,
+        }

@@ -1,0 +1,213 @@
+"""DS-Analyzer's report: built from the phases' measurements, printed, saved as JSON, plotted."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from coordl.analyze.model import Model, Rates, bottleneck, describe_bottleneck, stall_split
+
+__all__ = ["build", "rates_from", "table", "plot", "save_json"]
+
+DEFAULT_FRACTIONS = [i / 20 for i in range(21)]
+
+
+def rates_from(phases: dict[str, list[dict]]) -> Rates:
+    """Job-wide rates from the per-rank results of phases G, P, S and F (ranks run together)."""
+    total = lambda phase, key: sum(r[key] for r in phases[phase])  # noqa: E731
+    any_rank = phases["F"][0]
+    world, local = any_rank["world_size"], any_rank["local_world_size"]
+    return Rates(
+        G=total("G", "samples_per_s"),
+        P=total("P", "P_samples_per_s"),
+        R=total("P", "R_samples_per_s"),
+        S=total("S", "S_bytes_per_s"),
+        C=total("P", "C_bytes_per_s"),
+        F=total("F", "samples_per_s"),
+        sample_bytes=any_rank["dataset_bytes"] / any_rank["dataset_samples"],
+        dataset_samples=any_rank["dataset_samples"],
+        dataset_bytes=any_rank["dataset_bytes"],
+        cache_bytes=any_rank["cache_budget"],
+        prep_threads=any_rank["prep_threads"],
+        ranks=world,
+        nodes=max(1, world // max(1, local)),
+    )
+
+
+def build(rates: Rates, phases: dict[str, list[dict]] | None = None, *, command: list[str] | None = None,
+          fractions=DEFAULT_FRACTIONS, cores=(0.5, 2, 4), bandwidth=(0.5, 2, 4), nodes=(2, 4),
+          hp_jobs=(2, 4), network_bytes_per_s: float = 1.25e9) -> dict:  # fmt: skip
+    """The report as a JSON-able dict (see the DS-Analyzer guide for every key)."""
+    m = Model(rates)
+    x = m.cache_fraction()
+    measured = stall_split(rates.F, m.G, m.R)
+    steady = m.steady_split(x)
+    need = m.cache_to_remove_fetch_stalls()
+    report = {
+        "command": command or [],
+        "config": {
+            "ranks": rates.ranks,
+            "nodes": rates.nodes,
+            "prep_threads_per_rank": rates.prep_threads,
+            "dataset_samples": rates.dataset_samples,
+            "dataset_bytes": rates.dataset_bytes,
+            "sample_bytes": rates.sample_bytes,
+            "cache_budget_bytes": rates.cache_bytes,
+            "cache_fraction": x,
+        },
+        "rates": {"G": rates.G, "P": rates.P, "R": rates.R, "F": rates.F, "S": rates.S, "C": rates.C},
+        "units": {"G": "samples/s", "P": "samples/s", "R": "samples/s", "F": "samples/s", "S": "bytes/s",
+                  "C": "bytes/s"},  # fmt: skip
+        "stall": measured,
+        "bottleneck": bottleneck(measured),
+        "summary": describe_bottleneck(measured),
+        "steady_state": {
+            "cache_fraction": x,
+            "predicted_samples_per_s": m.throughput(x),
+            "stall": steady,
+            "bottleneck": bottleneck(steady),
+            "summary": describe_bottleneck(steady),
+        },
+        "model_check": {
+            "cold_predicted_samples_per_s": m.throughput(0.0),
+            "cold_measured_samples_per_s": rates.F,
+        },
+        "cache_to_remove_fetch_stalls": {"fraction": need, "bytes": int(need * rates.dataset_bytes)},
+        "model": {"sharing": m.sharing, "formula": "min(F(x), R), F(x) = 1 / (b*x/C + b*(1-x)/S)"},
+        "what_if": m.sweep(fractions),
+        "what_if_cores": [m.with_cores(f) for f in cores],
+        "what_if_bandwidth": [m.with_bandwidth(f) for f in bandwidth],
+        "what_if_nodes": [m.with_nodes(n, network_bytes_per_s) for n in nodes],
+        "network_bytes_per_s": network_bytes_per_s,
+        "what_if_hp_jobs": [m.with_hp_jobs(n) for n in hp_jobs],
+    }
+    if phases is not None:
+        f = phases.get("F", [])
+        el = sum(r["elapsed_s"] for r in f)
+        if el > 0:
+            report["stall_observed"] = {  # the loader's own accounting during the fetch phase
+                "wait": sum(r["stall_s"] for r in f) / el,
+                "fetch": sum(r["stall_fetch_s"] for r in f) / el,
+                "prep": sum(r["stall_prep_s"] for r in f) / el,
+            }
+        report["phases"] = phases
+    return report
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f} samples/s" if v < 1e7 else "unbounded"
+
+
+def _bw(v: float) -> str:
+    return f"{v / 1e9:.2f} GB/s" if v >= 1e9 else f"{v / 1e6:.1f} MB/s"
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.0f}%"
+
+
+def table(r: dict) -> str:
+    """The report for a terminal."""
+    c, rt = r["config"], r["rates"]
+    b = c["sample_bytes"]
+    lines = [
+        f"Dataset {c['dataset_samples']:,} samples, {c['dataset_bytes'] / 1e6:,.1f} MB "
+        f"({b / 1e3:.0f} kB each); {c['ranks']} rank(s) on {c['nodes']} node(s); "
+        f"cache budget {c['cache_budget_bytes'] / 1e6:,.1f} MB per node ({_pct(c['cache_fraction'])} of the dataset)",
+        "",
+        "Measured rates (whole job)",
+        f"  G  ingestion, synthetic batches        {_rate(rt['G'])}",
+        f"  P  prep, loader alone on cached data   {_rate(rt['P'])}  ({c['prep_threads_per_rank']} threads per rank)",
+        f"  R  training on cached data             {_rate(rt['R'])}",
+        f"  S  storage reads                       {_bw(rt['S'])}  ({_rate(rt['S'] / b)})",
+        f"  C  cache reads                         {_bw(rt['C'])}",
+        f"  F  training from a cold cache          {_rate(rt['F'])}",
+        "",
+        f"Step time, cold cache (measured): compute {_pct(r['stall']['compute'])}, prep stall "
+        f"{_pct(r['stall']['prep'])}, fetch stall {_pct(r['stall']['fetch'])}",
+        f"Bottleneck: {r['summary']}.",
+    ]
+    s = r["steady_state"]
+    lines += [
+        f"Later epochs, cache {_pct(s['cache_fraction'])} full (predicted): {_rate(s['predicted_samples_per_s'])}; "
+        f"compute {_pct(s['stall']['compute'])}, prep stall {_pct(s['stall']['prep'])}, "
+        f"fetch stall {_pct(s['stall']['fetch'])}: {s['summary']}.",
+    ]
+    need = r["cache_to_remove_fetch_stalls"]
+    if need["fraction"] <= 0:
+        lines.append("Storage alone keeps up: no cache is needed to remove fetch stalls.")
+    else:
+        lines.append(f"A cache of {_pct(need['fraction'])} of the dataset ({need['bytes'] / 1e6:,.0f} MB per node) "
+                     "removes fetch stalls.")  # fmt: skip
+    lines += ["", "What if the cache held (epochs after the first):", "  cache   predicted      bound"]
+    for w in r["what_if"]:
+        if round(w["cache_fraction"] * 100) % 25 == 0 or abs(w["cache_fraction"] - c["cache_fraction"]) < 1e-9:
+            lines.append(f"  {_pct(w['cache_fraction']):>5}   {w['predicted_samples_per_s']:>9,.0f}/s   {w['bound']}")
+    lines += ["", "What if (at this cache budget):"]
+    for w in r["what_if_cores"]:
+        lines.append(f"  {w['prep_threads_per_rank']:g} prep threads per rank: {_rate(w['predicted_samples_per_s'])}")
+    for w in r["what_if_bandwidth"]:
+        lines.append(f"  storage at {_bw(w['storage_bytes_per_s'])}: {_rate(w['predicted_samples_per_s'])}")
+    for w in r["what_if_nodes"]:
+        lines.append(
+            f"  {w['nodes']} nodes ({_pct(w['aggregate_cache_fraction'])} cached together): no peers "
+            f"{_rate(w['no_peers'])}, partitioned cache {_rate(w['partitioned'])}, locality-aware "
+            f"{_rate(w['locality_aware'])}"
+        )
+    for w in r["what_if_hp_jobs"]:
+        lines.append(
+            f"  {w['jobs']} HP-search jobs: {_rate(w['independent_per_job'])} each alone, "
+            f"{_rate(w['coordinated_per_job'])} each with hp_group ({w['speedup']:.2f}x)"
+        )
+    mc = r["model_check"]
+    lines += ["", f"Model check: cold cache predicted {_rate(mc['cold_predicted_samples_per_s'])}, "
+                  f"measured {_rate(mc['cold_measured_samples_per_s'])}."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def save_json(r: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(r, f, indent=1)
+    os.replace(tmp, path)
+
+
+def plot(r: dict, path: str, measured: list[tuple[float, float]] | None = None, title: str | None = None) -> None:
+    """A PNG like the paper's figure 11: predicted F, P, G (and R) and throughput against cache size.
+
+    ``measured``: extra ``(cache_fraction, samples_per_s)`` points measured in steady epochs.
+    Raises ImportError when matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = r["what_if"]
+    xs = [100 * p["cache_fraction"] for p in w]
+    rt = r["rates"]
+    top = 1.6 * max(rt["P"], min(rt["G"], 3 * rt["P"]), rt["R"])
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.plot(xs, [min(p["fetch_samples_per_s"], 10 * top) for p in w], color="tab:blue", label="F: fetch rate (predicted)")
+    ax.axhline(rt["P"], color="tab:orange", linestyle="--", label=f"P: prep rate ({rt['P']:,.0f}/s)")
+    if rt["G"] < top:
+        ax.axhline(rt["G"], color="tab:green", linestyle="--", label=f"G: ingestion rate ({rt['G']:,.0f}/s)")
+    ax.axhline(rt["R"], color="tab:purple", linestyle=":", label=f"R: training on cached data ({rt['R']:,.0f}/s)")
+    ax.plot(xs, [p["predicted_samples_per_s"] for p in w], color="black", linewidth=2.2,
+            label="predicted training speed min(F, R)")  # fmt: skip
+    ax.plot([0], [rt["F"]], "s", color="tab:red", label="measured, cold cache")
+    if measured:
+        mx, my = zip(*sorted(measured), strict=True)
+        ax.plot([100 * v for v in mx], my, "o", color="tab:red", markersize=7, label="measured, later epochs")
+    ax.axvline(100 * r["config"]["cache_fraction"], color="grey", linewidth=0.8)
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("cache size (% of the dataset)")
+    ax.set_ylabel("samples/s")
+    ax.set_title(title or "coordl analyze: training speed against cache size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,323 @@
+"""DS-Analyzer: the accounting, the model, and ``coordl analyze`` end to end.
+
+Rates are checked against controlled inputs: a fake storage of known bandwidth (a token
+bucket in front of the real reads), a prep step of known cost (a sleeping transform) and a
+training step of known cost (a sleep).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import coordl
+from coordl.accounting import BusyClock, StepWaits, epoch_line
+from coordl.analyze import report as rep
+from coordl.analyze.model import Model, Rates, bottleneck, describe_bottleneck, stall_split
+from coordl.fetch import storage
+
+# -- a storage of known bandwidth ------------------------------------------------------------
+SLOW_STORAGE = """
+import threading, time
+from coordl.fetch import storage
+
+def throttle(bytes_per_s):
+    lock, state = threading.Lock(), {"next": 0.0}
+    real = storage.read_into
+
+    def read_into(path, size, views, *, drop_page_cache):
+        with lock:  # one queue for every thread: the device's bandwidth, shared
+            start = max(time.perf_counter(), state["next"])
+            state["next"] = done = start + size / bytes_per_s
+        real(path, size, views, drop_page_cache=drop_page_cache)
+        time.sleep(max(0.0, done - time.perf_counter()))
+
+    storage.read_into = read_into
+"""
+_ns: dict = {}
+exec(SLOW_STORAGE, _ns)  # noqa: S102 - the same code the analysed script runs
+throttle = _ns["throttle"]
+
+
+@pytest.fixture
+def slow_storage():
+    real = storage.read_into
+    yield lambda bps: throttle(bps)
+    storage.read_into = real
+
+
+# -- accounting --------------------------------------------------------------------------------
+def test_busy_clock_counts_the_interval_in_progress():
+    c = BusyClock()
+    assert c.total() == 0.0
+    c.enter()
+    time.sleep(0.05)
+    mid = c.total()
+    assert 0.04 < mid < 0.5
+    c.leave()
+    done = c.total()
+    assert done >= mid
+    time.sleep(0.02)
+    assert c.total() == done  # not running: no longer grows
+    c.leave()  # a stray leave changes nothing
+    assert c.total() == done
+
+
+def test_step_waits_split_and_summary():
+    w = StepWaits()
+    w.record(1.0, fetch=0.25)
+    w.record(0.5, fetch=2.0)  # clamped to the wait
+    w.record(0.2)  # not attributed
+    w.add_tail(0.3)
+    s = w.summary(elapsed_s=10.0)
+    assert s["stall_s"] == pytest.approx(2.0)
+    assert s["stall_fetch_s"] == pytest.approx(0.75)
+    assert s["stall_prep_s"] == pytest.approx(0.75)
+    assert s["compute_s"] == pytest.approx(8.0)
+    assert s["wait_max_s"] == pytest.approx(1.0)
+    assert s["wait_p50_s"] == pytest.approx(0.5)
+
+
+def test_waits_on_slow_storage_are_fetch_bound(tiny_dataset, slow_storage):
+    sizes = sum(p.stat().st_size for p in tiny_dataset.rglob("*.jpg"))
+    bps = sizes / 2.0  # the dataset takes 2 s to read
+    slow_storage(bps)
+    with coordl.CoordLoader(tiny_dataset, batch_size=10, cache_bytes=0, device_id=None, num_threads=1,
+                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+        for _ in loader:
+            pass
+        s = loader.stats()
+    assert s["stall_s"] > 1.0
+    assert s["stall_fetch_s"] > 0.8 * s["stall_s"], s
+    assert s["stall_fetch_s"] + s["stall_prep_s"] <= s["stall_s"] + 1e-9
+    assert s["read_s"] >= 1.5  # every read waited its turn at the device
+    assert s["storage_bytes"] == sizes
+    assert s["compute_s"] == pytest.approx(s["elapsed_s"] - s["stall_s"])
+    assert 0 < s["wait_p50_s"] <= s["wait_p95_s"] <= s["wait_max_s"]
+
+
+class _Slow:
+    """A transform of known cost."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, img):
+        time.sleep(self.seconds)
+        return np.asarray(img.resize((8, 8)), dtype=np.float32)
+
+
+def test_waits_on_slow_prep_are_prep_bound(tiny_dataset):
+    from coordl.datasets import ImageFolder
+
+    ds = ImageFolder(tiny_dataset, transform=_Slow(0.01))
+    with coordl.CoordLoader(ds, batch_size=12, cache_bytes=0) as loader:
+        for _ in loader:
+            pass
+        s = loader.stats()
+    assert s["prep_s"] >= 1.2  # 120 samples x 10 ms
+    assert s["stall_prep_s"] >= 0.9 * 1.2, s
+    assert s["stall_fetch_s"] < 0.1 * s["stall_s"], s
+
+
+def test_cache_hit_bytes_and_the_epoch_line(tiny_dataset, capsys):
+    with coordl.CoordLoader(tiny_dataset, batch_size=16, cache_bytes=1.0, device_id=None, log_epochs=True,
+                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+        for _ in range(2):
+            for _ in loader:
+                pass
+        s = loader.stats()
+    assert s["cache_hits"] == 120 and s["cache_hit_bytes"] == loader.index.total_bytes
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("coordl: epoch")]
+    assert len(lines) == 2
+    assert lines[1] == epoch_line(s, 0)
+    assert "cache 120 hits" in lines[1] and "storage 0 reads" in lines[1]
+
+
+def test_stats_keys_are_the_same_before_and_after_a_pass(tiny_dataset):
+    with coordl.CoordLoader(tiny_dataset, batch_size=16, cache_bytes=0, device_id=None,
+                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+        before = set(loader.stats())
+        for _ in loader:
+            pass
+        assert set(loader.stats()) == before
+
+
+# -- the model ---------------------------------------------------------------------------------
+def rates(**kw) -> Rates:
+    base = dict(G=400.0, P=300.0, R=200.0, S=10e6, C=1e10, F=90.0, sample_bytes=1e5, dataset_samples=10_000,
+                dataset_bytes=10**9, cache_bytes=5 * 10**8, prep_threads=2)  # fmt: skip
+    base.update(kw)
+    return Rates(**base)
+
+
+def test_fetch_rate_is_the_papers_equation():
+    m = Model(rates())
+    assert m.fetch_rate(0.0) == pytest.approx(100.0)  # 10 MB/s of 100 kB samples
+    x = 0.5
+    assert m.fetch_rate(x) == pytest.approx(1 / (1e5 * x / 1e10 + 1e5 * (1 - x) / 10e6))
+    assert m.fetch_rate(1.0) == pytest.approx(1e5)
+    assert m.throughput(0.0) == pytest.approx(100.0)
+    assert m.throughput(1.0) == pytest.approx(200.0)  # R
+    assert m.paper_throughput(1.0) == pytest.approx(300.0)  # min(P, G)
+
+
+def test_cache_that_removes_fetch_stalls():
+    m = Model(rates())
+    x = m.cache_to_remove_fetch_stalls()
+    assert m.fetch_rate(x) == pytest.approx(m.R, rel=1e-9)
+    assert 0.49 < x < 0.51  # 200 samples/s need half the bytes from the cache
+    assert Model(rates(S=1e9)).cache_to_remove_fetch_stalls() == 0.0
+    assert m.bound(0.2) == "fetch" and m.bound(0.9) != "fetch"
+
+
+def test_stall_split_is_differential():
+    s = stall_split(25.0, G=100.0, R=50.0)  # a step of 40 ms: 10 compute, 10 prep, 20 fetch
+    assert s == pytest.approx({"compute": 0.25, "prep": 0.25, "fetch": 0.5})
+    assert bottleneck(s) == "fetch"
+    assert describe_bottleneck(s) == "fetch-bound: 50% of the time is spent waiting for storage"
+    s = stall_split(60.0, G=100.0, R=50.0)  # faster than with all data cached: noise, no fetch stall
+    assert s["fetch"] == 0.0 and sum(s.values()) == pytest.approx(1.0)
+    s = stall_split(98.0, G=100.0, R=98.0)
+    assert bottleneck(s) == "compute" and describe_bottleneck(s).startswith("compute-bound")
+    assert bottleneck(stall_split(50.0, G=100.0, R=50.0)) == "prep"
+
+
+def test_sharing_is_the_model_that_explains_R():
+    assert Model(rates(P=100.0, G=100.0, R=50.0)).sharing == "shared"  # 1/(1/P + 1/G)
+    assert Model(rates(P=100.0, G=1000.0, R=99.0)).sharing == "overlapped"  # min(P, G)
+    m = Model(rates(P=100.0, G=100.0, R=50.0))
+    assert m.R_with_prep(100.0) == pytest.approx(50.0)  # calibrated to the measurement
+    more = m.with_cores(2)
+    assert more["P"] == pytest.approx(200.0) and more["R"] == pytest.approx(1 / (1 / 200 + 1 / 100))
+
+
+def test_what_if_nodes_and_hp_jobs_are_ordered():
+    m = Model(rates(S=5e6))
+    for n in (2, 4):
+        w = m.with_nodes(n, 1.25e8)
+        assert w["no_peers"] <= w["partitioned"] <= w["locality_aware"]
+        assert w["aggregate_cache_fraction"] == 1.0
+    h = m.with_hp_jobs(4)
+    assert h["coordinated_per_job"] >= h["independent_per_job"]
+    assert h["independent_per_job"] <= m.throughput(m.cache_fraction()) / 4 + 1e-9
+
+
+def test_report_json_table_and_plot(tmp_path):
+    r = rep.build(rates(), command=["python", "train.py"])
+    data = json.loads(json.dumps(r))  # JSON-able
+    assert set(data["rates"]) >= {"G", "P", "F", "S", "C"}
+    assert set(data["stall"]) == {"compute", "prep", "fetch"}
+    assert data["bottleneck"] in ("fetch", "prep", "compute")
+    assert len(data["what_if"]) == 21
+    for w in data["what_if"]:
+        assert {"cache_fraction", "predicted_samples_per_s"} <= set(w)
+    text = rep.table(r)
+    assert "Bottleneck: fetch-bound" in text and "removes fetch stalls" in text
+    png = tmp_path / "r.png"
+    rep.plot(r, str(png), measured=[(0.5, 150.0), (1.0, 190.0)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- coordl analyze end to end --------------------------------------------------------------------
+TRAIN = SLOW_STORAGE + """
+import sys
+import coordl
+
+throttle(float(sys.argv[2]))
+STEP = float(sys.argv[3])
+with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0.5, device_id=None, num_threads=1,
+                        pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:
+    for epoch in range(100):
+        for images, labels in loader:
+            assert images.shape == (len(labels), 3, 32, 32)
+            time.sleep(STEP)  # the training step
+print("the script finished")
+"""
+
+
+def test_analyze_end_to_end(tiny_dataset, tmp_path, isolated):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    sizes = [p.stat().st_size for p in tiny_dataset.rglob("*.jpg")]
+    b = sum(sizes) / len(sizes)
+    bps = 60 * b  # storage delivers 60 samples/s; the step ingests 8 / 0.02 = 400
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "10", "--warmup", "2", "--out", str(out),
+           "--storage-seconds", "3", "--", sys.executable, str(script), str(tiny_dataset), str(bps), "0.02"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "Bottleneck: fetch-bound" in proc.stdout
+    r = json.loads((out / "report.json").read_text())
+    rt = r["rates"]
+    assert rt["G"] == pytest.approx(400, rel=0.15)
+    assert rt["S"] == pytest.approx(bps, rel=0.2)
+    assert rt["R"] <= rt["G"] * 1.05 and rt["P"] > rt["R"] * 0.9
+    assert rt["F"] == pytest.approx(60, rel=0.25)  # the cold run goes at storage speed
+    assert r["bottleneck"] == "fetch" and r["stall"]["fetch"] > 0.6
+    assert r["config"]["cache_fraction"] == pytest.approx(0.5, abs=0.01)
+    assert r["model_check"]["cold_predicted_samples_per_s"] == pytest.approx(rt["F"], rel=0.25)
+    assert r["stall_observed"]["fetch"] > 0.5  # the loader's own accounting agrees
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    for phase in "GPSF":
+        assert (out / f"phase-{phase}-rank0.json").exists()
+        assert "the script finished" not in (out / f"phase-{phase}.log").read_text()
+    preds = {w["cache_fraction"]: w["predicted_samples_per_s"] for w in r["what_if"]}
+    assert preds[0.0] < preds[0.5] < preds[1.0] <= rt["R"] + 1e-6
+    assert not math.isinf(r["cache_to_remove_fetch_stalls"]["fraction"])
+
+
+def test_analyze_explains_a_script_without_coordl(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('no loader here')\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(out), "--", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "must iterate a coordl.CoordLoader" in proc.stderr
+    assert "no loader here" in proc.stderr  # the end of its log
+
+
+def test_analyze_reports_a_failing_script(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("raise SystemExit('boom: bad arguments')\n")
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path / "o"), "--",
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "failed with exit code 1" in proc.stderr and "boom: bad arguments" in proc.stderr
+
+
+def test_analyze_needs_a_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1 and "give the training command after --" in proc.stderr
+
+
+def test_a_phase_that_hangs_times_out(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--timeout", "2", "--out",
+                           str(tmp_path / "o"), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and "did not finish within 2 s" in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_the_probe_rejects_a_broken_spec(monkeypatch):
+    from coordl.analyze import probe
+
+    monkeypatch.setenv(probe.ENV, "{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        probe.spec()
+    monkeypatch.setenv(probe.ENV, json.dumps({"phase": "G"}))
+    with pytest.raises(ValueError, match="lacks 'steps'"):
+        probe.spec()
