@@ -75,6 +75,9 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, help="storage bytes/s (default: from --storage-factor)")
     p.add_argument("--working-set", type=float, default=1.6e9, help="memory the script needs besides the cache")
     p.add_argument("--out", default=str(HERE / "results" / "analyze_accuracy.json"))
+    p.add_argument("--threads", default="1,1",
+                   help="the model's torch threads and DALI's threads, e.g. 1,1 (one core each, the default) "
+                   "or 0,0 (each library's default: both use every core)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
     args = p.parse_args()
     if args.quick:
@@ -89,6 +92,11 @@ def main() -> int:
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
     script = [sys.executable, str(HERE / "small_resnet.py"), root, "--batch-size", str(args.batch_size)]
+    torch_threads, prep_threads = (int(v) for v in args.threads.split(","))
+    if torch_threads:
+        script += ["--threads", str(torch_threads)]
+    if prep_threads:
+        script += ["--prep-threads", str(prep_threads)]
     log(f"dataset {dataset['files']} files, {total / MB:.1f} MB; limits: {caps}")
 
     # 1. The throttle: a fraction of what training on cached data needs.
@@ -149,6 +157,7 @@ def main() -> int:
         "limits": caps,
         "storage_bytes_per_s": bw,
         "analyze_cache_fraction": args.analyze_cache,
+        "threads": {"torch": torch_threads or "default", "dali": prep_threads or "default"},
         "analyze_seconds": analyze_s,
         "rates": report["rates"],
         "rows": rows,

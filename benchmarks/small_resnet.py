@@ -59,11 +59,15 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=112, help="training crop")
     p.add_argument("--width", type=int, default=16)
+    p.add_argument("--threads", type=int, help="torch's threads for the model (default: torch's choice)")
+    p.add_argument("--prep-threads", type=int, help="DALI's threads (default: coordl's choice, all cores)")
     args = p.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=coordl.ImageNetTrain(size=args.size),
-                            cache_bytes=args.cache, device_id=None) as loader:  # fmt: skip
+                            cache_bytes=args.cache, device_id=None, num_threads=args.prep_threads) as loader:  # fmt: skip
         classes = int(loader.index.labels.max()) + 1
         model = SmallResNet(classes, args.width)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)

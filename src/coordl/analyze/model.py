@@ -66,9 +66,15 @@ def stall_split(step_rate: float, G: float, R: float) -> dict:
 
 
 def bottleneck(split: dict, threshold: float = 0.05) -> str:
-    """``"fetch"``, ``"prep"`` or ``"compute"``: the larger stall, unless both are small."""
-    worst = max(("fetch", "prep"), key=lambda k: split[k])
-    return worst if split[worst] > threshold else "compute"
+    """The stage that limits the speed: ``"fetch"``, ``"prep"`` or ``"compute"``.
+
+    A fetch stall exists only when storage is slower than training on cached data, so it
+    comes first: faster fetching (more cache, more bandwidth) is then what speeds training
+    up. Otherwise prep, if it costs more than ``threshold`` of the step, else compute.
+    """
+    if split["fetch"] > threshold:
+        return "fetch"
+    return "prep" if split["prep"] > threshold else "compute"
 
 
 def describe_bottleneck(split: dict) -> str:
@@ -90,7 +96,9 @@ class Model:
         self.r = rates
         r = rates
         self.G = r.G
-        self.R = min(r.R, r.G)
+        # R is measured in the regime predictions are about (training on data in memory), so
+        # it is used as measured, even when noise puts it above G; the stall split caps it.
+        self.R = r.R
         # How prep and compute share the machine: the model that explains the measured R,
         # scaled to match it exactly.
         overlapped = min(r.P, r.G)
@@ -152,14 +160,14 @@ class Model:
         """Training rate with no fetch stalls if prep ran at ``P`` (and compute at ``G``)."""
         G = self.G if G is None else G
         base = min(P, G) if self.sharing == "overlapped" else 1.0 / (1.0 / P + 1.0 / G)
-        return min(G, self._calibration * base)
+        return self._calibration * base
 
     def with_cores(self, factor: float) -> dict:
         """More (or fewer) prep threads: P scales with them (DALI and workers scale near-linearly)."""
         P = self.r.P * factor
         R = self.R_with_prep(P)
         x = self.cache_fraction()
-        return {"prep_threads_per_rank": self.r.prep_threads * factor, "P": P, "R": R,
+        return {"factor": factor, "prep_threads_per_rank": self.r.prep_threads * factor, "P": P, "R": R,
                 "predicted_samples_per_s": self.throughput(x, R=R)}  # fmt: skip
 
     # -- storage ----------------------------------------------------------------------------

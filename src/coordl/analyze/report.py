@@ -145,7 +145,7 @@ def table(r: dict) -> str:
             lines.append(f"  {_pct(w['cache_fraction']):>5}   {w['predicted_samples_per_s']:>9,.0f}/s   {w['bound']}")
     lines += ["", "What if (at this cache budget):"]
     for w in r["what_if_cores"]:
-        lines.append(f"  {w['prep_threads_per_rank']:g} prep threads per rank: {_rate(w['predicted_samples_per_s'])}")
+        lines.append(f"  prep on {w['factor']:g}x the cores: {_rate(w['predicted_samples_per_s'])}")
     for w in r["what_if_bandwidth"]:
         lines.append(f"  storage at {_bw(w['storage_bytes_per_s'])}: {_rate(w['predicted_samples_per_s'])}")
     for w in r["what_if_nodes"]:

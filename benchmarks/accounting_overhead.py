@@ -1,0 +1,94 @@
+"""What the always-on accounting costs, per batch and as a share of the loader's throughput.
+
+The accounting adds, per batch: two reads of the fetch-wait clock and a ``StepWaits.record``
+in the consumer, an enter/leave of the DALI-wait clock in the driver; per storage read,
+two ``perf_counter_ns`` calls; per wait for a read, an enter/leave. This times exactly those
+calls (the same objects the loader uses), then a warm loader's batch, and reports the ratio.
+
+    python benchmarks/accounting_overhead.py [--data /var/tmp/coordl-bench/train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+
+import coordl  # noqa: E402
+from coordl.accounting import BusyClock, StepWaits  # noqa: E402
+
+
+def per_batch_cost(batch_size: int, miss_fraction: float, n: int = 200_000) -> float:
+    """Seconds of accounting per batch: the consumer's and driver's calls, and the per-read ones."""
+    fetching, dali, waits = BusyClock(), BusyClock(), StepWaits()
+    reads = round(batch_size * miss_fraction)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f0, c0 = fetching.total(), time.perf_counter()  # consumer, before the wait
+        dali.enter()  # driver, around DALI's outputs
+        dali.leave()
+        fetching.enter()  # driver, one wait for a read per batch
+        fetching.leave()
+        wait = time.perf_counter() - c0
+        waits.record(wait, fetch=fetching.total() - f0)
+    batch = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = time.perf_counter_ns()
+        _ = time.perf_counter_ns() - a
+    read = (time.perf_counter() - t0) / n
+    return batch + reads * read
+
+
+def loader_batch_time(root: str, batch_size: int, epochs: int) -> float:
+    """Seconds per batch of a warm CoordLoader (everything cached), median over epochs."""
+    times = []
+    with coordl.CoordLoader(root, batch_size=batch_size, cache_bytes=1.0, device_id=None) as loader:
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+            s = loader.stats()
+            if epoch:
+                times.append(s["elapsed_s"] / s["batches"])
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
+    p.add_argument("--images", type=int, default=2000)
+    p.add_argument("--classes", type=int, default=20)
+    p.add_argument("--photos")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results" / "accounting_overhead.json"))
+    args = p.parse_args()
+    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    cost_hit = per_batch_cost(args.batch_size, 0.0)
+    cost_miss = per_batch_cost(args.batch_size, 1.0)
+    batch = loader_batch_time(dataset["root"], args.batch_size, args.epochs)
+    result = {
+        "machine": common.machine(),
+        "batch_size": args.batch_size,
+        "accounting_per_batch_s": {"all_cached": cost_hit, "all_from_storage": cost_miss},
+        "loader_batch_s": batch,
+        "overhead_fraction": {"all_cached": cost_hit / batch, "all_from_storage": cost_miss / batch},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"accounting per batch of {args.batch_size}: {1e6 * cost_hit:.1f} us (all cached), "
+          f"{1e6 * cost_miss:.1f} us (all from storage)")  # fmt: skip
+    print(f"warm loader batch: {1e3 * batch:.1f} ms ({args.batch_size / batch:.0f} samples/s)")
+    print(f"overhead: {100 * cost_hit / batch:.4f}% (cached), {100 * cost_miss / batch:.4f}% (storage); target < 1%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
