@@ -44,13 +44,7 @@ def settle(root: str) -> None:
     which must not crawl through the storage throttle), the dataset's files out of it."""
     subprocess.run([sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"],
                    check=True)  # fmt: skip
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    common.evict(root)
 
 
 def limited(args, name: str, memory: int, bandwidth: int, dev, caps):

@@ -122,13 +122,7 @@ def launch(args, n: int, group: str | None, workdir: Path, epochs: int, kill_one
 
 def evict(root: str) -> str | None:
     """Drops the dataset's files from the page cache (``POSIX_FADV_DONTNEED``); None if it worked."""
-    for folder, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(folder, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    common.evict(root)
     return None
 
 
