@@ -321,3 +321,37 @@ def test_the_probe_rejects_a_broken_spec(monkeypatch):
     monkeypatch.setenv(probe.ENV, json.dumps({"phase": "G"}))
     with pytest.raises(ValueError, match="lacks 'steps'"):
         probe.spec()
+
+
+TRAIN_TORCH = """
+import sys, time
+import numpy as np
+import coordl
+from coordl.datasets import ImageFolder
+
+def small(img):
+    return np.asarray(img.resize((16, 16)), dtype=np.float32)
+
+ds = ImageFolder(sys.argv[1], transform=small)
+with coordl.CoordLoader(ds, batch_size=8, cache_bytes=0.5, num_workers=1) as loader:
+    for epoch in range(100):
+        for images, labels in loader:
+            time.sleep(0.02)
+print("the script finished")
+"""
+
+
+def test_analyze_a_torch_backend_script(tiny_dataset, tmp_path, isolated):
+    script = tmp_path / "train_torch.py"
+    script.write_text(TRAIN_TORCH)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "8", "--warmup", "1", "--out", str(out),
+           "--storage-seconds", "2", "--", sys.executable, str(script), str(tiny_dataset)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    r = json.loads((out / "report.json").read_text())
+    assert r["rates"]["G"] == pytest.approx(400, rel=0.15)
+    assert r["phases"]["P"][0]["backend"] == "torch"
+    assert r["phases"]["P"][0]["P_cache_hit_fraction"] == 1.0  # the workers read the private, filled cache
+    for phase in "GPSF":
+        assert "the script finished" not in (out / f"phase-{phase}.log").read_text()
