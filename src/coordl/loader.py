@@ -112,6 +112,21 @@ class CoordLoader:
             with DALI, whose outputs are on their device already.
         log_epochs: print one line of statistics per epoch to stderr (where the time went, where
             the bytes came from); also turned on by the environment variable ``COORDL_LOG_EPOCHS=1``.
+        peers: the partitioned cache (DALI backend): ``"auto"`` turns it on when the job spans
+            several nodes (``WORLD_SIZE > LOCAL_WORLD_SIZE``) and ``torch.distributed`` is
+            initialized; then every node's cache serves the other nodes' misses over TCP.
+            ``False`` turns it off. Every rank must then iterate its loaders in the same order
+            (each pass starts with one collective on a gloo group), as with any collective.
+        locality_aware: with the partitioned cache, split each global batch so that every rank
+            takes the samples its own node caches (same global batches, equal local batch sizes;
+            which rank gets which sample changes). See the multi-node guide.
+        peer_timeout: seconds a request to another node may take before its samples are read
+            from storage instead; that node is then left alone for ``peer_retry_after`` seconds.
+        peer_retry_after: see ``peer_timeout``.
+        peer_interface: the network interface whose address this node's cache server binds to
+            and advertises (default ``$COORDL_PEER_IFNAME``, else ``$GLOO_SOCKET_IFNAME``, else
+            the one that routes to ``MASTER_ADDR``).
+        peer_port: the server's port (default ``$COORDL_PEER_PORT``, else any free port).
         sampler, batch_sampler: not accepted: coordl decides the order (``shuffle``, ``seed``,
             ``set_epoch``, the rank's shard) so that it can guarantee and resume it.
     """
@@ -151,6 +166,12 @@ class CoordLoader:
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         log_epochs: bool = False,
+        peers: bool | str = "auto",
+        locality_aware: bool = True,
+        peer_timeout: float = 10.0,
+        peer_retry_after: float = 60.0,
+        peer_interface: str | None = None,
+        peer_port: int | None = None,
         sampler=None,
         batch_sampler=None,
     ):
@@ -172,6 +193,10 @@ class CoordLoader:
             raise ValueError("io_threads and prefetch_batches must be at least 1")
         if hp_group is not None and (not isinstance(hp_group, str) or not hp_group):
             raise ValueError(f"hp_group must be a non-empty string, got {hp_group!r}")
+        if peers not in ("auto", True, False):
+            raise ValueError(f"peers must be 'auto', True or False, got {peers!r}")
+        if peer_timeout <= 0 or peer_retry_after < 0:
+            raise ValueError("peer_timeout must be positive and peer_retry_after non-negative")
         if hp_idle_timeout <= 0:
             raise ValueError(f"hp_idle_timeout must be positive, got {hp_idle_timeout!r}")
         self.log_epochs = bool(log_epochs) or os.environ.get("COORDL_LOG_EPOCHS", "") not in ("", "0")
@@ -242,6 +267,9 @@ class CoordLoader:
         self._fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None)
         self._prep = None
         self._pool = None
+        self._peer_pool = None
+        self.locality_aware = bool(locality_aware)
+        self._peers = self._open_peers(peers, peer_timeout, peer_retry_after, peer_interface, peer_port)
         if self.backend == "torch":
             from coordl.prep import torch_backend
 
@@ -262,6 +290,30 @@ class CoordLoader:
             seed=seed * 7919 + self.world.rank,
             on_error=on_error,
         )
+
+    def _open_peers(self, peers, timeout, retry_after, interface, port):
+        """The partitioned cache, when this job spans several nodes (see ``peers``)."""
+        from coordl.fetch import peer
+
+        if peers is False:
+            return None
+        why = None
+        if self.backend != "dali":
+            why = "it serves the DALI backend (a folder or a list of files), not the torch backend yet"
+        elif self.hp_group is not None:
+            why = "an hp_group shares prep within one node"
+        elif not peer.enabled(self.world):
+            why = ("the job runs on one node, or torch.distributed is not initialized (call "
+                   "torch.distributed.init_process_group before making the loader)")  # fmt: skip
+        if why is not None:
+            if peers is True:
+                raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
+            return None
+        if port is None:
+            port = int(os.environ.get("COORDL_PEER_PORT", "0") or 0)
+        self._peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer")
+        return peer.PeerGroup(self.world, self.index, self.cache, timeout=float(timeout),
+                              retry_after=float(retry_after), address=None, interface=interface, port=port)  # fmt: skip
 
     def _open_cache(self, cache_bytes, keep: bool) -> MinIOCache | None:
         directory = names.shm_dir()
@@ -345,8 +397,17 @@ class CoordLoader:
         # (it joins the group at the next epoch).
         self._order_epoch = order_epoch
         order = sampler.epoch_order(len(self.index), self.seed, order_epoch, self.shuffle)
-        ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
-        batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
+        if self._peers is not None:
+            self._peers.sync()  # a collective: every rank learns who holds what
+        if self._peers is not None and self.locality_aware:
+            from coordl import placement
+
+            w, p = self.world, self._peers
+            batches = placement.locality_batches(order, w.rank, w.world_size, self.batch_size, self.drop_last,
+                                                 p.holder, p.rank_nodes, start=start)  # fmt: skip
+        else:
+            ids = sampler.shard(order, self.world.rank, self.world.world_size, self.drop_last)
+            batches = sampler.batches(ids, self.batch_size, self.drop_last, start=start)
         if self.backend == "torch":
             from coordl.prep.torch_backend import TorchPass
 
@@ -473,8 +534,12 @@ class CoordLoader:
             if it is not None and hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
             self._loader_obj = None
+        if self._peer_pool is not None:
+            self._peer_pool.shutdown(wait=True, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._peers is not None:
+            self._peers.close()
         if self._prep is not None:
             self._prep.close()
         if self._gprep is not None:
@@ -604,15 +669,13 @@ class _Pass:
             depth=loader.prefetch_batches,
             on_error=loader.on_error,
             stop=self._stop,
+            peers=loader._peers,
+            peer_pool=loader._peer_pool,
         )
+        self._served0 = loader._peers.served() if loader._peers is not None else (0, 0)
         self._skipped_before = len(loader._prep.skipped)
-        # Batch number of every id of this pass, so a delivered batch knows its position even
-        # when an earlier batch was skipped whole. Padding repeats an id at most once more;
-        # the minimum over a batch's ids is its own number.
         self._start = loader._resume_from_started
-        self._position = np.full(len(loader.index), np.iinfo(np.int64).max, dtype=np.int64)
-        for k in range(len(batches) - 1, -1, -1):
-            self._position[batches[k]] = k
+        self._cursor = 0  # batches before this one have been delivered or skipped whole
         self._thread = threading.Thread(target=self._drive, name="coordl-prep", daemon=True)
         self._thread.start()
 
@@ -669,10 +732,19 @@ class _Pass:
         images, labels, ids = item
         self._batches += 1
         self._samples += len(labels)
-        self.loader._on_batch(self._start + int(self._position[ids.numpy()].min()) + 1)
+        self.loader._on_batch(self._start + self._number(int(ids[0])) + 1)
         if self.loader.return_index:
             return images, labels, ids
         return images, labels
+
+    def _number(self, first: int) -> int:
+        """The number of the batch just delivered, whose first id is ``first``: the next batch
+        holding it (a batch skipped whole is passed over; padding may repeat an id later)."""
+        batches = self._ahead.batches
+        while self._cursor < len(batches) - 1 and first not in batches[self._cursor]:
+            self._cursor += 1
+        self._cursor += 1
+        return self._cursor - 1
 
     def __len__(self) -> int:
         return len(self._ahead.batches) - self._batches
@@ -690,6 +762,8 @@ class _Pass:
             "storage_bytes": 0,
             "peer_reads": 0,
             "peer_bytes": 0,
+            "peer_served_reads": 0,
+            "peer_served_bytes": 0,
             "admitted": 0,
             "cache_bytes": cache.resident_bytes if cache else 0,
             "cache_items": cache.resident_items if cache else 0,
@@ -717,7 +791,14 @@ class _Pass:
         return pass_stats(self.base_stats(self.loader, self.epoch), c, batches=self._batches, samples=self._samples,
                           waits=self._waits, fetch_wait_s=self._ahead.wait_s, read_s=c.storage_ns / 1e9,
                           prep_s=self.loader._prep.waiting.total() - self._prep0, elapsed_s=elapsed,
-                          skipped_paths=[p for _, p, _ in skipped])  # fmt: skip
+                          skipped_paths=[p for _, p, _ in skipped], served=self._served())  # fmt: skip
+
+    def _served(self) -> tuple[int, int]:
+        peers = self.loader._peers
+        if peers is None:
+            return 0, 0
+        reads, nbytes = peers.served()
+        return reads - self._served0[0], nbytes - self._served0[1]
 
     def close(self) -> None:
         """Stops the driver thread; idempotent."""
@@ -735,7 +816,7 @@ class _Pass:
 
 
 def pass_stats(s: dict, c, *, batches: int, samples: int, waits: StepWaits, fetch_wait_s: float, read_s: float,
-               prep_s: float, elapsed_s: float, skipped_paths: list[str]) -> dict:
+               prep_s: float, elapsed_s: float, skipped_paths: list[str], served: tuple[int, int] = (0, 0)) -> dict:
     """Fills a pass's statistics ``s`` from its counters and the fetcher's ``c``."""
     s.update(
         batches=batches,
@@ -746,6 +827,8 @@ def pass_stats(s: dict, c, *, batches: int, samples: int, waits: StepWaits, fetc
         storage_bytes=c.storage_bytes,
         peer_reads=c.peer_reads,
         peer_bytes=c.peer_bytes,
+        peer_served_reads=served[0],
+        peer_served_bytes=served[1],
         admitted=c.admitted,
         fetch_wait_s=fetch_wait_s,
         read_s=read_s,

@@ -2,8 +2,9 @@
 
 :class:`Fetcher` is the only way the rest of coordl gets sample bytes. Only storage
 reads admit items into the cache, and caching never changes which samples are
-read, only where their bytes come from. The partitioned cache (a peer's cache
-between the local one and storage) plugs in here.
+read, only where their bytes come from. With the partitioned cache, another node's
+cache sits between the local one and storage (:meth:`Fetcher.from_peer`); bytes from
+peers are not admitted, so every node keeps the part it filled from storage.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class FetchCounters:
     storage_bytes: int = 0
     storage_ns: int = 0  # time spent in storage reads, summed over threads
     admitted: int = 0
-    peer_reads: int = 0
+    peer_reads: int = 0  # samples received from other nodes' caches
     peer_bytes: int = 0
+    peer_ns: int = 0  # time spent in peer requests, summed over threads
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -83,6 +85,18 @@ class Fetcher:
                     self.counters.cache_hit_bytes += len(hit)
                 return hit
         return self._from_storage(i)
+
+    def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer.PeerClient`)."""
+        t0 = time.perf_counter_ns()
+        got = client.fetch(node, ids)
+        dt = time.perf_counter_ns() - t0
+        with self._lock:
+            c = self.counters
+            c.peer_ns += dt
+            c.peer_reads += len(got)
+            c.peer_bytes += sum(len(v) for v in got.values())
+        return got
 
     def _from_storage(self, i: int) -> np.ndarray:
         path, size = self.index.paths[i], int(self.index.sizes[i])

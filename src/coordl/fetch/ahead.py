@@ -1,7 +1,9 @@
 """Fetches the raw bytes of the next few batches ahead of pre-processing.
 
 Cache hits are views taken in the calling thread; misses are read by a thread
-pool, so storage always has work queued while earlier batches are decoded.
+pool, so storage always has work queued while earlier batches are decoded. With the
+partitioned cache, the misses another node holds go to that node in one request per
+batch (on a pool of their own); whatever it does not deliver is read from storage.
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ class FetchAhead:
         depth: batches in flight ahead of the one being returned.
         on_error: ``"raise"`` or ``"skip"`` for samples that cannot be read.
         stop: when set, iteration ends early.
+        peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
+        peer_pool: threads that wait for peers' answers.
     """
 
     def __init__(self, fetcher: Fetcher, batches: list[np.ndarray], labels: np.ndarray,
-                 pool: cf.ThreadPoolExecutor, *, depth: int, on_error: str, stop: threading.Event):  # fmt: skip
+                 pool: cf.ThreadPoolExecutor, *, depth: int, on_error: str, stop: threading.Event,
+                 peers=None, peer_pool: cf.ThreadPoolExecutor | None = None):  # fmt: skip
         self.fetcher = fetcher
         self.batches = batches
         self.labels = labels
@@ -55,6 +60,8 @@ class FetchAhead:
         self.depth = max(1, depth)
         self.on_error = on_error
         self.stop = stop
+        self.peers = peers
+        self.peer_pool = peer_pool
         self.waiting = BusyClock()  # runs while the caller waits for storage
         self.skipped: list[tuple[int, str, str]] = []
 
@@ -81,14 +88,36 @@ class FetchAhead:
 
     def _submit(self, ids: np.ndarray):
         hit = self.fetcher.cached(ids)
-        futures = {int(i): self.pool.submit(self.fetcher.fetch, int(i)) for i in ids[~hit]}
+        misses = ids[~hit]
+        futures = {}
+        if self.peers is not None and len(misses):
+            nodes = self.peers.remote(misses)
+            for node in np.unique(nodes[nodes >= 0]).tolist():
+                wanted = np.unique(misses[nodes == node])
+                future = self.peer_pool.submit(self._from_peer, node, wanted)
+                futures.update(dict.fromkeys(wanted.tolist(), future))
+        for i in misses.tolist():
+            if i not in futures:
+                futures[i] = self.pool.submit(self.fetcher.fetch, i)
         return ids, hit, futures
+
+    def _from_peer(self, node: int, ids: np.ndarray) -> dict[int, np.ndarray | cf.Future]:
+        """Asks ``node`` for ``ids``; what it does not deliver is read from storage on the I/O pool."""
+        got = self.fetcher.from_peer(self.peers.client, node, ids)
+        rest = {i: self.pool.submit(self.fetcher.fetch, i) for i in ids.tolist() if i not in got}
+        return {**got, **rest}
 
     def _collect(self, ids: np.ndarray, hit: np.ndarray, futures: dict) -> RawBatch:
         data, keep = [], []
         for k, i in enumerate(ids.tolist()):
             try:
-                data.append(self.fetcher.fetch(i) if hit[k] else self._result(futures[i]))
+                if hit[k]:
+                    data.append(self.fetcher.fetch(i))
+                else:
+                    result = self._result(futures[i])
+                    if isinstance(result, dict):  # a peer's answer: bytes, or a storage read of what it lacked
+                        result = result[i] if isinstance(result[i], np.ndarray) else self._result(result[i])
+                    data.append(result)
                 keep.append(k)
             except SampleError as e:
                 if self.on_error != "skip":

@@ -1,0 +1,111 @@
+"""Several "nodes" on one machine: a network namespace and a private /dev/shm per node.
+
+:class:`Cluster` makes a bridge and, per node, a namespace joined to it by a veth pair
+(node k is ``10.<net>.0.<k+1>``), optionally shapes every link with ``tbf``, and runs
+commands in a node with ``ip netns exec`` and ``unshare -m``, so that each node sees its
+own tmpfs at /dev/shm as a separate machine would. Everything it makes is removed on exit,
+and the names carry the process id, so two clusters can exist side by side. Needs root,
+``ip`` and ``unshare``; :func:`unavailable` says why not when they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+
+__all__ = ["Cluster", "unavailable"]
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def unavailable() -> str | None:
+    """Why network namespaces cannot be used here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare", "tc"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    name = f"cdlp{os.getpid() % 100000}"
+    try:
+        _run("ip", "netns", "add", name)
+    except subprocess.CalledProcessError as e:
+        return f"ip netns add failed: {e.stderr.decode().strip()}"
+    _run("ip", "netns", "del", name)
+    return None
+
+
+class Cluster:
+    """``nodes`` namespaces on one bridge.
+
+    Args:
+        nodes: how many.
+        rate: ``tbf`` rate of every link in both directions (e.g. ``"1gbit"``), or None.
+        shm_bytes: size of each node's private /dev/shm.
+    """
+
+    def __init__(self, nodes: int, *, rate: str | None = None, shm_bytes: int = 256 << 20):
+        self.nodes = nodes
+        self.rate = rate
+        self.shm_bytes = shm_bytes
+        tag = os.getpid() % 10000
+        self.net = 77 + os.getpid() % 100  # 10.<net>.0.0/24
+        self.bridge = f"cdlb{tag}"
+        self.ns = [f"cdln{tag}_{k}" for k in range(nodes)]
+        self.veth = [f"cdlv{tag}_{k}" for k in range(nodes)]
+        self.procs: list[subprocess.Popen] = []
+
+    def address(self, k: int) -> str:
+        return f"10.{self.net}.0.{k + 1}"
+
+    def __enter__(self) -> Cluster:
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "link", "set", self.bridge, "up")
+            for k in range(self.nodes):
+                ns, veth = self.ns[k], self.veth[k]
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _run("ip", "link", "set", veth, "master", self.bridge)
+                _run("ip", "link", "set", veth, "up")
+                _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(k)}/24", "dev", "eth0")
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                if self.rate:
+                    tbf = ["root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
+                    _run("tc", "qdisc", "add", "dev", veth, *tbf)  # towards the node
+                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)  # from the node
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def popen(self, k: int, argv: list[str], *, env: dict | None = None, **kwargs) -> subprocess.Popen:
+        """Starts ``argv`` in node ``k``, with a private tmpfs at /dev/shm."""
+        script = f'mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm && exec "$@"'
+        full = ["ip", "netns", "exec", self.ns[k], "unshare", "-m", "--propagation", "private",
+                "sh", "-c", script, "sh", *argv]  # fmt: skip
+        p = subprocess.Popen(full, env=env, start_new_session=True, **kwargs)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+        for veth in self.veth:
+            subprocess.run(["ip", "link", "del", veth], stderr=subprocess.DEVNULL)
+        subprocess.run(["ip", "link", "del", self.bridge], stderr=subprocess.DEVNULL)
+
+    def __exit__(self, *exc) -> None:
+        self.close()

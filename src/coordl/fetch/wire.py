@@ -1,0 +1,128 @@
+"""The peer protocol of the partitioned cache: an authenticated handshake, then batched requests.
+
+All integers are little-endian. A connection goes:
+
+1. server -> client ``HELLO``: ``b"CDLH"``, version (u16), a 16-byte random nonce.
+2. client -> server: ``HMAC-SHA256(secret, "coordl-peer-client" | dataset | server nonce |
+   client nonce)`` (32 bytes) then its own 16-byte nonce. The server checks the MAC in
+   constant time; a wrong one, or none within :data:`HANDSHAKE_TIMEOUT`, closes the
+   connection before anything else is sent.
+3. server -> client: ``HMAC-SHA256(secret, "coordl-peer-server" | dataset | client nonce |
+   server nonce)``, so the client knows it talks to a member of its own job and dataset.
+4. Any number of requests, each answered before the next is read:
+   request ``b"CDLQ"``, count (u32, 1..:data:`MAX_IDS`), count sample ids (u64 each);
+   response ``b"CDLR"``, count (u32, the request's), count lengths (i64 each, -1 when the
+   server does not hold that sample), then the held samples' bytes back to back.
+
+The secret is made per job by rank 0 and handed out through the job's own process group.
+Every length is checked against the dataset's index on both sides, so a frame can never
+make either side allocate more than the samples it asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+import time
+
+import numpy as np
+
+__all__ = ["MAX_IDS", "WireError", "client_handshake", "recv_exact", "server_handshake"]
+
+VERSION = 1
+HELLO = struct.Struct("<4sH16s")
+HEAD = struct.Struct("<4sI")
+REQUEST, RESPONSE = b"CDLQ", b"CDLR"
+MAX_IDS = 4096
+NONCE = 16
+MAC = 32
+HANDSHAKE_TIMEOUT = 5.0
+
+
+class WireError(Exception):
+    """A peer broke the protocol (bad MAC, bad frame, closed early)."""
+
+
+def _mac(secret: bytes, role: bytes, dataset: str, *nonces: bytes) -> bytes:
+    return hmac.new(secret, b"|".join([role, dataset.encode(), *nonces]), hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """Reads exactly ``n`` bytes (before ``deadline``, a ``time.monotonic()`` value, if given)."""
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf), deadline)
+    return buf
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fills ``view`` from ``sock``.
+
+    Raises:
+        WireError: the peer closed the connection first.
+        TimeoutError: ``deadline`` passed.
+    """
+    done = 0
+    while done < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("peer too slow")
+            sock.settimeout(left)
+        n = sock.recv_into(view[done:])
+        if n == 0:
+            raise WireError("connection closed by the peer")
+        done += n
+
+
+def server_handshake(sock: socket.socket, secret: bytes, dataset: str) -> None:
+    """Authenticates the client on a fresh connection; raises :class:`WireError` if it cannot."""
+    import os
+
+    nonce = os.urandom(NONCE)
+    sock.sendall(HELLO.pack(b"CDLH", VERSION, nonce))
+    reply = recv_exact(sock, MAC + NONCE, time.monotonic() + HANDSHAKE_TIMEOUT)
+    mac, client_nonce = bytes(reply[:MAC]), bytes(reply[MAC:])
+    if not hmac.compare_digest(mac, _mac(secret, b"coordl-peer-client", dataset, nonce, client_nonce)):
+        raise WireError("client failed authentication")
+    sock.sendall(_mac(secret, b"coordl-peer-server", dataset, client_nonce, nonce))
+
+
+def client_handshake(sock: socket.socket, secret: bytes, dataset: str, deadline: float) -> None:
+    """Proves the job's secret to the server and checks the server's proof."""
+    import os
+
+    magic, version, nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
+    if magic != b"CDLH" or version != VERSION:
+        raise WireError(f"not a coordl peer (version {version})")
+    mine = os.urandom(NONCE)
+    sock.sendall(_mac(secret, b"coordl-peer-client", dataset, nonce, mine) + mine)
+    proof = bytes(recv_exact(sock, MAC, deadline))
+    if not hmac.compare_digest(proof, _mac(secret, b"coordl-peer-server", dataset, mine, nonce)):
+        raise WireError("server failed authentication")
+
+
+def pack_request(ids: np.ndarray) -> bytes:
+    ids = np.ascontiguousarray(ids, dtype="<u8")
+    return HEAD.pack(REQUEST, len(ids)) + ids.tobytes()
+
+
+def read_request(sock: socket.socket, num_items: int, body_timeout: float) -> np.ndarray | None:
+    """The ids of the next request, or None when the client closed the connection cleanly.
+
+    Raises:
+        WireError: the frame is malformed (bad magic, count, or an id outside the dataset).
+    """
+    sock.settimeout(None)  # an authenticated client may idle between epochs
+    first = sock.recv(HEAD.size)
+    if not first:
+        return None
+    head = bytes(first) + bytes(recv_exact(sock, HEAD.size - len(first), time.monotonic() + body_timeout))
+    magic, count = HEAD.unpack(head)
+    if magic != REQUEST or not 0 < count <= MAX_IDS:
+        raise WireError(f"malformed request (magic {magic!r}, count {count})")
+    ids = np.frombuffer(recv_exact(sock, 8 * count, time.monotonic() + body_timeout), dtype="<u8")
+    if int(ids.max()) >= num_items:
+        raise WireError(f"request for sample {int(ids.max())} of a dataset of {num_items}")
+    return ids.astype(np.int64)

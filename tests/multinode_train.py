@@ -1,0 +1,72 @@
+"""A training script as a user writes it for several nodes, for the partitioned-cache tests.
+
+Launched by torchrun (one per "node"), it calls ``init_process_group("gloo")``, iterates a
+CoordLoader for ``--epochs`` epochs with a tiny step, and writes what every rank saw
+(sample ids per batch) and ``stats()`` per epoch to ``<out>/rank<r>.json``.
+
+``--die-rank R --die-at E,B`` makes rank R kill itself (SIGKILL) after batch B of epoch E.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import coordl
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("data")
+    p.add_argument("out")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("-b", "--batch-size", type=int, default=8)
+    p.add_argument("--cache", default="0.6", help="fraction of the dataset, or bytes")
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--peers", choices=("auto", "off"), default="auto")
+    p.add_argument("--locality", type=int, default=1)
+    p.add_argument("--step-ms", type=float, default=0.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--die-rank", type=int, default=-1)
+    p.add_argument("--die-at", default="1,2")
+    p.add_argument("--peer-timeout", type=float, default=10.0)
+    a = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cache = float(a.cache) if "." in a.cache else int(a.cache)
+    loader = coordl.CoordLoader(
+        a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.size), cache_bytes=cache,
+        device_id=None, num_threads=a.threads, return_index=True, seed=5, peers="auto" if a.peers == "auto" else False,
+        locality_aware=bool(a.locality), peer_timeout=a.peer_timeout,
+    )  # fmt: skip
+    die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
+    record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
+    for epoch in range(a.epochs):
+        loader.set_epoch(epoch)
+        t0 = time.perf_counter()
+        batches = []
+        for k, (images, labels, ids) in enumerate(loader):
+            assert images.dtype == torch.float32 and len(labels) == len(ids)
+            batches.append(ids.tolist())
+            if a.step_ms:
+                time.sleep(a.step_ms / 1000)
+            if rank == a.die_rank and (epoch, k) == (die_epoch, die_batch):
+                os.kill(os.getpid(), signal.SIGKILL)
+        record["epochs"].append({"batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0})
+        with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+    loader.close()
+    if a.die_rank < 0:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
