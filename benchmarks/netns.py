@@ -3,19 +3,54 @@
 :class:`Cluster` makes a bridge and, per node, a namespace joined to it by a veth pair
 (node k is ``10.<net>.0.<k+1>``), optionally shapes every link with ``tbf``, and runs
 commands in a node with ``ip netns exec`` and ``unshare -m``, so that each node sees its
-own tmpfs at /dev/shm as a separate machine would. Everything it makes is removed on exit,
-and the names carry the process id, so two clusters can exist side by side. Needs root,
-``ip`` and ``unshare``; :func:`unavailable` says why not when they are missing.
+own tmpfs at /dev/shm as a separate machine would; ``popen(..., cgroups=[...])`` also puts a
+node's command into v1 cgroups of its own (a blkio throttle, say) and lets it read its own
+counters there. Everything it makes is removed on exit, and the names carry the process id, so
+two clusters can exist side by side. Needs root, ``ip`` and ``unshare``; :func:`unavailable`
+says why not when they are missing.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import time
 
 __all__ = ["Cluster", "unavailable"]
+
+
+_V1 = "/sys/fs/cgroup"
+
+
+def _hierarchy(path: str) -> str:
+    """The v1 hierarchy (``blkio``, ``memory``...) of a cgroup folder below /sys/fs/cgroup."""
+    rel = os.path.relpath(os.path.realpath(path), _V1)
+    if rel.startswith(".."):
+        raise ValueError(f"{path} is not a v1 cgroup folder below {_V1}")
+    return rel.split(os.sep)[0]
+
+
+def _kill_members(path: str, timeout: float = 10.0) -> None:
+    """SIGKILLs every process in the cgroup ``path`` and waits until it is empty."""
+    procs = os.path.join(path, "cgroup.procs")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(procs) as f:
+                pids = [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def _run(*argv: str) -> None:
@@ -57,6 +92,7 @@ class Cluster:
         self.ns = [f"cdln{tag}_{k}" for k in range(nodes)]
         self.veth = [f"cdlv{tag}_{k}" for k in range(nodes)]
         self.procs: list[subprocess.Popen] = []
+        self.cgroups: list[str] = []  # given to popen: close() empties them
 
     def address(self, k: int) -> str:
         return f"10.{self.net}.0.{k + 1}"
@@ -83,13 +119,43 @@ class Cluster:
             raise
         return self
 
-    def popen(self, k: int, argv: list[str], *, env: dict | None = None, **kwargs) -> subprocess.Popen:
-        """Starts ``argv`` in node ``k``, with a private tmpfs at /dev/shm."""
-        script = f'mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm && exec "$@"'
+    def popen(self, k: int, argv: list[str], *, env: dict | None = None, cgroups: list[str] | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Starts ``argv`` in node ``k``, with a private tmpfs at /dev/shm.
+
+        Args:
+            k: the node.
+            argv: the command.
+            env: its environment.
+            cgroups: v1 cgroup folders of this command alone (``/sys/fs/cgroup/<controller>/...``,
+                made by the caller), which it joins before it enters the namespace, so that every
+                process it starts is in them too. ``ip netns exec`` hides the host's /sys/fs/cgroup,
+                so each of their hierarchies is mounted again (read-only) inside the node at the same
+                path, where the command can read its own counters (``blkio.throttle.io_service_bytes``,
+                say). :meth:`close` kills whatever is left in them: launchers such as torchrun start
+                their workers in sessions of their own, out of reach of a process-group kill. The
+                caller removes the cgroups after :meth:`close`.
+            **kwargs: passed to :class:`subprocess.Popen`.
+        """
+        for path in cgroups or ():
+            if os.path.dirname(os.path.realpath(path)) == _V1:
+                raise ValueError(f"{path} is the root of a cgroup hierarchy; give the node a cgroup of its own")
+        inner = [f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm"]
+        outer = []
+        if cgroups:
+            inner.append("mount -t tmpfs -o size=1m,mode=755 tmpfs /sys/fs/cgroup")
+            for hierarchy in sorted({_hierarchy(path) for path in cgroups}):
+                where = shlex.quote(f"{_V1}/{hierarchy}")
+                inner.append(f"mkdir -p {where} && mount -t cgroup -o ro,{hierarchy} cgroup {where}")
+            outer = [f"echo $$ > {shlex.quote(os.path.join(path, 'cgroup.procs'))}" for path in cgroups]
+        script = " && ".join([*inner, 'exec "$@"'])
         full = ["ip", "netns", "exec", self.ns[k], "unshare", "-m", "--propagation", "private",
                 "sh", "-c", script, "sh", *argv]  # fmt: skip
+        if outer:  # join the cgroups first: everything below inherits them
+            full = ["sh", "-c", " && ".join([*outer, 'exec "$@"']), "sh", *full]
         p = subprocess.Popen(full, env=env, start_new_session=True, **kwargs)
         self.procs.append(p)
+        self.cgroups.extend(cgroups or ())
         return p
 
     def close(self) -> None:
@@ -101,6 +167,9 @@ class Cluster:
                     pass
                 p.wait()
         self.procs.clear()
+        for path in self.cgroups:
+            _kill_members(path)
+        self.cgroups.clear()
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
         for veth in self.veth:

@@ -62,9 +62,9 @@ def main() -> None:
         record["epochs"].append({"batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0})
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
-    loader.close()
     if a.die_rank < 0:
-        dist.barrier()
+        dist.barrier()  # every node keeps serving its cache until the last one is done
+    loader.close()
     dist.destroy_process_group()
 
 

@@ -232,16 +232,40 @@ class PeerClient:
         self.failures = 0
 
     def alive(self, node: int) -> bool:
-        """False while ``node`` is being left alone after a failure."""
-        return self._down_until.get(node, 0.0) <= time.monotonic() and bool(self.servers.get(node))
+        """False while every server of ``node`` is being left alone after a failure."""
+        now = time.monotonic()
+        return any(self._down_until.get(a, 0.0) <= now for a in self.servers.get(node, ()))
 
     def fetch(self, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """The bytes of those of ``ids`` that ``node`` holds; missing ids are the caller's to read."""
+        """The bytes of those of ``ids`` that ``node`` holds; missing ids are the caller's to read.
+
+        A server that refuses the connection (its rank has left) is skipped for another of the
+        node's servers; any other failure (a timeout, a broken frame) leaves the whole node alone.
+        """
         got: dict[int, np.ndarray] = {}
-        if not self.alive(node):
-            return got
-        addrs = self.servers[node]
-        addr = addrs[self.prefer % len(addrs)]
+        addrs = self.servers.get(node, [])
+        for k in range(len(addrs)):
+            addr = addrs[(self.prefer + k) % len(addrs)]
+            if self._down_until.get(addr, 0.0) > time.monotonic():
+                continue
+            rest = ids if not got else ids[~np.isin(ids, list(got))]
+            try:
+                self._fetch_from(addr, rest, got)
+                return got
+            except (OSError, wire.WireError, TimeoutError) as e:
+                refused = isinstance(e, ConnectionRefusedError)
+                until = time.monotonic() + self.retry_after
+                with self._lock:
+                    self.failures += 1
+                    for a in [addr] if refused else addrs:
+                        self._down_until[a] = until
+                log.warning("coordl: peer node %d (%s:%d) failed (%s); reading its samples from storage for %.0f s",
+                            node, addr[0], addr[1], e or type(e).__name__, self.retry_after)  # fmt: skip
+                if not refused:
+                    break
+        return got
+
+    def _fetch_from(self, addr: tuple[str, int], ids: np.ndarray, got: dict) -> None:
         sock = None
         try:
             for part in self._requests(ids):
@@ -250,19 +274,13 @@ class PeerClient:
                     sock = self._checkout(addr, deadline)
                 sock.sendall(wire.pack_request(part))
                 self._receive(sock, part, got, deadline)
-        except (OSError, wire.WireError, TimeoutError) as e:
+        except BaseException:
             if sock is not None:
                 sock.close()
-                sock = None
-            with self._lock:
-                self.failures += 1
-                self._down_until[node] = time.monotonic() + self.retry_after
-            log.warning("coordl: peer node %d (%s:%d) failed (%s); reading its samples from storage for %.0f s",
-                        node, addr[0], addr[1], e or type(e).__name__, self.retry_after)  # fmt: skip
+            raise
         if sock is not None:
             with self._lock:
                 self._idle[addr].append(sock)
-        return got
 
     def _requests(self, ids: np.ndarray):
         """Cuts ``ids`` into requests of at most :data:`MAX_REQUEST_BYTES` and :data:`wire.MAX_IDS` ids."""
@@ -375,6 +393,9 @@ class PeerGroup:
         import torch.distributed as dist
 
         w = self.world
+        # Every rank has finished its previous pass (and the storage reads that fill the cache)
+        # before a node's bitmap is taken, so the holder map is the same however ranks are timed.
+        dist.barrier(group=self.group)
         bitmap = None
         if w.local_rank == 0 and self.cache is not None:
             bitmap = np.packbits(self.cache.ready_mask(np.arange(len(self.index)))).tobytes()

@@ -1,0 +1,348 @@
+"""The partitioned cache: peer servers and clients on real sockets, and real multi-node jobs.
+
+Multi-node tests launch ``tests/multinode_train.py`` with torchrun, one "node" per network
+namespace with its own tmpfs at /dev/shm (``benchmarks/netns.py``), as a user would on
+several machines. Where namespaces are unavailable (not root), each node gets its own
+loopback address and shm folder instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordl import CoordLoader, sampler
+from coordl.errors import CoordlError
+from coordl.fetch import Fetcher, wire
+from coordl.fetch.cache import MinIOCache
+from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
+from coordl.index import Index
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+import netns  # noqa: E402
+
+SECRET = b"s" * 32
+N = 120  # samples in tiny_dataset
+
+
+# -- one server, in this process ---------------------------------------------------------------
+@pytest.fixture
+def served(tiny_dataset, isolated):
+    """A cache holding the even samples of the tiny dataset, served on 127.0.0.1."""
+    index = Index.scan(tiny_dataset)
+    cache = MinIOCache("ab" * 8, index.sizes, index.total_bytes, directory=str(isolated), dataset=index.fingerprint)
+    fetcher = Fetcher(index, cache, drop_page_cache=False)
+    for i in range(0, len(index), 2):
+        fetcher.fetch(i)
+    server = PeerServer(cache, index.fingerprint, len(index), "127.0.0.1")
+    server.set_secret(SECRET)
+    yield index, server
+    server.close()
+    cache.close()
+
+
+def _client(index, server, secret=SECRET, timeout=2.0):
+    return PeerClient({1: [server.address]}, secret, index.fingerprint, index.sizes, timeout=timeout, retry_after=30)
+
+
+def _raw(server) -> socket.socket:
+    s = socket.create_connection(server.address, timeout=5)
+    s.settimeout(5)
+    return s
+
+
+def _drain(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_an_authenticated_peer_gets_exactly_the_cached_bytes_in_one_request(served):
+    index, server = served
+    client = _client(index, server)
+    ids = np.arange(20, dtype=np.int64)
+    got = client.fetch(1, ids)
+    assert sorted(got) == list(range(0, 20, 2))  # only what the node holds
+    for i, data in got.items():
+        assert data.tobytes() == Path(index.paths[i]).read_bytes()
+    assert server.counters() == (10, sum(int(index.sizes[i]) for i in got))
+    again = client.fetch(1, ids)  # the connection is reused
+    assert sorted(again) == sorted(got)
+    assert len(client._idle[server.address]) == 1
+    client.close()
+
+
+def test_a_request_larger_than_the_bound_is_split(served, monkeypatch):
+    index, server = served
+    import coordl.fetch.peer as peer
+
+    monkeypatch.setattr(peer, "MAX_REQUEST_BYTES", int(index.sizes.max()) * 3)
+    client = _client(index, server)
+    parts = list(client._requests(np.arange(0, N, 2)))
+    assert len(parts) > 10 and all(index.sizes[p].sum() <= peer.MAX_REQUEST_BYTES or len(p) == 1 for p in parts)
+    assert len(client.fetch(1, np.arange(0, N, 2))) == N // 2
+    client.close()
+
+
+def test_a_client_without_the_secret_gets_nothing(served):
+    index, server = served
+    client = _client(index, server, secret=b"x" * 32)
+    assert client.fetch(1, np.arange(10)) == {}
+    assert not client.alive(1)  # and is not retried on every item
+    t0 = time.monotonic()
+    assert client.fetch(1, np.arange(10)) == {}
+    assert time.monotonic() - t0 < 0.01
+    # A raw client that skips the handshake and sends a request: only the server's hello comes back.
+    s = _raw(server)
+    s.sendall(wire.pack_request(np.arange(4)) + b"\0" * 64)
+    reply = _drain(s)
+    s.close()
+    assert len(reply) == wire.HELLO.size and reply.startswith(b"CDLH")
+    assert server.counters() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"GARBAGE!" * 8,
+        wire.HEAD.pack(b"CDLQ", 0),
+        wire.HEAD.pack(b"CDLQ", wire.MAX_IDS + 1) + b"\0" * 64,
+        wire.HEAD.pack(b"CDLQ", 2**32 - 1),
+        wire.pack_request(np.array([1, N + 5])),
+        wire.HEAD.pack(b"CDLQ", 3) + b"\1" * 5,  # a truncated body, then silence
+    ],
+    ids=["garbage", "zero-count", "too-many", "huge-count", "id-out-of-range", "truncated"],
+)
+def test_malformed_frames_close_the_connection_and_the_server_keeps_serving(served, frame, monkeypatch):
+    index, server = served
+    import coordl.fetch.peer as peer
+
+    monkeypatch.setattr(peer, "BODY_TIMEOUT", 0.5)
+    s = _raw(server)
+    magic, version, nonce = wire.HELLO.unpack(wire.recv_exact(s, wire.HELLO.size))
+    mine = os.urandom(wire.NONCE)
+    s.sendall(wire._mac(SECRET, b"coordl-peer-client", index.fingerprint, nonce, mine) + mine)
+    wire.recv_exact(s, wire.MAC)  # authenticated
+    s.sendall(frame)
+    assert _drain(s) == b""  # nothing but a closed connection
+    s.close()
+    client = _client(index, server)
+    assert len(client.fetch(1, np.array([0, 2, 4]))) == 3
+    client.close()
+
+
+def test_many_junk_connections_do_not_take_the_server_down(served):
+    index, server = served
+    junk = []
+    for k in range(50):
+        s = _raw(server)
+        s.sendall(os.urandom(k * 7 + 1))
+        junk.append(s)
+    for s in junk:
+        s.close()
+    client = _client(index, server)
+    assert len(client.fetch(1, np.arange(0, 40, 2))) == 20
+    client.close()
+
+
+def test_a_silent_peer_costs_one_timeout_then_is_left_alone(tiny_dataset):
+    index = Index.scan(tiny_dataset)
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
+    try:
+        client = PeerClient({1: [listener.getsockname()]}, SECRET, index.fingerprint, index.sizes,
+                            timeout=0.5, retry_after=30)  # fmt: skip
+        t0 = time.monotonic()
+        assert client.fetch(1, np.arange(8)) == {}
+        assert 0.4 < time.monotonic() - t0 < 2.0
+        assert not client.alive(1) and client.failures == 1
+        t0 = time.monotonic()
+        assert client.fetch(1, np.arange(8)) == {}
+        assert time.monotonic() - t0 < 0.01
+    finally:
+        listener.close()
+
+
+def test_a_peer_that_is_gone_fails_fast(tiny_dataset):
+    index = Index.scan(tiny_dataset)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    client = PeerClient({1: [("127.0.0.1", port)]}, SECRET, index.fingerprint, index.sizes, timeout=5, retry_after=30)
+    t0 = time.monotonic()
+    assert client.fetch(1, np.arange(8)) == {}
+    assert time.monotonic() - t0 < 1.0
+
+
+# -- addresses ---------------------------------------------------------------------------------
+def test_the_advertised_address_follows_the_configuration(monkeypatch):
+    for var in ("COORDL_PEER_ADDR", "COORDL_PEER_IFNAME", "GLOO_SOCKET_IFNAME", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(CoordlError, match="COORDL_PEER_IFNAME"):
+        advertised_address()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # every node on this machine: loopback is right
+    assert advertised_address() == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert advertised_address() == "127.0.0.1"
+    assert advertised_address(interface="lo") == "127.0.0.1"
+    with pytest.raises(CoordlError, match="no-such-if0"):
+        advertised_address(interface="no-such-if0")
+    monkeypatch.setenv("COORDL_PEER_ADDR", "127.0.0.9")
+    assert advertised_address() == "127.0.0.9"
+
+
+def test_peers_true_without_a_distributed_job_says_why(tiny_dataset):
+    with pytest.raises(ValueError, match="init_process_group"):
+        CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True)
+    with CoordLoader(tiny_dataset, batch_size=8, device_id=None) as loader:  # "auto": off, quietly
+        assert loader._peers is None
+
+
+# -- real multi-node jobs ----------------------------------------------------------------------
+NS_REASON = netns.unavailable()
+_port = [29600 + os.getpid() % 200]
+
+
+def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int = 1, timeout: float = 240,
+               until=None) -> list:  # fmt: skip
+    """Runs multinode_train.py on ``nodes`` nodes; returns each torchrun's exit code (-9: killed
+    at ``timeout``, or once ``until()`` is true)."""
+    _port[0] += 1
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    script = [str(HERE / "multinode_train.py"), str(data), str(out), *args]
+
+    def torchrun(k, master):
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(k),
+                "--nproc_per_node", str(per_node), "--master_addr", master, "--master_port", str(_port[0]), *script]  # fmt: skip
+
+    if NS_REASON is None:
+        with netns.Cluster(nodes, shm_bytes=256 << 20) as c:  # 64 MiB of it stay free (headroom)
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+            procs = [c.popen(k, torchrun(k, c.address(0)), env=env, stdout=subprocess.DEVNULL,
+                             stderr=open(out / f"node{k}.log", "w")) for k in range(nodes)]  # fmt: skip
+            return _wait_all(procs, timeout, until)
+    procs = []
+    for k in range(nodes):
+        shm = Path(f"/dev/shm/coordl-test-node{os.getpid()}-{k}")
+        shm.mkdir(exist_ok=True)
+        node_env = dict(env, COORDL_SHM_DIR=str(shm), COORDL_PEER_ADDR=f"127.0.0.{k + 1}")
+        procs.append(subprocess.Popen(torchrun(k, "127.0.0.1"), env=node_env, stdout=subprocess.DEVNULL,
+                                      stderr=open(out / f"node{k}.log", "w"), start_new_session=True))  # fmt: skip
+    try:
+        return _wait_all(procs, timeout, until)
+    finally:
+        for k in range(nodes):
+            subprocess.run(["rm", "-rf", f"/dev/shm/coordl-test-node{os.getpid()}-{k}"])
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, until) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if until is not None and until():
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+def _records(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))
+
+
+@pytest.mark.parametrize("locality", [0, 1], ids=["partitioned", "locality-aware"])
+def test_two_nodes_read_storage_only_in_the_first_epoch_and_deliver_every_sample_once(tiny_dataset, tmp_path,
+                                                                                        locality):  # fmt: skip
+    out = tmp_path / "out"
+    codes = _run_nodes(tiny_dataset, out, 2, ["--epochs", "3", "--cache", "0.6", "--locality", str(locality)])
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 2)
+    total_received = total_served = 0
+    for epoch in range(3):
+        seen = Counter(i for r in recs for b in r["epochs"][epoch]["batches"] for i in b)
+        assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}, f"epoch {epoch} not exactly-once"
+        stats = [r["epochs"][epoch]["stats"] for r in recs]
+        if epoch == 0:
+            assert sum(s["storage_reads"] for s in stats) == N and sum(s["peer_reads"] for s in stats) == 0
+        else:
+            assert [s["storage_reads"] for s in stats] == [0, 0], stats  # the two caches hold it all
+            assert sum(s["cache_hits"] + s["peer_reads"] for s in stats) == N
+        total_received += sum(s["peer_bytes"] for s in stats)
+        total_served += sum(s["peer_served_bytes"] for s in stats)
+        # The global batches are the plain sampler's; only who gets which sample may change.
+        order = sampler.epoch_order(N, 5, epoch)
+        for k in range(len(recs[0]["epochs"][epoch]["batches"])):
+            plain = sorted(order[k * 16 : (k + 1) * 16].tolist())
+            assert sorted(recs[0]["epochs"][epoch]["batches"][k] + recs[1]["epochs"][epoch]["batches"][k]) == plain
+            assert len(recs[0]["epochs"][epoch]["batches"][k]) == len(recs[1]["epochs"][epoch]["batches"][k])
+    # Served bytes count while the serving rank's own pass runs; a peer's last requests may come after.
+    assert 0 < total_served <= total_received
+    steady = sum(r["epochs"][e]["stats"]["peer_reads"] for r in recs for e in (1, 2))
+    if not locality:
+        assert steady > N // 2  # about half of every rank's samples are on the other node
+    else:
+        assert steady < N // 4  # each rank takes what its node holds
+
+
+def test_four_ranks_on_two_nodes_share_each_nodes_cache(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    codes = _run_nodes(tiny_dataset, out, 2, ["--epochs", "2", "--cache", "0.6", "-b", "6"], per_node=2)
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 4)
+    for epoch in range(2):
+        seen = Counter(i for r in recs for b in r["epochs"][epoch]["batches"] for i in b)
+        assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+    assert sum(r["epochs"][1]["stats"]["storage_reads"] for r in recs) == 0
+    assert sum(r["epochs"][0]["stats"]["storage_reads"] for r in recs) == N
+
+
+def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--die-rank", "1", "--die-at", "1,0", "-b", "4",
+            "--step-ms", "30", "--peer-timeout", "3"]  # fmt: skip
+
+    def survivor_done():
+        try:
+            return len(_records(out, 1)[0]["epochs"]) == 2
+        except (OSError, ValueError):  # not written yet, or being written
+            return False
+
+    # torchrun's agent of the surviving node then waits for the dead node's agent at its exit
+    # barrier, so the test stops watching once the survivor's training loop is done.
+    t0 = time.monotonic()
+    codes = _run_nodes(tiny_dataset, out, 2, args, timeout=90, until=survivor_done)
+    assert survivor_done(), _logs(out)
+    assert codes[1] != 0
+    assert time.monotonic() - t0 < 60
+    last = _records(out, 1)[0]["epochs"][1]
+    ids = [i for b in last["batches"] for i in b]
+    order = sampler.epoch_order(N, 5, 1)
+    assert sorted(ids) == sorted(order[0::2].tolist())  # its whole shard, each sample once
+    assert last["stats"]["storage_reads"] > 0  # what the dead node held came from storage
+    assert "reading its samples from storage" in _logs(out)
