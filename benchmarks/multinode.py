@@ -3,43 +3,53 @@
 Each "node" is a network namespace with a private tmpfs at /dev/shm (``netns.Cluster``), its
 link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of their own whose
 ``read_bps_device`` throttles the dataset's device. One torchrun per node, one rank per node,
-``init_process_group("gloo")``, and a CoordLoader per rank (this file's ``worker`` mode, the
-loader of ``tests/multinode_train.py`` plus per-epoch device counters). For every node count
-and aggregate cache size (the sum of the nodes' cache budgets: 50% and 100% of the dataset,
-the latter with a ``--margin`` so that shards of uneven byte sizes still fit), three modes run
-back to back, each in a fresh cluster after the dataset's pages are evicted:
+``init_process_group("gloo")``, and a CoordLoader per rank: this file's ``worker`` mode, the
+loop of ``tests/multinode_train.py`` plus per-epoch device counters, the nodes' cache contents,
+and a barrier before ``close()`` (the multi-node guide's advice; ``--close-first`` keeps the
+test script's order, where nodes that finish first stop serving the others' last epoch).
+
+For every node count and aggregate cache size (the sum of the nodes' budgets: 50% and 100% of
+the dataset, the latter with a ``--margin`` so that shards of uneven byte sizes still fit),
+three modes run back to back (``--reps`` times, interleaved: a b c a b c), each in a fresh
+cluster after the dataset's pages are evicted:
 
 - ``a``: no peer cache (``peers=False``): each node has only its own MinIO cache;
 - ``b``: the partitioned cache with plain sharding (``locality_aware=False``);
 - ``c``: the partitioned cache, locality-aware.
 
-First, per node count, the prep rate: mode ``b`` at 100% with no throttle (steady epochs are
-served from the caches, so they run at the rate the node decodes). Every node's throttle is
-then ``--throttle-frac`` times that rate in bytes, so that the no-peer case is I/O-bound.
+First, per node count, the prep rate: mode ``b`` at 100% with no throttle (its steady epochs
+come from the caches, so they run at the rate the nodes decode). Every node's throttle is then
+``--throttle-frac`` times that rate in bytes, so that the no-peer case is I/O-bound.
 
-Per node and epoch it records the bytes the loader read from storage, the bytes the node's
-blkio cgroup saw read from the device (read inside the worker around each epoch) and the
-process's ``read_bytes`` (``/proc/self/io``), peer bytes received and served, and the epoch
-time; per run, the blkio delta of the whole run as well. The targets: in ``b`` and ``c`` the
-steady storage bytes are the minimum (dataset bytes minus the bytes cached across nodes at the
-start of the epoch); ``c``'s peer bytes are at most 10% of ``b``'s; at 100% aggregate cache,
-``b``'s steady epoch is at least 2x faster than ``a``'s. Needs root, network namespaces and
-v1 blkio cgroups.
+Per node and epoch: the bytes the loader read from storage, the bytes the node's blkio cgroup
+read from the device (read inside the worker around each epoch) and the process's
+``read_bytes`` (``/proc/self/io``), peer bytes received and served, the epoch time; per run,
+the blkio delta of the whole run, and what storage, network and prep alone would need per
+epoch (bytes / throttle, bytes / tbf rate, samples / prep rate). For b and c, the peer samples
+are also computed from the nodes' cache contents with ``coordl.placement`` (plain sharding,
+the least any equal split moves, and the batches actually delivered) and the delivered batches
+are checked against the plan. Targets: b's and c's steady storage bytes at the minimum
+(dataset bytes minus the bytes cached across nodes at the start of the epoch); c's peer bytes
+at most 10% of b's; at 100% aggregate cache, b's steady epoch at least 2x faster than a's.
+Needs root, network namespaces and v1 blkio cgroups.
 
     python benchmarks/multinode.py                     # ~15 min on 2 cores
-    python benchmarks/multinode.py --quick             # smoke test: tiny dataset, 2 nodes, 2 epochs
+    python benchmarks/multinode.py --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -70,8 +80,11 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--peers", choices=("auto", "off"), default="auto")
     p.add_argument("--locality", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=5)
     p.add_argument("--blkio", help="this node's blkio.throttle.io_service_bytes")
     p.add_argument("--device", default="254:0")
+    p.add_argument("--close-first", action="store_true",
+                   help="close the loader before the final barrier (tests/multinode_train.py's order)")
     a = p.parse_args(argv)
 
     import torch.distributed as dist
@@ -82,25 +95,32 @@ def worker(argv: list[str]) -> None:
     rank = dist.get_rank()
     loader = coordl.CoordLoader(
         a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.size), cache_bytes=a.cache,
-        device_id=None, num_threads=a.threads, return_index=True, seed=5, peers="auto" if a.peers == "auto" else False,
-        locality_aware=bool(a.locality),
+        device_id=None, num_threads=a.threads, return_index=True, seed=a.seed,
+        peers="auto" if a.peers == "auto" else False, locality_aware=bool(a.locality),
     )  # fmt: skip
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
         dev0, io0, t0 = _blkio_read(a.blkio, a.device), _proc_read_bytes(), time.perf_counter()
-        ids = []
+        batches = []
         for _, _, batch_ids in loader:
-            ids.extend(batch_ids.tolist())
+            batches.append(batch_ids.tolist())
         seconds = time.perf_counter() - t0
         dev1, io1 = _blkio_read(a.blkio, a.device), _proc_read_bytes()
-        record["epochs"].append({"time_s": seconds, "stats": loader.stats(), "ids": ids,
+        # What the node's cache holds now: the holder map every rank learns at the next pass.
+        everything = np.arange(len(loader.index))
+        cached = [] if loader.cache is None else np.flatnonzero(loader.cache.ready_mask(everything)).tolist()
+        record["epochs"].append({"time_s": seconds, "stats": loader.stats(), "batches": batches, "cached": cached,
                                  "blkio_read_bytes": None if dev0 is None else dev1 - dev0,
                                  "proc_read_bytes": io1 - io0})  # fmt: skip
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
-    loader.close()
+    # The multi-node guide's advice: a barrier before closing, so that no node stops serving
+    # its cache while another is still in its last epoch.
+    if a.close_first:
+        loader.close()
     dist.barrier()
+    loader.close()
     dist.destroy_process_group()
 
 
@@ -127,8 +147,10 @@ def _proc_read_bytes() -> int:
 class Run:
     """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup of its own."""
 
-    def __init__(self, args, dataset: dict, nodes: int, budget: int, mode: str, throttle: int | None, port: int):
+    def __init__(self, args, dataset: dict, nodes: int, budget: int, mode: str, throttle: int | None, port: int,
+                 prep_sps: float | None = None):
         self.args, self.dataset, self.nodes, self.budget = args, dataset, nodes, budget
+        self.prep_sps = prep_sps  # samples/s per node measured unthrottled, for the bounds
         self.mode, self.throttle, self.port = mode, throttle, port
         self.device = "%d:%d" % common.device_of(dataset["root"])
         self.cgroups = [BLKIO / f"cdl-mn{os.getpid()}-{port}-{k}" for k in range(nodes)]
@@ -141,6 +163,7 @@ class Run:
                 cg.mkdir()
                 if self.throttle:
                     (cg / "blkio.throttle.read_bps_device").write_text(f"{self.device} {self.throttle}\n")
+            os.sync()  # evict() cannot drop dirty pages (a dataset just written)
             common.evict(self.dataset["root"])
             before = [_blkio_read(str(cg / "blkio.throttle.io_service_bytes"), self.device) for cg in self.cgroups]
             shm = self.budget + (256 << 20)
@@ -156,8 +179,9 @@ class Run:
                             "--master_addr", c.address(0), "--master_port", str(self.port), str(HERE), "worker",
                             self.dataset["root"], str(out), "--epochs", str(self.args.epochs),
                             "-b", str(self.args.batch_size), "--cache", str(self.budget), "--size", str(self.args.size),
-                            "--threads", str(self.args.threads), "--blkio", blk, "--device", self.device,
-                            *MODES[self.mode][1]]  # fmt: skip
+                            "--threads", str(self.args.threads), "--seed", str(self.args.seed), "--blkio", blk,
+                            "--device", self.device,
+                            *MODES[self.mode][1], *(["--close-first"] if self.args.close_first else [])]  # fmt: skip
                     procs.append(c.popen(k, argv, env=env, cgroups=[str(self.cgroups[k])], stdout=log,
                                          stderr=subprocess.STDOUT))  # fmt: skip
                 deadline = time.monotonic() + self.args.run_timeout
@@ -168,7 +192,9 @@ class Run:
                 tails = [(out / f"node{k}.log").read_text()[-3000:] for k in range(self.nodes)]
                 raise RuntimeError(f"exit codes {codes}; logs:\n" + "\n----\n".join(tails))
             ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(self.nodes)]
-            return self._result(ranks, [y - x for x, y in zip(before, after)], wall)
+            result = self._result(ranks, [y - x for x, y in zip(before, after)], wall)
+            result["warnings"] = [_warnings((out / f"node{k}.log").read_text()) for k in range(self.nodes)]
+            return result
         finally:
             for log in logs:
                 log.close()
@@ -177,6 +203,47 @@ class Run:
             for f in out.iterdir():
                 f.unlink()
             out.rmdir()
+
+    def _traffic(self, ranks: list[dict]) -> dict:
+        """Peer samples per steady epoch: measured, and computed from what the nodes cached.
+
+        From the nodes' cache contents at the start of an epoch (the holder map every rank learns),
+        ``placement`` gives the samples that cross nodes under plain sharding of the epoch's global
+        batches and under the locality-aware plan (the least any equal split can move); and,
+        for the batches the ranks actually received, the samples held by another node, which the
+        loader's ``peer_reads`` should equal. Also whether the batches are the plan's.
+        """
+        from coordl import placement, sampler
+
+        n, world, size = self.dataset["files"], len(ranks), self.args.batch_size
+        rank_nodes = np.arange(world)
+        out = {"measured": [], "delivered": [], "plain": [], "least": [], "batches_as_planned": True}
+        for k in range(1, len(ranks[0]["epochs"])):
+            bitmaps = np.zeros((world, n), dtype=bool)
+            for r in ranks:
+                bitmaps[r["rank"], r["epochs"][k - 1]["cached"]] = True
+            holder = placement.holders(bitmaps)
+            order = sampler.epoch_order(n, self.args.seed, k)
+            plain = least = 0
+            planned = [[] for _ in range(world)]
+            for g in placement.global_batches(order, world, size, False):
+                parts = placement.plan(g, holder, rank_nodes)
+                least += placement.traffic(g, holder, rank_nodes, parts)
+                plain += placement.traffic(g, holder, rank_nodes, [g[r::world] for r in range(world)])
+                for r in range(world):
+                    planned[r].append(sorted(parts[r].tolist() if self.mode == "c" else g[r::world].tolist()))
+            delivered = 0
+            for r in ranks:
+                got = r["epochs"][k]["batches"]
+                delivered += sum(int(holder[i] >= 0 and holder[i] != r["rank"]) for b in got for i in b)
+                out["batches_as_planned"] &= [sorted(b) for b in got] == planned[r["rank"]]
+            out["measured"].append(sum(r["epochs"][k]["stats"]["peer_reads"] for r in ranks))
+            out["delivered"].append(delivered)
+            out["plain"].append(plain)
+            out["least"].append(least)
+        planned_by = "locality-aware plan" if self.mode == "c" else "plain sharding"
+        return {f"steady_peer_reads_{key}": v for key, v in out.items() if key != "batches_as_planned"} | {
+            "batches_as_planned": out["batches_as_planned"], "planned_by": planned_by}
 
     @staticmethod
     def _wait(p: subprocess.Popen, deadline: float) -> int | None:
@@ -199,31 +266,65 @@ class Run:
         totals = []
         for k in range(len(per_node[0]["epochs"])):
             rows = [n["epochs"][k] for n in per_node]
-            ids = [i for r in ranks for i in r["epochs"][k]["ids"]]
+            ids = [i for r in ranks for b in r["epochs"][k]["batches"] for i in b]
             cached_before = sum(n["epochs"][k - 1]["cache_bytes"] for n in per_node) if k else 0
-            t = {"epoch": k, "time_s": max(x["time_s"] for x in rows),
-                 "minimum_storage_bytes": self.dataset["total_bytes"] - cached_before,
+            # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
+            minimum = self.dataset["total_bytes"] - cached_before if self.mode != "a" else None
+            t = {"epoch": k, "time_s": max(x["time_s"] for x in rows), "minimum_storage_bytes": minimum,
                  "cached_bytes_start": cached_before, "covers_dataset": len(set(ids)) == n_items}  # fmt: skip
             for key in ("storage_bytes", "blkio_read_bytes", "proc_read_bytes", "peer_bytes", "peer_served_bytes",
                         "cache_hit_bytes", "samples"):  # fmt: skip
                 t[key] = sum(x[key] or 0 for x in rows)
+            # What each resource alone needs for this epoch (the slowest node): storage at the
+            # throttle, the node's link at the tbf rate, decoding at the measured prep rate.
+            link = _rate_bytes(self.args.rate)
+            t["storage_bound_s"] = max(x["storage_bytes"] / self.throttle for x in rows) if self.throttle else None
+            moved = max(max(x["peer_bytes"], x["peer_served_bytes"]) for x in rows)
+            t["network_bound_s"] = moved / link if link else None
+            t["prep_bound_s"] = max(x["samples"] / self.prep_sps for x in rows) if self.prep_sps else None
             totals.append(t)
         steady = totals[1:] or totals
         summary = {
             "epoch0_time_s": round(totals[0]["time_s"], 3),
             "steady_time_s": round(sum(t["time_s"] for t in steady) / len(steady), 3),
             **{f"steady_{key}": round(sum(t[key] for t in steady) / len(steady))
-               for key in ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes",
-                           "minimum_storage_bytes")},
+               for key in ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes")},
+            **{f"steady_{key}": None if steady[0][key] is None else round(sum(t[key] for t in steady) / len(steady), 3)
+               for key in ("storage_bound_s", "network_bound_s", "prep_bound_s")},
+            "steady_minimum_storage_bytes": None if self.mode == "a" else
+            round(sum(t["minimum_storage_bytes"] for t in steady) / len(steady)),
             "epoch0_storage_bytes": totals[0]["storage_bytes"],
             "epoch0_blkio_read_bytes": totals[0]["blkio_read_bytes"],
             "run_blkio_read_bytes": sum(run_blkio),
             "loader_storage_bytes_all_epochs": sum(t["storage_bytes"] for t in totals),
             "aggregate_cached_bytes": sum(n["epochs"][-1]["cache_bytes"] for n in per_node),
         }  # fmt: skip
-        return {"nodes": self.nodes, "mode": self.mode, "mode_name": MODES[self.mode][0], "budget_per_node": self.budget,
-                "throttle_bps": self.throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals,
-                "run_blkio_read_bytes_per_node": run_blkio, "summary": summary}  # fmt: skip
+        if self.mode != "a":
+            summary.update(self._traffic(ranks))
+        return {"nodes": self.nodes, "mode": self.mode, "mode_name": MODES[self.mode][0],
+                "budget_per_node": self.budget, "throttle_bps": self.throttle, "wall_s": round(wall, 1),
+                "per_node": per_node, "epochs": totals, "run_blkio_read_bytes_per_node": run_blkio,
+                "summary": summary}  # fmt: skip
+
+
+def _warnings(log: str) -> list[str]:
+    """coordl's warnings in a node's log (peer failures, above all), each once, with a count."""
+    counts: dict[str, int] = {}
+    for line in log.splitlines():
+        if "coordl:" in line:
+            counts[line.strip()] = counts.get(line.strip(), 0) + 1
+    return [f"{n} x {line}" for line, n in counts.items()]
+
+
+def _rate_bytes(rate: str | None) -> float | None:
+    """A tc rate (``1gbit``, ``500mbit``, ``100kbit``, ``8bit``) in bytes/s."""
+    if not rate:
+        return None
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * scale / 8
+    raise ValueError(f"cannot read the tc rate {rate!r}; give it as <number>gbit, mbit, kbit or bit")
 
 
 def _rmdir(cg: Path) -> None:
@@ -250,29 +351,54 @@ def prep_rate(run: dict, mean_bytes: float) -> dict:
 
 
 def checks(runs: dict) -> list[dict]:
-    """The issue's targets per node count and aggregate cache, from runs measured back to back."""
+    """The issue's targets per node count and aggregate cache, from the runs of one sweep.
+
+    ``runs[(nodes, aggregate)][mode]`` lists that mode's runs (one per repetition, the modes
+    interleaved); times and bytes are their means, and the time ratios also per repetition.
+    """
     out = []
     for (nodes, agg), by_mode in sorted(runs.items()):
-        a, b, c = (by_mode.get(m) for m in "abc")
-        row = {"nodes": nodes, "aggregate_cache": agg}
-        for name, r in (("b", b), ("c", c)):
-            if r is not None:
-                s = r["summary"]
-                row[f"{name}_storage_over_minimum"] = round(s["steady_storage_bytes"] / max(1, s["steady_minimum_storage_bytes"]), 4)
-                row[f"{name}_blkio_over_minimum"] = round(s["steady_blkio_read_bytes"] / max(1, s["steady_minimum_storage_bytes"]), 4)
-                row[f"{name}_storage_at_minimum"] = s["steady_storage_bytes"] <= 1.01 * s["steady_minimum_storage_bytes"] + 1
+        mean = {m: _mean_summary(rs) for m, rs in by_mode.items()}
+        a, b, c = (mean.get(m) for m in "abc")
+        row = {"nodes": nodes, "aggregate_cache": agg, "repetitions": max(len(rs) for rs in by_mode.values())}
+        for name, x in (("b", b), ("c", c)):
+            if x is not None:
+                used, least = x["steady_storage_bytes"], x["steady_minimum_storage_bytes"]
+                row[f"{name}_storage_bytes"], row[f"{name}_minimum_bytes"] = round(used), round(least)
+                row[f"{name}_blkio_bytes"] = round(x["steady_blkio_read_bytes"])
+                row[f"{name}_storage_over_minimum"] = round(used / least, 4) if least else None
+                row[f"{name}_storage_at_minimum"] = used <= 1.01 * least  # 1%: the few items padding repeats
         if b is not None and c is not None:
-            pb, pc = b["summary"]["steady_peer_bytes"], c["summary"]["steady_peer_bytes"]
-            row["c_peer_over_b_peer"] = round(pc / pb, 4) if pb else None
+            pb, pc = b["steady_peer_bytes"], c["steady_peer_bytes"]
+            row["b_peer_bytes"], row["c_peer_bytes"] = round(pb), round(pc)
+            row["c_peer_over_b_peer"] = round(pc / pb, 5) if pb else None
             row["c_peer_at_most_10pct_of_b"] = pc <= 0.1 * pb
+        for x_name, x in (("b", b), ("c", c)):
+            if a is None or x is None:
+                continue
+            row[f"a_time_over_{x_name}_time"] = round(a["steady_time_s"] / x["steady_time_s"], 3)
+            row[f"a_time_over_{x_name}_time_per_rep"] = [
+                round(ra["summary"]["steady_time_s"] / rx["summary"]["steady_time_s"], 3)
+                for ra, rx in zip(by_mode["a"], by_mode[x_name])
+            ]
         if a is not None and b is not None:
-            speedup = a["summary"]["steady_time_s"] / b["summary"]["steady_time_s"]
-            row["a_time_over_b_time"] = round(speedup, 3)
+            # What the bottleneck model predicts: each mode at its slowest bound (storage at the throttle,
+            # the network at the tbf rate, prep at the rate measured unthrottled).
+            slow = [max(v for k, v in x.items() if k.endswith("_bound_s") and v is not None) for x in (a, b)]
+            row["model_a_time_over_b_time"] = round(slow[0] / slow[1], 3) if slow[1] else None
             if agg >= 1.0:
-                row["b_at_least_2x_faster_than_a"] = speedup >= 2.0
-        if a is not None and c is not None:
-            row["a_time_over_c_time"] = round(a["summary"]["steady_time_s"] / c["summary"]["steady_time_s"], 3)
+                row["b_at_least_2x_faster_than_a"] = a["steady_time_s"] >= 2.0 * b["steady_time_s"]
         out.append(row)
+    return out
+
+
+def _mean_summary(runs: list[dict]) -> dict:
+    """The mean of the runs' numeric summary values (a value any run lacks is None)."""
+    out = {}
+    for key in runs[0]["summary"]:
+        values = [r["summary"][key] for r in runs]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        out[key] = sum(values) / len(values) if numeric else None
     return out
 
 
@@ -282,7 +408,7 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="dataset root (default /var/tmp/coordl-bench/multinode-<images>)")
-    p.add_argument("--images", type=int, default=1024)
+    p.add_argument("--images", type=int, default=2048)
     p.add_argument("--classes", type=int, default=16)
     p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
@@ -290,19 +416,34 @@ def main() -> int:
     p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
     p.add_argument("--modes", default="abc")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("-b", "--batch-size", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2, help="repetitions of each configuration's a, b, c sequence")
+    p.add_argument("--seed", type=int, default=5)
+    p.add_argument("-b", "--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=64, help="crop size")
     p.add_argument("--threads", type=int, default=1, help="DALI threads per node")
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link")
-    p.add_argument("--throttle-frac", type=float, default=0.3,
+    p.add_argument("--throttle-frac", type=float, default=0.1,
                    help="each node's storage throttle, as a fraction of its measured prep rate in bytes")
     p.add_argument("--throttle", type=int, help="bytes/s per node, instead of --throttle-frac x prep rate")
     p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--close-first", action="store_true",
+                   help="close each loader before the final barrier, as tests/multinode_train.py does (nodes that "
+                        "finish first then stop serving the others' last epoch)")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
     p.add_argument("--out", help="JSON path; the .md goes next to it (default benchmarks/results/multinode.json)")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown report of a saved result")
     args = p.parse_args()
+    if args.render:  # the checks are recomputed from the runs, then the JSON and the report rewritten
+        saved = json.loads(Path(args.render).read_text())
+        runs: dict = {}
+        for run in saved["runs"]:
+            runs.setdefault((run["nodes"], run["aggregate_cache"]), {}).setdefault(run["mode"], []).append(run)
+        saved["checks"] = checks(runs)
+        Path(args.render).write_text(json.dumps(saved, indent=1))
+        Path(args.render).with_suffix(".md").write_text(render(saved))
+        return 0
     if args.quick:
-        args.images, args.nodes, args.epochs = 128, "2", 2
+        args.images, args.nodes, args.epochs, args.reps = 128, "2", 2, 1
         args.out = args.out or os.path.join(tempfile.gettempdir(), "coordl-multinode-quick.json")
     args.out = args.out or str(HERE.parent / "results" / "multinode.json")
     args.data = args.data or f"/var/tmp/coordl-bench/multinode-{args.images}"
@@ -316,8 +457,12 @@ def main() -> int:
     print(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / 1e6:.1f} MB, mean "
           f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}), device "
           "%d:%d" % common.device_of(args.data), flush=True)  # fmt: skip
-    # Load the libraries once, so that throttled nodes find them in the page cache.
-    subprocess.run([sys.executable, "-c", "import torch, torch.distributed.run, nvidia.dali, coordl"], check=True)
+    # Load the libraries (DALI's operators too: a pipeline runs) once, so that throttled nodes
+    # find them in the page cache; the dataset's pages are evicted before every run.
+    warm = ("import sys, torch, torch.distributed.run, coordl\n"
+            "with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0, device_id=None, num_threads=1,"
+            " pipeline=coordl.ImageNetTrain(size=64), index_dir='') as w:\n    next(iter(w))\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", warm, args.data], check=True)
     node_counts = [int(x) for x in args.nodes.split(",")]
     aggregates = [float(x) for x in args.aggregate.split(",")]
     result = {"benchmark": "multinode", "args": vars(args), "dataset": dataset, "machine": common.machine(),
@@ -325,8 +470,8 @@ def main() -> int:
     port = 29700 + os.getpid() % 100 * 10
     runs: dict = {}
     for nodes in node_counts:
-        budgets = {agg: min(dataset["total_bytes"], int(dataset["total_bytes"] * (args.margin if agg >= 1.0 else agg) / nodes))
-                   for agg in aggregates}  # fmt: skip
+        total = dataset["total_bytes"]
+        budgets = {agg: min(total, int(total * (args.margin if agg >= 1.0 else agg) / nodes)) for agg in aggregates}
         port += 1
         print(f"\n== {nodes} nodes: prep rate (mode b, {args.margin:.0%} aggregate cache, no throttle)", flush=True)
         full = min(dataset["total_bytes"], int(dataset["total_bytes"] * args.margin / nodes))
@@ -335,20 +480,23 @@ def main() -> int:
         rate = prep_rate(prep_run, dataset["mean_bytes"])
         throttle = args.throttle or int(args.throttle_frac * rate["bytes_per_s_per_node"])
         result["prep"][str(nodes)] = {**rate, "throttle_bps_per_node": throttle, "run": prep_run}
-        print(f"prep rate {rate['samples_per_s_per_node']} samples/s per node = {rate['bytes_per_s_per_node'] / 1e6:.2f} MB/s;"
-              f" throttle {throttle / 1e6:.2f} MB/s per node", flush=True)  # fmt: skip
+        print(f"prep rate {rate['samples_per_s_per_node']} samples/s per node = "
+              f"{rate['bytes_per_s_per_node'] / 1e6:.2f} MB/s; throttle {throttle / 1e6:.2f} MB/s per node",
+              flush=True)  # fmt: skip
         for agg in aggregates:
-            for mode in args.modes:
-                port += 1
-                print(f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {budgets[agg] / 1e6:.1f} MB per node), "
-                      f"mode {mode}: {MODES[mode][0]}", flush=True)  # fmt: skip
-                run = Run(args, dataset, nodes, budgets[agg], mode, throttle, port).execute()
-                run["aggregate_cache"] = agg
-                _print_run(run)
-                runs.setdefault((nodes, agg), {})[mode] = run
-                result["runs"].append(run)
-                result["checks"] = checks(runs)
-                _write(result, args.out, started)
+            for rep in range(args.reps):  # a b c a b c: the modes interleaved
+                for mode in args.modes:
+                    port += 1
+                    print(f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {budgets[agg] / 1e6:.1f} MB per "
+                          f"node), mode {mode}: {MODES[mode][0]}, repetition {rep + 1}/{args.reps}", flush=True)
+                    run = Run(args, dataset, nodes, budgets[agg], mode, throttle, port,
+                              rate["samples_per_s_per_node"]).execute()
+                    run["aggregate_cache"], run["repetition"] = agg, rep
+                    _print_run(run)
+                    runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(run)
+                    result["runs"].append(run)
+                    result["checks"] = checks(runs)
+                    _write(result, args.out, started)
     result["checks"] = checks(runs)
     result["load_avg_end"] = os.getloadavg()
     _write(result, args.out, started)
@@ -358,6 +506,10 @@ def main() -> int:
 
 
 # -- output ------------------------------------------------------------------------------------
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.2f}"
 
@@ -369,48 +521,77 @@ def _node_table(run: dict) -> str:
         for e in n["epochs"]:
             lines.append(f"| {n['node']} | {e['epoch']} | {e['time_s']:.2f} | {e['samples_per_s']:.1f} | "
                          f"{_mb(e['storage_bytes'])} | {_mb(e['blkio_read_bytes'])} | {_mb(e['peer_bytes'])} | "
-                         f"{_mb(e['peer_served_bytes'])} | {_mb(e['cache_hit_bytes'])} | {_mb(e['cache_bytes'])} |")  # fmt: skip
+                         f"{_mb(e['peer_served_bytes'])} | {_mb(e['cache_hit_bytes'])} | "
+                         f"{_mb(e['cache_bytes'])} |")  # fmt: skip
     for t in run["epochs"]:
         lines.append(f"| all | {t['epoch']} | {t['time_s']:.2f} (max) | | {_mb(t['storage_bytes'])} | "
                      f"{_mb(t['blkio_read_bytes'])} | {_mb(t['peer_bytes'])} | {_mb(t['peer_served_bytes'])} | "
-                     f"{_mb(t['cache_hit_bytes'])} | min {_mb(t['minimum_storage_bytes'])} |")  # fmt: skip
+                     f"{_mb(t['cache_hit_bytes'])} | minimum storage {_mb(t['minimum_storage_bytes'])} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def _print_run(run: dict) -> None:
     print(_node_table(run))
+    for k, lines in enumerate(run.get("warnings", [])):
+        for line in lines:
+            print(f"node {k}: {line}")
     s = run["summary"]
     print(f"steady epoch {s['steady_time_s']:.2f} s, storage {_mb(s['steady_storage_bytes'])} MB "
           f"(blkio {_mb(s['steady_blkio_read_bytes'])}, minimum {_mb(s['steady_minimum_storage_bytes'])}), "
           f"peer {_mb(s['steady_peer_bytes'])} MB; run blkio {_mb(s['run_blkio_read_bytes'])} MB vs loader "
-          f"{_mb(s['loader_storage_bytes_all_epochs'])} MB; wall {run['wall_s']} s", flush=True)  # fmt: skip
+          f"{_mb(s['loader_storage_bytes_all_epochs'])} MB; bounds s: storage {_s(s['steady_storage_bound_s'])}, "
+          f"network {_s(s['steady_network_bound_s'])}, prep {_s(s['steady_prep_bound_s'])}; wall {run['wall_s']} s",
+          flush=True)  # fmt: skip
+    if "steady_peer_reads_measured" in s:
+        print(f"peer samples per steady epoch: measured {_ints(s['steady_peer_reads_measured'])}; model: the delivered "
+              f"batches {_ints(s['steady_peer_reads_delivered'])}, plain sharding "
+              f"{_ints(s['steady_peer_reads_plain'])}, least {_ints(s['steady_peer_reads_least'])}; batches as "
+              f"the {s['planned_by']} says: {s['batches_as_planned']}", flush=True)  # fmt: skip
 
 
 def _summary_table(runs: list[dict]) -> str:
-    lines = ["| nodes | aggregate | mode | budget/node MB | epoch 0 s | steady s | steady storage MB (loader / blkio / "
-             "minimum) | steady peer MB | epoch 0 storage MB | run blkio MB / loader MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| nodes | aggregate | mode | rep | budget/node MB | epoch 0 s | steady s | bounds s (storage / network / "
+             "prep) | steady storage MB (loader / blkio / minimum) | steady peer MB | steady peer samples (measured / "
+             "model: delivered, plain, least) | epoch 0 storage MB | run blkio MB / loader MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         s = r["summary"]
+        peers = "-"
+        if "steady_peer_reads_measured" in s:
+            peers = (f"{_ints(s['steady_peer_reads_measured'])} / {_ints(s['steady_peer_reads_delivered'])}, "
+                     f"{_ints(s['steady_peer_reads_plain'])}, {_ints(s['steady_peer_reads_least'])}")  # fmt: skip
         lines.append(f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['mode']} ({r['mode_name']}) | "
-                     f"{_mb(r['budget_per_node'])} | {s['epoch0_time_s']:.2f} | {s['steady_time_s']:.2f} | "
+                     f"{r.get('repetition', 0) + 1} | {_mb(r['budget_per_node'])} | {s['epoch0_time_s']:.2f} | "
+                     f"{s['steady_time_s']:.2f} | {_s(s['steady_storage_bound_s'])} / "
+                     f"{_s(s['steady_network_bound_s'])} / {_s(s['steady_prep_bound_s'])} | "
                      f"{_mb(s['steady_storage_bytes'])} / {_mb(s['steady_blkio_read_bytes'])} / "
-                     f"{_mb(s['steady_minimum_storage_bytes'])} | {_mb(s['steady_peer_bytes'])} | "
+                     f"{_mb(s['steady_minimum_storage_bytes'])} | {_mb(s['steady_peer_bytes'])} | {peers} | "
                      f"{_mb(s['epoch0_storage_bytes'])} | {_mb(s['run_blkio_read_bytes'])} / "
                      f"{_mb(s['loader_storage_bytes_all_epochs'])} |")  # fmt: skip
     return "\n".join(lines)
 
 
+def _ints(values: list) -> str:
+    return "+".join(str(v) for v in values)
+
+
 def _checks_table(rows: list[dict]) -> str:
-    lines = ["| nodes | aggregate | b storage / min | c storage / min | b, c at minimum | c peer / b peer (<= 0.1) | "
-             "a time / b time | a time / c time | b >= 2x faster than a |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| nodes | aggregate | reps | b storage / minimum MB | c storage / minimum MB | b, c at minimum | "
+             "c peer / b peer MB | c / b (<= 0.1) | a time / b time (per rep) | model a / b (slowest bounds) | "
+             "a time / c time (per rep) | b >= 2x faster than a |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         at_min = f"{r.get('b_storage_at_minimum')}, {r.get('c_storage_at_minimum')}"
         two_x = r.get("b_at_least_2x_faster_than_a", "n/a (50%)")
-        lines.append(f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r.get('b_storage_over_minimum')} | "
-                     f"{r.get('c_storage_over_minimum')} | {at_min} | {r.get('c_peer_over_b_peer')} "
-                     f"({r.get('c_peer_at_most_10pct_of_b')}) | {r.get('a_time_over_b_time')} | "
-                     f"{r.get('a_time_over_c_time')} | {two_x} |")  # fmt: skip
+        per_b = ", ".join(str(x) for x in r.get("a_time_over_b_time_per_rep", []))
+        per_c = ", ".join(str(x) for x in r.get("a_time_over_c_time_per_rep", []))
+        lines.append(f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['repetitions']} | "
+                     f"{_mb(r.get('b_storage_bytes'))} / {_mb(r.get('b_minimum_bytes'))} | "
+                     f"{_mb(r.get('c_storage_bytes'))} / {_mb(r.get('c_minimum_bytes'))} | {at_min} | "
+                     f"{_mb(r.get('c_peer_bytes'))} / {_mb(r.get('b_peer_bytes'))} | {r.get('c_peer_over_b_peer')} "
+                     f"({r.get('c_peer_at_most_10pct_of_b')}) | {r.get('a_time_over_b_time')} ({per_b}) | "
+                     f"{r.get('model_a_time_over_b_time')} | {r.get('a_time_over_c_time')} ({per_c}) | "
+                     f"{two_x} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -419,36 +600,106 @@ def _write(result: dict, out: str, started: float) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(render(result))
+
+
+def render(result: dict) -> str:
+    """The Markdown report of a result (``--render`` rewrites it from a saved JSON)."""
     a, d, m = result["args"], result["dataset"], result["machine"]
+    load = ", ".join(f"{x:.2f}" for x in result["load_avg_start"])
     md = ["# Partitioned cache across nodes (`benchmarks/multinode.py`)", "",
-          f"Conditions: {m['cpus']} cores ({m['cpu_model']}), {m['mem_gib']} GiB, kernel {m['kernel']}; one network "
-          f"namespace per node with a private tmpfs /dev/shm, links shaped with tbf at {a['rate']}; one torchrun rank "
-          f"per node, {a['threads']} DALI thread, batch {a['batch_size']} per rank, crops {a['size']} px, "
-          f"{a['epochs']} epochs (epoch 0 fills the caches; the others are steady). Each node's processes in a blkio "
-          f"cgroup of their own, reads of the dataset's device throttled to {a['throttle_frac']} x the node's measured "
-          "prep rate (below); the dataset's pages evicted before every run. Load average at start "
-          f"{', '.join(f'{x:.2f}' for x in result['load_avg_start'])}.", "",
+          f"`python benchmarks/multinode.py{' --quick' if a.get('quick') else ''}` ({result['total_wall_s'] / 60:.1f} "
+          f"min). Conditions: {m['cpus']} cores ({m['cpu_model']}) shared by all nodes, {m['mem_gib']} GiB, kernel "
+          f"{m['kernel']}; one network namespace per node with a private tmpfs /dev/shm, every link shaped with tbf "
+          f"at {a['rate']}; one torchrun rank per node (gloo), {a['threads']} DALI thread, batch {a['batch_size']} "
+          f"per rank, random-resized crops of {a['size']} px, seed {a['seed']}, {a['epochs']} epochs (epoch 0 fills "
+          "the caches; epochs 1.. are steady); "
+          f"{a['reps']} repetition(s) of every configuration, modes interleaved (a b c a b c). Each node's processes "
+          "in a blkio cgroup of their own, reads of the dataset's device throttled to "
+          f"{a['throttle_frac']} x the node's measured prep rate (below); the dataset's pages evicted "
+          "(`POSIX_FADV_DONTNEED`, after `sync`) before every run, libraries warmed once. Each worker passes a "
+          "barrier before closing its loader"
+          f"{' (not in this run: --close-first)' if a.get('close_first') else ''}. Load average at start: {load}; "
+          "other jobs shared the machine.", "",
           f"Dataset: {d['files']} JPEGs ({d['source']}), {d['total_bytes']:,} bytes, mean {d['mean_bytes']:,} bytes, "
           f"{d['classes']} classes, at `{d['root']}`.", "",
           "Modes: **a** no peer cache (`peers=False`), **b** partitioned cache (`locality_aware=False`), "
           "**c** partitioned + locality-aware. Budget per node: aggregate 50% -> 0.5/nodes of the dataset, "
-          f"100% -> {a['margin']}/nodes. Minimum storage of an epoch = dataset bytes - bytes cached across nodes at its "
-          "start. blkio = the node's cgroup `blkio.throttle.io_service_bytes` Read delta around the epoch (inside "
-          "the worker).", "", "## Prep rate and throttle", "",
-          "| nodes | steady samples/s per node (min-max) | MB/s per node | throttle MB/s per node |", "|---|---|---|---|"]  # fmt: skip
+          f"100% -> {a['margin']}/nodes.", "", "How to read the tables:", "",
+          "- *minimum* storage of an epoch = dataset bytes - bytes cached across all nodes at its start (the nodes' "
+          "`cache_bytes` after the previous epoch); it applies to b and c, not to a (a node without peers cannot use "
+          "the others' caches).",
+          "- *blkio* = the node's cgroup `blkio.throttle.io_service_bytes` Read delta around the epoch, read inside "
+          "the worker; *run blkio* = the delta around the whole run (startup included). blkio is ~1.8% above the "
+          "loader's count: the device reads whole 4 KiB pages, so each file's tail rounds up (~2 KB of ~113 KB).",
+          "- *bounds* = what one resource alone needs for the slowest node's epoch: storage bytes / throttle, "
+          "max(peer bytes in, out) / tbf rate, samples / measured prep rate. The largest is the bottleneck.",
+          "- *peer samples, model*: from the nodes' cache contents at the start of each steady epoch, "
+          "`coordl.placement` gives the samples held by another node in the batches each rank received "
+          "(*delivered*, which `peer_reads` should equal), under plain sharding of the epoch's global batches "
+          "(*plain*), and the least any equal split of them can move (*least*, what the locality-aware plan moves).",
+          "- *peer MB served* counts what a node's server sent during that node's own epoch, so a node that "
+          "finishes first shows less than its peers received.", "",
+          "## Prep rate and throttle", "",
+          "| nodes | steady samples/s per node (min-max) | MB/s per node | throttle MB/s per node |",
+          "|---|---|---|---|"]  # fmt: skip
     for nodes, pr in result["prep"].items():
         md.append(f"| {nodes} | {pr['samples_per_s_per_node']} ({pr['min_samples_per_s']}-{pr['max_samples_per_s']}) | "
                   f"{_mb(pr['bytes_per_s_per_node'])} | {_mb(pr['throttle_bps_per_node'])} |")  # fmt: skip
-    md += ["", "## Target checks (steady epochs, runs of one sweep)", "", _checks_table(result["checks"]), "",
-           "## Per run (steady = mean over epochs 1..)", "", _summary_table(result["runs"]), "",
+    md += ["", "## Target checks (steady epochs; means over repetitions)", "", _checks_table(result["checks"]), "",
+           *_findings(result), "## Per run (steady = mean over epochs 1..)", "", _summary_table(result["runs"]), "",
            "## Per node and epoch", ""]  # fmt: skip
     for nodes, pr in result["prep"].items():
         md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", _node_table(pr["run"]), ""]
     for r in result["runs"]:
         md += [f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
-               f"throttle {_mb(r['throttle_bps'])} MB/s per node, wall {r['wall_s']} s", "", _node_table(r), ""]  # fmt: skip
+               f"repetition {r.get('repetition', 0) + 1}, throttle {_mb(r['throttle_bps'])} MB/s per node, wall "
+               f"{r['wall_s']} s", "", _node_table(r), ""]  # fmt: skip
+        md += [f"- node {k}: `{line}`" for k, lines in enumerate(r.get("warnings", [])) for line in lines]
+        md += [""] if r.get("warnings") and any(r["warnings"]) else []
     md.append(f"Total time: {result['total_wall_s']:.0f} s.")
-    path.with_suffix(".md").write_text("\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
+
+
+def _findings(result: dict) -> list[str]:
+    """What bounds the time ratio, and what c's peer share should be, from this run's own numbers."""
+    a_args, out = result["args"], ["### What bounds the targets", ""]
+    size = a_args["batch_size"]
+    for row in result["checks"]:
+        nodes, agg = row["nodes"], row["aggregate_cache"]
+        runs = [r for r in result["runs"] if r["nodes"] == nodes and r["aggregate_cache"] == agg]
+        by_mode = {m: [r for r in runs if r["mode"] == m] for m in "abc"}
+        mean = {m: _mean_summary(rs) for m, rs in by_mode.items() if rs}
+        if "a" in mean and "b" in mean and agg >= 1.0:
+            a, b = mean["a"], mean["b"]
+            share = min(1.0, a_args["margin"] / nodes)
+            out.append(f"- {nodes} nodes, {agg:.0%}: without peers each node's own cache holds {share:.0%} of the "
+                       f"dataset, so a still reads {_mb(a['steady_storage_bytes'] / nodes)} MB per node per epoch "
+                       f"(~{1 - share:.0%} of its shard): {_s(a['steady_storage_bound_s'])} s at the throttle "
+                       f"(measured {_s(a['steady_time_s'])} s: I/O-bound). b reads nothing from storage and needs "
+                       f"{_s(b['steady_prep_bound_s'])} s at the measured prep rate (measured "
+                       f"{_s(b['steady_time_s'])} s; network bound {_s(b['steady_network_bound_s'])} s). So a/b can "
+                       f"reach at most ~{row.get('model_a_time_over_b_time')} here; 2x needs a throttle below "
+                       f"~{(1 - share) / 2:.2f} x the prep rate at {nodes} nodes (a/b ~ (1 - {share:.2f}) / "
+                       "throttle fraction).")  # fmt: skip
+            if "c" in mean and mean["c"]["steady_time_s"] < b["steady_time_s"]:
+                out.append(f"- {nodes} nodes, {agg:.0%}: c ({_s(mean['c']['steady_time_s'])} s) beats b "
+                           f"({_s(b['steady_time_s'])} s) with the same storage bytes: b moves "
+                           f"{_mb(b['steady_peer_bytes'])} MB per epoch between nodes, c "
+                           f"{_mb(mean['c']['steady_peer_bytes'])} MB, and serving and receiving it costs CPU on the "
+                           "cores the nodes share (the network is far from its bound).")  # fmt: skip
+        if "b" in mean and "c" in mean and row.get("c_peer_over_b_peer") is not None:
+            # Locality-aware traffic is each global batch's imbalance: with every item cached on one of N nodes
+            # at random, node j holds X_j ~ Bin(N*B, 1/N) of a global batch, keeps B, and E[max(0, X_j - B)]
+            # ~ sigma / sqrt(2 pi); plain sharding moves (N - 1) * B of N * B.
+            expected = math.sqrt(nodes) / math.sqrt(2 * math.pi * size * (nodes - 1))
+            if agg >= 1.0:
+                out.append(f"- {nodes} nodes, {agg:.0%}: c moves the least any equal split can (model column); with "
+                           f"the whole dataset cached at random over {nodes} nodes that is ~sqrt(N / (2 pi B (N - 1)))"
+                           f" = {expected:.3f} of plain sharding's traffic for B = {size} per rank (measured "
+                           f"{row['c_peer_over_b_peer']}): the 10% target depends on the batch size (B = 64 gives "
+                           f"{math.sqrt(nodes) / math.sqrt(2 * math.pi * 64 * (nodes - 1)):.3f}).")  # fmt: skip
+    return out + [""] if len(out) > 2 else []
 
 
 if __name__ == "__main__":

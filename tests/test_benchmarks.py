@@ -183,3 +183,24 @@ def test_torch_backend_quick(tmp_path):
     assert limited["ratio_torch_over_coordl_torch"] > 0
     assert "coordl-torch / torch" in p.stdout and "steady epoch time torch / coordl-torch" in p.stdout
     assert _bench_cgroups() == before
+
+
+def test_multinode_quick(tmp_path):
+    """benchmarks/multinode.py --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
+    import netns
+
+    why = netns.unavailable() or (None if Path("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device").exists()
+                                  else "no v1 blkio cgroup")  # fmt: skip
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "multinode.json"
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
+    proc = subprocess.run([sys.executable, str(BENCH / "multinode.py"), "--quick", "--data", str(data), "--out", str(out),
+                           "--aggregate", "1.0"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (check,) = result["checks"]
+    assert check["b_storage_at_minimum"] and check["c_storage_at_minimum"] and check["b_storage_bytes"] == 0
+    assert check["c_peer_bytes"] < check["b_peer_bytes"]
+    assert out.with_suffix(".md").exists()
