@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from coordl import placement
 from coordl.errors import CoordlError
 from coordl.fetch import wire
 
@@ -423,8 +424,6 @@ class PeerGroup:
                 bitmaps[dense[e["node"]]] |= bits.astype(bool)
             if e["address"] is not None and dense[e["node"]] != self.node:
                 servers[dense[e["node"]]].append(tuple(e["address"]))
-        from coordl import placement
-
         self.holder = placement.holders(bitmaps)
         secret = next(e["secret"] for e in everyone if e["rank"] == 0)
         if self.server is not None:

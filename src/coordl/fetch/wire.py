@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import socket
 import struct
 import time
@@ -78,8 +79,6 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
 
 def server_handshake(sock: socket.socket, secret: bytes, dataset: str) -> None:
     """Authenticates the client on a fresh connection; raises :class:`WireError` if it cannot."""
-    import os
-
     nonce = os.urandom(NONCE)
     sock.sendall(HELLO.pack(b"CDLH", VERSION, nonce))
     reply = recv_exact(sock, MAC + NONCE, time.monotonic() + HANDSHAKE_TIMEOUT)
@@ -91,8 +90,6 @@ def server_handshake(sock: socket.socket, secret: bytes, dataset: str) -> None:
 
 def client_handshake(sock: socket.socket, secret: bytes, dataset: str, deadline: float) -> None:
     """Proves the job's secret to the server and checks the server's proof."""
-    import os
-
     magic, version, nonce = HELLO.unpack(recv_exact(sock, HELLO.size, deadline))
     if magic != b"CDLH" or version != VERSION:
         raise WireError(f"not a coordl peer (version {version})")
