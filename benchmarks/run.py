@@ -167,7 +167,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
             run["working_set_bytes"], run["working_set_source"] = ws
             # coordl's cache is fixed at the budget: the slack only keeps its peaks from the OOM
             # killer. The page cache would use any slack for data, so the others get none.
-            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader in COORDL_LOADERS else 0)
+            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader in COORDL_LOADERS else args.baseline_slack)
             lim.limit_memory(run["memory_limit_bytes"])
         if lim:
             lim.throttle(dev, bandwidth)
@@ -409,6 +409,9 @@ def main() -> int:
                    help="no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on "
                         "datasets smaller than a loader's memory swings, where any budget ends in the OOM killer")  # fmt: skip
     p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="memory beyond coordl's peak working set + cache (OOM headroom)")
+    p.add_argument("--baseline-slack", type=parse_bytes, default=0,
+                   help="memory beyond a baseline's working set + cache (default none: its page cache would use it "
+                        "for data); for smoke runs on datasets smaller than a baseline's memory swings")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
     p.add_argument("--out", default=str(HERE / "results" / "run"))
