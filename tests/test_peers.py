@@ -144,6 +144,7 @@ def test_malformed_frames_close_the_connection_and_the_server_keeps_serving(serv
     s.sendall(frame)
     assert _drain(s) == b""  # nothing but a closed connection
     s.close()
+    assert server.rejected == 1 and server.counters() == (0, 0)
     client = _client(index, server)
     assert len(client.fetch(1, np.array([0, 2, 4]))) == 3
     client.close()

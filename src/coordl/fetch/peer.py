@@ -111,7 +111,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self.served_reads = 0
         self.served_bytes = 0
-        self.rejected = 0
+        self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
         self._conns: set[socket.socket] = set()
         self._closed = False
         self._sock = socket.create_server((host, port), family=socket.AF_INET, backlog=64)
