@@ -1,0 +1,493 @@
+"""The documentation stays true: its code runs, its tables match the code, its links resolve.
+
+Conventions in the Markdown (docs/*.md and README.md):
+
+- Every ```python block must compile, and every ``coordl.X`` it names must exist.
+- A block preceded by ``<!-- doctest: run -->`` is executed, in a temporary folder, with the
+  example dataset paths (``/data/imagenet/train``, ``/tmp/demo/train``, ...) replaced by a tiny
+  generated dataset. Write such blocks so that they run as they are on a CPU.
+- A ```diff block preceded by ``<!-- doctest: run-diff args="{data} ..." -->`` holds a whole
+  script before and after a change: both sides must compile, and the "after" side is run as
+  ``__main__`` with those command-line arguments (``{data}``: the tiny dataset).
+- docs/configuration.md has a table row per ``CoordLoader`` argument, recipe field and
+  environment variable, with the default as a Python literal in backticks.
+- docs/faq.md quotes, in backticks, every message coordl raises, warns or logs at warning level
+  or above: all of its literal text, in order, with the variable parts written ``<like this>``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gc
+import importlib
+import inspect
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import coordl
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+SRC = ROOT / "src" / "coordl"
+PAGES = sorted(DOCS.glob("*.md"))
+MARKDOWN = PAGES + [ROOT / "README.md"]
+
+# Paths the docs use for a dataset; executed blocks get the tiny test dataset instead.
+DATA_PATHS = ("/data/imagenet/train", "/data/imagenet/val", "/tmp/demo/train", "/tmp/demo/val", "/tmp/docs-ds")
+
+# Pages whose key snippets must be executed (the issue: the quick start's first loop, the
+# migration guide's "after" code, resume, statistics, recipes), and how many at least.
+MUST_RUN = {"quickstart.md": 1, "migration.md": 1, "guarantees.md": 2, "user-guide.md": 2, "configuration.md": 1}
+
+
+# -- reading the Markdown ------------------------------------------------------------------
+@dataclasses.dataclass
+class Block:
+    path: Path
+    line: int
+    lang: str
+    code: str
+    directive: str  # the `<!-- doctest: ... -->` before the block, or ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.name}:{self.line}"
+
+
+def code_blocks(path: Path) -> list[Block]:
+    lines = path.read_text().splitlines()
+    blocks, k = [], 0
+    while k < len(lines):
+        m = re.match(r"^(\s*)```(\S*)", lines[k])
+        if not m:
+            k += 1
+            continue
+        indent, lang, start = len(m.group(1)), m.group(2), k
+        body = []
+        k += 1
+        while k < len(lines) and not re.match(r"^\s*```\s*$", lines[k]):
+            body.append(lines[k][indent:] if lines[k][:indent].strip() == "" else lines[k])
+            k += 1
+        prev = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        directive = re.fullmatch(r"<!--\s*doctest:\s*(.*?)\s*-->", prev)
+        blocks.append(Block(path, start + 1, lang, "\n".join(body) + "\n", directive.group(1) if directive else ""))
+        k += 1
+    return blocks
+
+
+BLOCKS = [b for p in MARKDOWN for b in code_blocks(p)]
+PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
+DIFFS = [b for b in BLOCKS if b.directive.startswith("run-diff")]
+RUN = [b for b in BLOCKS if b.directive == "run" or b.directive.startswith("run-diff")]
+
+
+def diff_sides(code: str) -> tuple[str, str]:
+    """The before and after files of a unified diff that shows them whole."""
+    before, after, started = [], [], False
+    for line in code.splitlines():
+        if line.startswith("@@"):
+            started = True
+            continue
+        if not started:
+            continue  # the --- / +++ header
+        tag, text = (line[:1], line[1:]) if line else (" ", "")
+        if tag in (" ", "-"):
+            before.append(text)
+        if tag in (" ", "+"):
+            after.append(text)
+    return "\n".join(before) + "\n", "\n".join(after) + "\n"
+
+
+def python_sources() -> list[tuple[str, str]]:
+    out = [(b.id, b.code) for b in PYTHON]
+    for b in DIFFS:
+        before, after = diff_sides(b.code)
+        out += [(f"{b.id} (before)", before), (f"{b.id} (after)", after)]
+    return out
+
+
+def section(text: str, heading: str) -> str:
+    """The text under a ``## heading`` up to the next heading of the same or a higher level."""
+    m = re.search(rf"^(#+) {re.escape(heading)}\s*$", text, re.M)
+    assert m, f"no heading {heading!r}"
+    level = len(m.group(1))
+    end = re.search(rf"^#{{1,{level}}} ", text[m.end() :], re.M)
+    return text[m.end() : m.end() + end.start()] if end else text[m.end() :]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every table row in ``text`` (header and separator rows left out)."""
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("|") or re.fullmatch(r"\|[-|: ]+\|", line.strip()):
+            continue
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return [r for r in rows if r and r[0] not in ("Argument", "Field", "Variable", "Message", "Value", "File")]
+
+
+def code_span(cell: str) -> str | None:
+    m = re.fullmatch(r"`([^`]+)`", cell)
+    return m.group(1) if m else None
+
+
+# -- python blocks -------------------------------------------------------------------------
+@pytest.mark.parametrize("name,code", python_sources(), ids=[n for n, _ in python_sources()])
+def test_python_blocks_compile(name, code):
+    compile(code, name, "exec")
+
+
+def _coordl_names(code: str) -> set[str]:
+    names = set(re.findall(r"\bcoordl((?:\.[A-Za-z_]\w*)+)", code))
+    for mod, imported in re.findall(r"^\s*from coordl((?:\.\w+)*) import ([\w, ()]+)", code, re.M):
+        names |= {f"{mod}.{n.strip()}" for n in imported.strip("()").split(",") if n.strip()}
+    return names
+
+
+def _resolve(dotted: str):
+    obj, path = coordl, "coordl"
+    for part in dotted.strip(".").split("."):
+        path = f"{path}.{part}"
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(path)  # a submodule not imported yet
+    return obj
+
+
+@pytest.mark.parametrize("name,code", python_sources(), ids=[n for n, _ in python_sources()])
+def test_every_coordl_name_exists(name, code):
+    for dotted in sorted(_coordl_names(code)):
+        try:
+            _resolve(dotted)
+        except (AttributeError, ImportError) as e:
+            pytest.fail(f"{name}: coordl{dotted} does not exist ({e})")
+
+
+def test_the_key_snippets_are_executed():
+    counts = {}
+    for b in RUN:
+        counts[b.path.name] = counts.get(b.path.name, 0) + 1
+    for page, at_least in MUST_RUN.items():
+        assert counts.get(page, 0) >= at_least, f"{page}: {counts.get(page, 0)} executed blocks, want {at_least}"
+
+
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_runnable_blocks_run(block, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = str(tiny_dataset)
+    if block.directive.startswith("run-diff"):
+        m = re.fullmatch(r'run-diff\s+args="([^"]*)"', block.directive)
+        assert m, f'{block.id}: write <!-- doctest: run-diff args="{{data}} ..." -->'
+        code = diff_sides(block.code)[1]
+        monkeypatch.setattr(sys, "argv", ["train.py", *shlex.split(m.group(1).format(data=data))])
+        name = "__main__"
+    else:
+        code, name = block.code, "__doc_block__"
+    for path in DATA_PATHS:
+        code = code.replace(path, data)
+    namespace = {"__name__": name}
+    try:
+        exec(compile(code, block.id, "exec"), namespace)
+    finally:
+        namespace.clear()
+        gc.collect()  # loaders a block did not close are closed here, before the leak check
+
+
+# -- configuration.md ----------------------------------------------------------------------
+CONFIG = (DOCS / "configuration.md").read_text()
+
+
+def _literal(text: str):
+    return eval(text, {"__builtins__": {}}, {})  # our own docs' literals, with no builtins
+
+
+def _documented(rows: list[list[str]]) -> dict[str, str]:
+    out = {}
+    for row in rows:
+        name = code_span(row[0])
+        if name is not None and re.fullmatch(r"\w+", name):
+            assert name not in out, f"{name} is documented twice"
+            out[name] = row[1]
+    return out
+
+
+def _check_defaults(documented: dict[str, str], params: dict[str, object], what: str) -> None:
+    missing = sorted(set(params) - set(documented))
+    extra = sorted(set(documented) - set(params))
+    assert not missing, f"{what}: not documented: {missing}"
+    assert not extra, f"{what}: documented but not in the code: {extra}"
+    for name, default in params.items():
+        cell = documented[name]
+        if default is inspect.Parameter.empty:
+            assert cell == "required", f"{what}: {name} has no default; write 'required', not {cell!r}"
+            continue
+        literal = code_span(cell)
+        assert literal is not None, f"{what}: write {name}'s default as a literal in backticks, not {cell!r}"
+        value = _literal(literal)
+        assert value == default and type(value) is type(default), (
+            f"{what}: {name} defaults to {default!r} in the code, {literal} in configuration.md"
+        )
+
+
+def test_configuration_documents_every_argument_with_its_default():
+    params = {n: p.default for n, p in inspect.signature(coordl.CoordLoader.__init__).parameters.items() if n != "self"}
+    documented = _documented(table_rows(section(CONFIG, "CoordLoader arguments")))
+    _check_defaults(documented, params, "CoordLoader")
+
+
+@pytest.mark.parametrize("cls", [coordl.ImageNetTrain, coordl.ImageNetVal], ids=lambda c: c.__name__)
+def test_configuration_documents_every_recipe_field_with_its_default(cls):
+    text = section(CONFIG, "Recipes")
+    start = text.index(f"**`coordl.{cls.__name__}`**")
+    table = text[start:].split("\n\n**")[0]
+    params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
+    _check_defaults(_documented(table_rows(table)), params, cls.__name__)
+
+
+def _environment_variables() -> set[str]:
+    """Every environment variable the library reads, from its source."""
+    found = set()
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  for t in n.targets if isinstance(t, ast.Name)
+                  and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}  # fmt: skip
+        for node in ast.walk(tree):
+            key = None
+            if isinstance(node, ast.Call):
+                func = ast.unparse(node.func)
+                if func in ("os.environ.get", "os.getenv", "_env_int") and node.args:
+                    key = node.args[0]
+                elif func == "dict" and node.args and ast.unparse(node.args[0]) == "os.environ":
+                    found |= {k.arg for k in node.keywords if k.arg}
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+                key = node.slice
+            if isinstance(key, ast.Constant):
+                found.add(key.value)
+            elif isinstance(key, ast.Name) and key.id in consts:
+                found.add(consts[key.id])  # a parameter (e.g. _env_int's name) is found at the callers
+    return found
+
+
+def test_configuration_documents_every_environment_variable():
+    documented = set()
+    for row in table_rows(section(CONFIG, "Environment variables")):
+        documented |= set(re.findall(r"`([A-Z][A-Z0-9_]+)`", row[0]))
+    read = _environment_variables()
+    assert read, "found no environment variable in the source"
+    assert not read - documented, f"read by coordl, not in configuration.md: {sorted(read - documented)}"
+    assert not documented - read, f"in configuration.md, not read by coordl: {sorted(documented - read)}"
+
+
+# Figures the docs state that come from constants in the code: (value in the code, expected,
+# a page, the phrase on it). If the code changes, the sentence must change with it.
+def _facts():
+    from coordl.fetch import cache, peer, wire
+    from coordl.staging import area, hp
+
+    ctl = area._page_round(area.HEADER_BYTES + area.CONFIG_BYTES + area.MAX_MEMBERS * area.MEMBER.itemsize
+                           + area.MAX_SLOTS * area.SLOT.itemsize)  # fmt: skip
+    return [
+        (cache.ENTRY.itemsize, 16, "shm.md", "16 bytes per sample"),
+        (cache.HEADER_BYTES, 128, "configuration.md", "128 bytes plus 16 per sample"),
+        (cache.HEADER_BYTES + 16 * 1_281_167, 20_498_800, "configuration.md", "20.5 MB for 1,281,167 samples"),
+        (cache.DEFAULT_CHUNK_BYTES, 64 << 20, "shm.md", "chunks of 64 MiB"),
+        (cache.headroom(1 << 40), 1 << 30, "shm.md", "at most 1 GiB"),
+        (cache.headroom(1), 64 << 20, "shm.md", "at least 64 MiB"),
+        (cache.headroom(10 << 30), 1 << 30, "shm.md", "10% of the filesystem's size"),
+        (ctl, 12 << 10, "configuration.md", "a 12 KiB control file"),
+        (area.MIN_SLOTS, 4, "configuration.md", "never fewer than 4"),
+        (area.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),
+        (area.MAX_MEMBERS, 64, "faq.md", "already has 64 members"),
+        (hp.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
+        (peer.MAX_CONNECTIONS, 256, "configuration.md", "(at most 256)"),
+        (wire.HANDSHAKE_TIMEOUT, 5.0, "multinode.md", "within 5 s"),
+        (3 * 224 * 224 * 4, 602_112, "configuration.md", "602,112 bytes"),
+    ]
+
+
+def test_figures_taken_from_the_code_are_current():
+    for value, expected, page, phrase in _facts():
+        assert value == expected, f"the code now says {value}, {page} says {phrase!r}"
+        assert phrase in " ".join((DOCS / page).read_text().split()), f"{page} no longer says {phrase!r}"
+
+
+# -- faq.md: every message -------------------------------------------------------------------
+# Messages users never see, and raises whose text is made elsewhere. Each entry: (file under
+# src/coordl, a piece of the message or of the raised expression), and why.
+NOT_FOR_USERS = [
+    ("__init__.py", "has no attribute"),  # Python's module __getattr__ protocol
+    ("datagen.py", "worker job not initialised"),  # unreachable: the pool initializer sets it
+    ("placement.py", ""),  # input checks of pure planning functions; the loader passes valid plans
+    ("sampler.py", "rank must be in"),  # the same for the sampler; the loader checks the rank first
+    ("shm/group.py", "already joined"),  # a programming error inside coordl
+    ("shm/names.py", ""),  # segment names are made by coordl itself
+    ("prep/torch_backend.py", "fetches whole batches"),  # DataLoader always calls __getitems__
+    ("prep/torch_backend.py", "_failure("),  # re-raises a worker's SampleError, listed in faq.md
+    ("staging/hp.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
+    ("analyze/probe.py", "SystemExit"),  # ends an analysed script with status 0; no message
+]
+LOG_LEVELS = {"warning", "error", "exception", "critical"}
+PLACEHOLDER = "\x00"
+
+
+def _template(node, assigned: dict, functions: dict) -> str | None:
+    """The text of a message expression, with PLACEHOLDER for its variable parts."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else PLACEHOLDER for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left, assigned, functions), _template(node.right, assigned, functions)
+        return (left or PLACEHOLDER) + (right or PLACEHOLDER) if left or right else None
+    if isinstance(node, ast.Name) and node.id in assigned:
+        return _template(assigned[node.id], assigned, functions)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+        returns = [n.value for n in ast.walk(functions[node.func.id]) if isinstance(n, ast.Return) and n.value]
+        return _template(returns[0], assigned, functions) if returns else None
+    return None
+
+
+def _messages() -> list[tuple[str, int, str, str]]:
+    """``(file, line, the raised or logged expression, template)`` of every message in the source."""
+    out = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        tree = ast.parse(path.read_text())
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        seen = set()
+        for scope in reversed(scopes):  # innermost functions first; each node is taken once
+            assigned = {t.id: n.value for n in ast.walk(scope) if isinstance(n, ast.Assign)
+                        for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+            for node in ast.walk(scope):
+                if id(node) in seen:
+                    continue
+                arg = None
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                    args = node.exc.args
+                    arg = args[1] if ast.unparse(node.exc.func) == "OSError" and len(args) > 1 else args[0]
+                elif isinstance(node, ast.Call) and node.args:
+                    func = node.func
+                    if ast.unparse(func) == "warnings.warn" or (
+                        isinstance(func, ast.Attribute) and func.attr in LOG_LEVELS
+                        and ast.unparse(func.value) in ("log", "logger", "logging")
+                    ):  # fmt: skip
+                        arg = node.args[0]
+                if arg is None:
+                    continue
+                seen.add(id(node))
+                expr = ast.unparse(node.exc if isinstance(node, ast.Raise) else node)
+                out.append((rel, node.lineno, expr, _template(arg, assigned, functions)))
+    return out
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _runs(template: str) -> list[str]:
+    text = re.sub(r"%[-#0 +]*\d*(?:\.\d+)?[sdrfgixX]", PLACEHOLDER, template)
+    return [r for r in (_normal(p).strip(" ,;:.") for p in text.split(PLACEHOLDER)) if len(r) >= 3]
+
+
+def _allowed(rel: str, expr: str, template: str | None) -> bool:
+    return any(rel == f and (piece in expr or (template and piece in template)) for f, piece in NOT_FOR_USERS)
+
+
+MESSAGES = _messages()
+
+
+def test_the_message_scan_finds_the_messages():
+    assert len(MESSAGES) > 100
+    assert any("cannot read sample" in (t or "") for *_, t in MESSAGES)  # f-string raises
+    assert any("replacing stale cache state" in (t or "") for *_, t in MESSAGES)  # %-style log calls
+    assert any("stopped growing" in (t or "") for *_, t in MESSAGES)  # warnings.warn
+    assert any("was started by a job with a different" in (t or "") for *_, t in MESSAGES)  # via a helper
+
+
+def test_faq_quotes_every_message():
+    faq = _normal((DOCS / "faq.md").read_text())
+    missing = []
+    for rel, line, expr, template in MESSAGES:
+        if _allowed(rel, expr, template):
+            continue
+        runs = _runs(template or "")
+        if not runs:
+            missing.append(f"{rel}:{line}: no text of its own ({expr}); quote it in faq.md or allow-list it")
+            continue
+        # Every literal piece of the message, in order, with only placeholders between them.
+        if re.search(".{0,200}?".join(map(re.escape, runs)), faq) is None:
+            missing.append(f"{rel}:{line}: {' ... '.join(runs)!r}")
+    assert not missing, "faq.md lacks these messages:\n" + "\n".join(missing)
+
+
+def test_the_allow_list_has_no_stale_entries():
+    for f, piece in NOT_FOR_USERS:
+        assert any(rel == f and (piece in expr or piece in (t or "")) for rel, _, expr, t in MESSAGES), (f, piece)
+
+
+# -- links ---------------------------------------------------------------------------------
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading (MkDocs' toc makes the same for the headings used here)."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = path.read_text()
+    text_wo_code = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    found = {slug(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text_wo_code, re.M)}
+    return found | set(re.findall(r'<a (?:id|name)="([^"]+)"', text))
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    out = []
+    in_code = False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if re.match(r"^\s*```", line):
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)
+        out += [(n, t) for t in re.findall(r"\]\(([^)\s]+)\)", line)]
+    return out
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: p.name)
+def test_links_resolve(page):
+    broken = []
+    for n, target in links(page):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        if not dest.exists():
+            broken.append(f"{page.name}:{n}: {target} (no such file)")
+            continue
+        if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{page.name}:{n}: {target} (no such anchor)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_index_and_the_mkdocs_nav_list_every_page():
+    index = (DOCS / "index.md").read_text()
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in PAGES:
+        assert re.search(rf"\]\({re.escape(page.name)}(#[^)]*)?\)", index) or page.name == "index.md", page.name
+        assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.M), f"mkdocs.yml's nav lacks {page.name}"
+
+
+def test_mkdocs_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")  # not a test dependency: pip install -e ".[docs]"
+    # (not -q: mkdocs then drops the warnings that --strict counts)
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
