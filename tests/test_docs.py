@@ -262,7 +262,7 @@ def _environment_variables() -> set[str]:
             key = None
             if isinstance(node, ast.Call):
                 func = ast.unparse(node.func)
-                if func in ("os.environ.get", "os.getenv", "_env_int") and node.args:
+                if func in ("os.environ.get", "os.getenv", "env_int", "world.env_int") and node.args:
                     key = node.args[0]
                 elif func == "dict" and node.args and ast.unparse(node.args[0]) == "os.environ":
                     found |= {k.arg for k in node.keywords if k.arg}
@@ -271,7 +271,7 @@ def _environment_variables() -> set[str]:
             if isinstance(key, ast.Constant):
                 found.add(key.value)
             elif isinstance(key, ast.Name) and key.id in consts:
-                found.add(consts[key.id])  # a parameter (e.g. _env_int's name) is found at the callers
+                found.add(consts[key.id])  # a parameter (e.g. env_int's name) is found at the callers
     return found
 
 

@@ -310,7 +310,7 @@ class CoordLoader:
                 raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
             return None
         if port is None:
-            port = int(os.environ.get("COORDL_PEER_PORT", "0") or 0)
+            port = world.env_int("COORDL_PEER_PORT", 0)
         self._peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer")
         return peer.PeerGroup(self.world, self.index, self.cache, timeout=float(timeout),
                               retry_after=float(retry_after), address=None, interface=interface, port=port)  # fmt: skip
