@@ -11,6 +11,7 @@ HP-search tool would start it; naming the same group is all they share. With
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -22,30 +23,48 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data", nargs="?", help="ImageFolder-style folder")
-    p.add_argument("--demo", action="store_true", help="generate a 600-image dataset in /tmp and use it")
+    p.add_argument("--demo", action="store_true", help="generate a dataset in --demo-dir and use it")
+    p.add_argument("--demo-dir", default="/tmp/coordl-hpsearch-demo", help="where --demo puts its dataset")
+    p.add_argument("--demo-images", type=int, default=600, help="JPEGs --demo generates")
     p.add_argument("--lrs", default="0.4,0.1,0.02", help="one trial per learning rate")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("-b", "--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=64, help="training crop size")
     p.add_argument("--group", default="lr-sweep")
     p.add_argument("--alone", action="store_true", help="run the trials without sharing, for comparison")
     args = p.parse_args()
     if args.demo:
         from coordl.datagen import make_dataset
 
-        args.data = "/tmp/coordl-hpsearch-demo/train"
-        make_dataset(args.data, num_images=600, num_classes=10, progress=False)
+        args.data = str(Path(args.demo_dir) / "train")
+        make_dataset(args.data, num_images=args.demo_images, num_classes=10, progress=False)
     if not args.data:
         p.error("give a dataset folder or --demo")
     trials = []
     t0 = time.perf_counter()
-    for lr in args.lrs.split(","):
-        cmd = [sys.executable, str(HERE / "train.py"), args.data, "--lr", lr, "--epochs", str(args.epochs)]
-        if not args.alone:
-            cmd += ["--hp-group", args.group]
-        trials.append(subprocess.Popen(cmd))  # independent processes, as an HP tool starts them
-    codes = [t.wait() for t in trials]
+    try:
+        for lr in args.lrs.split(","):
+            cmd = [sys.executable, str(HERE / "train.py"), args.data, "--lr", lr, "--epochs", str(args.epochs),
+                   "--batch-size", str(args.batch_size), "--size", str(args.size)]  # fmt: skip
+            if not args.alone:
+                cmd += ["--hp-group", args.group]
+            trials.append(subprocess.Popen(cmd))  # independent processes, as an HP tool starts them
+        codes = [t.wait() for t in trials]
+    except Exception:
+        for t in trials:
+            t.send_signal(signal.SIGINT)  # as Ctrl-C does: each trial leaves the group and exits
+        raise
+    finally:
+        # Ctrl-C reaches the trials too (one process group). None outlives this script.
+        for t in trials:
+            try:
+                t.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                t.kill()
+                t.wait()
     print(f"{len(trials)} trials {'alone' if args.alone else f'sharing hp_group {args.group!r}'}: "
           f"{time.perf_counter() - t0:.1f} s, exit codes {codes}")  # fmt: skip
-    return max(codes)
+    return 0 if not any(codes) else 1
 
 
 if __name__ == "__main__":
