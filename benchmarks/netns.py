@@ -53,6 +53,22 @@ def _kill_members(path: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _kill_netns_members(ns: str, timeout: float = 10.0) -> None:
+    """SIGKILLs every process in network namespace ``ns`` and waits until none is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        pids = [int(x) for x in out.split()]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
 def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -171,6 +187,7 @@ class Cluster:
             _kill_members(path)
         self.cgroups.clear()
         for ns in self.ns:
+            _kill_netns_members(ns)  # torchrun's workers run in sessions of their own
             subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
         for veth in self.veth:
             subprocess.run(["ip", "link", "del", veth], stderr=subprocess.DEVNULL)

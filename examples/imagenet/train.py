@@ -234,7 +234,8 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
         if stop or (coordl_loader and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(loader)):
             save_checkpoint(run, model, optimizer, scheduler, loader, epoch, False)
             if stop:
-                epoch_summary(run, loader, epoch, time.perf_counter() - t_epoch, waited, samples, start, i + 1 - start)
+                epoch_summary(run, loader, epoch, time.perf_counter() - t_epoch, waited, samples, start, i + 1 - start,
+                              stopped=True)  # fmt: skip
                 run.log(f"=> stopped by SIGTERM after batch {i + 1} of epoch {epoch}; --resume continues there")
                 return False
         end = time.perf_counter()
@@ -243,7 +244,7 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
 
 
 def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, samples: int, start: int,
-                  batches: int) -> None:  # fmt: skip
+                  batches: int, stopped: bool = False) -> None:  # fmt: skip
     """Where the epoch's time went, and for coordl where its bytes came from, over all ranks."""
     total = [samples, waited, seconds]
     stats = loader.stats() if run.args.loader == "coordl" else None
@@ -270,6 +271,8 @@ def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, s
                  f"cache hits {total_of('cache_hits')} ({total_of('cache_hit_bytes') / MB:.1f} MB), "
                  f"peers {total_of('peer_bytes') / MB:.1f} MB; "
                  f"node cache {s[0]['cache_bytes'] / MB:.1f} of {s[0]['cache_budget'] / MB:.1f} MB")  # fmt: skip
+        if stopped:
+            line += " (stopped early: the bytes include batches the loader had fetched ahead of training)"
     print(line, flush=True)
 
 
