@@ -1,18 +1,22 @@
 """examples/imagenet/train.py with ``--loader coordl`` vs ``--loader torch``, short memory, slow storage.
 
-    python benchmarks/train_example.py                       # resnet18, 224 px, ~25 min on 2 cores
+    python benchmarks/train_example.py                       # resnet18, 112 px, ~15 min on 2 cores
     python benchmarks/train_example.py --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
 Both runs are the same command but for ``--loader``, each in its own memory and blkio cgroup:
 
-1. the dataset (``train/`` and ``val/``, generated from the photographs) is evicted from
-   the page cache; the storage throttle applies from the start;
-2. epoch 0 runs with no memory limit (it reads every byte from storage either way);
-3. when it ends, the memory limit is set to what the run holds in anonymous memory then
-   (the model, the optimiser, DALI or the DataLoader workers), plus ``--slack``, plus
-   ``--cache`` of the dataset: coordl gets ``--cache`` as its cache budget, the DataLoader
-   the same bytes for the page cache;
-4. the later epochs run under it. Per epoch: the script's own summary line (time, wait
+1. the libraries are read into the page cache outside the run's cgroups, and the dataset
+   (``train/`` and ``val/``, generated from the photographs) is evicted from it; the storage
+   throttle applies from the start;
+2. the first ``--limit-after`` epochs (2) and their validation run with no memory limit:
+   epoch 0 reads every byte from storage either way, and the process's own memory (PyTorch's
+   allocator, DALI's buffers) grows for 2-3 epochs before it levels off;
+3. then the memory limit is set to what the run held for itself at its peak, sampled every
+   50 ms (anonymous memory: the model, the optimiser, a step's activations, DALI or the
+   DataLoader workers; and the libraries it maps), plus
+   ``--cache`` of the dataset, plus ``--slack`` for coordl: coordl gets ``--cache`` as its
+   cache budget, the DataLoader the same bytes for the page cache;
+4. the later epochs run under it; they are the ones to compare. Per epoch: the script's own summary line (time, wait
    for data, coordl's fetch/prep split and bytes) and the bytes the device delivered
    (the cgroup's ``blkio.throttle.io_service_bytes``).
 
@@ -25,8 +29,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,53 +59,113 @@ def blkio_read(lim: limits.Limits, dev: tuple[int, int]) -> int | None:
     return 0
 
 
+def warm_libraries() -> None:
+    """Reads the Python packages the run maps (torch, DALI, numpy, Pillow) into the page cache, in
+    this process's cgroup: the run's own cgroups then neither read them through the throttle nor
+    evict them under the memory limit."""
+    import site
+
+    for base in {*site.getsitepackages(), os.path.dirname(os.__file__)}:
+        for name in os.listdir(base):
+            if name.split(".")[0] in ("torch", "nvidia", "numpy", "PIL", "pillow", "lib-dynload") or name.endswith(".libs"):
+                for folder, _, files in os.walk(os.path.join(base, name)):
+                    for f in files:
+                        with open(os.path.join(folder, f), "rb") as fh:
+                            while fh.read(1 << 22):
+                                pass
+
+
+class OwnMemory:
+    """Samples the run's own memory while it runs without a limit: the peak of its anonymous
+    memory (a training step's activations come and go) plus the libraries it maps, not the
+    data it caches (the page cache of the dataset, coordl's shared memory)."""
+
+    def __init__(self, lim: limits.Limits):
+        self.lim, self.anon, self.mapped = lim, 0, 0
+        self.frozen = False
+        self.data_samples: list[int] = []  # page cache + shared memory: the data it holds
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            try:
+                stat = {k: self.lim.stat(k) for k in ("total_rss", "total_mapped_file", "total_shmem", "total_cache")}
+            except (OSError, TypeError):  # the cgroup is being removed
+                return
+            if not self.frozen:
+                self.anon = max(self.anon, stat["total_rss"])
+                self.mapped = max(self.mapped, stat["total_mapped_file"] - stat["total_shmem"])
+            self.data_samples.append(stat["total_cache"])
+
+    def peak(self) -> int:
+        self.frozen = True
+        return self.anon + max(0, self.mapped)
+
+    def mean_data(self) -> float | None:
+        """Mean page cache + shared memory since the last call (the data held in memory)."""
+        samples, self.data_samples = self.data_samples, []
+        return sum(samples) / len(samples) if samples else None
+
+
+def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: int, own: int) -> None:
+    """After epoch 0 and its validation: the run's own memory + slack + the cache fraction of the dataset."""
+    run["working_set_bytes"] = own
+    # The process's own memory swings by 100-200 MB from step to step. coordl's cache cannot
+    # shrink, so its slack is OOM headroom only; the DataLoader's page cache uses its slack for
+    # data whenever the process is below its peak (with none, the OOM killer ends the run).
+    slack = args.slack if loader == "coordl" else args.baseline_slack
+    run["memory_limit_bytes"] = own + slack + cache_bytes
+    lim.limit_memory(run["memory_limit_bytes"])
+    print(f"  {loader}: memory limit {run['memory_limit_bytes'] / MB:.0f} MB = own {own / MB:.0f} MB "
+          f"+ slack {slack / MB:.0f} MB + {args.cache:.0%} of the dataset", flush=True)
+
+
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) \
         if caps["memory"] or caps["blkio"] else None  # fmt: skip
+    warm_libraries()
+    subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
     common.evict(args.data)
     cache_bytes = int(args.cache * dataset_bytes)
     cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs),
            "-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size),
            "--seed", "0", "--loader", loader, "--cache", str(args.cache), "-p", "1000000",
-           "--checkpoint-dir", str(Path(args.out) / f"ckpt-{loader}")]  # fmt: skip
+           "--checkpoint-dir", tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-")]  # fmt: skip
     run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
     if lim:
         lim.throttle(dev, args.bandwidth)
     log = open(Path(args.out) / f"train_example-{loader}.log", "w")
     t0 = time.perf_counter()
+    meter = OwnMemory(lim) if lim and lim.memory else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=lim.join if lim else None)
     try:
         last = blkio_read(lim, dev)
         for line in proc.stdout:
             log.write(line)
+            if lim and lim.memory and "memory_limit_bytes" not in run and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line):
+                limit_memory(args, run, lim, loader, cache_bytes, meter.peak())
             m = SUMMARY.match(line.strip())
             if not m:
                 continue
             now = blkio_read(lim, dev)
             epoch = {"epoch": int(m[1]), "line": line.strip(), "device_bytes": None if now is None else now - last}
             last = now
-            if lim and lim.memory:
-                epoch["memory_usage_bytes"] = lim.usage()
+            if meter:
+                epoch["mean_data_in_memory_bytes"] = meter.mean_data()
             run["epochs"].append(epoch)
             print(f"  {loader}: {line.strip()}" + ("" if now is None else f"; device {epoch['device_bytes'] / MB:.1f} MB"),
                   flush=True)  # fmt: skip
-            if epoch["epoch"] == 0 and lim and lim.memory:
-                anon = lim.stat("total_rss")
-                run["working_set_bytes"] = anon
-                # coordl's cache cannot shrink, so the slack keeps its peaks from the OOM killer; the
-                # page cache would use any slack for data, so the DataLoader gets none (as in run.py).
-                slack = args.slack if loader == "coordl" else args.baseline_slack
-                run["memory_limit_bytes"] = anon + slack + cache_bytes
-                lim.limit_memory(run["memory_limit_bytes"])
-                print(f"  {loader}: memory limit {run['memory_limit_bytes'] / MB:.0f} MB = anonymous "
-                      f"{anon / MB:.0f} MB + slack {slack / MB:.0f} MB + {args.cache:.0%} of the dataset",
-                      flush=True)  # fmt: skip
         run["returncode"] = proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if meter:
+            meter.stop.set()
+        shutil.rmtree(cmd[-1], ignore_errors=True)
         log.close()
         if lim:
             lim.remove()
@@ -109,13 +176,15 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     return run
 
 
-def ensure_val(root: str, images: int, classes: int) -> dict:
-    """The validation split: other images than the training split's (another seed)."""
+def ensure_split(root: str, images: int, classes: int, seed: int, size: tuple[int, int]) -> dict:
+    """One split, cropped from the photographs (the validation split with another seed)."""
     from coordl.datagen import make_dataset
 
     photos = str(common.SHARED_PHOTOS) if common.SHARED_PHOTOS.is_dir() else None
-    s = make_dataset(root, num_images=images, num_classes=classes, photos_dir=photos, seed=1, progress=False)
-    return {"root": s.root, "files": s.files, "total_bytes": s.total_bytes}
+    s = make_dataset(root, num_images=images, num_classes=classes, photos_dir=photos, seed=seed, size=size,
+                     progress=sys.stderr.isatty())  # fmt: skip
+    return {"root": s.root, "files": s.files, "total_bytes": s.total_bytes, "mean_bytes": s.mean_bytes,
+            "source": "photographs" if photos else "generated"}  # fmt: skip
 
 
 def markdown(result: dict) -> str:
@@ -127,21 +196,26 @@ def markdown(result: dict) -> str:
         f"`--image-size {a['image_size']}`, `-b {a['batch_size']}`, `-j {a['workers']}`, {a['epochs']} epochs.",
         f"Dataset: {result['dataset']['train_files']} training + {result['dataset']['val_files']} validation JPEGs "
         f"({result['dataset']['total_bytes'] / MB:.1f} MB, generated from photographs). Storage throttled to "
-        f"{a['bandwidth'] / MB:.1f} MB/s (blkio); from epoch 1 memory limited to the run's anonymous memory + "
+        f"{a['bandwidth'] / MB:.1f} MB/s (blkio); from epoch {a['limit_after'] + 1} memory limited to the run's peak own memory + "
         f"{a['cache']:.0%} of the dataset (coordl: `--cache {a['cache']}`), + {a['slack'] / 2**20:.0f} MiB of "
-        f"headroom for coordl's peaks and {a['baseline_slack'] / 2**20:.0f} MiB for the DataLoader's.",
+        f"headroom for coordl's peaks and {a['baseline_slack'] / 2**20:.0f} MiB for the DataLoader's (its page cache "
+        "uses it whenever the process is below its peak).",
         "Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k "
-        "(epoch k's training and epoch k-1's validation).",
+        "(epoch k's training and epoch k-1's validation). Data in memory: the mean of the cgroup's page cache "
+        "and shared memory over the same window (coordl: its cache in /dev/shm; the DataLoader: the page cache).",
         "",
-        "| loader | epoch | seconds | samples/s | waited for data s | device MB | memory limit MB |",
-        "|---|---|---|---|---|---|---|",
+        "| loader | epoch | seconds | samples/s | waited for data s | device MB | data in memory MB | memory limit MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         for e in r["epochs"]:
             dev = "-" if e["device_bytes"] is None else f"{e['device_bytes'] / MB:.1f}"
-            limit = f"{r['memory_limit_bytes'] / MB:.0f}" if e["epoch"] > 0 and "memory_limit_bytes" in r else "none"
+            limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
+            limit = f"{r['memory_limit_bytes'] / MB:.0f}" if limited else "none (warm-up)"
+            held = e.get("mean_data_in_memory_bytes")
+            held = "-" if held is None else f"{held / MB:.1f}"
             out.append(f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
-                       f"{e['wait_s']:.1f} | {dev} | {limit} |")  # fmt: skip
+                       f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |")  # fmt: skip
     out += ["", "The summary lines the script printed:", "", "```"]
     for r in result["runs"]:
         out += [e["line"] for e in r["epochs"]]
@@ -151,25 +225,33 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/imagenet-example", help="holds (or gets) train/ and val/")
-    p.add_argument("--train-images", type=int, default=1000)
+    p.add_argument("--data", default="/var/tmp/coordl-bench/imagenet-example-1000px", help="holds (or gets) train/ and val/")
+    p.add_argument("--train-images", type=int, default=1200)
     p.add_argument("--val-images", type=int, default=100)
     p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--width", type=int, default=1000, help="mean image width (large images: the data to cache must "
+                   "be large against the process's own memory swings, ~100-200 MB)")
+    p.add_argument("--height", type=int, default=875)
     p.add_argument("-a", "--arch", default="resnet18")
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--image-size", type=int, default=112)
     p.add_argument("-b", "--batch-size", type=int, default=32)
     p.add_argument("-j", "--workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--limit-after", type=int, default=2,
+                   help="epochs (and their validation) that run without a memory limit: PyTorch's and DALI's "
+                        "memory grows for the first 2-3 epochs, then levels off")  # fmt: skip
     p.add_argument("--cache", type=float, default=0.5, help="fraction of the dataset the memory limit leaves for data")
-    p.add_argument("--bandwidth", type=parse_bytes, default="2MB", help="storage throttle, bytes per second")
-    p.add_argument("--slack", type=parse_bytes, default="64MiB", help="coordl's memory beyond its anonymous memory")
-    p.add_argument("--baseline-slack", type=parse_bytes, default=0, help="the DataLoader's (its page cache would use it)")
+    p.add_argument("--bandwidth", type=parse_bytes, default="8MB", help="storage throttle, bytes per second")
+    p.add_argument("--slack", type=parse_bytes, default="192MiB", help="coordl's memory beyond its own peak (OOM headroom)")
+    p.add_argument("--baseline-slack", type=parse_bytes, default="192MiB",
+                   help="the DataLoader's; its page cache uses it whenever its own memory is below its peak")
     p.add_argument("--loaders", default="coordl,torch")
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
     if args.quick:
         args.arch, args.image_size, args.train_images, args.val_images, args.epochs = "resnet_tiny", 64, 128, 32, 2
+        args.limit_after, args.width, args.height = 0, 400, 350
         args.bandwidth = parse_bytes("20MB")
         if args.data == p.get_default("data"):
             args.data = "/var/tmp/coordl-bench/imagenet-example-quick"
@@ -177,8 +259,9 @@ def main() -> int:
     caps = limits.probe()
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    train = common.ensure_dataset(os.path.join(args.data, "train"), args.train_images, args.classes, None)
-    val = ensure_val(os.path.join(args.data, "val"), args.val_images, args.classes)
+    size = (args.width, args.height)
+    train = ensure_split(os.path.join(args.data, "train"), args.train_images, args.classes, 0, size)
+    val = ensure_split(os.path.join(args.data, "val"), args.val_images, args.classes, 1, size)
     dataset = {"train_files": train["files"], "val_files": val["files"],
                "total_bytes": train["total_bytes"] + val["total_bytes"], "source": train["source"]}  # fmt: skip
     dev = common.device_of(train["root"])
