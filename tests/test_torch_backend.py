@@ -260,7 +260,7 @@ def corrupt(root):
     return [str(v) for v in victims]
 
 
-def test_bad_samples_raise_with_their_path_or_are_skipped(dataset_copy):
+def test_bad_samples_raise_with_their_path_or_are_skipped(dataset_copy, caplog):
     bad = corrupt(dataset_copy)
     with make(dataset_copy, cache_bytes=0) as loader:
         with pytest.raises(SampleError, match="cannot decode sample") as info:
@@ -273,6 +273,8 @@ def test_bad_samples_raise_with_their_path_or_are_skipped(dataset_copy):
             assert sorted(flat(epoch_ids(loader))) == sorted(set(range(N)) - bad_ids)
             s = loader.stats()
             assert s["skipped"] == 2 and sorted(s["skipped_paths"]) == sorted(bad) and s["samples"] == N - 2
+    warned = [r.getMessage() for r in caplog.records if "coordl: skipping sample" in r.getMessage()]
+    assert len(warned) == 4 and all(any(p in w for p in bad) for w in warned)  # 2 per epoch, with the path
 
 
 def test_missing_and_changed_files(dataset_copy):

@@ -264,6 +264,8 @@ class TorchPass:
             setattr(c, key, getattr(c, key) + value)
         self._read_s += f.read_s
         self._prep_s += f.prep_s
+        for i, path, why in f.skipped:  # logged here: a worker's log records may go nowhere
+            log.warning("coordl: skipping sample %d (%s): %s", i, path, why)
         self._skipped += f.skipped
 
     def _finish(self) -> None:
