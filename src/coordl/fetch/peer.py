@@ -178,10 +178,19 @@ class PeerServer:
                 lengths[k] = len(data)
                 parts.append(data)
         conn.settimeout(BODY_TIMEOUT)
-        conn.sendall(b"".join([wire.HEAD.pack(wire.RESPONSE, len(ids)), lengths.tobytes(), *parts]))
+        reads, nbytes = len(parts), int(lengths[lengths > 0].sum())
+        # Counted before sending, so that a peer that has the answer sees it counted; taken back
+        # if the send fails.
         with self._lock:
-            self.served_reads += len(parts)
-            self.served_bytes += int(lengths[lengths > 0].sum())
+            self.served_reads += reads
+            self.served_bytes += nbytes
+        try:
+            conn.sendall(b"".join([wire.HEAD.pack(wire.RESPONSE, len(ids)), lengths.tobytes(), *parts]))
+        except BaseException:
+            with self._lock:
+                self.served_reads -= reads
+                self.served_bytes -= nbytes
+            raise
 
     def close(self) -> None:
         """Stops accepting and closes every connection."""
