@@ -33,16 +33,11 @@ def _hierarchy(path: str) -> str:
     return rel.split(os.sep)[0]
 
 
-def _kill_members(path: str, timeout: float = 10.0) -> None:
-    """SIGKILLs every process in the cgroup ``path`` and waits until it is empty."""
-    procs = os.path.join(path, "cgroup.procs")
+def _kill_all(members, timeout: float = 10.0) -> None:
+    """SIGKILLs the pids ``members()`` lists until it lists none (or ``timeout`` passes)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with open(procs) as f:
-                pids = [int(x) for x in f.read().split()]
-        except FileNotFoundError:
-            return
+        pids = members()
         if not pids:
             return
         for pid in pids:
@@ -53,20 +48,27 @@ def _kill_members(path: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _kill_members(path: str, timeout: float = 10.0) -> None:
+    """SIGKILLs every process in the cgroup ``path`` and waits until it is empty."""
+
+    def members() -> list[int]:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    _kill_all(members, timeout)
+
+
 def _kill_netns_members(ns: str, timeout: float = 10.0) -> None:
     """SIGKILLs every process in network namespace ``ns`` and waits until none is left."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def members() -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-        pids = [int(x) for x in out.split()]
-        if not pids or time.monotonic() > deadline:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
+        return [int(x) for x in out.split()]
+
+    _kill_all(members, timeout)
 
 
 def _run(*argv: str) -> None:
