@@ -15,7 +15,8 @@ Both runs are the same command but for ``--loader``, each in its own memory and 
    50 ms (anonymous memory: the model, the optimiser, a step's activations, DALI or the
    DataLoader workers; and the libraries it maps), plus
    ``--cache`` of the dataset, plus ``--slack`` for coordl: coordl gets ``--cache`` as its
-   cache budget, the DataLoader the same bytes for the page cache;
+   cache budget, the DataLoader the same bytes for the page cache (its limit follows its own
+   memory every 50 ms, see ``limit_memory``);
 4. the later epochs run under it; they are the ones to compare. Per epoch: the script's own summary line (time, wait
    for data, coordl's fetch/prep split and bytes) and the bytes the device delivered
    (the cgroup's ``blkio.throttle.io_service_bytes``).
@@ -83,6 +84,8 @@ class OwnMemory:
     def __init__(self, lim: limits.Limits):
         self.lim, self.anon, self.mapped = lim, 0, 0
         self.frozen = False
+        self.follow: int | None = None  # bytes beyond the current own memory the limit follows with
+        self.limits_set: list[int] = []
         self.data_samples: list[int] = []  # page cache + shared memory: the data it holds
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -94,9 +97,16 @@ class OwnMemory:
                 stat = {k: self.lim.stat(k) for k in ("total_rss", "total_mapped_file", "total_shmem", "total_cache")}
             except (OSError, TypeError):  # the cgroup is being removed
                 return
+            own = stat["total_rss"] + max(0, stat["total_mapped_file"] - stat["total_shmem"])
             if not self.frozen:
                 self.anon = max(self.anon, stat["total_rss"])
                 self.mapped = max(self.mapped, stat["total_mapped_file"] - stat["total_shmem"])
+            elif self.follow is not None:
+                try:  # lowering it below the usage makes the kernel reclaim page cache now
+                    self.lim.limit_memory(own + self.follow)
+                    self.limits_set.append(own + self.follow)
+                except OSError:
+                    pass
             self.data_samples.append(stat["total_cache"])
 
     def peak(self) -> int:
@@ -109,17 +119,25 @@ class OwnMemory:
         return sum(samples) / len(samples) if samples else None
 
 
-def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: int, own: int) -> None:
-    """After epoch 0 and its validation: the run's own memory + slack + the cache fraction of the dataset."""
+def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: int, meter: OwnMemory) -> None:
+    """After the warm-up epochs: the run's own memory + slack + the cache fraction of the dataset.
+
+    The process's own memory swings by 100-200 MB from step to step. coordl's cache is a fixed
+    budget that cannot shrink, so its limit is fixed at its peak own memory + cache + slack: the
+    slack is OOM headroom its data cannot use. The DataLoader's page cache would use any memory
+    the process leaves free at the moment, so with ``--follow`` (the default) its limit follows
+    its own memory every 50 ms, holding its page cache to the same cache fraction (+ its slack).
+    """
+    own = meter.peak()
     run["working_set_bytes"] = own
-    # The process's own memory swings by 100-200 MB from step to step. coordl's cache cannot
-    # shrink, so its slack is OOM headroom only; the DataLoader's page cache uses its slack for
-    # data whenever the process is below its peak (with none, the OOM killer ends the run).
     slack = args.slack if loader == "coordl" else args.baseline_slack
     run["memory_limit_bytes"] = own + slack + cache_bytes
     lim.limit_memory(run["memory_limit_bytes"])
-    print(f"  {loader}: memory limit {run['memory_limit_bytes'] / MB:.0f} MB = own {own / MB:.0f} MB "
-          f"+ slack {slack / MB:.0f} MB + {args.cache:.0%} of the dataset", flush=True)
+    if args.follow and loader != "coordl":
+        meter.follow = slack + cache_bytes
+        run["memory_limit_follows"] = True
+    how = "follows own memory +" if run.get("memory_limit_follows") else f"{run['memory_limit_bytes'] / MB:.0f} MB = own {own / MB:.0f} MB +"
+    print(f"  {loader}: memory limit {how} slack {slack / MB:.0f} MB + {args.cache:.0%} of the dataset", flush=True)
 
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
@@ -146,7 +164,7 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
         for line in proc.stdout:
             log.write(line)
             if lim and lim.memory and "memory_limit_bytes" not in run and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line):
-                limit_memory(args, run, lim, loader, cache_bytes, meter.peak())
+                limit_memory(args, run, lim, loader, cache_bytes, meter)
             m = SUMMARY.match(line.strip())
             if not m:
                 continue
@@ -196,10 +214,12 @@ def markdown(result: dict) -> str:
         f"`--image-size {a['image_size']}`, `-b {a['batch_size']}`, `-j {a['workers']}`, {a['epochs']} epochs.",
         f"Dataset: {result['dataset']['train_files']} training + {result['dataset']['val_files']} validation JPEGs "
         f"({result['dataset']['total_bytes'] / MB:.1f} MB, generated from photographs). Storage throttled to "
-        f"{a['bandwidth'] / MB:.1f} MB/s (blkio); from epoch {a['limit_after'] + 1} memory limited to the run's peak own memory + "
-        f"{a['cache']:.0%} of the dataset (coordl: `--cache {a['cache']}`), + {a['slack'] / 2**20:.0f} MiB of "
-        f"headroom for coordl's peaks and {a['baseline_slack'] / 2**20:.0f} MiB for the DataLoader's (its page cache "
-        "uses it whenever the process is below its peak).",
+        f"{a['bandwidth'] / MB:.1f} MB/s (blkio). From epoch {a['limit_after'] + 1} memory is limited to leave "
+        f"{a['cache']:.0%} of the dataset for data: coordl (`--cache {a['cache']}`) at its peak own memory + the cache "
+        f"+ {a['slack'] / 2**20:.0f} MiB of headroom its fixed cache cannot use; the DataLoader at its own memory + "
+        f"{a['cache']:.0%} + {a['baseline_slack'] / 2**20:.0f} MiB, "
+        + ("the limit following its own memory every 50 ms, so that its page cache holds that much." if a.get("follow", True)
+           else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."),
         "Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k "
         "(epoch k's training and epoch k-1's validation). Data in memory: the mean of the cgroup's page cache "
         "and shared memory over the same window (coordl: its cache in /dev/shm; the DataLoader: the page cache).",
@@ -212,6 +232,8 @@ def markdown(result: dict) -> str:
             dev = "-" if e["device_bytes"] is None else f"{e['device_bytes'] / MB:.1f}"
             limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
             limit = f"{r['memory_limit_bytes'] / MB:.0f}" if limited else "none (warm-up)"
+            if limited and r.get("memory_limit_follows"):
+                limit = f"own + {(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes']) / MB:.0f}"
             held = e.get("mean_data_in_memory_bytes")
             held = "-" if held is None else f"{held / MB:.1f}"
             out.append(f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
@@ -243,8 +265,9 @@ def main() -> int:
     p.add_argument("--cache", type=float, default=0.5, help="fraction of the dataset the memory limit leaves for data")
     p.add_argument("--bandwidth", type=parse_bytes, default="8MB", help="storage throttle, bytes per second")
     p.add_argument("--slack", type=parse_bytes, default="192MiB", help="coordl's memory beyond its own peak (OOM headroom)")
-    p.add_argument("--baseline-slack", type=parse_bytes, default="192MiB",
-                   help="the DataLoader's; its page cache uses it whenever its own memory is below its peak")
+    p.add_argument("--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its page cache uses it)")
+    p.add_argument("--no-follow", dest="follow", action="store_false",
+                   help="a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)")
     p.add_argument("--loaders", default="coordl,torch")
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
     p.add_argument("--out", default=str(HERE / "results"))
