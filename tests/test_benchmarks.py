@@ -7,8 +7,10 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,24 @@ def test_multinode_quick(tmp_path):
     assert check["b_storage_at_minimum"] and check["c_storage_at_minimum"] and check["b_storage_bytes"] == 0
     assert check["c_peer_bytes"] < check["b_peer_bytes"]
     assert out.with_suffix(".md").exists()
+
+
+def test_train_example_quick(tmp_path):
+    """benchmarks/train_example.py --quick: the ImageNet example with both loaders, in cgroups."""
+    data = tmp_path / "data"
+    checkpoints = set(Path(tempfile.gettempdir()).glob("coordl-train-example-*"))
+    proc = subprocess.run([sys.executable, str(BENCH / "train_example.py"), "--quick", "--data", str(data),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "train_example_quick.json").read_text())
+    assert [r["loader"] for r in result["runs"]] == ["coordl", "torch"]
+    for run in result["runs"]:
+        assert run["returncode"] == 0 and [e["epoch"] for e in run["epochs"]] == [0, 1]
+    # Epoch 0 reads the 128 training images from storage; with --cache 0.5, epoch 1 reads only
+    # what the cache does not hold.
+    first, second = (re.search(r"storage [\d.]+ MB in (\d+) reads, cache hits (\d+) ", e["line"]).groups()
+                     for e in result["runs"][0]["epochs"])  # fmt: skip
+    assert first == ("128", "0")
+    assert int(second[0]) + int(second[1]) == 128 and 0 < int(second[1]) < 128
+    assert (tmp_path / "train_example_quick.md").exists()
+    assert set(Path(tempfile.gettempdir()).glob("coordl-train-example-*")) == checkpoints  # removed
