@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -272,6 +273,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the cgroups are removed
     if args.quick:
         args.arch, args.image_size, args.train_images, args.val_images, args.epochs = "resnet_tiny", 64, 128, 32, 2
         args.limit_after, args.width, args.height = 0, 400, 350
