@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+import common  # noqa: E402 - this folder's module (the script's folder is on sys.path)
 T0 = time.monotonic()
 _print_lock = threading.Lock()
 
@@ -239,10 +241,7 @@ class Search:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", nargs="?", help="ImageFolder-style folder")
-    p.add_argument("--demo", action="store_true", help="generate a dataset in --demo-dir and use it")
-    p.add_argument("--demo-dir", default="/tmp/coordl-hpsearch-demo", help="where --demo puts its dataset")
-    p.add_argument("--demo-images", type=int, default=600, help="JPEGs --demo generates")
+    common.add_data_args(p, group="lr-halving")
     p.add_argument("--trials", type=int, default=4, help="trials started at first")
     p.add_argument("--rounds", type=int, default=2, help="how many times the worst trial is replaced")
     p.add_argument("--epochs", type=int, default=8, help="epochs of every trial")
@@ -250,18 +249,9 @@ def main() -> int:
     p.add_argument("--lr-range", type=float, nargs=2, default=(0.003, 1.0), metavar=("LO", "HI"),
                    help="learning rates are drawn log-uniformly from this range")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the learning rates drawn")
-    p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=64, help="training crop size")
-    p.add_argument("--group", default="lr-halving")
     p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0: never)")
     args = p.parse_args()
-    if args.demo:
-        from coordl.datagen import make_dataset
-
-        args.data = str(Path(args.demo_dir) / "train")
-        make_dataset(args.data, num_images=args.demo_images, num_classes=10, progress=False)
-    if not args.data or not Path(args.data).is_dir():
-        p.error("give a dataset folder or --demo")
+    common.resolve_data(p, args)
     if args.trials < 2 or args.rounds < 0 or args.epochs < 1:
         p.error("--trials must be at least 2, --rounds at least 0 and --epochs at least 1")
     # SIGTERM (from a scheduler, or `timeout`) stops the trials as Ctrl-C does.

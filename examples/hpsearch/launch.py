@@ -19,27 +19,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+import common  # noqa: E402 - this folder's module (the script's folder is on sys.path)
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", nargs="?", help="ImageFolder-style folder")
-    p.add_argument("--demo", action="store_true", help="generate a dataset in --demo-dir and use it")
-    p.add_argument("--demo-dir", default="/tmp/coordl-hpsearch-demo", help="where --demo puts its dataset")
-    p.add_argument("--demo-images", type=int, default=600, help="JPEGs --demo generates")
+    common.add_data_args(p, group="lr-sweep")
     p.add_argument("--lrs", default="0.4,0.1,0.02", help="one trial per learning rate")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=64, help="training crop size")
-    p.add_argument("--group", default="lr-sweep")
     p.add_argument("--alone", action="store_true", help="run the trials without sharing, for comparison")
     args = p.parse_args()
-    if args.demo:
-        from coordl.datagen import make_dataset
-
-        args.data = str(Path(args.demo_dir) / "train")
-        make_dataset(args.data, num_images=args.demo_images, num_classes=10, progress=False)
-    if not args.data:
-        p.error("give a dataset folder or --demo")
+    common.resolve_data(p, args)
     trials = []
     t0 = time.perf_counter()
     try:
