@@ -5,7 +5,7 @@ in the consumer, an enter/leave of the DALI-wait clock in the driver; per storag
 two ``perf_counter_ns`` calls; per wait for a read, an enter/leave. This times exactly those
 calls (the same objects the loader uses), then a warm loader's batch, and reports the ratio.
 
-    python benchmarks/accounting_overhead.py [--data /var/tmp/coordl-bench/train]
+    python -m benchmarks.accounting_overhead [--data /var/tmp/coordl-bench/train]
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402
+import coordl
+from benchmarks import common
+from coordl.accounting import BusyClock, StepWaits
 
-import coordl  # noqa: E402
-from coordl.accounting import BusyClock, StepWaits  # noqa: E402
+HERE = Path(__file__).parent
 
 
 def per_batch_cost(batch_size: int, miss_fraction: float, n: int = 200_000) -> float:
@@ -62,16 +60,14 @@ def loader_batch_time(root: str, batch_size: int, epochs: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
-    p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--photos")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.accounting_overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--out", default=str(HERE / "results" / "accounting_overhead.json"))
     args = p.parse_args()
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    dataset = common.dataset_from_args(args)
     cost_hit = per_batch_cost(args.batch_size, 0.0)
     cost_miss = per_batch_cost(args.batch_size, 1.0)
     batch = loader_batch_time(dataset["root"], args.batch_size, args.epochs)

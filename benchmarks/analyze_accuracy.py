@@ -1,6 +1,6 @@
 """How well ``coordl analyze`` predicts training speed at other cache sizes.
 
-One ``coordl analyze`` run of ``small_resnet.py`` (a small ResNet trained on the CPU) under a
+One ``coordl analyze`` run of ``benchmarks.small_resnet`` (a small ResNet trained on the CPU) under a
 memory cgroup and a blkio throttle predicts the steady-epoch throughput at cache sizes 25%,
 50%, 75% and 100%; then each of them is measured: the same script, the same limits, one cold
 epoch and two steady ones.
@@ -9,7 +9,7 @@ The throttle is chosen so that the no-cache case is I/O-bound: an unthrottled ph
 measures R (training on cached data) first, and storage is set to ``--storage-factor`` x R x
 the mean sample size (0.4: fetch-bound below about 60% cache, prep/compute-bound above).
 
-    python benchmarks/analyze_accuracy.py            # ~10 minutes on 2 cores
+    python -m benchmarks.analyze_accuracy            # ~10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks import common, limits
+from coordl.analyze import report as rep
+from coordl.analyze.run import run_phase
+from coordl.units import format_bytes
+
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402
-import limits  # noqa: E402
-
-from coordl.analyze import report as rep  # noqa: E402
-from coordl.analyze.run import run_phase  # noqa: E402
-
-MB = 1e6
 
 
 def log(*a) -> None:
@@ -55,11 +52,9 @@ def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
-    p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.analyze_accuracy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--analyze-cache", type=float, default=0.5, help="the analysed job's cache fraction")
     p.add_argument("--fractions", default="0.25,0.5,0.75,1.0")
@@ -75,23 +70,23 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
     args = p.parse_args()
     if args.quick:
-        args.images, args.classes, args.steps, args.epochs, args.fractions = 192, 4, 4, 2, "0.5,1.0"
+        args.images, args.size, args.classes, args.steps, args.epochs, args.fractions = 192, None, 4, 4, 2, "0.5,1.0"
         args.batch_size, args.data = 16, args.data + "-quick"
 
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    dataset = common.dataset_from_args(args)
     root, total = dataset["root"], dataset["total_bytes"]
     b = total / dataset["files"]
     caps = limits.probe()
     dev = common.device_of(root)
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
-    script = [sys.executable, str(HERE / "small_resnet.py"), root, "--batch-size", str(args.batch_size)]
+    script = common.module_command("small_resnet", root, "--batch-size", str(args.batch_size))
     torch_threads, prep_threads = (int(v) for v in args.threads.split(","))
     if torch_threads:
         script += ["--threads", str(torch_threads)]
     if prep_threads:
         script += ["--prep-threads", str(prep_threads)]
-    log(f"dataset {dataset['files']} files, {total / MB:.1f} MB; limits: {caps}")
+    log(f"dataset {common.describe(dataset)}; limits: {caps}")
 
     # 1. The throttle: a fraction of what training on cached data needs.
     if args.bandwidth is None:
@@ -99,7 +94,7 @@ def main() -> int:
                         run_id=uuid.uuid4().hex[:12], timeout=900, extra={"subset_batches": 16})  # fmt: skip
         R = sum(r["R_samples_per_s"] for r in res)
         args.bandwidth = args.storage_factor * R * b
-        log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {args.bandwidth / MB:.1f} MB/s")
+        log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {format_bytes(args.bandwidth, 'MB')}/s")
     bw = int(args.bandwidth)
     if args.quick:  # storage need not be slow to check the harness
         bw = max(bw, 200_000_000)
@@ -161,7 +156,8 @@ def main() -> int:
     png = Path(args.out).with_suffix(".png")
     try:
         rep.plot(report, str(png), measured=[(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows],
-                 title=f"small ResNet on 2 CPU cores, storage {bw / MB:.1f} MB/s: predicted vs measured")  # fmt: skip
+                 title=f"small ResNet on 2 CPU cores, storage {format_bytes(bw, 'MB')}/s: "
+                 "predicted vs measured")  # fmt: skip
     except ImportError:
         png = None
     print("\n| cache | predicted samples/s | measured samples/s | error | bound |")
@@ -170,7 +166,7 @@ def main() -> int:
         print(f"| {r['cache_fraction']:.0%} | {r['predicted_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
               f"| {100 * r['error']:+.1f}% | {r['bound']} |")  # fmt: skip
     print(f"\nrates: G {report['rates']['G']:.0f}, P {report['rates']['P']:.0f}, R {report['rates']['R']:.0f} "
-          f"samples/s; S {report['rates']['S'] / MB:.1f} MB/s; analysis took {analyze_s:.0f} s")  # fmt: skip
+          f"samples/s; S {format_bytes(report['rates']['S'], 'MB')}/s; analysis took {analyze_s:.0f} s")  # fmt: skip
     print(f"results: {args.out}" + (f", plot: {png}" if png else ""))
     return 0
 

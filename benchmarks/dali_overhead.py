@@ -13,7 +13,7 @@ tensors to the loop:
 
 Epochs are interleaved A B C, B C A, ... so that drift on a shared machine hits all alike.
 
-    python benchmarks/dali_overhead.py --data /var/tmp/coordl-bench/train --reps 5
+    python -m benchmarks.dali_overhead --data /var/tmp/coordl-bench/train --reps 5
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
-import loaders  # noqa: E402
-
-import coordl  # noqa: E402
+import coordl
+from benchmarks import common, loaders
 
 
 def bare_dali(index, batch_size: int, threads: int, size: int):
@@ -87,23 +84,21 @@ def time_epoch(it) -> tuple[float, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
-    p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--photos")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dali_overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--crop", type=int, default=224, help="the recipe's output size in pixels (default: 224)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dali_overhead.json"))
     args = p.parse_args()
 
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
-    recipe = coordl.ImageNetTrain(size=args.size)
+    dataset = common.dataset_from_args(args)
+    recipe = coordl.ImageNetTrain(size=args.crop)
     loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=1.0,
                                 device_id=None, num_threads=args.threads)  # fmt: skip
-    bare = bare_dali(loader.index, args.batch_size, args.threads, args.size)
+    bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
     reader = loaders.DaliLoader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
     epochs = {"coordl": lambda: loader, "dali": lambda: bare, "dali-reader": reader.epoch}

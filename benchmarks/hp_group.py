@@ -10,7 +10,7 @@ Reported per N: per-job samples/s in both modes and their ratio (target: at leas
 device in a cold first epoch (page cache dropped, MinIO cache empty), staging memory
 peak, and the time survivors lose when one member is killed with SIGKILL mid-epoch.
 
-    python benchmarks/hp_group.py --data /var/tmp/coordl-bench/train --images 2000
+    python -m benchmarks.hp_group --data /var/tmp/coordl-bench/train --images 2000
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+from benchmarks import common
+from coordl.units import format_bytes
 
-HERE = Path(__file__).resolve()
+HERE = Path(__file__).resolve().parent
 
 
 def job(args) -> None:
@@ -76,8 +76,9 @@ def launch(args, n: int, group: str | None, workdir: Path, epochs: int, kill_one
         out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
         out.unlink(missing_ok=True)
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, str(HERE), "--job", "--data", args.data, "--batch-size", str(args.batch_size),
-               "--epochs", str(epochs), "--ready", str(ready), "--go", str(go), "--out", str(out)]  # fmt: skip
+        cmd = common.module_command("hp_group", "--job", "--data", args.data, "--batch-size", str(args.batch_size),
+                                    "--epochs", str(epochs), "--ready", str(ready), "--go", str(go),
+                                    "--out", str(out))  # fmt: skip
         if group:
             cmd += ["--group", group]
         if kill_one and k == 0:
@@ -136,18 +137,16 @@ def per_job_rate(run: dict) -> list[float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hp_group", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     for a in ("--group", "--ready", "--go", "--out", "--progress"):
         p.add_argument(a, help=argparse.SUPPRESS)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
-    p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--jobs", default="2,4")
-    p.add_argument("--result", default=str(HERE.parent / "results" / "hp_group.json"))
+    p.add_argument("--result", default=str(HERE / "results" / "hp_group.json"))
     args = p.parse_args()
     if args.job:
         job(args)
@@ -155,12 +154,11 @@ def main() -> int:
 
     from coordl.shm import reaper
 
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    dataset = common.dataset_from_args(args)
     args.images = dataset["files"]
     dev = common.device_of(args.data)
     nb = -(-args.images // args.batch_size)
-    print(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / 1e6:.1f} MB; {nb} batches of "
-          f"{args.batch_size} per epoch")  # fmt: skip
+    print(f"dataset: {common.describe(dataset)}; {nb} batches of {args.batch_size} per epoch")
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-bench-"))
     results = {"machine": common.machine(), "dataset": dataset, "batch_size": args.batch_size, "rows": []}
     try:
@@ -189,7 +187,7 @@ def main() -> int:
                     "cpu_s_per_epoch": sum(j["cpu_s"]["user"] + j["cpu_s"]["sys"] for j in run["jobs"]) / args.epochs,
                 }
                 print(f"N={n} {mode:>11}: per job {[round(r) for r in rates]} samples/s, cold epoch read "
-                      f"{cold_bytes / 1e6:.1f} MB from the device, {row[mode]['batches_decoded_per_epoch']:.0f} "
+                      f"{format_bytes(cold_bytes, 'MB')} from the device, {row[mode]['batches_decoded_per_epoch']:.0f} "
                       f"batches decoded per epoch, {row[mode]['cpu_s_per_epoch']:.1f} CPU-s per epoch")  # fmt: skip
             row["ratio"] = row["coordinated"]["mean_per_job_samples_per_s"] / row["alone"]["mean_per_job_samples_per_s"]
             print(f"N={n}: coordinated / alone per-job throughput = {row['ratio']:.2f} (target >= {0.8 * n:.1f})")

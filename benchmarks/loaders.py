@@ -27,8 +27,9 @@ batch size and the same number of CPU workers/threads:
     (at the given budget), decode them with Pillow and run the same :class:`TrainAugment` as
     ``torch``; ``workers`` worker processes, persistent workers.
 
-Run as a script, this is the child the runner (``run.py``) starts in a memory and blkio
-cgroup. It builds the loader, runs a few warm-up batches (imports, worker processes, DALI's
+Run as a module (``python -m benchmarks.loaders``), this is the child the runner
+(``benchmarks.run``) starts in a memory and blkio cgroup, with ``--data`` the dataset the
+runner made. It builds the loader, runs a few warm-up batches (imports, worker processes, DALI's
 buffers), prints ``{"ready": ...}``, waits for ``go`` on stdin (the runner then drops the
 page cache, sets the memory limit and the throttle), finishes epoch 0 and runs the other
 epochs, printing one JSON line per epoch. Epoch 0 is therefore short of the warm-up
@@ -45,12 +46,10 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+from benchmarks import common
 
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-torch")  # the loaders with a MinIO cache in shared memory
@@ -353,7 +352,8 @@ def child(args) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="one benchmark loader in a child process (started by run.py)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loaders",
+                                description="one benchmark loader in a child process (started by benchmarks.run)")
     p.add_argument("--loader", choices=LOADERS, required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--batch-size", type=int, default=64)

@@ -4,7 +4,7 @@ Runs CoordLoader for several epochs over an ImageNet-like dataset with the cache
 fraction of the dataset, dropping the OS page cache before every epoch, and compares
 the bytes the block device delivered with the minimum, ``dataset - cached``.
 
-    python benchmarks/minio_epochs.py --data /var/tmp/coordl-bench/train --images 2000 --cache 0.5
+    python -m benchmarks.minio_epochs --data /var/tmp/coordl-bench/train --images 2000 --cache 0.5
 """
 
 from __future__ import annotations
@@ -15,18 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
-
-import coordl  # noqa: E402
+import coordl
+from benchmarks import common
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/train")
-    p.add_argument("--images", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=20)
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.minio_epochs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--cache", type=float, default=0.5, help="cache budget as a fraction of the dataset")
     p.add_argument("--batch-size", type=int, default=64)
@@ -35,10 +31,9 @@ def main() -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "minio_epochs.json"))
     args = p.parse_args()
 
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
+    dataset = common.dataset_from_args(args)
     dev = common.device_of(args.data)
-    print(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / 1e6:.1f} MB, "
-          f"mean {dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}); device {dev}")  # fmt: skip
+    print(f"dataset: {common.describe(dataset)}; device {dev}")
     rows, notes = [], []
     # Warm-up: load DALI's libraries and build a pipeline before anything is measured,
     # so that the first epoch's device reads are the dataset's, not the libraries'.
@@ -90,8 +85,8 @@ def table(rows) -> str:
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         lines.append(
-            f"| {r['epoch']} | {r['seconds']} | {r['samples_per_s']} | {r['storage_bytes_stats'] / 1e6:.1f} | "
-            f"{r['storage_bytes_disk'] / 1e6:.1f} | {r['minimum_bytes'] / 1e6:.1f} | {r['stats_over_min']:.4f} | "
+            f"| {r['epoch']} | {r['seconds']} | {r['samples_per_s']} | {common.mb(r['storage_bytes_stats'])} | "
+            f"{common.mb(r['storage_bytes_disk'])} | {common.mb(r['minimum_bytes'])} | {r['stats_over_min']:.4f} | "
             f"{r['disk_over_min']:.4f} |"
         )
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time, 2 and 4 nodes.
 
-Each "node" is a network namespace with a private tmpfs at /dev/shm (``netns.Cluster``), its
-link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of their own whose
+Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl.tools.netns.Cluster``),
+its link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of their own whose
 ``read_bps_device`` throttles the dataset's device. One torchrun per node, one rank per node,
 ``init_process_group("gloo")``, and a CoordLoader per rank: this file's ``worker`` mode, the
 loop of ``tests/multinode_train.py`` plus per-epoch device counters, the nodes' cache contents,
@@ -33,8 +33,8 @@ are checked against the plan. Targets: b's and c's steady storage bytes at the m
 at most 10% of b's; at 100% aggregate cache, b's steady epoch at least 2x faster than a's.
 Needs root, network namespaces and v1 blkio cgroups.
 
-    python benchmarks/multinode.py                     # ~15 min on 2 cores
-    python benchmarks/multinode.py --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
+    python -m benchmarks.multinode                     # ~15 min on 2 cores
+    python -m benchmarks.multinode --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-import common  # noqa: E402
-import netns  # noqa: E402
+from benchmarks import common
+from coordl.tools import netns
+from coordl.units import format_bytes
+
+HERE = Path(__file__).resolve().parent
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 MODES = {
@@ -70,13 +71,13 @@ STAT_KEYS = ("samples", "samples_per_s", "elapsed_s", "stall_s", "storage_reads"
 # -- the training job, one per node (launched by torchrun) ------------------------------------
 def worker(argv: list[str]) -> None:
     """``tests/multinode_train.py``'s loop, plus the node's device counters around every epoch."""
-    p = argparse.ArgumentParser(prog="multinode.py worker")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.multinode worker")
     p.add_argument("data")
     p.add_argument("out")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("-b", "--batch-size", type=int, default=32)
     p.add_argument("--cache", type=int, required=True, help="bytes")
-    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--crop", type=int, default=64)
     p.add_argument("--peers", choices=("auto", "off"), default="auto")
     p.add_argument("--locality", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -94,7 +95,7 @@ def worker(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     loader = coordl.CoordLoader(
-        a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.size), cache_bytes=a.cache,
+        a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.crop), cache_bytes=a.cache,
         device_id=None, num_threads=a.threads, return_index=True, seed=a.seed,
         peers="auto" if a.peers == "auto" else False, locality_aware=bool(a.locality),
     )  # fmt: skip
@@ -176,9 +177,9 @@ class Run:
                     logs.append(log)
                     blk = str(self.cgroups[k] / "blkio.throttle.io_service_bytes")
                     argv = ["torchrun", "--nnodes", str(self.nodes), "--node_rank", str(k), "--nproc_per_node", "1",
-                            "--master_addr", c.address(0), "--master_port", str(self.port), str(HERE), "worker",
+                            "--master_addr", c.address(0), "--master_port", str(self.port), "-m", "benchmarks.multinode", "worker",
                             self.dataset["root"], str(out), "--epochs", str(self.args.epochs),
-                            "-b", str(self.args.batch_size), "--cache", str(self.budget), "--size", str(self.args.size),
+                            "-b", str(self.args.batch_size), "--cache", str(self.budget), "--crop", str(self.args.crop),
                             "--threads", str(self.args.threads), "--seed", str(self.args.seed), "--blkio", blk,
                             "--device", self.device,
                             *MODES[self.mode][1], *(["--close-first"] if self.args.close_first else [])]  # fmt: skip
@@ -406,11 +407,10 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2:])
         return 0
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help="dataset root (default /var/tmp/coordl-bench/multinode-<images>)")
-    p.add_argument("--images", type=int, default=2048)
-    p.add_argument("--classes", type=int, default=16)
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.multinode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data=None, images=2048, classes=16,
+                               data_help="dataset root (default: /var/tmp/coordl-bench/multinode-<images>)")
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
     p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
@@ -419,7 +419,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2, help="repetitions of each configuration's a, b, c sequence")
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=64, help="crop size")
+    p.add_argument("--crop", type=int, default=64, help="random-resized crop size in pixels (default: 64)")
     p.add_argument("--threads", type=int, default=1, help="DALI threads per node")
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link")
     p.add_argument("--throttle-frac", type=float, default=0.1,
@@ -443,20 +443,19 @@ def main() -> int:
         Path(args.render).with_suffix(".md").write_text(render(saved))
         return 0
     if args.quick:
-        args.images, args.nodes, args.epochs, args.reps = 128, "2", 2, 1
+        args.images, args.size, args.nodes, args.epochs, args.reps = 128, None, "2", 2, 1
         args.out = args.out or os.path.join(tempfile.gettempdir(), "coordl-multinode-quick.json")
-    args.out = args.out or str(HERE.parent / "results" / "multinode.json")
-    args.data = args.data or f"/var/tmp/coordl-bench/multinode-{args.images}"
+    args.out = args.out or str(HERE / "results" / "multinode.json")
+    args.data = args.data or f"/var/tmp/coordl-bench/multinode-{args.images or args.size}"
     why = netns.unavailable() or (None if (BLKIO / "blkio.throttle.read_bps_device").exists() else "no v1 blkio cgroup")
     if why:
         print(f"cannot run: {why}", file=sys.stderr)
         return 2
 
     started = time.perf_counter()
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos)
-    print(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / 1e6:.1f} MB, mean "
-          f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}), device "
-          "%d:%d" % common.device_of(args.data), flush=True)  # fmt: skip
+    dataset = common.dataset_from_args(args)
+    dev = common.device_of(args.data)
+    print(f"dataset: {common.describe(dataset)}, device {dev[0]}:{dev[1]}", flush=True)
     # Load the libraries (DALI's operators too: a pipeline runs) once, so that throttled nodes
     # find them in the page cache; the dataset's pages are evicted before every run.
     warm = ("import sys, torch, torch.distributed.run, coordl\n"
@@ -481,13 +480,14 @@ def main() -> int:
         throttle = args.throttle or int(args.throttle_frac * rate["bytes_per_s_per_node"])
         result["prep"][str(nodes)] = {**rate, "throttle_bps_per_node": throttle, "run": prep_run}
         print(f"prep rate {rate['samples_per_s_per_node']} samples/s per node = "
-              f"{rate['bytes_per_s_per_node'] / 1e6:.2f} MB/s; throttle {throttle / 1e6:.2f} MB/s per node",
+              f"{format_bytes(rate['bytes_per_s_per_node'], 'MB', digits=2)}/s; "
+              f"throttle {format_bytes(throttle, 'MB', digits=2)}/s per node",
               flush=True)  # fmt: skip
         for agg in aggregates:
             for rep in range(args.reps):  # a b c a b c: the modes interleaved
                 for mode in args.modes:
                     port += 1
-                    print(f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {budgets[agg] / 1e6:.1f} MB per "
+                    print(f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {format_bytes(budgets[agg], 'MB')} per "
                           f"node), mode {mode}: {MODES[mode][0]}, repetition {rep + 1}/{args.reps}", flush=True)
                     run = Run(args, dataset, nodes, budgets[agg], mode, throttle, port,
                               rate["samples_per_s_per_node"]).execute()
@@ -511,7 +511,7 @@ def _s(x) -> str:
 
 
 def _mb(x) -> str:
-    return "-" if x is None else f"{x / 1e6:.2f}"
+    return common.mb(x, digits=2)  # the reports' MB columns have two decimals
 
 
 def _node_table(run: dict) -> str:
@@ -608,11 +608,11 @@ def render(result: dict) -> str:
     a, d, m = result["args"], result["dataset"], result["machine"]
     load = ", ".join(f"{x:.2f}" for x in result["load_avg_start"])
     md = ["# Partitioned cache across nodes (`benchmarks/multinode.py`)", "",
-          f"`python benchmarks/multinode.py{' --quick' if a.get('quick') else ''}` ({result['total_wall_s'] / 60:.1f} "
+          f"`python -m benchmarks.multinode{' --quick' if a.get('quick') else ''}` ({result['total_wall_s'] / 60:.1f} "
           f"min). Conditions: {m['cpus']} cores ({m['cpu_model']}) shared by all nodes, {m['mem_gib']} GiB, kernel "
           f"{m['kernel']}; one network namespace per node with a private tmpfs /dev/shm, every link shaped with tbf "
           f"at {a['rate']}; one torchrun rank per node (gloo), {a['threads']} DALI thread, batch {a['batch_size']} "
-          f"per rank, random-resized crops of {a['size']} px, seed {a['seed']}, {a['epochs']} epochs (epoch 0 fills "
+          f"per rank, random-resized crops of {a.get('crop', a.get('size'))} px, seed {a['seed']}, {a['epochs']} epochs (epoch 0 fills "
           "the caches; epochs 1.. are steady); "
           f"{a['reps']} repetition(s) of every configuration, modes interleaved (a b c a b c). Each node's processes "
           "in a blkio cgroup of their own, reads of the dataset's device throttled to "

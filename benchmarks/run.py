@@ -2,10 +2,10 @@
 
 One command runs the whole comparison:
 
-    python benchmarks/run.py --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
+    python -m benchmarks.run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
 
 For every scenario (a cache fraction of the dataset and a storage bandwidth) and every
-loader (see ``loaders.py``: ``torch``, ``dali-shuffle``, ``dali-seq``,
+loader (see ``benchmarks.loaders``: ``torch``, ``dali-shuffle``, ``dali-seq``,
 ``dali-epoch-shuffle``, ``coordl`` by default; ``coordl-torch``, coordl's torch backend, on
 request), a child process runs the same training-shaped loop for several epochs in its own
 memory cgroup and blkio cgroup:
@@ -46,15 +46,11 @@ import sys
 import threading
 from pathlib import Path
 
+from benchmarks import common, limits
+from benchmarks.loaders import COORDL_LOADERS, LOADERS, image_folder
+from coordl.units import format_bytes, parse_bytes
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402
-import limits  # noqa: E402
-from loaders import COORDL_LOADERS, LOADERS, image_folder  # noqa: E402
-
-from coordl.fetch.cache import parse_bytes  # noqa: E402
-
-MB = 1e6
 DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 # Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
 PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
@@ -145,10 +141,13 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     name = f"coordl-bench-{os.getpid()}-{k}"
     use_cgroups = caps["memory"] or caps["blkio"]
     lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
-    cmd = [sys.executable, str(HERE / "loaders.py"), "--loader", loader, "--data", dataset["root"],
-           "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.fit_epochs if cell["name"] == "fits" else args.epochs),
-           "--seed", str(args.seed), "--cache-bytes", str(cache_bytes), "--compute-ms", str(args.compute_ms),
-           "--warmup-batches", str(args.warmup_batches), "--device", f"{dev[0]}:{dev[1]}"]  # fmt: skip
+    epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
+    cmd = common.module_command(
+        "loaders", "--loader", loader, "--data", dataset["root"], "--batch-size", str(args.batch_size),
+        "--workers", str(args.workers), "--epochs", str(epochs), "--seed", str(args.seed),
+        "--cache-bytes", str(cache_bytes), "--compute-ms", str(args.compute_ms),
+        "--warmup-batches", str(args.warmup_batches), "--device", f"{dev[0]}:{dev[1]}",
+    )  # fmt: skip
     if lim and lim.memory_path:
         cmd += ["--memcg", lim.memory_path]
     logs = Path(args.out) / "logs"
@@ -179,8 +178,9 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
             run["epochs"].append(msg)
             c = msg.get("counters") or {}
             log(f"  epoch {msg['epoch']}: {msg['seconds']:7.2f} s  {msg['samples_per_s']:7.1f} samples/s  "
-                f"device {msg['device_bytes'] / MB:7.1f} MB  wait {msg['wait_s']:6.2f} s"
-                + (f"  coordl storage {c['storage_bytes'] / MB:.1f} MB, hits {c['cache_hits']}" if c else ""))  # fmt: skip
+                f"device {format_bytes(msg['device_bytes'], 'MB'):>10}  wait {msg['wait_s']:6.2f} s"
+                + (f"  coordl storage {format_bytes(c['storage_bytes'], 'MB')}, hits {c['cache_hits']}"
+                   if c else ""))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         run["error"] = f"{type(e).__name__}: {e}"
         log(f"  FAILED: {run['error']}")
@@ -281,14 +281,14 @@ def summarise(result: dict) -> list[dict]:
 
 
 def fmt_bw(bps: int | None) -> str:
-    return "unthrottled" if not bps else f"{bps / MB:.0f} MB/s"
+    return "unthrottled" if not bps else f"{format_bytes(bps, 'MB', digits=0)}/s"
 
 
 def markdown(result: dict) -> str:
     d = result["dataset"]
     lines = [
-        f"Dataset: {d['files']} files in {d['classes']} classes, {d['total_bytes'] / MB:.1f} MB, "
-        f"mean {d['mean_bytes'] / 1e3:.1f} KB ({d['source']}) at `{d['root']}`.",
+        f"Dataset: {d['files']} files in {d['classes']} classes, {format_bytes(d['total_bytes'], 'MB')}, "
+        f"mean {format_bytes(d['mean_bytes'], 'KB')} ({d['source']}) at `{d['root']}`.",
         f"Machine: {result['machine']['cpus']} cores, {result['machine']['mem_gib']} GiB, "
         f"kernel {result['machine']['kernel']}; batch {result['args']['batch_size']}, "
         f"{result['args']['workers']} workers/threads per loader, {result['args']['epochs']} epochs "
@@ -296,11 +296,12 @@ def markdown(result: dict) -> str:
         f"mean bytes), compute step {result['args']['compute_ms']} ms/batch.",
         f"Limits: memory cgroup {'yes' if result['limits']['memory'] else 'NO'}, blkio throttle "
         f"{'yes' if result['limits']['blkio'] else 'NO'}, page cache dropped "
-        f"{'yes' if result['limits']['drop_caches'] else 'NO'}; slack {result['args']['slack'] / 2**20:.0f} MiB.",
+        f"{'yes' if result['limits']['drop_caches'] else 'NO'}; "
+        f"slack {format_bytes(result['args']['slack'], 'MiB', digits=0)}.",
     ]
     if result.get("prep_rate_samples_per_s"):
         p = result["prep_rate_samples_per_s"]
-        lines.append(f"Prep rate P = {p:.0f} samples/s = {p * d['mean_bytes'] / MB:.1f} MB/s "
+        lines.append(f"Prep rate P = {p:.0f} samples/s = {format_bytes(p * d['mean_bytes'], 'MB')}/s "
                      f"(fastest DALI pipeline, else fastest Pillow one; everything in memory).")  # fmt: skip
     for n in result["limits"]["notes"]:
         lines.append(f"**NOTE:** {n}")
@@ -313,14 +314,14 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {cell['name']} | | | {r['loader']} | failed: {r.get('error', '?')} |" + " |" * 8)
                 continue
             s = r["steady"]
-            vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 0.5 * MB else "-"
-            lim = f"{r['memory_limit_bytes'] / MB:.0f}" if r.get("memory_limit_bytes") else "-"
+            vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 500_000 else "-"
+            lim = common.mb(r.get("memory_limit_bytes") or None, digits=0)
             held = s.get("coordl_cache_bytes", s.get("mean_page_cache_bytes"))
             lines.append(
                 f"| {cell['name']} | {fmt_bw(r['bandwidth_bps'])} | {cell['cache']:.0%} | {r['loader']} | "
                 f"{r['epochs'][0]['seconds']:.1f} | {s['seconds']:.2f} | {s['samples_per_s']:.0f} | "
-                f"{s['device_bytes'] / MB:.1f} | {vs} | {s['wait_s']:.1f} | {_f(held and held / MB, 0)} | "
-                f"{s['peak_memory_bytes'] / MB:.0f} | {lim} |"
+                f"{common.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {common.mb(held, digits=0)} | "
+                f"{common.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
             )
     lines += ["", "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
               "coordl device/min | bound s | coordl/bound |", "|" + "---|" * 10]  # fmt: skip
@@ -365,19 +366,19 @@ def plot(result: dict, path: Path) -> str | None:
                               and "steady" in r), None)  # fmt: skip
                     if r:
                         xs.append(i + (j - (len(loaders) - 1) / 2) * width)
-                        ys.append(r["steady"][metric] / (MB if metric == "device_bytes" else 1))
+                        ys.append(r["steady"][metric] / (1e6 if metric == "device_bytes" else 1))
                 ax.bar(xs, ys, width, label=name)
             if metric == "device_bytes":
                 for i, cell in enumerate(cells):
-                    ax.hlines(total * (1 - cell["cache"]) / MB, i - 0.45, i + 0.45, colors="k", linestyles="--",
+                    ax.hlines(total * (1 - cell["cache"]) / 1e6, i - 0.45, i + 0.45, colors="k", linestyles="--",
                               label="minimum" if i == 0 else None)  # fmt: skip
             ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
             ax.set_title(key if row == 0 else "")
             ax.set_ylabel("steady epoch s" if metric == "seconds" else "device MB per steady epoch")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
-    fig.suptitle(f"{result['dataset']['files']} images, {total / MB:.0f} MB; memory = working set + cache; "
-                 f"{result['machine']['cpus']} cores")  # fmt: skip
+    fig.suptitle(f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; "
+                 f"memory = working set + cache; {result['machine']['cpus']} cores")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -386,13 +387,9 @@ def plot(result: dict, path: Path) -> str | None:
 
 # -- main ------------------------------------------------------------------------------------------
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/bench", help="dataset root (generated if missing)")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--size", default=None, help="total dataset size to generate, e.g. 500MB (default)")
-    size.add_argument("--images", type=int, help="number of images to generate instead of --size")
-    p.add_argument("--classes", type=int, default=100)
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
     p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
     p.add_argument("--bandwidth", default="0.25P,0.5P,2P",
@@ -423,8 +420,6 @@ def main() -> int:
     unknown = set(args.loaders) - set(LOADERS)
     if unknown:
         p.error(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
-    if args.images is None and args.size is None:
-        args.size = "500MB"
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -434,14 +429,12 @@ def main() -> int:
         caps["notes"].append("--no-memory-limit: no memory cgroup, every loader may cache the whole dataset")
     for n in caps["notes"]:
         log("NOTE:", n)
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos,
-                                    total_bytes=parse_bytes(args.size) if args.size else None)  # fmt: skip
+    dataset = common.dataset_from_args(args)
     dev = common.device_of(args.data)
     # what the dataset occupies in the page cache: whole 4 KiB pages per file
     dataset["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())
     args.working_sets = {}
-    log(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / MB:.1f} MB, mean "
-        f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}); device {dev[0]}:{dev[1]}")  # fmt: skip
+    log(f"dataset: {common.describe(dataset)}; device {dev[0]}:{dev[1]}")
 
     cells = scenarios(args)
     result = {"benchmark": "run", "args": {k: v for k, v in vars(args).items() if k != "working_sets"},
@@ -461,7 +454,7 @@ def main() -> int:
             p_rate = prep_rate(result["runs"])
             result["prep_rate_samples_per_s"] = p_rate
             if p_rate:
-                log(f"prep rate P = {p_rate:.0f} samples/s = {p_rate * dataset['mean_bytes'] / MB:.1f} MB/s")
+                log(f"prep rate P = {p_rate:.0f} samples/s = {format_bytes(p_rate * dataset['mean_bytes'], 'MB')}/s")
         bw = resolve_bandwidth(cell, p_rate * dataset["mean_bytes"] if p_rate else None)
         cell["bandwidth_bps"] = bw
         order = args.loaders[ci % len(args.loaders):] + args.loaders[: ci % len(args.loaders)]  # interleave

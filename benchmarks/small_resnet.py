@@ -1,9 +1,11 @@
-"""A CPU training script with a small ResNet on CoordLoader: what ``analyze_accuracy.py`` analyses.
+"""A CPU training script with a small ResNet on CoordLoader: what ``analyze_accuracy`` analyses.
 
-    python benchmarks/small_resnet.py /var/tmp/coordl-bench/train --cache 0.5 --epochs 3
+    python -m benchmarks.small_resnet /var/tmp/coordl-bench/train --cache 0.5 --epochs 3
 
 Prints one JSON line per epoch (the loader's ``stats()`` plus the epoch's loss). It is an
-ordinary script: ``coordl analyze -- python benchmarks/small_resnet.py ...`` runs it unchanged.
+ordinary script: ``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged.
+Like ``examples/imagenet/train.py`` it takes the path of a dataset made beforehand, not the
+benchmarks' dataset options.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class SmallResNet(nn.Module):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.small_resnet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data")
     p.add_argument("--cache", type=float, default=0.5, help="cache budget, fraction of the dataset")
     p.add_argument("--epochs", type=int, default=3)

@@ -1,7 +1,7 @@
 """coordl's torch backend vs ``torch.utils.data.DataLoader``: warm throughput, and epochs with
 short memory and slow storage.
 
-Both loaders (``loaders.py``) run the same Python per sample in ``--workers`` DataLoader worker
+Both loaders (``benchmarks.loaders``) run the same Python per sample in ``--workers`` DataLoader worker
 processes, batch ``--batch-size``: Pillow decodes the file to an RGB image and
 ``loaders.TrainAugment`` crops, resizes to 224, flips and normalises it. ``torch`` opens each
 file by path; ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``) gets its
@@ -24,7 +24,7 @@ in the same rotation, to compare the two backends on the same data and work. Wit
 timed epoch (``/proc/diskstats``) and coordl's counters, which show that both ran warm.
 
 Part ``limited``: the memory-limit / throttled-storage scenario of BENCHMARKING.md at
-``--cache`` (50%) of the dataset, by running ``run.py --loaders torch,coordl-torch``: each
+``--cache`` (50%) of the dataset, by running ``benchmarks.run --loaders torch,coordl-torch``: each
 loader in a child process in its own memory cgroup (its working set, measured in run.py's
 ``fits`` scenario, plus the cache fraction of the dataset) and blkio cgroup (``--bandwidth``,
 by default half the prep rate P that the ``fits`` scenario measures for these Pillow
@@ -37,8 +37,8 @@ steady epoch times torch / coordl-torch.
 Writes ``benchmarks/results/torch_backend.json`` (run.py's own output goes to the folder next
 to it, ``torch_backend_run/``) and prints the tables:
 
-    python benchmarks/torch_backend.py                      # both parts
-    python benchmarks/torch_backend.py --part warm          # or --part limited
+    python -m benchmarks.torch_backend                      # both parts
+    python -m benchmarks.torch_backend --part warm          # or --part limited
 
 ``--quick`` runs a few seconds' worth on a tiny dataset, for the tests, with no memory limit
 (run.py ``--no-memory-limit``: a tiny dataset's cache is smaller than a loader's memory swings).
@@ -54,14 +54,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common, loaders
+from coordl.units import format_bytes, parse_bytes
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402
-import loaders  # noqa: E402
-
-from coordl.fetch.cache import parse_bytes  # noqa: E402
-
-MB = 1e6
 NAMES = ("coordl-torch", "torch")
 WARM = ("coordl-torch", "coordl", "torch")  # coordl-torch first: it drops the page cache of what it reads
 TARGET_RATIO = 0.95
@@ -99,8 +95,8 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
         if counters["cache_items"] != files:
             raise RuntimeError(
                 f"coordl's cache holds {counters['cache_items']} of {files} samples after its first epoch "
-                f"(budget {counters['cache_budget'] / MB:.1f} MB of {total / MB:.1f} MB): the warm measurement "
-                "needs all of them; free space in /dev/shm (see `coordl cache ls`) and run again"
+                f"(budget {format_bytes(counters['cache_budget'], 'MB')} of {format_bytes(total, 'MB')}): the warm "
+                "measurement needs all of them; free space in /dev/shm (see `coordl cache ls`) and run again"
             )
         epochs = []
         for rep in range(args.reps):
@@ -114,7 +110,7 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
                     row["counters"] = counters
                 epochs.append(row)
                 log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
-                    f"device {row['device_bytes'] / MB:6.1f} MB")  # fmt: skip
+                    f"device {format_bytes(row['device_bytes'], 'MB'):>9}")  # fmt: skip
     finally:
         for loader in made.values():
             loader.close()
@@ -142,14 +138,12 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
 def limited(args, dataset: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
-    size = ["--images", str(args.images)] if args.images else ["--size", args.size]
-    cmd = [sys.executable, str(HERE / "run.py"), "--data", args.data, *size, "--classes", str(args.classes),
-           "--loaders", "torch,coordl-torch", "--cache", str(args.cache), "--bandwidth", args.bandwidth,
-           "--epochs", str(args.epochs), "--fit-epochs", str(args.fit_epochs), "--batch-size", str(args.batch_size),
-           "--workers", str(args.workers), "--warmup-batches", str(args.warmup_batches), "--seed", str(args.seed),
-           "--out", str(out)]  # fmt: skip
-    if args.photos:
-        cmd += ["--photos", args.photos]
+    cmd = common.module_command(
+        "run", *common.dataset_argv(args), "--loaders", "torch,coordl-torch", "--cache", str(args.cache),
+        "--bandwidth", args.bandwidth, "--epochs", str(args.epochs), "--fit-epochs", str(args.fit_epochs),
+        "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+        "--warmup-batches", str(args.warmup_batches), "--seed", str(args.seed), "--out", str(out),
+    )  # fmt: skip
     if args.quick:  # a tiny dataset is smaller than a loader's memory swings: any budget ends in the OOM killer
         cmd.append("--no-memory-limit")
     log(f"[limited] {' '.join(cmd)}")
@@ -213,8 +207,7 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
 def report(result: dict) -> str:
     """The tables of the parts in ``result``, as markdown."""
     d, a = result["dataset"], result["args"]
-    lines = [f"Dataset: {d['files']} files, {d['total_bytes'] / MB:.1f} MB, mean {d['mean_bytes'] / 1e3:.1f} KB "
-             f"({d['source']}); batch {a['batch_size']}, {a['workers']} workers per loader."]  # fmt: skip
+    lines = [f"Dataset: {common.describe(d)}; batch {a['batch_size']}, {a['workers']} workers per loader."]
     w = result.get("warm")
     if w:
         lines += ["", f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.", "",
@@ -223,7 +216,7 @@ def report(result: dict) -> str:
             rows = [e for e in w["epochs"] if e["loader"] == name]
             rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in rows)
             lines.append(f"| {name} | {w['median_samples_per_s'][name]:.1f} | {rates} | "
-                         f"{max(e['device_bytes'] for e in rows) / MB:.1f} |")  # fmt: skip
+                         f"{common.mb(max(e['device_bytes'] for e in rows))} |")  # fmt: skip
         lines += ["", f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** "
                       f"(target: at least {w['target_ratio']})"]  # fmt: skip
         lines += [f"**NOTE:** {n}" for n in w["notes"]]
@@ -231,7 +224,7 @@ def report(result: dict) -> str:
     if lim:
         bw = lim["bandwidth_bps"]
         lines += ["", f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage "
-                      f"{f'{bw / MB:.1f} MB/s' if bw else 'unthrottled'}; epoch 0 cold, partly read "
+                      f"{format_bytes(bw, 'MB') + '/s' if bw else 'unthrottled'}; epoch 0 cold, partly read "
                       "before its measurement (warm-up), so without a minimum."]  # fmt: skip
         lines += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
         lines += ["", "| loader | memory limit MB | epoch | s | samples/s | device MB | stats MB | minimum MB | "
@@ -243,9 +236,9 @@ def report(result: dict) -> str:
             for e in entry["epochs"]:
                 stats = e["storage_bytes"]
                 lines.append(
-                    f"| {name} | {f'{limit / MB:.0f}' if limit else '-'} | {e['epoch']} | {e['seconds']:.2f} | "
-                    f"{e['samples_per_s']:.0f} | {e['device_bytes'] / MB:.1f} | "
-                    f"{_mb(stats)} | {_mb(e['minimum_bytes'])} | "
+                    f"| {name} | {common.mb(limit or None, digits=0)} | {e['epoch']} | {e['seconds']:.2f} | "
+                    f"{e['samples_per_s']:.0f} | {common.mb(e['device_bytes'])} | "
+                    f"{common.mb(stats)} | {common.mb(e['minimum_bytes'])} | "
                     f"{e.get('device_over_min', '-')} | {e.get('storage_over_min', '-')} |"
                 )
         if "ratio_torch_over_coordl_torch" in lim:
@@ -253,21 +246,15 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / MB:.1f}"
-
-
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.torch_backend", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("both", "warm", "limited"), default="both",
                    help="what to measure; the JSON keeps the other part from an earlier run on the same dataset")
-    p.add_argument("--data", help=f"dataset root, generated if missing (default: {DATA}; with --quick, {QUICK_DATA})")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--size", help="total dataset size to generate (default: 500MB, as run.py)")
-    size.add_argument("--images", type=int, help="number of images to generate instead of --size (--quick: 64)")
-    p.add_argument("--classes", type=int, help="classes to generate (default: 100, as run.py; --quick: 4)")
-    p.add_argument("--photos", help="photographs to crop from (default: ../shared/photos if present)")
+    # Defaults after parsing: run's dataset (DATA, 500MB, 100 classes), or with --quick QUICK_DATA, 64 images, 4.
+    common.add_dataset_options(p, data=None, images=None, size=None, classes=None,
+                               data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per loader")
     p.add_argument("--seed", type=int, default=0)
@@ -292,19 +279,17 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.images is None and args.size is None:
-        args.images, args.size = (64, None) if q else (None, "500MB")
+        args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
     if args.reps < 1 or args.epochs < 2 or args.fit_epochs < 2:
         p.error("--reps must be at least 1, --epochs and --fit-epochs at least 2 (the first epoch is cold)")
     if "," in args.bandwidth:
-        p.error("--bandwidth takes one throttle (run.py --bandwidth sweeps several)")
+        p.error("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
     if not 0 < args.cache < 1:
         p.error(f"--cache must be a fraction of the dataset between 0 and 1, got {args.cache}")
 
-    dataset = common.ensure_dataset(args.data, args.images, args.classes, args.photos,
-                                    total_bytes=parse_bytes(args.size) if args.size else None)  # fmt: skip
+    dataset = common.dataset_from_args(args)
     dev = common.device_of(args.data)
-    log(f"dataset: {dataset['files']} files, {dataset['total_bytes'] / MB:.1f} MB, mean "
-        f"{dataset['mean_bytes'] / 1e3:.1f} KB ({dataset['source']}); device {dev[0]}:{dev[1]}")  # fmt: skip
+    log(f"dataset: {common.describe(dataset)}; device {dev[0]}:{dev[1]}")
     out = Path(args.out)
     result = {"benchmark": "torch_backend", "args": vars(args), "dataset": dataset, "machine": common.machine()}
     if args.part != "both" and out.exists():

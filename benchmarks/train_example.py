@@ -1,12 +1,13 @@
 """examples/imagenet/train.py with ``--loader coordl`` vs ``--loader torch``, short memory, slow storage.
 
-    python benchmarks/train_example.py                       # resnet18, 112 px, ~15 min on 2 cores
-    python benchmarks/train_example.py --quick               # resnet_tiny, 64 px, seconds (smoke test)
+    python -m benchmarks.train_example                       # resnet18, 112 px, ~15 min on 2 cores
+    python -m benchmarks.train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
 Both runs are the same command but for ``--loader``, each in its own memory and blkio cgroup:
 
 1. the libraries are read into the page cache outside the run's cgroups, and the dataset
-   (``train/`` and ``val/``, generated from the photographs) is evicted from it; the storage
+   (``--data``/``train/`` of ``--images`` and ``--data``/``val/`` of ``--val-images``, generated
+   from the photographs, the validation split with the next seed) is evicted from it; the storage
    throttle applies from the start;
 2. the first ``--limit-after`` epochs (2) and their validation run with no memory limit:
    epoch 0 reads every byte from storage either way, and the process's own memory (PyTorch's
@@ -39,15 +40,11 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import common, limits
+from coordl.units import format_bytes, parse_bytes
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402
-import limits  # noqa: E402
-
-from coordl.fetch.cache import parse_bytes  # noqa: E402
-
-TRAIN = HERE.parent / "examples" / "imagenet" / "train.py"
-MB = 1e6
+TRAIN = common.ROOT / "examples" / "imagenet" / "train.py"
 SUMMARY = re.compile(r"Epoch \[(\d+)\] summary: .*")
 
 
@@ -137,8 +134,12 @@ def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: 
     if args.follow and loader != "coordl":
         meter.follow = slack + cache_bytes
         run["memory_limit_follows"] = True
-    how = "follows own memory +" if run.get("memory_limit_follows") else f"{run['memory_limit_bytes'] / MB:.0f} MB = own {own / MB:.0f} MB +"
-    print(f"  {loader}: memory limit {how} slack {slack / MB:.0f} MB + {args.cache:.0%} of the dataset", flush=True)
+    if run.get("memory_limit_follows"):
+        how = "follows own memory +"
+    else:
+        how = f"{format_bytes(run['memory_limit_bytes'], 'MB', digits=0)} = own {format_bytes(own, 'MB', digits=0)} +"
+    print(f"  {loader}: memory limit {how} slack {format_bytes(slack, 'MB', digits=0)} + {args.cache:.0%} of the "
+          "dataset", flush=True)  # fmt: skip
 
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
@@ -175,8 +176,8 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
             if meter:
                 epoch["mean_data_in_memory_bytes"] = meter.mean_data()
             run["epochs"].append(epoch)
-            print(f"  {loader}: {line.strip()}" + ("" if now is None else f"; device {epoch['device_bytes'] / MB:.1f} MB"),
-                  flush=True)  # fmt: skip
+            device = "" if now is None else f"; device {format_bytes(epoch['device_bytes'], 'MB')}"
+            print(f"  {loader}: {line.strip()}{device}", flush=True)
         run["returncode"] = proc.wait()
     finally:
         if proc.poll() is None:
@@ -195,17 +196,6 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     return run
 
 
-def ensure_split(root: str, images: int, classes: int, seed: int, size: tuple[int, int]) -> dict:
-    """One split, cropped from the photographs (the validation split with another seed)."""
-    from coordl.datagen import make_dataset
-
-    photos = str(common.SHARED_PHOTOS) if common.SHARED_PHOTOS.is_dir() else None
-    s = make_dataset(root, num_images=images, num_classes=classes, photos_dir=photos, seed=seed, size=size,
-                     progress=sys.stderr.isatty())  # fmt: skip
-    return {"root": s.root, "files": s.files, "total_bytes": s.total_bytes, "mean_bytes": s.mean_bytes,
-            "source": "photographs" if photos else "generated"}  # fmt: skip
-
-
 def markdown(result: dict) -> str:
     a = result["args"]
     out = [
@@ -214,11 +204,12 @@ def markdown(result: dict) -> str:
         f"`{result['command']}` on {result['machine']['cpus']} cores; `-a {a['arch']}`, "
         f"`--image-size {a['image_size']}`, `-b {a['batch_size']}`, `-j {a['workers']}`, {a['epochs']} epochs.",
         f"Dataset: {result['dataset']['train_files']} training + {result['dataset']['val_files']} validation JPEGs "
-        f"({result['dataset']['total_bytes'] / MB:.1f} MB, generated from photographs). Storage throttled to "
-        f"{a['bandwidth'] / MB:.1f} MB/s (blkio). From epoch {a['limit_after'] + 1} memory is limited to leave "
+        f"({format_bytes(result['dataset']['total_bytes'], 'MB')}, generated"
+        f"{' from photographs' if result['dataset'].get('source') == 'photographs' else ''}). Storage throttled to "
+        f"{format_bytes(a['bandwidth'], 'MB')}/s (blkio). From epoch {a['limit_after'] + 1} memory is limited to leave "
         f"{a['cache']:.0%} of the dataset for data: coordl (`--cache {a['cache']}`) at its peak own memory + the cache "
-        f"+ {a['slack'] / 2**20:.0f} MiB of headroom its fixed cache cannot use; the DataLoader at its own memory + "
-        f"{a['cache']:.0%} + {a['baseline_slack'] / 2**20:.0f} MiB, "
+        f"+ {format_bytes(a['slack'], 'MiB', digits=0)} of headroom its fixed cache cannot use; the DataLoader at "
+        f"its own memory + {a['cache']:.0%} + {format_bytes(a['baseline_slack'], 'MiB', digits=0)}, "
         + ("the limit following its own memory every 50 ms, so that its page cache holds that much." if a.get("follow", True)
            else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."),
         "Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k "
@@ -230,13 +221,13 @@ def markdown(result: dict) -> str:
     ]
     for r in result["runs"]:
         for e in r["epochs"]:
-            dev = "-" if e["device_bytes"] is None else f"{e['device_bytes'] / MB:.1f}"
+            dev = common.mb(e["device_bytes"])
             limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
-            limit = f"{r['memory_limit_bytes'] / MB:.0f}" if limited else "none (warm-up)"
+            limit = common.mb(r["memory_limit_bytes"], digits=0) if limited else "none (warm-up)"
             if limited and r.get("memory_limit_follows"):
-                limit = f"own + {(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes']) / MB:.0f}"
+                limit = f"own + {common.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
             held = e.get("mean_data_in_memory_bytes")
-            held = "-" if held is None else f"{held / MB:.1f}"
+            held = common.mb(held)
             out.append(f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
                        f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |")  # fmt: skip
     out += ["", "The summary lines the script printed:", "", "```"]
@@ -247,14 +238,13 @@ def markdown(result: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/var/tmp/coordl-bench/imagenet-example-1000px", help="holds (or gets) train/ and val/")
-    p.add_argument("--train-images", type=int, default=1200)
-    p.add_argument("--val-images", type=int, default=100)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--width", type=int, default=1000, help="mean image width (large images: the data to cache must "
-                   "be large against the process's own memory swings, ~100-200 MB)")
-    p.add_argument("--height", type=int, default=875)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train_example", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Large images: the data to cache must be large against the process's own memory swings, ~100-200 MB.
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/imagenet-example-1000px", images=1200, classes=10,
+                               width=1000, height=875,
+                               data_help="holds (or gets) train/, of --images or --size, and val/")  # fmt: skip
+    p.add_argument("--val-images", type=int, default=100, help="validation JPEGs, in DATA/val (default: 100)")
     p.add_argument("-a", "--arch", default="resnet18")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("-b", "--batch-size", type=int, default=32)
@@ -275,7 +265,8 @@ def main() -> int:
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the cgroups are removed
     if args.quick:
-        args.arch, args.image_size, args.train_images, args.val_images, args.epochs = "resnet_tiny", 64, 128, 32, 2
+        args.arch, args.image_size, args.images, args.size, args.val_images = "resnet_tiny", 64, 128, None, 32
+        args.epochs = 2
         args.limit_after, args.width, args.height = 0, 400, 350
         args.bandwidth = parse_bytes("20MB")
         if args.data == p.get_default("data"):
@@ -284,13 +275,13 @@ def main() -> int:
     caps = limits.probe()
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    size = (args.width, args.height)
-    train = ensure_split(os.path.join(args.data, "train"), args.train_images, args.classes, 0, size)
-    val = ensure_split(os.path.join(args.data, "val"), args.val_images, args.classes, 1, size)
+    train = common.dataset_from_args(args, root=os.path.join(args.data, "train"))
+    val = common.dataset_from_args(args, root=os.path.join(args.data, "val"), images=args.val_images,
+                                   seed=args.dataset_seed + 1)  # fmt: skip
     dataset = {"train_files": train["files"], "val_files": val["files"],
                "total_bytes": train["total_bytes"] + val["total_bytes"], "source": train["source"]}  # fmt: skip
     dev = common.device_of(train["root"])
-    result = {"command": "python benchmarks/train_example.py " + " ".join(sys.argv[1:]), "machine": common.machine(),
+    result = {"command": "python -m benchmarks.train_example " + " ".join(sys.argv[1:]), "machine": common.machine(),
               "args": vars(args), "dataset": dataset, "limits": caps, "runs": []}  # fmt: skip
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)

@@ -1,5 +1,6 @@
-"""The benchmarks: the runner's arithmetic (benchmarks/run.py), the Pillow loaders' shared
-augmentation, and small end-to-end runs of run.py and torch_backend.py."""
+"""The benchmarks: the runner's arithmetic (``benchmarks.run``), the Pillow loaders' shared
+augmentation, and small end-to-end runs of the benchmarks, each run as ``python -m benchmarks.X``
+from the repository root."""
 
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from benchmarks import loaders, run
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import loaders  # noqa: E402
-import run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bandwidth_specs():
@@ -93,13 +92,13 @@ def test_runner_end_to_end(tmp_path):
     for every run, the report files, and no cgroup left behind."""
     before = _bench_cgroups()
     out = tmp_path / "out"
-    cmd = [sys.executable, str(BENCH / "run.py"), "--data", str(tmp_path / "ds"), "--images", "48",
+    cmd = [sys.executable, "-m", "benchmarks.run", "--data", str(tmp_path / "ds"), "--images", "48",
            "--classes", "3", "--loaders", "dali-seq,coordl", "--cache", "0.5", "--bandwidth", "0.5P",
            "--epochs", "2", "--fit-epochs", "2", "--batch-size", "8", "--workers", "1", "--warmup-batches", "1",
            "--baseline-slack", "64MB", "--out", str(out)]  # fmt: skip
     # 48 tiny images are far fewer bytes than DALI's own memory swings between runs; without
     # headroom the baseline was, now and then, OOM-killed under its measured working set.
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert [(r["scenario"], r["loader"]) for r in result["runs"]] == [
@@ -151,15 +150,15 @@ def test_pillow_loaders_do_the_same_work(tiny_dataset):
 
 @pytest.mark.slow
 def test_torch_backend_quick(tmp_path):
-    """torch_backend.py --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
+    """benchmarks.torch_backend --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
     fields, coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads
     exactly the dataset less its cache), the tables printed, and no cgroup left behind. (The
     fixture fails the test on shared memory left behind.)"""
     before = _bench_cgroups()
     out = tmp_path / "tb.json"
-    cmd = [sys.executable, str(BENCH / "torch_backend.py"), "--quick", "--data", str(tmp_path / "ds"),
+    cmd = [sys.executable, "-m", "benchmarks.torch_backend", "--quick", "--data", str(tmp_path / "ds"),
            "--images", "48", "--classes", "3", "--batch-size", "8", "--out", str(out)]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
     total = result["dataset"]["total_bytes"]
@@ -192,8 +191,8 @@ def test_torch_backend_quick(tmp_path):
 
 
 def test_multinode_quick(tmp_path):
-    """benchmarks/multinode.py --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
-    import netns
+    """benchmarks.multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
+    from coordl.tools import netns
 
     why = netns.unavailable() or (None if Path("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device").exists()
                                   else "no v1 blkio cgroup")  # fmt: skip
@@ -202,8 +201,8 @@ def test_multinode_quick(tmp_path):
     out = tmp_path / "multinode.json"
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
-    proc = subprocess.run([sys.executable, str(BENCH / "multinode.py"), "--quick", "--data", str(data), "--out", str(out),
-                           "--aggregate", "1.0"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multinode", "--quick", "--data", str(data), "--out", str(out),
+                           "--aggregate", "1.0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (check,) = result["checks"]
@@ -213,11 +212,11 @@ def test_multinode_quick(tmp_path):
 
 
 def test_train_example_quick(tmp_path):
-    """benchmarks/train_example.py --quick: the ImageNet example with both loaders, in cgroups."""
+    """benchmarks.train_example --quick: the ImageNet example with both loaders, in cgroups."""
     data = tmp_path / "data"
     checkpoints = set(Path(tempfile.gettempdir()).glob("coordl-train-example-*"))
-    proc = subprocess.run([sys.executable, str(BENCH / "train_example.py"), "--quick", "--data", str(data),
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_example", "--quick", "--data", str(data),
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "train_example_quick.json").read_text())
     assert [r["loader"] for r in result["runs"]] == ["coordl", "torch"]

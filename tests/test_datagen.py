@@ -1,4 +1,4 @@
-"""Tests for coordl.datagen: deterministic ImageNet-like dataset generation."""
+"""Tests for coordl.tools.datagen: deterministic ImageNet-like dataset generation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import coordl.datagen as datagen
-from coordl.datagen import DatasetSummary, make_dataset
+from coordl.tools.datagen import DatasetSummary, dataset, make_dataset, workers
 
 PHOTOS = Path(__file__).resolve().parents[2] / "shared" / "photos"
 needs_photos = pytest.mark.skipif(not PHOTOS.is_dir(), reason=f"{PHOTOS} not found")
@@ -82,10 +81,10 @@ def test_deterministic(tmp_path: Path) -> None:
 
 
 def test_parallel_matches_sequential(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(datagen, "_cpu_count", lambda: 1)
+    monkeypatch.setattr(workers, "cpu_count", lambda: 1)
     seq = make_dataset(tmp_path / "seq", num_images=20, num_classes=3, progress=False)
-    monkeypatch.setattr(datagen, "_cpu_count", lambda: 2)
-    monkeypatch.setattr(datagen, "_PARALLEL_MIN_IMAGES", 1)
+    monkeypatch.setattr(workers, "cpu_count", lambda: 2)
+    monkeypatch.setattr(workers, "PARALLEL_MIN_IMAGES", 1)
     par = make_dataset(tmp_path / "par", num_images=20, num_classes=3, progress=False)
     assert files_of(tmp_path / "seq") == files_of(tmp_path / "par")
     assert (seq.total_bytes, seq.bytes_per_pixel) == (par.total_bytes, par.bytes_per_pixel)
@@ -299,13 +298,13 @@ def test_total_bytes_deterministic_whatever_the_rounds(
     target = 250_000
     a = make_dataset(tmp_path / "a", total_bytes=target, num_classes=4, seed=5, **SMALL)
     # Many small rounds with no margin, written by a pool of workers.
-    monkeypatch.setattr(datagen, "_FIRST_ROUND", 3)
-    monkeypatch.setattr(datagen, "_ROUND_MARGIN", -0.5)
-    monkeypatch.setattr(datagen, "_cpu_count", lambda: 2)
-    monkeypatch.setattr(datagen, "_PARALLEL_MIN_IMAGES", 1)
+    monkeypatch.setattr(dataset, "FIRST_ROUND", 3)
+    monkeypatch.setattr(dataset, "ROUND_MARGIN", -0.5)
+    monkeypatch.setattr(workers, "cpu_count", lambda: 2)
+    monkeypatch.setattr(workers, "PARALLEL_MIN_IMAGES", 1)
     rounds = []
-    generate = datagen._generate
-    monkeypatch.setattr(datagen, "_generate", lambda *args: rounds.append(1) or generate(*args))
+    generate = workers.generate
+    monkeypatch.setattr(workers, "generate", lambda *args: rounds.append(1) or generate(*args))
     b = make_dataset(tmp_path / "b", total_bytes=target, num_classes=4, seed=5, **SMALL)
     assert len(rounds) > 3
     assert a == DatasetSummary(**{**b.__dict__, "root": a.root})
@@ -319,7 +318,7 @@ def test_total_bytes_second_call_is_a_noop(tmp_path: Path, monkeypatch: pytest.M
     root = tmp_path / "ds"
     first = make_dataset(root, total_bytes=120_000, num_classes=3, **SMALL)
     before = stats_of(root)
-    monkeypatch.setattr(datagen, "_generate", lambda *args: pytest.fail("generated again"))
+    monkeypatch.setattr(workers, "generate", lambda *args: pytest.fail("generated again"))
     second = make_dataset(root, total_bytes=120_000, num_classes=3, **SMALL)
     assert second == first
     assert stats_of(root) == before
@@ -329,7 +328,7 @@ def test_total_bytes_trims_overshoot(tmp_path: Path) -> None:
     # The first round (64 images) overshoots a small target: the extra files go.
     root = tmp_path / "ds"
     summary = make_dataset(root, total_bytes=50_000, num_classes=2, **SMALL)
-    assert 2 <= summary.files < datagen._FIRST_ROUND
+    assert 2 <= summary.files < dataset.FIRST_ROUND
     assert sorted(sizes_by_index(root)) == list(range(summary.files))
     # Files of a larger dataset of the same arguments are trimmed too; the rest are kept.
     big = tmp_path / "big"

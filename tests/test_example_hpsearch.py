@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coordl.datagen import make_dataset
+from coordl.tools.datagen import make_dataset
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hpsearch"
 FAST = ["--size", "32", "--batch-size", "16"]  # small crops and batches: seconds per trial

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from coordl.datagen import make_dataset
+from coordl.tools import netns
+from coordl.tools.datagen import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATE = ROOT / "examples" / "multinode" / "simulate.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netns  # noqa: E402
 
 NS_REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETNS") else netns.unavailable()
 N = 128  # training images
@@ -73,7 +72,7 @@ def _namespaces_of(pid: int) -> list[str]:
         return []
     out = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
     out += subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    tag = pid % 10000  # benchmarks/netns.py names everything of a cluster after its process id
+    tag = pid % 10000  # coordl.tools.netns names everything of a cluster after its process id
     return sorted(set(re.findall(rf"\bcdl[bnv]{tag}(?:_\d+)?\b", out)))
 
 

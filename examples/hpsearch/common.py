@@ -20,7 +20,7 @@ def add_data_args(p: argparse.ArgumentParser, group: str) -> None:
 def resolve_data(p: argparse.ArgumentParser, args) -> None:
     """Sets ``args.data``, generating the demo dataset first with ``--demo``."""
     if args.demo:
-        from coordl.datagen import make_dataset
+        from coordl.tools.datagen import make_dataset
 
         args.data = str(Path(args.demo_dir) / "train")
         make_dataset(args.data, num_images=args.demo_images, num_classes=10, progress=False)

@@ -42,8 +42,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402 - this folder's modules
 
-MB = 1e6
-
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Distributed: run under torchrun; every rank reads WORLD_SIZE, RANK and "
                                         "LOCAL_RANK from it.")  # fmt: skip
@@ -261,16 +259,19 @@ def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, s
             f"{samples / max(seconds, 1e-9):.1f} samples/s; waited for data {waited:.1f} s "
             f"({waited / max(seconds, 1e-9):.0%})")  # fmt: skip
     if stats is not None:
+        from coordl.units import format_bytes  # coordl is imported only with --loader coordl
+
         s = [st for _, st in everyone]
 
         def total_of(key):
             return sum(x.get(key, 0) for x in s)
 
         line += (f": fetch {max(x['stall_fetch_s'] for x in s):.1f} s, prep {max(x['stall_prep_s'] for x in s):.1f} s; "
-                 f"storage {total_of('storage_bytes') / MB:.1f} MB in {total_of('storage_reads')} reads, "
-                 f"cache hits {total_of('cache_hits')} ({total_of('cache_hit_bytes') / MB:.1f} MB), "
-                 f"peers {total_of('peer_bytes') / MB:.1f} MB; "
-                 f"node cache {s[0]['cache_bytes'] / MB:.1f} of {s[0]['cache_budget'] / MB:.1f} MB")  # fmt: skip
+                 f"storage {format_bytes(total_of('storage_bytes'), 'MB')} in {total_of('storage_reads')} reads, "
+                 f"cache hits {total_of('cache_hits')} ({format_bytes(total_of('cache_hit_bytes'), 'MB')}), "
+                 f"peers {format_bytes(total_of('peer_bytes'), 'MB')}; "
+                 f"node cache {format_bytes(s[0]['cache_bytes'], 'MB', with_unit=False)} "
+                 f"of {format_bytes(s[0]['cache_budget'], 'MB')}")  # fmt: skip
         if stopped:
             line += " (stopped early: the bytes include batches the loader had fetched ahead of training)"
     print(line, flush=True)

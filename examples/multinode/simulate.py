@@ -16,9 +16,11 @@ arguments after ``--``. Every line a node prints is shown as ``[node k] ...``.
         -- -a resnet18 --epochs 3
     python examples/multinode/simulate.py --demo --no-netns             # without root
 
-Namespaces need root, ``ip``, ``unshare`` and ``tc``. Without them (or with ``--no-netns``)
-the nodes share this machine's network and /dev/shm: node k serves its cache on 127.0.0.<k+1>
-and keeps it in a folder of its own (``COORDL_SHM_DIR``); the job is the same. Whatever
+Run it by its path, from any folder, with coordl installed (``pip install -e .``): the
+namespaces come from :mod:`coordl.tools.netns`. They need root, ``ip``, ``unshare`` and ``tc``.
+Without them (or with ``--no-netns``) the nodes share this machine's network and /dev/shm:
+node k serves its cache on 127.0.0.<k+1> and keeps it in a folder of its own
+(``COORDL_SHM_DIR``); the job is the same. Whatever
 happens (a node fails, Ctrl-C), every process, namespace, bridge and shm folder it made is
 removed before it returns; the exit code is 0 when every node succeeded, 1 when one failed,
 2 when the simulation could not start and 130 after Ctrl-C (or SIGTERM).
@@ -37,6 +39,9 @@ import threading
 import time
 from pathlib import Path
 
+from coordl.tools import netns  # namespaces, bridge, private /dev/shm
+from coordl.units import format_bytes, parse_bytes
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TRAIN = ROOT / "examples" / "imagenet" / "train.py"
@@ -44,9 +49,6 @@ DEMO = Path("/tmp/coordl-multinode-demo")
 # The demo dataset is small, so the demo trains a small model on small images by default, and
 # keeps its checkpoints next to the data (arguments after -- come later and win).
 DEMO_ARGS = ["-a", "resnet_tiny", "--image-size", "64", "--epochs", "3", "-b", "32", "-j", "2", "-p", "100"]
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netns  # noqa: E402  (benchmarks/netns.py: namespaces, bridge, private /dev/shm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"simulate: no network namespaces ({why}); the nodes share this machine's network "
               "(127.0.0.<k+1>) and /dev/shm (a folder per node)", flush=True)  # fmt: skip
-    shm_bytes = _parse_bytes(args.shm) if args.shm != "auto" else _auto_shm(data)
+    try:
+        shm_bytes = parse_bytes(args.shm) if args.shm != "auto" else _auto_shm(data)
+    except ValueError as e:
+        print(f"simulate: --shm: {e}", file=sys.stderr)
+        return 2
     command = [str(script), str(data), "--cache", args.cache, *extra]
     t0 = time.monotonic()
     signal.signal(signal.SIGINT, _interrupt)
@@ -134,20 +140,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _make_demo(data: Path) -> None:
-    from coordl.datagen import make_dataset  # a second call with the same arguments is a cheap no-op
+    from coordl.tools.datagen import make_dataset  # a second call with the same arguments is a cheap no-op
 
     print(f"simulate: demo dataset in {data}", flush=True)
     make_dataset(data / "train", num_images=512, num_classes=10, seed=0, progress=False)
     make_dataset(data / "val", num_images=128, num_classes=10, seed=1, progress=False)
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "b": 1}
-    t = text.strip().lower()
-    for unit in sorted(units, key=len, reverse=True):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * units[unit])
-    return int(t)
 
 
 def _auto_shm(data: Path) -> int:
@@ -158,7 +155,7 @@ def _auto_shm(data: Path) -> int:
 
 def _environment() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
-    # Run from a checkout without installing coordl; print lines as they come.
+    # The nodes import coordl from this checkout, whatever else is installed; print lines as they come.
     env["PYTHONPATH"] = os.pathsep.join(x for x in [str(ROOT / "src"), env.get("PYTHONPATH")] if x)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -177,7 +174,7 @@ def _run_in_namespaces(args, command: list[str], shm_bytes: int) -> list[int | N
     with netns.Cluster(args.nodes, rate=args.rate, shm_bytes=shm_bytes) as cluster:
         rate = f", links at {args.rate}" if args.rate else ""
         print(f"simulate: {args.nodes} network namespaces on bridge {cluster.bridge}, node k at "
-              f"{cluster.address(0)[:-1]}<k+1>, /dev/shm of {shm_bytes / 1e6:.0f} MB each{rate}",
+              f"{cluster.address(0)[:-1]}<k+1>, /dev/shm of {format_bytes(shm_bytes, 'MB', digits=0)} each{rate}",
               flush=True)  # fmt: skip
         nodes = []
 

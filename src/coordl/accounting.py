@@ -15,6 +15,8 @@ from array import array
 
 import numpy as np
 
+from coordl.units import format_bytes
+
 __all__ = ["BusyClock", "StepWaits", "epoch_line"]
 
 
@@ -85,15 +87,14 @@ def epoch_line(s: dict, rank: int) -> str:
     """One line summing up an epoch's ``stats()``."""
     el = s["elapsed_s"]
     pct = 100 * s["stall_s"] / el if el > 0 else 0.0
-    mb = 1e6
     line = (
         f"coordl: epoch {s['epoch']} rank {rank}: {s['samples']} samples in {el:.2f} s ({s['samples_per_s']:.0f}/s); "
         f"waited {s['stall_s']:.2f} s ({pct:.0f}%: fetch {s['stall_fetch_s']:.2f} s, prep {s['stall_prep_s']:.2f} s); "
-        f"cache {s['cache_hits']} hits {s['cache_hit_bytes'] / mb:.1f} MB"
+        f"cache {s['cache_hits']} hits {format_bytes(s['cache_hit_bytes'], 'MB')}"
     )
     if s["peer_reads"]:
-        line += f", peers {s['peer_reads']} reads {s['peer_bytes'] / mb:.1f} MB"
-    line += f", storage {s['storage_reads']} reads {s['storage_bytes'] / mb:.1f} MB"
+        line += f", peers {s['peer_reads']} reads {format_bytes(s['peer_bytes'], 'MB')}"
+    line += f", storage {s['storage_reads']} reads {format_bytes(s['storage_bytes'], 'MB')}"
     if s["skipped"]:
         line += f", skipped {s['skipped']}"
     return line

@@ -9,11 +9,9 @@ import sys
 import tempfile
 import time
 
+from coordl.units import format_bytes, parse_bytes
+
 __all__ = ["main"]
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f}"
 
 
 def stats_table(rows: list[dict]) -> str:
@@ -25,8 +23,8 @@ def stats_table(rows: list[dict]) -> str:
         ("samples/s", lambda s: f"{s['samples_per_s']:.0f}"),
         ("cache hits", lambda s: str(s["cache_hits"])),
         ("storage reads", lambda s: str(s["storage_reads"])),
-        ("storage MB", lambda s: _mb(s["storage_bytes"])),
-        ("cached MB", lambda s: _mb(s["cache_bytes"])),
+        ("storage MB", lambda s: format_bytes(s["storage_bytes"], "MB", with_unit=False)),
+        ("cached MB", lambda s: format_bytes(s["cache_bytes"], "MB", with_unit=False)),
         ("stall s", lambda s: f"{s['stall_s']:.2f}"),
     ]
     cells = [[name for name, _ in cols]] + [[f(s) for _, f in cols] for s in rows]
@@ -38,7 +36,7 @@ def stats_table(rows: list[dict]) -> str:
 
 def _demo(args) -> int:
     import coordl
-    from coordl.datagen import make_dataset
+    from coordl.tools.datagen import make_dataset
 
     with tempfile.TemporaryDirectory(prefix="coordl-demo-") as tmp:
         root = args.dir or os.path.join(tmp, "train")
@@ -63,9 +61,9 @@ def _demo(args) -> int:
         first, last = rows[0], rows[-1]
         print(
             f"\nEpoch 0 read all {first['storage_reads']} samples from storage and filled the cache with "
-            f"{last['cache_items']} of them ({_mb(last['cache_bytes'])} MB). Later epochs read only the rest: "
-            f"{last['storage_reads']} samples, {_mb(last['storage_bytes'])} MB "
-            f"(dataset {_mb(summary.total_bytes)} MB - cache {_mb(last['cache_bytes'])} MB)."
+            f"{last['cache_items']} of them ({format_bytes(last['cache_bytes'], 'MB')}). Later epochs read only the "
+            f"rest: {last['storage_reads']} samples, {format_bytes(last['storage_bytes'], 'MB')} "
+            f"(dataset {format_bytes(summary.total_bytes, 'MB')} - cache {format_bytes(last['cache_bytes'], 'MB')})."
         )
     return 0
 
@@ -77,7 +75,7 @@ def _progress(total: int, desc: str, disable: bool):
 
 
 def _make_dataset(args) -> int:
-    from coordl.datagen import make_dataset
+    from coordl.tools.datagen import make_dataset
 
     try:
         summary = make_dataset(
@@ -100,8 +98,6 @@ def _make_dataset(args) -> int:
 
 def _byte_size(text: str) -> int:
     """argparse type of ``make-dataset --size``: ``500MB``, ``2GB``, ``1.5GiB`` or plain bytes."""
-    from coordl.fetch.cache import parse_bytes
-
     try:
         size = parse_bytes(text)
     except ValueError:
@@ -146,7 +142,7 @@ def _cache_ls(args) -> int:
         state = "in use" if g.in_use else "unused"
         if g.keep:
             state += ", kept warm"
-        print(f"{g.fingerprint:<18} {g.files:>5} {_mb(g.bytes):>10}  {state}")
+        print(f"{g.fingerprint:<18} {g.files:>5} {format_bytes(g.bytes, 'MB', with_unit=False):>10}  {state}")
     return 0
 
 
@@ -156,7 +152,7 @@ def _cache_clean(args) -> int:
     directory = names.shm_dir()
     removed = reaper.reap(directory, include_kept=not args.keep_warm)
     for g in removed:
-        print(f"removed {g.fingerprint}: {g.files} files, {_mb(g.bytes)} MB")
+        print(f"removed {g.fingerprint}: {g.files} files, {format_bytes(g.bytes, 'MB')}")
     busy = [g for g in reaper.list_groups(directory) if g.in_use]
     if busy:
         print(f"left {len(busy)} group(s) in use by running processes")

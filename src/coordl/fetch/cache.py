@@ -33,6 +33,7 @@ import numpy as np
 
 from coordl.errors import SharedMemoryError, StaleStateError
 from coordl.shm import group, segment
+from coordl.units import format_bytes, parse_bytes
 
 __all__ = ["ENTRY", "HEADER", "MinIOCache", "headroom", "resolve_budget"]
 
@@ -111,64 +112,16 @@ def resolve_budget(request, dataset_bytes: int, directory: str, num_items: int |
     wanted = min(wanted, dataset_bytes)
     if wanted > usable:
         warnings.warn(
-            f"coordl: cache budget of {_fmt(wanted)} does not fit in {directory} "
-            f"({_fmt(space.free)} free of {_fmt(space.total)}, {_fmt(headroom(space.total))} kept free "
-            f"for other shared memory); using {_fmt(usable)}. Enlarge {directory} "
+            f"coordl: cache budget of {format_bytes(wanted)} does not fit in {directory} "
+            f"({format_bytes(space.free)} free of {format_bytes(space.total)}, "
+            f"{format_bytes(headroom(space.total))} kept free for other shared memory); "
+            f"using {format_bytes(usable)}. Enlarge {directory} "
             "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or ask for less.",
             RuntimeWarning,
             stacklevel=4,  # the user's CoordLoader(...) line
         )
         wanted = usable
     return wanted
-
-
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
-
-
-def parse_bytes(value, dataset_bytes: int | None = None) -> int:
-    """Parses ``"40GB"``, ``"512MiB"``, ``1_000_000`` or a fraction like ``0.5`` into bytes."""
-    if isinstance(value, bool):
-        raise TypeError("a byte size must be an int, a float fraction or a string, not a bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a byte size cannot be negative, got {value}")
-        return value
-    if isinstance(value, float):
-        if dataset_bytes is None or not 0.0 <= value <= 1.0:
-            raise ValueError(f"a float byte size is a fraction of the dataset in [0, 1], got {value}")
-        return int(value * dataset_bytes)
-    if isinstance(value, str):
-        text = value.strip().lower().replace("_", "").replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(num):] or "b"
-        if unit.endswith("%") or num.endswith("%"):
-            raise ValueError(f"write a fraction as a float (0.5), not {value!r}")
-        expected = f"cannot parse byte size {value!r}; expected e.g. '40GB', '512MiB' or 1000000"
-        if unit not in _UNITS or not num:
-            raise ValueError(expected)
-        if not text[len(num):] and "." in num:
-            raise ValueError(f"{value!r} has no unit; write a fraction of the dataset as a float (0.5), "
-                             "or bytes with a unit ('0.5GB')")
-        try:
-            number = float(num)
-        except ValueError:
-            raise ValueError(expected) from None
-        if number < 0 or number != number:
-            raise ValueError(f"a byte size cannot be negative, got {value!r}")
-        return int(number * _UNITS[unit])
-    raise TypeError(f"a byte size must be an int, a float fraction or a string, got {type(value).__name__}")
-
-
-def _fmt(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 class MinIOCache:
@@ -428,7 +381,7 @@ class MinIOCache:
         size = self._chunk_size(k)
         space = segment.space(self.directory)
         if space.free - size < headroom(space.total):
-            self._warn_full(f"only {_fmt(space.free)} of {self.directory} is free")
+            self._warn_full(f"only {format_bytes(space.free)} of {self.directory} is free")
             return False
         path = self._group.path("chunk", k)
         try:
@@ -456,8 +409,8 @@ class MinIOCache:
         if not self._warned_full:
             self._warned_full = True
             warnings.warn(
-                f"coordl: the cache stopped growing at {_fmt(int(self._header['alloc']))} of its "
-                f"{_fmt(self.budget)} budget because {why}; further misses are read from storage.",
+                f"coordl: the cache stopped growing at {format_bytes(int(self._header['alloc']))} of its "
+                f"{format_bytes(self.budget)} budget because {why}; further misses are read from storage.",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -8,6 +8,10 @@ node's command into v1 cgroups of its own (a blkio throttle, say) and lets it re
 counters there. Everything it makes is removed on exit, and the names carry the process id, so
 two clusters can exist side by side. Needs root, ``ip`` and ``unshare``; :func:`unavailable`
 says why not when they are missing.
+
+Used by ``examples/multinode/simulate.py``, ``benchmarks/multinode.py`` and the multi-node
+tests; it lives in the package, not beside them, so that the example runs by its path from any
+folder.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def _kill_netns_members(ns: str, timeout: float = 10.0) -> None:
     """SIGKILLs every process in network namespace ``ns`` and waits until none is left."""
 
     def members() -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        out = subprocess.run(["ip", "netns", "pids", ns], check=False, capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]
 
     _kill_all(members, timeout)
@@ -115,7 +119,7 @@ class Cluster:
     def address(self, k: int) -> str:
         return f"10.{self.net}.0.{k + 1}"
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self):
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "link", "set", self.bridge, "up")
@@ -137,8 +141,9 @@ class Cluster:
             raise
         return self
 
-    def popen(self, k: int, argv: list[str], *, env: dict | None = None, cgroups: list[str] | None = None,
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, k: int, argv: list[str], *, env: dict | None = None, cgroups: list[str] | None = None, **kwargs
+    ) -> subprocess.Popen:
         """Starts ``argv`` in node ``k``, with a private tmpfs at /dev/shm.
 
         Args:
@@ -190,10 +195,10 @@ class Cluster:
         self.cgroups.clear()
         for ns in self.ns:
             _kill_netns_members(ns)  # torchrun's workers run in sessions of their own
-            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+            subprocess.run(["ip", "netns", "del", ns], check=False, stderr=subprocess.DEVNULL)
         for veth in self.veth:
-            subprocess.run(["ip", "link", "del", veth], stderr=subprocess.DEVNULL)
-        subprocess.run(["ip", "link", "del", self.bridge], stderr=subprocess.DEVNULL)
+            subprocess.run(["ip", "link", "del", veth], check=False, stderr=subprocess.DEVNULL)
+        subprocess.run(["ip", "link", "del", self.bridge], check=False, stderr=subprocess.DEVNULL)
 
     def __exit__(self, *exc) -> None:
         self.close()
