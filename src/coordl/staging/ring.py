@@ -1,0 +1,222 @@
+"""The ring protocol over a staging area's shared records: join a pass, claim a batch, release lazily.
+
+Batch ``q`` lives in slot ``q % S``. Two counters bound the ring: ``released``
+(``R``: every batch before it is gone) and ``frontier`` (``F``: the next batch
+nobody has claimed), ``R <= F <= R + S``. A batch is needed while an enrolled member
+has ``start <= q`` and ``cursor <= q``; its slot is held while a member's ``held`` bit
+for it is set. Every method of :class:`Ring` that changes a record runs under
+:class:`Mutex`; the caller takes it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordl.staging.layout import CLAIMED, EMPTY, ERROR, MAX_MEMBERS, READY, TODO, records
+
+__all__ = ["Claim", "Mutex", "Ring", "Taken"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The right to produce batch ``q`` into slot ``q % S``."""
+
+    q: int
+    token: int
+
+
+@dataclass
+class Taken:
+    """A batch handed to a consumer. ``error`` is set for a batch that could not be made."""
+
+    q: int
+    slot: int
+    n: int
+    error: str | None = None
+    error_path: str = ""
+
+
+class Mutex:
+    """A lock across processes (``flock`` on the ``mutex`` file) and across this process's threads."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._local = threading.Lock()
+
+    def __enter__(self):
+        self._local.acquire()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._local.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._local.release()
+
+    def try_enter(self) -> bool:
+        """Enters unless a thread of this process is inside (then the caller defers)."""
+        if not self._local.acquire(blocking=False):
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._local.release()
+            raise
+        return True
+
+    def close(self):
+        os.close(self._fd)
+
+
+class Ring:
+    """The header (``h``), member records (``m``) and slot records (``s``) of a ``stage``
+    mapping, and the protocol that changes them."""
+
+    def __init__(self, buf):
+        self.h, self.m, self.s = records(buf)
+
+    @property
+    def slots(self) -> int:
+        return int(self.h["slots"])
+
+    @property
+    def batches_per_pass(self) -> int:
+        return int(self.h["nb"])
+
+    def order_key(self, q: int) -> int:
+        """The sampler epoch whose order batch ``q`` belongs to."""
+        return int(self.h["epoch_offset"]) + q // self.batches_per_pass
+
+    # -- members ---------------------------------------------------------------------------
+    def add_member(self, k: int) -> None:
+        m = self.m[k]
+        m["state"], m["pid"], m["start"], m["cursor"] = 1, os.getpid(), -1, -1
+        m["held"], m["iterating"], m["produced"], m["consumed"] = 0, 0, 0, 0
+        m["idle_since"] = time.monotonic()
+
+    def remove_member(self, k: int) -> int:
+        """Clears member ``k``'s record; its claims go back to ``TODO``. Returns how many."""
+        mine = (self.s["state"][: self.slots] == CLAIMED) & (self.s["producer"][: self.slots] == k)
+        self.s["state"][: self.slots][mine] = TODO
+        m = self.m[k]
+        m["state"], m["start"], m["cursor"], m["held"], m["iterating"] = 0, -1, -1, 0, 0
+        return int(np.count_nonzero(mine))
+
+    def enrolled(self) -> list[int]:
+        m = self.m
+        return [k for k in range(MAX_MEMBERS) if m[k]["state"] == 1 and m[k]["start"] >= 0]
+
+    def enroll(self, me: int, epoch: int, *, may_rebase: bool) -> tuple[int, bool]:
+        """Starts member ``me``'s next pass: see :meth:`StagingArea.enroll`."""
+        nb = self.batches_per_pass
+        h, m = self.h, self.m[me]
+        others = [k for k in self.enrolled() if k != me]
+        continues = int(m["start"]) >= 0 and int(m["cursor"]) % nb == 0
+        if continues:
+            start = int(m["cursor"])
+        else:
+            start = -(-int(h["released"]) // nb) * nb
+        if may_rebase and not others and self.order_key(start) != epoch and self._idle():
+            # Alone and nothing in flight: the group follows this member's epoch, as a
+            # plain loader would.
+            self.s["state"][: self.slots] = EMPTY
+            h["released"] = h["frontier"] = start
+            h["epoch_offset"] = epoch - start // nb
+        m["start"], m["cursor"], m["iterating"] = start, start, 1
+        return start, continues
+
+    # -- release ---------------------------------------------------------------------------
+    def _idle(self) -> bool:
+        s = self.s[: self.slots]
+        return not np.any(s["state"] == CLAIMED) and not np.any(self.m["held"][self.m["state"] == 1])
+
+    def needed(self, q: int) -> bool:
+        m = self.m
+        live = (m["state"] == 1) & (m["start"] >= 0) & (m["start"] <= q) & (m["cursor"] <= q)
+        return bool(np.any(live))
+
+    def held(self, slot: int) -> bool:
+        bit = np.uint64(1 << slot)
+        return bool(np.any((self.m["held"] & bit) != 0))
+
+    def try_release(self) -> None:
+        """Advances ``released`` over every batch nobody needs or holds."""
+        h, S = self.h, self.slots
+        while int(h["released"]) < int(h["frontier"]):
+            q = int(h["released"])
+            s = q % S
+            state = int(self.s[s]["state"])
+            if state == CLAIMED or self.needed(q) or self.held(s):
+                return
+            self.s[s]["state"] = EMPTY
+            h["released"] = q + 1
+
+    def live_slots(self) -> int:
+        """Slots being made, or made and still needed or held."""
+        s = self.s[: self.slots]
+        live = 0
+        for k in range(self.slots):
+            st = int(s[k]["state"])
+            if st == CLAIMED or (st in (READY, ERROR) and (self.needed(int(s[k]["q"])) or self.held(k))):
+                live += 1
+        return live
+
+    # -- claims ----------------------------------------------------------------------------
+    def claim(self, me: int, make_room: Callable[[], None]) -> Claim | None:
+        """Claims for member ``me`` the lowest ``TODO`` batch someone needs, else ``F`` if the
+        ring has room; ``make_room`` may unenroll members when it has none. None: nothing to claim."""
+        h, S, s_tab = self.h, self.slots, self.s
+        enrolled = self.enrolled()
+        if not enrolled:
+            return None
+        todo = [s for s in range(S) if s_tab[s]["state"] == TODO and self.needed(int(s_tab[s]["q"]))]
+        if todo:
+            s = min(todo, key=lambda s: int(s_tab[s]["q"]))
+            return self._occupy(s, int(s_tab[s]["q"]), me)
+        first = min(int(self.m[k]["start"]) for k in enrolled)
+        if int(h["frontier"]) < first:
+            self.try_release()
+            if int(h["released"]) == int(h["frontier"]):
+                h["released"] = h["frontier"] = first  # nobody needs the batches in between
+        q = int(h["frontier"])
+        if q - int(h["released"]) >= S:
+            self.try_release()
+            if q - int(h["released"]) >= S:
+                make_room()
+                self.try_release()
+                if q - int(h["released"]) >= S:
+                    return None
+        if q < first:
+            return None
+        h["frontier"] = q + 1
+        return self._occupy(q % S, q, me)
+
+    def _occupy(self, s: int, q: int, me: int) -> Claim:
+        h = self.h
+        h["tokens"] += 1
+        slot = self.s[s]
+        slot["state"], slot["q"], slot["producer"] = CLAIMED, q, me
+        slot["token"], slot["n"], slot["claimed_at"] = int(h["tokens"]), 0, time.monotonic()
+        live = int(np.count_nonzero(self.s["state"][: self.slots] != EMPTY))
+        h["live_peak"] = max(int(h["live_peak"]), live)
+        return Claim(q, int(h["tokens"]))
+
+    def valid(self, c: Claim) -> bool:
+        """Whether ``c`` still holds (the group did not take it back from a member taken for dead)."""
+        slot = self.s[c.q % self.slots]
+        return int(slot["state"]) == CLAIMED and int(slot["q"]) == c.q and int(slot["token"]) == c.token
+
+    def ready(self, q: int) -> bool:
+        """Whether batch ``q`` is ready (or failed); needs no lock."""
+        slot = self.s[q % self.slots]
+        return int(slot["q"]) == q and int(slot["state"]) in (READY, ERROR)
