@@ -87,9 +87,6 @@ def isolated(monkeypatch, tmp_path):
     shm = Path(tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm"))
     monkeypatch.setenv("COORDL_SHM_DIR", str(shm))
     monkeypatch.setenv("COORDL_INDEX_DIR", str(tmp_path / "index"))
-    import coordl.loader
-
-    monkeypatch.setattr(coordl.loader, "_reaped", False)
     threads_before = {t.ident for t in threading.enumerate()}
     yield shm
     leaks = []

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordl.fetch import Fetcher
+from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import (
     EMPTY,
     ENTRY,
@@ -37,11 +37,11 @@ from coordl.fetch.cache import (
     WRITING,
     MinIOCache,
     headroom,
-    parse_bytes,
     resolve_budget,
 )
 from coordl.index import Index
 from coordl.shm import names, reaper
+from coordl.units import format_bytes, parse_bytes
 
 CTX = multiprocessing.get_context("spawn")
 FP = "00c0ffee00c0ffee"
@@ -650,7 +650,7 @@ FULL_SHM_CHILD = r"""
 import json, os, sys, warnings
 import numpy as np
 import coordl
-from coordl.fetch import Fetcher
+from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import MinIOCache
 sys.path.insert(0, {tests!r})
 from test_cache import fill_up
@@ -843,6 +843,14 @@ def test_parse_bytes_units_property(n, unit):
             "k": 2**10, "m": 2**20, "g": 2**30}[unit.lower()]  # fmt: skip
     assert parse_bytes(f"{n}{unit}") == n * mult
     assert parse_bytes(f" {n} {unit.upper()} ") == n * mult
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (0, 999, 1000, 12_345_678, 2.5e12, 7e15)] == [
+        "0 B", "999 B", "1.0 KB", "12.3 MB", "2.5 TB", "7000.0 TB"]  # fmt: skip
+    assert format_bytes(200_000, "MB") == "0.2 MB"  # a fixed unit, whatever the size
+    assert format_bytes(512 << 20, "MiB", digits=0) == "512 MiB"
+    assert format_bytes(1_234_567, "MB", digits=2, with_unit=False) == "1.23"  # a column headed MB
 
 
 def test_resolve_budget(isolated):

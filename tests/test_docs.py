@@ -255,9 +255,13 @@ def _environment_variables() -> set[str]:
     found = set()
     for path in SRC.rglob("*.py"):
         tree = ast.parse(path.read_text())
-        consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-                  for t in n.targets if isinstance(t, ast.Name)
-                  and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}  # fmt: skip
+        consts = {
+            t.id: n.value.value
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+        }
         for node in ast.walk(tree):
             key = None
             if isinstance(node, ast.Call):
@@ -289,10 +293,8 @@ def test_configuration_documents_every_environment_variable():
 # a page, the phrase on it). If the code changes, the sentence must change with it.
 def _facts():
     from coordl.fetch import cache, peer, wire
-    from coordl.staging import area, hp
+    from coordl.staging import layout, member
 
-    ctl = area._page_round(area.HEADER_BYTES + area.CONFIG_BYTES + area.MAX_MEMBERS * area.MEMBER.itemsize
-                           + area.MAX_SLOTS * area.SLOT.itemsize)  # fmt: skip
     return [
         (cache.ENTRY.itemsize, 16, "shm.md", "16 bytes per sample"),
         (cache.HEADER_BYTES, 128, "configuration.md", "128 bytes plus 16 per sample"),
@@ -301,11 +303,11 @@ def _facts():
         (cache.headroom(1 << 40), 1 << 30, "shm.md", "at most 1 GiB"),
         (cache.headroom(1), 64 << 20, "shm.md", "at least 64 MiB"),
         (cache.headroom(10 << 30), 1 << 30, "shm.md", "10% of the filesystem's size"),
-        (ctl, 12 << 10, "configuration.md", "a 12 KiB control file"),
-        (area.MIN_SLOTS, 4, "configuration.md", "never fewer than 4"),
-        (area.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),
-        (area.MAX_MEMBERS, 64, "faq.md", "already has 64 members"),
-        (hp.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
+        (layout.CONTROL_BYTES, 12 << 10, "configuration.md", "a 12 KiB control file"),
+        (layout.MIN_SLOTS, 4, "configuration.md", "never fewer than 4"),
+        (layout.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),
+        (layout.MAX_MEMBERS, 64, "faq.md", "already has 64 members"),
+        (member.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
         (peer.MAX_CONNECTIONS, 256, "configuration.md", "(at most 256)"),
         (wire.HANDSHAKE_TIMEOUT, 5.0, "multinode.md", "within 5 s"),
         (3 * 224 * 224 * 4, 602_112, "configuration.md", "602,112 bytes"),
@@ -323,14 +325,15 @@ def test_figures_taken_from_the_code_are_current():
 # src/coordl, a piece of the message or of the raised expression), and why.
 NOT_FOR_USERS = [
     ("__init__.py", "has no attribute"),  # Python's module __getattr__ protocol
-    ("datagen.py", "worker job not initialised"),  # unreachable: the pool initializer sets it
+    ("tools/datagen/workers.py", "worker job not initialised"),  # unreachable: the pool initializer sets it
+    ("tools/netns.py", "cgroup"),  # cgroup folders given by its callers: the benchmark and the tests
     ("placement.py", ""),  # input checks of pure planning functions; the loader passes valid plans
     ("sampler.py", "rank must be in"),  # the same for the sampler; the loader checks the rank first
     ("shm/group.py", "already joined"),  # a programming error inside coordl
     ("shm/names.py", ""),  # segment names are made by coordl itself
-    ("prep/torch_backend.py", "fetches whole batches"),  # DataLoader always calls __getitems__
-    ("prep/torch_backend.py", "_failure("),  # re-raises a worker's SampleError, listed in faq.md
-    ("staging/hp.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
+    ("backends/torch.py", "fetches whole batches"),  # DataLoader always calls __getitems__
+    ("backends/torch.py", "_failure("),  # re-raises a worker's SampleError, listed in faq.md
+    ("staging/member.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
     ("analyze/probe.py", "SystemExit"),  # ends an analysed script with status 0; no message
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
@@ -364,8 +367,13 @@ def _messages() -> list[tuple[str, int, str, str]]:
         scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         seen = set()
         for scope in reversed(scopes):  # innermost functions first; each node is taken once
-            assigned = {t.id: n.value for n in ast.walk(scope) if isinstance(n, ast.Assign)
-                        for t in n.targets if isinstance(t, ast.Name)}  # fmt: skip
+            assigned = {
+                t.id: n.value
+                for n in ast.walk(scope)
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
             for node in ast.walk(scope):
                 if id(node) in seen:
                     continue
@@ -376,9 +384,10 @@ def _messages() -> list[tuple[str, int, str, str]]:
                 elif isinstance(node, ast.Call) and node.args:
                     func = node.func
                     if ast.unparse(func) == "warnings.warn" or (
-                        isinstance(func, ast.Attribute) and func.attr in LOG_LEVELS
+                        isinstance(func, ast.Attribute)
+                        and func.attr in LOG_LEVELS
                         and ast.unparse(func.value) in ("log", "logger", "logging")
-                    ):  # fmt: skip
+                    ):
                         arg = node.args[0]
                 if arg is None:
                     continue
@@ -488,6 +497,11 @@ def test_the_index_and_the_mkdocs_nav_list_every_page():
 def test_mkdocs_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")  # not a test dependency: pip install -e ".[docs]"
     # (not -q: mkdocs then drops the warnings that --strict counts)
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

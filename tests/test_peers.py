@@ -1,7 +1,7 @@
 """The partitioned cache: peer servers and clients on real sockets, and real multi-node jobs.
 
 Multi-node tests launch ``tests/multinode_train.py`` with torchrun, one "node" per network
-namespace with its own tmpfs at /dev/shm (``benchmarks/netns.py``), as a user would on
+namespace with its own tmpfs at /dev/shm (``coordl.tools.netns``), as a user would on
 several machines. Where namespaces are unavailable (not root), each node gets its own
 loopback address and shm folder instead.
 """
@@ -23,14 +23,14 @@ import pytest
 
 from coordl import CoordLoader, sampler
 from coordl.errors import CoordlError
-from coordl.fetch import Fetcher, wire
+from coordl.fetch import wire
+from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import MinIOCache
 from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
 from coordl.index import Index
+from coordl.tools import netns
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "benchmarks"))
-import netns  # noqa: E402
 
 SECRET = b"s" * 32
 N = 120  # samples in tiny_dataset
@@ -214,7 +214,7 @@ def test_peers_true_without_a_distributed_job_says_why(tiny_dataset):
     with pytest.raises(ValueError, match="init_process_group"):
         CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True)
     with CoordLoader(tiny_dataset, batch_size=8, device_id=None) as loader:  # "auto": off, quietly
-        assert loader._peers is None
+        assert loader.resources.peers is None
 
 
 # -- real multi-node jobs ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ Used on their own (``dataset[i]``, or a plain ``DataLoader``) they read files di
 from __future__ import annotations
 
 import io
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,9 @@ try:  # a Dataset subclass where torch is installed, so that torch's type checks
 except ImportError:  # pragma: no cover - coordl depends on torch
     _Base = object
 
-__all__ = ["IMG_EXTENSIONS", "DatasetFolder", "FileDataset", "ImageFolder", "pil_decode"]
+log = logging.getLogger(__name__)
+
+__all__ = ["IMG_EXTENSIONS", "DatasetFolder", "FileDataset", "ImageFolder", "from_torchvision", "pil_decode"]
 
 
 def pil_decode(f) -> Any:
@@ -242,6 +245,19 @@ def _is_torchvision_path_loader(fn) -> bool:
         "default_loader",
         "pil_loader",
     )
+
+
+def from_torchvision(data) -> FileDataset | None:
+    """A torchvision folder dataset with its default (path-opening) loader as coordl's equivalent,
+    or None for anything else."""
+    if not type(data).__module__.startswith("torchvision.") or not hasattr(data, "samples"):
+        return None
+    if not _is_torchvision_path_loader(getattr(data, "loader", None)):
+        return None
+    log.info("coordl: reading %s through coordl (Pillow decoding, the same transforms)", type(data).__name__)
+    ds = FileDataset(data.samples, pil_decode, transform=data.transform, target_transform=data.target_transform)
+    ds.classes, ds.class_to_idx, ds.root = list(data.classes), dict(data.class_to_idx), data.root
+    return ds
 
 
 def _check_position(i, n: int) -> int:

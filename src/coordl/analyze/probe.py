@@ -15,25 +15,30 @@ script iterates is then replaced, for that pass, by the phase's pass:
 
 Each rank writes ``phase-<P>-rank<r>.json`` into ``out`` and then ends the process with
 ``SystemExit(0)``, so a run takes ``warmup + steps`` steps whatever the script's epochs.
+
+The entry is :func:`claim`, which ``CoordLoader.__iter__`` calls when ``COORDL_ANALYZE`` is
+set. It sees the loader only through :class:`Target`: its public ``schedule``, ``world``,
+``position``, ``resources`` and ``open_pass``; a phase that needs a cold cache gets private
+resources (``resources.private``) instead of changing the loader's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
 import json
 import logging
 import os
 import time
+from typing import Protocol
 
 import numpy as np
 
 from coordl import sampler
-from coordl.fetch import Fetcher, storage
+from coordl.fetch import storage
 from coordl.fetch.cache import MinIOCache
-from coordl.shm import names
+from coordl.passes import Pass, Step
 
-__all__ = ["ENV", "claim", "spec"]
+__all__ = ["ENV", "Target", "claim", "spec"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,27 @@ def spec() -> dict | None:
     return s
 
 
-def claim(loader):
+class Target(Protocol):
+    """What a phase uses of the loader it measures (``CoordLoader`` provides it)."""
+
+    backend: str
+    schedule: object  # coordl.schedule.Schedule
+    position: object  # coordl.position.Position
+    resources: object  # coordl.resources.Resources
+    world: object  # coordl.world.World
+    batch_size: int
+    drop_last: bool
+    seed: int
+    num_threads: int
+    num_workers: int
+    device_id: int | None
+
+    def open_pass(self, batches, *, resources=None, **hooks) -> Pass: ...
+
+    def close(self) -> None: ...
+
+
+def claim(loader: Target):
     """The phase's pass when ``loader`` is the one this process analyses, else None."""
     global _claimed
     if _claimed:
@@ -73,64 +98,40 @@ def claim(loader):
     return phases[s["phase"]](loader, s)
 
 
-class _Phase:
+class _Phase(Pass):
     """A pass the script iterates; the measurement is made, written, and the process ends."""
 
-    active = True
-
-    def __init__(self, loader, s: dict):
-        self.loader = loader
+    def __init__(self, loader: Target, s: dict):
+        self.target = loader
         self.spec = s
         self.steps = int(s["steps"])
         self.warmup = int(s["warmup"])
+        super().__init__(epoch=loader.position.epoch, start=0, length=self.warmup + self.steps, owner=loader)
         self.bs = loader.batch_size
         self.rank = loader.world.rank
+        self.res = loader.resources  # the resources the phase's passes use
         self.calls: list[float] = []  # when the script asked for each batch
         self.result: dict = {}
 
-    def __iter__(self):
-        return self
+    def _step(self) -> Step | None:
+        return Step(self._next_batch(), self.bs, 0)
 
-    def __len__(self) -> int:
-        return self.warmup + self.steps
-
-    def stats(self, complete: bool) -> dict:
-        return self.loader._empty_stats()
-
-    def close(self) -> None:
-        pass
+    def _next_batch(self):
+        raise NotImplementedError
 
     # -- helpers ------------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:
         """This rank's ids for ``epoch`` in the loader's order."""
-        ld = self.loader
-        order = sampler.epoch_order(len(ld.index), ld.seed, epoch, ld.shuffle)
-        return sampler.shard(order, ld.world.rank, ld.world.world_size, ld.drop_last)
+        w = self.target.world
+        return self.target.schedule.shard(epoch, w.rank, w.world_size)
 
-    def _real_pass(self, batches: list[np.ndarray]):
+    def _real_pass(self, batches: list[np.ndarray]) -> Pass:
         """A pass of the loader's own pipeline over ``batches``."""
-        ld = self.loader
-        ld._resume_from_started = 0
-        if ld.backend == "torch":
-            from coordl.prep.torch_backend import TorchPass
-
-            return TorchPass(ld, ld._epoch, batches)
-        from coordl.loader import _Pass
-
-        return _Pass(ld, ld._epoch, batches)
+        return self.target.open_pass(batches, resources=self.res)
 
     def _private_cache(self, budget: int) -> None:
-        """Swaps the loader's cache for a cold one of ``budget`` bytes, private to this run."""
-        ld = self.loader
-        if ld.cache is not None:
-            ld.cache.close()
-        ld.cache = None
-        if budget > 0:
-            group = hashlib.sha256(f"{ld.index.fingerprint}:{os.getuid()}:analyze:{self.spec['run']}:"
-                                   f"{self.spec['phase']}".encode()).hexdigest()[:16]  # fmt: skip
-            ld.cache = MinIOCache(group, ld.index.sizes, budget, keep=False, directory=names.shm_dir(),
-                                  dataset=ld.index.fingerprint)  # fmt: skip
-        ld._fetcher = Fetcher(ld.index, ld.cache, drop_page_cache=ld.cache is not None)
+        """Runs the phase's passes on a cold cache of ``budget`` bytes, private to this run."""
+        self.res = self.target.resources.private(budget, f"analyze:{self.spec['run']}:{self.spec['phase']}")
 
     def _rate(self, times: list[float]) -> float:
         """Samples/s over the measured steps of ``times`` (one timestamp per step, plus the end)."""
@@ -140,8 +141,9 @@ class _Phase:
         dt = times[-1] - times[self.warmup]
         return n * self.bs / dt if dt > 0 else 0.0
 
-    def _finish(self):
-        ld = self.loader
+    def _finish_phase(self):
+        ld = self.target
+        res = ld.resources
         out = {
             "phase": self.spec["phase"],
             "rank": ld.world.rank,
@@ -154,10 +156,10 @@ class _Phase:
             "backend": ld.backend,
             "device": "cpu" if ld.device_id is None else f"cuda:{ld.device_id}",
             "prep_threads": ld.num_workers if ld.backend == "torch" else ld.num_threads,
-            "io_threads": ld._pool._max_workers if ld._pool is not None else max(1, ld.num_workers),
-            "dataset_samples": len(ld.index),
-            "dataset_bytes": int(ld.index.total_bytes),
-            "cache_budget": int(ld._analyze_budget),
+            "io_threads": res.io_threads or max(1, ld.num_workers),
+            "dataset_samples": len(res.index),
+            "dataset_bytes": int(res.index.total_bytes),
+            "cache_budget": int(res.budget),
             "pid": os.getpid(),
         }
         out.update(self.result)
@@ -166,9 +168,10 @@ class _Phase:
         with open(tmp, "w") as f:
             json.dump(out, f, indent=1)
         os.replace(tmp, path)
-        self.active = False
-        ld._iter = None
-        ld.close()  # stops the pipeline and leaves the private cache before the script ends
+        self.close()
+        if self.res is not res:
+            self.res.close()  # leaves the private cache
+        ld.close()  # stops the pipeline and leaves the cache before the script ends
         log.info("coordl analyze: phase %s measured; ending the script", self.spec["phase"])
         raise SystemExit(0)
 
@@ -178,29 +181,35 @@ class SyntheticPass(_Phase):
 
     def __init__(self, loader, s):
         super().__init__(loader, s)
-        first = self._order(loader._epoch)[: self.bs]
+        first = self._order(loader.position.epoch)[: self.bs]
         p = self._real_pass([first])
         self.batch = next(p)
         p.close()
 
-    def __next__(self):
+    def _next_batch(self):
         self.calls.append(time.perf_counter())
         if len(self.calls) > self.warmup + self.steps:
             g = self._rate(self.calls)
             self.result = {"samples_per_s": g, "step_s": self.bs / g if g else 0.0}
-            self._finish()
+            self._finish_phase()
         return self.batch
 
 
 class _Timed(_Phase):
     """Hands the script the batches of a real pass, timing each request."""
 
+    _pass: Pass | None = None
+
+    def _shutdown(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+
     def _drive(self, batches: list[np.ndarray]):
         """Hands the script ``warmup + steps`` batches of a pass over ``batches`` (which has more)."""
         self._pass = self._real_pass(batches)
         self._n = min(len(batches), self.warmup + self.steps)
 
-    def __next__(self):
+    def _next_batch(self):
         self.calls.append(time.perf_counter())
         if len(self.calls) > self._n:
             self._done()
@@ -219,10 +228,11 @@ class PrepPass(_Timed):
     def __init__(self, loader, s):
         super().__init__(loader, s)
         ld = loader
+        index = ld.resources.index
         k = int(s.get("subset_batches", 16)) * self.bs
         world = ld.world.world_size
-        order = sampler.epoch_order(len(ld.index), ld.seed, 0, True)[: k * world]
-        budget = int(ld.index.sizes[order].sum()) + 4096 * len(order)
+        order = sampler.epoch_order(len(index), ld.seed, 0, True)[: k * world]
+        budget = int(index.sizes[order].sum()) + 4096 * len(order)
         self._private_cache(budget)
         mine = sampler.shard(order, ld.world.rank, world, True)
         self.subset = mine
@@ -245,20 +255,20 @@ class PrepPass(_Timed):
             times.append(time.perf_counter())
             if len(times) > self.warmup + self.steps:
                 break
-        stats = p.stats(complete=False)
+        stats = p.stats().as_dict()
         p.close()
         self.result["P_samples_per_s"] = self._rate(times)
         self.result["P_cache_hit_fraction"] = stats["cache_hits"] / max(1, stats["cache_hits"] + stats["storage_reads"])
         self.result["subset_samples"] = int(len(order))
-        self.result["subset_bytes"] = int(ld.index.sizes[order].sum())
+        self.result["subset_bytes"] = int(index.sizes[order].sum())
         # 3. R: the script's step on cached data (the pass below)
         self._drive(cycle())
 
     def _done(self):
         self.result["R_samples_per_s"] = self._rate(self.calls)
         self._pass.close()
-        self.result["C_bytes_per_s"] = _cache_read_rate(self.loader.cache, self.subset)
-        self._finish()
+        self.result["C_bytes_per_s"] = _cache_read_rate(self.res.cache, self.subset)
+        self._finish_phase()
 
 
 class FetchPass(_Timed):
@@ -267,18 +277,18 @@ class FetchPass(_Timed):
     def __init__(self, loader, s):
         super().__init__(loader, s)
         ld = loader
-        self._private_cache(ld._analyze_budget)
-        ids = self._order(ld._epoch)
-        batches = sampler.batches(ids, self.bs, ld.drop_last)[: self.warmup + self.steps + TAIL]
+        self._private_cache(ld.resources.budget)
+        w = ld.world
+        batches = ld.schedule.batches(ld.position.epoch, w.rank, w.world_size)[: self.warmup + self.steps + TAIL]
         if len(batches) < self.warmup + self.steps + TAIL:  # a short epoch: measure what there is
             tail = min(TAIL, len(batches) // 4)
             self.warmup = min(self.warmup, len(batches) // 5)
             self.steps = len(batches) - self.warmup - tail
-        _drop_pages(ld.index.paths, np.concatenate(batches))
+        _drop_pages(ld.resources.index.paths, np.concatenate(batches))
         self._drive(batches)
 
     def _done(self):
-        s = self._pass.stats(complete=False)
+        s = self._pass.stats().as_dict()
         self._pass.close()
         self.result.update(
             samples_per_s=self._rate(self.calls),
@@ -290,19 +300,19 @@ class FetchPass(_Timed):
             storage_reads=s["storage_reads"],
             cache_hits=s["cache_hits"],
         )
-        self._finish()
+        self._finish_phase()
 
 
 class StoragePass(_Phase):
     """Phase S: random reads of this rank's samples from storage, pages dropped first."""
 
-    def __next__(self):
-        ld = self.loader
-        ids = self._order(ld._epoch + 7919)[: (self.warmup + self.steps) * self.bs]
+    def _next_batch(self):
+        ld = self.target
+        ids = self._order(ld.position.epoch + 7919)[: (self.warmup + self.steps) * self.bs]
         limit = float(self.spec.get("storage_seconds", 20.0))
-        paths, sizes = ld.index.paths, ld.index.sizes
+        paths, sizes = ld.resources.index.paths, ld.resources.index.sizes
         _drop_pages(paths, ids)
-        threads = ld._pool._max_workers if ld._pool is not None else 8
+        threads = ld.resources.io_threads or 8
         done_bytes = done_items = 0
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(threads) as pool:
@@ -321,8 +331,8 @@ class StoragePass(_Phase):
                 done_items += 1
         dt = time.perf_counter() - t0
         self.result = {"S_bytes_per_s": done_bytes / dt, "S_samples_per_s": done_items / dt,
-                       "read_items": done_items, "read_bytes": done_bytes, "seconds": dt}  # fmt: skip
-        self._finish()
+                       "read_items": done_items, "read_bytes": done_bytes, "seconds": dt}
+        self._finish_phase()
 
 
 def _cache_read_rate(cache: MinIOCache | None, ids: np.ndarray, min_seconds: float = 0.25) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
-from coordl.fetch import Fetcher
+from coordl.fetch.fetcher import Fetcher
 
 __all__ = ["FetchAhead", "RawBatch", "Stopped"]
 

@@ -356,6 +356,29 @@ def _group():
     return _gloo_group
 
 
+def refusal(options, backend: str, grouped: bool, world, *, early: bool = False) -> str | None:
+    """Why the partitioned cache does not run for a loader (None: it runs).
+
+    Args:
+        options: the loader's :class:`~coordl.config.PeerOptions`.
+        backend: ``"dali"`` or ``"torch"``.
+        grouped: the loader is in an ``hp_group``.
+        world: this process's place in the job.
+        early: the loader is being made: a launcher's environment that says the job spans
+            several nodes is enough (the process group may start later, before the first pass).
+    """
+    if options.mode is False:
+        return "peers=False"
+    if backend != "dali":
+        return "it serves the DALI backend (a folder or a list of files), not the torch backend yet"
+    if grouped:
+        return "an hp_group shares prep within one node"
+    if not enabled(world) and not (early and world.world_size > world.local_world_size):
+        return ("the job runs on one node, or torch.distributed is not initialized (call "
+                "torch.distributed.init_process_group before making the loader)")
+    return None
+
+
 def enabled(world) -> bool:
     """Whether this job spans several nodes with ``torch.distributed`` initialized."""
     try:

@@ -11,7 +11,9 @@ at a time, and then raises :class:`~coordl.errors.SampleError` naming the file, 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -19,6 +21,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
+from coordl import lifecycle
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import RawBatch
@@ -27,6 +30,24 @@ from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
 __all__ = ["DaliPrep"]
 
 log = logging.getLogger(__name__)
+
+_preps: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_pipelines_in_child() -> None:
+    """In a forked child, the parent's pipelines belong to threads that do not exist here:
+    shutting one down (when the child exits, or at collection) raises in C++ and aborts the
+    child. So the child lets go of them without shutting them down: their native handles are
+    kept alive until the process ends, and the Python objects no longer refer to them."""
+    for prep in list(_preps):
+        pipe, prep._pipe = prep._pipe, None
+        handle = getattr(pipe, "_pipe", None)
+        if handle is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))  # never freed in the child
+            pipe._pipe = None
+
+
+lifecycle.on_fork_child(_forget_pipelines_in_child)
 
 
 def _build_recipe(recipe, encoded, ctx: PrepContext):
@@ -100,6 +121,7 @@ class DaliPrep:
         self._paths: Callable[[int], str] = str
         self._stream = torch.cuda.Stream(device=device_id) if gpu else None
         self.waiting = BusyClock()  # runs while the caller waits for DALI's outputs
+        _preps.add(self)
 
     def _build(self):
         # A new seed per build keeps a rebuilt pipeline from replaying old randomness.

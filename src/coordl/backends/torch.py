@@ -8,7 +8,7 @@ worker processes, prefetching, ``collate_fn``, ``pin_memory``, worker seeding, t
 
 - a batch sampler holding this pass's batches (coordl's order, from the resume position);
 - :class:`Items`, whose ``__getitems__`` runs in a worker: it fetches each sample's bytes
-  through a :class:`~coordl.fetch.Fetcher` attached to the node's cache *by that worker*
+  through a :class:`~coordl.fetch.fetcher.Fetcher` attached to the node's cache *by that worker*
   (a forked worker must not use its parent's locks), decodes them with the dataset, applies
   the transforms, and returns them with where the bytes came from;
 - :class:`Collate`, which calls the user's ``collate_fn`` in the worker and passes the
@@ -32,26 +32,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from coordl.accounting import StepWaits
 from coordl.datasets import as_file
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
-from coordl.fetch import FetchCounters, Fetcher
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.fetcher import FetchCounters, Fetcher
+from coordl.passes import Pass, Step
+from coordl.resources import CacheSpec
 
-__all__ = ["CacheSpec", "Collate", "EpochBatches", "Fetched", "Items", "TorchPass"]
+__all__ = ["Collate", "EpochBatches", "Fetched", "Items", "TorchPass", "make_dataloader", "seed_for"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """What a worker needs to attach to the node's cache (picklable)."""
-
-    fingerprint: str
-    budget: int
-    keep: bool
-    directory: str
-    dataset: str
 
 
 @dataclasses.dataclass
@@ -98,11 +87,7 @@ class Items(torch.utils.data.Dataset):
     def fetcher(self) -> Fetcher:
         """This process's fetcher: a worker attaches to the node's cache on its first batch."""
         if self._pid != os.getpid() or self._fetcher is None:
-            c = self.cache
-            cache = None
-            if c is not None:
-                cache = MinIOCache(c.fingerprint, self.index.sizes, c.budget, keep=c.keep,
-                                   directory=c.directory, dataset=c.dataset)  # fmt: skip
+            cache = self.cache.open(self.index.sizes) if self.cache is not None else None
             self._fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
             self._pid = os.getpid()
         return self._fetcher
@@ -182,84 +167,74 @@ class EpochBatches:
         return len(self.batches)
 
 
-def make_dataloader(items: Items, batch_sampler: EpochBatches, *, num_workers: int, collate_fn, pin_memory: bool,
-                    timeout: float, worker_init_fn, multiprocessing_context, generator: torch.Generator,
-                    prefetch_factor: int | None, persistent_workers: bool, pin_memory_device: str) -> DataLoader:  # fmt: skip
-    """The DataLoader that runs the backend's passes (built once, so persistent workers persist)."""
+def make_dataloader(items: Items, batch_sampler: EpochBatches, options, generator: torch.Generator) -> DataLoader:
+    """The DataLoader that runs the backend's passes (built once, so persistent workers persist).
+
+    Args:
+        options: the loader's :class:`~coordl.config.TorchOptions`.
+    """
+    o = options
     return DataLoader(
-        items, batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=Collate(collate_fn),
-        pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
-        multiprocessing_context=multiprocessing_context, generator=generator, prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
-    )  # fmt: skip
+        items, batch_sampler=batch_sampler, num_workers=o.num_workers, collate_fn=Collate(o.collate_fn),
+        pin_memory=o.pin_memory, timeout=o.timeout, worker_init_fn=o.worker_init_fn,
+        multiprocessing_context=o.multiprocessing_context, generator=generator, prefetch_factor=o.prefetch_factor,
+        persistent_workers=o.persistent_workers, pin_memory_device=o.pin_memory_device,
+    )
 
 
-class TorchPass:
-    """One pass over an epoch on the torch backend, iterated like a DataLoader pass."""
+class TorchPass(Pass):
+    """One pass of the torch backend over ``batches``, iterated like a DataLoader pass.
 
-    def __init__(self, loader, epoch: int, batches: list[np.ndarray]):
-        self.loader = loader
-        self.epoch = epoch
-        self.active = True
-        self._start = loader._resume_from_started
-        self._n = len(batches)
+    Args:
+        resources: the loader's collaborators; ``resources.dataloader`` runs the pass.
+        config: the loader's settings.
+        batches: sample ids of each batch, in delivery order.
+        sampler: the DataLoader's batch sampler, which this pass sets to ``batches``.
+        persistent: the workers outlive the pass (``persistent_workers=True``).
+        **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
+    """
+
+    def __init__(self, resources, config, batches: list[np.ndarray], *, sampler: EpochBatches, persistent: bool,
+                 workers: int, **hooks):
+        super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        self._return_index = config.return_index
+        self._persistent = persistent
+        self._workers = max(1, workers)
         self._k = 0
-        self._batches = 0
-        self._samples = 0
-        self._waits = StepWaits()
         self._read_s = 0.0
         self._prep_s = 0.0
-        self._elapsed = 0.0
         self._skipped: list[tuple[int, str, str]] = []
-        self._counters = FetchCounters()
-        self._t0 = time.perf_counter()
-        loader._batch_sampler.batches = [b.tolist() for b in batches]
-        if loader._own_generator:
-            # The workers' seeds follow (seed, epoch, rank): a rerun augments alike, ranks differ.
-            loader._generator.manual_seed(_mix(loader.seed, epoch, loader.world.rank))
-        self._it = iter(loader._dataloader())
+        self._fetched = FetchCounters()
+        sampler.batches = [b.tolist() for b in batches]
+        self._it = iter(resources.dataloader)
 
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return self._n - self._k
-
-    def __next__(self):
-        if not self.active:
-            raise StopIteration
-        t0 = time.perf_counter()
+    def _step(self) -> Step | None:
         read = prep = 0.0  # the worker time of the batches this step waited for
+        t0 = time.perf_counter()
         while True:
             try:
                 fetched: Fetched = next(self._it)
             except StopIteration:
-                self._waits.add_tail(time.perf_counter() - t0)
-                self._finish()
-                raise
-            except BaseException:
-                self.close()
-                raise
+                return None
             self._k += 1
             self._account(fetched)
             read, prep = read + fetched.read_s, prep + fetched.prep_s
             if fetched.failure is not None:
-                self.close()
                 raise _failure(fetched.failure)
-            self.loader._on_batch(self._start + self._k)
             if fetched.batch is not None:
                 break  # else every sample of the batch was skipped: on to the next
+            if self._on_batch is not None:
+                self._on_batch(self.start + self._k)
         # A worker reads and then prepares each batch: the wait splits in the same proportion.
         wait = time.perf_counter() - t0
-        self._waits.record(wait, fetch=wait * read / (read + prep) if read + prep > 0 else 0.0)
-        self._batches += 1
-        self._samples += len(fetched.ids)
-        if self.loader.return_index:
-            return _with_ids(fetched.batch, torch.tensor(fetched.ids, dtype=torch.int64))
-        return fetched.batch
+        out = fetched.batch
+        if self._return_index:
+            out = _with_ids(out, torch.tensor(fetched.ids, dtype=torch.int64))
+        fetch = wait * read / (read + prep) if read + prep > 0 else 0.0
+        return Step(out, len(fetched.ids), self.start + self._k, fetch=fetch)
 
     def _account(self, f: Fetched) -> None:
-        c = self._counters
+        c = self._fetched
         for key, value in (f.counters or {}).items():
             setattr(c, key, getattr(c, key) + value)
         self._read_s += f.read_s
@@ -268,34 +243,21 @@ class TorchPass:
             log.warning("coordl: skipping sample %d (%s): %s", i, path, why)
         self._skipped += f.skipped
 
-    def _finish(self) -> None:
-        self._elapsed = time.perf_counter() - self._t0
-        self.active = False
-        self._it = None
-        self.loader._on_pass_end(self)
+    def _counters(self) -> FetchCounters:
+        return self._fetched
 
-    def stats(self, complete: bool) -> dict:
-        from coordl.loader import _Pass, pass_stats
+    def _figures(self) -> dict:
+        return {"fetch_wait_s": self._read_s / self._workers, "read_s": self._read_s, "prep_s": self._prep_s,
+                "skipped_paths": [p for _, p, _ in self._skipped]}
 
-        loader = self.loader
-        elapsed = self._elapsed if complete else time.perf_counter() - self._t0
-        workers = max(1, loader.num_workers)
-        return pass_stats(_Pass.base_stats(loader, self.epoch), self._counters, batches=self._batches,
-                          samples=self._samples, waits=self._waits, fetch_wait_s=self._read_s / workers,
-                          read_s=self._read_s, prep_s=self._prep_s, elapsed_s=elapsed,
-                          skipped_paths=[p for _, p, _ in self._skipped])  # fmt: skip
-
-    def close(self) -> None:
-        """Abandons the pass: stops its workers (persistent workers stay for the next pass)."""
-        if self._it is None:
-            return
-        self.active = False
+    def _shutdown(self) -> None:
+        """Stops the pass's workers (persistent workers stay for the next pass)."""
         it, self._it = self._it, None
-        if not self.loader.persistent_workers and hasattr(it, "_shutdown_workers"):
+        if it is not None and not self._persistent and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 
 
-def _mix(seed: int, epoch: int, rank: int) -> int:
+def seed_for(seed: int, epoch: int, rank: int) -> int:
     """A 63-bit seed from ``(seed, epoch, rank)`` (SplitMix64 steps)."""
     x = np.uint64(0)
     with np.errstate(over="ignore"):

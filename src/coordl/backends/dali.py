@@ -1,0 +1,108 @@
+"""The DALI pass: a driver thread runs fetch-ahead + the DALI pipeline, the consumer takes ready batches.
+
+The driver thread holds the pipeline, the look-ahead and the channel, never the pass or the
+loader, so a pass the consumer drops is collected and closed (``break``, ``islice``, ``del``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from coordl.config import LoaderConfig
+from coordl.fetch.ahead import FetchAhead, Stopped
+from coordl.fetch.fetcher import FetchCounters
+from coordl.passes import END, Channel, Pass, Step
+from coordl.resources import Resources
+
+__all__ = ["DaliPass"]
+
+
+class DaliPass(Pass):
+    """One pass of the DALI backend over ``batches`` (this rank's, from batch ``start`` of the epoch).
+
+    Args:
+        resources: the loader's collaborators; ``resources.prep`` is the pipeline runner.
+        config: the loader's settings.
+        batches: sample ids of each batch, in delivery order.
+        **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
+    """
+
+    def __init__(self, resources: Resources, config: LoaderConfig, batches: list[np.ndarray], **hooks):
+        super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        self._res = resources
+        self._return_index = config.return_index
+        prep = resources.prep
+        self._prep0 = prep.waiting.total()
+        self._skipped0 = len(prep.skipped)
+        resources.fetcher.reset_counters()
+        self._ahead = FetchAhead(resources.fetcher, batches, resources.index.labels, resources.pool,
+                                 depth=config.prefetch_batches, on_error=config.on_error, stop=self.stop_event,
+                                 peers=resources.peers, peer_pool=resources.peer_pool)
+        peers = resources.peers
+        self._served0 = peers.served() if peers is not None else (0, 0)
+        self._cursor = 0  # batches before this one have been delivered or skipped whole
+        self._channel = Channel(2, self.stop_event)
+        self._thread = threading.Thread(
+            target=_drive, args=(prep, self._ahead, resources.index.paths, self._channel, self.stop_event),
+            name="coordl-prep", daemon=True,
+        )
+        self._thread.start()
+
+    def _step(self) -> Step | None:
+        fetching = self._ahead.waiting
+        f0 = fetching.total()
+        item = self._channel.get(self._thread)
+        if item is END:
+            self._thread.join()
+            return None
+        images, labels, ids = item
+        position = self.start + self._number(int(ids[0])) + 1
+        out = (images, labels, ids) if self._return_index else (images, labels)
+        return Step(out, len(labels), position, fetch=fetching.total() - f0)
+
+    def _number(self, first: int) -> int:
+        """The number of the batch just delivered, whose first id is ``first``: the next batch
+        holding it (a batch skipped whole is passed over; padding may repeat an id later)."""
+        batches = self._ahead.batches
+        while self._cursor < len(batches) - 1 and first not in batches[self._cursor]:
+            self._cursor += 1
+        self._cursor += 1
+        return self._cursor - 1
+
+    def _counters(self) -> FetchCounters:
+        return self._res.fetcher.counters
+
+    def _figures(self) -> dict:
+        prep, peers = self._res.prep, self._res.peers
+        skipped = self._ahead.skipped + (prep.skipped[self._skipped0:] if prep is not None else [])
+        served = (0, 0)
+        if peers is not None:
+            reads, nbytes = peers.served()
+            served = (reads - self._served0[0], nbytes - self._served0[1])
+        prep_s = prep.waiting.total() - self._prep0 if prep is not None else 0.0
+        return {"fetch_wait_s": self._ahead.wait_s, "prep_s": prep_s,
+                "skipped_paths": [p for _, p, _ in skipped], "served": served}
+
+    def _shutdown(self) -> None:
+        self.stop_event.set()
+        if threading.current_thread() is self._thread:  # collected in its own thread: it is ending
+            return
+        while self._thread.is_alive():
+            self._channel.drain()
+            self._thread.join(timeout=0.1)
+
+
+def _drive(prep, ahead: FetchAhead, paths, channel: Channel, stop: threading.Event) -> None:
+    """The driver thread: raw batches through the pipeline into the channel, then END or the failure."""
+    try:
+        for tensors in prep.epoch(iter(ahead), paths.__getitem__):
+            if not channel.put(tensors):
+                return
+        channel.put(END)
+    except Stopped:
+        return
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer with its traceback
+        if not stop.is_set():
+            channel.fail(e)

@@ -1,0 +1,91 @@
+"""Ends a process's loaders before the interpreter does, whatever the script did.
+
+A training script may break out of its loop, raise, call ``sys.exit``, be interrupted, get
+SIGTERM (Slurm and Kubernetes preemption) or fork, and never call ``close()``. The process must
+still end as it would without coordl: the same exit status, nothing printed by coordl or DALI,
+and its shared memory released by itself. So:
+
+- every loader is registered here (weakly); at exit, :func:`close_all` closes the live ones
+  *before* DALI's own exit hook (which asserts that no pipeline is left and otherwise aborts
+  the process): :func:`before_dali_exit` moves coordl's hook to run first after DALI is imported;
+- SIGTERM, when the script has not chosen a handler, closes the loaders and then ends the
+  process by SIGTERM as it would have ended anyway (exit status -15 / 143);
+- in a child made by ``fork``, the parent's loaders belong to the parent: the child never
+  closes them, and hooks registered with :func:`on_fork_child` (DALI's pipelines) make sure
+  the child's exit does not touch the parent's threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+import weakref
+
+__all__ = ["before_dali_exit", "close_all", "on_fork_child", "track"]
+
+log = logging.getLogger(__name__)
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_installed = False
+
+
+def track(loader) -> None:
+    """Registers ``loader`` (anything with ``close()``) to be closed at exit and on SIGTERM."""
+    global _installed
+    _live.add(loader)
+    if not _installed:
+        _installed = True
+        atexit.register(close_all)
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    _install_sigterm()
+
+
+def before_dali_exit() -> None:
+    """Makes :func:`close_all` run before every exit hook registered so far (DALI's included)."""
+    atexit.unregister(close_all)
+    atexit.register(close_all)
+
+
+def close_all() -> None:
+    """Closes every live loader of this process (not those a forked child inherited)."""
+    for loader in list(_live):
+        try:
+            loader.close()
+        except Exception as e:  # noqa: BLE001 - at exit, one loader's failure must not stop the others
+            log.debug("coordl: closing %r at exit failed: %s", loader, e)
+
+
+_child_hooks: list = []
+
+
+def on_fork_child(hook) -> None:
+    """Runs ``hook()`` in every child this process forks from now on."""
+    _child_hooks.append(hook)
+
+
+def _after_fork_in_child() -> None:
+    _live.clear()
+    for hook in _child_hooks:
+        hook()
+
+
+def _install_sigterm() -> None:
+    """Closes the loaders on SIGTERM, when the script left SIGTERM's default action in place."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main interpreter
+        return
+
+
+def _on_sigterm(signum, frame) -> None:
+    close_all()
+    # The default action, as if coordl had never handled it: the process ends by SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

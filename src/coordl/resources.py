@@ -1,0 +1,142 @@
+"""What a loader's passes share: the index, the node's cache, the fetcher, thread pools, peers, the pipeline.
+
+:class:`Resources` is a plain holder with public attributes; passes receive it (never the
+loader). :class:`CacheSpec` says how to attach to a node's cache, so the loader, the torch
+backend's worker processes and DS-Analyzer open caches the same way.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordl.fetch.cache import MinIOCache, resolve_budget
+from coordl.fetch.fetcher import Fetcher
+from coordl.index import Index
+from coordl.shm import names, reaper
+
+__all__ = ["CacheSpec", "Resources", "reap_once"]
+
+log = logging.getLogger(__name__)
+
+_reaped: set[str] = set()
+
+
+def reap_once(directory: str) -> None:
+    """Reclaims, once per process and directory, what crashed jobs left in the shm directory."""
+    if directory in _reaped:
+        return
+    _reaped.add(directory)
+    try:
+        for g in reaper.reap(directory):
+            log.info("coordl: removed %d bytes of shared memory left by a dead job (%s)", g.bytes, g.fingerprint)
+    except OSError as e:  # an unreadable directory is reported when the cache is opened
+        log.debug("coordl: reaping %s failed: %s", directory, e)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """How to attach to one node-wide cache (picklable: worker processes attach by themselves)."""
+
+    fingerprint: str
+    budget: int
+    keep: bool
+    directory: str
+    dataset: str
+
+    @classmethod
+    def for_dataset(cls, index: Index, budget: int, *, keep: bool = False, private: str = "") -> CacheSpec:
+        """The cache of ``index`` for this user (segments are 0600, so two users get one each);
+        ``private`` names a cache of its own (DS-Analyzer's cold runs)."""
+        key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
+        group = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint)
+
+    def open(self, sizes: np.ndarray) -> MinIOCache:
+        """Attaches to the cache (creating it if this is its first user)."""
+        reap_once(self.directory)
+        return MinIOCache(self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory,
+                          dataset=self.dataset)
+
+
+def plan_cache(index: Index, cache_bytes, keep: bool) -> tuple[CacheSpec | None, int]:
+    """The cache a loader asks for (None: no cache) and its budget in bytes."""
+    directory = names.shm_dir()
+    budget = resolve_budget(cache_bytes, index.total_bytes, directory, num_items=len(index))
+    if budget == 0 and cache_bytes == "auto":
+        log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
+    if budget == 0:
+        return None, 0
+    return CacheSpec.for_dataset(index, budget, keep=keep), budget
+
+
+class Resources:
+    """The collaborators of a loader's passes, opened once and closed once.
+
+    Attributes:
+        index: the dataset.
+        cache_spec: how to attach to the node's cache (None: no cache).
+        budget: the cache budget asked for, in bytes.
+        cache: this process's attachment to the node's cache, or None.
+        fetcher: bytes of samples through the cache.
+        io_threads: threads of ``pool`` (0: no pool).
+        pool: threads reading misses from storage (DALI backend).
+        peer_pool: threads waiting for other nodes' caches.
+        peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
+        prep: the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`), made on the first pass.
+        dataloader: the torch backend's ``DataLoader`` over this cache, made on the first pass.
+        lender: the resources whose pool and pipeline these borrow (DS-Analyzer's private cache), or None.
+    """
+
+    def __init__(self, index: Index, cache_spec: CacheSpec | None, budget: int, *, io_threads: int = 0,
+                 lender: Resources | None = None):
+        self.index = index
+        self.cache_spec = cache_spec
+        self.budget = budget
+        self.cache = cache_spec.open(index.sizes) if cache_spec is not None else None
+        self.fetcher = Fetcher(index, self.cache, drop_page_cache=self.cache is not None)
+        self.lender = lender  # whose pools and pipeline these resources borrow
+        if lender is None:
+            self.io_threads = io_threads
+            self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io") if io_threads else None
+        else:
+            self.io_threads, self.pool = lender.io_threads, lender.pool
+        self.peer_pool: cf.ThreadPoolExecutor | None = None
+        self.peers = None
+        self.prep = None
+        self.dataloader = None
+        self.closed = False
+
+    def private(self, budget: int, name: str) -> Resources:
+        """Resources with a cold cache of ``budget`` bytes of their own (DS-Analyzer), borrowing
+        these resources' thread pool and pipeline."""
+        spec = CacheSpec.for_dataset(self.index, budget, private=name) if budget > 0 else None
+        return Resources(self.index, spec, budget, lender=self)
+
+    def close(self) -> None:
+        """Stops the workers, the threads and the pipeline it owns, and leaves the cache. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.dataloader is not None:
+            it = getattr(self.dataloader, "_iterator", None)  # persistent workers
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self.dataloader = None
+        if self.lender is None:
+            if self.peer_pool is not None:
+                self.peer_pool.shutdown(wait=True, cancel_futures=True)
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.peers is not None:
+                self.peers.close()
+            if self.prep is not None:
+                self.prep.close()
+        if self.cache is not None:
+            self.cache.close()

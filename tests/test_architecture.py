@@ -1,0 +1,480 @@
+"""The layering of src/coordl stays true: read from the source with ``ast``, nothing imported.
+
+Imports point one way, from the loader down to ``shm/``; a pure module never imports a
+stateful one; modules do not reach into each other's private names; files stay small
+enough to hold one idea; ``coordl/__init__.py`` is the public API, with a sorted
+``__all__``. Each rule lists every offender with its file and line.
+
+What counts as an import: every ``import``/``from ... import`` anywhere in a file (deferred
+imports inside functions included), except those under ``if TYPE_CHECKING:``, which never
+run. ``from coordl.pkg import name`` is an edge to the module ``coordl.pkg.name`` when there
+is one, else to ``coordl.pkg`` (its ``__init__``); the packages that Python imports on the
+way (``coordl``, ``coordl.pkg``) are not counted as edges.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "coordl"
+
+# -- the rules' lists -------------------------------------------------------------------------
+
+MAX_LINES = 600
+
+# Pure modules: plain values in, plain values out (orders, shards, placements, frames, the
+# what-if model). They may import each other, coordl.errors, the standard library and numpy.
+PURE = [
+    "coordl.sampler",
+    "coordl.placement",  # STYLE.md puts it at coordl.fetch.placement: either place is fine
+    "coordl.fetch.wire",
+    "coordl.analyze.model",
+]
+PURE_IF_PRESENT = [
+    "coordl.fetch.placement",
+    "coordl.position",
+    "coordl.schedule",
+]
+# A listed pure module may have moved to this other name (then the other name must exist).
+PURE_MOVED = {"coordl.placement": "coordl.fetch.placement", "coordl.fetch.placement": "coordl.placement"}
+PURE_MAY_IMPORT = ["coordl.errors"]
+THIRD_PARTY_PURE_MAY_IMPORT = ["numpy"]
+
+# shm/ holds primitives only: it imports nothing else from coordl.
+SHM = "coordl.shm"
+
+
+# -- reading the source -----------------------------------------------------------------------
+
+
+@dataclass
+class Import:
+    """One import statement's target, resolved to a module of the package when it is one."""
+
+    target: str  # a dotted module name (a package module, or an outside one such as "numpy")
+    line: int
+    names: list[str] = field(default_factory=list)  # names taken with ``from target import ...``
+    internal: bool = False
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    tree: ast.Module
+    lines: int
+    where: str  # the path shown in messages, e.g. coordl/loader.py
+    imports: list[Import] = field(default_factory=list)
+    private_uses: list[tuple[int, str]] = field(default_factory=list)  # (line, what)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _statements(tree: ast.AST):
+    """Every node of ``tree`` except what lies under ``if TYPE_CHECKING:`` (its ``else`` runs)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def load_modules(src: Path = SRC, package: str = PACKAGE) -> dict[str, Module]:
+    """Every module of ``package`` under ``src``, with its resolved imports and private uses."""
+    root = src / package
+    modules: dict[str, Module] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(src).with_suffix("")
+        parts = list(rel.parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        text = path.read_text(encoding="utf-8")
+        name = ".".join(parts)
+        tree = ast.parse(text, str(path))
+        modules[name] = Module(name, path, is_package, tree, len(text.splitlines()), str(path.relative_to(src)))
+    for m in modules.values():
+        _resolve(m, modules, package)
+    return modules
+
+
+def _resolve(m: Module, modules: dict[str, Module], package: str) -> None:
+    def inside(name: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    def existing(name: str) -> str:
+        """The longest prefix of ``name`` that is a module of the package."""
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) if parts else name
+
+    bound: dict[str, str] = {}  # a local name -> the package module it is bound to
+    for node in _statements(m.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if inside(alias.name):
+                    target = existing(alias.name)
+                    m.imports.append(Import(target, node.lineno, internal=True))
+                    if alias.asname:
+                        bound[alias.asname] = target
+                    else:  # ``import coordl.x.y`` binds ``coordl``; attribute chains are resolved below
+                        bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+                    for part in alias.name.split(".")[1:]:
+                        if _private(part) and not _same_package(m, alias.name):
+                            m.private_uses.append((node.lineno, f"import {alias.name}"))
+                else:
+                    m.imports.append(Import(alias.name, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = m.name if m.is_package else m.name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            if not inside(source):
+                m.imports.append(Import(source, node.lineno, [a.name for a in node.names]))
+                continue
+            plain: list[str] = []
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in modules:  # a submodule: the edge goes to it, not to the package
+                    m.imports.append(Import(sub, node.lineno, internal=True))
+                    bound[alias.asname or alias.name] = sub
+                    if _private(alias.name) and not _same_package(m, sub):
+                        m.private_uses.append((node.lineno, f"from {source} import {alias.name}"))
+                else:
+                    plain.append(alias.name)
+                    if _private(alias.name):
+                        m.private_uses.append((node.lineno, f"from {source} import {alias.name}"))
+            if plain:
+                m.imports.append(Import(existing(source), node.lineno, plain, internal=True))
+    # ``module._name`` where ``module`` is bound to a package module by an import of this file
+    for node in _statements(m.tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = []
+        cur: ast.expr = node
+        while isinstance(cur, ast.Attribute):
+            chain.append(cur.attr)
+            cur = cur.value
+        if not isinstance(cur, ast.Name) or cur.id not in bound:
+            continue
+        chain.reverse()
+        owner = bound[cur.id]
+        for attr in chain:  # walk down submodules: coordl.fetch.cache._x
+            if f"{owner}.{attr}" in modules and not _private(attr):
+                owner = f"{owner}.{attr}"
+                continue
+            if _private(attr) and owner != m.name:
+                m.private_uses.append((node.lineno, f"{cur.id}.{'.'.join(chain[: chain.index(attr) + 1])}"))
+            break
+
+
+def _same_package(m: Module, target: str) -> bool:
+    """A private submodule may be imported by the modules of its own package."""
+    pkg = target.rpartition(".")[0]
+    mine = m.name if m.is_package else m.name.rpartition(".")[0]
+    return mine == pkg or mine.startswith(pkg + ".")
+
+
+def edges(modules: dict[str, Module]) -> dict[str, dict[str, int]]:
+    """module -> {imported package module: first line}, self-imports left out."""
+    out: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for m in modules.values():
+        for imp in m.imports:
+            if imp.internal and imp.target != m.name and imp.target in modules:
+                out[m.name].setdefault(imp.target, imp.line)
+    return out
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], members: list[str]) -> list[str]:
+    """One shortest cycle through the first member of a component, as a list of modules."""
+    start = members[0]
+    inside = set(members)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    seen = {start}
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in graph[v]:
+                if w not in inside:
+                    continue
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start]
+                if w not in seen:
+                    seen.add(w)
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return members
+
+
+def describe_cycle(graph, modules, comp) -> str:
+    """A component's members, one shortest cycle through it, and every import inside it."""
+    path = shortest_cycle(graph, comp)
+    inner = [f"{a} -> {b} ({modules[a].where}:{graph[a][b]})" for a in comp for b in graph[a] if b in comp]
+    return (
+        f"{{{', '.join(comp)}}}\n    shortest cycle: {' -> '.join(path)}\n    imports inside it:\n      "
+        + "\n      ".join(inner)
+    )
+
+
+def _fail_if(offenders: list[str], header: str) -> None:
+    """Fails with one line per offender (no repr of the module table)."""
+    if offenders:
+        pytest.fail(f"{header}\n  " + "\n  ".join(offenders), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Module]:
+    found = load_modules()
+    assert PACKAGE in found and len(found) >= 10, f"found too few modules under {SRC / PACKAGE}: {sorted(found)}"
+    return found
+
+
+# -- the rules --------------------------------------------------------------------------------
+
+
+def test_no_import_cycles(modules):
+    graph = edges(modules)
+    comps = cycles(graph)
+    _fail_if(
+        [describe_cycle(graph, modules, c) for c in comps],
+        f"{len(comps)} import cycle(s) between coordl modules (imports point one way, from the loader down to "
+        "shm/; pass what a lower module needs as a value, or import a type only under TYPE_CHECKING):",
+    )
+
+
+def test_no_module_uses_another_modules_private_names(modules):
+    offenders = [f"{m.where}:{line}: {what}" for m in modules.values() for line, what in m.private_uses]
+    _fail_if(
+        sorted(offenders),
+        f"{len(offenders)} use(s) of another coordl module's private names (make the name "
+        "public, with a docstring, or move the code that needs it):",
+    )
+
+
+def test_modules_are_at_most_600_lines(modules):
+    big = sorted((m.lines, m.where) for m in modules.values() if m.lines > MAX_LINES)
+    _fail_if(
+        [f"{where}: {n} lines" for n, where in reversed(big)],
+        f"{len(big)} module(s) over {MAX_LINES} lines (a module that long usually holds two ideas; split it):",
+    )
+
+
+def test_shm_imports_nothing_else_from_coordl(modules):
+    offenders = [
+        f"{m.where}:{imp.line}: imports {imp.target}"
+        for m in modules.values()
+        if m.name == SHM or m.name.startswith(SHM + ".")
+        for imp in m.imports
+        if imp.internal and not (imp.target == SHM or imp.target.startswith(SHM + "."))
+    ]
+    _fail_if(offenders, "coordl.shm holds primitives and imports nothing else from coordl:")
+
+
+def _pure_modules(modules) -> list[str]:
+    return [name for name in PURE + PURE_IF_PRESENT if name in modules]
+
+
+def test_the_listed_pure_modules_exist(modules):
+    missing = [n for n in PURE if n not in modules and PURE_MOVED.get(n) not in modules]
+    _fail_if(
+        missing,
+        "pure module(s) listed in tests/test_architecture.py (PURE) are not in src/coordl; if one "
+        "moved or was renamed, update the list:",
+    )
+
+
+def test_pure_modules_import_only_pure_modules(modules):
+    pure = set(_pure_modules(modules))
+    allowed_internal = pure | set(PURE_MAY_IMPORT)
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    offenders = []
+    for name in sorted(pure):
+        m = modules[name]
+        for imp in m.imports:
+            if imp.internal:
+                if imp.target not in allowed_internal:
+                    offenders.append(f"{m.where}:{imp.line}: imports {imp.target} (stateful)")
+            else:
+                top = imp.target.split(".")[0]
+                if top not in stdlib and top not in THIRD_PARTY_PURE_MAY_IMPORT:
+                    offenders.append(f"{m.where}:{imp.line}: imports {imp.target}")
+    _fail_if(
+        offenders,
+        f"pure modules ({', '.join(sorted(pure))}) may import only each other, "
+        f"{', '.join(PURE_MAY_IMPORT)}, the standard library and numpy:",
+    )
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names bound at the top level of a module, plus those its ``__getattr__`` serves by name."""
+    names: set[str] = set()
+    for node in _statements(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__getattr__":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Compare):
+                    for c in [sub.left, *sub.comparators]:
+                        elts = c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+                        names |= {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    for node in tree.body:
+        nodes = [node]
+        if isinstance(node, (ast.If, ast.Try)):
+            nodes = list(_statements(node))
+        for n in nodes:
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                for a in n.names:
+                    names.add(a.asname or a.name.split(".")[0])
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    for e in ast.walk(t):
+                        if isinstance(e, ast.Name):
+                            names.add(e.id)
+    return names
+
+
+def _all_of(tree: ast.Module) -> tuple[list[str] | None, int]:
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                return list(ast.literal_eval(node.value)), node.lineno
+    return None, 0
+
+
+def test_public_all_is_sorted_and_names_what_init_defines(modules):
+    init = modules[PACKAGE]
+    names, line = _all_of(init.tree)
+    assert names is not None, f"{init.where} has no literal __all__"
+    problems = []
+    if names != sorted(names):
+        problems.append(f"__all__ is not sorted; sorted it reads {sorted(names)}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        problems.append(f"__all__ lists {dupes} more than once")
+    undefined = [n for n in names if n not in _defined_names(init.tree)]
+    if undefined:
+        problems.append(f"__all__ names {undefined}, which {init.where} neither defines nor imports")
+    _fail_if(problems, f"{init.where}:{line}: the public API's __all__:")
+
+
+# -- the checker itself finds what it should --------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text))
+
+
+def test_the_checker_resolves_imports_cycles_and_private_uses(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.a import A\n__all__ = ['A', 'later', 'B']\ndef __getattr__(name):\n"
+            "    if name == 'later':\n        return 1\n",
+            "pkg/a.py": """
+            from typing import TYPE_CHECKING
+            from pkg.sub import b            # the sibling module, not pkg.sub's __init__
+            if TYPE_CHECKING:
+                from pkg import c            # never runs: no edge
+            class A: ...
+            """,
+            "pkg/sub/__init__.py": "from . import b\n",
+            "pkg/sub/b.py": """
+            import numpy as np
+            def later():
+                from .. import c             # deferred: an edge to pkg.c
+                return c._hidden             # a private name of another module
+            """,
+            "pkg/c.py": "from pkg.a import A, _x\nimport pkg.sub.b as bee\nbee._y\n",
+            "pkg/sub/_priv.py": "",
+            "pkg/sub/d.py": "from pkg.sub import _priv\n",  # package-private: allowed
+            "pkg/e.py": "from pkg.sub import _priv\n",  # from outside its package: not allowed
+        },
+    )
+    mods = load_modules(tmp_path, "pkg")
+    graph = edges(mods)
+    assert graph["pkg.a"] == {"pkg.sub.b": 3}
+    assert graph["pkg.sub"] == {"pkg.sub.b": 1}
+    assert graph["pkg.sub.b"] == {"pkg.c": 4}
+    assert graph["pkg.c"] == {"pkg.a": 1, "pkg.sub.b": 2}
+    assert graph["pkg"] == {"pkg.a": 1}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert "pkg.a -> pkg.sub.b (pkg/a.py:3)" in describe_cycle(graph, mods, cycles(graph)[0])
+    assert shortest_cycle(graph, ["pkg.a", "pkg.c", "pkg.sub.b"]) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    assert [w for _, w in mods["pkg.sub.b"].private_uses] == ["c._hidden"]
+    assert sorted(w for _, w in mods["pkg.c"].private_uses) == ["bee._y", "from pkg.a import _x"]
+    assert mods["pkg.sub.d"].private_uses == []
+    assert [w for _, w in mods["pkg.e"].private_uses] == ["from pkg.sub import _priv"]
+    assert [i.target for i in mods["pkg.sub.b"].imports if not i.internal] == ["numpy"]
+    names, _ = _all_of(mods["pkg"].tree)
+    assert [n for n in names if n not in _defined_names(mods["pkg"].tree)] == ["B"]
