@@ -5,6 +5,8 @@ CoordLoader for ``--epochs`` epochs with a tiny step, and writes what every rank
 (sample ids per batch) and ``stats()`` per epoch to ``<out>/rank<r>.json``.
 
 ``--die-rank R --die-at E,B`` makes rank R kill itself (SIGKILL) after batch B of epoch E.
+``--leave-at B`` makes every rank break out of its last epoch after batch B and end the script
+without ``close()`` or ``destroy_process_group()``, as many training scripts end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=-1)
     p.add_argument("--die-at", default="1,2")
     p.add_argument("--peer-timeout", type=float, default=10.0)
+    p.add_argument("--leave-at", type=int, default=-1)
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -59,11 +62,15 @@ def main() -> None:
                 time.sleep(a.step_ms / 1000)
             if rank == a.die_rank and (epoch, k) == (die_epoch, die_batch):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if epoch == a.epochs - 1 and k == a.leave_at:
+                break
         record["epochs"].append({"batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0})
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
     if a.die_rank < 0:
         dist.barrier()  # every node keeps serving its cache until the last one is done
+    if a.leave_at >= 0:
+        return  # no close(): coordl releases what the process holds by itself
     loader.close()
     dist.destroy_process_group()
 

@@ -56,12 +56,30 @@ def test_lengths_of_sampler_dataset_and_batch_sampler(root, backend, drop_last):
     per_rank = N // WORLD if drop_last else math.ceil(N / WORLD)
     batches = per_rank // BATCH if drop_last else math.ceil(per_rank / BATCH)
     with make(root, backend, rank=RANK, world_size=WORLD, drop_last=drop_last) as loader:
-        assert len(loader) == batches
-        assert len(loader.sampler) == per_rank, "len(loader.sampler) is this rank's number of samples"
-        assert len(loader.dataset) == N, "len(loader.dataset) is the whole dataset's"
-        assert len(loader.batch_sampler) == len(loader)
-        # the ImageNet reference script's check for a remainder left out of distributed validation
-        assert (len(loader.sampler) * WORLD < len(loader.dataset)) == drop_last
+        got = {name: length_of(loader, name) for name in ("", "sampler", "dataset", "batch_sampler")}
+    want = {"": batches, "sampler": per_rank, "dataset": N, "batch_sampler": batches}
+    problems = [
+        f"len(loader{'.' + name if name else ''}) is {got[name]}, not {want[name]}"
+        for name in want
+        if got[name] != want[name]
+    ]
+    if problems:
+        pytest.fail(
+            f"{backend} backend, rank {RANK} of {WORLD}, {N} samples, drop_last={drop_last} (sampler: this rank's "
+            "samples; dataset: all of them; batch_sampler: as many as the loader's batches):\n  "
+            + "\n  ".join(problems),
+            pytrace=False,
+        )
+    # the ImageNet reference script's check for a remainder left out of distributed validation
+    assert (got["sampler"] * WORLD < got["dataset"]) == drop_last
+
+
+def length_of(loader, name: str):
+    """``len(loader.<name>)``, or why there is none."""
+    try:
+        return len(getattr(loader, name) if name else loader)
+    except (AttributeError, TypeError) as e:
+        return f"<{type(e).__name__}: {e}>"
 
 
 @pytest.mark.parametrize("backend", ["dali", "torch"])

@@ -101,9 +101,14 @@ trainer.fit(model)
 with open(os.path.join(OUT, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump({"rank": trainer.global_rank, "world_size": trainer.world_size,
                "len_train": len(train_loader), "len_val": len(val_loader), **model.seen}, f)
-# Rank 0 started the other rank: report how it ended.
-for p in getattr(getattr(trainer.strategy, "_launcher", None), "procs", None) or []:
-    print("other-rank-exit", p.wait(timeout=120), flush=True)
+# Rank 0 started the other rank (Lightning keeps its Popen in a private attribute: when that
+# changes, the test goes by rank 1's stderr and its "done" line alone).
+procs = getattr(getattr(trainer.strategy, "_launcher", None), "procs", None)
+if trainer.global_rank == 0:
+    for p in procs or []:
+        print("other-rank-exit", p.wait(timeout=120), flush=True)
+    if not procs:
+        print("other-rank-exit unknown", flush=True)
 print(f"rank{trainer.global_rank}-done", flush=True)
 """
 
@@ -263,7 +268,7 @@ def test_the_ddp_job_ends_cleanly(job):
     elif job.rc != 0:
         problems.append(f"exit status {job.rc}")
     others = [line.split()[1] for line in job.out.splitlines() if line.startswith("other-rank-exit")]
-    if others != ["0"] * (WORLD - 1):
+    if others != ["0"] * (WORLD - 1) and others != ["unknown"]:
         problems.append(f"the other rank's exit status: {others or 'not reported'}")
     for r in range(WORLD):
         if f"rank{r}-done" not in job.out:

@@ -223,9 +223,10 @@ _port = [29600 + os.getpid() % 200]
 
 
 def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int = 1, timeout: float = 240,
-               until=None) -> list:  # fmt: skip
+               until=None, leftovers: list | None = None, loopback: bool = False) -> list:  # fmt: skip
     """Runs multinode_train.py on ``nodes`` nodes; returns each torchrun's exit code (-9: killed
-    at ``timeout``, or once ``until()`` is true)."""
+    at ``timeout``, or once ``until()`` is true). ``loopback`` runs the nodes on loopback addresses
+    with a shm folder each, whose contents after the run go into ``leftovers``."""
     _port[0] += 1
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
@@ -236,7 +237,7 @@ def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(k),
                 "--nproc_per_node", str(per_node), "--master_addr", master, "--master_port", str(_port[0]), *script]  # fmt: skip
 
-    if NS_REASON is None:
+    if NS_REASON is None and not loopback:
         with netns.Cluster(nodes, shm_bytes=256 << 20) as c:  # 64 MiB of it stay free (headroom)
             env["GLOO_SOCKET_IFNAME"] = "eth0"
             procs = [c.popen(k, torchrun(k, c.address(0)), env=env, stdout=subprocess.DEVNULL,
@@ -253,7 +254,10 @@ def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int
         return _wait_all(procs, timeout, until)
     finally:
         for k in range(nodes):
-            subprocess.run(["rm", "-rf", f"/dev/shm/coordl-test-node{os.getpid()}-{k}"])
+            shm = f"/dev/shm/coordl-test-node{os.getpid()}-{k}"
+            if leftovers is not None:
+                leftovers += [f"node {k}: {name}" for name in os.listdir(shm)]
+            subprocess.run(["rm", "-rf", shm])
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float, until) -> list[int]:
@@ -275,6 +279,21 @@ def _records(out: Path, world: int) -> list[dict]:
 
 def _logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))
+
+
+def test_ranks_that_break_out_and_end_without_close_exit_cleanly_and_leave_nothing(tiny_dataset, tmp_path):
+    """Two nodes with peers break out of their last epoch and end without close(): exit 0, no
+    traceback or abort in their logs, and their shared memory released by the processes themselves."""
+    out, left = tmp_path / "out", []
+    codes = _run_nodes(tiny_dataset, out, 2, ["--epochs", "2", "--cache", "0.6", "--leave-at", "2"], leftovers=left,
+                       loopback=True)
+    logs = _logs(out)
+    assert codes == [0, 0], logs
+    for bad in ("Traceback", "terminate called", "Exception ignored", "AssertionError"):
+        assert bad not in logs, logs
+    assert left == [], f"left in shared memory: {left}"
+    recs = _records(out, 2)
+    assert all(r["epochs"][1]["stats"]["peer_reads"] + r["epochs"][1]["stats"]["cache_hits"] > 0 for r in recs)
 
 
 @pytest.mark.parametrize("locality", [0, 1], ids=["partitioned", "locality-aware"])

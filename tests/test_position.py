@@ -32,9 +32,9 @@ def run_pass(pos: Position, take: int, log: list, exhaust: bool = True) -> None:
 
 def restart(pos: Position) -> Position:
     """A new process loads the saved state (through JSON, as a checkpoint does)."""
-    state = json.loads(json.dumps(pos.state()))
+    state = json.loads(json.dumps(pos.state_dict()))
     fresh = Position()
-    fresh.restore(state["epoch"], state["batches"], state.get("order_epoch"))
+    fresh.load_state_dict(state)
     return fresh
 
 
@@ -75,7 +75,7 @@ def test_set_epoch_during_a_pass_is_for_the_next_pass(take, new):
         pos.delivered_to(n + 1)
     pos.set_epoch(new)
     assert pos.epoch == b.epoch and pos.delivered == take  # the running pass keeps its epoch
-    assert pos.state() == ({"epoch": new, "batches": 0} if new != 0 else {"epoch": 0, "batches": take})
+    assert pos.state_dict() == ({"epoch": new, "batches": 0} if new != 0 else {"epoch": 0, "batches": take})
     pos.stop()
     run_pass(pos, N, log)
     assert [n for _, n in log] == list(range(N)) and {ep for ep, _ in log} == {new}
@@ -85,7 +85,7 @@ def test_set_epoch_during_a_pass_is_for_the_next_pass(take, new):
 def test_a_new_pass_after_a_break_restarts_the_epoch(take):
     pos, log = Position(), []
     run_pass(pos, take, log)  # break
-    assert pos.state() == {"epoch": 0, "batches": take}  # what a checkpoint saved now resumes from
+    assert pos.state_dict() == {"epoch": 0, "batches": take}  # what a checkpoint saved now resumes from
     log.clear()
     run_pass(pos, N, log)  # a new iter(): the epoch from its start, as DataLoader does
     assert log == [(0, n) for n in range(N)] and pos.epoch == 1
@@ -94,8 +94,8 @@ def test_a_new_pass_after_a_break_restarts_the_epoch(take):
 @given(epoch=st.integers(0, 5), batches=st.integers(1, N), order=st.integers(0, 9))
 def test_restore_keeps_the_order_epoch_and_set_epoch_of_the_same_epoch_keeps_the_position(epoch, batches, order):
     pos = Position()
-    pos.restore(epoch, batches, order)
-    assert pos.state() == ({"epoch": epoch, "batches": batches} | ({"order_epoch": order} if order != epoch else {}))
+    pos.load_state_dict({"epoch": epoch, "batches": batches, "order_epoch": order})
+    assert pos.state_dict() == ({"epoch": epoch, "batches": batches} | ({"order_epoch": order} if order != epoch else {}))
     pos.set_epoch(epoch)  # a resumed script sets the epoch it is in: the position stays
     b = pos.begin()
     assert (b.epoch, b.start, b.order_epoch) == (epoch, batches, order)

@@ -11,7 +11,6 @@ pass), :mod:`~coordl.position` (epoch and batches delivered; resume),
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import logging
 import os
 import weakref
@@ -27,7 +26,7 @@ from coordl.prep.recipes import recipe_key, resolve_recipe
 from coordl.resources import Resources, plan_cache
 from coordl.schedule import Locality, Schedule
 from coordl.sources import as_dataset, make_index, resolve_device
-from coordl.surface import BatchSamplerView, SamplerView
+from coordl.surface import DataLoaderAttributes
 
 __all__ = ["CoordLoader"]
 
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-class CoordLoader:
+class CoordLoader(DataLoaderAttributes):
     """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
 
     Two backends share the order, sharding, resume, cache and statistics. A folder, a list or
@@ -234,64 +233,7 @@ class CoordLoader:
         self._closed = False
         lifecycle.track(self)
 
-    # -- the DataLoader surface -------------------------------------------------------------------
-    batch_size = property(lambda self: self.config.batch_size)
-    drop_last = property(lambda self: self.config.drop_last)
-    shuffle = property(lambda self: self.config.shuffle)
-    seed = property(lambda self: self.config.seed)
-    return_index = property(lambda self: self.config.return_index)
-    on_error = property(lambda self: self.config.on_error)
-    log_epochs = property(lambda self: self.config.log_epochs)
-    num_workers = property(lambda self: self.torch_options.num_workers)
-    pin_memory = property(lambda self: self.torch_options.pin_memory)
-    timeout = property(lambda self: self.torch_options.timeout)
-    multiprocessing_context = property(lambda self: self.torch_options.multiprocessing_context)
-    persistent_workers = property(lambda self: self.torch_options.persistent_workers)
-    pin_memory_device = property(lambda self: self.torch_options.pin_memory_device)
-    hp_group = property(lambda self: self.group_options.name if self.group_options else None)
-    locality_aware = property(lambda self: self.peer_options.locality_aware)
-    cache = property(lambda self: self.resources.cache)
-
-    @property
-    def worker_init_fn(self):
-        """The torch backend's ``worker_init_fn``; settable before a pass, as frameworks do."""
-        return self.torch_options.worker_init_fn
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn) -> None:
-        self.torch_options = dataclasses.replace(self.torch_options, worker_init_fn=fn)
-        if self.resources.dataloader is not None:
-            self.resources.dataloader.worker_init_fn = fn  # its workers start with the next pass
-
-    @property
-    def collate_fn(self):
-        """The torch backend's ``collate_fn`` (``default_collate`` when none was given); None with DALI."""
-        if self.backend == "dali":
-            return None
-        if self.torch_options.collate_fn is not None:
-            return self.torch_options.collate_fn
-        from torch.utils.data import default_collate
-
-        return default_collate
-
-    @property
-    def prefetch_factor(self) -> int | None:
-        """As ``DataLoader``'s: batches each worker loads ahead (2 with workers, None without)."""
-        if self.backend == "dali":
-            return self.config.prefetch_batches
-        pf = self.torch_options.prefetch_factor
-        return pf if pf is not None or self.num_workers == 0 else 2
-
-    @property
-    def sampler(self) -> SamplerView:
-        """This rank's samples of the current epoch, as a ``DistributedSampler`` (``len``, ``iter``, ``set_epoch``)."""
-        return SamplerView(self)
-
-    @property
-    def batch_sampler(self) -> BatchSamplerView:
-        """This rank's batches of the current epoch (``len(loader.batch_sampler) == len(loader)``)."""
-        return BatchSamplerView(self)
-
+    # -- where the job is ------------------------------------------------------------------------
     @property
     def world(self) -> world.World:
         """This process's place in the job: fixed by the first pass, read from the job until then."""
@@ -494,7 +436,7 @@ class CoordLoader:
         return {
             "version": STATE_VERSION,
             "seed": self.seed,
-            **self.position.state(),
+            **self.position.state_dict(),
             "rank": w.rank,
             "world_size": w.world_size,
             "batch_size": self.batch_size,
@@ -529,7 +471,7 @@ class CoordLoader:
         running = self._running()
         if running is not None:
             running.close()
-        self.position.restore(epoch, batches, order_epoch)
+        self.position.load_state_dict({"epoch": epoch, "batches": batches, "order_epoch": order_epoch})
         self._epoch_world = (state["rank"], state["world_size"])
 
     # -- stats ----------------------------------------------------------------------------------------

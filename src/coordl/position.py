@@ -33,7 +33,7 @@ class Position:
         order_epoch: the epoch whose order the current pass follows (an HP group's pass may
             follow the group's order rather than its own epoch's).
         pending: an epoch set by ``set_epoch`` during a pass, for the next pass.
-        resume_from: the batch the next pass starts at (set by :meth:`restore`).
+        resume_from: the batch the next pass starts at (set by :meth:`load_state_dict`).
         resume_order: the order epoch of the pass a restored state was in.
         running: a pass has begun and has neither ended nor been stopped.
     """
@@ -86,7 +86,7 @@ class Position:
         """The running pass was abandoned; the position stays where the consumer got to."""
         self.running = False
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """``epoch``, ``batches`` and, when it differs from ``epoch``, ``order_epoch``."""
         epoch, batches = self.epoch, self.delivered
         order_epoch = self.order_epoch if batches else None
@@ -99,12 +99,14 @@ class Position:
             state["order_epoch"] = order_epoch
         return state
 
-    def restore(self, epoch: int, batches: int, order_epoch: int | None = None) -> None:
-        """The next pass continues ``epoch`` after its first ``batches`` batches.
+    def load_state_dict(self, state: dict) -> None:
+        """The next pass continues ``state["epoch"]`` after its first ``state["batches"]`` batches
+        (in the order of ``state["order_epoch"]``, when given).
 
         A state saved after the last batch (before the loop saw ``StopIteration``) resumes as an
         empty pass of that epoch, so a script that calls ``set_epoch(epoch)`` again does not replay it.
         """
+        epoch, batches, order_epoch = state["epoch"], state["batches"], state.get("order_epoch")
         self.pending = None
         self.running = False
         self.epoch, self.delivered, self.resume_from = epoch, batches, batches

@@ -47,10 +47,11 @@ class DaliPass(Pass):
         self._thread = threading.Thread(
             target=_drive, args=(prep, self._ahead, resources.index.paths, self._channel, self.stop_event),
             name="coordl-prep", daemon=True,
-        )
-        self._thread.start()
+        )  # started by the first batch asked for: a pass made only to test iterability costs nothing
 
     def _step(self) -> Step | None:
+        if self._thread.ident is None:
+            self._thread.start()
         fetching = self._ahead.waiting
         f0 = fetching.total()
         item = self._channel.get(self._thread)

@@ -16,7 +16,6 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
