@@ -7,7 +7,14 @@ only what the cache cannot hold. Datasets with Python transforms (:mod:`coordl.d
 imported on first use) run on PyTorch's DataLoader workers with the same cache.
 """
 
-from coordl.errors import CoordlError, DatasetChangedError, GroupConfigError, SampleError, SharedMemoryError, StaleStateError
+from coordl.errors import (
+    CoordlError,
+    DatasetChangedError,
+    GroupConfigError,
+    SampleError,
+    SharedMemoryError,
+    StaleStateError,
+)
 from coordl.index import Index
 from coordl.loader import CoordLoader
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext

@@ -43,12 +43,20 @@ def _demo(args) -> int:
         print(f"Generating {args.images} ImageNet-like JPEGs in {root} ...", flush=True)
         summary = make_dataset(root, num_images=args.images, num_classes=args.classes, seed=0, progress=not args.quiet)
         print(summary, flush=True)
-        print(f"\nTraining loop: {args.epochs} epochs, batch size {args.batch_size}, "
-              f"MinIO cache = {args.cache:.0%} of the dataset, DALI on the CPU\n", flush=True)  # fmt: skip
+        print(
+            f"\nTraining loop: {args.epochs} epochs, batch size {args.batch_size}, "
+            f"MinIO cache = {args.cache:.0%} of the dataset, DALI on the CPU\n",
+            flush=True,
+        )
         rows = []
-        with coordl.CoordLoader(root, batch_size=args.batch_size, pipeline="imagenet-train",
-                                cache_bytes=args.cache, device_id=None,
-                                index_dir="" if not args.dir else None) as loader:  # fmt: skip
+        with coordl.CoordLoader(
+            root,
+            batch_size=args.batch_size,
+            pipeline="imagenet-train",
+            cache_bytes=args.cache,
+            device_id=None,
+            index_dir="" if not args.dir else None,
+        ) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 bar = _progress(len(loader), f"epoch {epoch}", disable=args.quiet)
@@ -176,16 +184,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=_demo)
 
-    m = sub.add_parser("make-dataset", help="generate an ImageNet-like ImageFolder tree of JPEGs",
-                       description="Generate a deterministic ImageNet-like ImageFolder tree of JPEGs of a "
-                       "given image count or total size, then print its file count, total bytes and "
-                       "mean size. Running it again with the same arguments is a cheap no-op.")  # fmt: skip
+    m = sub.add_parser(
+        "make-dataset",
+        help="generate an ImageNet-like ImageFolder tree of JPEGs",
+        description="Generate a deterministic ImageNet-like ImageFolder tree of JPEGs of a "
+        "given image count or total size, then print its file count, total bytes and "
+        "mean size. Running it again with the same arguments is a cheap no-op.",
+    )
     m.add_argument("root")
     howmany = m.add_mutually_exclusive_group(required=True)
     howmany.add_argument("--images", type=int, help="number of JPEGs")
-    howmany.add_argument("--size", type=_byte_size,
-                         help="total size: the fewest JPEGs that add up to at least SIZE, "
-                         "e.g. 500MB, 2GB, 1.5GiB or plain bytes")  # fmt: skip
+    howmany.add_argument(
+        "--size",
+        type=_byte_size,
+        help="total size: the fewest JPEGs that add up to at least SIZE, e.g. 500MB, 2GB, 1.5GiB or plain bytes",
+    )
     m.add_argument("--classes", type=int, default=10)
     m.add_argument("--photos", help="folder of large photographs to crop from (else generated images)")
     m.add_argument("--width", type=int, default=400)
@@ -196,24 +209,33 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_make_dataset)
 
     a = sub.add_parser(
-        "analyze", help="measure data stalls of a training script and predict what more resources buy",
+        "analyze",
+        help="measure data stalls of a training script and predict what more resources buy",
         description="Runs the training command (which must use coordl.CoordLoader) once per DS-Analyzer phase, "
         "each bounded by a number of steps: G (its step on synthetic batches), P and R (a cached subset, "
         "the loader alone and with training), S (storage reads), F (training from a cold cache). Then prints "
         "the rates, the stall split, the bottleneck and what-if predictions, and saves JSON and a plot.",
         usage="coordl analyze [options] -- python train.py [args ...]",
-    )  # fmt: skip
+    )
     a.add_argument("--steps", type=_positive_int, default=100, help="measured steps per phase (default 100)")
     a.add_argument("--warmup", type=_non_negative_int, default=5, help="steps before measuring (default 5)")
     a.add_argument("--out", default="coordl-analyze", help="folder for logs and the report (default ./coordl-analyze)")
     a.add_argument("--json", help="where to write the JSON report (default OUT/report.json)")
     a.add_argument("--plot", help="where to write the PNG plot (default OUT/report.png)")
     a.add_argument("--timeout", type=float, default=900, help="seconds a phase may take (default 900)")
-    a.add_argument("--subset-batches", type=_positive_int, default=16,
-                   help="batches per rank in phase P's cached subset (default 16)")  # fmt: skip
+    a.add_argument(
+        "--subset-batches",
+        type=_positive_int,
+        default=16,
+        help="batches per rank in phase P's cached subset (default 16)",
+    )
     a.add_argument("--storage-seconds", type=float, default=20.0, help="longest storage measurement (default 20)")
-    a.add_argument("--network-bandwidth", type=_byte_size, default=1_250_000_000,
-                   help="bytes/s between nodes for the multi-node what-if (default 1.25GB, i.e. 10 Gbit/s)")  # fmt: skip
+    a.add_argument(
+        "--network-bandwidth",
+        type=_byte_size,
+        default=1_250_000_000,
+        help="bytes/s between nodes for the multi-node what-if (default 1.25GB, i.e. 10 Gbit/s)",
+    )
     a.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     a.set_defaults(func=_analyze)
 

@@ -104,8 +104,14 @@ class TorchOptions:
 def identity(*, dataset: str, prep: str, batch_size: int, drop_last: bool, shuffle: bool, seed: int) -> dict:
     """What identifies a configuration: two loaders with the same identity deliver the same samples
     in the same batches, pre-processed alike."""
-    return {"dataset": dataset, "prep": prep, "batch_size": batch_size, "drop_last": drop_last,
-            "shuffle": shuffle, "seed": seed}
+    return {
+        "dataset": dataset,
+        "prep": prep,
+        "batch_size": batch_size,
+        "drop_last": drop_last,
+        "shuffle": shuffle,
+        "seed": seed,
+    }
 
 
 def fingerprint(ident: dict) -> str:

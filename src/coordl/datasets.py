@@ -172,8 +172,13 @@ class DatasetFolder(FileDataset):
             raise TypeError(f"loader must be callable, got {type(loader).__name__}")
         if isinstance(extensions, str):
             extensions = (extensions,)
-        index = Index.scan(root, extensions=tuple(extensions or ()), is_valid_file=is_valid_file,
-                           allow_empty=allow_empty, index_dir=index_dir)  # fmt: skip
+        index = Index.scan(
+            root,
+            extensions=tuple(extensions or ()),
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
+            index_dir=index_dir,
+        )
         self.root = os.fspath(root)
         self.loader = loader
         self.extensions = tuple(extensions) if extensions is not None else None
@@ -227,10 +232,15 @@ class ImageFolder(DatasetFolder):
         if loader is None or _is_torchvision_path_loader(loader):
             loader = pil_decode
         super().__init__(
-            root, loader, IMG_EXTENSIONS if is_valid_file is None else None, transform=transform,
-            target_transform=target_transform, is_valid_file=is_valid_file, allow_empty=allow_empty,
+            root,
+            loader,
+            IMG_EXTENSIONS if is_valid_file is None else None,
+            transform=transform,
+            target_transform=target_transform,
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
             index_dir=index_dir,
-        )  # fmt: skip
+        )
 
 
 def as_file(data, path: str) -> io.BytesIO:

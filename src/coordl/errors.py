@@ -7,7 +7,14 @@ of coordl's own failures.
 
 from __future__ import annotations
 
-__all__ = ["CoordlError", "DatasetChangedError", "GroupConfigError", "SampleError", "SharedMemoryError", "StaleStateError"]
+__all__ = [
+    "CoordlError",
+    "DatasetChangedError",
+    "GroupConfigError",
+    "SampleError",
+    "SharedMemoryError",
+    "StaleStateError",
+]
 
 
 class CoordlError(RuntimeError):

@@ -197,8 +197,7 @@ def _scan(
     if empty and not allow_empty:
         shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
         raise FileNotFoundError(
-            f"found no valid file for the classes {shown} in {root}. "
-            f"Supported extensions are: {', '.join(extensions)}"
+            f"found no valid file for the classes {shown} in {root}. Supported extensions are: {', '.join(extensions)}"
         )
     return Index.build(paths, labels, sizes, classes, root), dirs
 

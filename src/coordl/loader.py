@@ -21,7 +21,7 @@ from coordl.accounting import print_epoch_line
 from coordl.config import GroupOptions, LoaderConfig, PeerOptions, TorchOptions, fingerprint, identity
 from coordl.index import IMG_EXTENSIONS, Index
 from coordl.passes import Pass, PassStats, pass_stats
-from coordl.position import Position
+from coordl.position import Position, check_state
 from coordl.prep.recipes import recipe_key, resolve_recipe
 from coordl.resources import Resources, plan_cache
 from coordl.schedule import Locality, Schedule
@@ -115,7 +115,6 @@ class CoordLoader(DataLoaderAttributes):
             ``loader.sampler`` and ``loader.batch_sampler`` describe that order as ``DataLoader``'s do.
     """
 
-
     def __init__(
         self,
         data: str | os.PathLike | Sequence[tuple[str, int]] | Index,
@@ -165,17 +164,28 @@ class CoordLoader(DataLoaderAttributes):
                 "CoordLoader decides the order of samples itself (shuffle=, seed=, set_epoch(), one shard per "
                 "rank) so that every epoch is exactly-once and resumable; drop sampler=/batch_sampler="
             )
-        if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
-                                        or num_workers < 0):
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
             raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
-        self.config = LoaderConfig(batch_size, shuffle, drop_last, seed, on_error, return_index, io_threads,
-                                   prefetch_batches, log_epochs)
+        self.config = LoaderConfig(
+            batch_size, shuffle, drop_last, seed, on_error, return_index, io_threads, prefetch_batches, log_epochs
+        )
         self.group_options = GroupOptions(hp_group, hp_staging, hp_idle_timeout) if hp_group is not None else None
-        self.peer_options = PeerOptions(peers, locality_aware, peer_timeout, peer_retry_after, peer_interface,
-                                        peer_port)
-        self.torch_options = TorchOptions(num_workers or 0, bool(pin_memory), collate_fn, worker_init_fn, timeout,
-                                          multiprocessing_context, prefetch_factor, bool(persistent_workers),
-                                          pin_memory_device)
+        self.peer_options = PeerOptions(
+            peers, locality_aware, peer_timeout, peer_retry_after, peer_interface, peer_port
+        )
+        self.torch_options = TorchOptions(
+            num_workers or 0,
+            bool(pin_memory),
+            collate_fn,
+            worker_init_fn,
+            timeout,
+            multiprocessing_context,
+            prefetch_factor,
+            bool(persistent_workers),
+            pin_memory_device,
+        )
         self._explicit_world = (rank, world_size)
         self._world: world.World | None = None  # read when the first pass starts
         self._epoch_world: tuple[int, int] | None = None  # (rank, world size) of the batches delivered so far
@@ -225,8 +235,9 @@ class CoordLoader(DataLoaderAttributes):
             import torch
 
             self.generator = torch.Generator()  # seeded before every pass by (seed, epoch, rank)
-        self.schedule = Schedule(len(self.index), self.config.batch_size, self.config.shuffle,
-                                 self.config.drop_last, self.config.seed)
+        self.schedule = Schedule(
+            len(self.index), self.config.batch_size, self.config.shuffle, self.config.drop_last, self.config.seed
+        )
         self.position = Position()
         spec, budget = plan_cache(self.index, cache_bytes, keep_cache)
         self.resources = Resources(self.index, spec, budget, io_threads=io_threads if self.backend == "dali" else 0)
@@ -243,8 +254,11 @@ class CoordLoader(DataLoaderAttributes):
     def num_threads(self) -> int:
         """DALI's threads: ``num_threads``, else ``num_workers``, else the node's cores over its ranks."""
         cores = os.cpu_count() or 1
-        return self._num_threads_arg or self.torch_options.num_workers or max(1, cores // max(
-            1, self.world.local_world_size))
+        return (
+            self._num_threads_arg
+            or self.torch_options.num_workers
+            or max(1, cores // max(1, self.world.local_world_size))
+        )
 
     def __len__(self) -> int:
         return self.schedule.num_batches(self.world.world_size)
@@ -300,8 +314,9 @@ class CoordLoader(DataLoaderAttributes):
         self._pass_ref = weakref.ref(p)
         return p
 
-    def open_pass(self, batches, *, epoch: int | None = None, start: int = 0, resources: Resources | None = None,
-                  **hooks) -> Pass:
+    def open_pass(
+        self, batches, *, epoch: int | None = None, start: int = 0, resources: Resources | None = None, **hooks
+    ) -> Pass:
         """A pass of this loader's backend over ``batches`` (sample ids per batch), outside the
         loader's position unless ``hooks`` say otherwise: the entry DS-Analyzer's phases use.
 
@@ -323,9 +338,17 @@ class CoordLoader(DataLoaderAttributes):
             if self._own_generator:
                 # The workers' seeds follow (seed, epoch, rank): a rerun augments alike, ranks differ.
                 self.generator.manual_seed(seed_for(self.seed, epoch, self._world.rank))
-            return TorchPass(res, self.config, batches, sampler=self._torch_sampler,
-                             persistent=self.persistent_workers, workers=self.num_workers, epoch=epoch, start=start,
-                             **hooks)
+            return TorchPass(
+                res,
+                self.config,
+                batches,
+                sampler=self._torch_sampler,
+                persistent=self.persistent_workers,
+                workers=self.num_workers,
+                epoch=epoch,
+                start=start,
+                **hooks,
+            )
         from coordl.backends.dali import DaliPass
 
         self._start_prep(res)
@@ -389,9 +412,16 @@ class CoordLoader(DataLoaderAttributes):
                 raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
             return
         res.peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer")
-        res.peers = peer.PeerGroup(self._world, self.index, res.cache, timeout=float(o.timeout),
-                                   retry_after=float(o.retry_after), address=None, interface=o.interface,
-                                   port=o.port if o.port is not None else world.env_int("COORDL_PEER_PORT", 0))
+        res.peers = peer.PeerGroup(
+            self._world,
+            self.index,
+            res.cache,
+            timeout=float(o.timeout),
+            retry_after=float(o.retry_after),
+            address=None,
+            interface=o.interface,
+            port=o.port if o.port is not None else world.env_int("COORDL_PEER_PORT", 0),
+        )
 
     def _start_prep(self, res: Resources) -> None:
         if res.lender is not None:
@@ -400,9 +430,14 @@ class CoordLoader(DataLoaderAttributes):
         if res.prep is None:
             from coordl.prep.dali import DaliPrep
 
-            res.prep = DaliPrep(self.recipe, batch_size=self.batch_size, num_threads=self.num_threads,
-                                device_id=self.device_id, seed=self.seed * 7919 + self._world.rank,
-                                on_error=self.on_error)
+            res.prep = DaliPrep(
+                self.recipe,
+                batch_size=self.batch_size,
+                num_threads=self.num_threads,
+                device_id=self.device_id,
+                seed=self.seed * 7919 + self._world.rank,
+                on_error=self.on_error,
+            )
             lifecycle.before_dali_exit()
 
     def _start_dataloader(self, res: Resources) -> None:
@@ -418,17 +453,32 @@ class CoordLoader(DataLoaderAttributes):
             from coordl.staging.member import GroupMember
 
             self._start_prep(self.resources)
-            self._member = GroupMember(self.group_options, self.resources, self.config, self.recipe,
-                                       self._world, self.device_id, self.num_threads, self.identity(),
-                                       batches_per_pass=len(self), epoch=self.position.epoch)
+            self._member = GroupMember(
+                self.group_options,
+                self.resources,
+                self.config,
+                self.recipe,
+                self._world,
+                self.device_id,
+                self.num_threads,
+                self.identity(),
+                batches_per_pass=len(self),
+                epoch=self.position.epoch,
+            )
         return self._member
 
     # -- resume -------------------------------------------------------------------------------------
     def identity(self) -> dict:
         """What identifies this loader's configuration (see :func:`coordl.config.identity`)."""
         prep = recipe_key(self.recipe) if self.backend == "dali" else f"torch:{type(self.dataset).__qualname__}"
-        return identity(dataset=self.index.fingerprint, prep=prep, batch_size=self.batch_size,
-                        drop_last=self.drop_last, shuffle=self.shuffle, seed=self.seed)
+        return identity(
+            dataset=self.index.fingerprint,
+            prep=prep,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            shuffle=self.shuffle,
+            seed=self.seed,
+        )
 
     def state_dict(self) -> dict:
         """The position of delivery: JSON-able, a few integers and strings."""
@@ -453,25 +503,11 @@ class CoordLoader(DataLoaderAttributes):
             ValueError: ``state`` was saved by a differently configured loader (the message
                 names the field) or is malformed.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        mine = self.state_dict()
-        missing = sorted(set(mine) - set(state) - {"order_epoch"})
-        if missing:
-            raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
-        for key in ("version", "seed", "rank", "world_size", "batch_size", "drop_last", "shuffle", "dataset"):
-            _same(key, state, mine)
-        epoch, batches = state["epoch"], state["batches"]
-        order_epoch = state.get("order_epoch", epoch)
-        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batches, int) and 0 <= batches <= len(self)):
-            raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {len(self)}")
-        if not (isinstance(order_epoch, int) and order_epoch >= 0):
-            raise ValueError(f"state has an invalid order_epoch: {order_epoch!r}")
-        _same("config", state, mine)  # the rest of the identity: the pre-processing
+        check_state(state, self.state_dict(), len(self))
         running = self._running()
         if running is not None:
             running.close()
-        self.position.load_state_dict({"epoch": epoch, "batches": batches, "order_epoch": order_epoch})
+        self.position.load_state_dict(state)
         self._epoch_world = (state["rank"], state["world_size"])
 
     # -- stats ----------------------------------------------------------------------------------------
@@ -547,8 +583,3 @@ class CoordLoader(DataLoaderAttributes):
             f"CoordLoader({self.index.root or f'{len(self.index)} samples'!s}, batch_size={self.batch_size}, "
             f"{prep}, rank={w.rank}/{w.world_size}, cache={'off' if self.cache is None else self.cache.budget})"
         )
-
-
-def _same(key: str, state: dict, mine: dict) -> None:
-    if state[key] != mine[key]:
-        raise ValueError(f"cannot resume: state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}")

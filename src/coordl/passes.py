@@ -172,9 +172,18 @@ class Pass:
         cache: the node's cache, for the cache figures of the statistics (or None).
     """
 
-    def __init__(self, *, epoch: int, start: int, length: int, owner=None,
-                 on_batch: Callable[[int], None] | None = None, on_end: Callable[[Pass], None] | None = None,
-                 on_stop: Callable[[Pass], None] | None = None, cache=None):
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        start: int,
+        length: int,
+        owner=None,
+        on_batch: Callable[[int], None] | None = None,
+        on_end: Callable[[Pass], None] | None = None,
+        on_stop: Callable[[Pass], None] | None = None,
+        cache=None,
+    ):
         self.epoch = epoch
         self.start = start
         self.length = length
@@ -250,8 +259,16 @@ class Pass:
 
     def stats(self) -> PassStats:
         """This pass's statistics so far (final once it has ended or been closed)."""
-        return pass_stats(self.epoch, self._cache, self._counters(), batches=self.batches, samples=self.samples,
-                          waits=self.waits, elapsed_s=self.elapsed_s, **self._figures())
+        return pass_stats(
+            self.epoch,
+            self._cache,
+            self._counters(),
+            batches=self.batches,
+            samples=self.samples,
+            waits=self.waits,
+            elapsed_s=self.elapsed_s,
+            **self._figures(),
+        )
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -274,23 +291,47 @@ class Pass:
             pass
 
 
-def pass_stats(epoch: int, cache, c: FetchCounters, *, batches: int = 0, samples: int = 0,
-               waits: StepWaits | None = None, elapsed_s: float = 0.0, fetch_wait_s: float = 0.0,
-               read_s: float | None = None, prep_s: float = 0.0, skipped_paths: list[str] = (),
-               served: tuple[int, int] = (0, 0), extra: dict | None = None) -> PassStats:
+def pass_stats(
+    epoch: int,
+    cache,
+    c: FetchCounters,
+    *,
+    batches: int = 0,
+    samples: int = 0,
+    waits: StepWaits | None = None,
+    elapsed_s: float = 0.0,
+    fetch_wait_s: float = 0.0,
+    read_s: float | None = None,
+    prep_s: float = 0.0,
+    skipped_paths: list[str] = (),
+    served: tuple[int, int] = (0, 0),
+    extra: dict | None = None,
+) -> PassStats:
     """A pass's statistics from its counters (``read_s`` defaults to the counters' storage time)."""
     s = PassStats(
-        epoch=epoch, batches=batches, samples=samples,
-        cache_hits=c.cache_hits, cache_hit_bytes=c.cache_hit_bytes,
-        storage_reads=c.storage_reads, storage_bytes=c.storage_bytes,
-        peer_reads=c.peer_reads, peer_bytes=c.peer_bytes,
-        peer_served_reads=served[0], peer_served_bytes=served[1], admitted=c.admitted,
+        epoch=epoch,
+        batches=batches,
+        samples=samples,
+        cache_hits=c.cache_hits,
+        cache_hit_bytes=c.cache_hit_bytes,
+        storage_reads=c.storage_reads,
+        storage_bytes=c.storage_bytes,
+        peer_reads=c.peer_reads,
+        peer_bytes=c.peer_bytes,
+        peer_served_reads=served[0],
+        peer_served_bytes=served[1],
+        admitted=c.admitted,
         cache_bytes=cache.resident_bytes if cache is not None else 0,
         cache_items=cache.resident_items if cache is not None else 0,
         cache_budget=cache.budget if cache is not None else 0,
-        fetch_wait_s=fetch_wait_s, read_s=c.storage_ns / 1e9 if read_s is None else read_s, prep_s=prep_s,
-        elapsed_s=elapsed_s, samples_per_s=samples / elapsed_s if elapsed_s > 0 else 0.0,
-        skipped=len(skipped_paths), skipped_paths=list(skipped_paths)[:100], extra=dict(extra or {}),
+        fetch_wait_s=fetch_wait_s,
+        read_s=c.storage_ns / 1e9 if read_s is None else read_s,
+        prep_s=prep_s,
+        elapsed_s=elapsed_s,
+        samples_per_s=samples / elapsed_s if elapsed_s > 0 else 0.0,
+        skipped=len(skipped_paths),
+        skipped_paths=list(skipped_paths)[:100],
+        extra=dict(extra or {}),
     )
     for key, value in (waits or StepWaits()).summary(elapsed_s).items():
         setattr(s, key, value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PassStart", "Position"]
+__all__ = ["PassStart", "Position", "check_state"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +111,37 @@ class Position:
         self.running = False
         self.epoch, self.delivered, self.resume_from = epoch, batches, batches
         self.resume_order = (epoch if order_epoch is None else order_epoch) if batches else None
+
+
+# Fields that must be equal for a state to resume a loader, in the order they are checked; the
+# position is checked after them, and ``config`` (the rest of the identity: the pre-processing) last.
+MATCHING = ("version", "seed", "rank", "world_size", "batch_size", "drop_last", "shuffle", "dataset")
+
+
+def check_state(state, mine: dict, batches_per_epoch: int) -> None:
+    """Raises unless ``state`` (a loader's saved ``state_dict()``) can resume the loader whose
+    state is ``mine``; the message names the field that differs.
+
+    Raises:
+        TypeError: ``state`` is not a dict.
+        ValueError: a field differs, is missing, or the position does not fit the epoch.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    missing = sorted(set(mine) - set(state) - {"order_epoch"})
+    if missing:
+        raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
+    for key in MATCHING:
+        _same(key, state, mine)
+    epoch, batches = state["epoch"], state["batches"]
+    order_epoch = state.get("order_epoch", epoch)
+    if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batches, int) and 0 <= batches <= batches_per_epoch):
+        raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {batches_per_epoch}")
+    if not (isinstance(order_epoch, int) and order_epoch >= 0):
+        raise ValueError(f"state has an invalid order_epoch: {order_epoch!r}")
+    _same("config", state, mine)
+
+
+def _same(key: str, state: dict, mine: dict) -> None:
+    if state[key] != mine[key]:
+        raise ValueError(f"cannot resume: state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}")

@@ -60,8 +60,9 @@ class CacheSpec:
     def open(self, sizes: np.ndarray) -> MinIOCache:
         """Attaches to the cache (creating it if this is its first user)."""
         reap_once(self.directory)
-        return MinIOCache(self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory,
-                          dataset=self.dataset)
+        return MinIOCache(
+            self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory, dataset=self.dataset
+        )
 
 
 def plan_cache(index: Index, cache_bytes, keep: bool) -> tuple[CacheSpec | None, int]:
@@ -93,8 +94,15 @@ class Resources:
         lender: the resources whose pool and pipeline these borrow (DS-Analyzer's private cache), or None.
     """
 
-    def __init__(self, index: Index, cache_spec: CacheSpec | None, budget: int, *, io_threads: int = 0,
-                 lender: Resources | None = None):
+    def __init__(
+        self,
+        index: Index,
+        cache_spec: CacheSpec | None,
+        budget: int,
+        *,
+        io_threads: int = 0,
+        lender: Resources | None = None,
+    ):
         self.index = index
         self.cache_spec = cache_spec
         self.budget = budget

@@ -61,10 +61,19 @@ class Schedule:
         """Batches per rank and epoch."""
         return sampler.num_batches(self.shard_size(world_size), self.batch_size, self.drop_last)
 
-    def batches(self, epoch: int, rank: int, world_size: int, start: int = 0,
-                locality: Locality | None = None) -> list[np.ndarray]:
+    def batches(
+        self, epoch: int, rank: int, world_size: int, start: int = 0, locality: Locality | None = None
+    ) -> list[np.ndarray]:
         """Rank ``rank``'s batches of ``epoch`` from batch number ``start`` on."""
         if locality is not None:
-            return placement.locality_batches(self.order(epoch), rank, world_size, self.batch_size, self.drop_last,
-                                              locality.holder, locality.rank_nodes, start=start)
+            return placement.locality_batches(
+                self.order(epoch),
+                rank,
+                world_size,
+                self.batch_size,
+                self.drop_last,
+                locality.holder,
+                locality.rank_nodes,
+                start=start,
+            )
         return sampler.batches(self.shard(epoch, rank, world_size), self.batch_size, self.drop_last, start=start)

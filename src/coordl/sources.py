@@ -43,9 +43,7 @@ def make_index(data, extensions, index_dir) -> Index:
         return Index.scan(data, extensions=extensions, index_dir=index_dir)
     if isinstance(data, Sequence):
         return Index.from_list(data)
-    raise TypeError(
-        f"data must be a folder, a list of (path, label) pairs or an Index, got {type(data).__name__}"
-    )
+    raise TypeError(f"data must be a folder, a list of (path, label) pairs or an Index, got {type(data).__name__}")
 
 
 def resolve_device(device_id) -> int | None:

@@ -13,10 +13,20 @@ import math
 __all__ = ["format_bytes", "parse_bytes"]
 
 _UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
 _DECIMAL = ("B", "KB", "MB", "GB", "TB")  # what format_bytes picks from without a unit
 
 
@@ -58,8 +68,10 @@ def parse_bytes(value, dataset_bytes: int | None = None) -> int:
         if unit not in _UNITS or not num:
             raise ValueError(expected)
         if not text[len(num) :] and "." in num:
-            raise ValueError(f"{value!r} has no unit; write a fraction of the dataset as a float (0.5), "
-                             "or bytes with a unit ('0.5GB')")  # fmt: skip
+            raise ValueError(
+                f"{value!r} has no unit; write a fraction of the dataset as a float (0.5), "
+                "or bytes with a unit ('0.5GB')"
+            )
         try:
             number = float(num)
         except ValueError:

@@ -85,8 +85,10 @@ def describe_bottleneck(split: dict) -> str:
         return f"fetch-bound: {pct('fetch')} of the time is spent waiting for storage"
     if b == "prep":
         return f"prep-bound: {pct('prep')} of the time is spent waiting for decoding and augmentation"
-    return f"compute-bound: the training step takes {pct('compute')} of the time; data stalls are " \
-           f"{100 * (split['fetch'] + split['prep']):.0f}%"  # fmt: skip
+    return (
+        f"compute-bound: the training step takes {pct('compute')} of the time; data stalls are "
+        f"{100 * (split['fetch'] + split['prep']):.0f}%"
+    )
 
 
 class Model:
@@ -103,7 +105,9 @@ class Model:
         # scaled to match it exactly.
         overlapped = min(r.P, r.G)
         shared = 1.0 / (1.0 / r.P + 1.0 / r.G)
-        self.sharing = "overlapped" if abs(math.log(self.R / overlapped)) <= abs(math.log(self.R / shared)) else "shared"
+        self.sharing = (
+            "overlapped" if abs(math.log(self.R / overlapped)) <= abs(math.log(self.R / shared)) else "shared"
+        )
         self._calibration = self.R / (overlapped if self.sharing == "overlapped" else shared)
 
     # -- fetch ------------------------------------------------------------------------------
@@ -167,8 +171,13 @@ class Model:
         P = self.r.P * factor
         R = self.R_with_prep(P)
         x = self.cache_fraction()
-        return {"factor": factor, "prep_threads_per_rank": self.r.prep_threads * factor, "P": P, "R": R,
-                "predicted_samples_per_s": self.throughput(x, R=R)}  # fmt: skip
+        return {
+            "factor": factor,
+            "prep_threads_per_rank": self.r.prep_threads * factor,
+            "P": P,
+            "R": R,
+            "predicted_samples_per_s": self.throughput(x, R=R),
+        }
 
     # -- storage ----------------------------------------------------------------------------
     def with_bandwidth(self, factor: float) -> dict:

@@ -330,8 +330,13 @@ class StoragePass(_Phase):
                 done_bytes += len(f.result())
                 done_items += 1
         dt = time.perf_counter() - t0
-        self.result = {"S_bytes_per_s": done_bytes / dt, "S_samples_per_s": done_items / dt,
-                       "read_items": done_items, "read_bytes": done_bytes, "seconds": dt}
+        self.result = {
+            "S_bytes_per_s": done_bytes / dt,
+            "S_samples_per_s": done_items / dt,
+            "read_items": done_items,
+            "read_bytes": done_bytes,
+            "seconds": dt,
+        }
         self._finish_phase()
 
 

@@ -34,9 +34,18 @@ def rates_from(phases: dict[str, list[dict]]) -> Rates:
     )
 
 
-def build(rates: Rates, phases: dict[str, list[dict]] | None = None, *, command: list[str] | None = None,
-          fractions=DEFAULT_FRACTIONS, cores=(0.5, 2, 4), bandwidth=(0.5, 2, 4), nodes=(2, 4),
-          hp_jobs=(2, 4), network_bytes_per_s: float = 1.25e9) -> dict:  # fmt: skip
+def build(
+    rates: Rates,
+    phases: dict[str, list[dict]] | None = None,
+    *,
+    command: list[str] | None = None,
+    fractions=DEFAULT_FRACTIONS,
+    cores=(0.5, 2, 4),
+    bandwidth=(0.5, 2, 4),
+    nodes=(2, 4),
+    hp_jobs=(2, 4),
+    network_bytes_per_s: float = 1.25e9,
+) -> dict:
     """The report as a JSON-able dict (see the DS-Analyzer guide for every key)."""
     m = Model(rates)
     x = m.cache_fraction()
@@ -56,8 +65,14 @@ def build(rates: Rates, phases: dict[str, list[dict]] | None = None, *, command:
             "cache_fraction": x,
         },
         "rates": {"G": rates.G, "P": rates.P, "R": rates.R, "F": rates.F, "S": rates.S, "C": rates.C},
-        "units": {"G": "samples/s", "P": "samples/s", "R": "samples/s", "F": "samples/s", "S": "bytes/s",
-                  "C": "bytes/s"},  # fmt: skip
+        "units": {
+            "G": "samples/s",
+            "P": "samples/s",
+            "R": "samples/s",
+            "F": "samples/s",
+            "S": "bytes/s",
+            "C": "bytes/s",
+        },
         "stall": measured,
         "bottleneck": bottleneck(measured),
         "summary": describe_bottleneck(measured),
@@ -137,8 +152,10 @@ def table(r: dict) -> str:
     if need["fraction"] <= 0:
         lines.append("Storage alone keeps up: no cache is needed to remove fetch stalls.")
     else:
-        lines.append(f"A cache of {_pct(need['fraction'])} of the dataset ({need['bytes'] / 1e6:,.0f} MB per node) "
-                     "removes fetch stalls.")  # fmt: skip
+        lines.append(
+            f"A cache of {_pct(need['fraction'])} of the dataset ({need['bytes'] / 1e6:,.0f} MB per node) "
+            "removes fetch stalls."
+        )
     lines += ["", "What if the cache held (epochs after the first):", "  cache   predicted      bound"]
     for w in r["what_if"]:
         if round(w["cache_fraction"] * 100) % 25 == 0 or abs(w["cache_fraction"] - c["cache_fraction"]) < 1e-9:
@@ -160,8 +177,11 @@ def table(r: dict) -> str:
             f"{_rate(w['coordinated_per_job'])} each with hp_group ({w['speedup']:.2f}x)"
         )
     mc = r["model_check"]
-    lines += ["", f"Model check: cold cache predicted {_rate(mc['cold_predicted_samples_per_s'])}, "
-                  f"measured {_rate(mc['cold_measured_samples_per_s'])}."]  # fmt: skip
+    lines += [
+        "",
+        f"Model check: cold cache predicted {_rate(mc['cold_predicted_samples_per_s'])}, "
+        f"measured {_rate(mc['cold_measured_samples_per_s'])}.",
+    ]
     return "\n".join(lines)
 
 
@@ -189,13 +209,20 @@ def plot(r: dict, path: str, measured: list[tuple[float, float]] | None = None, 
     rt = r["rates"]
     top = 1.6 * max(rt["P"], min(rt["G"], 3 * rt["P"]), rt["R"])
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.plot(xs, [min(p["fetch_samples_per_s"], 10 * top) for p in w], color="tab:blue", label="F: fetch rate (predicted)")
+    ax.plot(
+        xs, [min(p["fetch_samples_per_s"], 10 * top) for p in w], color="tab:blue", label="F: fetch rate (predicted)"
+    )
     ax.axhline(rt["P"], color="tab:orange", linestyle="--", label=f"P: prep rate ({rt['P']:,.0f}/s)")
     if rt["G"] < top:
         ax.axhline(rt["G"], color="tab:green", linestyle="--", label=f"G: ingestion rate ({rt['G']:,.0f}/s)")
     ax.axhline(rt["R"], color="tab:purple", linestyle=":", label=f"R: training on cached data ({rt['R']:,.0f}/s)")
-    ax.plot(xs, [p["predicted_samples_per_s"] for p in w], color="black", linewidth=2.2,
-            label="predicted training speed min(F, R)")  # fmt: skip
+    ax.plot(
+        xs,
+        [p["predicted_samples_per_s"] for p in w],
+        color="black",
+        linewidth=2.2,
+        label="predicted training speed min(F, R)",
+    )
     ax.plot([0], [rt["F"]], "s", color="tab:red", label="measured, cold cache")
     if measured:
         mx, my = zip(*sorted(measured), strict=True)

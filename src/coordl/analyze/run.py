@@ -33,8 +33,18 @@ class AnalyzeError(CoordlError):
     """A phase could not be measured (the message says why and where its log is)."""
 
 
-def run_phase(command: list[str], phase: str, *, out: str, steps: int, warmup: int, run_id: str,
-              timeout: float, extra: dict | None = None, echo=None) -> list[dict]:  # fmt: skip
+def run_phase(
+    command: list[str],
+    phase: str,
+    *,
+    out: str,
+    steps: int,
+    warmup: int,
+    run_id: str,
+    timeout: float,
+    extra: dict | None = None,
+    echo=None,
+) -> list[dict]:
     """Runs ``command`` for ``phase``; returns the ranks' results.
 
     Raises:
@@ -70,8 +80,9 @@ def run_phase(command: list[str], phase: str, *, out: str, steps: int, warmup: i
     if not results or len(results) < world:
         tail = _tail(log_path)
         if proc.returncode not in (0, None) and proc.returncode != -signal.SIGTERM:
-            raise AnalyzeError(f"phase {phase}: the command failed with exit code {proc.returncode}; "
-                               f"the end of {log_path}:\n{tail}")  # fmt: skip
+            raise AnalyzeError(
+                f"phase {phase}: the command failed with exit code {proc.returncode}; the end of {log_path}:\n{tail}"
+            )
         got = f"{len(results)} of {world} ranks" if results else "no rank"
         raise AnalyzeError(
             f"phase {phase}: the command ended and {got} measured it. The script must iterate a coordl.CoordLoader "
@@ -81,8 +92,17 @@ def run_phase(command: list[str], phase: str, *, out: str, steps: int, warmup: i
     return sorted(results, key=lambda r: r["rank"])
 
 
-def analyze(command: list[str], *, out: str, steps: int = 100, warmup: int = 5, timeout: float = 900,
-            subset_batches: int = 16, storage_seconds: float = 20.0, echo=print) -> dict[str, list[dict]]:  # fmt: skip
+def analyze(
+    command: list[str],
+    *,
+    out: str,
+    steps: int = 100,
+    warmup: int = 5,
+    timeout: float = 900,
+    subset_batches: int = 16,
+    storage_seconds: float = 20.0,
+    echo=print,
+) -> dict[str, list[dict]]:
     """Runs the four phases; returns their per-rank results."""
     if not command:
         raise AnalyzeError("give the training command after --, e.g. coordl analyze -- python train.py")
@@ -93,8 +113,9 @@ def analyze(command: list[str], *, out: str, steps: int = 100, warmup: int = 5, 
     for phase, what in PHASES.items():
         echo(f"phase {phase} ({what}) ...", flush=True)
         t0 = time.monotonic()
-        phases[phase] = run_phase(command, phase, out=out, steps=steps, warmup=warmup, run_id=run_id,
-                                  timeout=timeout, extra=extra)  # fmt: skip
+        phases[phase] = run_phase(
+            command, phase, out=out, steps=steps, warmup=warmup, run_id=run_id, timeout=timeout, extra=extra
+        )
         echo(f"  {_phase_line(phase, phases[phase])} ({time.monotonic() - t0:.0f} s)", flush=True)
     return phases
 
@@ -104,8 +125,10 @@ def _phase_line(phase: str, results: list[dict]) -> str:
     if phase == "G":
         return f"G = {total('samples_per_s'):,.0f} samples/s"
     if phase == "P":
-        return (f"P = {total('P_samples_per_s'):,.0f} samples/s, R = {total('R_samples_per_s'):,.0f} samples/s, "
-                f"C = {total('C_bytes_per_s') / 1e9:.2f} GB/s")  # fmt: skip
+        return (
+            f"P = {total('P_samples_per_s'):,.0f} samples/s, R = {total('R_samples_per_s'):,.0f} samples/s, "
+            f"C = {total('C_bytes_per_s') / 1e9:.2f} GB/s"
+        )
     if phase == "S":
         return f"S = {total('S_bytes_per_s') / 1e6:,.1f} MB/s"
     return f"F = {total('samples_per_s'):,.0f} samples/s from a cold cache"
@@ -147,9 +170,16 @@ def main(args) -> int:
     if command and command[0] == "--":
         command = command[1:]
     try:
-        phases = analyze(command, out=args.out, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
-                         subset_batches=args.subset_batches, storage_seconds=args.storage_seconds,
-                         echo=lambda *a, **k: print(*a, file=sys.stderr, **k))  # fmt: skip
+        phases = analyze(
+            command,
+            out=args.out,
+            steps=args.steps,
+            warmup=args.warmup,
+            timeout=args.timeout,
+            subset_batches=args.subset_batches,
+            storage_seconds=args.storage_seconds,
+            echo=lambda *a, **k: print(*a, file=sys.stderr, **k),
+        )
     except AnalyzeError as e:
         print(f"coordl analyze: error: {e}", file=sys.stderr)
         return 1

@@ -37,16 +37,26 @@ class DaliPass(Pass):
         self._prep0 = prep.waiting.total()
         self._skipped0 = len(prep.skipped)
         resources.fetcher.reset_counters()
-        self._ahead = FetchAhead(resources.fetcher, batches, resources.index.labels, resources.pool,
-                                 depth=config.prefetch_batches, on_error=config.on_error, stop=self.stop_event,
-                                 peers=resources.peers, peer_pool=resources.peer_pool)
+        self._ahead = FetchAhead(
+            resources.fetcher,
+            batches,
+            resources.index.labels,
+            resources.pool,
+            depth=config.prefetch_batches,
+            on_error=config.on_error,
+            stop=self.stop_event,
+            peers=resources.peers,
+            peer_pool=resources.peer_pool,
+        )
         peers = resources.peers
         self._served0 = peers.served() if peers is not None else (0, 0)
         self._cursor = 0  # batches before this one have been delivered or skipped whole
         self._channel = Channel(2, self.stop_event)
         self._thread = threading.Thread(
-            target=_drive, args=(prep, self._ahead, resources.index.paths, self._channel, self.stop_event),
-            name="coordl-prep", daemon=True,
+            target=_drive,
+            args=(prep, self._ahead, resources.index.paths, self._channel, self.stop_event),
+            name="coordl-prep",
+            daemon=True,
         )  # started by the first batch asked for: a pass made only to test iterability costs nothing
 
     def _step(self) -> Step | None:
@@ -77,14 +87,18 @@ class DaliPass(Pass):
 
     def _figures(self) -> dict:
         prep, peers = self._res.prep, self._res.peers
-        skipped = self._ahead.skipped + (prep.skipped[self._skipped0:] if prep is not None else [])
+        skipped = self._ahead.skipped + (prep.skipped[self._skipped0 :] if prep is not None else [])
         served = (0, 0)
         if peers is not None:
             reads, nbytes = peers.served()
             served = (reads - self._served0[0], nbytes - self._served0[1])
         prep_s = prep.waiting.total() - self._prep0 if prep is not None else 0.0
-        return {"fetch_wait_s": self._ahead.wait_s, "prep_s": prep_s,
-                "skipped_paths": [p for _, p, _ in skipped], "served": served}
+        return {
+            "fetch_wait_s": self._ahead.wait_s,
+            "prep_s": prep_s,
+            "skipped_paths": [p for _, p, _ in skipped],
+            "served": served,
+        }
 
     def _shutdown(self) -> None:
         self.stop_event.set()

@@ -175,10 +175,18 @@ def make_dataloader(items: Items, batch_sampler: EpochBatches, options, generato
     """
     o = options
     return DataLoader(
-        items, batch_sampler=batch_sampler, num_workers=o.num_workers, collate_fn=Collate(o.collate_fn),
-        pin_memory=o.pin_memory, timeout=o.timeout, worker_init_fn=o.worker_init_fn,
-        multiprocessing_context=o.multiprocessing_context, generator=generator, prefetch_factor=o.prefetch_factor,
-        persistent_workers=o.persistent_workers, pin_memory_device=o.pin_memory_device,
+        items,
+        batch_sampler=batch_sampler,
+        num_workers=o.num_workers,
+        collate_fn=Collate(o.collate_fn),
+        pin_memory=o.pin_memory,
+        timeout=o.timeout,
+        worker_init_fn=o.worker_init_fn,
+        multiprocessing_context=o.multiprocessing_context,
+        generator=generator,
+        prefetch_factor=o.prefetch_factor,
+        persistent_workers=o.persistent_workers,
+        pin_memory_device=o.pin_memory_device,
     )
 
 
@@ -194,8 +202,17 @@ class TorchPass(Pass):
         **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
     """
 
-    def __init__(self, resources, config, batches: list[np.ndarray], *, sampler: EpochBatches, persistent: bool,
-                 workers: int, **hooks):
+    def __init__(
+        self,
+        resources,
+        config,
+        batches: list[np.ndarray],
+        *,
+        sampler: EpochBatches,
+        persistent: bool,
+        workers: int,
+        **hooks,
+    ):
         super().__init__(length=len(batches), cache=resources.cache, **hooks)
         self._return_index = config.return_index
         self._persistent = persistent
@@ -247,8 +264,12 @@ class TorchPass(Pass):
         return self._fetched
 
     def _figures(self) -> dict:
-        return {"fetch_wait_s": self._read_s / self._workers, "read_s": self._read_s, "prep_s": self._prep_s,
-                "skipped_paths": [p for _, p, _ in self._skipped]}
+        return {
+            "fetch_wait_s": self._read_s / self._workers,
+            "read_s": self._read_s,
+            "prep_s": self._prep_s,
+            "skipped_paths": [p for _, p, _ in self._skipped],
+        }
 
     def _shutdown(self) -> None:
         """Stops the pass's workers (persistent workers stay for the next pass)."""

@@ -50,9 +50,19 @@ class FetchAhead:
         peer_pool: threads that wait for peers' answers.
     """
 
-    def __init__(self, fetcher: Fetcher, batches: list[np.ndarray], labels: np.ndarray,
-                 pool: cf.ThreadPoolExecutor, *, depth: int, on_error: str, stop: threading.Event,
-                 peers=None, peer_pool: cf.ThreadPoolExecutor | None = None):  # fmt: skip
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        batches: list[np.ndarray],
+        labels: np.ndarray,
+        pool: cf.ThreadPoolExecutor,
+        *,
+        depth: int,
+        on_error: str,
+        stop: threading.Event,
+        peers=None,
+        peer_pool: cf.ThreadPoolExecutor | None = None,
+    ):
         self.fetcher = fetcher
         self.batches = batches
         self.labels = labels

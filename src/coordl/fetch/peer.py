@@ -227,8 +227,17 @@ class PeerClient:
         prefer: which of a node's servers to use (this rank's number, to spread the load).
     """
 
-    def __init__(self, servers: dict[int, list[tuple[str, int]]], secret: bytes, dataset: str, sizes: np.ndarray,
-                 *, timeout: float, retry_after: float, prefer: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        servers: dict[int, list[tuple[str, int]]],
+        secret: bytes,
+        dataset: str,
+        sizes: np.ndarray,
+        *,
+        timeout: float,
+        retry_after: float,
+        prefer: int = 0,
+    ):
         self.servers = servers
         self.secret = secret
         self.dataset = dataset
@@ -269,8 +278,14 @@ class PeerClient:
                     self.failures += 1
                     for a in [addr] if refused else addrs:
                         self._down_until[a] = until
-                log.warning("coordl: peer node %d (%s:%d) failed (%s); reading its samples from storage for %.0f s",
-                            node, addr[0], addr[1], e or type(e).__name__, self.retry_after)  # fmt: skip
+                log.warning(
+                    "coordl: peer node %d (%s:%d) failed (%s); reading its samples from storage for %.0f s",
+                    node,
+                    addr[0],
+                    addr[1],
+                    e or type(e).__name__,
+                    self.retry_after,
+                )
                 if not refused:
                     break
         return got
@@ -374,8 +389,10 @@ def refusal(options, backend: str, grouped: bool, world, *, early: bool = False)
     if grouped:
         return "an hp_group shares prep within one node"
     if not enabled(world) and not (early and world.world_size > world.local_world_size):
-        return ("the job runs on one node, or torch.distributed is not initialized (call "
-                "torch.distributed.init_process_group before making the loader)")
+        return (
+            "the job runs on one node, or torch.distributed is not initialized (call "
+            "torch.distributed.init_process_group before making the loader)"
+        )
     return None
 
 
@@ -400,8 +417,18 @@ class PeerGroup:
         port: the server's port (0: any free one).
     """
 
-    def __init__(self, world, index, cache, *, timeout: float, retry_after: float,
-                 address: str | None, interface: str | None, port: int):  # fmt: skip
+    def __init__(
+        self,
+        world,
+        index,
+        cache,
+        *,
+        timeout: float,
+        retry_after: float,
+        address: str | None,
+        interface: str | None,
+        port: int,
+    ):
         self.world = world
         self.index = index
         self.cache = cache
@@ -461,8 +488,15 @@ class PeerGroup:
         if self.server is not None:
             self.server.set_secret(secret)
         if self.client is None:
-            self.client = PeerClient(dict(servers), secret, self.index.fingerprint, self.index.sizes,
-                                     timeout=self.timeout, retry_after=self.retry_after, prefer=w.rank)  # fmt: skip
+            self.client = PeerClient(
+                dict(servers),
+                secret,
+                self.index.fingerprint,
+                self.index.sizes,
+                timeout=self.timeout,
+                retry_after=self.retry_after,
+                prefer=w.rank,
+            )
         else:
             self.client.servers = dict(servers)
 

@@ -72,9 +72,15 @@ def _normalize(images, recipe, ctx, *, mirror, crop):
     kwargs = {"crop": crop} if crop else {}
     if recipe.dtype == "uint8":
         return fn.crop_mirror_normalize(
-            images, device=ctx.device, dtype=types.UINT8, output_layout="CHW", mirror=mirror,
-            mean=[0.0], std=[1.0], **kwargs,
-        )  # fmt: skip
+            images,
+            device=ctx.device,
+            dtype=types.UINT8,
+            output_layout="CHW",
+            mirror=mirror,
+            mean=[0.0],
+            std=[1.0],
+            **kwargs,
+        )
     return fn.crop_mirror_normalize(
         images,
         device=ctx.device,
@@ -100,8 +106,17 @@ class DaliPrep:
         prefetch_queue_depth: batches DALI works on ahead of the consumer.
     """
 
-    def __init__(self, recipe, *, batch_size: int, num_threads: int, device_id: int | None, seed: int,
-                 on_error: str = "raise", prefetch_queue_depth: int = 2):  # fmt: skip
+    def __init__(
+        self,
+        recipe,
+        *,
+        batch_size: int,
+        num_threads: int,
+        device_id: int | None,
+        seed: int,
+        on_error: str = "raise",
+        prefetch_queue_depth: int = 2,
+    ):
         self.recipe = recipe
         self.batch_size = batch_size
         self.num_threads = num_threads
@@ -127,13 +142,21 @@ class DaliPrep:
         seed = (self.seed * 1_000_003 + self._builds) % (2**31)
         self._builds += 1
 
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
-                      seed=seed, prefetch_queue_depth=self.depth)  # fmt: skip
+        @pipeline_def(
+            batch_size=self.batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device_id,
+            seed=seed,
+            prefetch_queue_depth=self.depth,
+        )
         def graph():
             encoded, labels, ids = fn.external_source(
-                source=self._next_raw, num_outputs=3, batch=True, no_copy=True,
+                source=self._next_raw,
+                num_outputs=3,
+                batch=True,
+                no_copy=True,
                 dtype=[types.UINT8, types.INT64, types.INT64],
-            )  # fmt: skip
+            )
             images = _build_recipe(self.recipe, encoded, self.ctx)
             return images, labels, ids
 
@@ -210,9 +233,7 @@ class DaliPrep:
         for batch in inflight:
             keep = [k for k, i in enumerate(batch.ids) if int(i) not in bad]
             if keep:
-                self._pending.append(
-                    RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep])
-                )
+                self._pending.append(RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep]))
         self._pipe = self._build()
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:
@@ -277,8 +298,9 @@ def _non_empty(source: Iterator[RawBatch]) -> Iterator[RawBatch]:
 
 
 def _probe_pipeline(decoder_device: str, device_id: int | None):
-    @pipeline_def(batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1,
-                  exec_async=False, exec_pipelined=False)  # fmt: skip
+    @pipeline_def(
+        batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1, exec_async=False, exec_pipelined=False
+    )
     def probe():
         x = fn.external_source(name="x", dtype=types.UINT8, ndim=1)
         return fn.decoders.image(x, device=decoder_device, output_type=types.RGB)

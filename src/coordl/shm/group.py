@@ -61,7 +61,7 @@ def group_files(fingerprint: str, directory: str | None = None) -> list[str]:
     except FileNotFoundError:
         return []
     order = {"init": 2, "lock": 1}
-    entries.sort(key=lambda e: order.get(e[len(prefix):].split(".")[0], 0))
+    entries.sort(key=lambda e: order.get(e[len(prefix) :].split(".")[0], 0))
     return [os.path.join(directory, e) for e in entries]
 
 

@@ -34,8 +34,14 @@ __all__ = ["EMPTY_GROUP_STATS", "GroupMember", "GroupPass"]
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 30.0
-EMPTY_GROUP_STATS = {"produced": 0, "consumed_shared": 0, "hp_members": 0, "staging_bound": 0, "staging_bytes": 0,
-                     "staging_peak_bytes": 0}
+EMPTY_GROUP_STATS = {
+    "produced": 0,
+    "consumed_shared": 0,
+    "hp_members": 0,
+    "staging_bound": 0,
+    "staging_bytes": 0,
+    "staging_peak_bytes": 0,
+}
 
 
 class GroupMember:
@@ -54,16 +60,27 @@ class GroupMember:
         epoch: the loader's epoch when it joins.
     """
 
-    def __init__(self, options, resources, config, recipe, world, device_id, num_threads: int, identity: dict, *,
-                 batches_per_pass: int, epoch: int):
+    def __init__(
+        self,
+        options,
+        resources,
+        config,
+        recipe,
+        world,
+        device_id,
+        num_threads: int,
+        identity: dict,
+        *,
+        batches_per_pass: int,
+        epoch: int,
+    ):
         self.options = options
         self.resources = resources
         self.config = config
         self.recipe = recipe
         self.world = world
         self.device_id = device_id
-        self.schedule = Schedule(len(resources.index), config.batch_size, config.shuffle, config.drop_last,
-                                 config.seed)
+        self.schedule = Schedule(len(resources.index), config.batch_size, config.shuffle, config.drop_last, config.seed)
         self.in_step = True  # every group pass so far had the order of this loader's epoch
         self.produced = 0  # group batches this member's producers made
         self.produced_mark = 0  # ... when the last pass's statistics were taken
@@ -74,15 +91,27 @@ class GroupMember:
 
         reap_once(names.shm_dir())
         config_of_group = dict(identity, world_size=world.world_size, on_error=config.on_error)
-        self.area = StagingArea(options.name, world.rank, config_of_group, batch_size=config.batch_size,
-                                batches_per_pass=batches_per_pass, sample_shape=shape, dtype=dtype, epoch=epoch,
-                                bound=options.staging, idle_timeout=options.idle_timeout)
+        self.area = StagingArea(
+            options.name,
+            world.rank,
+            config_of_group,
+            batch_size=config.batch_size,
+            batches_per_pass=batches_per_pass,
+            sample_shape=shape,
+            dtype=dtype,
+            epoch=epoch,
+            bound=options.staging,
+            idle_timeout=options.idle_timeout,
+        )
         self.normalize = self._normalizer()
 
     def _uint8_staging(self) -> bool:
         r = self.recipe
-        return (isinstance(r, (ImageNetTrain, ImageNetVal)) and r.dtype == "float32"
-                and (self.device_id is not None or os.environ.get("COORDL_HP_STAGE_UINT8") == "1"))
+        return (
+            isinstance(r, (ImageNetTrain, ImageNetVal))
+            and r.dtype == "float32"
+            and (self.device_id is not None or os.environ.get("COORDL_HP_STAGE_UINT8") == "1")
+        )
 
     def _staged_format(self, num_threads: int) -> tuple[tuple[int, ...], str]:
         """Shape and dtype of one staged image: the recipe's output, or uint8 pixels that the
@@ -94,8 +123,13 @@ class GroupMember:
 
                 c = self.config
                 self._staging_prep = DaliPrep(
-                    dataclasses.replace(r, dtype="uint8"), batch_size=c.batch_size, num_threads=num_threads,
-                    device_id=self.device_id, seed=c.seed * 7919 + self.world.rank + 104729, on_error=c.on_error)
+                    dataclasses.replace(r, dtype="uint8"),
+                    batch_size=c.batch_size,
+                    num_threads=num_threads,
+                    device_id=self.device_id,
+                    seed=c.seed * 7919 + self.world.rank + 104729,
+                    on_error=c.on_error,
+                )
                 return (3, r.size, r.size), "uint8"
             return (3, r.size, r.size), r.dtype
         # A custom recipe: run it on one sample to learn its output.
@@ -152,8 +186,9 @@ class _Producer:
         res = member.resources
         self._paths = res.index.paths
         self._prep0 = self.prep.waiting.total()
-        self.fetch = FetchAhead(res.fetcher, [], res.index.labels, res.pool, depth=1,
-                                on_error=member.config.on_error, stop=stop)
+        self.fetch = FetchAhead(
+            res.fetcher, [], res.index.labels, res.pool, depth=1, on_error=member.config.on_error, stop=stop
+        )
         self._inflight: collections.deque[tuple[Claim, np.ndarray]] = collections.deque()
         self._batches: dict[int, list[np.ndarray]] = {}
         self._dtype = getattr(torch, self.area.dtype)
@@ -276,7 +311,10 @@ class GroupPass(Pass):
         if not continues and released < start:
             log.info(
                 "coordl: hp_group %r is in the middle of an epoch (batch %d of %d); this job starts sharing at "
-                "its next epoch and helps make batches until then", member.options.name, released % nb, nb,
+                "its next epoch and helps make batches until then",
+                member.options.name,
+                released % nb,
+                nb,
             )
         self._channel = Channel(1, self.stop_event)
         member.join_producer()  # the previous pass's producer may still drain its batches
@@ -328,8 +366,13 @@ class GroupPass(Pass):
                 area.health()
                 last_health = now
             if now > next_note:
-                log.warning("coordl: hp_group %r: waited %.0f s for batch %d: %s", self.member.options.name,
-                            now - t0, q % area.batches_per_pass, area.waiting_on(q))
+                log.warning(
+                    "coordl: hp_group %r: waited %.0f s for batch %d: %s",
+                    self.member.options.name,
+                    now - t0,
+                    q % area.batches_per_pass,
+                    area.waiting_on(q),
+                )
                 next_note = now + PROGRESS_EVERY_S
 
     def _hand_off(self, taken) -> torch.Tensor:
@@ -364,12 +407,19 @@ class GroupPass(Pass):
         return self.member.resources.fetcher.counters
 
     def _figures(self) -> dict:
-        extra = {"produced": self.member.produced - self._produced_from, "consumed_shared": self._shared,
-                 "order_epoch": self.order_epoch}
+        extra = {
+            "produced": self.member.produced - self._produced_from,
+            "consumed_shared": self._shared,
+            "order_epoch": self.order_epoch,
+        }
         if self.area.attached:
             extra.update(self.area.stats())
-        return {"fetch_wait_s": self.producer.fetch.wait_s, "prep_s": self.producer.prep_s,
-                "skipped_paths": [p for _, p in self._skipped], "extra": extra}
+        return {
+            "fetch_wait_s": self.producer.fetch.wait_s,
+            "prep_s": self.producer.prep_s,
+            "skipped_paths": [p for _, p in self._skipped],
+            "extra": extra,
+        }
 
     def _shutdown(self) -> None:
         """Stops the producer; it drains the batches it has in flight in the background (they count

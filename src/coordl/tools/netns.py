@@ -172,8 +172,21 @@ class Cluster:
                 inner.append(f"mkdir -p {where} && mount -t cgroup -o ro,{hierarchy} cgroup {where}")
             outer = [f"echo $$ > {shlex.quote(os.path.join(path, 'cgroup.procs'))}" for path in cgroups]
         script = " && ".join([*inner, 'exec "$@"'])
-        full = ["ip", "netns", "exec", self.ns[k], "unshare", "-m", "--propagation", "private",
-                "sh", "-c", script, "sh", *argv]  # fmt: skip
+        full = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns[k],
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
         if outer:  # join the cgroups first: everything below inherits them
             full = ["sh", "-c", " && ".join([*outer, 'exec "$@"']), "sh", *full]
         p = subprocess.Popen(full, env=env, start_new_session=True, **kwargs)
