@@ -282,6 +282,34 @@ for i, (x, y) in enumerate(loader):
         rc=-signal.SIGTERM,
         sigterm=True,
     ),
+    # A framework's own handler, installed after the loader, that chains to the one it replaced
+    # (PyTorch Lightning does): the script stops at the next step and exits 0, as without coordl.
+    "sigterm_handled_by_the_script": Scenario(
+        """
+loader = make()
+stop = []
+previous = signal.getsignal(signal.SIGTERM)
+
+
+def handler(signum, frame):
+    stop.append(signum)
+    if callable(previous):
+        previous(signum, frame)
+
+
+signal.signal(signal.SIGTERM, handler)
+for i, (x, y) in enumerate(loader):
+    if i == 0:
+        print("ready", flush=True)
+    while not stop:
+        time.sleep(0.05)
+    break
+print("stopped")
+""",
+        markers=("ready", "stopped"),
+        rc=0,
+        sigterm=True,
+    ),
     "fork_child_os_exit": Scenario(FORK.format(exit="os._exit(0)"), markers=("child-exit 0", "shm-kept", "done")),
     "fork_child_sys_exit": Scenario(FORK.format(exit="sys.exit(0)"), markers=("child-exit 0", "shm-kept", "done")),
     "multiprocessing_fork": Scenario(MP.format(method="fork"), markers=("child-exit 0", "done")),
@@ -310,7 +338,7 @@ print("done")
 
 DALI_ONLY = {"train_and_val_loaders"}
 # The torch backend's and an HP group member's: the idioms that end a pass early or the process.
-SUBSET = ["full_epoch", "partial_pass", "break", "del_and_gc", "value_error", "sigterm"]
+SUBSET = ["full_epoch", "partial_pass", "break", "del_and_gc", "value_error", "sigterm", "sigterm_handled_by_the_script"]
 CASES = (
     [("dali", name) for name in SCENARIOS] + [("torch", name) for name in SUBSET] + [("hp", name) for name in SUBSET]
 )

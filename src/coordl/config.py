@@ -97,7 +97,7 @@ class TorchOptions:
 
     def given(self) -> list[str]:
         """The torch-only arguments set to something other than their default."""
-        skip = ("num_workers",)
+        skip = ("num_workers", "pin_memory")  # DataLoader scripts pass both; with DALI they change nothing
         return [k for k, v in self.__dict__.items() if k not in skip and v not in (None, 0, False, "")]
 
 

@@ -9,7 +9,9 @@ and its shared memory released by itself. So:
   *before* DALI's own exit hook (which asserts that no pipeline is left and otherwise aborts
   the process): :func:`before_dali_exit` moves coordl's hook to run first after DALI is imported;
 - SIGTERM, when the script has not chosen a handler, closes the loaders and then ends the
-  process by SIGTERM as it would have ended anyway (exit status -15 / 143);
+  process by SIGTERM as it would have ended anyway (exit status -15 / 143); a handler the script
+  (or its framework) installs later replaces coordl's, and if it calls coordl's in turn, that call
+  does nothing;
 - in a child made by ``fork``, the parent's loaders belong to the parent: the child never
   closes them, and hooks registered with :func:`on_fork_child` (DALI's pipelines) make sure
   the child's exit does not touch the parent's threads.
@@ -24,7 +26,7 @@ import signal
 import threading
 import weakref
 
-__all__ = ["before_dali_exit", "close_all", "on_fork_child", "track"]
+__all__ = ["before_dali_exit", "close_all", "on_fork_child", "quiet_thread", "track"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,15 @@ def track(loader) -> None:
         atexit.register(close_all)
         os.register_at_fork(after_in_child=_after_fork_in_child)
     _install_sigterm()
+
+
+def quiet_thread() -> None:
+    """Called first in every thread coordl starts: the process's SIGINT and SIGTERM go to another
+    thread. Python runs signal handlers in the main thread only, and a signal the kernel hands to a
+    thread that is not waiting in a system call does not wake a main thread that is (a script
+    sleeping, or blocked on a lock), so the handler would run late. Threads started by these
+    threads (DALI's, the pools') inherit the mask."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def before_dali_exit() -> None:
@@ -85,6 +96,10 @@ def _install_sigterm() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        # A handler installed after coordl's called it (PyTorch Lightning chains to the handler it
+        # replaced): that handler decides how the process ends, and the exit closes the loaders.
+        return
     close_all()
     # The default action, as if coordl had never handled it: the process ends by SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

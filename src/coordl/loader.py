@@ -411,7 +411,7 @@ class CoordLoader(DataLoaderAttributes):
             if o.mode is True:
                 raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
             return
-        res.peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer")
+        res.peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer", initializer=lifecycle.quiet_thread)
         res.peers = peer.PeerGroup(
             self._world,
             self.index,

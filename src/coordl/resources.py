@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordl import lifecycle
 from coordl.fetch.cache import MinIOCache, resolve_budget
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
@@ -111,7 +112,11 @@ class Resources:
         self.lender = lender  # whose pools and pipeline these resources borrow
         if lender is None:
             self.io_threads = io_threads
-            self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io") if io_threads else None
+            self.pool = (
+                cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
+                if io_threads
+                else None
+            )
         else:
             self.io_threads, self.pool = lender.io_threads, lender.pool
         self.peer_pool: cf.ThreadPoolExecutor | None = None

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from coordl import lifecycle
 from coordl.config import LoaderConfig
 from coordl.fetch.ahead import FetchAhead, Stopped
 from coordl.fetch.fetcher import FetchCounters
@@ -111,6 +112,7 @@ class DaliPass(Pass):
 
 def _drive(prep, ahead: FetchAhead, paths, channel: Channel, stop: threading.Event) -> None:
     """The driver thread: raw batches through the pipeline into the channel, then END or the failure."""
+    lifecycle.quiet_thread()  # and so DALI's threads, which the pipeline starts from this one
     try:
         for tensors in prep.epoch(iter(ahead), paths.__getitem__):
             if not channel.put(tensors):

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from coordl import placement
+from coordl import lifecycle, placement
 from coordl.errors import CoordlError
 from coordl.fetch import wire
 
@@ -129,6 +129,7 @@ class PeerServer:
             return self.served_reads, self.served_bytes
 
     def _accept(self) -> None:
+        lifecycle.quiet_thread()  # and the connection threads it starts
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from coordl import lifecycle
 from coordl.errors import CoordlError, SampleError
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.fetch.fetcher import FetchCounters
@@ -204,6 +205,7 @@ class _Producer:
         return self.prep.waiting.total() - self._prep0
 
     def _run(self) -> None:
+        lifecycle.quiet_thread()
         try:
             while not self.stop.is_set():
                 c = self.area.claim(block=True, stop=self.stop)
