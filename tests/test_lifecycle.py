@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from childproc import group_members
 from conftest import make_tree
 
 TIMEOUT = 60  # seconds a script may run: a hang fails the test instead of blocking the suite
@@ -380,23 +381,6 @@ def script(backend: str, body: str) -> str:
     )
 
 
-def _group_members(pgid: int) -> list[str]:
-    """Live (not zombie) processes of the process group ``pgid``, as 'pid cmdline'."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(f"{entry} {cmd.strip()[:120]}")
-    return found
-
-
 def run(src: str, folder: Path, data: Path, *, sigterm: bool = False) -> Run:
     """Runs ``src`` as a script in its own session; kills the whole session on a hang."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -435,7 +419,7 @@ def run(src: str, folder: Path, data: Path, *, sigterm: bool = False) -> Run:
         out, err = proc.communicate()
         pytest.fail(f"the script hung (over {TIMEOUT} s) and was killed\n--- stdout:\n{head}{out}\n--- stderr:\n{err}")
     deadline = time.monotonic() + 5  # DataLoader workers notice their parent's death within ~1 s
-    while (left := _group_members(pgid)) and time.monotonic() < deadline:
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     if left:
         os.killpg(pgid, signal.SIGKILL)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from childproc import group_members
 from conftest import make_tree
 
 pytest.importorskip("lightning")
@@ -135,21 +136,6 @@ class Job:
     hung: bool
 
 
-def _group_members(pgid: int) -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(entry)
-    return found
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Job:
     """Runs the DDP job once for the module's tests (in its own shm folder and session)."""
@@ -194,7 +180,7 @@ def job(tmp_path_factory) -> Job:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
     deadline = time.monotonic() + 10
-    while (procs := _group_members(proc.pid)) and time.monotonic() < deadline:
+    while (procs := group_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     if procs:
         os.killpg(proc.pid, signal.SIGKILL)
