@@ -83,17 +83,17 @@ class FileDataset(_Base):
         self._decode = decode
         self.transform = transform
         self.target_transform = target_transform
-        self._targets = index.labels.tolist()
 
     # -- the torchvision-style surface ----------------------------------------------------
     @property
     def samples(self) -> list[tuple[str, int]]:
         """``(path, target)`` of every item, in order (paths are absolute)."""
-        return list(zip(self.index.paths, self._targets))
+        return list(zip(self.index.paths, self.index.labels.tolist()))
 
     @property
     def targets(self) -> list[int]:
-        return list(self._targets)
+        """The target of every item (made on each access: the dataset holds no int per item)."""
+        return self.index.labels.tolist()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -106,8 +106,9 @@ class FileDataset(_Base):
     def open(self, i: int) -> io.BytesIO:
         """Item ``i``'s file as an in-memory binary file object, read from storage. (A
         CoordLoader reads through the node's cache instead, then calls :meth:`decode`.)"""
-        data = storage.read(self.index.paths[i], int(self.index.sizes[i]), drop_page_cache=False)
-        return as_file(data, self.index.paths[i])
+        path = self.index.paths[i]
+        data = storage.read(path, int(self.index.sizes[i]), drop_page_cache=False)
+        return as_file(data, path)
 
     def decode(self, f: io.BytesIO) -> Any:
         """Turns a file into a sample (before ``transform``). Override, or pass ``decode``."""
@@ -117,7 +118,7 @@ class FileDataset(_Base):
 
     def item(self, sample, i: int):
         """The dataset's item ``i`` from its decoded sample: the transforms applied."""
-        target = self._targets[i]
+        target = int(self.index.labels[i])
         if self.transform is not None:
             sample = self.transform(sample)
         if self.target_transform is not None:
