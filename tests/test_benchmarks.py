@@ -230,3 +230,19 @@ def test_train_example_quick(tmp_path):
     assert int(second[0]) + int(second[1]) == 128 and 0 < int(second[1]) < 128
     assert (tmp_path / "train_example_quick.md").exists()
     assert set(Path(tempfile.gettempdir()).glob("coordl-train-example-*")) == checkpoints  # removed
+
+
+def test_index_scale_small(tmp_path):
+    """benchmarks.index_scale on a 3 x 20 tree: every figure measured, the tree removed after."""
+    data, out = tmp_path / "data", tmp_path / "index_scale.json"
+    command = [sys.executable, "-m", "benchmarks.index_scale", "--data", str(data), "--out", str(out)]
+    small = ["--classes", "3", "--per-class", "20", "--loads", "1"]
+    proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = json.loads(out.read_text())["results"]["after"]
+    assert after["samples"] == 60 and after["load_s"] > 0 and after["file_bytes"] > 0
+    assert after["worker_after_walk"]["dirty"] < 5e6 and "heap_bytes" in after
+    assert not data.exists()
+    (data / "train").mkdir(parents=True)  # a tree it did not make is never replaced
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "not made by this benchmark" in proc.stderr and (data / "train").is_dir()
