@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import coordl.index
+from coordl import indexfile
 from coordl.index import IMG_EXTENSIONS, Index
 from coordl.paths import PathTable
 
@@ -152,7 +153,7 @@ def test_saved_index_is_mapped_and_holds_no_str_per_sample(dataset_copy):
 
 def test_saved_index_on_a_network_filesystem_is_read_not_mapped(dataset_copy, monkeypatch):
     first = Index.scan(dataset_copy)
-    monkeypatch.setattr(coordl.index, "_is_local", lambda path: False)
+    monkeypatch.setattr(indexfile, "is_local", lambda path: False)
     monkeypatch.setattr(coordl.index, "_scan", None)  # must not be called
     again = Index.scan(dataset_copy)
     assert again.paths == first.paths and again.fingerprint == first.fingerprint
@@ -170,7 +171,7 @@ def test_local_filesystems_are_told_from_network_ones(tmp_path):
     local = [
         p
         for p in ("/var/tmp/x", "/home/me/.cache/x", "/home/me/fast disk/x", "/scratch/x", "/homework/x")
-        if coordl.index._is_local(p, str(mountinfo))
+        if indexfile.is_local(p, str(mountinfo))
     ]
     assert local == ["/var/tmp/x", "/home/me/fast disk/x", "/homework/x"]
 
@@ -184,7 +185,7 @@ def test_old_and_damaged_saved_indexes_are_rescanned(dataset_copy, monkeypatch):
     real_scan = coordl.index._scan
     monkeypatch.setattr(coordl.index, "_scan", lambda *a: scans.append(1) or real_scan(*a))
     data = saved.read_bytes()
-    head = np.frombuffer(data, coordl.index.HEADER, count=1).copy()
+    head = np.frombuffer(data, indexfile.HEADER, count=1).copy()
     head["version"] = 1
     damaged = {
         "empty": b"",
@@ -259,9 +260,9 @@ def test_index_memory_the_rss_of_a_forked_worker_stays_flat_while_it_walks_the_i
     assert control["uss"] > 20e6, control
     # A saved index, mapped: the child maps the file's pages from the page cache (clean,
     # shared with every process that maps them) and copies none.
-    path = str(tmp_path / f"index-x{coordl.index.SUFFIX}")
+    path = str(tmp_path / f"index-x{indexfile.SUFFIX}")
     coordl.index._save(index, [], path)
-    assert coordl.index._is_local(path)
+    assert indexfile.is_local(path)
     mapped, _ = coordl.index._open(path)
     assert mapped.fingerprint == index.fingerprint and len(mapped) == N_SYNTHETIC
     grown = _growth_of_a_forked_walk(mapped.paths, mapped.sizes)

@@ -10,9 +10,9 @@ thousand folder times instead of listing a million files; a changed tree is resc
 
 Memory: an index holds four flat arrays and no Python object per sample (the paths are a
 :class:`~coordl.paths.PathTable`), so a forked worker that reads it copies nothing. A saved
-index is one file, ``index-<key>.idx`` (layout below, :data:`HEADER`), that every process
-maps read-only: the processes of a node share one copy of it in the page cache, and loading
-it reads the header, the metadata and the folders' times, not the samples.
+index is one file, ``index-<key>.idx`` (:mod:`coordl.indexfile`), that every process maps
+read-only: the processes of a node share one copy of it in the page cache, and loading it
+reads the header, the metadata and the folders' times, not the samples.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import mmap
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from coordl import indexfile
 from coordl.paths import PathTable
 
 __all__ = ["IMG_EXTENSIONS", "Index", "default_index_dir"]
@@ -38,28 +37,6 @@ log = logging.getLogger(__name__)
 
 #: torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-# The saved index, declared once: this header, then five sections, each starting at a
-# multiple of ALIGN: offsets (int64, count + 1), labels (int64, count), sizes (int64, count),
-# blob (uint8, blob_bytes: the PathTable's) and meta (JSON, meta_bytes: root, classes and
-# the folders' modification times). Version 1 was ``index-<key>.npz``, which is not read.
-MAGIC = b"coordlix"
-FORMAT_VERSION = 2
-ALIGN = 64
-HEADER = np.dtype(
-    [
-        ("magic", "S8"),
-        ("version", "<u4"),
-        ("header_bytes", "<u4"),  # HEADER.itemsize
-        ("count", "<u8"),  # samples
-        ("blob_bytes", "<u8"),
-        ("meta_bytes", "<u8"),
-        ("fingerprint", "S16"),  # Index.fingerprint, as computed when the index was built
-    ]
-)
-SUFFIX = ".idx"
-# Where a saved index is mapped rather than read (see _is_local).
-LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay"}
 
 
 def default_index_dir() -> str:
@@ -265,134 +242,30 @@ def _scan_class(top: str, valid: Callable[[str], bool]) -> tuple[list[tuple[str,
 def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> str:
     key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    return os.path.join(index_dir, f"index-{key}{SUFFIX}")
-
-
-def _sections(count: int, blob_bytes: int, meta_bytes: int) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
-    """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size."""
-    out, at = [], HEADER.itemsize
-    for name, dtype, items in (
-        ("offsets", np.dtype("<i8"), count + 1),
-        ("labels", np.dtype("<i8"), count),
-        ("sizes", np.dtype("<i8"), count),
-        ("blob", np.dtype(np.uint8), blob_bytes),
-        ("meta", np.dtype(np.uint8), meta_bytes),
-    ):
-        at = -(-at // ALIGN) * ALIGN
-        out.append((name, dtype, items, at))
-        at += dtype.itemsize * items
-    return out, at
+    return os.path.join(index_dir, f"index-{key}{indexfile.SUFFIX}")
 
 
 def _save(index: Index, dirs: list[tuple[str, int]], path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    meta = json.dumps({"root": index.root, "classes": list(index.classes), "dirs": dirs}).encode()
-    arrays = {
-        "offsets": index.paths.offsets,
-        "labels": index.labels,
-        "sizes": index.sizes,
-        "blob": index.paths.blob,
-        "meta": np.frombuffer(meta, dtype=np.uint8),
-    }
-    head = np.zeros((), HEADER)
-    head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
-    head["count"], head["blob_bytes"], head["meta_bytes"] = len(index), len(index.paths.blob), len(meta)
-    head["fingerprint"] = index.fingerprint.encode()
-    sections, total = _sections(len(index), len(index.paths.blob), len(meta))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(head.tobytes())
-            for name, dtype, _, offset in sections:
-                f.write(b"\0" * (offset - f.tell()))
-                f.write(memoryview(np.ascontiguousarray(arrays[name], dtype=dtype)).cast("B"))
-            f.truncate(total)  # a no-op unless the last section is empty
-            f.flush()
-            os.fsync(f.fileno())  # on disk before it is published: never an empty file after a crash
-        os.replace(tmp, path)  # readers see the old index or the new one, never half of one
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
+    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta)
     with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
-        os.unlink(path[: -len(SUFFIX)] + ".npz")
+        os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
 
 
 def _open(path: str) -> tuple[Index, list] | None:
     """The saved index at ``path`` and its folders' times; None (logged) if it is missing or
-    not a complete index of this version. Mapped read-only on a local filesystem, read into
-    memory on any other (see :func:`_is_local`)."""
+    unusable."""
+    saved = indexfile.read(path)
+    if isinstance(saved, str):
+        log.info("coordl: saved index %s unusable (%s); rescanning", path, saved)
+    if not isinstance(saved, indexfile.Saved):
+        return None
     try:
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if _is_local(path) else f.read()
-    except FileNotFoundError:
+        classes, root, dirs = tuple(saved.meta["classes"]), saved.meta["root"], list(saved.meta["dirs"])
+    except (KeyError, TypeError) as e:
+        log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
         return None
-    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, e)
-        return None
-    why = _unusable(buf)
-    if why is None:
-        head = np.frombuffer(buf, HEADER, count=1)[0]
-        sections, _ = _sections(int(head["count"]), int(head["blob_bytes"]), int(head["meta_bytes"]))
-        a = {name: np.frombuffer(buf, dtype, items, offset) for name, dtype, items, offset in sections}
-        try:
-            meta = json.loads(a["meta"].tobytes())
-            classes, root, dirs = tuple(meta["classes"]), meta["root"], meta["dirs"]
-        except (ValueError, KeyError, TypeError) as e:
-            why = f"metadata: {e}"
-    if why is not None:
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, why)
-        return None
-    paths = PathTable(a["blob"], a["offsets"])
-    fingerprint = head["fingerprint"].decode()
-    return Index(paths, a["labels"], a["sizes"], classes, root, fingerprint), dirs
-
-
-def _is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
-    """Whether ``path`` is on a filesystem of this machine, where a mapping of it is safe.
-
-    A mapped file that another machine replaces on a network filesystem (a rescan on
-    another node renames a new index over it) can vanish from under the mapping: the next
-    page fault is a SIGBUS. A local filesystem keeps a replaced file's pages while they are
-    mapped. Unknown filesystems count as network ones.
-    """
-    try:
-        with open(mountinfo) as f:
-            mounts = f.read().splitlines()
-        real = os.path.realpath(path)
-    except OSError:
-        return False
-    best, fstype = "", None
-    for line in mounts:  # "36 35 98:0 / /mnt rw,noatime master:1 - ext4 /dev/root rw"
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # "\040" is a space
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):  # the last of the longest: what is mounted on top
-            best, fstype = mount, fields[fields.index("-") + 1]
-    return fstype in LOCAL_FILESYSTEMS
-
-
-def _unusable(buf) -> str | None:
-    """Why the file's bytes are not a complete saved index of this version, or None. Checks
-    the header and the file's size, not the samples: the file was published whole by a rename."""
-    if len(buf) < HEADER.itemsize:
-        return f"{len(buf)} bytes, shorter than the header"
-    head = np.frombuffer(buf, HEADER, count=1)[0]
-    if head["magic"] != MAGIC or head["header_bytes"] != HEADER.itemsize:
-        return "not a coordl index file"
-    if head["version"] != FORMAT_VERSION:
-        return f"format version {head['version']}, this coordl reads {FORMAT_VERSION}"
-    count, blob_bytes = int(head["count"]), int(head["blob_bytes"])
-    _, total = _sections(count, blob_bytes, int(head["meta_bytes"]))
-    if len(buf) != total:
-        return f"{len(buf)} bytes, the header says {total}"
-    offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
-    first, last = np.frombuffer(buf, "<i8", 1, offsets_at), np.frombuffer(buf, "<i8", 1, offsets_at + 8 * count)
-    if first[0] != 0 or last[0] != (blob_bytes + 1 if count else 0):
-        return "its path offsets do not match its paths"
-    return None
+    return Index(saved.paths, saved.labels, saved.sizes, classes, root, saved.fingerprint), dirs
 
 
 def _load_if_fresh(path: str, root: str) -> Index | None:

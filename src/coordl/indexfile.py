@@ -1,0 +1,189 @@
+"""The saved index's file, declared once: write it atomically, map it read-only, check it.
+
+One file per scanned tree, ``index-<key>.idx`` in the index directory: a :data:`HEADER`
+(a numpy structured dtype with a magic, a version and the sizes), then five sections,
+each starting at a multiple of :data:`ALIGN` bytes: ``offsets`` (int64, count + 1),
+``labels`` (int64, count), ``sizes`` (int64, count), ``blob`` (uint8, the paths' bytes,
+see :mod:`coordl.paths`) and ``meta`` (UTF-8 JSON). The arrays are stored as they are in
+memory, so reading the file is mapping it: no sample is read at load, and the processes
+of a machine share one copy of its pages in the page cache.
+
+Invariant: a published file is complete and never changes. It is written under a
+temporary name, fsynced and renamed over the old one; a process that mapped the old one
+keeps it (a local filesystem keeps a replaced file's pages while they are mapped). On a
+network filesystem, where a replacement by another machine can pull the pages from under
+a mapping (SIGBUS), the file is read into memory instead (:func:`is_local`). Version 1
+was an ``.npz`` of another name, which is not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordl.paths import PathTable
+
+__all__ = ["FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
+
+MAGIC = b"coordlix"
+FORMAT_VERSION = 2
+ALIGN = 64
+HEADER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("header_bytes", "<u4"),  # HEADER.itemsize
+        ("count", "<u8"),  # samples
+        ("blob_bytes", "<u8"),
+        ("meta_bytes", "<u8"),
+        ("fingerprint", "S16"),  # Index.fingerprint, as computed when the index was built
+    ]
+)
+SUFFIX = ".idx"
+# Where a saved index is mapped rather than read (see is_local).
+LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "ramfs", "overlay"}
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The contents of a saved index: arrays in the file's pages (mapped) or in memory."""
+
+    paths: PathTable
+    labels: np.ndarray
+    sizes: np.ndarray
+    fingerprint: str
+    meta: dict
+
+
+def write(path: str, paths: PathTable, labels: np.ndarray, sizes: np.ndarray, fingerprint: str, meta: dict) -> None:
+    """Publishes a saved index at ``path``: complete, or not at all.
+
+    Raises:
+        OSError: the file cannot be written (the temporary file is removed).
+    """
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    meta_bytes = json.dumps(meta).encode()
+    arrays = {
+        "offsets": paths.offsets,
+        "labels": labels,
+        "sizes": sizes,
+        "blob": paths.blob,
+        "meta": np.frombuffer(meta_bytes, dtype=np.uint8),
+    }
+    head = np.zeros((), HEADER)
+    head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
+    head["count"], head["blob_bytes"], head["meta_bytes"] = len(paths), len(paths.blob), len(meta_bytes)
+    head["fingerprint"] = fingerprint.encode()
+    sections, total = _sections(len(paths), len(paths.blob), len(meta_bytes))
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique also in an index folder shared by nodes
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head.tobytes())
+            for name, dtype, _, offset in sections:
+                f.write(b"\0" * (offset - f.tell()))
+                f.write(memoryview(np.ascontiguousarray(arrays[name], dtype=dtype)).cast("B"))
+            f.truncate(total)  # a no-op unless the last section is empty
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it is published: never an empty file after a crash
+        os.replace(tmp, path)  # readers see the old index or the new one, never half of one
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read(path: str) -> Saved | str | None:
+    """The saved index at ``path``, mapped read-only on a local filesystem and read into
+    memory on any other; None if there is no file, or why it is not a complete saved
+    index of this version (a sentence)."""
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if is_local(path) else f.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+        return str(e)
+    why = _unusable(buf)
+    if why is not None:
+        return why
+    head = np.frombuffer(buf, HEADER, count=1)[0]
+    sections, _ = _sections(int(head["count"]), int(head["blob_bytes"]), int(head["meta_bytes"]))
+    a = {name: np.frombuffer(buf, dtype, items, offset) for name, dtype, items, offset in sections}
+    try:
+        meta = json.loads(a["meta"].tobytes())
+    except ValueError as e:
+        return f"metadata: {e}"
+    if not isinstance(meta, dict):
+        return "metadata: not an object"
+    paths = PathTable(a["blob"], a["offsets"])
+    return Saved(paths, a["labels"], a["sizes"], head["fingerprint"].decode(), meta)
+
+
+def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether ``path`` is on a filesystem of this machine, where a mapping of it is safe.
+
+    A mapped file that another machine replaces on a network filesystem (a rescan on
+    another node renames a new index over it) can vanish from under the mapping: the next
+    page fault is a SIGBUS. A local filesystem keeps a replaced file's pages while they are
+    mapped. Unknown filesystems count as network ones.
+    """
+    try:
+        with open(mountinfo) as f:
+            mounts = f.read().splitlines()
+        real = os.path.realpath(path)
+    except OSError:
+        return False
+    best, fstype = "", None
+    for line in mounts:  # "36 35 98:0 / /mnt rw,noatime master:1 - ext4 /dev/root rw"
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # "\040" is a space
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # the last of the longest: what is mounted on top
+            best, fstype = mount, fields[fields.index("-") + 1]
+    return fstype in LOCAL_FILESYSTEMS
+
+
+def _sections(count: int, blob_bytes: int, meta_bytes: int) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
+    """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size."""
+    out, at = [], HEADER.itemsize
+    for name, dtype, items in (
+        ("offsets", np.dtype("<i8"), count + 1),
+        ("labels", np.dtype("<i8"), count),
+        ("sizes", np.dtype("<i8"), count),
+        ("blob", np.dtype(np.uint8), blob_bytes),
+        ("meta", np.dtype(np.uint8), meta_bytes),
+    ):
+        at = -(-at // ALIGN) * ALIGN
+        out.append((name, dtype, items, at))
+        at += dtype.itemsize * items
+    return out, at
+
+
+def _unusable(buf) -> str | None:
+    """Why the file's bytes are not a complete saved index of this version, or None. Checks
+    the header and the file's size, not the samples: the file was published whole by a rename."""
+    if len(buf) < HEADER.itemsize:
+        return f"{len(buf)} bytes, shorter than the header"
+    head = np.frombuffer(buf, HEADER, count=1)[0]
+    if head["magic"] != MAGIC or head["header_bytes"] != HEADER.itemsize:
+        return "not a coordl index file"
+    if head["version"] != FORMAT_VERSION:
+        return f"format version {head['version']}, this coordl reads {FORMAT_VERSION}"
+    count, blob_bytes = int(head["count"]), int(head["blob_bytes"])
+    _, total = _sections(count, blob_bytes, int(head["meta_bytes"]))
+    if len(buf) != total:
+        return f"{len(buf)} bytes, the header says {total}"
+    offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
+    first, last = np.frombuffer(buf, "<i8", 1, offsets_at), np.frombuffer(buf, "<i8", 1, offsets_at + 8 * count)
+    if first[0] != 0 or last[0] != (blob_bytes + 1 if count else 0):
+        return "its path offsets do not match its paths"
+    return None
