@@ -27,6 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coordl.fetch.budget import resolve_budget
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import (
     EMPTY,
@@ -37,7 +38,6 @@ from coordl.fetch.cache import (
     WRITING,
     MinIOCache,
     headroom,
-    resolve_budget,
 )
 from coordl.index import Index
 from coordl.shm import names, reaper

@@ -27,6 +27,7 @@ def test_demo_fills_the_cache_then_hits_it(tmp_path):
 def test_cache_ls_and_clean(tiny_dataset):
     r = run("cache", "ls")
     assert r.returncode == 0 and "no coordl shared memory" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("memory limit: ")  # the limit shared memory counts against
     with coordl.CoordLoader(tiny_dataset, batch_size=30, cache_bytes=0.5, keep_cache=True, device_id=None,
                             pipeline=coordl.ImageNetTrain(size=32)) as loader:  # fmt: skip
         for _ in loader:

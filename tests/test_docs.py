@@ -293,6 +293,7 @@ def test_configuration_documents_every_environment_variable():
 # a page, the phrase on it). If the code changes, the sentence must change with it.
 def _facts():
     from coordl.fetch import cache, peer, wire
+    from coordl.shm import limits
     from coordl.staging import layout, member
 
     return [
@@ -303,6 +304,9 @@ def _facts():
         (cache.headroom(1 << 40), 1 << 30, "shm.md", "at most 1 GiB"),
         (cache.headroom(1), 64 << 20, "shm.md", "at least 64 MiB"),
         (cache.headroom(10 << 30), 1 << 30, "shm.md", "10% of the filesystem's size"),
+        (cache.DEFAULT_SLICE_BYTES, 8 << 20, "shm.md", "8 MiB at a time"),
+        (limits.margin(1 << 30), 256 << 20, "shm.md", "at least 256 MiB"),
+        (limits.margin(10 << 30), 1 << 30, "shm.md", "10% of the limit"),
         (layout.CONTROL_BYTES, 12 << 10, "configuration.md", "a 12 KiB control file"),
         (layout.MIN_SLOTS, 4, "configuration.md", "never fewer than 4"),
         (layout.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),

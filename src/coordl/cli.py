@@ -138,19 +138,26 @@ def _analyze(args) -> int:
 
 
 def _cache_ls(args) -> int:
-    from coordl.shm import names, reaper
+    from coordl.shm import limits, names, reaper
 
     directory = names.shm_dir()
     groups = reaper.list_groups(directory)
     if not groups:
         print(f"no coordl shared memory in {directory}")
-        return 0
-    print(f"{'fingerprint':<18} {'files':>5} {'MB':>10}  state")
+    else:
+        print(f"{'fingerprint':<18} {'files':>5} {'MB':>10}  state")
     for g in groups:
         state = "in use" if g.in_use else "unused"
         if g.keep:
             state += ", kept warm"
         print(f"{g.fingerprint:<18} {g.files:>5} {format_bytes(g.bytes, 'MB', with_unit=False):>10}  {state}")
+    level = limits.tightest()
+    if level is not None:
+        # Shared memory counts against this limit: it bounds what a cache made from here may take.
+        print(
+            f"memory limit: {format_bytes(level.limit)} ({level.name}), {format_bytes(level.used)} in use; "
+            f"a cache may take {format_bytes(level.room)} more ({format_bytes(level.margin)} kept free)"
+        )
     return 0
 
 

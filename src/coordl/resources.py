@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl import lifecycle
-from coordl.fetch.cache import MinIOCache, resolve_budget
+from coordl.fetch.budget import resolve_budget
+from coordl.fetch.cache import MinIOCache
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper
@@ -70,9 +71,7 @@ def plan_cache(index: Index, cache_bytes, keep: bool) -> tuple[CacheSpec | None,
     """The cache a loader asks for (None: no cache) and its budget in bytes."""
     directory = names.shm_dir()
     budget = resolve_budget(cache_bytes, index.total_bytes, directory, num_items=len(index))
-    if budget == 0 and cache_bytes == "auto":
-        log.warning("coordl: no room for a cache in %s; reading every sample from storage", directory)
-    if budget == 0:
+    if budget == 0:  # disabled, or no room (resolve_budget said why)
         return None, 0
     return CacheSpec.for_dataset(index, budget, keep=keep), budget
 

@@ -6,9 +6,13 @@ fingerprint (see :mod:`coordl.shm.names`):
 
 - ``table``: a :data:`HEADER` then one :data:`ENTRY` per sample of the index.
 - ``chunk.<k>``: the data, a logical byte space ``[0, budget)`` cut into chunks of
-  ``chunk_bytes`` created (and reserved with ``posix_fallocate``) only as they fill.
-  An item occupies ``[offset, offset + length)`` of that space, possibly across a
-  chunk boundary, so that no byte of the budget is wasted.
+  ``chunk_bytes``, created (sparse) when the allocation first reaches them and reserved
+  with ``posix_fallocate`` a slice of ``slice_bytes`` at a time as it fills. An item
+  occupies ``[offset, offset + length)`` of that space, possibly across a chunk boundary,
+  so that no byte of the budget is wasted; it is handed out only once all of its bytes
+  are reserved, so no write ever touches an unreserved page (a ``SIGBUS`` on a full tmpfs).
+  Slices are reserved whole and in order, so the reserved space always ends at the first
+  slice boundary at or after ``alloc``.
 
 An entry goes ``EMPTY -> WRITING -> READY`` and never back from ``READY``: a
 published item is immutable and readers only look at ``READY`` entries, so no
@@ -16,6 +20,14 @@ reader sees a half-written item. Allocation and state changes happen under a
 ``flock`` on the table. An entry left ``WRITING`` by a killed process keeps its
 reserved bytes; whoever next attaches alone resets it to ``EMPTY`` and the next
 storage read of that sample refills the same bytes.
+
+The cache takes memory only as it fills, a slice at a time, and checks before each slice
+that the shm filesystem keeps its :func:`headroom` and that the tightest memory limit
+(:mod:`coordl.shm.limits`) keeps its margin: shared memory counts against a container's or
+a job's memory limit and cannot be reclaimed. When either runs short the cache stops growing
+(``full``) and further misses are read from storage without being admitted. Slices are
+small so that the check follows the processes' own memory while it still grows (a
+pipeline's first batches) and the cache overshoots by at most one slice.
 """
 
 from __future__ import annotations
@@ -32,15 +44,15 @@ import warnings
 import numpy as np
 
 from coordl.errors import SharedMemoryError, StaleStateError
-from coordl.shm import group, segment
-from coordl.units import format_bytes, parse_bytes
+from coordl.shm import group, limits, segment
+from coordl.units import format_bytes
 
-__all__ = ["ENTRY", "HEADER", "MinIOCache", "headroom", "resolve_budget"]
+__all__ = ["ENTRY", "HEADER", "MinIOCache", "headroom", "memory_text", "table_bytes"]
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"COORDLC1"
-VERSION = 1
+VERSION = 2  # 2: chunks are sparse and reserved a slice at a time (slice_bytes)
 HEADER = np.dtype(
     [
         ("magic", "S8"),
@@ -49,6 +61,7 @@ HEADER = np.dtype(
         ("num_items", "<u8"),
         ("budget", "<u8"),
         ("chunk_bytes", "<u8"),
+        ("slice_bytes", "<u8"),  # reserved (and checked against the limits) this much at a time
         ("alloc", "<u8"),  # next free byte of the logical space
         ("num_chunks", "<u8"),
         ("resident_bytes", "<u8"),  # bytes of READY items
@@ -61,6 +74,7 @@ ENTRY = np.dtype([("offset", "<u8"), ("length", "<u4"), ("state", "<u4")])
 EMPTY, WRITING, READY = 0, 1, 2
 NO_OFFSET = np.uint64(2**64 - 1)
 DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_SLICE_BYTES = 8 << 20
 assert HEADER.itemsize <= HEADER_BYTES and ENTRY.itemsize == 16
 
 
@@ -78,50 +92,12 @@ def table_bytes(num_items: int) -> int:
     return -(-(HEADER_BYTES + num_items * ENTRY.itemsize) // page) * page
 
 
-def resolve_budget(request, dataset_bytes: int, directory: str, num_items: int | None = None) -> int:
-    """Turns a cache budget as the user gives it into bytes, checked against free space.
-
-    Args:
-        request: ``"auto"`` (default: half of the shm space free beyond :func:`headroom`,
-            at most the dataset), bytes as an ``int``, a string like ``"40GB"`` or
-            ``"512MiB"``, or a ``float`` in (0, 1] for a fraction of the dataset. ``0``
-            disables the cache.
-        dataset_bytes: total bytes of the dataset's files.
-        directory: the shm directory.
-        num_items: samples in the dataset; their table's space is kept out of the budget.
-
-    Returns:
-        The budget in bytes, never more than the dataset, and never more than the free
-        space beyond the headroom (a larger request is shrunk with a warning).
-    """
-    auto = isinstance(request, str) and request.strip().lower() == "auto"
-    wanted = dataset_bytes if auto else parse_bytes(request, dataset_bytes)
-    if wanted == 0:
-        return 0
-    try:
-        space = segment.space(directory)
-    except FileNotFoundError:
-        raise SharedMemoryError(
-            f"the shared-memory directory {directory} does not exist; mount a tmpfs there "
-            "or point COORDL_SHM_DIR at one, or pass cache_bytes=0 to run without a cache"
-        ) from None
-    table = table_bytes(num_items) if num_items is not None else 0
-    usable = max(0, space.free - headroom(space.total) - table)
-    if auto:
-        return min(dataset_bytes, usable // 2)
-    wanted = min(wanted, dataset_bytes)
-    if wanted > usable:
-        warnings.warn(
-            f"coordl: cache budget of {format_bytes(wanted)} does not fit in {directory} "
-            f"({format_bytes(space.free)} free of {format_bytes(space.total)}, "
-            f"{format_bytes(headroom(space.total))} kept free for other shared memory); "
-            f"using {format_bytes(usable)}. Enlarge {directory} "
-            "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or ask for less.",
-            RuntimeWarning,
-            stacklevel=4,  # the user's CoordLoader(...) line
-        )
-        wanted = usable
-    return wanted
+def memory_text(level: limits.Level) -> str:
+    """A memory limit for messages: ``the memory limit of 631.2 MB (cgroup /a (v1): ...)``."""
+    return (
+        f"the memory limit of {format_bytes(level.limit)} ({level.name}: {format_bytes(level.used)} in use, "
+        f"{format_bytes(level.margin)} kept free for the processes' own memory)"
+    )
 
 
 class MinIOCache:
@@ -130,12 +106,16 @@ class MinIOCache:
     Args:
         fingerprint: names the shared segments (the loader derives it from the dataset and the user).
         sizes: bytes of every sample, in index order.
-        budget: bytes the cache may hold (see :func:`resolve_budget`). Used only by
+        budget: bytes the cache may hold (see :func:`~coordl.fetch.budget.resolve_budget`). Used only by
             the process that creates the cache; later processes use the existing one.
         keep: keep the segments after the last user leaves, so the next run starts warm.
         directory: the shm directory.
         chunk_bytes: size of each data segment.
+        slice_bytes: how much of a chunk is reserved at a time (at most ``chunk_bytes``).
         dataset: the index fingerprint, recorded in and checked against the table.
+        memory: returns the tightest memory limit now (:func:`coordl.shm.limits.tightest`), checked
+            before each slice is reserved: a slice that would take more than the room the limit
+            leaves is not reserved, and the cache stops growing, so that the kernel never kills the job.
     """
 
     def __init__(
@@ -147,7 +127,9 @@ class MinIOCache:
         keep: bool = False,
         directory: str,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        slice_bytes: int = DEFAULT_SLICE_BYTES,
         dataset: str | None = None,
+        memory=limits.tightest,
     ):
         self.fingerprint = fingerprint
         self.dataset = dataset or fingerprint
@@ -155,6 +137,7 @@ class MinIOCache:
         self._sizes = np.asarray(sizes, dtype=np.uint64)
         self._min_size = int(self._sizes.min()) if len(self._sizes) else 1
         self._keep = keep
+        self._memory = memory
         self._tlock = threading.Lock()
         self._chunks: dict[int, mmap.mmap] = {}
         self._table_fd: int | None = None
@@ -164,10 +147,10 @@ class MinIOCache:
         self._final = (0, 0, 0)
         self._pid = os.getpid()  # a forked child's copy must not use or release this attachment
         self._group = group.Membership(fingerprint, directory)
-        self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes))
+        self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes, min(slice_bytes, chunk_bytes)))
 
     # -- attach ----------------------------------------------------------------------
-    def _setup(self, alone: bool, budget: int, chunk_bytes: int) -> None:
+    def _setup(self, alone: bool, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
         path = self._group.path("table")
         n = len(self._sizes)
         size = HEADER_BYTES + n * ENTRY.itemsize
@@ -190,7 +173,7 @@ class MinIOCache:
                 fd = segment.create_exclusive(path)
                 created = True
             if created:
-                self._create_table(fd, size, budget, chunk_bytes)
+                self._create_table(fd, size, budget, chunk_bytes, slice_bytes)
             else:
                 self._map_table(fd, size)
                 if alone:
@@ -207,7 +190,7 @@ class MinIOCache:
                 pass
             os.chmod(self._group.path("keep"), 0o600)
 
-    def _create_table(self, fd: int, size: int, budget: int, chunk_bytes: int) -> None:
+    def _create_table(self, fd: int, size: int, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
         try:
             segment.reserve(fd, size)
         except OSError as e:
@@ -223,6 +206,7 @@ class MinIOCache:
         h["num_items"] = len(self._sizes)
         h["budget"] = budget
         h["chunk_bytes"] = chunk_bytes
+        h["slice_bytes"] = slice_bytes
         h["dataset"] = self.dataset.encode()
         self._entries["offset"] = NO_OFFSET
         self._entries["length"] = self._sizes
@@ -368,21 +352,55 @@ class MinIOCache:
             if self.budget - start < self._min_size:
                 h["full"] = 1
             return None
-        step = int(h["chunk_bytes"])
-        while int(h["num_chunks"]) * step < end:
-            if not self._create_chunk(int(h["num_chunks"])):
-                h["full"] = 1
-                return None
-            h["num_chunks"] += 1
+        if not self._reserve_until(end):
+            h["full"] = 1
+            return None
         h["alloc"] = end
         return start
 
-    def _create_chunk(self, k: int) -> bool:
-        size = self._chunk_size(k)
+    def _reserved(self) -> int:
+        """End of the reserved logical space: the first slice boundary at or after ``alloc``."""
+        step, piece = int(self._header["chunk_bytes"]), int(self._header["slice_bytes"])
+        k, off = divmod(int(self._header["alloc"]), step)
+        if off == 0:
+            return k * step
+        return k * step + min(-(-off // piece) * piece, self._chunk_size(k))
+
+    def _reserve_until(self, end: int) -> bool:
+        """Reserves slices (making chunks as they are reached) until ``[0, end)`` is all reserved."""
+        h = self._header
+        step, piece = int(h["chunk_bytes"]), int(h["slice_bytes"])
+        reserved = self._reserved()
+        while reserved < end:
+            k, off = divmod(reserved, step)
+            n = min(piece, self._chunk_size(k) - off)
+            if not self._room_for(n):
+                return False
+            if k == int(h["num_chunks"]):
+                self._create_chunk(k)
+                h["num_chunks"] += 1
+            if not self._reserve_slice(k, off, n):
+                return False
+            reserved += n
+        return True
+
+    def _room_for(self, n: int) -> bool:
+        """Whether ``n`` more bytes leave the shm headroom and the memory limit's margin free."""
         space = segment.space(self.directory)
-        if space.free - size < headroom(space.total):
+        if space.free - n < headroom(space.total):
             self._warn_full(f"only {format_bytes(space.free)} of {self.directory} is free")
             return False
+        # The slice's pages are charged to this process's memory cgroup when reserved, and cannot
+        # be reclaimed: a cgroup past its limit gets a process killed. A few small files read,
+        # once a slice (8 MiB by default), never per sample.
+        level = self._memory()
+        if level is not None and n > level.room:
+            self._warn_full(f"{memory_text(level)} is near")
+            return False
+        return True
+
+    def _create_chunk(self, k: int) -> None:
+        """Makes chunk ``k``'s file at its full size, sparse: it takes no memory until reserved."""
         path = self._group.path("chunk", k)
         try:
             fd = segment.create_exclusive(path)
@@ -391,16 +409,21 @@ class MinIOCache:
             os.unlink(path)
             fd = segment.create_exclusive(path)
         try:
-            segment.reserve(fd, size)
-        except OSError as e:
+            size = self._chunk_size(k)
+            os.ftruncate(fd, size)
+            self._chunks[k] = segment.map_fd(fd, size)
+        finally:
             os.close(fd)
-            os.unlink(path)
+
+    def _reserve_slice(self, k: int, offset: int, n: int) -> bool:
+        fd = segment.open_existing(self._group.path("chunk", k))
+        try:
+            segment.reserve(fd, n, offset=offset)
+        except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
             self._warn_full(f"{self.directory} is full")
             return False
-        try:
-            self._chunks[k] = segment.map_fd(fd, size)
         finally:
             os.close(fd)
         return True

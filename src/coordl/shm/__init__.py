@@ -11,6 +11,8 @@ as ``coordl.<fingerprint>.<kind>[.<id>]``; ``ls /dev/shm/coordl.*`` shows all of
   shared ``flock`` on the group's lock file, so the kernel knows who is alive; the
   last one out removes the group.
 - :mod:`.reaper` removes groups that no live process uses.
+- :mod:`.limits` reads the memory limits (cgroups, the machine) that shared memory counts
+  against, and how much room each leaves.
 
 Nothing here imports the rest of coordl.
 """

@@ -39,8 +39,8 @@ def open_existing(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
 
-def reserve(fd: int, size: int) -> None:
-    """Reserves ``size`` bytes for ``fd`` before anything is written to them.
+def reserve(fd: int, size: int, offset: int = 0) -> None:
+    """Reserves ``size`` bytes of ``fd`` from ``offset`` before anything is written to them.
 
     On tmpfs, writing to a page of a sparse mapping when the filesystem is full
     raises ``SIGBUS`` and kills the process; ``posix_fallocate`` instead fails
@@ -52,22 +52,21 @@ def reserve(fd: int, size: int) -> None:
     if size <= 0:
         return
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, size)
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             # Filesystems without fallocate: fall back to writing zeros, which
             # also fails with ENOSPC instead of faulting later.
-            _zero_fill(fd, size)
+            _zero_fill(fd, size, offset)
         else:
             raise
 
 
-def _zero_fill(fd: int, size: int) -> None:
+def _zero_fill(fd: int, size: int, offset: int = 0) -> None:
     block = bytes(1 << 20)
-    os.lseek(fd, 0, os.SEEK_SET)
-    left = size
-    while left:
-        left -= os.write(fd, block[: min(left, len(block))])
+    end = offset + size
+    while offset < end:
+        offset += os.pwrite(fd, block[: min(end - offset, len(block))], offset)
 
 
 def map_fd(fd: int, size: int) -> mmap.mmap:

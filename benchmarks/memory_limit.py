@@ -1,0 +1,278 @@
+"""The cache under a memory limit: a loader in a v1 memory cgroup that leaves room for part of the dataset.
+
+Shared memory is charged to the memory cgroup of the process that writes it and cannot be
+reclaimed, so a cache sized from /dev/shm alone gets a container killed. This runs the
+scenario of the issue "Container and cluster reality":
+
+1. the loader's own memory: a child with ``cache_bytes=0`` in an unlimited cgroup (peak RSS);
+2. limit = own memory x 1.2 + 64 MiB + 30% of the dataset (or ``--limit``);
+3. one child per ``--cache`` value (default ``auto`` and ``1.0``) in a fresh cgroup with that
+   limit, ``--epochs`` epochs each: exit status, the cgroup's peak usage, failcnt and OOM kills,
+   the budget chosen, what was cached, the warnings, and whether every epoch delivered every
+   sample exactly once.
+
+    python -m benchmarks.memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
+    python -m benchmarks.memory_limit ... --limit 602MiB     # the issue's limit, as measured there
+    python -m benchmarks.memory_limit --data /var/tmp/coordl-bench/memlimit510 --size 510MB --classes 10 \
+        --image-size 64 --batch-size 16 --num-threads 2 --io-threads 2     # tests/test_memory_limit.py's scenario
+
+Peak RSS over-counts what the cgroup is charged where the libraries' pages were read first by
+another process (they are charged to it): the cgroup's own peak is reported beside it.
+
+Needs root and a v1 memory cgroup (``/proc/self/cgroup`` lists ``memory:``); says so and stops
+otherwise. Writes ``benchmarks/results/memory_limit.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common
+from benchmarks.limits import Cgroup, probe
+from coordl.units import parse_bytes
+
+MiB = 1 << 20
+
+
+def child(args) -> int:
+    """Runs in the cgroup: moves itself in first, then makes the loader and iterates it."""
+    if args.cgroup:
+        Path(args.cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
+    import logging
+    import warnings
+
+    import numpy as np
+
+    import coordl
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("coordl").addHandler(Keep(logging.WARNING))
+    warnings.simplefilter("always")
+    cache = args.cache  # "auto", "40MB", an int of bytes or a float fraction, as CoordLoader takes it
+    if cache.isdigit():
+        cache = int(cache)
+    elif re.fullmatch(r"[0-9]*\.[0-9]+", cache):
+        cache = float(cache)
+    out = {"cache_bytes": args.cache, "epochs": []}
+    peak_anon = anon_rss()
+    peak_charged = charged(args.cgroup)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with coordl.CoordLoader(
+            args.data,
+            batch_size=args.batch_size,
+            pipeline=coordl.ImageNetTrain(size=args.image_size),
+            cache_bytes=cache,
+            device_id=None,
+            num_threads=args.num_threads,
+            io_threads=args.io_threads,
+            return_index=True,
+            seed=0,
+        ) as loader:
+            n = len(loader.index)
+            out["budget"] = loader.cache.budget if loader.cache is not None else 0
+            for epoch in range(args.epochs):
+                loader.set_epoch(epoch)
+                t0 = time.perf_counter()
+                got = []
+                for batch in loader:
+                    got.append(batch[2].numpy())
+                    peak_anon = max(peak_anon, anon_rss())
+                    peak_charged = max(peak_charged, charged(args.cgroup))
+                ids = np.concatenate(got)
+                s = loader.stats()
+                out["epochs"].append(
+                    {
+                        "epoch": epoch,
+                        "seconds": round(time.perf_counter() - t0, 2),
+                        "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
+                        "storage_reads": s["storage_reads"],
+                        "cache_hits": s["cache_hits"],
+                        "cache_items": s["cache_items"],
+                        "cache_bytes": s["cache_bytes"],
+                    }
+                )
+    out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + messages
+    status = Path("/proc/self/status").read_text()
+    out["peak_rss"] = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) * 1024
+    out["peak_anon"] = peak_anon
+    out["peak_charged"] = peak_charged
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def anon_rss() -> int:
+    """This process's anonymous and shared-memory resident bytes (RssAnon + RssShmem): the memory its
+    cgroup is charged for and cannot reclaim, unlike the file pages of its libraries that RSS also counts."""
+    fields = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines() if ":" in ln)
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
+
+
+def charged(cgroup: str | None) -> int:
+    """What the cgroup is charged for beyond the page cache: its usage less its reclaimable file pages."""
+    if not cgroup:
+        return 0
+    usage = int(Path(cgroup, "memory.usage_in_bytes").read_text())
+    stat = dict(ln.split() for ln in Path(cgroup, "memory.stat").read_text().splitlines())
+    return usage - int(stat["total_cache"]) + int(stat["total_shmem"])
+
+
+def run_child(args, name: str, cache: str, limit: int | None) -> dict:
+    """One child in a fresh memory cgroup (``limit`` None: unlimited); its report and the cgroup's counters."""
+    cg = Cgroup("memory", f"coordl-memlimit-{os.getpid()}-{name}")
+    shm = tempfile.mkdtemp(prefix="coordl-memlimit-", dir="/dev/shm")  # what a killed child leaves goes with it
+    try:
+        if limit is not None:
+            cg.write("memory.limit_in_bytes", limit)
+        cmd = common.module_command(
+            "memory_limit",
+            "--child",
+            "--cgroup",
+            str(cg.path),
+            "--cache",
+            cache,
+            "--data",
+            args.data,
+            "--epochs",
+            str(args.epochs),
+            "--batch-size",
+            str(args.batch_size),
+            "--image-size",
+            str(args.image_size),
+            "--io-threads",
+            str(args.io_threads),
+            *(["--num-threads", str(args.num_threads)] if args.num_threads else []),
+        )
+        t0 = time.perf_counter()
+        env = {**os.environ, "COORDL_SHM_DIR": shm}
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, env=env)
+        row = {
+            "run": name,
+            "cache_bytes": cache,
+            "limit": limit,
+            "returncode": r.returncode,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        row["max_usage"] = int(cg.read("memory.max_usage_in_bytes"))
+        row["failcnt"] = int(cg.read("memory.failcnt"))
+        oom = dict(line.split() for line in cg.read("memory.oom_control").splitlines())
+        row["oom_kill"] = int(oom.get("oom_kill", 0))
+        if "RESULT " in r.stdout:
+            row.update(json.loads(r.stdout.split("RESULT ", 1)[1]))
+        else:
+            row["stderr"] = r.stderr[-3000:]
+        return row
+    finally:
+        cg.remove()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory_limit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/memlimit", images=None, size="158MiB", classes=10)
+    p.add_argument("--cache", default="auto,1.0", help="cache_bytes values to run, comma-separated")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=224, help="the recipe's crop (default 224)")
+    p.add_argument("--num-threads", type=int, help="DALI threads (default: coordl's)")
+    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--cache-fraction", type=float, default=0.3, help="room for this fraction of the dataset")
+    p.add_argument("--limit", type=parse_bytes, help="the memory limit (default: from the formula above)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_limit.json"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cgroup", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    ok = probe()
+    if not ok["memory"]:
+        print("cannot run: " + "; ".join(ok["notes"]), file=sys.stderr)
+        return 2
+    dataset = common.dataset_from_args(args)
+    print(f"dataset: {common.describe(dataset)}")
+    own = run_child(args, "own", "0", None)
+    if own["returncode"] != 0:
+        print(f"the loader failed without a cache:\n{own.get('stderr')}", file=sys.stderr)
+        return 1
+    limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * dataset["total_bytes"])
+    how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
+    print(
+        f"own memory with cache_bytes=0: peak RSS {common.mb(own['peak_rss'])} MB, cgroup peak "
+        f"{common.mb(own['max_usage'])} MB; limit ({how}) = {common.mb(limit)} MB"
+    )
+    rows = [own] + [run_child(args, f"c{k}", c, limit) for k, c in enumerate(args.cache.split(","))]
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "stderr"}))
+        if row["returncode"] != 0:
+            print(row.get("stderr", ""), file=sys.stderr)
+    result = {
+        "benchmark": "memory_limit",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "limit": limit,
+        "runs": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    head = [
+        "run",
+        "cache_bytes",
+        "limit MB",
+        "exit",
+        "oom kills",
+        "peak MB",
+        "budget MB",
+        "cached MB",
+        "stopped",
+        "exactly once",
+    ]
+    lines = [head]
+    for r in rows:
+        last = (r.get("epochs") or [{}])[-1]
+        stopped = any("stopped growing" in m for m in r.get("warnings", []))
+        once = bool(r.get("epochs")) and all(e["exactly_once"] for e in r["epochs"])
+        lines.append(
+            [
+                r["run"],
+                r["cache_bytes"],
+                common.mb(r["limit"]),
+                str(r["returncode"]),
+                str(r["oom_kill"]),
+                common.mb(r["max_usage"]),
+                common.mb(r.get("budget")),
+                common.mb(last.get("cache_bytes")),
+                str(stopped),
+                str(once),
+            ]
+        )
+    widths = [max(len(x[k]) for x in lines) for k in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
