@@ -315,6 +315,17 @@ print("stopped")
     "fork_child_sys_exit": Scenario(FORK.format(exit="sys.exit(0)"), markers=("child-exit 0", "shm-kept", "done")),
     "multiprocessing_fork": Scenario(MP.format(method="fork"), markers=("child-exit 0", "done")),
     "multiprocessing_spawn": Scenario(MP.format(method="spawn"), markers=("child-exit 0", "done")),
+    # A pool torn down right after it forked its workers: they must still die by its SIGTERM.
+    "multiprocessing_pool_terminated_at_once": Scenario("""
+loader = make()
+for _ in loader:
+    pass
+ctx = multiprocessing.get_context("fork")
+for _ in range(20):
+    with ctx.Pool(2):
+        pass
+print("done")
+"""),
     "train_and_val_loaders": Scenario("""
 train = make()
 val = make_val()

@@ -41,7 +41,9 @@ def track(loader) -> None:
     if not _installed:
         _installed = True
         atexit.register(close_all)
-        os.register_at_fork(after_in_child=_after_fork_in_child)
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+        )
     _install_sigterm()
 
 
@@ -77,10 +79,37 @@ def on_fork_child(hook) -> None:
     _child_hooks.append(hook)
 
 
+_blocked_for_fork = False
+
+
+def _before_fork() -> None:
+    # A signal that reaches a child before the interpreter has set itself up after fork is lost
+    # (CPython clears the flags of signals caught by Python handlers), so a Pool.terminate() right
+    # after a fork would wait forever for a worker that never saw its SIGTERM. With SIGTERM blocked
+    # across the fork, the child receives it once it runs SIGTERM's default action again.
+    global _blocked_for_fork
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        _blocked_for_fork = signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _after_fork_in_parent() -> None:
+    global _blocked_for_fork
+    if _blocked_for_fork:
+        _blocked_for_fork = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _after_fork_in_child() -> None:
+    global _blocked_for_fork
     _live.clear()
     for hook in _child_hooks:
         hook()
+    # The child has no loaders of its own yet: SIGTERM does what it did before coordl handled it.
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _blocked_for_fork:
+        _blocked_for_fork = False
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _install_sigterm() -> None:
