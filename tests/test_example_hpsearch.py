@@ -20,6 +20,7 @@ import pytest
 from coordl.tools.datagen import make_dataset
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hpsearch"
+EPOCHS = 8  # of each halving trial
 FAST = ["--size", "32", "--batch-size", "16"]  # small crops and batches: seconds per trial
 # halving.py's summary row: "  12.0s t2      0.01  finished            3/3    1.456   26%  20/24 7/24 0/24"
 SUMMARY_ROW = r"^ *[\d.]+s (t\d+) +\S+  (finished|killed in round \d+|failed \(exit -?\d+\)) +(\d+)/\d+ "
@@ -66,7 +67,9 @@ def test_launch_trials_share_one_group(data, isolated):
 
 
 def test_halving_kills_the_worst_trial_and_the_group_goes_on(data, isolated):
-    p = _run("halving.py", str(data), "--trials", "3", "--rounds", "1", "--epochs", "3", "--lrs", "0.3,0.05,0.01",
+    # Enough epochs that a round ends while every trial still trains, however far apart the trials
+    # started (each imports torch and DALI on 2 shared cores; an epoch here takes 0.3 s).
+    p = _run("halving.py", str(data), "--trials", "3", "--rounds", "1", "--epochs", str(EPOCHS), "--lrs", "0.3,0.05,0.01",
              *FAST, "--timeout", "150", timeout=180)  # fmt: skip
     out = p.stdout
     assert p.returncode == 0, out
@@ -79,6 +82,6 @@ def test_halving_kills_the_worst_trial_and_the_group_goes_on(data, isolated):
     fate, epochs = rows.pop(killed[1])
     assert fate == "killed in round 1" and int(epochs) >= int(killed[2]), out  # a last report may follow the kill
     # Every other trial trained all its epochs: the survivors and the newcomer.
-    assert rows == {t: ("finished", "3") for t in ("t0", "t1", "t2", "t3") if t != killed[1]}, out
+    assert rows == {t: ("finished", str(EPOCHS)) for t in ("t0", "t1", "t2", "t3") if t != killed[1]}, out
     # The killed trial's part of the group was reclaimed: nothing is left in the shm folder.
     assert os.listdir(isolated) == []

@@ -98,10 +98,10 @@ class Search:
         lo, hi = self.args.lr_range
         return float(f"{math.exp(self.rng.uniform(math.log(lo), math.log(hi))):.3g}")
 
-    def start(self, lr: float, newcomer: bool = False) -> Trial:
+    def start(self, lr: float, newcomer: bool = False, together: list[str] = ()) -> Trial:
         a = self.args
         cmd = [sys.executable, str(HERE / "train.py"), a.data, "--lr", repr(lr), "--epochs", str(a.epochs),
-               "--batch-size", str(a.batch_size), "--size", str(a.size), "--hp-group", a.group]  # fmt: skip
+               "--batch-size", str(a.batch_size), "--size", str(a.size), "--hp-group", a.group, *together]  # fmt: skip
         # A session of its own: Ctrl-C here does not reach it (stop() interrupts it), and a kill
         # of its process group reaches whatever it started.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -130,10 +130,12 @@ class Search:
         lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else [self.draw_lr() for _ in range(a.trials)]
         say(f"{len(lrs)} trials sharing hp_group {a.group!r}, {a.epochs} epochs each; {a.rounds} round(s) of "
             "killing the worst trial (by training loss) and starting a new one")  # fmt: skip
+        together = common.StartTogether()  # the first trials begin their first epoch together
         try:
             for lr in lrs:
-                t = self.start(lr)
+                t = self.start(lr, together=together.args())
                 say(f"started {t.name}: lr {lr:g}, pid {t.proc.pid}")
+            together.go([t.proc for t in self.trials])
             while any(t.fate == "running" for t in self.trials):
                 left = a.timeout - (time.monotonic() - T0) if a.timeout else None
                 try:
@@ -149,6 +151,7 @@ class Search:
                 if ranked:
                     self._halve(ranked)
         finally:
+            together.close()
             self.stop()
         say(f"all trials done in {time.monotonic() - T0:.1f} s")
         self.summarize()

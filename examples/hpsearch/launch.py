@@ -32,19 +32,22 @@ def main() -> int:
     common.resolve_data(p, args)
     trials = []
     t0 = time.perf_counter()
+    together = common.StartTogether()
     try:
         for lr in args.lrs.split(","):
             cmd = [sys.executable, str(HERE / "train.py"), args.data, "--lr", lr, "--epochs", str(args.epochs),
-                   "--batch-size", str(args.batch_size), "--size", str(args.size)]  # fmt: skip
+                   "--batch-size", str(args.batch_size), "--size", str(args.size), *together.args()]  # fmt: skip
             if not args.alone:
                 cmd += ["--hp-group", args.group]
             trials.append(subprocess.Popen(cmd))  # independent processes, as an HP tool starts them
+        together.go(trials)
         codes = [t.wait() for t in trials]
     except Exception:
         for t in trials:
             t.send_signal(signal.SIGINT)  # as Ctrl-C does: each trial leaves the group and exits
         raise
     finally:
+        together.close()
         # Ctrl-C reaches the trials too (one process group). None outlives this script.
         for t in trials:
             try:

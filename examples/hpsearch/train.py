@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import coordl
+import common  # this folder's module (the script's folder is on sys.path)
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:
@@ -44,6 +45,7 @@ def train(args) -> None:
                                 hp_group=args.hp_group)  # fmt: skip
     model = tiny_cnn(len(loader.index.classes))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    common.wait_for_go(args.start_together)  # launch.py/halving.py start their first trials together
     with loader:
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
@@ -82,6 +84,7 @@ def main() -> int:
     p.add_argument("-b", "--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=64, help="training crop size (the same for every trial)")
     p.add_argument("--hp-group", help="share loading with the other trials that name this group")
+    p.add_argument("--start-together", help=argparse.SUPPRESS)  # a folder: wait there for the launcher's go
     args = p.parse_args()
     # coordl says when this trial joins a group in the middle of an epoch, or a member died.
     logging.basicConfig(format="%(message)s")
