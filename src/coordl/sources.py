@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 
 from coordl.index import Index
 
 __all__ = ["as_dataset", "make_index", "resolve_device"]
-
-log = logging.getLogger(__name__)
 
 
 def as_dataset(data):
