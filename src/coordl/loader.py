@@ -32,7 +32,7 @@ __all__ = ["CoordLoader"]
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class CoordLoader(DataLoaderAttributes):
@@ -188,7 +188,6 @@ class CoordLoader(DataLoaderAttributes):
         )
         self._explicit_world = (rank, world_size)
         self._world: world.World | None = None  # read when the first pass starts
-        self._epoch_world: tuple[int, int] | None = None  # (rank, world size) of the batches delivered so far
         self._member = None  # this loader's part in its HP group, made on the first pass
         self._torch_sampler = None
         self._pass_ref = None  # the running pass (weakly: a dropped pass closes itself)
@@ -238,7 +237,7 @@ class CoordLoader(DataLoaderAttributes):
         self.schedule = Schedule(
             len(self.index), self.config.batch_size, self.config.shuffle, self.config.drop_last, self.config.seed
         )
-        self.position = Position()
+        self.position = Position(len(self.index), self.config.batch_size)
         spec, budget = plan_cache(self.index, cache_bytes, keep_cache)
         self.resources = Resources(self.index, spec, budget, io_threads=io_threads if self.backend == "dali" else 0)
         self._closed = False
@@ -294,9 +293,8 @@ class CoordLoader(DataLoaderAttributes):
             if phase is not None:
                 self._pass_ref = weakref.ref(phase)
                 return phase
-        begin = self.position.begin()
-        self._check_world(begin.start)
-        if self.group_options is not None and begin.start == 0:
+        begin = self.position.begin(self._world.world_size)
+        if self.group_options is not None and begin.start == 0 and begin.base == 0:
             p = self._group_member().open_pass(begin.epoch, self._hooks())
             self.position.follow_order(p.order_epoch)
         else:
@@ -309,13 +307,22 @@ class CoordLoader(DataLoaderAttributes):
                 if self.locality_aware:
                     locality = Locality(peers.holder, peers.rank_nodes)
             w = self._world
-            batches = self.schedule.batches(begin.order_epoch, w.rank, w.world_size, begin.start, locality)
-            p = self.open_pass(batches, epoch=begin.epoch, start=begin.start, **self._hooks())
+            batches = self.schedule.batches(begin.order_epoch, w.rank, w.world_size, begin.start, locality, begin.base)
+            p = self.open_pass(
+                batches, epoch=begin.epoch, order_epoch=begin.order_epoch, start=begin.start, **self._hooks()
+            )
         self._pass_ref = weakref.ref(p)
         return p
 
     def open_pass(
-        self, batches, *, epoch: int | None = None, start: int = 0, resources: Resources | None = None, **hooks
+        self,
+        batches,
+        *,
+        epoch: int | None = None,
+        order_epoch: int | None = None,
+        start: int = 0,
+        resources: Resources | None = None,
+        **hooks,
     ) -> Pass:
         """A pass of this loader's backend over ``batches`` (sample ids per batch), outside the
         loader's position unless ``hooks`` say otherwise: the entry DS-Analyzer's phases use.
@@ -323,6 +330,8 @@ class CoordLoader(DataLoaderAttributes):
         Args:
             batches: the batches to deliver, in order.
             epoch: the epoch it belongs to (default: the loader's).
+            order_epoch: the epoch whose order ``batches`` follow, which keys the samples'
+                random augmentation (default: ``epoch``).
             start: the epoch's batch number of ``batches[0]``.
             resources: collaborators to use instead of the loader's (a private cache).
             **hooks: ``on_batch``, ``on_end``, ``on_stop`` (see :class:`~coordl.passes.Pass`).
@@ -330,6 +339,7 @@ class CoordLoader(DataLoaderAttributes):
         self._start_world()
         res = resources if resources is not None else self.resources
         epoch = self.position.epoch if epoch is None else epoch
+        order_epoch = epoch if order_epoch is None else order_epoch
         hooks.setdefault("owner", self)
         if self.backend == "torch":
             from coordl.backends.torch import TorchPass, seed_for
@@ -346,13 +356,14 @@ class CoordLoader(DataLoaderAttributes):
                 persistent=self.persistent_workers,
                 workers=self.num_workers,
                 epoch=epoch,
+                order_epoch=order_epoch,
                 start=start,
                 **hooks,
             )
         from coordl.backends.dali import DaliPass
 
         self._start_prep(res)
-        return DaliPass(res, self.config, batches, epoch=epoch, start=start, **hooks)
+        return DaliPass(res, self.config, batches, epoch=epoch, order_epoch=order_epoch, start=start, **hooks)
 
     def _hooks(self) -> dict:
         """The position's hooks. A pass holds them, and so its loader, as a ``DataLoader`` iterator
@@ -383,15 +394,6 @@ class CoordLoader(DataLoaderAttributes):
         if self._world is None:
             self._world = world.detect(*self._explicit_world)
             self._start_peers()
-
-    def _check_world(self, start: int) -> None:
-        w = (self._world.rank, self._world.world_size)
-        if start > 0 and self._epoch_world is not None and self._epoch_world != w:
-            raise ValueError(
-                f"the job's rank/world size changed from {self._epoch_world} to {w} in the middle of an epoch; "
-                "a pass continues the epoch only in the world it started in"
-            )
-        self._epoch_world = w
 
     def _check_peers_possible(self) -> None:
         """``peers=True`` that can never work is refused when the loader is made."""
@@ -435,7 +437,8 @@ class CoordLoader(DataLoaderAttributes):
                 batch_size=self.batch_size,
                 num_threads=self.num_threads,
                 device_id=self.device_id,
-                seed=self.seed * 7919 + self._world.rank,
+                seed=self.seed,
+                dali_seed=self.seed * 7919 + self._world.rank,
                 on_error=self.on_error,
             )
             lifecycle.before_dali_exit()
@@ -481,14 +484,16 @@ class CoordLoader(DataLoaderAttributes):
         )
 
     def state_dict(self) -> dict:
-        """The position of delivery: JSON-able, a few integers and strings."""
-        w = self.world
+        """The position of delivery, JSON-able: a few integers and strings.
+
+        The same on every rank when every rank has received as many batches (as in DDP), so one
+        rank's state resumes every rank, at this or another world size (see :meth:`load_state_dict`).
+        """
         return {
             "version": STATE_VERSION,
             "seed": self.seed,
+            "world_size": self.world.world_size,
             **self.position.state_dict(),
-            "rank": w.rank,
-            "world_size": w.world_size,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "shuffle": self.shuffle,
@@ -497,18 +502,22 @@ class CoordLoader(DataLoaderAttributes):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continues from ``state``: the next pass delivers exactly the batches not yet received.
+        """Continues from ``state``: the next pass delivers exactly the samples not yet received.
+
+        At the world size the state was saved at, the next pass continues the epoch's batches
+        where every rank was. At another world size (other nodes, other ranks per node), the
+        samples of the epoch that no rank had received are dealt to the new ranks, padded or cut
+        as ``DistributedSampler`` pads or cuts an epoch; the epochs after it follow the new world.
 
         Raises:
             ValueError: ``state`` was saved by a differently configured loader (the message
                 names the field) or is malformed.
         """
-        check_state(state, self.state_dict(), len(self))
+        check_state(state, self.state_dict(), len(self.index), self.schedule.num_batches)
         running = self._running()
         if running is not None:
             running.close()
         self.position.load_state_dict(state)
-        self._epoch_world = (state["rank"], state["world_size"])
 
     # -- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -3,12 +3,13 @@
 Pure and single-threaded: the loader calls it when a pass starts (:meth:`Position.begin`), when
 the consumer receives a batch (:meth:`Position.delivered_to`) and when a pass ends
 (:meth:`Position.end`). Batches are counted where the consumer received them, never where a
-prefetcher got to, so a saved position resumes exactly. ``set_epoch`` during a pass applies to
-the next one, as with ``DistributedSampler``.
+prefetcher got to, so a saved position resumes exactly, at the same or another world size.
+``set_epoch`` during a pass applies to the next one, as with ``DistributedSampler``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["PassStart", "Position", "check_state"]
@@ -16,34 +17,53 @@ __all__ = ["PassStart", "Position", "check_state"]
 
 @dataclass(frozen=True)
 class PassStart:
-    """What a starting pass delivers: batches ``start..`` of ``epoch``, in the order of ``order_epoch``."""
+    """What a starting pass delivers: batches ``start..`` of the plan of ``epoch`` over the
+    samples of ``order_epoch``'s order from position ``base`` on, at ``world_size`` ranks."""
 
     epoch: int
     start: int
     order_epoch: int
+    base: int = 0
+    world_size: int = 1
 
 
 @dataclass
 class Position:
-    """The resume position of one loader.
+    """The resume position of one loader, the same on every rank when every rank has received as
+    many batches (as in DDP).
+
+    An epoch's *plan* deals the samples of its order from position ``base`` on (``0``, unless
+    the epoch was resumed at another world size) to ``world`` ranks, ``DistributedSampler``
+    fashion. After ``delivered`` batches on every rank the job has received the first
+    ``base + delivered * batch_size * world`` samples of the order (padding aside), so a state
+    resumes at any world size: at the same one it continues the plan; at another it makes a new
+    plan over the samples not yet received.
+
+    Args:
+        samples: samples in the dataset.
+        batch_size: samples per batch and rank.
 
     Attributes:
         epoch: the epoch of the current pass, or of the next one between passes.
-        delivered: batches of ``epoch`` the consumer has received.
-        order_epoch: the epoch whose order the current pass follows (an HP group's pass may
-            follow the group's order rather than its own epoch's).
+        delivered: batches of the plan each rank has received.
+        order_epoch: the epoch whose order the plan follows (an HP group's pass may follow the
+            group's order rather than its own epoch's).
+        base: the plan's first position in the order.
+        world: the plan's world size (None: no pass yet, the next pass's).
         pending: an epoch set by ``set_epoch`` during a pass, for the next pass.
-        resume_from: the batch the next pass starts at (set by :meth:`load_state_dict`).
-        resume_order: the order epoch of the pass a restored state was in.
+        resume: the next pass continues the plan (set by :meth:`load_state_dict`).
         running: a pass has begun and has neither ended nor been stopped.
     """
 
+    samples: int
+    batch_size: int
     epoch: int = 0
     delivered: int = 0
     order_epoch: int = 0
+    base: int = 0
+    world: int | None = None
     pending: int | None = None
-    resume_from: int = 0
-    resume_order: int | None = None
+    resume: bool = False
     running: bool = False
 
     def set_epoch(self, epoch: int) -> None:
@@ -52,75 +72,92 @@ class Position:
             self.pending = epoch
         elif epoch != self.epoch:
             self.pending = None
-            self.epoch, self.delivered, self.resume_from, self.resume_order = epoch, 0, 0, None
+            self._fresh(epoch)
 
-    def begin(self) -> PassStart:
-        """A pass starts: the batches it delivers. A pass that was stopped early is restarted from
-        its first batch, as ``DataLoader`` restarts an abandoned epoch."""
+    def _fresh(self, epoch: int) -> None:
+        self.epoch, self.delivered, self.base, self.order_epoch, self.resume = epoch, 0, 0, epoch, False
+
+    def received(self) -> int:
+        """Samples of the order the job has received in the current plan's epoch, padding aside."""
+        return min(self.samples, self.base + self.delivered * self.batch_size * (self.world or 1))
+
+    def begin(self, world_size: int = 1) -> PassStart:
+        """A pass starts at ``world_size`` ranks: the batches it delivers. A pass that was stopped
+        early is restarted from its first batch, as ``DataLoader`` restarts an abandoned epoch."""
         if self.pending is not None:
             if self.pending != self.epoch:
-                self.epoch, self.resume_from, self.resume_order = self.pending, 0, None
+                self._fresh(self.pending)
             self.pending = None
-        start = self.resume_from
-        self.order_epoch = self.resume_order if self.resume_order is not None else self.epoch
-        self.resume_from, self.resume_order = 0, None
-        self.delivered = start
-        self.running = True
-        return PassStart(self.epoch, start, self.order_epoch)
+        if not self.resume:
+            self._fresh(self.epoch)
+        elif self.world is not None and self.world != world_size:
+            # Another world size: a new plan over the samples the old ranks had not received.
+            self.base, self.delivered = self.received(), 0
+        self.resume, self.world, self.running = False, world_size, True
+        return PassStart(self.epoch, self.delivered, self.order_epoch, self.base, world_size)
 
     def follow_order(self, order_epoch: int) -> None:
         """The running pass follows ``order_epoch``'s order (an HP group decides it)."""
         self.order_epoch = order_epoch
 
     def delivered_to(self, batches: int) -> None:
-        """The consumer has received the first ``batches`` batches of the running pass's epoch."""
+        """The consumer has received the first ``batches`` batches of the running pass's plan."""
         self.delivered = batches
 
     def end(self) -> None:
         """The running pass delivered its last batch: the next pass is the next epoch."""
         self.running = False
-        self.epoch += 1
-        self.delivered = 0
+        self._fresh(self.epoch + 1)
 
     def stop(self) -> None:
         """The running pass was abandoned; the position stays where the consumer got to."""
         self.running = False
 
     def state_dict(self) -> dict:
-        """``epoch``, ``batches`` and, when it differs from ``epoch``, ``order_epoch``."""
-        epoch, batches = self.epoch, self.delivered
-        order_epoch = self.order_epoch if batches else None
-        if self.resume_order is not None:
-            order_epoch = self.resume_order
-        if self.pending is not None and self.pending != epoch:
-            epoch, batches, order_epoch = self.pending, 0, None
-        state = {"epoch": epoch, "batches": batches}
-        if order_epoch is not None and order_epoch != epoch:
-            state["order_epoch"] = order_epoch
+        """``epoch`` and ``batches``; ``world_size``, the plan's, once a pass has begun or a state
+        was loaded; ``order_epoch`` when it is not ``epoch`` and ``base`` when not 0."""
+        if self.pending is not None and self.pending != self.epoch:
+            return {"epoch": self.pending, "batches": 0}
+        state = {"epoch": self.epoch, "batches": self.delivered}
+        if self.world is not None:
+            state["world_size"] = self.world
+        mid_epoch = self.delivered > 0 or self.base > 0
+        if mid_epoch and self.order_epoch != self.epoch:
+            state["order_epoch"] = self.order_epoch
+        if self.base:
+            state["base"] = self.base
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """The next pass continues ``state["epoch"]`` after its first ``state["batches"]`` batches
-        (in the order of ``state["order_epoch"]``, when given).
+        """The next pass continues ``state``'s plan of ``state["epoch"]`` after its first
+        ``state["batches"]`` batches, or, at another world size, deals the samples not yet received.
 
         A state saved after the last batch (before the loop saw ``StopIteration``) resumes as an
         empty pass of that epoch, so a script that calls ``set_epoch(epoch)`` again does not replay it.
         """
-        epoch, batches, order_epoch = state["epoch"], state["batches"], state.get("order_epoch")
+        epoch, batches = state["epoch"], state["batches"]
+        base = state.get("base", 0)
         self.pending = None
         self.running = False
-        self.epoch, self.delivered, self.resume_from = epoch, batches, batches
-        self.resume_order = (epoch if order_epoch is None else order_epoch) if batches else None
+        self.epoch, self.delivered, self.base, self.world = epoch, batches, base, state.get("world_size")
+        self.resume = batches > 0 or base > 0
+        self.order_epoch = state.get("order_epoch", epoch) if self.resume else epoch
 
 
 # Fields that must be equal for a state to resume a loader, in the order they are checked; the
 # position is checked after them, and ``config`` (the rest of the identity: the pre-processing) last.
-MATCHING = ("version", "seed", "rank", "world_size", "batch_size", "drop_last", "shuffle", "dataset")
+# The world size may differ: the state then resumes elastically.
+MATCHING = ("seed", "batch_size", "drop_last", "shuffle", "dataset")
+VERSIONS = (1, 2)  # 1: a rank's own state (with "rank"), which resumes alike
 
 
-def check_state(state, mine: dict, batches_per_epoch: int) -> None:
+def check_state(state, mine: dict, samples: int, batches_in: Callable[[int, int], int]) -> None:
     """Raises unless ``state`` (a loader's saved ``state_dict()``) can resume the loader whose
     state is ``mine``; the message names the field that differs.
+
+    Args:
+        samples: samples in the dataset.
+        batches_in: batches per rank of a plan, from its world size and base.
 
     Raises:
         TypeError: ``state`` is not a dict.
@@ -128,18 +165,31 @@ def check_state(state, mine: dict, batches_per_epoch: int) -> None:
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-    missing = sorted(set(mine) - set(state) - {"order_epoch"})
+    missing = sorted(set(mine) - set(state) - {"order_epoch", "base"})
     if missing:
         raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
+    if state["version"] not in VERSIONS:
+        raise ValueError(
+            f"cannot resume: state has version={state['version']!r}; this coordl reads versions {list(VERSIONS)}"
+        )
     for key in MATCHING:
         _same(key, state, mine)
-    epoch, batches = state["epoch"], state["batches"]
-    order_epoch = state.get("order_epoch", epoch)
-    if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batches, int) and 0 <= batches <= batches_per_epoch):
-        raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {batches_per_epoch}")
-    if not (isinstance(order_epoch, int) and order_epoch >= 0):
+    epoch, batches, world = state["epoch"], state["batches"], state["world_size"]
+    order_epoch, base = state.get("order_epoch", epoch), state.get("base", 0)
+    if not (_count(world) and world >= 1):
+        raise ValueError(f"state has an invalid world_size: {world!r}")
+    if not (_count(base) and base <= samples):
+        raise ValueError(f"state has an invalid base: {base!r} (the dataset has {samples} samples)")
+    most = batches_in(world, base)
+    if not (_count(epoch) and _count(batches) and batches <= most):
+        raise ValueError(f"state has an invalid position: epoch={epoch!r}, batches={batches!r} of {most}")
+    if not _count(order_epoch):
         raise ValueError(f"state has an invalid order_epoch: {order_epoch!r}")
     _same("config", state, mine)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _same(key: str, state: dict, mine: dict) -> None:

@@ -45,29 +45,42 @@ class Schedule:
     drop_last: bool
     seed: int
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The global order of ``epoch``."""
-        return sampler.epoch_order(self.samples, self.seed, epoch, self.shuffle)
+    def order(self, epoch: int, base: int = 0) -> np.ndarray:
+        """The global order of ``epoch``, from position ``base`` on."""
+        order = sampler.epoch_order(self.samples, self.seed, epoch, self.shuffle)
+        return order[base:] if base else order
 
     def shard(self, epoch: int, rank: int, world_size: int) -> np.ndarray:
         """Rank ``rank``'s samples of ``epoch``, in delivery order (``DistributedSampler``'s shard)."""
         return sampler.shard(self.order(epoch), rank, world_size, self.drop_last)
 
-    def shard_size(self, world_size: int) -> int:
-        """Samples per rank and epoch."""
-        return sampler.shard_size(self.samples, world_size, self.drop_last)
+    def shard_size(self, world_size: int, base: int = 0) -> int:
+        """Samples per rank and epoch (of a plan from ``base`` on)."""
+        return sampler.shard_size(self.samples - base, world_size, self.drop_last)
 
-    def num_batches(self, world_size: int) -> int:
-        """Batches per rank and epoch."""
-        return sampler.num_batches(self.shard_size(world_size), self.batch_size, self.drop_last)
+    def num_batches(self, world_size: int, base: int = 0) -> int:
+        """Batches per rank and epoch (of a plan from ``base`` on)."""
+        return sampler.num_batches(self.shard_size(world_size, base), self.batch_size, self.drop_last)
 
     def batches(
-        self, epoch: int, rank: int, world_size: int, start: int = 0, locality: Locality | None = None
+        self,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        start: int = 0,
+        locality: Locality | None = None,
+        base: int = 0,
     ) -> list[np.ndarray]:
-        """Rank ``rank``'s batches of ``epoch`` from batch number ``start`` on."""
+        """Rank ``rank``'s batches of ``epoch`` from batch number ``start`` on.
+
+        ``base`` > 0 plans the epoch's samples from that position of its order on (the samples
+        not yet received when the epoch was interrupted at another world size), padded or cut as
+        ``DistributedSampler`` pads or cuts an epoch.
+        """
+        order = self.order(epoch, base)
         if locality is not None:
             return placement.locality_batches(
-                self.order(epoch),
+                order,
                 rank,
                 world_size,
                 self.batch_size,
@@ -76,4 +89,4 @@ class Schedule:
                 locality.rank_nodes,
                 start=start,
             )
-        return sampler.batches(self.shard(epoch, rank, world_size), self.batch_size, self.drop_last, start=start)
+        return sampler.batches(sampler.shard(order, rank, world_size, self.drop_last), self.batch_size, self.drop_last, start=start)

@@ -27,11 +27,22 @@ class DaliPass(Pass):
         resources: the loader's collaborators; ``resources.prep`` is the pipeline runner.
         config: the loader's settings.
         batches: sample ids of each batch, in delivery order.
+        order_epoch: the epoch whose order ``batches`` follow, which keys the random draws of
+            their augmentation (default: ``epoch``).
         **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
     """
 
-    def __init__(self, resources: Resources, config: LoaderConfig, batches: list[np.ndarray], **hooks):
+    def __init__(
+        self,
+        resources: Resources,
+        config: LoaderConfig,
+        batches: list[np.ndarray],
+        *,
+        order_epoch: int | None = None,
+        **hooks,
+    ):
         super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        order_epoch = self.epoch if order_epoch is None else order_epoch
         self._res = resources
         self._return_index = config.return_index
         prep = resources.prep
@@ -55,7 +66,7 @@ class DaliPass(Pass):
         self._channel = Channel(2, self.stop_event)
         self._thread = threading.Thread(
             target=_drive,
-            args=(prep, self._ahead, resources.index.paths, self._channel, self.stop_event),
+            args=(prep, self._ahead, resources.index.paths, order_epoch, self._channel, self.stop_event),
             name="coordl-prep",
             daemon=True,
         )  # started by the first batch asked for: a pass made only to test iterability costs nothing
@@ -110,11 +121,11 @@ class DaliPass(Pass):
             self._thread.join(timeout=0.1)
 
 
-def _drive(prep, ahead: FetchAhead, paths, channel: Channel, stop: threading.Event) -> None:
+def _drive(prep, ahead: FetchAhead, paths, order_epoch: int, channel: Channel, stop: threading.Event) -> None:
     """The driver thread: raw batches through the pipeline into the channel, then END or the failure."""
     lifecycle.quiet_thread()  # and so DALI's threads, which the pipeline starts from this one
     try:
-        for tensors in prep.epoch(iter(ahead), paths.__getitem__):
+        for tensors in prep.epoch(iter(ahead), paths.__getitem__, order_epoch):
             if not channel.put(tensors):
                 return
         channel.put(END)

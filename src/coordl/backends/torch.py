@@ -199,6 +199,8 @@ class TorchPass(Pass):
         batches: sample ids of each batch, in delivery order.
         sampler: the DataLoader's batch sampler, which this pass sets to ``batches``.
         persistent: the workers outlive the pass (``persistent_workers=True``).
+        workers: the DataLoader's worker processes.
+        order_epoch: the epoch whose order ``batches`` follow (default: ``epoch``).
         **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
     """
 
@@ -211,9 +213,11 @@ class TorchPass(Pass):
         sampler: EpochBatches,
         persistent: bool,
         workers: int,
+        order_epoch: int | None = None,
         **hooks,
     ):
         super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        self.order_epoch = self.epoch if order_epoch is None else order_epoch
         self._return_index = config.return_index
         self._persistent = persistent
         self._workers = max(1, workers)

@@ -33,6 +33,7 @@ class RawBatch:
     ids: np.ndarray  # int64 positions in the index
     data: list[np.ndarray]  # raw bytes per sample
     labels: np.ndarray  # int64
+    epoch: int | None = None  # the epoch whose random draws augment it, when not the pass's
 
 
 class FetchAhead:

@@ -1,7 +1,10 @@
-"""Runs a recipe as an NVIDIA DALI pipeline fed with raw bytes; the only module importing DALI.
+"""Runs a recipe as an NVIDIA DALI pipeline fed with raw bytes; with :mod:`coordl.prep.planned`,
+the only modules importing DALI.
 
 The pipeline's input is ``fn.external_source`` with a callback that returns the
-next raw batch (encoded bytes, labels, sample ids). DALI decodes and augments on
+next raw batch (encoded bytes, labels, sample ids) and each sample's random draws,
+a function of ``(seed, epoch, sample)`` (:mod:`coordl.draws`) that the recipe turns
+into crop windows and flips (``ctx.random``). DALI decodes and augments on
 its own threads; :meth:`DaliPrep.epoch` yields torch tensors. A decoding error
 rebuilds the pipeline, finds the bad samples by decoding the failed batch one sample
 at a time, and then raises :class:`~coordl.errors.SampleError` naming the file, or
@@ -12,18 +15,21 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
 from coordl import lifecycle
+from coordl import draws
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import RawBatch
+from coordl.prep.planned import SampleRandom, uses_dali_random
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
 
 __all__ = ["DaliPrep"]
@@ -51,15 +57,19 @@ lifecycle.on_fork_child(_forget_pipelines_in_child)
 
 def _build_recipe(recipe, encoded, ctx: PrepContext):
     if isinstance(recipe, ImageNetTrain):
-        images = fn.decoders.image_random_crop(
+        anchor, size = ctx.random.crop_window(fn.peek_image_shape(encoded), recipe.scale, recipe.ratio)
+        images = fn.decoders.image_slice(
             encoded,
+            anchor,
+            size,
             device=ctx.decoder_device,
             output_type=types.RGB,
-            random_area=list(recipe.scale),
-            random_aspect_ratio=list(recipe.ratio),
+            axis_names="WH",
+            normalized_anchor=False,
+            normalized_shape=False,
         )
         images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
-        mirror = fn.random.coin_flip(probability=recipe.flip)
+        mirror = ctx.random.coin_flip(recipe.flip)
         return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
     if isinstance(recipe, ImageNetVal):
         images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
@@ -101,7 +111,10 @@ class DaliPrep:
         batch_size: the largest batch fed.
         num_threads: DALI CPU threads.
         device_id: GPU to decode and augment on, or None for CPU only.
-        seed: seed of DALI's random augmentation.
+        seed: the loader's seed: with the epoch and the sample, it decides every draw of
+            ``ctx.random`` (the built-in recipes' crop windows and flips).
+        dali_seed: the seed of DALI's own random operators, which only custom recipes use
+            (their draws depend on the batch a sample is in; they differ between ranks).
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
         prefetch_queue_depth: batches DALI works on ahead of the consumer.
     """
@@ -114,6 +127,7 @@ class DaliPrep:
         num_threads: int,
         device_id: int | None,
         seed: int,
+        dali_seed: int | None = None,
         on_error: str = "raise",
         prefetch_queue_depth: int = 2,
     ):
@@ -122,6 +136,10 @@ class DaliPrep:
         self.num_threads = num_threads
         self.device_id = device_id
         self.seed = seed
+        self.dali_seed = seed if dali_seed is None else dali_seed
+        self._epoch = 0  # the epoch whose draws the pipeline is fed
+        self._columns: int | None = None  # draws per sample the recipe uses
+        self.dali_random: list[str] = []  # DALI random operators the recipe uses
         self.on_error = on_error
         self.depth = prefetch_queue_depth
         gpu = device_id is not None
@@ -137,9 +155,21 @@ class DaliPrep:
         self.waiting = BusyClock()  # runs while the caller waits for DALI's outputs
         _preps.add(self)
 
+    def _draws_per_sample(self) -> int:
+        """How many of ``ctx.random``'s numbers the recipe draws per sample (a trace of it, not built)."""
+        scratch = Pipeline(batch_size=1, num_threads=1, device_id=self.device_id)
+        with scratch:
+            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            uniforms = fn.external_source(name="uniforms", dtype=types.FLOAT, ndim=1)
+            ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms))
+            _build_recipe(self.recipe, encoded, ctx)
+        return ctx.random.used
+
     def _build(self):
-        # A new seed per build keeps a rebuilt pipeline from replaying old randomness.
-        seed = (self.seed * 1_000_003 + self._builds) % (2**31)
+        if self._columns is None:
+            self._columns = self._draws_per_sample()
+        # A new seed per build keeps a rebuilt pipeline from replaying DALI's randomness.
+        seed = (self.dali_seed * 1_000_003 + self._builds) % (2**31)
         self._builds += 1
 
         @pipeline_def(
@@ -150,27 +180,45 @@ class DaliPrep:
             prefetch_queue_depth=self.depth,
         )
         def graph():
-            encoded, labels, ids = fn.external_source(
+            encoded, labels, ids, *uniforms = fn.external_source(
                 source=self._next_raw,
-                num_outputs=3,
+                num_outputs=4 if self._columns else 3,
                 batch=True,
                 no_copy=True,
-                dtype=[types.UINT8, types.INT64, types.INT64],
+                dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT][: 4 if self._columns else 3],
             )
-            images = _build_recipe(self.recipe, encoded, self.ctx)
+            ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
+            images = _build_recipe(self.recipe, encoded, ctx)
+            if ctx.random.used != self._columns:
+                raise ValueError("the recipe draws a different number of random numbers every time it is built")
             return images, labels, ids
 
         pipe = graph()
         pipe.build()
+        if self._builds == 1:
+            self.dali_random = uses_dali_random(pipe)
+            if self.dali_random:
+                log.warning(
+                    "coordl: the recipe uses DALI's own random operators (%s): what they draw depends on the "
+                    "batch a sample lands in, so its augmentation differs after a resume, on another number of "
+                    "ranks and in an hp_group. Draw from ctx.random instead to make it a function of "
+                    "(seed, epoch, sample); see docs/guarantees.md",
+                    ", ".join(self.dali_random),
+                )
         return pipe
 
     def _next_raw(self):
         batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
         self._inflight.append(batch)
-        return batch.data, batch.labels, batch.ids
+        if not self._columns:
+            return batch.data, batch.labels, batch.ids
+        epoch = self._epoch if batch.epoch is None else batch.epoch
+        return batch.data, batch.labels, batch.ids, draws.uniforms(self.seed, epoch, batch.ids, self._columns)
 
-    def epoch(self, source: Iterator[RawBatch], path_of: Callable[[int], str]) -> Iterator[tuple]:
-        """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``."""
+    def epoch(self, source: Iterator[RawBatch], path_of: Callable[[int], str], epoch: int) -> Iterator[tuple]:
+        """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``, augmented
+        with the draws of ``epoch`` (the epoch whose order the batches follow)."""
+        self._epoch = epoch
         self._source = _non_empty(source)
         self._paths = path_of
         self._pending.clear()
@@ -233,7 +281,9 @@ class DaliPrep:
         for batch in inflight:
             keep = [k for k, i in enumerate(batch.ids) if int(i) not in bad]
             if keep:
-                self._pending.append(RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep]))
+                self._pending.append(
+                    RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep], batch.epoch)
+                )
         self._pipe = self._build()
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:

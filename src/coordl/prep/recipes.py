@@ -19,11 +19,16 @@ class PrepContext:
         decoder_device: ``"cpu"`` or ``"mixed"`` (the GPU decoder), for ``fn.decoders.*``.
         device: ``"cpu"`` or ``"gpu"``, for the ops after decoding.
         device_id: the GPU, or None on CPU.
+        random: per-sample random numbers that are a function of ``(seed, epoch, sample)``
+            (:class:`coordl.prep.planned.SampleRandom`: ``uniform``, ``coin_flip``, ``randint``,
+            ``normal``, ``crop_window``); draw from it rather than from ``fn.random.*`` so that a
+            sample's augmentation is the same whichever rank, batch or resume delivers it.
     """
 
     decoder_device: str
     device: str
     device_id: int | None
+    random: object = None
 
 
 def _check_common(size, mean, std, dtype):

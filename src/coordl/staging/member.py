@@ -128,7 +128,8 @@ class GroupMember:
                     batch_size=c.batch_size,
                     num_threads=num_threads,
                     device_id=self.device_id,
-                    seed=c.seed * 7919 + self.world.rank + 104729,
+                    seed=c.seed,
+                    dali_seed=c.seed * 7919 + self.world.rank + 104729,
                     on_error=c.on_error,
                 )
                 return (3, r.size, r.size), "uint8"
@@ -137,7 +138,7 @@ class GroupMember:
         res = self.resources
         data = res.fetcher.fetch(0)
         raw = RawBatch(np.array([0], np.int64), [data], res.index.labels[[0]])
-        images, _, _ = next(iter(res.prep.epoch(iter([raw]), res.index.paths.__getitem__)))
+        images, _, _ = next(iter(res.prep.epoch(iter([raw]), res.index.paths.__getitem__, 0)))
         return tuple(images.shape[1:]), str(images.dtype).removeprefix("torch.")
 
     def _normalizer(self):
@@ -234,6 +235,7 @@ class _Producer:
             except SampleError as e:
                 self.area.publish_error(c, str(e), e.path)
             else:
+                raw.epoch = self.area.order_key(c.q)  # augmented as the same loader alone augments it
                 self._inflight.append((c, raw.ids))
                 yield raw
             if self.stop.is_set():
@@ -242,7 +244,7 @@ class _Producer:
 
     def _run_dali(self, first: Claim) -> None:
         try:
-            for images, labels, ids in self.prep.epoch(self._feed(first), self._paths.__getitem__):
+            for images, labels, ids in self.prep.epoch(self._feed(first), self._paths.__getitem__, 0):
                 c = self._match(int(ids[0]))
                 self._write(c, images, labels, ids)
         except SampleError as e:
