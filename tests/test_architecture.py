@@ -38,6 +38,7 @@ PURE = [
     "coordl.analyze.model",
 ]
 PURE_IF_PRESENT = [
+    "coordl.draws",
     "coordl.fetch.placement",
     "coordl.position",
     "coordl.schedule",

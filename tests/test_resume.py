@@ -1,0 +1,282 @@
+"""Exact and elastic resume on the DALI backend: a sample's augmentation is a function of
+``(seed, epoch, sample)``, one rank's state resumes every rank, at any world size.
+
+Ranks are loaders made with ``rank=r, world_size=W`` in this process; under DDP every rank
+receives as many batches, so here every rank takes the same number before the job "dies".
+Tensors are compared bit for bit (the CPU path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nvidia.dali import fn, pipeline_def, types
+
+from coordl import draws
+from childproc import report, result
+from coordl import CoordLoader, ImageNetTrain
+from coordl.prep.planned import ATTEMPTS, SampleRandom
+
+RECIPE = ImageNetTrain(size=16)
+N = 120  # samples in tiny_dataset
+BS = 8
+CTX = multiprocessing.get_context("spawn")
+
+
+def _loader(root, **kw):
+    kw.setdefault("pipeline", RECIPE)
+    return CoordLoader(root, batch_size=BS, return_index=True, num_threads=1, io_threads=2, seed=7, **kw)
+
+
+def _take(loader, out: dict, epoch: int, limit: int | None = None) -> list[int]:
+    """Iterates ``loader`` (at most ``limit`` batches, then ``break``), recording every image by
+    ``(epoch, sample)``; returns the samples in delivery order."""
+    got = []
+    if limit == 0:
+        return got
+    for k, (x, _, ids) in enumerate(loader):
+        for image, i in zip(x, ids.tolist(), strict=True):
+            previous = out.setdefault((epoch, i), image.clone())
+            assert torch.equal(previous, image), f"sample {i} of epoch {epoch} delivered twice, differently"
+            got.append(i)
+        if limit is not None and k + 1 == limit:
+            break
+    return got
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset):
+    """Epochs 0 and 1 of an uninterrupted single-rank run: image by (epoch, sample)."""
+    out = {}
+    with _loader(str(tiny_dataset), cache_bytes=0) as loader:
+        for epoch in (0, 1):
+            assert sorted(_take(loader, out, epoch)) == list(range(N))
+    return out
+
+
+def _check(out, reference, delivered_before, delivered_after, world_after):
+    """Every image equals the reference's; the epoch's samples were delivered once beyond padding."""
+    for key, image in out.items():
+        assert torch.equal(image, reference[key]), f"sample {key[1]} of epoch {key[0]} differs from the reference"
+    counts = Counter(delivered_before + delivered_after)
+    assert set(counts) == set(range(N)), "a sample of the interrupted epoch was not delivered"
+    assert sum(counts.values()) - N < 4 + world_after, "samples delivered twice beyond padding"
+
+
+@pytest.mark.parametrize("before,after", [(1, 1), (2, 2), (1, 2), (2, 3), (4, 2)])
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(cut=st.integers(0, 16))
+def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, reference, before, after, cut):
+    root, out = str(tiny_dataset), {}
+    ranks = [_loader(root, rank=r, world_size=before, cache_bytes=0) for r in range(before)]
+    try:
+        first = []
+        for loader in ranks:
+            loader.set_epoch(0)
+            first += _take(loader, out, 0, limit=cut)
+        states = [json.loads(json.dumps(loader.state_dict())) for loader in ranks]
+    finally:
+        for loader in ranks:
+            loader.close()
+    assert all(s == states[0] for s in states), "ranks that received as many batches have one state"
+    assert "rank" not in states[0]
+    delivered = {0: first, 1: []}
+    ranks = [_loader(root, rank=r, world_size=after, cache_bytes=0) for r in range(after)]
+    try:
+        for loader in ranks:
+            loader.load_state_dict(states[0])  # rank 0's state, on every new rank
+            for epoch in range(states[0]["epoch"], 2):
+                loader.set_epoch(epoch)  # as a resumed script does: the epoch it is in keeps its position
+                delivered[epoch] += _take(loader, out, epoch)
+    finally:
+        for loader in ranks:
+            loader.close()
+    _check(out, reference, delivered[0], [], after)
+    assert set(delivered[1]) == set(range(N))  # the next epoch, at the new world size, is whole
+
+
+def test_augmentation_differs_between_epochs_and_is_the_same_across_ranks(reference):
+    same = sum(torch.equal(reference[(0, i)], reference[(1, i)]) for i in range(N))
+    assert same == 0, f"{same} samples were augmented alike in two epochs"
+
+
+def test_a_resume_at_the_same_world_size_continues_the_same_batches(tiny_dataset):
+    root = str(tiny_dataset)
+    with _loader(root, rank=1, world_size=2, cache_bytes=0) as loader:
+        whole = [ids.tolist() for _, _, ids in loader]
+    with _loader(root, rank=0, world_size=2, cache_bytes=0) as loader:  # rank 0 saves
+        for k, _ in enumerate(loader):
+            if k == 2:
+                break
+        state = loader.state_dict()
+    with _loader(root, rank=1, world_size=2, cache_bytes=0) as loader:  # rank 1 resumes from it
+        loader.load_state_dict(state)
+        rest = [ids.tolist() for _, _, ids in loader]
+    assert rest == whole[3:]
+
+
+def test_a_state_of_another_batch_size_or_dataset_is_refused(tiny_dataset, dataset_copy):
+    with _loader(str(tiny_dataset), cache_bytes=0) as loader:
+        state = loader.state_dict()
+    with CoordLoader(str(tiny_dataset), batch_size=BS + 1, pipeline=RECIPE, seed=7, cache_bytes=0) as other:
+        with pytest.raises(ValueError, match="cannot resume: state has batch_size=8 but this loader has batch_size=9"):
+            other.load_state_dict(state)
+    next(dataset_copy.rglob("*.jpg")).unlink()
+    with _loader(str(dataset_copy), cache_bytes=0) as other:
+        with pytest.raises(ValueError, match="cannot resume: state has dataset="):
+            other.load_state_dict(state)
+
+
+def test_a_version_1_state_of_a_rank_still_resumes(tiny_dataset):
+    with _loader(str(tiny_dataset), rank=0, world_size=2, cache_bytes=0) as loader:
+        for k, _ in enumerate(loader):
+            if k == 1:
+                break
+        state = {**loader.state_dict(), "version": 1, "rank": 0}
+    with _loader(str(tiny_dataset), rank=0, world_size=2, cache_bytes=0) as loader:
+        loader.load_state_dict(state)
+        assert loader.state_dict()["batches"] == 2
+
+
+# -- an HP group member ------------------------------------------------------------------------------
+def _digests(loader, epochs: int) -> tuple[dict, int]:
+    """A digest of every image by ``"epoch:sample"``, and the batches another member made."""
+    out, shared = {}, 0
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for x, _, ids in loader:
+            for image, i in zip(x, ids.tolist(), strict=True):
+                out[f"{epoch}:{i}"] = hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
+        shared += loader.stats().get("consumed_shared", 0)
+    return out, shared
+
+
+def _group_member(root, start, q):
+    def body():
+        with _loader(root, hp_group="same-as-alone") as loader:
+            start.wait(60)
+            return _digests(loader, 2)
+
+    report(q, body)
+
+
+def test_an_hp_group_members_images_are_those_of_the_same_loader_alone(tiny_dataset, isolated, procs):
+    root = str(tiny_dataset)
+    start, q = CTX.Barrier(2), CTX.Queue()
+    for _ in range(2):
+        procs(_group_member, root, start, q)
+    members = [result(q, 120) for _ in range(2)]
+    with _loader(root) as loader:
+        alone, _ = _digests(loader, 2)
+    assert len(alone) == 2 * N
+    assert sum(shared for _, shared in members) > 0, "the members did not share batches"
+    for got, _ in members:
+        assert got == alone
+
+
+def test_a_member_resumed_alone_gets_the_images_the_group_would_have_given_it(tiny_dataset, isolated, reference):
+    root, out = str(tiny_dataset), {}
+    with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
+        first = _take(loader, out, 0, limit=4)
+        state = loader.state_dict()
+    with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
+        loader.load_state_dict(state)
+        rest = _take(loader, out, 0)  # alone: the group's epoch is in the middle
+        _take(loader, out, 1)  # from the group again
+    _check(out, reference, first, rest, 1)
+
+
+# -- custom recipes ------------------------------------------------------------------------------------
+def _planned_recipe(encoded, ctx):
+    images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+    images = fn.resize(images, device=ctx.device, resize_x=12, resize_y=12)
+    images = fn.rotate(images, device=ctx.device, angle=ctx.random.uniform((-30.0, 30.0)), keep_size=True)
+    brightness = 1.0 + 0.1 * ctx.random.normal()
+    images = fn.brightness(images, device=ctx.device, brightness=brightness)
+    return fn.crop_mirror_normalize(
+        images, device=ctx.device, dtype=types.UINT8, output_layout="CHW", mirror=ctx.random.coin_flip(0.5)
+    )
+
+
+def _dali_random_recipe(encoded, ctx):
+    images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+    images = fn.resize(images, device=ctx.device, resize_x=12, resize_y=12)
+    return fn.crop_mirror_normalize(
+        images, device=ctx.device, dtype=types.UINT8, output_layout="CHW", mirror=fn.random.coin_flip()
+    )
+
+
+def test_a_custom_recipe_drawing_from_ctx_random_is_the_same_on_any_world_size(tiny_dataset):
+    root, one, two = str(tiny_dataset), {}, {}
+    with _loader(root, pipeline=_planned_recipe, cache_bytes=0) as loader:
+        _take(loader, one, 0)
+    for r in range(2):
+        with _loader(root, pipeline=_planned_recipe, cache_bytes=0, rank=r, world_size=2) as loader:
+            _take(loader, two, 0)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_custom_recipe_using_dali_random_operators_is_warned_about(tiny_dataset, caplog):
+    with caplog.at_level(logging.WARNING, logger="coordl"):
+        with _loader(str(tiny_dataset), pipeline=_dali_random_recipe, cache_bytes=0) as loader:
+            next(iter(loader))
+    warned = [r.getMessage() for r in caplog.records if "DALI's own random operators" in r.getMessage()]
+    assert len(warned) == 1 and "random.CoinFlip" in warned[0] and "ctx.random" in warned[0]
+
+
+# -- the crop window ------------------------------------------------------------------------------------
+def _reference_window(h, w, u, scale, ratio):
+    """torchvision's RandomResizedCrop.get_params with the draws ``u`` (sides rounded half up)."""
+    area = h * w
+    for k in range(ATTEMPTS):
+        target = area * (scale[0] + (scale[1] - scale[0]) * u[k])
+        aspect = np.exp(np.log(ratio[0]) + (np.log(ratio[1]) - np.log(ratio[0])) * u[ATTEMPTS + k])
+        cw, ch = np.floor(np.sqrt(target * aspect) + 0.5), np.floor(np.sqrt(target / aspect) + 0.5)
+        if 1 <= cw <= w and 1 <= ch <= h:
+            x = np.floor(u[2 * ATTEMPTS] * (w - cw + 1))
+            y = np.floor(u[2 * ATTEMPTS + 1] * (h - ch + 1))
+            return x, y, cw, ch
+    if w / h < ratio[0]:
+        cw, ch = w, np.floor(w / ratio[0] + 0.5)
+    elif w / h > ratio[1]:
+        cw, ch = np.floor(h * ratio[1] + 0.5), h
+    else:
+        cw, ch = w, h
+    return np.floor((w - cw) / 2), np.floor((h - ch) / 2), cw, ch
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 5000)), min_size=16, max_size=16),
+    seed=st.integers(0, 2**32),
+    scale=st.sampled_from([(0.08, 1.0), (0.5, 0.5), (0.9, 1.0)]),
+    ratio=st.sampled_from([(3 / 4, 4 / 3), (1.0, 1.0), (2.0, 3.0)]),
+)
+def test_crop_windows_fit_the_image_and_follow_torchvisions_rule(shapes, seed, scale, ratio):
+    u = draws.uniforms(seed, 0, np.arange(len(shapes)), 2 * ATTEMPTS + 2)
+    hwc = np.array([(h, w, 3) for h, w in shapes], dtype=np.int64)
+
+    @pipeline_def(batch_size=len(shapes), num_threads=1, device_id=None)
+    def windows():
+        shape, draws = fn.external_source(source=lambda: (hwc, u), num_outputs=2, batch=True)
+        return SampleRandom(draws).crop_window(shape, scale, ratio)
+
+    pipe = windows()
+    pipe.build()
+    anchors, sizes = pipe.run()
+    for k, (h, w) in enumerate(shapes):
+        x, y = anchors.at(k)
+        cw, ch = sizes.at(k)
+        assert 1 <= cw <= w and 1 <= ch <= h and 0 <= x <= w - cw and 0 <= y <= h - ch, (h, w, x, y, cw, ch)
+        want = _reference_window(h, w, u[k].astype(np.float64), scale, ratio)
+        # DALI computes in float32: a side or corner may round the other way, by one pixel.
+        assert np.allclose((x, y, cw, ch), want, atol=1.0), ((h, w), (x, y, cw, ch), want)
