@@ -197,3 +197,28 @@ def test_the_epochs_after_an_elastic_resume_follow_the_new_world_size():
     b = resumed.begin(3)
     assert (b.epoch, b.start, b.base) == (1, 0, 0)
     assert resumed.state_dict() == {"epoch": 1, "batches": 0, "world_size": 3}
+
+
+@settings(max_examples=100, deadline=None)
+@given(samples=st.integers(1, 60), batch_size=st.integers(1, 4), before=st.integers(1, 4), after=st.integers(1, 4),
+       take=st.integers(0, 5), seed=st.integers(0, 99))  # fmt: skip
+def test_locality_aware_resume_keeps_the_global_batches_of_the_plain_one(samples, batch_size, before, after, take, seed):
+    import numpy as np
+
+    from coordl.schedule import Locality
+
+    rng = np.random.default_rng(seed)
+    schedule = Schedule(samples, batch_size, shuffle=True, drop_last=False, seed=seed)
+    pos = Position(samples, batch_size)
+    _epoch_on(schedule, pos, before, take)
+    resumed = Position(samples, batch_size)
+    resumed.load_state_dict(pos.state_dict())
+    b = resumed.begin(after)
+    nodes = rng.integers(1, after + 1)
+    locality = Locality(rng.integers(-1, nodes, samples), np.sort(rng.integers(0, nodes, after)))
+    plain = [schedule.batches(b.order_epoch, r, after, b.start, base=b.base) for r in range(after)]
+    aware = [schedule.batches(b.order_epoch, r, after, b.start, locality, b.base) for r in range(after)]
+    assert [len(p) for p in aware] == [len(p) for p in plain]
+    for k in range(len(plain[0])):
+        assert sorted(np.concatenate([p[k] for p in aware])) == sorted(np.concatenate([p[k] for p in plain]))
+        assert [len(p[k]) for p in aware] == [len(p[k]) for p in plain]
