@@ -54,12 +54,14 @@ def _take(loader, out: dict, epoch: int, limit: int | None = None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dataset):
+def reference(tiny_dataset, tmp_path_factory):
     """Epochs 0 and 1 of an uninterrupted single-rank run: image by (epoch, sample)."""
     out = {}
-    with _loader(str(tiny_dataset), cache_bytes=0) as loader:
-        for epoch in (0, 1):
-            assert sorted(_take(loader, out, epoch)) == list(range(N))
+    with pytest.MonkeyPatch.context() as mp:  # the per-test isolation is not set up yet
+        mp.setenv("COORDL_INDEX_DIR", str(tmp_path_factory.mktemp("index")))
+        with _loader(str(tiny_dataset), cache_bytes=0) as loader:
+            for epoch in (0, 1):
+                assert sorted(_take(loader, out, epoch)) == list(range(N))
     return out
 
 

@@ -6,11 +6,16 @@ resume, the MinIO cache, statistics) and hands the rest to ``torch.utils.data.Da
 worker processes, prefetching, ``collate_fn``, ``pin_memory``, worker seeding, timeouts. The
 ``DataLoader`` gets
 
-- a batch sampler holding this pass's batches (coordl's order, from the resume position);
+- a batch sampler holding this pass's batches (coordl's order, from the resume position), each
+  a :class:`Batch`: the sample ids and the key of their random draws, ``(seed, order_epoch)``;
 - :class:`Items`, whose ``__getitems__`` runs in a worker: it fetches each sample's bytes
   through a :class:`~coordl.fetch.fetcher.Fetcher` attached to the node's cache *by that worker*
   (a forked worker must not use its parent's locks), decodes them with the dataset, applies
   the transforms, and returns them with where the bytes came from;
+- :class:`SampleDraws`, which seeds torch's, Python's and NumPy's global generators before each
+  sample from :func:`coordl.draws.sample_seeds` and puts their states back after the batch, so
+  that a sample's random transforms draw the same numbers in a given epoch whichever rank,
+  world size, batch, worker or resume delivers it;
 - :class:`Collate`, which calls the user's ``collate_fn`` in the worker and passes the
   accounting through, so the main process sums it without any shared counters.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import time
 import traceback
 
@@ -32,13 +38,24 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from coordl import draws
 from coordl.datasets import as_file
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
 from coordl.fetch.fetcher import FetchCounters, Fetcher
 from coordl.passes import Pass, Step
 from coordl.resources import CacheSpec
 
-__all__ = ["Collate", "EpochBatches", "Fetched", "Items", "TorchPass", "make_dataloader", "seed_for"]
+__all__ = [
+    "Batch",
+    "Collate",
+    "EpochBatches",
+    "Fetched",
+    "Items",
+    "SampleDraws",
+    "TorchPass",
+    "make_dataloader",
+    "seed_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +80,59 @@ class Fetched:
         if self.batch is not None:
             self.batch = pin_memory(self.batch, device)
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One batch as the batch sampler hands it to a worker: the sample ids and the key of their
+    random draws. It travels with every batch because :class:`Items` reaches a persistent worker
+    only once, when the worker starts."""
+
+    ids: list[int]
+    seed: int  # the loader's seed
+    epoch: int  # the epoch whose order the batch follows
+
+
+class SampleDraws:
+    """The global generators a transform draws from, keyed per sample by ``(seed, epoch, sample)``.
+
+    ``with SampleDraws(batch) as d:`` saves the states of torch's default CPU generator, Python's
+    ``random`` and NumPy's legacy ``np.random``; ``d.seed(k)`` seeds all three for the batch's
+    ``k``-th sample; leaving the block puts the saved states back (also on an error), so a
+    process's own streams go on as if the batch had not been made. A plain list of ids has no
+    key: then nothing is seeded or saved.
+
+    The three seeds come from different bits of the sample's 63-bit seed, so the generators do
+    not repeat each other's streams: torch's Mersenne Twister is seeded by the low 32 bits (it
+    ignores the others), NumPy's by the high 32, Python's by all 63.
+    """
+
+    def __init__(self, batch: Batch | list[int]):
+        keyed = isinstance(batch, Batch)
+        self._seeds = draws.sample_seeds(batch.seed, batch.epoch, batch.ids).tolist() if keyed else None
+        self._saved = None
+
+    def __enter__(self) -> SampleDraws:
+        if self._seeds is not None:
+            # Saved once a batch: NumPy's get/set_state cost ~65 us together, seeding ~1.5 us.
+            self._saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
+        return self
+
+    def seed(self, k: int) -> None:
+        """Seeds the generators for the batch's ``k``-th sample (nothing for an unkeyed batch)."""
+        if self._seeds is not None:
+            s = self._seeds[k]
+            torch.default_generator.manual_seed(s)  # not torch.manual_seed: that seeds every device (~125 us)
+            random.seed(s)
+            np.random.seed(s >> 31)
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            t, r, n = self._saved
+            torch.default_generator.set_state(t)
+            random.setstate(r)
+            np.random.set_state(n)
+            self._saved = None
 
 
 class Items(torch.utils.data.Dataset):
@@ -95,12 +165,18 @@ class Items(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         raise TypeError("coordl's torch backend fetches whole batches; use __getitems__")
 
-    def __getitems__(self, ids: list[int]) -> Fetched:
+    def __getitems__(self, batch: Batch | list[int]) -> Fetched:
+        """Fetches, decodes and transforms a batch: a :class:`Batch` (its samples' random draws
+        keyed by ``(seed, epoch, sample)``) or a list of ids (the generators left as they are)."""
+        with SampleDraws(batch) as sample_draws:
+            return self._fetch(batch.ids if isinstance(batch, Batch) else batch, sample_draws)
+
+    def _fetch(self, ids: list[int], sample_draws: SampleDraws) -> Fetched:
         fetcher = self.fetcher()
         ds, paths = self.dataset, self.index.paths
         out = Fetched(items=[])
         t_read = t_prep = 0.0
-        for i in ids:
+        for k, i in enumerate(ids):
             t0 = time.perf_counter()
             try:
                 data = fetcher.fetch(i)
@@ -114,6 +190,7 @@ class Items(torch.utils.data.Dataset):
                 continue
             t1 = time.perf_counter()
             t_read += t1 - t0
+            sample_draws.seed(k)  # before decode: a decoder's draws (a random audio offset) are keyed too
             try:
                 sample = ds.decode(as_file(data, paths[i]))
             except Exception as e:  # noqa: BLE001 - any decoder's failure is this sample's
@@ -158,7 +235,7 @@ class EpochBatches:
     """The DataLoader's batch sampler: the batches of the current pass, set before each pass."""
 
     def __init__(self):
-        self.batches: list[list[int]] = []
+        self.batches: list[Batch] = []
 
     def __iter__(self):
         return iter(self.batches)
@@ -200,7 +277,8 @@ class TorchPass(Pass):
         sampler: the DataLoader's batch sampler, which this pass sets to ``batches``.
         persistent: the workers outlive the pass (``persistent_workers=True``).
         workers: the DataLoader's worker processes.
-        order_epoch: the epoch whose order ``batches`` follow (default: ``epoch``).
+        order_epoch: the epoch whose order ``batches`` follow (default: ``epoch``); with
+            ``config.seed`` it keys the samples' random draws (see :class:`SampleDraws`).
         **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
     """
 
@@ -226,7 +304,8 @@ class TorchPass(Pass):
         self._prep_s = 0.0
         self._skipped: list[tuple[int, str, str]] = []
         self._fetched = FetchCounters()
-        sampler.batches = [b.tolist() for b in batches]
+        seed = config.seed
+        sampler.batches = [Batch(b.tolist(), seed, self.order_epoch) for b in batches]
         self._it = iter(resources.dataloader)
 
     def _step(self) -> Step | None:
