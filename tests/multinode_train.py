@@ -7,6 +7,9 @@ CoordLoader for ``--epochs`` epochs with a tiny step, and writes what every rank
 ``--die-rank R --die-at E,B`` makes rank R kill itself (SIGKILL) after batch B of epoch E.
 ``--leave-at B`` makes every rank break out of its last epoch after batch B and end the script
 without ``close()`` or ``destroy_process_group()``, as many training scripts end.
+``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
+to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
+load that state (a JSON file) first and continue from its epoch.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main() -> None:
     p.add_argument("--die-at", default="1,2")
     p.add_argument("--peer-timeout", type=float, default=10.0)
     p.add_argument("--leave-at", type=int, default=-1)
+    p.add_argument("--stop-at", default="")
+    p.add_argument("--resume", default="")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -50,8 +55,15 @@ def main() -> None:
         locality_aware=bool(a.locality), peer_timeout=a.peer_timeout,
     )  # fmt: skip
     die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
+    stop = tuple(int(x) for x in a.stop_at.split(",")) if a.stop_at else None
+    first = 0
+    if a.resume:
+        with open(a.resume) as f:
+            state = json.load(f)
+        loader.load_state_dict(state)
+        first = state["epoch"]
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
-    for epoch in range(a.epochs):
+    for epoch in range(first, a.epochs):
         loader.set_epoch(epoch)
         t0 = time.perf_counter()
         batches = []
@@ -64,9 +76,16 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if epoch == a.epochs - 1 and k == a.leave_at:
                 break
-        record["epochs"].append({"batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0})
+            if (epoch, k + 1) == stop:
+                record["state"] = loader.state_dict()  # what this rank would checkpoint
+                break
+        record["epochs"].append(
+            {"epoch": epoch, "batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0}
+        )
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
+        if "state" in record:
+            break
     if a.die_rank < 0:
         dist.barrier()  # every node keeps serving its cache until the last one is done
     if a.leave_at >= 0:

@@ -366,3 +366,48 @@ def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_data
     assert sorted(ids) == sorted(order[0::2].tolist())  # its whole shard, each sample once
     assert last["stats"]["storage_reads"] > 0  # what the dead node held came from storage
     assert "reading its samples from storage" in _logs(out)
+
+
+def _delivered(recs: list[dict], epoch: int) -> Counter:
+    """How many times each sample of ``epoch`` was delivered, over every rank."""
+    return Counter(i for r in recs for e in r["epochs"] if e["epoch"] == epoch for b in e["batches"] for i in b)
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 1), (2, 2), (3, 1)], ids=["same", "2-ranks-a-node", "3-nodes"])
+def test_a_state_from_rank_0_resumes_every_rank_of_a_multinode_job(tiny_dataset, tmp_path, nodes, per_node):
+    """Two nodes of one rank stop after 3 batches of epoch 0, and the job restarts on ``nodes``
+    nodes of ``per_node`` ranks from rank 0's ``state_dict()`` alone. The rest of epoch 0 is
+    exactly the samples not delivered before (each once, beyond ``DistributedSampler``'s
+    padding), in the global batches that order gives them; epoch 1 follows the new world."""
+    common = ["--epochs", "2", "--cache", "0.6", "-b", "5"]
+    out = tmp_path / "before"
+    codes = _run_nodes(tiny_dataset, out, 2, [*common, "--stop-at", "0,3"])
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 2)
+    state = recs[0]["state"]
+    assert all(r["state"] == state for r in recs) and "rank" not in state  # every rank's is rank 0's
+    assert (state["epoch"], state["batches"], state["world_size"]) == (0, 3, 2)
+    before = _delivered(recs, 0)
+    assert len(before) == 2 * 3 * 5 and set(before.values()) == {1}
+    saved = tmp_path / "state.json"
+    saved.write_text(json.dumps(state))  # the checkpoint: rank 0's state only
+
+    out = tmp_path / "after"
+    world = nodes * per_node
+    codes = _run_nodes(tiny_dataset, out, nodes, [*common, "--resume", str(saved)], per_node=per_node)
+    assert codes == [0] * nodes, _logs(out)
+    recs = _records(out, world)
+    assert all(r["world_size"] == world and [e["epoch"] for e in r["epochs"]] == [0, 1] for r in recs)
+    after = _delivered(recs, 0)
+    left = N - len(before)
+    padding = -left % world  # DistributedSampler pads every rank's shard to ceil(left / world)
+    assert set(after) == set(range(N)) - set(before)
+    assert sum(after.values()) == left + padding and sum(after.values()) - len(after) == padding
+    # The global batches: the epoch's order from where the job stopped, padded with its head.
+    rest = sampler.epoch_order(N, 5, 0)[len(before) :].tolist()
+    rest += rest[:padding]
+    resumed = [r["epochs"][0]["batches"] for r in recs]
+    assert {len(b) for b in resumed} == {-(-len(rest) // (world * 5))}
+    for k in range(len(resumed[0])):
+        assert sorted(i for b in resumed for i in b[k]) == sorted(rest[k * world * 5 : (k + 1) * world * 5]), k
+    assert _delivered(recs, 1) == Counter(range(N))

@@ -7,9 +7,10 @@ training (SGD with momentum, step decay every 30 epochs, top-1/top-5 validation,
 - ``--loader coordl`` (default): the training and validation sets are CoordLoaders with the
   ``imagenet-train`` and ``imagenet-val`` recipes, decoded by DALI (on the GPU when there is
   one), with a MinIO cache of raw samples in ``/dev/shm`` shared by every rank of the node
-  and, on several nodes, served to the other nodes. Checkpoints hold each rank's
-  ``loader.state_dict()``, so ``--resume`` continues in the middle of an epoch, exactly where
-  the checkpoint was taken (``--save-every N`` batches, and on SIGTERM, e.g. a pre-emption).
+  and, on several nodes, served to the other nodes. Checkpoints hold rank 0's
+  ``loader.state_dict()``, which resumes every rank, so ``--resume`` continues in the middle of an
+  epoch where the checkpoint was taken (``--save-every N`` batches, and on SIGTERM, e.g. a
+  pre-emption), also on another number of ranks or nodes.
 - ``--loader torch``: ``torch.utils.data.DataLoader`` over an ``ImageFolder`` with the same
   transforms (torchvision's when installed), for comparison. It resumes at epoch starts only.
 
@@ -27,6 +28,7 @@ A demo dataset: ``coordl make-dataset /tmp/demo/train --images 1000`` and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -75,6 +77,9 @@ parser.add_argument("--image-size", default=224, type=int, help="training and va
 parser.add_argument("--save-every", default=0, type=int, metavar="N",
                     help="coordl: also checkpoint every N training batches (resume continues mid-epoch)")
 parser.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar and model_best.pth.tar go")
+parser.add_argument("--log-samples", default="", metavar="DIR",
+                    help="coordl: append the ids of the samples each rank trains on to DIR/rank<r>.jsonl, one line "
+                         "per batch, to check what a resume trains on")  # fmt: skip
 
 best_acc1 = 0.0
 
@@ -101,6 +106,13 @@ class Run:
         if self.rank == 0:
             print(*a, flush=True)
 
+    def log_samples(self, epoch: int, batch: int, ids: torch.Tensor) -> None:
+        """With ``--log-samples``: the samples this rank trained on in batch ``batch`` of ``epoch``."""
+        folder = Path(self.args.log_samples)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rank{self.rank}.jsonl", "a") as f:  # whole lines, also if the run is killed
+            f.write(json.dumps({"epoch": epoch, "batch": batch, "ids": ids.tolist()}) + "\n")
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if it is true on one (so that all ranks stop at the same batch)."""
         if not self.distributed:
@@ -114,6 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.loader == "torch" and args.save_every:
         parser.error("--save-every needs --loader coordl: a DataLoader cannot resume in the middle of an epoch")
+    if args.loader == "torch" and args.log_samples:
+        parser.error("--log-samples needs --loader coordl")
     if args.seed is not None:
         random.seed(args.seed)
         torch.manual_seed(args.seed)
@@ -174,7 +188,7 @@ def make_loaders(run: Run, traindir: str, valdir: str):
         common = dict(batch_size=args.batch_size, seed=args.seed or 0, cache_bytes=cache, device_id=device_id,
                       num_threads=args.workers)  # fmt: skip
         train = coordl.CoordLoader(traindir, pipeline=coordl.ImageNetTrain(size=args.image_size), shuffle=True,
-                                   **common)  # fmt: skip
+                                   return_index=bool(args.log_samples), **common)  # fmt: skip
         # return_index: the padding that evens out the ranks' shards is counted once in the accuracy.
         val = coordl.CoordLoader(valdir, pipeline=coordl.ImageNetVal(size=args.image_size, resize=args.image_size * 8 // 7),
                                  shuffle=False, return_index=True, **common)  # fmt: skip
@@ -200,16 +214,24 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
     """One epoch (or its rest, after a mid-epoch resume); False if stopped by SIGTERM."""
     args = run.args
     coordl_loader = args.loader == "coordl"
-    start = loader.state_dict()["batches"] if coordl_loader and loader.epoch == epoch else 0
-    if start:
-        run.log(f"=> resuming epoch {epoch} at batch {start} of {len(loader)}")
+    batches = iter(loader)
+    # After a resume, coordl's pass starts at the batch where the checkpoint was taken and holds
+    # the rest of the epoch; on another number of ranks, the samples not yet trained on, dealt anew.
+    start = batches.start if coordl_loader else 0
+    total = start + len(batches)
+    base = loader.state_dict().get("base", 0) if coordl_loader else 0
+    if start or base:
+        run.log(f"=> resuming epoch {epoch} at batch {start} of {total}"
+                + (f", which deal the {len(loader.index) - base} samples the epoch had left when the number of "
+                   f"ranks changed" if base else ""))  # fmt: skip
     batch_time, data_time = AverageMeter("Time", ":6.3f"), AverageMeter("Data", ":6.3f")
     losses, top1, top5 = AverageMeter("Loss", ":.4e"), AverageMeter("Acc@1", ":6.2f"), AverageMeter("Acc@5", ":6.2f")
-    progress = ProgressMeter(len(loader), [batch_time, data_time, losses, top1, top5], prefix=f"Epoch: [{epoch}]")
+    progress = ProgressMeter(total, [batch_time, data_time, losses, top1, top5], prefix=f"Epoch: [{epoch}]")
     model.train()
     t_epoch = end = time.perf_counter()
     waited, samples, i = 0.0, 0, start - 1
-    for i, (images, target) in enumerate(loader, start):
+    for i, batch in enumerate(batches, start):
+        images, target = batch[0], batch[1]
         dt = time.perf_counter() - end
         data_time.update(dt)
         waited += dt
@@ -224,12 +246,14 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if args.log_samples:
+            run.log_samples(epoch, i, batch[2])
         samples += images.size(0)
         batch_time.update(time.perf_counter() - end)
         if i % args.print_freq == 0:
             run.log(progress.display(i))
         stop = run.any_rank(run.stop_requested)
-        if stop or (coordl_loader and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < len(loader)):
+        if stop or (coordl_loader and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < total):
             save_checkpoint(run, model, optimizer, scheduler, loader, epoch, False)
             if stop:
                 epoch_summary(run, loader, epoch, time.perf_counter() - t_epoch, waited, samples, start, i + 1 - start,
@@ -326,41 +350,41 @@ def resume(run: Run, model, optimizer, scheduler, train_loader) -> None:
     unwrapped(model).load_state_dict(checkpoint["state_dict"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
-    states = checkpoint.get("loader")
-    if args.loader == "coordl" and states:
-        if len(states) != run.world_size:
-            sys.exit(f"=> the checkpoint was taken with {len(states)} ranks; resume with the same number "
-                     f"(or without its loader state by starting at --start-epoch)")  # fmt: skip
-        train_loader.load_state_dict(states[run.rank])  # this rank's shard, mid-epoch if it was saved there
+    state = checkpoint.get("loader")
+    if isinstance(state, list):  # an earlier version of this script saved every rank's state, all alike
+        state = state[0]
+    if args.loader == "coordl" and state:
+        # Rank 0's state resumes every rank, on the number of ranks it was saved with or another.
+        train_loader.load_state_dict(state)
     elif checkpoint.get("mid_epoch"):
         sys.exit("=> this checkpoint was taken in the middle of an epoch; resume it with --loader coordl")
-    run.log(f"=> loaded checkpoint {args.resume!r} (epoch {checkpoint['epoch']}"
-            + (f", batch {states[run.rank]['batches']}" if states and states[run.rank]["batches"] else "") + ")")
+    where = f", batch {state['batches']} on {state['world_size']} rank(s)" if mid_epoch(state) else ""
+    run.log(f"=> loaded checkpoint {args.resume!r} (epoch {checkpoint['epoch']}{where})")
 
 
 def save_checkpoint(run: Run, model, optimizer, scheduler, train_loader, epoch: int, is_best: bool) -> None:
     """``checkpoint.pth.tar`` (written atomically): ``epoch`` is the epoch to continue with."""
-    states = None
-    if run.args.loader == "coordl":
-        states = [train_loader.state_dict()]
-        if run.distributed:  # every rank's position: each resumes its own shard
-            states = [None] * run.world_size
-            dist.all_gather_object(states, train_loader.state_dict())
     if run.rank != 0:
         return
-    mid_epoch = bool(states and states[0]["batches"])
+    # Every rank has trained on as many batches (DDP), so rank 0's loader state is every rank's.
+    loader_state = train_loader.state_dict() if run.args.loader == "coordl" else None
     state = {"epoch": epoch, "arch": run.args.arch, "state_dict": unwrapped(model).state_dict(),
              "best_acc1": best_acc1, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "loader": states, "mid_epoch": mid_epoch}  # fmt: skip
+             "loader": loader_state, "mid_epoch": mid_epoch(loader_state)}  # fmt: skip
     folder = Path(run.args.checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path, tmp = folder / "checkpoint.pth.tar", folder / "checkpoint.pth.tar.tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)  # a kill -9 while saving leaves the previous checkpoint whole
-    where = f"epoch {epoch}, batch {states[0]['batches']}" if mid_epoch else f"start of epoch {epoch}"
+    where = f"epoch {epoch}, batch {loader_state['batches']}" if state["mid_epoch"] else f"start of epoch {epoch}"
     print(f"=> saved {path} ({where})", flush=True)
     if is_best:
         shutil.copyfile(path, folder / "model_best.pth.tar")
+
+
+def mid_epoch(loader_state: dict | None) -> bool:
+    """Whether a coordl loader state is in the middle of an epoch."""
+    return bool(loader_state and (loader_state["batches"] or loader_state.get("base", 0)))
 
 
 def finish(run: Run, *loaders) -> None:
