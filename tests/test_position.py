@@ -97,7 +97,9 @@ def test_a_new_pass_after_a_break_restarts_the_epoch(take):
 def test_restore_keeps_the_order_epoch_and_set_epoch_of_the_same_epoch_keeps_the_position(epoch, batches, order):
     pos = Position(N, 1)
     pos.load_state_dict({"epoch": epoch, "batches": batches, "order_epoch": order})
-    assert pos.state_dict() == ({"epoch": epoch, "batches": batches} | ({"order_epoch": order} if order != epoch else {}))
+    assert pos.state_dict() == (
+        {"epoch": epoch, "batches": batches} | ({"order_epoch": order} if order != epoch else {})
+    )
     pos.set_epoch(epoch)  # a resumed script sets the epoch it is in: the position stays
     b = pos.begin()
     assert (b.epoch, b.start, b.order_epoch) == (epoch, batches, order)
@@ -173,7 +175,9 @@ def test_an_epoch_resumed_at_other_world_sizes_delivers_every_sample_once_beyond
 @settings(max_examples=200, deadline=None)
 @given(samples=st.integers(1, 50), batch_size=st.integers(1, 4), world=st.integers(1, 4), take=st.integers(0, 8),
        drop_last=st.booleans())  # fmt: skip
-def test_a_resume_at_the_same_world_size_continues_the_uninterrupted_batches(samples, batch_size, world, take, drop_last):
+def test_a_resume_at_the_same_world_size_continues_the_uninterrupted_batches(
+    samples, batch_size, world, take, drop_last
+):
     schedule = Schedule(samples, batch_size, shuffle=True, drop_last=drop_last, seed=1)
     whole, _ = _epoch_on(schedule, Position(samples, batch_size), world, None)
     pos = Position(samples, batch_size)
@@ -202,7 +206,9 @@ def test_the_epochs_after_an_elastic_resume_follow_the_new_world_size():
 @settings(max_examples=100, deadline=None)
 @given(samples=st.integers(1, 60), batch_size=st.integers(1, 4), before=st.integers(1, 4), after=st.integers(1, 4),
        take=st.integers(0, 5), seed=st.integers(0, 99))  # fmt: skip
-def test_locality_aware_resume_keeps_the_global_batches_of_the_plain_one(samples, batch_size, before, after, take, seed):
+def test_locality_aware_resume_keeps_the_global_batches_of_the_plain_one(
+    samples, batch_size, before, after, take, seed
+):
     import numpy as np
 
     from coordl.schedule import Locality

@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvidia.dali import fn, pipeline_def, types
 
-from coordl import draws
 from childproc import report, result
-from coordl import CoordLoader, ImageNetTrain
+from coordl import CoordLoader, ImageNetTrain, draws
 from coordl.prep.planned import ATTEMPTS, SampleRandom
+from recording import take
 
 RECIPE = ImageNetTrain(size=16)
 N = 120  # samples in tiny_dataset
@@ -37,22 +37,6 @@ def _loader(root, **kw):
     return CoordLoader(root, batch_size=BS, return_index=True, num_threads=1, io_threads=2, seed=7, **kw)
 
 
-def _take(loader, out: dict, epoch: int, limit: int | None = None) -> list[int]:
-    """Iterates ``loader`` (at most ``limit`` batches, then ``break``), recording every image by
-    ``(epoch, sample)``; returns the samples in delivery order."""
-    got = []
-    if limit == 0:
-        return got
-    for k, (x, _, ids) in enumerate(loader):
-        for image, i in zip(x, ids.tolist(), strict=True):
-            previous = out.setdefault((epoch, i), image.clone())
-            assert torch.equal(previous, image), f"sample {i} of epoch {epoch} delivered twice, differently"
-            got.append(i)
-        if limit is not None and k + 1 == limit:
-            break
-    return got
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory):
     """Epochs 0 and 1 of an uninterrupted single-rank run: image by (epoch, sample)."""
@@ -61,7 +45,7 @@ def reference(tiny_dataset, tmp_path_factory):
         mp.setenv("COORDL_INDEX_DIR", str(tmp_path_factory.mktemp("index")))
         with _loader(str(tiny_dataset), cache_bytes=0) as loader:
             for epoch in (0, 1):
-                assert sorted(_take(loader, out, epoch)) == list(range(N))
+                assert sorted(take(loader, out, epoch)) == list(range(N))
     return out
 
 
@@ -84,7 +68,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
         first = []
         for loader in ranks:
             loader.set_epoch(0)
-            first += _take(loader, out, 0, limit=cut)
+            first += take(loader, out, 0, limit=cut)
         states = [json.loads(json.dumps(loader.state_dict())) for loader in ranks]
     finally:
         for loader in ranks:
@@ -98,7 +82,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
             loader.load_state_dict(states[0])  # rank 0's state, on every new rank
             for epoch in range(states[0]["epoch"], 2):
                 loader.set_epoch(epoch)  # as a resumed script does: the epoch it is in keeps its position
-                delivered[epoch] += _take(loader, out, epoch)
+                delivered[epoch] += take(loader, out, epoch)
     finally:
         for loader in ranks:
             loader.close()
@@ -129,13 +113,13 @@ def test_a_resume_at_the_same_world_size_continues_the_same_batches(tiny_dataset
 def test_a_state_of_another_batch_size_or_dataset_is_refused(tiny_dataset, dataset_copy):
     with _loader(str(tiny_dataset), cache_bytes=0) as loader:
         state = loader.state_dict()
-    with CoordLoader(str(tiny_dataset), batch_size=BS + 1, pipeline=RECIPE, seed=7, cache_bytes=0) as other:
-        with pytest.raises(ValueError, match="cannot resume: state has batch_size=8 but this loader has batch_size=9"):
-            other.load_state_dict(state)
+    other = CoordLoader(str(tiny_dataset), batch_size=BS + 1, pipeline=RECIPE, seed=7, cache_bytes=0)
+    message = "cannot resume: state has batch_size=8 but this loader has batch_size=9"
+    with other, pytest.raises(ValueError, match=message):
+        other.load_state_dict(state)
     next(dataset_copy.rglob("*.jpg")).unlink()
-    with _loader(str(dataset_copy), cache_bytes=0) as other:
-        with pytest.raises(ValueError, match="cannot resume: state has dataset="):
-            other.load_state_dict(state)
+    with _loader(str(dataset_copy), cache_bytes=0) as other, pytest.raises(ValueError, match="state has dataset="):
+        other.load_state_dict(state)
 
 
 def test_a_version_1_state_of_a_rank_still_resumes(tiny_dataset):
@@ -188,12 +172,12 @@ def test_an_hp_group_members_images_are_those_of_the_same_loader_alone(tiny_data
 def test_a_member_resumed_alone_gets_the_images_the_group_would_have_given_it(tiny_dataset, isolated, reference):
     root, out = str(tiny_dataset), {}
     with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
-        first = _take(loader, out, 0, limit=4)
+        first = take(loader, out, 0, limit=4)
         state = loader.state_dict()
     with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
         loader.load_state_dict(state)
-        rest = _take(loader, out, 0)  # alone: the group's epoch is in the middle
-        _take(loader, out, 1)  # from the group again
+        rest = take(loader, out, 0)  # alone: the group's epoch is in the middle
+        take(loader, out, 1)  # from the group again
     _check(out, reference, first, rest, 1)
 
 
@@ -220,17 +204,17 @@ def _dali_random_recipe(encoded, ctx):
 def test_a_custom_recipe_drawing_from_ctx_random_is_the_same_on_any_world_size(tiny_dataset):
     root, one, two = str(tiny_dataset), {}, {}
     with _loader(root, pipeline=_planned_recipe, cache_bytes=0) as loader:
-        _take(loader, one, 0)
+        take(loader, one, 0)
     for r in range(2):
         with _loader(root, pipeline=_planned_recipe, cache_bytes=0, rank=r, world_size=2) as loader:
-            _take(loader, two, 0)
+            take(loader, two, 0)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 def test_a_custom_recipe_using_dali_random_operators_is_warned_about(tiny_dataset, caplog):
-    with caplog.at_level(logging.WARNING, logger="coordl"):
-        with _loader(str(tiny_dataset), pipeline=_dali_random_recipe, cache_bytes=0) as loader:
-            next(iter(loader))
+    loader = _loader(str(tiny_dataset), pipeline=_dali_random_recipe, cache_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="coordl"), loader:
+        next(iter(loader))
     warned = [r.getMessage() for r in caplog.records if "DALI's own random operators" in r.getMessage()]
     assert len(warned) == 1 and "random.CoinFlip" in warned[0] and "ctx.random" in warned[0]
 

@@ -27,6 +27,7 @@ from PIL import Image
 
 from coordl import CoordLoader
 from coordl.datasets import ImageFolder
+from recording import take
 
 N = 120  # samples in tiny_dataset
 BS = 8
@@ -71,22 +72,6 @@ def _loader(root, workers: str = "in-process", transform=augment, **kw) -> Coord
     return CoordLoader(data, seed=SEED, return_index=True, cache_bytes=0, **WORKERS[workers], **kw)
 
 
-def _take(loader, out: dict, epoch: int, limit: int | None = None) -> list[int]:
-    """Iterates ``loader`` (``limit`` batches, then ``break``), recording every tensor by
-    ``(epoch, sample)``; returns the samples in delivery order."""
-    got = []
-    if limit == 0:
-        return got
-    for k, (x, _, ids) in enumerate(loader):
-        for tensor, i in zip(x, ids.tolist(), strict=True):
-            previous = out.setdefault((epoch, i), tensor.clone())
-            assert torch.equal(previous, tensor), f"sample {i} of epoch {epoch} delivered twice, differently"
-            got.append(i)
-        if limit is not None and k + 1 == limit:
-            break
-    return got
-
-
 def _check(out: dict, reference: dict) -> None:
     for key, tensor in out.items():
         assert torch.equal(tensor, reference[key]), f"sample {key[1]} of epoch {key[0]} differs from the reference"
@@ -103,7 +88,7 @@ def reference(tiny_dataset, tmp_path_factory):
             out = {}
             with _loader(str(tiny_dataset)) as loader:
                 for epoch in (0, 1):
-                    assert sorted(_take(loader, out, epoch)) == list(range(N))
+                    assert sorted(take(loader, out, epoch)) == list(range(N))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     return out
@@ -121,7 +106,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
         cut = data.draw(st.integers(0, len(ranks[0]) - 1), label="batches before the interruption")
         first = []
         for loader in ranks:
-            first += _take(loader, out, 0, limit=cut)
+            first += take(loader, out, 0, limit=cut)
         states = [json.loads(json.dumps(loader.state_dict())) for loader in ranks]
     finally:
         for loader in ranks:
@@ -132,9 +117,9 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
     try:
         for loader in ranks:
             loader.load_state_dict(states[0])  # rank 0's state, on every new rank
-            rest += _take(loader, out, 0)
+            rest += take(loader, out, 0)
             assert loader.epoch == 1
-            later += _take(loader, out, 1)
+            later += take(loader, out, 1)
     finally:
         for loader in ranks:
             loader.close()
@@ -152,7 +137,7 @@ def test_the_tensors_do_not_depend_on_workers_batch_size_or_rank(tiny_dataset, r
     for rank in range(3):
         with _loader(str(tiny_dataset), workers, rank=rank, world_size=3, batch_size=5) as loader:
             for epoch in (0, 1):
-                _take(loader, out, epoch)
+                take(loader, out, epoch)
     assert len(out) == 2 * N
     _check(out, reference)
 
@@ -167,7 +152,7 @@ def test_another_seed_augments_differently(tiny_dataset, reference):
     out = {}
     with CoordLoader(ImageFolder(tiny_dataset, transform=augment), batch_size=BS, seed=SEED + 1,
                      shuffle=False, return_index=True, cache_bytes=0) as loader:  # fmt: skip
-        _take(loader, out, 0)
+        take(loader, out, 0)
     same = [i for i in range(N) if torch.equal(out[(0, i)], reference[(0, i)])]
     assert not same, f"samples {same} were augmented alike with seeds {SEED} and {SEED + 1}"
 
@@ -220,8 +205,8 @@ def test_in_process_transforms_leave_the_users_generators_as_they_were(tiny_data
 
     def iterate():
         with _loader(root) as loader:
-            _take(loader, {}, 0, limit=3)  # a pass left mid-epoch
-            _take(loader, {}, 0)  # and a whole one
+            take(loader, {}, 0, limit=3)  # a pass left mid-epoch
+            take(loader, {}, 0)  # and a whole one
         _fails_on_sample_3.calls = 0
         with (
             _loader(root, transform=_fails_on_sample_3) as loader,

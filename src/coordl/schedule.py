@@ -89,4 +89,6 @@ class Schedule:
                 locality.rank_nodes,
                 start=start,
             )
-        return sampler.batches(sampler.shard(order, rank, world_size, self.drop_last), self.batch_size, self.drop_last, start=start)
+        return sampler.batches(
+            sampler.shard(order, rank, world_size, self.drop_last), self.batch_size, self.drop_last, start=start
+        )

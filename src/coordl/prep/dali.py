@@ -24,8 +24,7 @@ import torch
 from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
-from coordl import lifecycle
-from coordl import draws
+from coordl import draws, lifecycle
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import RawBatch

@@ -39,7 +39,7 @@ class SampleRandom:
         start, self.used = self.used, self.used + count
         return self._draws[start] if count == 1 else self._draws[start : start + count]
 
-    def uniform(self, range=(0.0, 1.0)):  # noqa: A002 - DALI's name for it
+    def uniform(self, range=(0.0, 1.0)):  # DALI's name for it
         """A float32 uniform in ``[range[0], range[1])`` per sample (as ``fn.random.uniform``)."""
         lo, hi = float(range[0]), float(range[1])
         return lo + (hi - lo) * self._take(1)
@@ -80,7 +80,9 @@ class SampleRandom:
         s_lo, s_hi = float(scale[0]), float(scale[1])
         r_lo, r_hi = float(ratio[0]), float(ratio[1])
         if not (0 < s_lo <= s_hi and 0 < r_lo <= r_hi):
-            raise ValueError(f"crop_window needs 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}")
+            raise ValueError(
+                f"crop_window needs 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}"
+            )
         u = self._take(2 * ATTEMPTS + 2)
         shape = fn.cast(shape, dtype=types.FLOAT)
         height, width = shape[0], shape[1]
