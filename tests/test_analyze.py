@@ -30,16 +30,20 @@ from coordl.fetch import storage
 
 def throttle(bytes_per_s):
     lock, state = threading.Lock(), {"next": 0.0}
-    real = storage.read_into
+    real = storage.read_many
 
-    def read_into(path, size, views, *, drop_page_cache):
-        with lock:  # one queue for every thread: the device's bandwidth, shared
-            start = max(time.perf_counter(), state["next"])
-            state["next"] = done = start + size / bytes_per_s
-        real(path, size, views, drop_page_cache=drop_page_cache)
-        time.sleep(max(0.0, done - time.perf_counter()))
+    def read_many(paths, sizes, buffers, *, drop_page_cache):
+        failed = {}
+        for k in range(len(paths)):
+            with lock:  # one queue for every thread: the device's bandwidth, shared
+                start = max(time.perf_counter(), state["next"])
+                state["next"] = done = start + sizes[k] / bytes_per_s
+            failed.update({k: e for e in real(paths[k : k + 1], sizes[k : k + 1], buffers[k : k + 1],
+                                                drop_page_cache=drop_page_cache).values()})
+            time.sleep(max(0.0, done - time.perf_counter()))
+        return failed
 
-    storage.read_into = read_into
+    storage.read_many = read_many
 """
 _ns: dict = {}
 exec(SLOW_STORAGE, _ns)  # noqa: S102 - the same code the analysed script runs
@@ -48,9 +52,9 @@ throttle = _ns["throttle"]
 
 @pytest.fixture
 def slow_storage():
-    real = storage.read_into
+    real = storage.read_many
     yield lambda bps: throttle(bps)
-    storage.read_into = real
+    storage.read_many = real
 
 
 # -- accounting --------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 import coordl
+import coordl.errors
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -338,9 +339,12 @@ NOT_FOR_USERS = [
     ("backends/torch.py", "fetches whole batches"),  # DataLoader always calls __getitems__
     ("backends/torch.py", "_failure("),  # re-raises a worker's SampleError, listed in faq.md
     ("staging/member.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
+    ("backends/torch.py", "DatasetChangedError(message)"),  # a worker's failure again, listed in faq.md
+    ("backends/torch.py", "SampleError(message, path=path, index=i)"),  # likewise
     ("analyze/probe.py", "SystemExit"),  # ends an analysed script with status 0; no message
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
+COORDL_ERRORS = set(coordl.errors.__all__)
 PLACEHOLDER = "\x00"
 
 
@@ -385,6 +389,9 @@ def _messages() -> list[tuple[str, int, str, str]]:
                 if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
                     args = node.exc.args
                     arg = args[1] if ast.unparse(node.exc.func) == "OSError" and len(args) > 1 else args[0]
+                    seen.add(id(node.exc))
+                elif isinstance(node, ast.Call) and node.args and ast.unparse(node.func) in COORDL_ERRORS:
+                    arg = node.args[0]  # made here, raised elsewhere (a batch's read failures)
                 elif isinstance(node, ast.Call) and node.args:
                     func = node.func
                     if ast.unparse(func) == "warnings.warn" or (

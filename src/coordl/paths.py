@@ -82,6 +82,13 @@ class PathTable(Sequence):
         off = self.offsets
         return str(self._view[off.item(j) : off.item(j + 1) - 1], *ENCODING)
 
+    def encoded(self, ids: np.ndarray) -> list[bytes]:
+        """The paths of ``ids`` as file-system bytes (``os.fsencode``'s), for ``os.open``: no decoding."""
+        view = self._view
+        starts = self.offsets[ids]
+        ends = self.offsets[np.asarray(ids) + 1] - 1
+        return [bytes(view[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
+
     def __iter__(self) -> Iterator[str]:
         view, off = self._view, self.offsets
         for start in range(0, len(off) - 1, _CHUNK):

@@ -54,6 +54,7 @@ class DaliPass(Pass):
             batches,
             resources.index.labels,
             resources.pool,
+            threads=resources.io_threads,
             depth=config.prefetch_batches,
             on_error=config.on_error,
             stop=self.stop_event,

@@ -175,24 +175,23 @@ class Items(torch.utils.data.Dataset):
         fetcher = self.fetcher()
         ds, paths = self.dataset, self.index.paths
         out = Fetched(items=[])
-        t_read = t_prep = 0.0
-        for k, i in enumerate(ids):
-            t0 = time.perf_counter()
-            try:
-                data = fetcher.fetch(i)
-            except DatasetChangedError as e:
-                out.failure = ("changed", str(e), paths[i], i, traceback.format_exc())
-                break
-            except SampleError as e:
-                if self._failed(out, i, str(e), "unreadable"):
+        t0 = time.perf_counter()
+        try:
+            data, errors = fetcher.gather(np.asarray(ids, dtype=np.int64))
+        except DatasetChangedError as e:
+            out.failure = ("changed", str(e), "", -1, traceback.format_exc())
+            data = []
+        t_read, t_prep = time.perf_counter() - t0, 0.0
+        for k, (i, raw) in enumerate(zip(ids, data)):
+            if raw is None:
+                e = errors[int(i)]
+                if self._failed(out, i, str(e), "unreadable", "".join(traceback.format_exception(e))):
                     break
-                t_read += time.perf_counter() - t0
                 continue
             t1 = time.perf_counter()
-            t_read += t1 - t0
             sample_draws.seed(k)  # before decode: a decoder's draws (a random audio offset) are keyed too
             try:
-                sample = ds.decode(as_file(data, paths[i]))
+                sample = ds.decode(as_file(raw, paths[i]))
             except Exception as e:  # noqa: BLE001 - any decoder's failure is this sample's
                 message = f"cannot decode sample {i} ({paths[i]}): {type(e).__name__}: {e}"
                 if self._failed(out, i, message, "undecodable"):
@@ -206,11 +205,12 @@ class Items(torch.utils.data.Dataset):
         out.read_s, out.prep_s = t_read, t_prep
         return out
 
-    def _failed(self, out: Fetched, i: int, message: str, why: str) -> bool:
-        """Records a bad sample; True when the batch must stop (``on_error="raise"``)."""
+    def _failed(self, out: Fetched, i: int, message: str, why: str, tb: str | None = None) -> bool:
+        """Records a bad sample; True when the batch must stop (``on_error="raise"``). ``tb``: the
+        failure's traceback, when it is not the exception being handled."""
         path = self.index.paths[i]
         if self.on_error == "raise":
-            out.failure = ("sample", message, path, int(i), traceback.format_exc())
+            out.failure = ("sample", message, path, int(i), tb or traceback.format_exc())
             return True
         out.skipped.append((int(i), path, why))
         return False

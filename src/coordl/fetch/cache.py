@@ -140,6 +140,8 @@ class MinIOCache:
         self._memory = memory
         self._tlock = threading.Lock()
         self._chunks: dict[int, mmap.mmap] = {}
+        self._rw: dict[int, np.ndarray] = {}  # the chunks as arrays, writable and read-only
+        self._ro: dict[int, np.ndarray] = {}
         self._table_fd: int | None = None
         self._table: mmap.mmap | None = None
         self._warned_full = False
@@ -272,7 +274,22 @@ class MinIOCache:
         """The raw bytes of sample ``i`` as a read-only uint8 array, or None on a miss."""
         if self._state[i] != READY:
             return None
-        return self._view(int(self._offset[i]), int(self._sizes[i]), writable=False)
+        return self.views(np.array([i]))[0]
+
+    def views(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Read-only uint8 arrays of the bytes of ``ids``, which must all be published
+        (:meth:`ready_mask`): a view into shared memory each, a copy only for the rare item
+        that spans two chunks."""
+        offsets = self._offset[ids].astype(np.int64)
+        lengths = self._sizes[ids].astype(np.int64)
+        step = int(self._header["chunk_bytes"])
+        chunks, starts = np.divmod(offsets, step)
+        ends = starts + lengths
+        arrays = {k: self._array(k, writable=False) for k in np.unique(chunks).tolist()}
+        out = [arrays[k][a:b] for k, a, b in zip(chunks.tolist(), starts.tolist(), ends.tolist())]
+        for j in np.flatnonzero(ends > step).tolist():  # spans a chunk boundary: one copy
+            out[j] = self._view(int(offsets[j]), int(lengths[j]), writable=False)
+        return out
 
     def _view(self, offset: int, length: int, writable: bool) -> np.ndarray:
         parts = self._views(offset, length)
@@ -287,10 +304,21 @@ class MinIOCache:
         while length:
             k, start = divmod(offset, step)
             n = min(length, step - start)
-            parts.append(np.frombuffer(self._chunk(k), dtype=np.uint8, count=n, offset=start))
+            parts.append(self._array(k, writable=True)[start : start + n])
             offset += n
             length -= n
         return parts
+
+    def _array(self, k: int, *, writable: bool) -> np.ndarray:
+        """Chunk ``k`` as a uint8 array (made once per chunk and kind)."""
+        arrays = self._rw if writable else self._ro
+        a = arrays.get(k)
+        if a is None:
+            a = np.frombuffer(self._chunk(k), dtype=np.uint8)
+            if not writable:
+                a.flags.writeable = False
+            arrays[k] = a
+        return a
 
     def _chunk(self, k: int) -> mmap.mmap:
         m = self._chunks.get(k)
@@ -321,28 +349,63 @@ class MinIOCache:
                 fcntl.flock(self._table_fd, fcntl.LOCK_UN)
 
     def reserve(self, i: int) -> list[np.ndarray] | None:
-        """Claims sample ``i`` for writing and returns writable views of its bytes.
+        """Claims sample ``i`` for writing and returns writable views of its bytes, or None
+        (see :meth:`reserve_many`)."""
+        return self.reserve_many(np.array([i], dtype=np.int64))[0]
 
-        Returns None when the item is cached or being written already, or does not fit
-        in the budget: the caller then reads it from storage without caching it. After
-        filling the views, call :meth:`publish` (or :meth:`abort` on failure).
+    def reserve_many(self, ids: np.ndarray) -> list[list[np.ndarray] | None]:
+        """Claims the samples ``ids`` (distinct) for writing, under one lock: for each, writable
+        views of its bytes, or None when it is cached or being written already, or does not fit
+        in the budget (the caller then reads it from storage without caching it). After filling
+        the views, call :meth:`publish_many` (or :meth:`abort_many` for those that failed).
+
+        Bytes are handed out in the order of ``ids``, consecutively, until the budget or the room
+        runs out; an entry that owns bytes already (aborted, reclaimed) reuses them.
         """
-        if self._state[i] != EMPTY or (self._header["full"] and self._offset[i] == NO_OFFSET):
-            return None
+        ids = np.asarray(ids, dtype=np.int64)
+        out: list[list[np.ndarray] | None] = [None] * len(ids)
+        empty = np.flatnonzero(self._state[ids] == EMPTY)
+        h = self._header
+        if not len(empty) or (h["full"] and (self._offset[ids[empty]] == NO_OFFSET).all()):
+            return out
         with self._locked():
-            if self._state[i] != EMPTY:
-                return None
-            offset = self._offset[i]
-            size = int(self._sizes[i])
-            if offset == NO_OFFSET:  # an entry that owns bytes (aborted, reclaimed) reuses them
-                if self._header["full"]:
-                    return None
-                offset = self._allocate(size)
-                if offset is None:
-                    return None
-                self._offset[i] = offset
-            self._state[i] = WRITING
-        return self._views(int(offset), size)
+            empty = empty[self._state[ids[empty]] == EMPTY]
+            owns = self._offset[ids[empty]] != NO_OFFSET
+            granted = [empty[owns]]
+            new = empty[~owns]
+            if len(new) and not h["full"]:
+                granted.append(self._allocate_many(ids, new))
+            granted = np.concatenate(granted)
+            self._state[ids[granted]] = WRITING
+            offsets = self._offset[ids[granted]].tolist()
+        sizes = self._sizes[ids[granted]].tolist()
+        for k, offset, size in zip(granted.tolist(), offsets, sizes):
+            out[k] = self._views(offset, size)
+        return out
+
+    def _allocate_many(self, ids: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Gives bytes to ``ids[new]`` (entries without any), consecutively from ``alloc``, as
+        many as fit; returns the positions in ``ids`` that got them. Under the lock."""
+        h = self._header
+        start = int(h["alloc"])
+        ends = start + np.cumsum(self._sizes[ids[new]].astype(np.int64))
+        fit = int(np.searchsorted(ends, self.budget, side="right"))
+        if fit:
+            reached = self._reserve_until(int(ends[fit - 1]))
+            fit = int(np.searchsorted(ends[:fit], reached, side="right"))
+        if fit:
+            self._offset[ids[new[:fit]]] = np.concatenate(([start], ends[: fit - 1]))
+            h["alloc"] = int(ends[fit - 1])
+        granted = [new[:fit]]
+        # Past the first that did not fit, smaller ones may still: one at a time (near the budget's end).
+        for k in new[fit:].tolist():
+            if h["full"]:
+                break
+            offset = self._allocate(int(self._sizes[ids[k]]))
+            if offset is not None:
+                self._offset[ids[k]] = offset
+                granted.append(np.array([k]))
+        return np.concatenate(granted)
 
     def _allocate(self, size: int) -> int | None:
         h = self._header
@@ -352,7 +415,7 @@ class MinIOCache:
             if self.budget - start < self._min_size:
                 h["full"] = 1
             return None
-        if not self._reserve_until(end):
+        if self._reserve_until(end) < end:
             h["full"] = 1
             return None
         h["alloc"] = end
@@ -366,8 +429,9 @@ class MinIOCache:
             return k * step
         return k * step + min(-(-off // piece) * piece, self._chunk_size(k))
 
-    def _reserve_until(self, end: int) -> bool:
-        """Reserves slices (making chunks as they are reached) until ``[0, end)`` is all reserved."""
+    def _reserve_until(self, end: int) -> int:
+        """Reserves slices (making chunks as they are reached) until ``[0, end)`` is all reserved,
+        or the room runs out (then ``full`` is set); returns where the reserved space ends."""
         h = self._header
         step, piece = int(h["chunk_bytes"]), int(h["slice_bytes"])
         reserved = self._reserved()
@@ -375,14 +439,16 @@ class MinIOCache:
             k, off = divmod(reserved, step)
             n = min(piece, self._chunk_size(k) - off)
             if not self._room_for(n):
-                return False
+                h["full"] = 1
+                break
             if k == int(h["num_chunks"]):
                 self._create_chunk(k)
                 h["num_chunks"] += 1
             if not self._reserve_slice(k, off, n):
-                return False
+                h["full"] = 1
+                break
             reserved += n
-        return True
+        return reserved
 
     def _room_for(self, n: int) -> bool:
         """Whether ``n`` more bytes leave the shm headroom and the memory limit's margin free."""
@@ -440,15 +506,27 @@ class MinIOCache:
 
     def publish(self, i: int) -> None:
         """Marks sample ``i``, fully written, as readable by everyone. It never changes again."""
+        self.publish_many(np.array([i], dtype=np.int64))
+
+    def publish_many(self, ids: np.ndarray) -> None:
+        """Marks the samples ``ids`` (distinct, fully written) readable by everyone, under one lock."""
+        if not len(ids):
+            return
         with self._locked():
-            self._state[i] = READY
-            self._header["resident_bytes"] += self._sizes[i]
-            self._header["resident_items"] += 1
+            self._state[ids] = READY
+            self._header["resident_bytes"] += int(self._sizes[ids].sum())
+            self._header["resident_items"] += len(ids)
 
     def abort(self, i: int) -> None:
         """Gives up writing sample ``i``; its reserved bytes stay reserved for it."""
+        self.abort_many(np.array([i], dtype=np.int64))
+
+    def abort_many(self, ids: np.ndarray) -> None:
+        """Gives up writing the samples ``ids``; their reserved bytes stay reserved for them."""
+        if not len(ids):
+            return
         with self._locked():
-            self._state[i] = EMPTY
+            self._state[ids] = EMPTY
 
     # -- leaving ---------------------------------------------------------------------
     def close(self) -> None:
@@ -467,6 +545,8 @@ class MinIOCache:
 
     def _unmap(self) -> None:
         self._state = self._offset = self._entries = self._header = None
+        self._rw.clear()
+        self._ro.clear()
         maps = list(self._chunks.values())
         if self._table is not None:
             maps.append(self._table)

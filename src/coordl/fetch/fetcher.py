@@ -41,6 +41,42 @@ class FetchCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class _Pace:
+    """Storage reads' time against their thread's busy time, averaged over recent calls."""
+
+    MIN_FILES = 16  # a call of fewer files is not measured (it would cost more than it tells)
+    WEIGHT = 0.2  # of the latest call in the running averages
+
+    def __init__(self):
+        self._wall = self._busy = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, wall_ns: int, busy_ns: int) -> None:
+        with self._lock:
+            if self._busy == 0:
+                self._wall, self._busy = float(wall_ns), float(max(busy_ns, 1))
+            else:
+                w = self.WEIGHT
+                self._wall += w * (wall_ns - self._wall)
+                self._busy += w * (max(busy_ns, 1) - self._busy)
+
+    def ratio(self) -> float | None:
+        return self._wall / self._busy if self._busy else None
+
+
+def _busy_ns() -> int:
+    """This thread's time on a CPU (up to date) plus its time spent runnable, waiting for a CPU
+    (``/proc/thread-self/schedstat``'s second field, where there is one). What a read's wall
+    time has beyond it, it spent waiting for the storage (or for the GIL, while another thread
+    holds it)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            waited = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        waited = 0
+    return time.thread_time_ns() + waited
+
+
 class Fetcher:
     """Reads sample bytes through the cache.
 
@@ -56,6 +92,7 @@ class Fetcher:
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
         self._lock = threading.Lock()
+        self._pace = _Pace()
 
     def reset_counters(self) -> FetchCounters:
         """Returns the counters so far and starts new ones."""
@@ -69,6 +106,42 @@ class Fetcher:
             return np.zeros(len(ids), dtype=bool)
         return self.cache.ready_mask(ids)
 
+    def hits(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Read-only views of the bytes of ``ids``, which must all be in the cache (:meth:`cached`)."""
+        if not len(ids):
+            return []
+        out = self.cache.views(ids)
+        with self._lock:
+            self.counters.cache_hits += len(ids)
+            self.counters.cache_hit_bytes += int(self.index.sizes[ids].sum())
+        return out
+
+    def gather(self, ids: np.ndarray) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
+        """The bytes of ``ids`` in order (a sample may repeat): views of the cached ones, and one
+        :meth:`read` of the others.
+
+        Returns:
+            the bytes of each of ``ids`` (None for one that could not be read), and the failures
+            by sample.
+
+        Raises:
+            DatasetChangedError: a file's size is not the index's: the index is stale.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        out: list[np.ndarray | None] = [None] * len(ids)
+        hit = self.cached(ids)
+        where = np.flatnonzero(hit)
+        for k, view in zip(where.tolist(), self.hits(ids[where])):
+            out[k] = view
+        errors: dict[int, SampleError] = {}
+        where = np.flatnonzero(~hit)
+        if len(where):
+            misses, position = np.unique(ids[where], return_inverse=True)
+            data, errors = self.read(misses)
+            for k, j in zip(where.tolist(), position.tolist()):
+                out[k] = data[j]
+        return out, errors
+
     def fetch(self, i: int) -> np.ndarray:
         """The raw bytes of sample ``i`` (a read-only view when it comes from the cache).
 
@@ -76,15 +149,17 @@ class Fetcher:
             SampleError: the file cannot be read (its path and index are attached).
             DatasetChangedError: the file's size is not the index's: the index is stale.
         """
-        i = int(i)
-        if self.cache is not None:
-            hit = self.cache.get(i)
-            if hit is not None:
-                with self._lock:
-                    self.counters.cache_hits += 1
-                    self.counters.cache_hit_bytes += len(hit)
-                return hit
-        return self._from_storage(i)
+        (data,), errors = self.gather(np.array([i], dtype=np.int64))
+        if errors:
+            raise errors[int(i)]
+        return data
+
+    def concurrency(self) -> float | None:
+        """How many storage reads to run at once to keep the CPU busy while the storage answers:
+        the ratio of recent reads' time to the time their thread was on a CPU or waiting for one
+        (1 for the page cache; ~10 for NVMe's latency; more for network storage). None until
+        there are reads to judge by."""
+        return self._pace.ratio()
 
     def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
         """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer.PeerClient`)."""
@@ -98,32 +173,73 @@ class Fetcher:
             c.peer_bytes += sum(len(v) for v in got.values())
         return got
 
-    def _from_storage(self, i: int) -> np.ndarray:
-        path, size = self.index.paths[i], int(self.index.sizes[i])
-        views = self.cache.reserve(i) if self.cache is not None else None
+    def read(self, ids: np.ndarray) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
+        """Reads the samples ``ids`` (distinct) from storage, admitting into the cache those it takes.
+
+        Admitted samples are read straight into their cache slots and returned as read-only
+        views of them; the others are read into one buffer for them all.
+
+        Returns:
+            the bytes of each of ``ids`` (None for one that failed), and the failures by sample.
+
+        Raises:
+            DatasetChangedError: a file's size is not the index's: the index is stale (the other
+                samples are read and published first).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        sizes = self.index.sizes[ids]
+        slots = self.cache.reserve_many(ids) if self.cache is not None else [None] * len(ids)
+        in_cache = np.array([v is not None for v in slots], dtype=bool)
+        data: list[np.ndarray | None] = [None] * len(ids)
+        outside = np.flatnonzero(~in_cache)
+        if len(outside):
+            ends = np.cumsum(sizes[outside])
+            buffer = np.empty(int(ends[-1]), dtype=np.uint8)
+            for k, a, b in zip(outside.tolist(), [0, *ends[:-1].tolist()], ends.tolist()):
+                data[k] = buffer[a:b]
+                slots[k] = [data[k]]
+        paced = len(ids) >= _Pace.MIN_FILES
+        b0 = _busy_ns() if paced else 0
         t0 = time.perf_counter_ns()
         try:
-            if views is None:
-                data = storage.read(path, size, drop_page_cache=self.drop_page_cache)
-                admitted = False
-            else:
-                storage.read_into(path, size, views, drop_page_cache=self.drop_page_cache)
-                self.cache.publish(i)
-                data = self.cache.get(i)
-                admitted = True
-        except BaseException as e:
-            if views is not None:
-                self.cache.abort(i)
-            if isinstance(e, DatasetChangedError):
-                self.index.forget_saved()  # so that the restart the error asks for rescans the tree
-            if isinstance(e, OSError):
-                raise SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i) from e
+            failed = storage.read_many(
+                self.index.paths.encoded(ids), sizes.tolist(), slots, drop_page_cache=self.drop_page_cache
+            )
+        except BaseException:
+            if in_cache.any():
+                self.cache.abort_many(ids[in_cache])
             raise
         dt = time.perf_counter_ns() - t0
+        if paced:
+            self._pace.add(dt, _busy_ns() - b0)
+        ok = np.ones(len(ids), dtype=bool)
+        ok[list(failed)] = False
+        admitted = np.flatnonzero(in_cache & ok)
+        if len(admitted):
+            self.cache.publish_many(ids[admitted])
+            for k, view in zip(admitted.tolist(), self.cache.views(ids[admitted])):
+                data[k] = view
+        aborted = np.flatnonzero(in_cache & ~ok)
+        if len(aborted):
+            self.cache.abort_many(ids[aborted])  # their bytes stay theirs, for the next read
+        errors: dict[int, SampleError] = {}
+        changed = None
+        for k, e in failed.items():
+            i = int(ids[k])
+            data[k] = None
+            if isinstance(e, DatasetChangedError):
+                changed = changed or e
+            else:
+                path = self.index.paths[i]
+                errors[i] = SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i)
+                errors[i].__cause__ = e
         with self._lock:
             c = self.counters
             c.storage_ns += dt
-            c.storage_reads += 1
-            c.storage_bytes += size
-            c.admitted += admitted
-        return data
+            c.storage_reads += int(ok.sum())
+            c.storage_bytes += int(sizes[ok].sum())
+            c.admitted += len(admitted)
+        if changed is not None:
+            self.index.forget_saved()  # so that the restart the error asks for rescans the tree
+            raise changed
+        return data, errors

@@ -1,21 +1,89 @@
 """The only code that reads the dataset's files.
 
-Reads go straight into the caller's buffers (a MinIO cache slot, or a fresh array)
-and, when coordl caches the bytes itself, are followed by
+Reads go straight into the caller's buffers (a MinIO cache slot, or a slice of one buffer for
+the batch) and, when coordl caches the bytes itself, are followed by
 ``posix_fadvise(DONTNEED)`` so that the same bytes do not also sit in the OS page
 cache: memory is counted once, and what the device delivers per epoch is what
 coordl accounts for.
+
+A file costs ``open``, one ``readv``, the ``fadvise`` when asked for, and ``close``: the
+``readv`` asks for one byte more than the index's size, so a file that grew is caught without
+an ``fstat`` (one that shrank reads short). :func:`read_many` reads a list of files in one call,
+so that the per-file cost is those system calls and little Python.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
 from coordl.errors import DatasetChangedError
 
-__all__ = ["read", "read_into"]
+__all__ = ["read", "read_into", "read_many"]
+
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+_DONTNEED = os.POSIX_FADV_DONTNEED
+
+
+def read_many(
+    paths: Sequence[str | bytes], sizes: Sequence[int], buffers: Sequence[list], *, drop_page_cache: bool
+) -> dict[int, Exception]:
+    """Reads file ``k`` of ``paths`` (``sizes[k]`` bytes) into ``buffers[k]``, a list of buffers
+    that hold ``sizes[k]`` bytes in all, for every ``k``.
+
+    Returns:
+        the files that could not be read, by position: an ``OSError`` (missing, unreadable) or a
+        :class:`~coordl.errors.DatasetChangedError` (its size is no longer the index's). The
+        other files are read whatever happens to these.
+    """
+    failed: dict[int, Exception] = {}
+    extra = bytearray(1)
+    readv, close, fadvise = os.readv, os.close, os.posix_fadvise
+    for k, path in enumerate(paths):
+        try:
+            fd = os.open(path, _FLAGS)
+        except OSError as e:
+            failed[k] = e
+            continue
+        try:
+            size = sizes[k]
+            views = buffers[k]
+            n = readv(fd, [*views, extra])
+            if n != size:
+                _rest(fd, os.fsdecode(path), size, views, n)
+            if drop_page_cache:
+                fadvise(fd, 0, 0, _DONTNEED)
+        except (OSError, DatasetChangedError) as e:
+            failed[k] = e
+        finally:
+            close(fd)
+    return failed
+
+
+def _rest(fd: int, path: str, size: int, views: list, done: int) -> None:
+    """After a first ``readv`` of ``done`` bytes that were not ``size``: the file changed, or the
+    read was short (a signal, some network filesystems), and then the rest is read."""
+    actual = os.fstat(fd).st_size
+    if actual != size:
+        raise DatasetChangedError(
+            f"{path} is {actual} bytes but the index says {size}: the dataset changed after "
+            "it was indexed; restart so that it is indexed again"
+        )
+    flat = [memoryview(v).cast("B") for v in views]
+    while done < size:
+        skip, rest = done, []
+        for v in flat:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.readv(fd, rest)
+        if n == 0:
+            raise DatasetChangedError(f"{path} ended early, after {done} bytes of {size}")
+        done += n
 
 
 def read_into(path: str, size: int, views: list[np.ndarray], *, drop_page_cache: bool) -> None:
@@ -23,27 +91,11 @@ def read_into(path: str, size: int, views: list[np.ndarray], *, drop_page_cache:
 
     Raises:
         DatasetChangedError: the file's size is no longer ``size``.
-        OSError: the file cannot be opened or read (the message names it).
+        OSError: the file cannot be opened or read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise DatasetChangedError(
-                f"{path} is {actual} bytes but the index says {size}: the dataset changed after "
-                "it was indexed; restart so that it is indexed again"
-            )
-        for view in views:
-            done = 0
-            while done < len(view):
-                n = os.readv(fd, [view[done:]])
-                if n == 0:
-                    raise DatasetChangedError(f"{path} ended early, after {done} bytes of {len(view)}")
-                done += n
-        if drop_page_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    failed = read_many([path], [size], [views], drop_page_cache=drop_page_cache)
+    if failed:
+        raise failed[0]
 
 
 def read(path: str, size: int, *, drop_page_cache: bool) -> np.ndarray:

@@ -189,7 +189,14 @@ class _Producer:
         self._paths = res.index.paths
         self._prep0 = self.prep.waiting.total()
         self.fetch = FetchAhead(
-            res.fetcher, [], res.index.labels, res.pool, depth=1, on_error=member.config.on_error, stop=stop
+            res.fetcher,
+            [],
+            res.index.labels,
+            res.pool,
+            threads=res.io_threads,
+            depth=1,
+            on_error=member.config.on_error,
+            stop=stop,
         )
         self._inflight: collections.deque[tuple[Claim, np.ndarray]] = collections.deque()
         self._batches: dict[int, list[np.ndarray]] = {}

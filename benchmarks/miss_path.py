@@ -1,0 +1,173 @@
+"""The miss path: coordl reading samples from storage against DALI's own file reader.
+
+Every mode runs the same small recipe (decode, resize to ``--resize`` pixels square) with the
+same batch size and DALI threads, on files held in the page cache, and hands torch tensors to
+the loop, so what differs is how the encoded bytes reach the decoder:
+
+- ``dali-reader``: ``fn.readers.file(shuffle_after_epoch=True)``, DALI's C++ file reader;
+- ``no-cache``: coordl with ``cache_bytes=0``: every sample a miss, read by coordl;
+- ``filling``: coordl's first epoch with a cache of ``--fill`` of the dataset (a new, empty
+  cache each time): the misses are read, half of them written into shared memory, and every
+  file read is dropped from the page cache (``POSIX_FADV_DONTNEED``, so bytes are not held twice);
+- ``warm``: coordl's second epoch with a cache of the whole dataset (the first, which fills it, is
+  not timed).
+
+Each timed epoch starts with the dataset's files read into the page cache (coordl's
+``DONTNEED`` drops them), runs in the same process, and is timed from its first batch to its
+last, so that no mode pays for building its pipeline. The modes of a repetition run in an order
+that rotates from one repetition to the next, so drift on a shared machine hits all alike.
+
+    python -m benchmarks.miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import coordl
+from benchmarks import common
+
+MODES = ("dali-reader", "no-cache", "filling", "warm")
+
+
+def small_recipe(size: int):
+    """decode + resize to ``size`` x ``size``: little work per sample, so the bytes' path shows."""
+    from nvidia.dali import fn, types
+
+    def recipe(encoded, ctx):
+        images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
+        return fn.resize(images, device=ctx.device, resize_x=size, resize_y=size)
+
+    return recipe
+
+
+def dali_reader(root: str, batch_size: int, threads: int, size: int):
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=root, shuffle_after_epoch=True, name="reader")
+        images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+        return fn.resize(images, resize_x=size, resize_y=size), labels
+
+    p = pipe()
+    p.build()
+    return DALIGenericIterator(
+        p, ["images", "labels"], reader_name="reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
+    )
+
+
+def warm_page_cache(paths) -> None:
+    """Reads every file once, so that the epoch finds it in the page cache."""
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+
+
+def timed(batches) -> tuple[float, int]:
+    """Samples per second from the first batch to the last (the first batch's samples not counted)."""
+    n = first = 0
+    t0 = None
+    for batch in batches:
+        images = batch[0]["images"] if isinstance(batch, list) else batch[0]
+        if t0 is None:
+            t0, first = time.perf_counter(), images.shape[0]
+        n += images.shape[0]
+    return (n - first) / (time.perf_counter() - t0), n
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.miss_path", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/tiny", images=40000, classes=100, width=32, height=32)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2, help="DALI threads (default: 2)")
+    p.add_argument("--resize", type=int, default=16, help="the recipe's output size in pixels (default: 16)")
+    p.add_argument("--fill", type=float, default=0.5, help="the filling epoch's cache budget (default: 0.5)")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the files from the page cache before each epoch instead of reading them in",
+    )
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "miss_path.json"))
+    args = p.parse_args()
+
+    dataset = common.dataset_from_args(args)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        p.error(f"unknown modes: {', '.join(sorted(unknown))}")
+    recipe = small_recipe(args.resize)
+
+    def loader(cache_bytes):
+        return coordl.CoordLoader(
+            args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=cache_bytes, device_id=None,
+            num_threads=args.threads,
+        )  # fmt: skip
+
+    index = loader(0)
+    paths = list(index.index.paths)
+    index.close()
+    n = len(paths)
+
+    reader = dali_reader(args.data, args.batch_size, args.threads, args.resize) if "dali-reader" in modes else None
+    prepare = (lambda: common.evict(args.data)) if args.cold else (lambda: warm_page_cache(paths))
+
+    def epoch(mode: str) -> tuple[float, dict]:
+        prepare()
+        if mode == "dali-reader":
+            rate, got = timed(reader)
+            return rate, {}
+        ld = loader({"no-cache": 0, "filling": args.fill, "warm": 1.0}[mode])
+        try:
+            if mode == "warm":
+                timed(ld)  # fills the cache
+                assert ld.stats()["cache_items"] == n, "the cache did not take the whole dataset"
+                prepare()
+            rate, got = timed(ld)
+            s = ld.stats()
+        finally:
+            ld.close()  # and the cache with it: every loader starts with an empty one
+        assert mode != "warm" or s["storage_reads"] == 0, "a warm epoch read storage"
+        assert mode != "filling" or s["storage_reads"] == n, "a filling epoch found samples cached"
+        assert got == n, f"{mode}: {got} samples of {n}"
+        keys = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "cache_bytes")
+        return rate, {k: s[k] for k in keys if k in s}
+
+    runs = {m: [] for m in modes}
+    details = {m: [] for m in modes}
+    if reader is not None:
+        timed(reader)  # the reader's first epoch: its threads and buffers
+    for rep in range(args.reps):
+        k = rep % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            rate, stats = epoch(mode)
+            runs[mode].append(round(rate, 1))
+            details[mode].append(stats)
+            print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {stats}", flush=True)
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
+    result = {
+        "benchmark": "miss_path", "args": vars(args), "dataset": dataset, "machine": common.machine(),
+        "cpus_allowed": len(os.sched_getaffinity(0)), "samples_per_s": runs, "median": med,
+        "ratio_to_dali_reader": ratios, "stats": details,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print("median samples/s: " + ", ".join(f"{m} {v:.0f}" for m, v in med.items()))
+    print("of DALI's reader: " + ", ".join(f"{m} {r:.3f}x" for m, r in ratios.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
