@@ -159,7 +159,8 @@ def main() -> int:
     ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
     result = {
         "benchmark": "miss_path", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-        "cpus_allowed": len(os.sched_getaffinity(0)), "samples_per_s": runs, "median": med,
+        "cpus_allowed": len(os.sched_getaffinity(0)), "coordl": str(Path(coordl.__file__).parent),
+        "samples_per_s": runs, "median": med,
         "ratio_to_dali_reader": ratios, "stats": details,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
