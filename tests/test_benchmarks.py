@@ -44,8 +44,10 @@ def test_summary_ratios_and_bound():
     result = {
         "dataset": {"total_bytes": 1000, "files": 100, "mean_bytes": 10},
         "prep_rate_samples_per_s": 50.0,  # 100 files: 2 s at the prep rate
-        "scenarios": [{"name": "fits", "cache": 1.0, "bandwidth_bps": None},
-                      {"name": "io", "cache": 0.5, "bandwidth_bps": 100}],  # fmt: skip
+        "scenarios": [
+            {"name": "fits", "cache": 1.0, "bandwidth_bps": None},
+            {"name": "io", "cache": 0.5, "bandwidth_bps": 100},
+        ],  # fmt: skip
         "runs": [
             _run("fits", "dali-seq", 2.0, 0, samples_per_s=50.0),
             _run("fits", "coordl", 2.1, 0, samples_per_s=47.0),
@@ -246,3 +248,20 @@ def test_index_scale_small(tmp_path):
     (data / "train").mkdir(parents=True)  # a tree it did not make is never replaced
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "not made by this benchmark" in proc.stderr and (data / "train").is_dir()
+
+
+def test_miss_path_small(tmp_path):
+    """benchmarks.miss_path on 600 tiny JPEGs: every mode runs, reads what it should, and is compared."""
+    data, out = tmp_path / "tiny", tmp_path / "miss_path.json"
+    command = [sys.executable, "-m", "benchmarks.miss_path", "--data", str(data), "--images", "600", "--classes", "4"]
+    command += ["--synthetic", "--batch-size", "64", "--reps", "1", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["median"]) == {"dali-reader", "no-cache", "filling", "warm"}
+    assert all(v > 0 for v in result["median"].values())
+    assert set(result["ratio_to_dali_reader"]) == {"no-cache", "filling", "warm"}
+    (nocache,), (filling,), (warm,) = (result["stats"][m] for m in ("no-cache", "filling", "warm"))
+    assert nocache["storage_reads"] == 600 and nocache["cache_items"] == 0
+    assert filling["storage_reads"] == 600 and 0 < filling["cache_items"] < 600
+    assert warm["storage_reads"] == 0 and warm["cache_hits"] == 600
