@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -239,5 +240,35 @@ def test_a_batch_is_read_in_few_tasks_duplicates_once_failures_skipped_in_order(
             FetchAhead(
                 fetcher, [], index.labels, pool, threads=4, depth=1, on_error="raise", stop=threading.Event()
             ).collect(np.arange(40))
+    finally:
+        pool.shutdown()
+
+
+def test_reads_that_wait_for_the_storage_spread_over_the_pool(tiny_dataset, isolated, monkeypatch):
+    index = Index.scan(tiny_dataset)
+    real = storage.read_many
+
+    def slow(paths, sizes, buffers, *, drop_page_cache):  # a device that answers each file in 2 ms
+        failed = {}
+        for k in range(len(paths)):
+            time.sleep(0.002)
+            one = real(paths[k : k + 1], sizes[k : k + 1], buffers[k : k + 1], drop_page_cache=drop_page_cache)
+            if one:
+                failed[k] = one[0]
+        return failed
+
+    monkeypatch.setattr(storage, "read_many", slow)
+    fetcher = Fetcher(index, None, drop_page_cache=False)
+    pool = CountingPool(4)
+    try:
+        batches = [np.arange(0, 40), np.arange(40, 80), np.arange(80, 120)]
+        ahead = FetchAhead(fetcher, batches, index.labels, pool, threads=4, depth=0, on_error="raise",
+                           stop=threading.Event())  # fmt: skip
+        expected = contents(index)
+        for raw in ahead:
+            assert [bytes(d) for d in raw.data] == [expected[i] for i in raw.ids]
+        assert fetcher.concurrency() > 4
+        assert pool.tasks[0] == 40  # nothing known yet: one task
+        assert pool.tasks[-4:] == [10, 10, 10, 10]  # the last batch over every thread, 10 files each
     finally:
         pool.shutdown()

@@ -21,7 +21,7 @@ import numpy as np
 
 from coordl.errors import DatasetChangedError
 
-__all__ = ["read", "read_into", "read_many"]
+__all__ = ["read", "read_many"]
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 _DONTNEED = os.POSIX_FADV_DONTNEED
@@ -86,20 +86,15 @@ def _rest(fd: int, path: str, size: int, views: list, done: int) -> None:
         done += n
 
 
-def read_into(path: str, size: int, views: list[np.ndarray], *, drop_page_cache: bool) -> None:
-    """Reads the ``size`` bytes of ``path`` into ``views`` (consecutive buffers, ``size`` in total).
+def read(path: str, size: int, *, drop_page_cache: bool) -> np.ndarray:
+    """Reads the ``size`` bytes of ``path`` into a new uint8 array.
 
     Raises:
         DatasetChangedError: the file's size is no longer ``size``.
         OSError: the file cannot be opened or read.
     """
-    failed = read_many([path], [size], [views], drop_page_cache=drop_page_cache)
+    out = np.empty(size, dtype=np.uint8)
+    failed = read_many([path], [size], [[out]], drop_page_cache=drop_page_cache)
     if failed:
         raise failed[0]
-
-
-def read(path: str, size: int, *, drop_page_cache: bool) -> np.ndarray:
-    """Reads the ``size`` bytes of ``path`` into a new uint8 array."""
-    out = np.empty(size, dtype=np.uint8)
-    read_into(path, size, [out], drop_page_cache=drop_page_cache)
     return out
