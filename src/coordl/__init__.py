@@ -17,7 +17,7 @@ from coordl.errors import (
 )
 from coordl.index import Index
 from coordl.loader import CoordLoader
-from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
+from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "CoordLoader",
     "CoordlError",
     "DatasetChangedError",
+    "DecodedRecipe",
     "GroupConfigError",
     "ImageNetTrain",
     "ImageNetVal",

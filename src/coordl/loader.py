@@ -23,7 +23,7 @@ from coordl.index import IMG_EXTENSIONS, Index
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import Position, check_state
 from coordl.prep.recipes import recipe_key, resolve_recipe
-from coordl.resources import Resources, plan_cache
+from coordl.resources import Resources
 from coordl.schedule import Locality, Schedule
 from coordl.sources import as_dataset, make_index, resolve_device
 from coordl.surface import DataLoaderAttributes
@@ -60,6 +60,14 @@ class CoordLoader(DataLoaderAttributes):
         cache_bytes: MinIO cache budget: ``"auto"`` (half of the free shared memory,
             at most the dataset), bytes (int), a string (``"40GB"``), a float fraction
             of the dataset, or 0 for no cache.
+        decoded_cache: the node's decoded tier (DALI on the CPU): decoded images that later
+            epochs and other jobs on this node augment without decoding again, taken out of
+            ``cache_bytes``. ``0`` (default): encoded bytes only. ``"auto"``: measure prep from
+            encoded bytes and from decoded images, and storage, on a few samples (about a second)
+            and split ``cache_bytes`` as DS-Analyzer's model predicts is fastest (``"auto"`` for
+            ``cache_bytes`` then takes up to the decoded dataset's size). Or bytes (int or
+            ``"4GB"``), or a float fraction of ``cache_bytes``. The delivered tensors are the same
+            either way. See the decoded-tier guide.
         keep_cache: keep the cache in shared memory after the last user leaves.
         rank: this process's rank (default: ``torch.distributed``, else ``RANK``, read when a pass
             starts, so a framework may start the process group after the loader is made).
@@ -125,6 +133,7 @@ class CoordLoader(DataLoaderAttributes):
         drop_last: bool = False,
         seed: int = 0,
         cache_bytes: int | float | str = "auto",
+        decoded_cache: int | float | str | bool = 0,
         keep_cache: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -238,8 +247,16 @@ class CoordLoader(DataLoaderAttributes):
             len(self.index), self.config.batch_size, self.config.shuffle, self.config.drop_last, self.config.seed
         )
         self.position = Position(len(self.index), self.config.batch_size)
-        spec, budget = plan_cache(self.index, cache_bytes, keep_cache)
-        self.resources = Resources(self.index, spec, budget, io_threads=io_threads if self.backend == "dali" else 0)
+        from coordl import tiers
+
+        self.tiers = tiers.plan_for(self, cache_bytes, decoded_cache, keep_cache)
+        self.resources = Resources(
+            self.index,
+            self.tiers.encoded,
+            self.tiers.encoded_budget,
+            decoded_spec=self.tiers.decoded,
+            io_threads=io_threads if self.backend == "dali" else 0,
+        )
         self._closed = False
         lifecycle.track(self)
 
@@ -440,6 +457,7 @@ class CoordLoader(DataLoaderAttributes):
                 seed=self.seed,
                 dali_seed=self.seed * 7919 + self._world.rank,
                 on_error=self.on_error,
+                tiered=res.decoded is not None,
             )
             lifecycle.before_dali_exit()
 
@@ -521,22 +539,8 @@ class CoordLoader(DataLoaderAttributes):
 
     # -- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters of the current epoch, or of the last pass if none is running.
-
-        Where the bytes came from: ``cache_hits``, ``cache_hit_bytes``, ``peer_reads``,
-        ``peer_bytes``, ``storage_reads``, ``storage_bytes``, ``admitted`` (items this process
-        put into the cache); the cache: ``cache_bytes`` (resident in the node's cache),
-        ``cache_items``, ``cache_budget``. Where the time went: ``elapsed_s``, ``stall_s``
-        (the consumer waited for batches), split into ``stall_fetch_s`` (the pipeline was
-        waiting for sample bytes) and ``stall_prep_s`` (it was decoding and augmenting; an HP
-        group member's waits are not split), ``compute_s`` (the consumer's own time between
-        batches), ``wait_p50_s``/``wait_p95_s``/``wait_max_s`` (per-step waits),
-        ``fetch_wait_s`` (the pipeline waited for storage), ``read_s`` (storage reads, summed
-        over threads; on the torch backend every read, over workers), ``prep_s`` (DALI: the
-        pipeline waited for DALI's outputs; torch backend: decode, transforms and
-        ``collate_fn``, summed over workers). Also ``epoch``, ``batches``, ``samples``,
-        ``samples_per_s``, ``skipped`` and ``skipped_paths``.
-        """
+        """Counters of the current epoch, or of the last pass if none is running: where the bytes
+        came from (per tier), where the time went (see :class:`~coordl.passes.PassStats`)."""
         running = self._running()
         if running is not None:
             return running.stats().as_dict()

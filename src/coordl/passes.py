@@ -41,7 +41,25 @@ END = object()  # a background thread's last item
 
 @dataclass
 class PassStats:
-    """What one pass did: where its bytes came from and where its time went (see ``CoordLoader.stats``)."""
+    """What one pass did: where its bytes came from and where its time went (``CoordLoader.stats()``).
+
+    Where the bytes came from: ``cache_hits``, ``cache_hit_bytes``, ``peer_reads``,
+    ``peer_bytes``, ``storage_reads``, ``storage_bytes``, ``admitted`` (items this process
+    put into the cache); the cache: ``cache_bytes`` (resident in the node's cache),
+    ``cache_items``, ``cache_budget``. The decoded tier: ``decoded_hits`` and
+    ``decoded_hit_bytes`` (images served decoded), ``decoded_admitted`` (images this process
+    decoded into it), ``decoded_cache_bytes``, ``decoded_cache_items``, ``decoded_cache_budget``.
+    Where the time went: ``elapsed_s``, ``stall_s``
+    (the consumer waited for batches), split into ``stall_fetch_s`` (the pipeline was
+    waiting for sample bytes) and ``stall_prep_s`` (it was decoding and augmenting; an HP
+    group member's waits are not split), ``compute_s`` (the consumer's own time between
+    batches), ``wait_p50_s``/``wait_p95_s``/``wait_max_s`` (per-step waits),
+    ``fetch_wait_s`` (the pipeline waited for storage), ``read_s`` (storage reads, summed
+    over threads; on the torch backend every read, over workers), ``prep_s`` (DALI: the
+    pipeline waited for DALI's outputs; torch backend: decode, transforms and
+    ``collate_fn``, summed over workers). Also ``epoch``, ``batches``, ``samples``,
+    ``samples_per_s``, ``skipped`` and ``skipped_paths``.
+    """
 
     epoch: int = 0
     batches: int = 0
@@ -58,6 +76,12 @@ class PassStats:
     cache_bytes: int = 0
     cache_items: int = 0
     cache_budget: int = 0
+    decoded_hits: int = 0
+    decoded_hit_bytes: int = 0
+    decoded_admitted: int = 0
+    decoded_cache_bytes: int = 0
+    decoded_cache_items: int = 0
+    decoded_cache_budget: int = 0
     stall_s: float = 0.0
     stall_fetch_s: float = 0.0
     stall_prep_s: float = 0.0
@@ -170,6 +194,7 @@ class Pass:
         on_end: called with the pass when it delivered its last batch.
         on_stop: called with the pass when it is closed before its end.
         cache: the node's cache, for the cache figures of the statistics (or None).
+        decoded: the node's decoded tier, for its figures (or None).
     """
 
     def __init__(
@@ -183,6 +208,7 @@ class Pass:
         on_end: Callable[[Pass], None] | None = None,
         on_stop: Callable[[Pass], None] | None = None,
         cache=None,
+        decoded=None,
     ):
         self.epoch = epoch
         self.start = start
@@ -195,6 +221,7 @@ class Pass:
         self._owner = owner
         self._on_batch, self._on_end, self._on_stop = on_batch, on_end, on_stop
         self._cache = cache
+        self._decoded = decoded
         self._t0 = time.perf_counter()
         self._elapsed: float | None = None
         self._closed = False
@@ -263,6 +290,7 @@ class Pass:
             self.epoch,
             self._cache,
             self._counters(),
+            decoded=self._decoded,
             batches=self.batches,
             samples=self.samples,
             waits=self.waits,
@@ -296,6 +324,7 @@ def pass_stats(
     cache,
     c: FetchCounters,
     *,
+    decoded=None,
     batches: int = 0,
     samples: int = 0,
     waits: StepWaits | None = None,
@@ -324,6 +353,12 @@ def pass_stats(
         cache_bytes=cache.resident_bytes if cache is not None else 0,
         cache_items=cache.resident_items if cache is not None else 0,
         cache_budget=cache.budget if cache is not None else 0,
+        decoded_hits=c.decoded_hits,
+        decoded_hit_bytes=c.decoded_hit_bytes,
+        decoded_admitted=c.decoded_admitted,
+        decoded_cache_bytes=decoded.resident_bytes if decoded is not None else 0,
+        decoded_cache_items=decoded.resident_items if decoded is not None else 0,
+        decoded_cache_budget=decoded.budget if decoded is not None else 0,
         fetch_wait_s=fetch_wait_s,
         read_s=c.storage_ns / 1e9 if read_s is None else read_s,
         prep_s=prep_s,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl import lifecycle
-from coordl.fetch.budget import resolve_budget
 from coordl.fetch.cache import MinIOCache
+from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper
@@ -50,30 +50,36 @@ class CacheSpec:
     keep: bool
     directory: str
     dataset: str
+    tier: str = "encoded"  # or "decoded": the node's decoded images (a group of its own)
 
     @classmethod
-    def for_dataset(cls, index: Index, budget: int, *, keep: bool = False, private: str = "") -> CacheSpec:
+    def for_dataset(
+        cls, index: Index, budget: int, *, keep: bool = False, private: str = "", tier: str = "encoded"
+    ) -> CacheSpec:
         """The cache of ``index`` for this user (segments are 0600, so two users get one each);
-        ``private`` names a cache of its own (DS-Analyzer's cold runs)."""
+        ``private`` names a cache of its own (DS-Analyzer's cold runs); ``tier="decoded"`` the
+        decoded tier beside it."""
         key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
+        key += ":decoded" if tier == "decoded" else ""
         group = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint)
+        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier)
 
     def open(self, sizes: np.ndarray) -> MinIOCache:
         """Attaches to the cache (creating it if this is its first user)."""
         reap_once(self.directory)
+        if self.tier == "decoded":
+            return DecodedTier(
+                self.fingerprint,
+                len(sizes),
+                self.budget,
+                keep=self.keep,
+                directory=self.directory,
+                dataset=self.dataset,
+                min_size=int(sizes.min()) if len(sizes) else 1,
+            )
         return MinIOCache(
             self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory, dataset=self.dataset
         )
-
-
-def plan_cache(index: Index, cache_bytes, keep: bool) -> tuple[CacheSpec | None, int]:
-    """The cache a loader asks for (None: no cache) and its budget in bytes."""
-    directory = names.shm_dir()
-    budget = resolve_budget(cache_bytes, index.total_bytes, directory, num_items=len(index))
-    if budget == 0:  # disabled, or no room (resolve_budget said why)
-        return None, 0
-    return CacheSpec.for_dataset(index, budget, keep=keep), budget
 
 
 class Resources:
@@ -84,6 +90,7 @@ class Resources:
         cache_spec: how to attach to the node's cache (None: no cache).
         budget: the cache budget asked for, in bytes.
         cache: this process's attachment to the node's cache, or None.
+        decoded: this process's attachment to the node's decoded tier, or None.
         fetcher: bytes of samples through the cache.
         io_threads: threads of ``pool`` (0: no pool).
         pool: threads reading misses from storage (DALI backend).
@@ -100,6 +107,7 @@ class Resources:
         cache_spec: CacheSpec | None,
         budget: int,
         *,
+        decoded_spec: CacheSpec | None = None,
         io_threads: int = 0,
         lender: Resources | None = None,
     ):
@@ -107,7 +115,13 @@ class Resources:
         self.cache_spec = cache_spec
         self.budget = budget
         self.cache = cache_spec.open(index.sizes) if cache_spec is not None else None
-        self.fetcher = Fetcher(index, self.cache, drop_page_cache=self.cache is not None)
+        try:
+            self.decoded = decoded_spec.open(index.sizes) if decoded_spec is not None else None
+        except BaseException:
+            if self.cache is not None:
+                self.cache.close()
+            raise
+        self.fetcher = Fetcher(index, self.cache, drop_page_cache=self.cache is not None, decoded=self.decoded)
         self.lender = lender  # whose pools and pipeline these resources borrow
         if lender is None:
             self.io_threads = io_threads
@@ -150,5 +164,7 @@ class Resources:
                 self.peers.close()
             if self.prep is not None:
                 self.prep.close()
+        if self.decoded is not None:
+            self.decoded.close()
         if self.cache is not None:
             self.cache.close()

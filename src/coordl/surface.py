@@ -106,6 +106,7 @@ class DataLoaderAttributes:
     hp_group = property(lambda self: self.group_options.name if self.group_options else None)
     locality_aware = property(lambda self: self.peer_options.locality_aware)
     cache = property(lambda self: self.resources.cache)
+    decoded = property(lambda self: self.resources.decoded)  # the node's decoded tier, or None
 
     @property
     def worker_init_fn(self):

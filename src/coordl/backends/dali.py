@@ -41,7 +41,7 @@ class DaliPass(Pass):
         order_epoch: int | None = None,
         **hooks,
     ):
-        super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        super().__init__(length=len(batches), cache=resources.cache, decoded=resources.decoded, **hooks)
         order_epoch = self.epoch if order_epoch is None else order_epoch
         self._res = resources
         self._return_index = config.return_index
@@ -64,10 +64,11 @@ class DaliPass(Pass):
         peers = resources.peers
         self._served0 = peers.served() if peers is not None else (0, 0)
         self._cursor = 0  # batches before this one have been delivered or skipped whole
+        keep = resources.fetcher if resources.decoded is not None else None
         self._channel = Channel(2, self.stop_event)
         self._thread = threading.Thread(
             target=_drive,
-            args=(prep, self._ahead, resources.index.paths, order_epoch, self._channel, self.stop_event),
+            args=(prep, self._ahead, resources.index.paths, order_epoch, self._channel, self.stop_event, keep),
             name="coordl-prep",
             daemon=True,
         )  # started by the first batch asked for: a pass made only to test iterability costs nothing
@@ -122,11 +123,13 @@ class DaliPass(Pass):
             self._thread.join(timeout=0.1)
 
 
-def _drive(prep, ahead: FetchAhead, paths, order_epoch: int, channel: Channel, stop: threading.Event) -> None:
+def _drive(
+    prep, ahead: FetchAhead, paths, order_epoch: int, channel: Channel, stop: threading.Event, keep
+) -> None:
     """The driver thread: raw batches through the pipeline into the channel, then END or the failure."""
     lifecycle.quiet_thread()  # and so DALI's threads, which the pipeline starts from this one
     try:
-        for tensors in prep.epoch(iter(ahead), paths.__getitem__, order_epoch):
+        for tensors in prep.epoch(iter(ahead), paths.__getitem__, order_epoch, keep):
             if not channel.put(tensors):
                 return
         channel.put(END)

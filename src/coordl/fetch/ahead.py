@@ -21,21 +21,37 @@ from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.fetcher import Fetcher
 
-__all__ = ["FetchAhead", "RawBatch", "Stopped"]
+__all__ = ["DECODED", "DECODE_KEEP", "ENCODED", "FetchAhead", "RawBatch", "Stopped"]
 
 log = logging.getLogger(__name__)
 
 MIN_PART = 8  # files: fewer per task and the task costs more than its reads
 
 
+#: How a sample reaches pre-processing (:attr:`RawBatch.kind`): its encoded bytes; its encoded
+#: bytes, to be decoded whole and put into the node's decoded tier (this process claimed it);
+#: its decoded image, from the decoded tier.
+ENCODED, DECODE_KEEP, DECODED = 0, 1, 2
+
+
 @dataclass
 class RawBatch:
-    """Encoded samples of one batch, in delivery order."""
+    """The samples of one batch, in delivery order: encoded bytes, or decoded images from the
+    decoded tier (``kind``)."""
 
     ids: np.ndarray  # int64 positions in the index
-    data: list[np.ndarray]  # raw bytes per sample
+    data: list[np.ndarray]  # raw bytes per sample, or a decoded (H, W, 3) image
     labels: np.ndarray  # int64
     epoch: int | None = None  # the epoch whose random draws augment it, when not the pass's
+    kind: np.ndarray | None = None  # ENCODED, DECODE_KEEP or DECODED per sample (None: all ENCODED)
+
+    def kinds(self) -> np.ndarray:
+        return self.kind if self.kind is not None else np.zeros(len(self.ids), dtype=np.int8)
+
+    def subset(self, keep: list[int]) -> RawBatch:
+        """The batch without the samples not in ``keep`` (positions)."""
+        kind = self.kind[keep] if self.kind is not None else None
+        return RawBatch(self.ids[keep], [self.data[k] for k in keep], self.labels[keep], self.epoch, kind)
 
 
 class FetchAhead:
@@ -103,8 +119,19 @@ class FetchAhead:
         return self._collect(self._submit(ids))
 
     def _submit(self, ids: np.ndarray) -> _Pending:
-        hit = self.fetcher.cached(ids)
-        misses = np.unique(ids[~hit])  # a padded batch may repeat a sample: read once
+        fetcher = self.fetcher
+        kind = None
+        decoded = np.zeros(len(ids), dtype=bool)
+        claimed = np.zeros(0, dtype=np.int64)
+        if fetcher.decoded is not None:
+            decoded = fetcher.decoded_ready(ids)
+            rest = np.unique(ids[~decoded])
+            claimed = rest[fetcher.claim(rest)] if len(rest) else rest
+            kind = np.full(len(ids), ENCODED, dtype=np.int8)
+            kind[decoded] = DECODED
+            kind[np.isin(ids, claimed)] = DECODE_KEEP
+        hit = fetcher.cached(ids) & ~decoded
+        misses = np.unique(ids[~hit & ~decoded])  # a padded batch may repeat a sample: read once
         reads = []
         if self.peers is not None and len(misses):
             nodes = self.peers.remote(misses)
@@ -113,8 +140,10 @@ class FetchAhead:
                 reads.append((wanted, self.peer_pool.submit(self._from_peer, node, wanted)))
             misses = misses[nodes < 0]
         for part in self._parts(misses):
-            reads.append((part, self.pool.submit(self.fetcher.read, part)))
-        return _Pending(ids, hit, reads)
+            # Bytes bound for the decoded tier are not admitted into the encoded one as well.
+            admit = ~np.isin(part, claimed) if len(claimed) else None
+            reads.append((part, self.pool.submit(fetcher.read, part, admit)))
+        return _Pending(ids, hit, reads, kind)
 
     def _parts(self, misses: np.ndarray) -> list[np.ndarray]:
         """A batch's misses cut into parts, each read by one task of the pool, in order.
@@ -151,14 +180,21 @@ class FetchAhead:
             data, failed = self._result(future)
             got.update(zip(part.tolist(), data))
             errors.update(failed)
+        kind = pending.kind
         out: list[np.ndarray | None] = [None] * len(ids)
         where = np.flatnonzero(hit)
         for k, view in zip(where.tolist(), self.fetcher.hits(ids[where])):
             out[k] = view
-        where = np.flatnonzero(~hit)
+        decoded = kind == DECODED if kind is not None else np.zeros(len(ids), dtype=bool)
+        where = np.flatnonzero(decoded)
+        for k, image in zip(where.tolist(), self.fetcher.decoded_images(ids[where])):
+            out[k] = image
+        where = np.flatnonzero(~hit & ~decoded)
         for k, i in zip(where.tolist(), ids[where].tolist()):
             out[k] = got[i]
         if errors:
+            if kind is not None:
+                self.fetcher.abort(np.array(sorted(errors), dtype=np.int64))  # their claims, if any
             keep = []
             for k, i in enumerate(ids.tolist()):
                 if out[k] is not None:
@@ -171,8 +207,9 @@ class FetchAhead:
                 self.skipped.append((i, e.path, str(e)))
             ids = ids[keep]
             out = [out[k] for k in keep]
+            kind = kind[keep] if kind is not None else None
         ids = np.ascontiguousarray(ids, dtype=np.int64)  # DALI takes only dense arrays
-        return RawBatch(ids, out, self.labels[ids])
+        return RawBatch(ids, out, self.labels[ids], kind=kind)
 
     def _result(self, future: cf.Future):
         if future.done():
@@ -196,12 +233,13 @@ class FetchAhead:
 
 @dataclass
 class _Pending:
-    """A batch whose misses are being read: its ids, which were cached, and the reads of the rest
-    (each a part of the misses and the future of its bytes and failures)."""
+    """A batch whose misses are being read: its ids, which were cached, the reads of the rest
+    (each a part of the misses and the future of its bytes and failures), and its kinds."""
 
     ids: np.ndarray
     hit: np.ndarray
     reads: list[tuple[np.ndarray, cf.Future]]
+    kind: np.ndarray | None = None  # how each sample reaches pre-processing (RawBatch.kind)
 
 
 class Stopped(Exception):

@@ -86,10 +86,10 @@ def headroom(total: int) -> int:
     return min(1 << 30, max(64 << 20, total // 10))
 
 
-def table_bytes(num_items: int) -> int:
+def table_bytes(num_items: int, entry_bytes: int = ENTRY.itemsize) -> int:
     """Shared memory taken by the cache table of ``num_items`` samples, in whole pages."""
     page = mmap.PAGESIZE
-    return -(-(HEADER_BYTES + num_items * ENTRY.itemsize) // page) * page
+    return -(-(HEADER_BYTES + num_items * entry_bytes) // page) * page
 
 
 def memory_text(level: limits.Level) -> str:
@@ -113,10 +113,15 @@ class MinIOCache:
         chunk_bytes: size of each data segment.
         slice_bytes: how much of a chunk is reserved at a time (at most ``chunk_bytes``).
         dataset: the index fingerprint, recorded in and checked against the table.
+        min_size: the smallest item there can be (default: the smallest of ``sizes``); once less
+            than this is left of the budget, the cache is full.
         memory: returns the tightest memory limit now (:func:`coordl.shm.limits.tightest`), checked
             before each slice is reserved: a slice that would take more than the room the limit
             leaves is not reserved, and the cache stops growing, so that the kernel never kills the job.
     """
+
+    MAGIC = MAGIC
+    ENTRY_DTYPE = ENTRY  # a subclass may add fields after these three
 
     def __init__(
         self,
@@ -130,12 +135,17 @@ class MinIOCache:
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         dataset: str | None = None,
         memory=limits.tightest,
+        min_size: int | None = None,
     ):
         self.fingerprint = fingerprint
         self.dataset = dataset or fingerprint
         self.directory = directory
-        self._sizes = np.asarray(sizes, dtype=np.uint64)
-        self._min_size = int(self._sizes.min()) if len(self._sizes) else 1
+        self._index_sizes = np.asarray(sizes, dtype=np.uint64)
+        self._num = len(self._index_sizes)
+        self._sizes = self._index_sizes  # the table's own lengths once it is mapped
+        if min_size is None:
+            min_size = int(self._index_sizes.min()) if self._num else 1
+        self._min_size = max(1, int(min_size))
         self._keep = keep
         self._memory = memory
         self._tlock = threading.Lock()
@@ -154,8 +164,7 @@ class MinIOCache:
     # -- attach ----------------------------------------------------------------------
     def _setup(self, alone: bool, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
         path = self._group.path("table")
-        n = len(self._sizes)
-        size = HEADER_BYTES + n * ENTRY.itemsize
+        size = HEADER_BYTES + self._num * self.ENTRY_DTYPE.itemsize
         try:
             fd = segment.create_exclusive(path)
             created = True
@@ -205,24 +214,24 @@ class MinIOCache:
         self._map_table(fd, size)
         h = self._header
         h["version"] = VERSION
-        h["num_items"] = len(self._sizes)
+        h["num_items"] = self._num
         h["budget"] = budget
         h["chunk_bytes"] = chunk_bytes
         h["slice_bytes"] = slice_bytes
         h["dataset"] = self.dataset.encode()
         self._entries["offset"] = NO_OFFSET
-        self._entries["length"] = self._sizes
+        self._entries["length"] = self._index_sizes
         # Magic last: a table without it was not finished and is replaced.
-        h["magic"] = MAGIC
+        h["magic"] = self.MAGIC
 
     def _valid(self, fd: int, size: int) -> bool:
         if os.fstat(fd).st_size != size:
             return False
         head = np.frombuffer(os.pread(fd, HEADER.itemsize, 0), dtype=HEADER)[0]
         return (
-            head["magic"] == MAGIC
+            head["magic"] == self.MAGIC
             and head["version"] == VERSION
-            and head["num_items"] == len(self._sizes)
+            and head["num_items"] == self._num
             and head["dataset"] == self.dataset.encode()
         )
 
@@ -230,10 +239,11 @@ class MinIOCache:
         self._table_fd = fd
         self._table = segment.map_fd(fd, size)
         self._header = np.frombuffer(self._table, dtype=HEADER, count=1)[0]
-        entries = np.frombuffer(self._table, dtype=ENTRY, offset=HEADER_BYTES)
+        entries = np.frombuffer(self._table, dtype=self.ENTRY_DTYPE, offset=HEADER_BYTES)
         self._entries = entries
         self._state = entries["state"]
         self._offset = entries["offset"]
+        self._sizes = entries["length"]  # shared: the decoded tier writes an item's length when it has one
 
     def _recover(self) -> None:
         """Alone on attach: undo what killed processes left half-done."""
@@ -545,6 +555,7 @@ class MinIOCache:
 
     def _unmap(self) -> None:
         self._state = self._offset = self._entries = self._header = None
+        self._sizes = self._index_sizes
         self._rw.clear()
         self._ro.clear()
         maps = list(self._chunks.values())

@@ -1,4 +1,5 @@
-"""The fetcher: raw encoded bytes of samples from the node's MinIO cache first, then storage.
+"""The fetcher: raw encoded bytes of samples from the node's MinIO cache first, then storage;
+and the node's decoded tier, whose images it serves and fills.
 
 :class:`Fetcher` is the only way the rest of coordl gets sample bytes. Only storage
 reads admit items into the cache, and caching never changes which samples are
@@ -36,6 +37,9 @@ class FetchCounters:
     peer_reads: int = 0  # samples received from other nodes' caches
     peer_bytes: int = 0
     peer_ns: int = 0  # time spent in peer requests, summed over threads
+    decoded_hits: int = 0  # samples served as decoded images from the node's decoded tier
+    decoded_hit_bytes: int = 0
+    decoded_admitted: int = 0  # images this process decoded and put into the decoded tier
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -84,11 +88,13 @@ class Fetcher:
         index: the dataset.
         cache: the node's MinIO cache, or None to read storage only.
         drop_page_cache: advise the kernel to drop storage-read pages from the page cache.
+        decoded: the node's decoded tier (:class:`~coordl.fetch.decoded.DecodedTier`), or None.
     """
 
-    def __init__(self, index: Index, cache: MinIOCache | None, *, drop_page_cache: bool):
+    def __init__(self, index: Index, cache: MinIOCache | None, *, drop_page_cache: bool, decoded=None):
         self.index = index
         self.cache = cache
+        self.decoded = decoded
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
         self._lock = threading.Lock()
@@ -115,6 +121,44 @@ class Fetcher:
             self.counters.cache_hits += len(ids)
             self.counters.cache_hit_bytes += int(self.index.sizes[ids].sum())
         return out
+
+    # -- the decoded tier ----------------------------------------------------------------------
+    def decoded_ready(self, ids: np.ndarray) -> np.ndarray:
+        """A mask of the ids whose decoded images are in the node's decoded tier right now."""
+        if self.decoded is None:
+            return np.zeros(len(ids), dtype=bool)
+        return self.decoded.ready_mask(ids)
+
+    def decoded_images(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Read-only ``(H, W, 3)`` views of the decoded images of ``ids`` (all in the tier)."""
+        if not len(ids):
+            return []
+        out = self.decoded.images(ids)
+        with self._lock:
+            self.counters.decoded_hits += len(ids)
+            self.counters.decoded_hit_bytes += sum(a.nbytes for a in out)
+        return out
+
+    def claim(self, ids: np.ndarray) -> np.ndarray:
+        """Claims the distinct ``ids`` for this process to decode into the decoded tier: a mask of
+        those it got (none once the tier is full). Each claim ends in :meth:`fill` or :meth:`abort`."""
+        return self.decoded.claim_many(ids)
+
+    def fill(self, ids: np.ndarray, images: list[np.ndarray]) -> None:
+        """Puts the decoded images of claimed ``ids`` into the decoded tier (those that fit)."""
+        published = self.decoded.fill_many(ids, images)
+        with self._lock:
+            self.counters.decoded_admitted += int(np.count_nonzero(published))
+
+    def abort(self, ids: np.ndarray) -> None:
+        """Gives up this process's claims among ``ids`` (others' are left alone)."""
+        if self.decoded is not None and len(ids):
+            self.decoded.abort_claims(ids)
+
+    def release(self) -> None:
+        """Gives up every claim this process still holds (a pass ended before decoding them)."""
+        if self.decoded is not None:
+            self.decoded.release_claims()
 
     def gather(self, ids: np.ndarray) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
         """The bytes of ``ids`` in order (a sample may repeat): views of the cached ones, and one
@@ -173,11 +217,14 @@ class Fetcher:
             c.peer_bytes += sum(len(v) for v in got.values())
         return got
 
-    def read(self, ids: np.ndarray) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
+    def read(
+        self, ids: np.ndarray, admit: np.ndarray | None = None
+    ) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
         """Reads the samples ``ids`` (distinct) from storage, admitting into the cache those it takes.
 
         Admitted samples are read straight into their cache slots and returned as read-only
-        views of them; the others are read into one buffer for them all.
+        views of them; the others are read into one buffer for them all. ``admit`` (a mask)
+        limits admission to some of ``ids`` (those bound for the decoded tier stay out).
 
         Returns:
             the bytes of each of ``ids`` (None for one that failed), and the failures by sample.
@@ -188,7 +235,11 @@ class Fetcher:
         """
         ids = np.asarray(ids, dtype=np.int64)
         sizes = self.index.sizes[ids]
-        slots = self.cache.reserve_many(ids) if self.cache is not None else [None] * len(ids)
+        slots: list = [None] * len(ids)
+        if self.cache is not None:
+            where = np.arange(len(ids)) if admit is None else np.flatnonzero(admit)
+            for k, slot in zip(where.tolist(), self.cache.reserve_many(ids[where])):
+                slots[k] = slot
         in_cache = np.array([v is not None for v in slots], dtype=bool)
         data: list[np.ndarray | None] = [None] * len(ids)
         outside = np.flatnonzero(~in_cache)

@@ -21,15 +21,17 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+import numpy as np
 from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
 from coordl import draws, lifecycle
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
-from coordl.fetch.ahead import RawBatch
+from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
+from coordl.prep import graph
 from coordl.prep.planned import SampleRandom, uses_dali_random
-from coordl.prep.recipes import ImageNetTrain, ImageNetVal, PrepContext
+from coordl.prep.recipes import PrepContext
 
 __all__ = ["DaliPrep"]
 
@@ -54,59 +56,11 @@ def _forget_pipelines_in_child() -> None:
 lifecycle.on_fork_child(_forget_pipelines_in_child)
 
 
-def _build_recipe(recipe, encoded, ctx: PrepContext):
-    if isinstance(recipe, ImageNetTrain):
-        anchor, size = ctx.random.crop_window(fn.peek_image_shape(encoded), recipe.scale, recipe.ratio)
-        images = fn.decoders.image_slice(
-            encoded,
-            anchor,
-            size,
-            device=ctx.decoder_device,
-            output_type=types.RGB,
-            axis_names="WH",
-            normalized_anchor=False,
-            normalized_shape=False,
-        )
-        images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
-        mirror = ctx.random.coin_flip(recipe.flip)
-        return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
-    if isinstance(recipe, ImageNetVal):
-        images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.RGB)
-        images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
-        return _normalize(images, recipe, ctx, mirror=0, crop=(recipe.size, recipe.size))
-    return recipe(encoded, ctx)
-
-
-def _normalize(images, recipe, ctx, *, mirror, crop):
-    kwargs = {"crop": crop} if crop else {}
-    if recipe.dtype == "uint8":
-        return fn.crop_mirror_normalize(
-            images,
-            device=ctx.device,
-            dtype=types.UINT8,
-            output_layout="CHW",
-            mirror=mirror,
-            mean=[0.0],
-            std=[1.0],
-            **kwargs,
-        )
-    return fn.crop_mirror_normalize(
-        images,
-        device=ctx.device,
-        dtype=types.FLOAT,
-        output_layout="CHW",
-        mirror=mirror,
-        mean=[m * 255 for m in recipe.mean],
-        std=[s * 255 for s in recipe.std],
-        **kwargs,
-    )
-
-
 class DaliPrep:
     """A DALI pipeline for one recipe; reused across epochs, rebuilt after an error.
 
     Args:
-        recipe: an :class:`ImageNetTrain`, :class:`ImageNetVal` or callable recipe.
+        recipe: an :class:`ImageNetTrain`, :class:`ImageNetVal`, :class:`DecodedRecipe` or callable recipe.
         batch_size: the largest batch fed.
         num_threads: DALI CPU threads.
         device_id: GPU to decode and augment on, or None for CPU only.
@@ -116,6 +70,8 @@ class DaliPrep:
             (their draws depend on the batch a sample is in; they differ between ranks).
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
         prefetch_queue_depth: batches DALI works on ahead of the consumer.
+        tiered: build the pipeline for batches that mix encoded bytes and decoded images (the
+            decoded tier, :mod:`coordl.prep.graph`); the recipe must take decoded images.
     """
 
     def __init__(
@@ -129,6 +85,7 @@ class DaliPrep:
         dali_seed: int | None = None,
         on_error: str = "raise",
         prefetch_queue_depth: int = 2,
+        tiered: bool = False,
     ):
         self.recipe = recipe
         self.batch_size = batch_size
@@ -141,6 +98,8 @@ class DaliPrep:
         self.dali_random: list[str] = []  # DALI random operators the recipe uses
         self.on_error = on_error
         self.depth = prefetch_queue_depth
+        self.tiered = tiered
+        self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
         gpu = device_id is not None
         self.ctx = PrepContext("mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id)
         self._pipe = None
@@ -161,7 +120,7 @@ class DaliPrep:
             encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             uniforms = fn.external_source(name="uniforms", dtype=types.FLOAT, ndim=1)
             ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms))
-            _build_recipe(self.recipe, encoded, ctx)
+            graph.encoded(self.recipe, encoded, ctx)
         return ctx.random.used
 
     def _build(self):
@@ -171,28 +130,49 @@ class DaliPrep:
         seed = (self.dali_seed * 1_000_003 + self._builds) % (2**31)
         self._builds += 1
 
+        columns = self._columns
+        inputs = 4 if columns else 3
+        tiered = self.tiered
+
         @pipeline_def(
             batch_size=self.batch_size,
             num_threads=self.num_threads,
             device_id=self.device_id,
             seed=seed,
             prefetch_queue_depth=self.depth,
+            enable_conditionals=tiered,
         )
-        def graph():
-            encoded, labels, ids, *uniforms = fn.external_source(
+        def pipeline():
+            if not tiered:
+                encoded, labels, ids, *uniforms = fn.external_source(
+                    source=self._next_raw,
+                    num_outputs=inputs,
+                    batch=True,
+                    no_copy=True,
+                    dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT][:inputs],
+                )
+                ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
+                images = graph.encoded(self.recipe, encoded, ctx)
+                if ctx.random.used != columns:
+                    raise ValueError("the recipe draws a different number of random numbers every time it is built")
+                return images, labels, ids
+            encoded, decoded, kind, labels, ids, *uniforms = fn.external_source(
                 source=self._next_raw,
-                num_outputs=4 if self._columns else 3,
+                num_outputs=inputs + 2,
                 batch=True,
                 no_copy=True,
-                dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT][: 4 if self._columns else 3],
+                dtype=[types.UINT8, types.UINT8, types.INT32, types.INT64, types.INT64, types.FLOAT][: inputs + 2],
+                layout=[None, "HWC", None, None, None, None][: inputs + 2],
             )
-            ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
-            images = _build_recipe(self.recipe, encoded, ctx)
-            if ctx.random.used != self._columns:
+            used: list[int] = []
+            images, full = graph.tiered(
+                self.recipe, encoded, decoded, kind, uniforms[0] if uniforms else None, self.ctx, used
+            )
+            if any(u != columns for u in used):
                 raise ValueError("the recipe draws a different number of random numbers every time it is built")
-            return images, labels, ids
+            return images, labels, ids, full
 
-        pipe = graph()
+        pipe = pipeline()
         pipe.build()
         if self._builds == 1:
             self.dali_random = uses_dali_random(pipe)
@@ -209,15 +189,32 @@ class DaliPrep:
     def _next_raw(self):
         batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
         self._inflight.append(batch)
+        if self.tiered:
+            kind = batch.kinds()
+            decoded = kind == DECODED
+            encoded = [_EMPTY_BYTES if d else x for x, d in zip(batch.data, decoded.tolist(), strict=True)]
+            images = [x if d else _EMPTY_IMAGE for x, d in zip(batch.data, decoded.tolist(), strict=True)]
+            out = (encoded, images, kind.astype(np.int32), batch.labels, batch.ids)
+        else:
+            out = (batch.data, batch.labels, batch.ids)
         if not self._columns:
-            return batch.data, batch.labels, batch.ids
+            return out
         epoch = self._epoch if batch.epoch is None else batch.epoch
-        return batch.data, batch.labels, batch.ids, draws.uniforms(self.seed, epoch, batch.ids, self._columns)
+        return (*out, draws.uniforms(self.seed, epoch, batch.ids, self._columns))
 
-    def epoch(self, source: Iterator[RawBatch], path_of: Callable[[int], str], epoch: int) -> Iterator[tuple]:
+    def epoch(
+        self, source: Iterator[RawBatch], path_of: Callable[[int], str], epoch: int, keep=None
+    ) -> Iterator[tuple]:
         """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``, augmented
-        with the draws of ``epoch`` (the epoch whose order the batches follow)."""
+        with the draws of ``epoch`` (the epoch whose order the batches follow).
+
+        Args:
+            keep: where the full decoded images of a tiered pipeline's ``DECODE_KEEP`` samples go
+                (the :class:`~coordl.fetch.fetcher.Fetcher`: ``fill(ids, images)``,
+                ``abort(ids)``, ``release()``, which gives up the claims of samples never decoded).
+        """
         self._epoch = epoch
+        self._keep = keep
         self._source = _non_empty(source)
         self._paths = path_of
         self._pending.clear()
@@ -239,8 +236,10 @@ class DaliPrep:
                     continue
                 finally:
                     self.waiting.leave()
-                self._inflight.popleft()
-                tensors = self._to_torch(out)
+                batch = self._inflight.popleft()
+                if self.tiered:
+                    self._fill(batch, out[3])
+                tensors = self._to_torch(out[:3])
                 del out
                 self._pipe.release_outputs()
                 self._pipe.schedule_run()
@@ -251,6 +250,17 @@ class DaliPrep:
             raise
         finally:
             self._source = None
+            if keep is not None:
+                keep.release()  # claims of batches fetched but never decoded
+            self._keep = None
+
+    def _fill(self, batch: RawBatch, full) -> None:
+        """Hands the full decoded images of the batch's ``DECODE_KEEP`` samples to ``keep``."""
+        where = np.flatnonzero(batch.kinds() == DECODE_KEEP)
+        if not len(where) or self._keep is None:
+            return
+        ids, first = np.unique(batch.ids[where], return_index=True)  # a padded batch may repeat one
+        self._keep.fill(ids, [np.asarray(full[int(k)]) for k in where[first].tolist()])
 
     def _recover(self, error: RuntimeError) -> None:
         """After a failed batch: find the bad samples, apply the policy, rebuild, re-feed."""
@@ -277,17 +287,19 @@ class DaliPrep:
         for i, reason in bad.items():
             log.warning("coordl: skipping sample %d (%s): cannot decode: %s", i, self._paths(i), reason)
             self.skipped.append((i, self._paths(i), reason))
+        if self._keep is not None:
+            self._keep.abort(np.array(sorted(bad), dtype=np.int64))
         for batch in inflight:
             keep = [k for k, i in enumerate(batch.ids) if int(i) not in bad]
             if keep:
-                self._pending.append(
-                    RawBatch(batch.ids[keep], [batch.data[k] for k in keep], batch.labels[keep], batch.epoch)
-                )
+                self._pending.append(batch.subset(keep))
         self._pipe = self._build()
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:
         bad = {}
-        for i, data in zip(batch.ids, batch.data, strict=True):
+        for i, data, kind in zip(batch.ids, batch.data, batch.kinds(), strict=True):
+            if kind == DECODED:
+                continue  # decoded before: it decodes
             probe = _probe_pipeline(self.ctx.decoder_device, self.device_id)
             try:
                 probe.feed_input("x", [data])
@@ -338,6 +350,12 @@ class DaliPrep:
         self._source = None
         self._pending.clear()
         self._inflight.clear()
+
+
+_EMPTY_BYTES = np.zeros(0, dtype=np.uint8)  # the encoded bytes of a sample that comes decoded
+_EMPTY_IMAGE = np.zeros((0, 0, 3), dtype=np.uint8)  # the decoded image of one that comes encoded
+_EMPTY_BYTES.flags.writeable = False
+_EMPTY_IMAGE.flags.writeable = False
 
 
 def _non_empty(source: Iterator[RawBatch]) -> Iterator[RawBatch]:

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImageNetTrain", "ImageNetVal", "PrepContext", "resolve_recipe"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "DecodedRecipe",
+    "ImageNetTrain",
+    "ImageNetVal",
+    "PrepContext",
+    "resolve_recipe",
+    "takes_decoded",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -86,9 +95,44 @@ class ImageNetVal:
             raise ValueError(f"resize must be an int >= size ({self.size}), got {self.resize!r}")
 
 
+@dataclass(frozen=True)
+class DecodedRecipe:
+    """A custom recipe that starts where decoding ends, so that it can use the decoded tier.
+
+    coordl decodes every sample to RGB ``uint8`` ``(H, W, 3)`` at the file's own resolution
+    (``fn.decoders.image(encoded, output_type=types.RGB)``), or takes the image from the node's
+    decoded tier (``decoded_cache=``) when another epoch or job decoded it already, and calls
+    ``augment(images, ctx)`` on the batch; what it returns is delivered. Both ways give the same
+    pixels, so a sample's tensor does not depend on where its image came from.
+
+    A plain callable ``f(encoded, ctx)`` receives the encoded bytes instead and decodes them
+    itself; it never uses the decoded tier.
+
+    Args:
+        augment: ``f(images, ctx) -> images`` building DALI ops from the decoded images'
+            ``DataNode`` and a :class:`PrepContext`.
+    """
+
+    augment: Callable
+
+    def __post_init__(self):
+        if not callable(self.augment):
+            raise TypeError(f"DecodedRecipe needs a callable augment(images, ctx), got {type(self.augment).__name__}")
+
+    @property
+    def name(self) -> str:
+        return f"decoded:{getattr(self.augment, '__qualname__', 'custom')}"
+
+
 _NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal}
 
-Recipe = ImageNetTrain | ImageNetVal | Callable
+Recipe = ImageNetTrain | ImageNetVal | DecodedRecipe | Callable
+
+
+def takes_decoded(recipe) -> bool:
+    """Whether a recipe starts from decoded images (and can use the decoded tier): the built-in
+    recipes and :class:`DecodedRecipe` do; a plain callable on encoded bytes does not."""
+    return isinstance(recipe, (ImageNetTrain, ImageNetVal, DecodedRecipe))
 
 
 def resolve_recipe(pipeline) -> Recipe:
@@ -96,14 +140,15 @@ def resolve_recipe(pipeline) -> Recipe:
 
     Args:
         pipeline: ``"imagenet-train"``, ``"imagenet-val"``, an :class:`ImageNetTrain` /
-            :class:`ImageNetVal`, or a callable ``f(encoded, ctx) -> images`` that builds
-            DALI ops from the encoded-bytes ``DataNode`` and a :class:`PrepContext`.
+            :class:`ImageNetVal`, a :class:`DecodedRecipe` (a function of the decoded images), or a
+            callable ``f(encoded, ctx) -> images`` that builds DALI ops from the encoded-bytes
+            ``DataNode`` and a :class:`PrepContext`.
     """
     if isinstance(pipeline, str):
         if pipeline not in _NAMED:
             raise ValueError(f"unknown pipeline {pipeline!r}; expected one of {sorted(_NAMED)} or a callable")
         return _NAMED[pipeline]()
-    if isinstance(pipeline, (ImageNetTrain, ImageNetVal)) or callable(pipeline):
+    if isinstance(pipeline, (ImageNetTrain, ImageNetVal, DecodedRecipe)) or callable(pipeline):
         return pipeline
     raise TypeError(f"pipeline must be a recipe name, a recipe or a callable, got {type(pipeline).__name__}")
 
@@ -112,4 +157,7 @@ def recipe_key(recipe) -> str:
     """A stable description of a recipe, for config fingerprints."""
     if isinstance(recipe, (ImageNetTrain, ImageNetVal)):
         return repr(recipe)
+    if isinstance(recipe, DecodedRecipe):
+        fn = recipe.augment
+        return f"decoded:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     return f"callable:{getattr(recipe, '__module__', '?')}.{getattr(recipe, '__qualname__', repr(recipe))}"

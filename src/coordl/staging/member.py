@@ -131,6 +131,7 @@ class GroupMember:
                     seed=c.seed,
                     dali_seed=c.seed * 7919 + self.world.rank + 104729,
                     on_error=c.on_error,
+                    tiered=self.resources.decoded is not None,
                 )
                 return (3, r.size, r.size), "uint8"
             return (3, r.size, r.size), r.dtype
@@ -251,7 +252,8 @@ class _Producer:
 
     def _run_dali(self, first: Claim) -> None:
         try:
-            for images, labels, ids in self.prep.epoch(self._feed(first), self._paths.__getitem__, 0):
+            keep = self.member.resources.fetcher if self.member.resources.decoded is not None else None
+            for images, labels, ids in self.prep.epoch(self._feed(first), self._paths.__getitem__, 0, keep):
                 c = self._match(int(ids[0]))
                 self._write(c, images, labels, ids)
         except SampleError as e:
@@ -303,7 +305,9 @@ class GroupPass(Pass):
         area = member.area
         start, continues = area.enroll(epoch, may_rebase=member.in_step)
         nb = area.batches_per_pass
-        super().__init__(epoch=epoch, start=0, length=nb, cache=member.resources.cache, **hooks)
+        super().__init__(
+            epoch=epoch, start=0, length=nb, cache=member.resources.cache, decoded=member.resources.decoded, **hooks
+        )
         self.member = member
         self.area = area
         self.first = start

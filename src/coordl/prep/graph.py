@@ -1,0 +1,131 @@
+"""A recipe's DALI ops, from encoded bytes or from decoded images, and the graph that mixes both.
+
+A recipe is decoding followed by augmentation. :func:`encoded` builds it on encoded bytes
+(the built-in training recipe decodes only its crop window, ``fn.decoders.image_slice``);
+:func:`augment` builds the augmentation alone on decoded images (the decoder's RGB output
+at the file's resolution). The two deliver the same pixels for the same draws: cropping a
+decoded image with ``fn.slice`` gives exactly what decoding only the window gives.
+
+:func:`tiered` serves a batch whose samples come three ways (:data:`~coordl.fetch.ahead.ENCODED`,
+``DECODE_KEEP``, ``DECODED``), with DALI's per-sample conditionals, and also returns the full
+decoded images of the ``DECODE_KEEP`` samples so that they can be put into the decoded tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nvidia.dali import fn, types
+
+from coordl.fetch.ahead import DECODE_KEEP, DECODED
+from coordl.prep.planned import SampleRandom
+from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
+
+__all__ = ["augment", "decode", "encoded", "tiered"]
+
+
+def decode(data, ctx: PrepContext):
+    """The full decode every recipe that takes decoded images starts from (RGB, HWC, uint8)."""
+    return fn.decoders.image(data, device=ctx.decoder_device, output_type=types.RGB)
+
+
+def encoded(recipe, data, ctx: PrepContext):
+    """The recipe's output from encoded bytes."""
+    if isinstance(recipe, ImageNetTrain):
+        anchor, size = ctx.random.crop_window(fn.peek_image_shape(data), recipe.scale, recipe.ratio)
+        images = fn.decoders.image_slice(
+            data,
+            anchor,
+            size,
+            device=ctx.decoder_device,
+            output_type=types.RGB,
+            axis_names="WH",
+            normalized_anchor=False,
+            normalized_shape=False,
+        )
+        return _train_tail(recipe, images, ctx)
+    if isinstance(recipe, (ImageNetVal, DecodedRecipe)):
+        return augment(recipe, decode(data, ctx), ctx)
+    return recipe(data, ctx)
+
+
+def augment(recipe, images, ctx: PrepContext):
+    """The recipe's output from decoded images (a recipe that takes them: see
+    :func:`~coordl.prep.recipes.takes_decoded`)."""
+    if isinstance(recipe, ImageNetTrain):
+        anchor, size = ctx.random.crop_window(images.shape(), recipe.scale, recipe.ratio)
+        images = fn.slice(
+            images, anchor, size, axis_names="WH", normalized_anchor=False, normalized_shape=False, device=ctx.device
+        )
+        return _train_tail(recipe, images, ctx)
+    if isinstance(recipe, ImageNetVal):
+        images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
+        return _normalize(images, recipe, ctx, mirror=0, crop=(recipe.size, recipe.size))
+    if isinstance(recipe, DecodedRecipe):
+        return recipe.augment(images, ctx)
+    raise TypeError(f"the recipe {recipe!r} takes encoded bytes, not decoded images")
+
+
+def tiered(recipe, data, images, kind, uniforms, ctx: PrepContext, used: list[int]):
+    """The recipe over a batch that mixes the three ways a sample comes (``kind`` per sample).
+
+    Args:
+        data: encoded bytes (empty for ``DECODED`` samples).
+        images: decoded images from the tier (empty for the others).
+        kind: int32 per sample.
+        uniforms: each sample's draws (None when the recipe draws none).
+        used: receives the draws per sample each branch took (they must agree).
+
+    Returns:
+        ``(outputs, full)``: the recipe's outputs, and the decoded images of the
+        ``DECODE_KEEP`` samples (an empty image for the others).
+
+    Built inside a pipeline with ``enable_conditionals=True``.
+    """
+    if kind == DECODED:
+        out = augment(recipe, images, _branch(ctx, uniforms, used))
+        full = images[0:0]
+    else:
+        if kind == DECODE_KEEP:
+            decoded = decode(data, ctx)
+            out = augment(recipe, decoded, _branch(ctx, uniforms, used))
+            full = decoded
+        else:
+            out = encoded(recipe, data, _branch(ctx, uniforms, used))
+            full = images
+    return out, full
+
+
+class _Counted(SampleRandom):
+    def __init__(self, draws, used: list[int]):
+        super().__init__(draws)
+        self._record = used
+        used.append(0)
+        self._slot = len(used) - 1
+
+    def _take(self, count: int):
+        out = super()._take(count)
+        self._record[self._slot] = self.used
+        return out
+
+
+def _branch(ctx: PrepContext, uniforms, used: list[int]) -> PrepContext:
+    """A context whose draws start again at the sample's first: every branch draws alike."""
+    return dataclasses.replace(ctx, random=_Counted(uniforms, used))
+
+
+def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext):
+    images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
+    mirror = ctx.random.coin_flip(recipe.flip)
+    return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
+
+
+def _normalize(images, recipe, ctx, *, mirror, crop):
+    kwargs = {"crop": crop} if crop else {}
+    if recipe.dtype == "uint8":
+        mean, std, dtype = [0.0], [1.0], types.UINT8
+    else:
+        mean, std, dtype = [m * 255 for m in recipe.mean], [s * 255 for s in recipe.std], types.FLOAT
+    return fn.crop_mirror_normalize(
+        images, device=ctx.device, dtype=dtype, output_layout="CHW", mirror=mirror, mean=mean, std=std, **kwargs
+    )

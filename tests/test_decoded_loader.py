@@ -1,0 +1,241 @@
+"""The decoded tier seen from a training script: the same tensors with and without it, decoding
+once per node for every epoch and every job, the stats per tier, and ``decoded_cache="auto"``.
+
+Real DALI pipelines on the CPU, real shared memory, real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tree
+
+import coordl
+from coordl import CoordLoader, DecodedRecipe, ImageNetTrain, ImageNetVal
+from coordl.analyze.model import TierRates, best_tier_split
+from coordl.fetch import storage
+
+BIG = "1GB"  # more than the decoded test datasets
+
+
+def epochs(loader, n: int = 2) -> tuple[list[list[torch.Tensor]], list[dict]]:
+    """Every batch's images (copied) of ``n`` epochs, and each epoch's stats."""
+    out, stats = [], []
+    for _ in range(n):
+        out.append([images.clone() for images, _ in loader])
+        stats.append(loader.stats())
+    return out, stats
+
+
+def assert_same(a, b) -> None:
+    assert len(a) == len(b)
+    for ea, eb in zip(a, b, strict=True):
+        assert len(ea) == len(eb)
+        for x, y in zip(ea, eb, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y), "the decoded tier changed a delivered tensor"
+
+
+def _flip_and_crop(images, ctx):
+    from nvidia.dali import fn
+
+    images = fn.flip(images, horizontal=ctx.random.coin_flip(0.5))
+    return fn.resize(images, resize_x=24, resize_y=20)
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [ImageNetTrain(size=32), ImageNetTrain(size=24, dtype="uint8"), ImageNetVal(size=24, resize=28)],
+    ids=["train", "train-uint8", "val"],
+)
+def test_tensors_are_bit_for_bit_the_same_with_and_without_the_tier(tiny_dataset, pipeline):
+    kw = dict(batch_size=16, pipeline=pipeline, seed=3, device_id=None, num_threads=2)
+    with CoordLoader(str(tiny_dataset), decoded_cache=0, **kw) as plain:
+        want, _ = epochs(plain)
+    with CoordLoader(str(tiny_dataset), cache_bytes=BIG, decoded_cache=BIG, **kw) as tiered:
+        got, stats = epochs(tiered)
+    assert_same(want, got)
+    n = len(tiered.index)
+    # Epoch 0 decoded every image once into the tier; epoch 1 decoded none and read nothing.
+    assert stats[0]["decoded_admitted"] == n and stats[0]["decoded_hits"] == 0
+    assert stats[1]["decoded_hits"] == n and stats[1]["decoded_admitted"] == 0
+    assert stats[1]["storage_reads"] == 0 and stats[1]["cache_hits"] == 0
+    assert stats[1]["decoded_cache_items"] == n
+    assert stats[1]["decoded_hit_bytes"] == stats[1]["decoded_cache_bytes"]
+
+
+def test_half_a_tier_serves_some_decoded_and_the_rest_encoded_alike(tiny_dataset):
+    kw = dict(batch_size=16, seed=5, device_id=None, num_threads=2, pipeline=ImageNetTrain(size=32))
+    with CoordLoader(str(tiny_dataset), decoded_cache=0, **kw) as plain:
+        want, _ = epochs(plain, 3)
+    with CoordLoader(str(tiny_dataset), cache_bytes=BIG, decoded_cache=0, **kw) as probe:
+        images, _ = next(iter(probe))
+    full = sum(int(np.prod(s)) for s in _decoded_shapes(tiny_dataset))
+    budget = f"{full // 2}B"
+    with CoordLoader(str(tiny_dataset), cache_bytes="1GB", decoded_cache=budget, **kw) as tiered:
+        got, stats = epochs(tiered, 3)
+    assert_same(want, got)
+    n = len(tiered.index)
+    s = stats[2]
+    assert 0 < s["decoded_hits"] < n
+    assert s["decoded_hits"] + s["cache_hits"] == n and s["storage_reads"] == 0
+    assert s["decoded_cache_bytes"] <= s["decoded_cache_budget"] == full // 2
+
+
+def _decoded_shapes(root: Path) -> list[tuple[int, int, int]]:
+    from PIL import Image
+
+    return [(*Image.open(p).size[::-1], 3) for p in sorted(root.rglob("*.jpg"))]
+
+
+def test_a_decoded_recipe_uses_the_tier_and_a_callable_on_bytes_cannot(tiny_dataset):
+    kw = dict(batch_size=16, seed=1, device_id=None, num_threads=2)
+    recipe = DecodedRecipe(_flip_and_crop)
+    with CoordLoader(str(tiny_dataset), pipeline=recipe, **kw) as plain:
+        want, _ = epochs(plain)
+    with CoordLoader(str(tiny_dataset), pipeline=recipe, cache_bytes=BIG, decoded_cache=BIG, **kw) as tiered:
+        got, stats = epochs(tiered)
+    assert_same(want, got)
+    assert stats[1]["decoded_hits"] == len(tiered.index)
+
+    def on_bytes(encoded, ctx):
+        return _flip_and_crop(__import__("nvidia.dali.fn", fromlist=["fn"]).decoders.image(encoded), ctx)
+
+    with pytest.raises(ValueError, match="DecodedRecipe"):
+        CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache=BIG, **kw)
+    with CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache="auto", **kw) as auto:
+        assert auto.decoded is None  # "auto" stays on encoded bytes, as the recipe must
+
+
+def test_decoded_cache_is_refused_where_it_cannot_work_and_says_why(tiny_dataset):
+    with pytest.raises(ValueError, match="torch backend"):
+        CoordLoader(coordl.datasets.ImageFolder(str(tiny_dataset)), decoded_cache="1GB")
+    with pytest.raises(ValueError, match="fraction of cache_bytes"):
+        CoordLoader(str(tiny_dataset), decoded_cache=1.5, device_id=None)
+    with pytest.raises(ValueError, match="decoded_cache='lots': cannot parse"):
+        CoordLoader(str(tiny_dataset), decoded_cache="lots", device_id=None)
+
+
+def test_a_fraction_of_cache_bytes_goes_to_the_tier(tiny_dataset):
+    with CoordLoader(str(tiny_dataset), cache_bytes="100MB", decoded_cache=0.25, device_id=None) as loader:
+        assert loader.tiers.decoded_budget == 25_000_000
+        assert loader.tiers.encoded_budget == 75_000_000
+        assert loader.cache.budget == 75_000_000 and loader.decoded.budget == 25_000_000
+
+
+# -- shared by the jobs of a node --------------------------------------------------------------------
+JOB = textwrap.dedent(
+    """
+    import json, sys
+    from coordl import CoordLoader, ImageNetTrain
+    root, seed, epochs, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "keep"
+    loader = CoordLoader(root, batch_size=8, pipeline=ImageNetTrain(size=24), seed=seed, device_id=None,
+                         num_threads=1, cache_bytes="1GB", decoded_cache="1GB", keep_cache=keep)
+    out = []
+    for e in range(epochs):
+        for _ in loader:
+            pass
+        s = loader.stats()
+        out.append({k: s[k] for k in ("decoded_admitted", "decoded_hits", "storage_reads", "samples")})
+    print(json.dumps(out))
+    """
+)
+
+
+def run_jobs(root: Path, *jobs: tuple[int, int, str]) -> list[list[dict]]:
+    """Runs the training scripts at once; each one's per-epoch stats."""
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOB, str(root), str(seed), str(n), keep],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed, n, keep in jobs
+    ]
+    out = []
+    for p in running:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def test_independent_jobs_decode_each_image_once_per_node(tiny_dataset, isolated):
+    n = len(list(tiny_dataset.rglob("*.jpg")))
+    a, b = run_jobs(tiny_dataset, (1, 2, "no"), (2, 2, "no"))
+    # Together they put every image into the tier exactly once, each in its own order.
+    assert (
+        a[0]["decoded_admitted"] + b[0]["decoded_admitted"] + a[1]["decoded_admitted"] + b[1]["decoded_admitted"] == n
+    )
+    assert a[0]["samples"] == b[0]["samples"] == n
+    assert not os.listdir(isolated)
+
+
+def test_a_later_job_finds_the_images_decoded(tiny_dataset, isolated):
+    n = len(list(tiny_dataset.rglob("*.jpg")))
+    (first,) = run_jobs(tiny_dataset, (1, 1, "keep"))
+    assert first[0]["decoded_admitted"] == n
+    (later,) = run_jobs(tiny_dataset, (7, 1, "no"))
+    assert later[0] == {"decoded_admitted": 0, "decoded_hits": n, "storage_reads": 0, "samples": n}
+    assert not os.listdir(isolated)  # the later job, the last to leave, removed both tiers
+
+
+# -- "auto" --------------------------------------------------------------------------------------------
+def test_the_model_keeps_encoded_bytes_when_storage_is_the_bottleneck():
+    io_bound = TierRates(10_000, 100e3, 400e3, storage=5e6, cache=float("inf"), prep_encoded=500, prep_decoded=900)
+    prep_bound = TierRates(10_000, 100e3, 400e3, storage=5e9, cache=float("inf"), prep_encoded=500, prep_decoded=900)
+    dataset = 10_000 * 100e3
+    assert best_tier_split(io_bound, dataset / 2) == 0  # half the files fit: every byte decoded is a read more
+    assert best_tier_split(prep_bound, 10_000 * 400e3) == pytest.approx(10_000 * 400e3, rel=0.02)
+
+
+@pytest.fixture(scope="module")
+def photo_like(tmp_path_factory) -> Path:
+    """Larger JPEGs, whose decoding costs more than their augmentation."""
+    root = tmp_path_factory.mktemp("photo") / "train"
+    rng = np.random.default_rng(0)
+    from conftest import write_jpeg
+
+    for c in range(2):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(24):
+            write_jpeg(root / f"c{c}" / f"{i}.jpg", rng, size=(640, 480), quality=95)
+    return root
+
+
+def test_auto_spends_memory_on_decoded_images_when_prep_is_the_bottleneck(photo_like):
+    with CoordLoader(
+        str(photo_like), batch_size=8, cache_bytes="1GB", decoded_cache="auto", device_id=None, num_threads=2
+    ) as loader:
+        rates = loader.tiers.rates
+        assert rates["decoded"] > rates["encoded"]  # augmenting a decoded image is cheaper than decoding it
+        assert loader.decoded is not None and loader.tiers.decoded_budget >= 48 * 640 * 480 * 3 * 0.9
+
+
+def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypatch):
+    real = storage.read_many
+    device = threading.Lock()
+
+    def slow(paths, sizes, buffers, **kw):  # one storage device of about 2 MB/s, whatever the threads
+        with device:
+            time.sleep(sum(sizes) / 2e6)
+        return real(paths, sizes, buffers, **kw)
+
+    monkeypatch.setattr(storage, "read_many", slow)
+    # Half the files fit: every byte of memory spent on decoded images is more read from storage.
+    with CoordLoader(
+        str(photo_like), batch_size=8, cache_bytes=0.5, decoded_cache="auto", device_id=None, num_threads=2
+    ) as loader:
+        assert loader.tiers.rates["storage"] < 5e6
+        assert loader.decoded is None and loader.tiers.decoded_budget == 0
