@@ -26,7 +26,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["Rates", "Model", "stall_split", "bottleneck", "describe_bottleneck"]
+__all__ = [
+    "Model",
+    "Rates",
+    "TierRates",
+    "best_tier_split",
+    "bottleneck",
+    "describe_bottleneck",
+    "stall_split",
+    "tier_sweep",
+    "tier_throughput",
+]
 
 
 @dataclass
@@ -46,6 +56,8 @@ class Rates:
     prep_threads: int  # threads (DALI) or workers (torch backend) per rank
     ranks: int = 1
     nodes: int = 1
+    decoded_speedup: float = 0.0  # prep from decoded images over prep from encoded bytes (0: unknown)
+    decoded_sample_bytes: float = 0.0  # mean bytes of a decoded image
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -185,6 +197,27 @@ class Model:
         x = self.cache_fraction()
         return {"storage_bytes_per_s": S, "predicted_samples_per_s": self.throughput(x, S=S)}
 
+    # -- the decoded tier -------------------------------------------------------------------
+    def decoded_split(self, budget: float | None = None, points: int = 5) -> dict | None:
+        """The job at ``budget`` bytes per node (default: its cache budget) split between
+        encoded bytes and decoded images: predicted samples/s at ``points`` splits, and the
+        split the model recommends (``decoded_cache``). None when prep from decoded images was
+        not measured (GPU decoding, a recipe on encoded bytes, the torch backend)."""
+        r = self.r
+        if not r.decoded_speedup or not r.decoded_sample_bytes:
+            return None
+        budget = r.cache_bytes if budget is None else budget
+        tier = TierRates(
+            r.dataset_samples, r.sample_bytes, r.decoded_sample_bytes, r.S, r.C, r.P, r.P * r.decoded_speedup
+        )
+        best = best_tier_split(tier, budget, prep=self.R_with_prep)
+        return {
+            "budget_bytes": int(budget),
+            "what_if": tier_sweep(tier, budget, points, prep=self.R_with_prep),
+            "recommended_decoded_cache": best,
+            "recommended_samples_per_s": tier_throughput(tier, budget, best, prep=self.R_with_prep),
+        }
+
     # -- nodes with the partitioned cache ---------------------------------------------------
     def with_nodes(self, n: int, network_bytes_per_s: float) -> dict:
         """``n`` nodes like this one, each with this job's cache budget and storage.
@@ -239,3 +272,70 @@ class Model:
             "coordinated_per_job": coordinated,
             "speedup": coordinated / independent,
         }
+
+
+# -- the decoded tier ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierRates:
+    """What the split of a node's cache between encoded bytes and decoded images depends on.
+
+    Prep rates are one rank's (its DALI threads); bytes are means per sample.
+    """
+
+    samples: int  # in the dataset
+    encoded_bytes: float
+    decoded_bytes: float
+    storage: float  # bytes/s read from storage
+    cache: float  # bytes/s read from the encoded tier
+    prep_encoded: float  # samples/s from encoded bytes: decode and augment
+    prep_decoded: float  # samples/s from decoded images: augment only
+
+
+def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> float:
+    """Predicted samples/s in epochs after the first, with ``decoded`` of the node's ``budget``
+    bytes holding decoded images and the rest encoded bytes.
+
+    The decoded tier holds a fraction ``xd`` of the samples, the encoded tier ``xe`` of the
+    others, storage serves the rest::
+
+        xd = min(1, decoded / (n * d))      xe = min(1 - xd, (budget - decoded) / (n * b))
+        F  = 1 / (b * xe / C + b * (1 - xd - xe) / S)                       (fetch)
+        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)                     (prep)
+
+    and the job runs at ``min(F, prep(P))``, where ``prep`` maps the loader's prep rate to the
+    job's (DS-Analyzer's ``R`` for a measured training step; the loader alone by default).
+    A decoded image costs no fetch: it is a view of shared memory, read by the augmentation.
+    """
+    n, b, d = r.samples, r.encoded_bytes, r.decoded_bytes
+    decoded = min(max(decoded, 0.0), budget)
+    xd = min(1.0, decoded / (n * d)) if n * d > 0 else 0.0
+    xe = min(1.0 - xd, (budget - decoded) / (n * b)) if n * b > 0 else 0.0
+    t_fetch = b * xe / r.cache + b * max(0.0, 1.0 - xd - xe) / r.storage
+    t_prep = xd / r.prep_decoded + (1.0 - xd) / r.prep_encoded
+    rate = 1.0 / t_prep if prep is None else prep(1.0 / t_prep)
+    return rate if t_fetch <= 0 else min(1.0 / t_fetch, rate)
+
+
+def tier_sweep(r: TierRates, budget: float, points: int = 101, prep=None) -> list[dict]:
+    """Predicted samples/s at evenly spaced decoded shares of ``budget`` (up to the decoded dataset)."""
+    top = min(budget, r.samples * r.decoded_bytes)
+    out = []
+    for k in range(points):
+        y = top * k / (points - 1)
+        out.append(
+            {
+                "decoded_bytes": int(y),
+                "encoded_bytes": int(budget - y),
+                "predicted_samples_per_s": tier_throughput(r, budget, y, prep),
+            }
+        )
+    return out
+
+
+def best_tier_split(r: TierRates, budget: float, tolerance: float = 0.001, prep=None) -> int:
+    """The decoded share of ``budget`` the model prefers: the smallest within ``tolerance`` of the
+    best predicted throughput, so that memory goes to decoded images only where they speed the
+    job up (an I/O-bound job keeps encoded bytes, which keep its storage reads at the minimum)."""
+    sweep = tier_sweep(r, budget, 201, prep)
+    best = max(p["predicted_samples_per_s"] for p in sweep)
+    return next(p["decoded_bytes"] for p in sweep if p["predicted_samples_per_s"] >= (1.0 - tolerance) * best)

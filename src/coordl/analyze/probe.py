@@ -261,6 +261,7 @@ class PrepPass(_Timed):
         self.result["P_cache_hit_fraction"] = stats["cache_hits"] / max(1, stats["cache_hits"] + stats["storage_reads"])
         self.result["subset_samples"] = int(len(order))
         self.result["subset_bytes"] = int(index.sizes[order].sum())
+        self.result.update(_decoded_rates(ld))
         # 3. R: the script's step on cached data (the pass below)
         self._drive(cycle())
 
@@ -338,6 +339,20 @@ class StoragePass(_Phase):
             "seconds": dt,
         }
         self._finish_phase()
+
+
+def _decoded_rates(ld) -> dict:
+    """Prep from decoded images against prep from encoded bytes, and a decoded image's bytes, for
+    the decoded tier's what-if (DALI on the CPU with a recipe that takes decoded images)."""
+    from coordl import tiers
+
+    w = ld.world
+    if tiers.refusal(ld.backend, ld.device_id, ld.recipe, w.world_size > w.local_world_size) is not None:
+        return {}
+    from coordl.prep import calibrate
+
+    r = calibrate.measure(ld.recipe, ld.resources.index, num_threads=ld.num_threads, seed=ld.seed + 2)
+    return {"decoded_speedup": r.decoded / r.encoded, "decoded_sample_bytes": r.decoded_bytes}
 
 
 def _cache_read_rate(cache: MinIOCache | None, ids: np.ndarray, min_seconds: float = 0.25) -> float:

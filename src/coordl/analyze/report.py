@@ -31,6 +31,8 @@ def rates_from(phases: dict[str, list[dict]]) -> Rates:
         prep_threads=any_rank["prep_threads"],
         ranks=world,
         nodes=max(1, world // max(1, local)),
+        decoded_speedup=phases["P"][0].get("decoded_speedup", 0.0),
+        decoded_sample_bytes=phases["P"][0].get("decoded_sample_bytes", 0.0),
     )
 
 
@@ -95,6 +97,7 @@ def build(
         "what_if_nodes": [m.with_nodes(n, network_bytes_per_s) for n in nodes],
         "network_bytes_per_s": network_bytes_per_s,
         "what_if_hp_jobs": [m.with_hp_jobs(n) for n in hp_jobs],
+        "what_if_decoded": m.decoded_split(),
     }
     if phases is not None:
         f = phases.get("F", [])
@@ -175,6 +178,16 @@ def table(r: dict) -> str:
         lines.append(
             f"  {w['jobs']} HP-search jobs: {_rate(w['independent_per_job'])} each alone, "
             f"{_rate(w['coordinated_per_job'])} each with hp_group ({w['speedup']:.2f}x)"
+        )
+    d = r.get("what_if_decoded")
+    if d is not None:
+        lines += ["", f"What if the cache budget ({d['budget_bytes'] / 1e6:,.0f} MB per node) held decoded images:"]
+        for w in d["what_if"]:
+            lines.append(
+                f"  with {w['decoded_bytes'] / 1e9:,.2f} GB of decoded images: {_rate(w['predicted_samples_per_s'])}"
+            )
+        lines.append(
+            f"  recommended: decoded_cache={d['recommended_decoded_cache']} ({_rate(d['recommended_samples_per_s'])})"
         )
     mc = r["model_check"]
     lines += [
