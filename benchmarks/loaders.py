@@ -21,6 +21,9 @@ batch size and the same number of CPU workers/threads:
     access pattern of PyTorch's sampler.
 ``coordl``
     ``coordl.CoordLoader`` with its MinIO cache at the given budget.
+``coordl-auto``
+    ``coordl`` with ``decoded_cache="auto"``: the same budget, split between encoded bytes and
+    decoded images as the model predicts is fastest.
 ``coordl-torch``
     ``coordl.CoordLoader`` over ``coordl.datasets.ImageFolder(data, transform=TrainAugment())``:
     coordl's torch backend, whose ``DataLoader`` workers read the bytes through the MinIO cache
@@ -51,8 +54,8 @@ import numpy as np
 
 from benchmarks import common
 
-LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-torch")
-COORDL_LOADERS = ("coordl", "coordl-torch")  # the loaders with a MinIO cache in shared memory
+LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
+COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 SIZE = 224
@@ -200,11 +203,11 @@ class DaliLoader:
 
 # -- coordl -------------------------------------------------------------------------------------
 class CoordlLoader:
-    def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
+    def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int, decoded_cache=0):
         import coordl
 
         self.loader = coordl.CoordLoader(data, batch_size=batch_size, cache_bytes=cache_bytes, device_id=None,
-                                         num_threads=workers, seed=seed)  # fmt: skip
+                                         num_threads=workers, seed=seed, decoded_cache=decoded_cache)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.loader.index)
@@ -216,7 +219,7 @@ class CoordlLoader:
     def counters(self) -> dict | None:
         s = self.loader.stats()
         keys = ("cache_hits", "storage_reads", "storage_bytes", "cache_bytes", "cache_items", "cache_budget",
-                "stall_s", "fetch_wait_s")  # fmt: skip
+                "stall_s", "fetch_wait_s", "decoded_hits", "decoded_cache_budget")  # fmt: skip
         return {k: s[k] for k in keys}
 
     def close(self) -> None:
@@ -243,6 +246,8 @@ def make(kind: str, data: str, batch_size: int, workers: int, seed: int, cache_b
         return DaliLoader(kind, data, batch_size, workers, seed)
     if kind == "coordl":
         return CoordlLoader(data, batch_size, workers, seed, cache_bytes)
+    if kind == "coordl-auto":  # the same budget, split between encoded bytes and decoded images by the model
+        return CoordlLoader(data, batch_size, workers, seed, cache_bytes, decoded_cache="auto")
     if kind == "coordl-torch":
         return CoordlTorchLoader(data, batch_size, workers, seed, cache_bytes)
     raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}")

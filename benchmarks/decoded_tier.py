@@ -1,0 +1,211 @@
+"""The decoded tier: steady samples/s against the split of the node's cache, the model's
+prediction beside each point, and concurrent independent jobs against ``decoded_cache=0`` and an
+``hp_group``.
+
+    python -m benchmarks.decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+
+The dataset is held in memory (its files are read once before, and the encoded tier holds them
+all), so what is measured is prep: ``imagenet-train`` at 224 on the CPU with DALI. Every run is a
+fresh process with a shm folder of its own.
+
+1. **split**: one job; the node's budget is the dataset's files plus ``f`` of its decoded images,
+   ``decoded_cache`` = that share, for ``f`` in ``--fractions``; plus ``decoded_cache="auto"``
+   with a budget that holds the decoded dataset. Epoch 0 fills the tiers; the median of the
+   epochs after it is the steady rate. The prediction is the model's
+   (:func:`coordl.analyze.model.tier_throughput`) from the rates ``"auto"`` measured on 48 samples.
+2. **jobs**: ``N`` jobs at once (``--jobs``), each ``--job-epochs`` epochs with its own seed:
+   makespan with ``decoded_cache=0``, with the decoded dataset in the tier, and as an ``hp_group``
+   (one fetch and one prep for all).
+
+Writes ``decoded_tier.json`` and ``decoded_tier.png`` (split against throughput) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from benchmarks import common
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from coordl import CoordLoader
+    a = json.loads(sys.argv[1])
+    loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline="imagenet-train", device_id=None,
+                         num_threads=a["threads"], seed=a["seed"], cache_bytes=a["cache_bytes"],
+                         decoded_cache=a["decoded_cache"], hp_group=a.get("hp_group"))
+    out = {"tiers": loader.tiers.as_dict(), "epochs": []}
+    for e in range(a["epochs"]):
+        t0 = time.perf_counter()
+        n = sum(len(labels) for _, labels in loader)
+        dt = time.perf_counter() - t0
+        s = loader.stats()
+        out["epochs"].append({"samples": n, "seconds": dt, "samples_per_s": n / dt,
+                              **{k: s[k] for k in ("decoded_hits", "decoded_admitted", "cache_hits", "storage_reads",
+                                                   "decoded_cache_bytes", "cache_bytes")}})
+    loader.close()
+    print(json.dumps(out))
+    """
+)
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def start(args, **kw) -> subprocess.Popen:
+    shm = kw.pop("shm")
+    spec = {"data": args.data, "batch": args.batch, "threads": args.threads, "seed": 0, **kw}
+    env = {**os.environ, "COORDL_SHM_DIR": shm}
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+
+
+def finish(p: subprocess.Popen) -> dict:
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"a benchmark job failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def decoded_bytes(root: str) -> int:
+    """The decoded dataset's bytes (RGB, each image at its own resolution), from the files' headers."""
+    from PIL import Image
+
+    total = 0
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            with Image.open(p) as im:
+                total += im.size[0] * im.size[1] * 3
+    return total
+
+
+def split(args, dataset_bytes: int, decoded: int) -> dict:
+    from coordl.analyze.model import TierRates, tier_throughput
+
+    runs = []
+    plan = None
+    for f in ["auto", *args.fractions]:
+        with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
+            if f == "auto":
+                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto"}
+            else:
+                y = int(f * decoded)
+                kw = {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
+            r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
+        steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
+        run = {"fraction": f, **kw, "steady_samples_per_s": steady, "epochs": r["epochs"], "tiers": r["tiers"]}
+        if f == "auto":
+            plan = r["tiers"]
+        runs.append(run)
+        log(f"  decoded {f!s:>5}: {steady:7.1f} samples/s  (epochs: "
+            + ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"]) + ")")  # fmt: skip
+    rates = plan["rates"]
+    n = runs[0]["epochs"][0]["samples"]
+    model = TierRates(n, dataset_bytes / n, rates["decoded_bytes"], rates["storage"], float("inf"),
+                      rates["encoded"], rates["decoded"])  # fmt: skip
+    for run in runs:
+        y = run["tiers"]["decoded_budget"]
+        run["predicted_samples_per_s"] = tier_throughput(model, run["cache_bytes"], y)
+        run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
+    curve = [{"decoded_bytes": int(decoded * k / 50),
+              "predicted_samples_per_s": tier_throughput(model, dataset_bytes + decoded * k / 50, decoded * k / 50)}
+             for k in range(51)]  # fmt: skip
+    return {"runs": runs, "rates": rates, "predicted_curve": curve}
+
+
+def jobs(args, dataset_bytes: int, decoded: int) -> list[dict]:
+    out = []
+    for n in args.jobs:
+        for name, kw in (
+            ("decoded_cache=0", {"cache_bytes": dataset_bytes, "decoded_cache": 0}),
+            ("decoded tier", {"cache_bytes": dataset_bytes + decoded, "decoded_cache": decoded}),
+            ("hp_group", {"cache_bytes": dataset_bytes, "decoded_cache": 0, "hp_group": "bench"}),
+        ):
+            with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
+                t0 = time.perf_counter()
+                procs = [
+                    start(args, shm=shm, epochs=args.job_epochs, **{**kw, "seed": 0 if "hp_group" in kw else k})
+                    for k in range(n)
+                ]
+                results = [finish(p) for p in procs]
+                makespan = time.perf_counter() - t0
+            out.append({"jobs": n, "config": name, "makespan_s": makespan, "results": results})
+            log(f"  {n} jobs, {name:>15}: makespan {makespan:6.1f} s")
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["split"]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot([p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
+            [p["predicted_samples_per_s"] for p in s["predicted_curve"]], "-", label="predicted (model)")  # fmt: skip
+    pts = [r for r in s["runs"] if r["fraction"] != "auto"]
+    ax.plot([r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts], "o",
+            label="measured")  # fmt: skip
+    auto = next(r for r in s["runs"] if r["fraction"] == "auto")
+    ax.plot([auto["tiers"]["decoded_budget"] / 1e9], [auto["steady_samples_per_s"]], "*", ms=12, label='"auto"')
+    ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
+    ax.set_ylabel("steady samples/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="DALI threads per job")
+    p.add_argument("--epochs", type=int, default=4, help="epochs per split run (the first fills)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--job-epochs", type=int, default=2)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--skip-jobs", action="store_true", help="only the split")
+    args = p.parse_args(argv)
+    dataset = common.dataset_from_args(args)
+    args.data = dataset["root"]
+    for f in Path(args.data).rglob("*"):  # into the page cache: this benchmark measures prep, not storage
+        if f.is_file():
+            f.read_bytes()
+    dataset_bytes = sum(f.stat().st_size for f in Path(args.data).rglob("*") if f.is_file())
+    decoded = decoded_bytes(args.data)
+    log(f"dataset: {common.describe(dataset)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
+    result = {"machine": common.machine(), "dataset": dataset, "dataset_bytes": dataset_bytes, "decoded_bytes": decoded,
+              "batch": args.batch, "threads": args.threads}  # fmt: skip
+    log("split (one job):")
+    result["split"] = split(args, dataset_bytes, decoded)
+    if not args.skip_jobs:
+        log("concurrent jobs:")
+        result["jobs"] = jobs(args, dataset_bytes, decoded)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decoded_tier.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "decoded_tier.png")
+    log(f"wrote {out / 'decoded_tier.json'} and {out / 'decoded_tier.png'}")
+
+
+if __name__ == "__main__":
+    main()
