@@ -239,3 +239,17 @@ def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypa
     ) as loader:
         assert loader.tiers.rates["storage"] < 5e6
         assert loader.decoded is None and loader.tiers.decoded_budget == 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core leaves no thread count to choose")
+def test_auto_chooses_the_fewest_threads_near_the_best_rate_unless_the_user_set_them(photo_like):
+    kw = {"batch_size": 8, "cache_bytes": "1GB", "decoded_cache": "auto", "device_id": None}
+    with CoordLoader(str(photo_like), **kw) as loader:
+        tried = {int(t): r for t, r in loader.tiers.rates["thread_rates"].items()}
+        assert 1 in tried and os.cpu_count() in tried
+        best = max(tried.values())
+        assert loader.num_threads == loader.tiers.threads == min(t for t, r in tried.items() if r >= 0.95 * best)
+        assert loader.tiers.rates["threads"] == loader.num_threads
+    with CoordLoader(str(photo_like), num_threads=1, **kw) as loader:
+        assert loader.tiers.threads is None and loader.tiers.rates["thread_rates"] is None
+        assert loader.num_threads == 1 and loader.tiers.rates["threads"] == 1

@@ -42,6 +42,7 @@ class TierPlan:
     why: str = ""  # how the split was decided, for the log and ``loader.tiers``
     rates: dict | None = None  # what "auto" measured
     predicted: dict = field(default_factory=dict)  # samples/s the model expects, by decoded bytes
+    threads: int | None = None  # DALI threads "auto" chose (Lobster's rule), when the user set none
 
     def as_dict(self) -> dict:
         return {
@@ -50,6 +51,7 @@ class TierPlan:
             "why": self.why,
             "rates": self.rates,
             "predicted": self.predicted,
+            "threads": self.threads,
         }
 
 
@@ -92,6 +94,8 @@ def plan_for(loader, cache_bytes, decoded_cache, keep: bool) -> TierPlan:
     w = loader.world
     why_not = refusal(loader.backend, loader.device_id, loader.recipe, w.world_size > w.local_world_size)
 
+    choose_threads = not loader.threads_set
+
     def measure():
         from coordl.prep import calibrate
 
@@ -100,10 +104,15 @@ def plan_for(loader, cache_bytes, decoded_cache, keep: bool) -> TierPlan:
             loader.index,
             num_threads=loader.num_threads,
             seed=loader.seed,
+            batch_size=loader.config.batch_size,
             io_threads=loader.config.io_threads,
+            choose_threads=choose_threads,
         )
 
-    return plan_tiers(loader.index, cache_bytes, decoded_cache, keep, why_not=why_not, measure=measure)
+    plan = plan_tiers(loader.index, cache_bytes, decoded_cache, keep, why_not=why_not, measure=measure)
+    if choose_threads and plan.rates is not None and plan.rates.get("thread_rates"):
+        plan.threads = plan.rates["threads"]
+    return plan
 
 
 def existing_budget(spec: CacheSpec) -> int | None:

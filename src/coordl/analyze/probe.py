@@ -351,7 +351,9 @@ def _decoded_rates(ld) -> dict:
         return {}
     from coordl.prep import calibrate
 
-    r = calibrate.measure(ld.recipe, ld.resources.index, num_threads=ld.num_threads, seed=ld.seed + 2)
+    r = calibrate.measure(
+        ld.recipe, ld.resources.index, num_threads=ld.num_threads, seed=ld.seed + 2, batch_size=ld.config.batch_size
+    )
     return {"decoded_speedup": r.decoded / r.encoded, "decoded_sample_bytes": r.decoded_bytes}
 
 

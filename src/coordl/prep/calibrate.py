@@ -1,9 +1,13 @@
 """Measures, on a few of the dataset's samples, what the split of the node's cache between encoded
 bytes and decoded images depends on: prep from encoded bytes, prep from decoded images, the size
-of a decoded image, and the storage's read rate.
+of a decoded image, and the storage's read rate; and, when asked, how many DALI threads prep needs.
 
-It runs the job's own recipe in the same tiered DALI pipeline the loader uses, with the job's
-thread count, so the rates are the ones the loader will see (about a second of work).
+It runs the job's own recipe in the same tiered DALI pipeline the loader uses, fed without a
+break as the loader feeds it (a pipeline started and drained every few batches runs at half its
+steady rate), so the rates are the ones the loader will see (about a second of work per rate).
+
+The thread count is Lobster's rule (Liu et al., ATC'22): the fewest threads whose prep rate is
+within :data:`THREADS_WITHIN` of the best measured; the cores left over are the storage's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ __all__ = ["PrepRates", "measure"]
 
 log = logging.getLogger(__name__)
 
-MIN_SECONDS = 0.3  # of timed work per kind of prep
+MIN_SECONDS = 0.5  # of timed work per rate
+WARM_BATCHES = 2  # batches run before the clock starts (the pipeline's queue filling)
+BATCH = 64  # samples per batch fed to the pipeline, by default
+MAX_BATCH = 256
+MIN_SAMPLES = 64
+THREADS_WITHIN = 0.05  # Lobster: the fewest threads within 5% of the best prep rate
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,9 @@ class PrepRates:
     encoded_bytes: float  # mean bytes of a sample's file
     decoded_bytes: float  # mean bytes of a decoded image
     storage: float  # bytes/s read from storage
-    threads: int
+    threads: int  # DALI threads the rates were measured with
     samples: int
+    thread_rates: dict[int, float] | None = None  # prep from encoded bytes by thread count, when chosen
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,27 +69,66 @@ class _Collect:
         pass
 
 
-def measure(recipe, index: Index, *, num_threads: int, seed: int, samples: int = 48, io_threads: int = 8) -> PrepRates:
+def measure(
+    recipe,
+    index: Index,
+    *,
+    num_threads: int,
+    seed: int,
+    batch_size: int = BATCH,
+    samples: int | None = None,
+    io_threads: int = 8,
+    choose_threads: bool = False,
+) -> PrepRates:
     """Reads ``samples`` random samples (not cached, not counted in any epoch), then times the
     recipe on them from encoded bytes and from their decoded images.
+
+    Args:
+        batch_size: the loader's (a pipeline's rate depends on it); at most :data:`MAX_BATCH`.
+        samples: how many (default: two batches, at least :data:`MIN_SAMPLES`).
+        num_threads: DALI's threads; with ``choose_threads``, the most to try.
+        choose_threads: also time prep from encoded bytes with 1, 2, 4, ... ``num_threads``
+            threads, and measure with the fewest within :data:`THREADS_WITHIN` of the best
+            (:attr:`PrepRates.threads`).
 
     Raises:
         SampleError: a chosen sample cannot be read or decoded.
     """
-    from coordl.prep.dali import DaliPrep
-
+    batch_size = max(1, min(batch_size, MAX_BATCH))
+    if samples is None:
+        samples = max(MIN_SAMPLES, 2 * batch_size)
     rng = np.random.default_rng(seed)
     ids = np.sort(rng.choice(len(index), size=min(samples, len(index)), replace=False)).astype(np.int64)
     data, storage_rate = _read(index, ids, io_threads)
-    batch = min(16, len(ids))
-    prep = DaliPrep(recipe, batch_size=batch, num_threads=num_threads, device_id=None, seed=seed, tiered=True)
+    batch = min(batch_size, len(ids))
+    labels = index.labels[ids]
+    encoded_batches = _batches(ids, data, labels, ENCODED, batch)
+    thread_rates = None
+    if choose_threads and num_threads > 1:
+        counts = sorted({min(1 << k, num_threads) for k in range(num_threads.bit_length() + 1)})
+        thread_rates = {}
+        for t in counts:
+            prep = _prep(recipe, batch, t, seed)
+            try:
+                thread_rates[t] = _rate(prep, encoded_batches, index)
+            finally:
+                prep.close()
+        best = max(thread_rates.values())
+        num_threads = min(t for t, r in thread_rates.items() if r >= (1.0 - THREADS_WITHIN) * best)
+        log.info(
+            "coordl: DALI threads: %d (prep from encoded bytes, samples/s by threads: %s)",
+            num_threads,
+            ", ".join(f"{t}: {r:.0f}" for t, r in thread_rates.items()),
+        )
+    prep = _prep(recipe, batch, num_threads, seed)
     try:
-        labels = index.labels[ids]
         collect = _Collect()
-        raw = _batches(ids, data, labels, DECODE_KEEP, batch)
-        _run(prep, raw, index, collect)  # decodes them whole once, and builds the pipeline
+        _run(prep, _batches(ids, data, labels, DECODE_KEEP, batch), index, collect)  # each decoded whole once
         images = [collect.images[i] for i in ids.tolist()]
-        encoded = _rate(prep, _batches(ids, data, labels, ENCODED, batch), index)
+        if thread_rates is not None:
+            encoded = thread_rates[num_threads]
+        else:
+            encoded = _rate(prep, encoded_batches, index)
         decoded = _rate(prep, _batches(ids, images, labels, DECODED, batch), index)
     finally:
         prep.close()
@@ -91,6 +140,7 @@ def measure(recipe, index: Index, *, num_threads: int, seed: int, samples: int =
         storage=storage_rate,
         threads=num_threads,
         samples=len(ids),
+        thread_rates=thread_rates,
     )
     log.info(
         "coordl: measured on %d samples with %d threads: prep %.0f samples/s from encoded bytes, %.0f from "
@@ -103,6 +153,12 @@ def measure(recipe, index: Index, *, num_threads: int, seed: int, samples: int =
         storage_rate / 1e6,
     )
     return rates
+
+
+def _prep(recipe, batch: int, threads: int, seed: int):
+    from coordl.prep.dali import DaliPrep
+
+    return DaliPrep(recipe, batch_size=batch, num_threads=threads, device_id=None, seed=seed, tiered=True)
 
 
 def _read(index: Index, ids: np.ndarray, threads: int) -> tuple[list[np.ndarray], float]:
@@ -142,11 +198,23 @@ def _run(prep, batches: list[RawBatch], index: Index, keep=None) -> int:
 
 
 def _rate(prep, batches: list[RawBatch], index: Index) -> float:
-    """Samples/s over repeated runs of ``batches`` (the first run warms up and is not timed)."""
-    _run(prep, batches, index)
-    done, t0 = 0, time.perf_counter()
-    while True:
-        done += _run(prep, batches, index)
-        elapsed = time.perf_counter() - t0
-        if elapsed >= MIN_SECONDS:
-            return done / elapsed
+    """Samples/s of ``prep`` fed ``batches`` over and over without a break, once its queue is full."""
+
+    def forever():
+        while True:
+            yield from batches
+
+    done, t0 = 0, 0.0
+    outputs = prep.epoch(forever(), index.paths.__getitem__, 0)
+    try:
+        for k, (_, labels, _) in enumerate(outputs):
+            if k < WARM_BATCHES:
+                t0 = time.perf_counter()
+                continue
+            done += len(labels)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= MIN_SECONDS:
+                return done / elapsed
+    finally:
+        outputs.close()  # the pipeline, stopped mid-epoch, is rebuilt by the next run
+    raise AssertionError("unreachable: the batches are fed forever")

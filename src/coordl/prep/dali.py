@@ -164,11 +164,9 @@ class DaliPrep:
                 dtype=[types.UINT8, types.UINT8, types.INT32, types.INT64, types.INT64, types.FLOAT][: inputs + 2],
                 layout=[None, "HWC", None, None, None, None][: inputs + 2],
             )
-            used: list[int] = []
-            images, full = graph.tiered(
-                self.recipe, encoded, decoded, kind, uniforms[0] if uniforms else None, self.ctx, used
-            )
-            if any(u != columns for u in used):
+            ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
+            images, full = graph.tiered(self.recipe, encoded, decoded, kind, ctx)
+            if ctx.random.used != columns:
                 raise ValueError("the recipe draws a different number of random numbers every time it is built")
             return images, labels, ids, full
 

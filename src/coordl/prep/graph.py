@@ -13,12 +13,9 @@ decoded images of the ``DECODE_KEEP`` samples so that they can be put into the d
 
 from __future__ import annotations
 
-import dataclasses
-
 from nvidia.dali import fn, types
 
 from coordl.fetch.ahead import DECODE_KEEP, DECODED
-from coordl.prep.planned import SampleRandom
 from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
 
 __all__ = ["augment", "decode", "encoded", "tiered"]
@@ -33,17 +30,7 @@ def encoded(recipe, data, ctx: PrepContext):
     """The recipe's output from encoded bytes."""
     if isinstance(recipe, ImageNetTrain):
         anchor, size = ctx.random.crop_window(fn.peek_image_shape(data), recipe.scale, recipe.ratio)
-        images = fn.decoders.image_slice(
-            data,
-            anchor,
-            size,
-            device=ctx.decoder_device,
-            output_type=types.RGB,
-            axis_names="WH",
-            normalized_anchor=False,
-            normalized_shape=False,
-        )
-        return _train_tail(recipe, images, ctx)
+        return _train_tail(recipe, _decode_window(data, anchor, size, ctx), ctx)
     if isinstance(recipe, (ImageNetVal, DecodedRecipe)):
         return augment(recipe, decode(data, ctx), ctx)
     return recipe(data, ctx)
@@ -54,10 +41,7 @@ def augment(recipe, images, ctx: PrepContext):
     :func:`~coordl.prep.recipes.takes_decoded`)."""
     if isinstance(recipe, ImageNetTrain):
         anchor, size = ctx.random.crop_window(images.shape(), recipe.scale, recipe.ratio)
-        images = fn.slice(
-            images, anchor, size, axis_names="WH", normalized_anchor=False, normalized_shape=False, device=ctx.device
-        )
-        return _train_tail(recipe, images, ctx)
+        return _train_tail(recipe, _slice(images, anchor, size, ctx), ctx)
     if isinstance(recipe, ImageNetVal):
         images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
         return _normalize(images, recipe, ctx, mirror=0, crop=(recipe.size, recipe.size))
@@ -66,15 +50,18 @@ def augment(recipe, images, ctx: PrepContext):
     raise TypeError(f"the recipe {recipe!r} takes encoded bytes, not decoded images")
 
 
-def tiered(recipe, data, images, kind, uniforms, ctx: PrepContext, used: list[int]):
+def tiered(recipe, data, images, kind, ctx: PrepContext):
     """The recipe over a batch that mixes the three ways a sample comes (``kind`` per sample).
+
+    Only where a sample's pixels come from is conditional: the crop window's arithmetic and the
+    augmentation run once over the whole batch. DALI runs a branch's operators on that branch's
+    samples alone, so each operator inside a branch is paid once per branch, and every output of
+    a branch is merged.
 
     Args:
         data: encoded bytes (empty for ``DECODED`` samples).
         images: decoded images from the tier (empty for the others).
         kind: int32 per sample.
-        uniforms: each sample's draws (None when the recipe draws none).
-        used: receives the draws per sample each branch took (they must agree).
 
     Returns:
         ``(outputs, full)``: the recipe's outputs, and the decoded images of the
@@ -82,36 +69,56 @@ def tiered(recipe, data, images, kind, uniforms, ctx: PrepContext, used: list[in
 
     Built inside a pipeline with ``enable_conditionals=True``.
     """
+    if isinstance(recipe, ImageNetTrain):
+        # The window from each sample's shape; then the crop, from the tier's image, from a full
+        # decode (kept for the tier) or from decoding the window alone.
+        if kind == DECODED:
+            shape = images.shape()
+        else:
+            shape = fn.peek_image_shape(data, dtype=types.INT64)
+        anchor, size = ctx.random.crop_window(shape, recipe.scale, recipe.ratio)
+        if kind == DECODED:
+            crop = _slice(images, anchor, size, ctx)
+            full = images[0:0]
+        else:
+            if kind == DECODE_KEEP:
+                full = decode(data, ctx)
+                crop = _slice(full, anchor, size, ctx)
+            else:
+                crop = _decode_window(data, anchor, size, ctx)
+                full = images
+        return _train_tail(recipe, crop, ctx), full
     if kind == DECODED:
-        out = augment(recipe, images, _branch(ctx, uniforms, used))
+        decoded = images
         full = images[0:0]
     else:
+        decoded = decode(data, ctx)
         if kind == DECODE_KEEP:
-            decoded = decode(data, ctx)
-            out = augment(recipe, decoded, _branch(ctx, uniforms, used))
             full = decoded
         else:
-            out = encoded(recipe, data, _branch(ctx, uniforms, used))
             full = images
-    return out, full
+    return augment(recipe, decoded, ctx), full
 
 
-class _Counted(SampleRandom):
-    def __init__(self, draws, used: list[int]):
-        super().__init__(draws)
-        self._record = used
-        used.append(0)
-        self._slot = len(used) - 1
+def _decode_window(data, anchor, size, ctx: PrepContext):
+    """Decodes only the window ``(anchor, size)`` (pixels, ``[x, y]`` and ``[w, h]``)."""
+    return fn.decoders.image_slice(
+        data,
+        anchor,
+        size,
+        device=ctx.decoder_device,
+        output_type=types.RGB,
+        axis_names="WH",
+        normalized_anchor=False,
+        normalized_shape=False,
+    )
 
-    def _take(self, count: int):
-        out = super()._take(count)
-        self._record[self._slot] = self.used
-        return out
 
-
-def _branch(ctx: PrepContext, uniforms, used: list[int]) -> PrepContext:
-    """A context whose draws start again at the sample's first: every branch draws alike."""
-    return dataclasses.replace(ctx, random=_Counted(uniforms, used))
+def _slice(images, anchor, size, ctx: PrepContext):
+    """The window ``(anchor, size)`` of decoded images: the same pixels as :func:`_decode_window`."""
+    return fn.slice(
+        images, anchor, size, axis_names="WH", normalized_anchor=False, normalized_shape=False, device=ctx.device
+    )
 
 
 def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext):
