@@ -41,7 +41,7 @@ CHILD = textwrap.dedent(
     from coordl import CoordLoader
     a = json.loads(sys.argv[1])
     loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline="imagenet-train", device_id=None,
-                         num_threads=a["threads"], seed=a["seed"], cache_bytes=a["cache_bytes"],
+                         num_threads=a.get("threads"), seed=a["seed"], cache_bytes=a["cache_bytes"],
                          decoded_cache=a["decoded_cache"], hp_group=a.get("hp_group"))
     out = {"tiers": loader.tiers.as_dict(), "epochs": []}
     for e in range(a["epochs"]):
@@ -99,16 +99,26 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
 
     runs = []
     plan = None
-    for f in ["auto", *args.fractions]:
+    for f in ["auto", "auto-half", *args.fractions]:
         with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
-            if f == "auto":
-                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto"}
+            if f == "auto":  # DALI's threads chosen too
+                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
+            elif f == "auto-half":  # a node budget that holds half the decoded dataset
+                kw = {"cache_bytes": decoded // 2, "decoded_cache": "auto", "threads": None}
             else:
                 y = int(f * decoded)
                 kw = {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
             r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
         steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
-        run = {"fraction": f, **kw, "steady_samples_per_s": steady, "epochs": r["epochs"], "tiers": r["tiers"]}
+        threads = r["tiers"].get("threads") or kw.get("threads") or args.threads
+        run = {
+            "fraction": f,
+            **kw,
+            "threads": threads,
+            "steady_samples_per_s": steady,
+            "epochs": r["epochs"],
+            "tiers": r["tiers"],
+        }
         if f == "auto":
             plan = r["tiers"]
         runs.append(run)
@@ -122,6 +132,8 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         y = run["tiers"]["decoded_budget"]
         run["predicted_samples_per_s"] = tier_throughput(model, run["cache_bytes"], y)
         run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
+        log(f"  decoded {run['fraction']!s:>9}: measured {run['steady_samples_per_s']:6.0f}, predicted "
+            f"{run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})")  # fmt: skip
     curve = [{"decoded_bytes": int(decoded * k / 50),
               "predicted_samples_per_s": tier_throughput(model, dataset_bytes + decoded * k / 50, decoded * k / 50)}
              for k in range(51)]  # fmt: skip
@@ -159,11 +171,15 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot([p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
             [p["predicted_samples_per_s"] for p in s["predicted_curve"]], "-", label="predicted (model)")  # fmt: skip
-    pts = [r for r in s["runs"] if r["fraction"] != "auto"]
+    pts = [r for r in s["runs"] if not str(r["fraction"]).startswith("auto")]
     ax.plot([r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts], "o",
             label="measured")  # fmt: skip
     auto = next(r for r in s["runs"] if r["fraction"] == "auto")
     ax.plot([auto["tiers"]["decoded_budget"] / 1e9], [auto["steady_samples_per_s"]], "*", ms=12, label='"auto"')
+    half = next((r for r in s["runs"] if r["fraction"] == "auto-half"), None)
+    if half is not None:
+        ax.plot([half["tiers"]["decoded_budget"] / 1e9], [half["steady_samples_per_s"]], "^", ms=9,
+                label='"auto", node budget = half the decoded dataset')  # fmt: skip
     ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
     ax.set_ylabel("steady samples/s")
     ax.set_ylim(bottom=0)
@@ -178,10 +194,10 @@ def main(argv=None) -> None:
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="DALI threads per job")
-    p.add_argument("--epochs", type=int, default=4, help="epochs per split run (the first fills)")
+    p.add_argument("--epochs", type=int, default=5, help="epochs per split run (the first fills)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
-    p.add_argument("--job-epochs", type=int, default=2)
+    p.add_argument("--job-epochs", type=int, default=5)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--skip-jobs", action="store_true", help="only the split")
     args = p.parse_args(argv)

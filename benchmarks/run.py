@@ -15,7 +15,8 @@ memory cgroup and blkio cgroup:
 2. the runner drops the page cache, reads the child's working set (its cgroup's usage,
    less coordl's shared-memory cache), sets the memory limit to
    ``working set + slack + cache fraction * dataset`` and throttles reads from the
-   dataset's device;
+   dataset's device (``coordl-auto``, which measures the storage when its loader is made, is
+   throttled from its start);
 3. the child finishes epoch 0 (cold) and runs the rest, reporting per epoch: seconds,
    samples/s, bytes the device delivered (``/proc/diskstats``), time waiting for
    batches, the cgroup's peak memory, and coordl's own counters.
@@ -47,7 +48,8 @@ import threading
 from pathlib import Path
 
 from benchmarks import common, limits
-from benchmarks.loaders import COORDL_LOADERS, LOADERS, image_folder
+from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, image_folder
+from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -135,6 +137,12 @@ class Child:
         self.log.close()
 
 
+def coordl_limit(need: int) -> int:
+    """The smallest memory limit that leaves ``need`` bytes beside the margin coordl keeps free
+    under a limit and never fills with data (:func:`coordl.shm.limits.margin`: 10%, at least 256 MiB)."""
+    return max(need + MIN_MARGIN, -(-need * 10 // 9))
+
+
 def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
     total = dataset["total_bytes"]
     cache_bytes = int(round(cell["cache"] * total))
@@ -154,6 +162,8 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     logs.mkdir(parents=True, exist_ok=True)
     if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
         common.drop_page_cache(3)
+    if lim and loader in MEASURE_WHEN_MADE:
+        lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
     run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes,
            "bandwidth_bps": bandwidth, "epochs": []}  # fmt: skip
@@ -166,7 +176,10 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
             run["working_set_bytes"], run["working_set_source"] = ws
             # coordl's cache is fixed at the budget: the slack only keeps its peaks from the OOM
             # killer. The page cache would use any slack for data, so the others get none.
-            run["memory_limit_bytes"] = ws[0] + cache_bytes + (args.slack if loader in COORDL_LOADERS else args.baseline_slack)
+            if loader in COORDL_LOADERS:
+                run["memory_limit_bytes"] = coordl_limit(ws[0] + cache_bytes + args.slack)
+            else:
+                run["memory_limit_bytes"] = ws[0] + cache_bytes + args.baseline_slack
             lim.limit_memory(run["memory_limit_bytes"])
         if lim:
             lim.throttle(dev, bandwidth)
