@@ -76,8 +76,7 @@ class CoordLoader(DataLoaderAttributes):
         device_id: GPU for decoding and outputs; ``"auto"`` uses GPU ``LOCAL_RANK`` under a
             launcher that sets it (torchrun), else the current CUDA device, else the CPU;
             None forces the CPU.
-        num_threads: DALI threads (default: CPU cores / ranks on this node; with
-            ``decoded_cache="auto"``, the fewest threads within 5% of the best prep rate measured).
+        num_threads: DALI threads (default: CPU cores / ranks on this node, or what ``decoded_cache="auto"`` chose).
         io_threads: threads reading from storage.
         prefetch_batches: batches fetched ahead of pre-processing.
         return_index: also yield each sample's position in the index.
@@ -250,9 +249,9 @@ class CoordLoader(DataLoaderAttributes):
         self.position = Position(len(self.index), self.config.batch_size)
         from coordl import tiers
 
-        self.tiers = tiers.plan_for(self, cache_bytes, decoded_cache, keep_cache)
-        if self.tiers.threads is not None:
-            self._num_threads_arg = self.tiers.threads
+        choose_threads = not (num_threads or self.torch_options.num_workers)
+        self.tiers = tiers.plan_for(self, cache_bytes, decoded_cache, keep_cache, choose_threads=choose_threads)
+        self._num_threads_arg = num_threads or self.tiers.threads
         self.resources = Resources(
             self.index,
             self.tiers.encoded,
@@ -278,11 +277,6 @@ class CoordLoader(DataLoaderAttributes):
             or self.torch_options.num_workers
             or max(1, cores // max(1, self.world.local_world_size))
         )
-
-    @property
-    def threads_set(self) -> bool:
-        """Whether the user chose DALI's thread count (``num_threads``, or ``num_workers``)."""
-        return bool(self._num_threads_arg or self.torch_options.num_workers)
 
     def __len__(self) -> int:
         return self.schedule.num_batches(self.world.world_size)

@@ -89,12 +89,15 @@ def refusal(backend: str, device_id, recipe, multinode: bool) -> str | None:
     return None
 
 
-def plan_for(loader, cache_bytes, decoded_cache, keep: bool) -> TierPlan:
-    """The tiers of a :class:`~coordl.CoordLoader` being made (its index, recipe, device, world)."""
+def plan_for(loader, cache_bytes, decoded_cache, keep: bool, *, choose_threads: bool = False) -> TierPlan:
+    """The tiers of a :class:`~coordl.CoordLoader` being made (its index, recipe, device, world).
+
+    Args:
+        choose_threads: the user set no thread count: ``"auto"`` also chooses DALI's
+            (:attr:`TierPlan.threads`).
+    """
     w = loader.world
     why_not = refusal(loader.backend, loader.device_id, loader.recipe, w.world_size > w.local_world_size)
-
-    choose_threads = not loader.threads_set
 
     def measure():
         from coordl.prep import calibrate
