@@ -113,7 +113,7 @@ def plan_for(loader, cache_bytes, decoded_cache, keep: bool, *, choose_threads: 
         )
 
     plan = plan_tiers(loader.index, cache_bytes, decoded_cache, keep, why_not=why_not, measure=measure)
-    if choose_threads and plan.rates is not None and plan.rates.get("thread_rates"):
+    if plan.rates is not None and plan.rates.get("thread_rates"):  # measured, so chosen
         plan.threads = plan.rates["threads"]
     return plan
 
