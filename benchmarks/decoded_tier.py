@@ -10,9 +10,11 @@ fresh process with a shm folder of its own.
 
 1. **split**: one job; the node's budget is the dataset's files plus ``f`` of its decoded images,
    ``decoded_cache`` = that share, for ``f`` in ``--fractions``; plus ``decoded_cache="auto"``
-   with a budget that holds the decoded dataset. Epoch 0 fills the tiers; the median of the
-   epochs after it is the steady rate. The prediction is the model's
-   (:func:`coordl.analyze.model.tier_throughput`) from the rates ``"auto"`` measured on 48 samples.
+   with a budget that holds the decoded dataset, and with half of it; and ``"auto"`` with
+   ``ImageNetTrain(max_short_side=N)`` (``--max-short-side``: images capped at a shorter side of
+   N, a change to the data). Epoch 0 fills the tiers; the median of the epochs after it is the
+   steady rate. The prediction is the model's (:func:`coordl.analyze.model.tier_throughput`)
+   from the rates ``"auto"`` measured when its loader was made (a capped run: its own).
 2. **jobs**: ``N`` jobs at once (``--jobs``), each ``--job-epochs`` epochs with its own seed:
    makespan with ``decoded_cache=0``, with the decoded dataset in the tier, and as an ``hp_group``
    (one fetch and one prep for all).
@@ -39,8 +41,10 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     from coordl import CoordLoader
+    from coordl import ImageNetTrain
     a = json.loads(sys.argv[1])
-    loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline="imagenet-train", device_id=None,
+    loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline=ImageNetTrain(max_short_side=a.get("cap")),
+                         device_id=None,
                          num_threads=a.get("threads"), seed=a["seed"], cache_bytes=a["cache_bytes"],
                          decoded_cache=a["decoded_cache"], hp_group=a.get("hp_group"))
     out = {"tiers": loader.tiers.as_dict(), "epochs": []}
@@ -99,12 +103,16 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
 
     runs = []
     plan = None
-    for f in ["auto", "auto-half", *args.fractions]:
+    capped = [f"auto-capped-{c}" for c in args.max_short_side]
+    for f in ["auto", "auto-half", *args.fractions, *capped]:
         with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
             if f == "auto":  # DALI's threads chosen too
                 kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
             elif f == "auto-half":  # a node budget that holds half the decoded dataset
                 kw = {"cache_bytes": decoded // 2, "decoded_cache": "auto", "threads": None}
+            elif f in capped:  # images capped at a shorter side of N: a change to the data
+                cap = int(f.rsplit("-", 1)[1])
+                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None, "cap": cap}
             else:
                 y = int(f * decoded)
                 kw = {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
@@ -126,11 +134,17 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
             + ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"]) + ")")  # fmt: skip
     rates = plan["rates"]
     n = runs[0]["epochs"][0]["samples"]
-    model = TierRates(n, dataset_bytes / n, rates["decoded_bytes"], rates["storage"], float("inf"),
-                      rates["encoded"], rates["decoded"])  # fmt: skip
+
+    def model_of(rates: dict) -> TierRates:
+        return TierRates(n, dataset_bytes / n, rates["decoded_bytes"], rates["storage"], float("inf"), rates["encoded"],
+                         rates["decoded"], rates["encoded_only"], rates["decoded_only"])  # fmt: skip
+
+    model = model_of(rates)
     for run in runs:
         y = run["tiers"]["decoded_budget"]
-        run["predicted_samples_per_s"] = tier_throughput(model, run["cache_bytes"], y)
+        # A capped run is another dataset: its own measured rates predict it.
+        own = model_of(run["tiers"]["rates"]) if str(run["fraction"]).startswith("auto-capped") else model
+        run["predicted_samples_per_s"] = tier_throughput(own, run["cache_bytes"], y)
         run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
         log(f"  decoded {run['fraction']!s:>9}: measured {run['steady_samples_per_s']:6.0f}, predicted "
             f"{run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})")  # fmt: skip
@@ -171,11 +185,16 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot([p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
             [p["predicted_samples_per_s"] for p in s["predicted_curve"]], "-", label="predicted (model)")  # fmt: skip
-    pts = [r for r in s["runs"] if not str(r["fraction"]).startswith("auto")]
+    pts = [r for r in s["runs"] if isinstance(r["fraction"], float)]
     ax.plot([r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts], "o",
             label="measured")  # fmt: skip
     auto = next(r for r in s["runs"] if r["fraction"] == "auto")
     ax.plot([auto["tiers"]["decoded_budget"] / 1e9], [auto["steady_samples_per_s"]], "*", ms=12, label='"auto"')
+    for r in s["runs"]:
+        if str(r["fraction"]).startswith("auto-capped"):
+            cap = r["fraction"].rsplit("-", 1)[1]
+            ax.plot([r["tiers"]["decoded_budget"] / 1e9], [r["steady_samples_per_s"]], "D", ms=8,
+                    label=f'"auto", max_short_side={cap} (other pixels)')  # fmt: skip
     half = next((r for r in s["runs"] if r["fraction"] == "auto-half"), None)
     if half is not None:
         ax.plot([half["tiers"]["decoded_budget"] / 1e9], [half["steady_samples_per_s"]], "^", ms=9,
@@ -200,6 +219,8 @@ def main(argv=None) -> None:
     p.add_argument("--job-epochs", type=int, default=5)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--skip-jobs", action="store_true", help="only the split")
+    p.add_argument("--max-short-side", type=int, nargs="*", default=[256],
+                   help='also "auto" with ImageNetTrain(max_short_side=N), a change to the data (default: 256)')  # fmt: skip
     args = p.parse_args(argv)
     dataset = common.dataset_from_args(args)
     args.data = dataset["root"]

@@ -22,8 +22,9 @@ from conftest import make_tree
 
 import coordl
 from coordl import CoordLoader, DecodedRecipe, ImageNetTrain, ImageNetVal
-from coordl.analyze.model import TierRates, best_tier_split
+from coordl.analyze.model import TierRates, best_tier_split, tier_throughput
 from coordl.fetch import storage
+from coordl.prep.dali import DECODED_ONLY, TIERED
 
 BIG = "1GB"  # more than the decoded test datasets
 
@@ -72,6 +73,8 @@ def test_tensors_are_bit_for_bit_the_same_with_and_without_the_tier(tiny_dataset
     assert stats[1]["storage_reads"] == 0 and stats[1]["cache_hits"] == 0
     assert stats[1]["decoded_cache_items"] == n
     assert stats[1]["decoded_hit_bytes"] == stats[1]["decoded_cache_bytes"]
+    # Epoch 1 came from the tier alone: the pipeline of the augmentation alone ran it.
+    assert tiered.resources.prep.mode == DECODED_ONLY
 
 
 def test_half_a_tier_serves_some_decoded_and_the_rest_encoded_alike(tiny_dataset):
@@ -90,6 +93,7 @@ def test_half_a_tier_serves_some_decoded_and_the_rest_encoded_alike(tiny_dataset
     assert 0 < s["decoded_hits"] < n
     assert s["decoded_hits"] + s["cache_hits"] == n and s["storage_reads"] == 0
     assert s["decoded_cache_bytes"] <= s["decoded_cache_budget"] == full // 2
+    assert tiered.resources.prep.mode == TIERED  # batches that mix both tiers
 
 
 def _decoded_shapes(root: Path) -> list[tuple[int, int, int]]:
@@ -115,6 +119,48 @@ def test_a_decoded_recipe_uses_the_tier_and_a_callable_on_bytes_cannot(tiny_data
         CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache=BIG, **kw)
     with CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache="auto", **kw) as auto:
         assert auto.decoded is None  # "auto" stays on encoded bytes, as the recipe must
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [ImageNetTrain(size=24, max_short_side=50), ImageNetVal(size=20, resize=24, max_short_side=50)],
+    ids=["train", "val"],
+)
+def test_a_capped_recipe_delivers_the_same_tensors_from_either_tier(tiny_dataset, pipeline):
+    kw = dict(batch_size=16, pipeline=pipeline, seed=4, device_id=None, num_threads=2)
+    with CoordLoader(str(tiny_dataset), decoded_cache=0, **kw) as plain:
+        want, _ = epochs(plain)
+    with CoordLoader(str(tiny_dataset), cache_bytes=BIG, decoded_cache=BIG, **kw) as tiered:
+        got, stats = epochs(tiered)
+        n = len(tiered.index)
+        images = tiered.decoded.images(np.arange(n))
+        assert tiered.resources.prep.mode == DECODED_ONLY
+    assert_same(want, got)
+    assert stats[1]["decoded_hits"] == n
+    # The tier holds the capped images: shorter side at most 50, the aspect kept, smaller ones as they were.
+    shapes = _decoded_shapes(tiny_dataset)
+    assert any(min(h, w) <= 50 for h, w, _ in shapes) and any(min(h, w) > 50 for h, w, _ in shapes)
+    for image, (h, w, _) in zip(images, shapes, strict=True):
+        if min(h, w) <= 50:
+            assert image.shape == (h, w, 3)
+        else:
+            assert min(image.shape[:2]) == 50
+            assert abs(max(image.shape[:2]) / 50 - max(h, w) / min(h, w)) < 1 / 25
+    # A cap changes the data: the uncapped recipe delivers other tensors, and its tier is another one.
+    with CoordLoader(
+        str(tiny_dataset), cache_bytes=BIG, decoded_cache=BIG, **{**kw, "pipeline": type(pipeline)(size=pipeline.size)}
+    ) as uncapped:
+        other = [images.clone() for images, _ in uncapped]
+        assert uncapped.tiers.decoded.fingerprint != tiered.tiers.decoded.fingerprint
+    assert not all(torch.equal(x, y) for x, y in zip(want[0], other, strict=True))
+
+
+def test_max_short_side_is_validated():
+    for bad in (0, -3, 2.5, "256", True):
+        with pytest.raises(ValueError, match="max_short_side must be a positive int"):
+            ImageNetTrain(max_short_side=bad)
+    with pytest.raises(ValueError, match="max_short_side"):
+        DecodedRecipe(_flip_and_crop, max_short_side=0)
 
 
 def test_decoded_cache_is_refused_where_it_cannot_work_and_says_why(tiny_dataset):
@@ -200,6 +246,17 @@ def test_the_model_keeps_encoded_bytes_when_storage_is_the_bottleneck():
     assert best_tier_split(prep_bound, 10_000 * 400e3) == pytest.approx(10_000 * 400e3, rel=0.02)
 
 
+def test_the_model_uses_the_rates_of_one_kind_at_either_end_of_the_split():
+    r = TierRates(10_000, 100e3, 400e3, 5e9, float("inf"), 500, 900, prep_encoded_only=520, prep_decoded_only=1200)
+    budget = 10_000 * (100e3 + 400e3)
+    assert tier_throughput(r, budget, 0) == pytest.approx(520)  # no tier: the plain pipeline
+    assert tier_throughput(r, budget, 10_000 * 400e3) == pytest.approx(1200)  # every sample decoded
+    half = tier_throughput(r, budget, 10_000 * 400e3 / 2)  # mixed batches: the mixed pipeline's rates
+    assert half == pytest.approx(1 / (0.5 / 900 + 0.5 / 500))
+    # Without the rates of one kind, the mixed ones stand in for them.
+    assert tier_throughput(TierRates(10_000, 100e3, 400e3, 5e9, float("inf"), 500, 900), budget, 0) == 500
+
+
 @pytest.fixture(scope="module")
 def photo_like(tmp_path_factory) -> Path:
     """Larger JPEGs, whose decoding costs more than their augmentation."""
@@ -220,7 +277,14 @@ def test_auto_spends_memory_on_decoded_images_when_prep_is_the_bottleneck(photo_
     ) as loader:
         rates = loader.tiers.rates
         assert rates["decoded"] > rates["encoded"]  # augmenting a decoded image is cheaper than decoding it
-        assert loader.decoded is not None and loader.tiers.decoded_budget >= 48 * 640 * 480 * 3 * 0.9
+        assert rates["decoded_only"] > 0 and rates["encoded_only"] == rates["encoded"]
+        # The whole decoded dataset, with room to spare for an estimate made on a few images.
+        whole = 48 * 640 * 480 * 3
+        assert loader.decoded is not None and loader.tiers.decoded_budget >= whole
+        for _ in range(2):
+            for _ in loader:
+                pass
+        assert loader.stats()["decoded_hits"] == 48 and loader.resources.prep.mode == DECODED_ONLY
 
 
 def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypatch):

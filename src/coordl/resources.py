@@ -54,13 +54,22 @@ class CacheSpec:
 
     @classmethod
     def for_dataset(
-        cls, index: Index, budget: int, *, keep: bool = False, private: str = "", tier: str = "encoded"
+        cls,
+        index: Index,
+        budget: int,
+        *,
+        keep: bool = False,
+        private: str = "",
+        tier: str = "encoded",
+        max_short_side: int | None = None,
     ) -> CacheSpec:
         """The cache of ``index`` for this user (segments are 0600, so two users get one each);
         ``private`` names a cache of its own (DS-Analyzer's cold runs); ``tier="decoded"`` the
-        decoded tier beside it."""
+        decoded tier beside it, of images capped at ``max_short_side`` when given (another tier:
+        other pixels)."""
         key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
         key += ":decoded" if tier == "decoded" else ""
+        key += f":max_short_side={max_short_side}" if tier == "decoded" and max_short_side else ""
         group = hashlib.sha256(key.encode()).hexdigest()[:16]
         return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier)
 

@@ -19,7 +19,7 @@ from coordl.fetch.budget import resolve_budget
 from coordl.fetch.cache import HEADER, MAGIC
 from coordl.fetch.decoded import DecodedTier
 from coordl.index import Index
-from coordl.prep.recipes import takes_decoded
+from coordl.prep.recipes import max_short_side, takes_decoded
 from coordl.resources import CacheSpec
 from coordl.shm import names
 from coordl.units import format_bytes, parse_bytes
@@ -29,6 +29,7 @@ __all__ = ["TierPlan", "plan_for", "plan_tiers"]
 log = logging.getLogger(__name__)
 
 MIN_DECODED = 16 << 20  # a decoded tier smaller than this is not worth its pipeline
+WHOLE_MARGIN = 1.1  # room for the whole decoded dataset: its size is estimated from a few samples
 
 
 @dataclass
@@ -112,7 +113,15 @@ def plan_for(loader, cache_bytes, decoded_cache, keep: bool, *, choose_threads: 
             choose_threads=choose_threads,
         )
 
-    plan = plan_tiers(loader.index, cache_bytes, decoded_cache, keep, why_not=why_not, measure=measure)
+    plan = plan_tiers(
+        loader.index,
+        cache_bytes,
+        decoded_cache,
+        keep,
+        why_not=why_not,
+        measure=measure,
+        max_short_side=max_short_side(loader.recipe),
+    )
     if plan.rates is not None and plan.rates.get("thread_rates"):  # measured, so chosen
         plan.threads = plan.rates["threads"]
     return plan
@@ -137,7 +146,16 @@ def existing_budget(spec: CacheSpec) -> int | None:
     return int(head["budget"])
 
 
-def plan_tiers(index: Index, cache_bytes, decoded_cache, keep: bool, *, why_not: str | None, measure) -> TierPlan:
+def plan_tiers(
+    index: Index,
+    cache_bytes,
+    decoded_cache,
+    keep: bool,
+    *,
+    why_not: str | None,
+    measure,
+    max_short_side: int | None = None,
+) -> TierPlan:
     """The node's tiers for a loader.
 
     Args:
@@ -148,7 +166,9 @@ def plan_tiers(index: Index, cache_bytes, decoded_cache, keep: bool, *, why_not:
         keep: ``keep_cache``.
         why_not: why this loader cannot use a decoded tier (None: it can).
         measure: ``() -> PrepRates``, called for ``"auto"`` when the node has no tiers yet.
+        max_short_side: the recipe's cap on decoded images (a tier of its own).
     """
+    form = {"max_short_side": max_short_side}
     request = check_request(decoded_cache)
     if isinstance(cache_bytes, float):  # a fraction of the dataset's files
         cache_bytes = parse_bytes(cache_bytes, index.total_bytes)
@@ -158,28 +178,43 @@ def plan_tiers(index: Index, cache_bytes, decoded_cache, keep: bool, *, why_not:
         request = 0
     directory = names.shm_dir()
     encoded_spec = CacheSpec.for_dataset(index, 0, keep=keep)
-    decoded_spec = CacheSpec.for_dataset(index, 0, keep=keep, tier="decoded")
+    decoded_spec = CacheSpec.for_dataset(index, 0, keep=keep, tier="decoded", **form)
     have_decoded = existing_budget(decoded_spec) if request != 0 else None
     if have_decoded is not None:  # another job made it: attach to it
         budget = _encoded_only(index, cache_bytes, have_decoded)
-        return _plan(index, keep, budget, have_decoded, "attached to the node's decoded tier")
+        return _plan(index, keep, form, budget, have_decoded, "attached to the node's decoded tier")
     if request == 0:
-        return _plan(index, keep, _encoded_only(index, cache_bytes, 0), 0, "decoded_cache=0")
+        return _plan(index, keep, form, _encoded_only(index, cache_bytes, 0), 0, "decoded_cache=0")
     total = index.total_bytes
     if request != "auto":
         wanted = parse_bytes(request, None) if not isinstance(request, float) else None
         cap = total + wanted if wanted is not None else 1 << 62
         node = resolve_budget(cache_bytes, cap, directory, num_items=2 * len(index))
         decoded = min(node, parse_bytes(request, node))
-        return _plan(index, keep, node - decoded, decoded, f"decoded_cache={decoded_cache!r}")
+        return _plan(index, keep, form, node - decoded, decoded, f"decoded_cache={decoded_cache!r}")
     if existing_budget(encoded_spec) is not None:
-        return _plan(index, keep, _encoded_only(index, cache_bytes, 0), 0, "the node's cache has no decoded tier")
+        return _plan(index, keep, form, _encoded_only(index, cache_bytes, 0), 0, "the node's cache has no decoded tier")
     rates = measure()
     n = len(index)
-    cap = int(max(total, n * rates.decoded_bytes))
+    whole = n * rates.decoded_bytes * WHOLE_MARGIN
+    cap = int(max(total, whole))
     node = resolve_budget(cache_bytes, cap, directory, num_items=2 * len(index))
-    model = TierRates(n, total / n, rates.decoded_bytes, rates.storage, math.inf, rates.encoded, rates.decoded)
+    model = TierRates(
+        n,
+        total / n,
+        rates.decoded_bytes,
+        rates.storage,
+        math.inf,
+        rates.encoded,
+        rates.decoded,
+        rates.encoded_only,
+        rates.decoded_only,
+    )
     decoded = best_tier_split(model, node)
+    if decoded >= n * rates.decoded_bytes:
+        # The decoded dataset, as measured on a few samples: with a margin, so that it really
+        # holds every image and each epoch runs the pipeline of decoded images alone.
+        decoded = int(min(node, whole))
     if decoded < MIN_DECODED:
         decoded = 0
     predicted = {0: tier_throughput(model, node, 0), decoded: tier_throughput(model, node, decoded)}
@@ -189,7 +224,7 @@ def plan_tiers(index: Index, cache_bytes, decoded_cache, keep: bool, *, why_not:
         f"{format_bytes(decoded)} of {format_bytes(node)} decoded, predicted {predicted[decoded]:.0f} samples/s "
         f"(encoded only: {predicted[0]:.0f})"
     )
-    plan = _plan(index, keep, node - decoded, decoded, why)
+    plan = _plan(index, keep, form, node - decoded, decoded, why)
     plan.rates = rates.as_dict()
     plan.predicted = predicted
     return plan
@@ -202,12 +237,12 @@ def _encoded_only(index: Index, cache_bytes, decoded: int) -> int:
     return budget
 
 
-def _plan(index: Index, keep: bool, encoded: int, decoded: int, why: str) -> TierPlan:
+def _plan(index: Index, keep: bool, form: dict, encoded: int, decoded: int, why: str) -> TierPlan:
     log.info("coordl: cache tiers: %s encoded, %s decoded (%s)", format_bytes(encoded), format_bytes(decoded), why)
     return TierPlan(
         CacheSpec.for_dataset(index, encoded, keep=keep) if encoded > 0 else None,
         encoded,
-        CacheSpec.for_dataset(index, decoded, keep=keep, tier="decoded") if decoded > 0 else None,
+        CacheSpec.for_dataset(index, decoded, keep=keep, tier="decoded", **form) if decoded > 0 else None,
         decoded,
         why,
     )

@@ -56,8 +56,10 @@ class Rates:
     prep_threads: int  # threads (DALI) or workers (torch backend) per rank
     ranks: int = 1
     nodes: int = 1
-    decoded_speedup: float = 0.0  # prep from decoded images over prep from encoded bytes (0: unknown)
+    decoded_speedup: float = 0.0  # prep from decoded images (mixed batches) over P, encoded bytes alone (0: unknown)
     decoded_sample_bytes: float = 0.0  # mean bytes of a decoded image
+    decoded_only_speedup: float = 0.0  # prep when the tier holds every sample, over P (0: as decoded_speedup)
+    mixed_encoded_ratio: float = 1.0  # prep from encoded bytes in batches that mix both tiers, over P
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -208,7 +210,15 @@ class Model:
             return None
         budget = r.cache_bytes if budget is None else budget
         tier = TierRates(
-            r.dataset_samples, r.sample_bytes, r.decoded_sample_bytes, r.S, r.C, r.P, r.P * r.decoded_speedup
+            r.dataset_samples,
+            r.sample_bytes,
+            r.decoded_sample_bytes,
+            r.S,
+            r.C,
+            r.P * r.mixed_encoded_ratio,
+            r.P * r.decoded_speedup,
+            r.P,
+            r.P * r.decoded_only_speedup,
         )
         best = best_tier_split(tier, budget, prep=self.R_with_prep)
         return {
@@ -287,8 +297,10 @@ class TierRates:
     decoded_bytes: float
     storage: float  # bytes/s read from storage
     cache: float  # bytes/s read from the encoded tier
-    prep_encoded: float  # samples/s from encoded bytes: decode and augment
-    prep_decoded: float  # samples/s from decoded images: augment only
+    prep_encoded: float  # samples/s from encoded bytes: decode and augment (in batches that mix both)
+    prep_decoded: float  # samples/s from decoded images: augment only (in batches that mix both)
+    prep_encoded_only: float = 0.0  # samples/s with no decoded tier (0: as prep_encoded)
+    prep_decoded_only: float = 0.0  # samples/s when the tier holds every sample (0: as prep_decoded)
 
 
 def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> float:
@@ -300,18 +312,26 @@ def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> f
 
         xd = min(1, decoded / (n * d))      xe = min(1 - xd, (budget - decoded) / (n * b))
         F  = 1 / (b * xe / C + b * (1 - xd - xe) / S)                       (fetch)
-        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)                     (prep)
+        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)     for 0 < xd < 1  (prep)
 
-    and the job runs at ``min(F, prep(P))``, where ``prep`` maps the loader's prep rate to the
-    job's (DS-Analyzer's ``R`` for a measured training step; the loader alone by default).
-    A decoded image costs no fetch: it is a view of shared memory, read by the augmentation.
+    At the ends prep runs a pipeline of one kind: ``P_encoded_only`` with no decoded tier and
+    ``P_decoded_only`` when the tier holds every sample, without the per-sample conditionals
+    of batches that mix both. The job runs at ``min(F, prep(P))``, where ``prep`` maps the
+    loader's prep rate to the job's (DS-Analyzer's ``R`` for a measured training step; the
+    loader alone by default). A decoded image costs no fetch: it is a view of shared memory,
+    read by the augmentation.
     """
     n, b, d = r.samples, r.encoded_bytes, r.decoded_bytes
     decoded = min(max(decoded, 0.0), budget)
     xd = min(1.0, decoded / (n * d)) if n * d > 0 else 0.0
     xe = min(1.0 - xd, (budget - decoded) / (n * b)) if n * b > 0 else 0.0
     t_fetch = b * xe / r.cache + b * max(0.0, 1.0 - xd - xe) / r.storage
-    t_prep = xd / r.prep_decoded + (1.0 - xd) / r.prep_encoded
+    if xd >= 1.0:
+        t_prep = 1.0 / (r.prep_decoded_only or r.prep_decoded)
+    elif xd <= 0.0:
+        t_prep = 1.0 / (r.prep_encoded_only or r.prep_encoded)
+    else:
+        t_prep = xd / r.prep_decoded + (1.0 - xd) / r.prep_encoded
     rate = 1.0 / t_prep if prep is None else prep(1.0 / t_prep)
     return rate if t_fetch <= 0 else min(1.0 / t_fetch, rate)
 

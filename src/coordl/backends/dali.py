@@ -65,10 +65,20 @@ class DaliPass(Pass):
         self._served0 = peers.served() if peers is not None else (0, 0)
         self._cursor = 0  # batches before this one have been delivered or skipped whole
         keep = resources.fetcher if resources.decoded is not None else None
+        all_decoded = keep is not None and bool(batches) and keep.all_decoded(np.concatenate(batches))
         self._channel = Channel(2, self.stop_event)
         self._thread = threading.Thread(
             target=_drive,
-            args=(prep, self._ahead, resources.index.paths, order_epoch, self._channel, self.stop_event, keep),
+            args=(
+                prep,
+                self._ahead,
+                resources.index.paths,
+                order_epoch,
+                self._channel,
+                self.stop_event,
+                keep,
+                all_decoded,
+            ),
             name="coordl-prep",
             daemon=True,
         )  # started by the first batch asked for: a pass made only to test iterability costs nothing
@@ -124,12 +134,12 @@ class DaliPass(Pass):
 
 
 def _drive(
-    prep, ahead: FetchAhead, paths, order_epoch: int, channel: Channel, stop: threading.Event, keep
+    prep, ahead: FetchAhead, paths, order_epoch: int, channel: Channel, stop: threading.Event, keep, all_decoded
 ) -> None:
     """The driver thread: raw batches through the pipeline into the channel, then END or the failure."""
     lifecycle.quiet_thread()  # and so DALI's threads, which the pipeline starts from this one
     try:
-        for tensors in prep.epoch(iter(ahead), paths.__getitem__, order_epoch, keep):
+        for tensors in prep.epoch(iter(ahead), paths.__getitem__, order_epoch, keep, all_decoded=all_decoded):
             if not channel.put(tensors):
                 return
         channel.put(END)

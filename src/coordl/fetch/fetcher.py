@@ -129,6 +129,14 @@ class Fetcher:
             return np.zeros(len(ids), dtype=bool)
         return self.decoded.ready_mask(ids)
 
+    def all_decoded(self, ids: np.ndarray | None = None) -> bool:
+        """Whether every sample of ``ids`` (default: of the dataset) is in the node's decoded tier
+        now, and so stays (the tier never evicts): a pass over them needs no decoder."""
+        if self.decoded is None:
+            return False
+        ids = np.arange(len(self.index), dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+        return bool(len(ids)) and bool(self.decoded.ready_mask(ids).all())
+
     def decoded_images(self, ids: np.ndarray) -> list[np.ndarray]:
         """Read-only ``(H, W, 3)`` views of the decoded images of ``ids`` (all in the tier)."""
         if not len(ids):

@@ -99,6 +99,7 @@ class DaliPrep:
         self.on_error = on_error
         self.depth = prefetch_queue_depth
         self.tiered = tiered
+        self._mode: str | None = None  # the built pipeline's: PLAIN, TIERED or DECODED_ONLY
         self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
         gpu = device_id is not None
         self.ctx = PrepContext("mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id)
@@ -113,6 +114,11 @@ class DaliPrep:
         self.waiting = BusyClock()  # runs while the caller waits for DALI's outputs
         _preps.add(self)
 
+    @property
+    def mode(self) -> str | None:
+        """The pipeline built last: :data:`PLAIN`, :data:`TIERED` or :data:`DECODED_ONLY` (None: none yet)."""
+        return self._mode
+
     def _draws_per_sample(self) -> int:
         """How many of ``ctx.random``'s numbers the recipe draws per sample (a trace of it, not built)."""
         scratch = Pipeline(batch_size=1, num_threads=1, device_id=self.device_id)
@@ -123,7 +129,7 @@ class DaliPrep:
             graph.encoded(self.recipe, encoded, ctx)
         return ctx.random.used
 
-    def _build(self):
+    def _build(self, mode: str):
         if self._columns is None:
             self._columns = self._draws_per_sample()
         # A new seed per build keeps a rebuilt pipeline from replaying DALI's randomness.
@@ -132,7 +138,6 @@ class DaliPrep:
 
         columns = self._columns
         inputs = 4 if columns else 3
-        tiered = self.tiered
 
         @pipeline_def(
             batch_size=self.batch_size,
@@ -140,19 +145,23 @@ class DaliPrep:
             device_id=self.device_id,
             seed=seed,
             prefetch_queue_depth=self.depth,
-            enable_conditionals=tiered,
+            enable_conditionals=mode == TIERED,
         )
         def pipeline():
-            if not tiered:
-                encoded, labels, ids, *uniforms = fn.external_source(
+            if mode != TIERED:
+                data, labels, ids, *uniforms = fn.external_source(
                     source=self._next_raw,
                     num_outputs=inputs,
                     batch=True,
                     no_copy=True,
                     dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT][:inputs],
+                    layout=["HWC" if mode == DECODED_ONLY else None, None, None, None][:inputs],
                 )
                 ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
-                images = graph.encoded(self.recipe, encoded, ctx)
+                if mode == DECODED_ONLY:
+                    images = graph.augment(self.recipe, data, ctx)
+                else:
+                    images = graph.encoded(self.recipe, data, ctx)
                 if ctx.random.used != columns:
                     raise ValueError("the recipe draws a different number of random numbers every time it is built")
                 return images, labels, ids
@@ -172,6 +181,7 @@ class DaliPrep:
 
         pipe = pipeline()
         pipe.build()
+        self._mode = mode
         if self._builds == 1:
             self.dali_random = uses_dali_random(pipe)
             if self.dali_random:
@@ -187,7 +197,9 @@ class DaliPrep:
     def _next_raw(self):
         batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
         self._inflight.append(batch)
-        if self.tiered:
+        if self._mode == DECODED_ONLY and not (batch.kinds() == DECODED).all():
+            raise RuntimeError("coordl: a batch of an epoch served from the decoded tier alone holds encoded bytes")
+        if self._mode == TIERED:
             kind = batch.kinds()
             decoded = kind == DECODED
             encoded = [_EMPTY_BYTES if d else x for x, d in zip(batch.data, decoded.tolist(), strict=True)]
@@ -201,7 +213,13 @@ class DaliPrep:
         return (*out, draws.uniforms(self.seed, epoch, batch.ids, self._columns))
 
     def epoch(
-        self, source: Iterator[RawBatch], path_of: Callable[[int], str], epoch: int, keep=None
+        self,
+        source: Iterator[RawBatch],
+        path_of: Callable[[int], str],
+        epoch: int,
+        keep=None,
+        *,
+        all_decoded: bool = False,
     ) -> Iterator[tuple]:
         """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``, augmented
         with the draws of ``epoch`` (the epoch whose order the batches follow).
@@ -210,7 +228,13 @@ class DaliPrep:
             keep: where the full decoded images of a tiered pipeline's ``DECODE_KEEP`` samples go
                 (the :class:`~coordl.fetch.fetcher.Fetcher`: ``fill(ids, images)``,
                 ``abort(ids)``, ``release()``, which gives up the claims of samples never decoded).
+            all_decoded: every sample of ``source`` comes from the decoded tier (a tiered prep):
+                the batches run through a pipeline of the augmentation alone, without the
+                per-sample conditionals that mixed batches need (the same tensors, faster).
         """
+        mode = DECODED_ONLY if self.tiered and all_decoded else TIERED if self.tiered else PLAIN
+        if mode != self._mode:
+            self._pipe = None  # one pipeline at a time: its threads and buffers go with it
         self._epoch = epoch
         self._keep = keep
         self._source = _non_empty(source)
@@ -218,7 +242,7 @@ class DaliPrep:
         self._pending.clear()
         self._inflight.clear()
         if self._pipe is None:
-            self._pipe = self._build()
+            self._pipe = self._build(mode)
         try:
             self._pipe.schedule_run()
             while True:
@@ -235,7 +259,7 @@ class DaliPrep:
                 finally:
                     self.waiting.leave()
                 batch = self._inflight.popleft()
-                if self.tiered:
+                if mode == TIERED:
                     self._fill(batch, out[3])
                 tensors = self._to_torch(out[:3])
                 del out
@@ -291,7 +315,7 @@ class DaliPrep:
             keep = [k for k, i in enumerate(batch.ids) if int(i) not in bad]
             if keep:
                 self._pending.append(batch.subset(keep))
-        self._pipe = self._build()
+        self._pipe = self._build(self._mode)
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:
         bad = {}
@@ -349,6 +373,10 @@ class DaliPrep:
         self._pending.clear()
         self._inflight.clear()
 
+
+#: The pipelines a prep builds: encoded bytes alone; batches that mix encoded bytes and decoded
+#: images (DALI's conditionals); decoded images alone (an epoch the decoded tier serves whole).
+PLAIN, TIERED, DECODED_ONLY = "plain", "tiered", "decoded"
 
 _EMPTY_BYTES = np.zeros(0, dtype=np.uint8)  # the encoded bytes of a sample that comes decoded
 _EMPTY_IMAGE = np.zeros((0, 0, 3), dtype=np.uint8)  # the decoded image of one that comes encoded

@@ -3,8 +3,9 @@
 A recipe is decoding followed by augmentation. :func:`encoded` builds it on encoded bytes
 (the built-in training recipe decodes only its crop window, ``fn.decoders.image_slice``);
 :func:`augment` builds the augmentation alone on decoded images (the decoder's RGB output
-at the file's resolution). The two deliver the same pixels for the same draws: cropping a
-decoded image with ``fn.slice`` gives exactly what decoding only the window gives.
+at the file's resolution, or capped by the recipe's ``max_short_side``). The two deliver the
+same pixels for the same draws: cropping a decoded image with ``fn.slice`` gives exactly what
+decoding only the window gives (with a cap, both paths decode whole images and resize them).
 
 :func:`tiered` serves a batch whose samples come three ways (:data:`~coordl.fetch.ahead.ENCODED`,
 ``DECODE_KEEP``, ``DECODED``), with DALI's per-sample conditionals, and also returns the full
@@ -14,25 +15,35 @@ decoded images of the ``DECODE_KEEP`` samples so that they can be put into the d
 from __future__ import annotations
 
 from nvidia.dali import fn, types
+from nvidia.dali import math as dmath
 
 from coordl.fetch.ahead import DECODE_KEEP, DECODED
-from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
+from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext, max_short_side, takes_decoded
 
 __all__ = ["augment", "decode", "encoded", "tiered"]
 
 
-def decode(data, ctx: PrepContext):
-    """The full decode every recipe that takes decoded images starts from (RGB, HWC, uint8)."""
-    return fn.decoders.image(data, device=ctx.decoder_device, output_type=types.RGB)
+def decode(data, ctx: PrepContext, recipe=None):
+    """The full decode every recipe that takes decoded images starts from (RGB, HWC, uint8),
+    its shorter side brought down to the recipe's ``max_short_side`` if it asks for one."""
+    images = fn.decoders.image(data, device=ctx.decoder_device, output_type=types.RGB)
+    cap = max_short_side(recipe)
+    if not cap:
+        return images
+    # An image whose shorter side is N or less is "resized" to its own size: the same op on every
+    # image, so that every path gives the same pixels.
+    shape = fn.cast(images.shape(), dtype=types.FLOAT)
+    shorter = dmath.min(float(cap), dmath.min(shape[0], shape[1]))
+    return fn.resize(images, device=ctx.device, resize_shorter=shorter)
 
 
 def encoded(recipe, data, ctx: PrepContext):
     """The recipe's output from encoded bytes."""
-    if isinstance(recipe, ImageNetTrain):
+    if isinstance(recipe, ImageNetTrain) and not recipe.max_short_side:
         anchor, size = ctx.random.crop_window(fn.peek_image_shape(data), recipe.scale, recipe.ratio)
         return _train_tail(recipe, _decode_window(data, anchor, size, ctx), ctx)
-    if isinstance(recipe, (ImageNetVal, DecodedRecipe)):
-        return augment(recipe, decode(data, ctx), ctx)
+    if takes_decoded(recipe):
+        return augment(recipe, decode(data, ctx, recipe), ctx)
     return recipe(data, ctx)
 
 
@@ -69,7 +80,7 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
 
     Built inside a pipeline with ``enable_conditionals=True``.
     """
-    if isinstance(recipe, ImageNetTrain):
+    if isinstance(recipe, ImageNetTrain) and not recipe.max_short_side:
         # The window from each sample's shape; then the crop, from the tier's image, from a full
         # decode (kept for the tier) or from decoding the window alone.
         if kind == DECODED:
@@ -92,7 +103,7 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
         decoded = images
         full = images[0:0]
     else:
-        decoded = decode(data, ctx)
+        decoded = decode(data, ctx, recipe)
         if kind == DECODE_KEEP:
             full = decoded
         else:

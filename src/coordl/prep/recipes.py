@@ -12,6 +12,7 @@ __all__ = [
     "ImageNetTrain",
     "ImageNetVal",
     "PrepContext",
+    "max_short_side",
     "resolve_recipe",
     "takes_decoded",
 ]
@@ -49,6 +50,11 @@ def _check_common(size, mean, std, dtype):
         raise ValueError(f"dtype must be 'float32' (normalised) or 'uint8' (raw pixels), got {dtype!r}")
 
 
+def _check_max_short_side(n):
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"max_short_side must be a positive int (pixels) or None, got {n!r}")
+
+
 @dataclass(frozen=True)
 class ImageNetTrain:
     """The standard ImageNet training recipe.
@@ -56,6 +62,12 @@ class ImageNetTrain:
     Decode with a random crop of ``scale`` of the area and ``ratio`` aspect, resize to
     ``size`` x ``size``, flip horizontally with probability ``flip``, normalise with
     ``mean``/``std`` (fractions of 255), CHW. ``dtype="uint8"`` skips normalisation.
+
+    ``max_short_side=N`` changes the data: every image whose shorter side is longer than ``N``
+    pixels is first resized (aspect kept, antialiased) to a shorter side of ``N``, as FFCV's
+    ``max_resolution`` stores a dataset; the crop is then taken from that image. It makes
+    decoded images smaller (the decoded tier holds more of them, and augmenting them costs less)
+    at the price of decoding whole images on the encoded path.
     """
 
     size: int = 224
@@ -65,10 +77,12 @@ class ImageNetTrain:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     dtype: str = "float32"
+    max_short_side: int | None = None
     name: str = field(default="imagenet-train", init=False)
 
     def __post_init__(self):
         _check_common(self.size, self.mean, self.std, self.dtype)
+        _check_max_short_side(self.max_short_side)
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must satisfy 0 < min <= max <= 1, got {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:
@@ -80,17 +94,19 @@ class ImageNetTrain:
 @dataclass(frozen=True)
 class ImageNetVal:
     """The standard ImageNet validation recipe: resize the shorter side to ``resize``,
-    center-crop ``size`` x ``size``, normalise, CHW."""
+    center-crop ``size`` x ``size``, normalise, CHW. ``max_short_side`` as :class:`ImageNetTrain`'s."""
 
     size: int = 224
     resize: int = 256
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     dtype: str = "float32"
+    max_short_side: int | None = None
     name: str = field(default="imagenet-val", init=False)
 
     def __post_init__(self):
         _check_common(self.size, self.mean, self.std, self.dtype)
+        _check_max_short_side(self.max_short_side)
         if not isinstance(self.resize, int) or self.resize < self.size:
             raise ValueError(f"resize must be an int >= size ({self.size}), got {self.resize!r}")
 
@@ -111,13 +127,17 @@ class DecodedRecipe:
     Args:
         augment: ``f(images, ctx) -> images`` building DALI ops from the decoded images'
             ``DataNode`` and a :class:`PrepContext`.
+        max_short_side: images whose shorter side is longer are resized to it first (a change
+            to the data, as :class:`ImageNetTrain`'s).
     """
 
     augment: Callable
+    max_short_side: int | None = None
 
     def __post_init__(self):
         if not callable(self.augment):
             raise TypeError(f"DecodedRecipe needs a callable augment(images, ctx), got {type(self.augment).__name__}")
+        _check_max_short_side(self.max_short_side)
 
     @property
     def name(self) -> str:
@@ -127,6 +147,11 @@ class DecodedRecipe:
 _NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal}
 
 Recipe = ImageNetTrain | ImageNetVal | DecodedRecipe | Callable
+
+
+def max_short_side(recipe) -> int | None:
+    """The cap on a decoded image's shorter side the recipe asks for (None: the file's resolution)."""
+    return getattr(recipe, "max_short_side", None) if takes_decoded(recipe) else None
 
 
 def takes_decoded(recipe) -> bool:
@@ -156,8 +181,11 @@ def resolve_recipe(pipeline) -> Recipe:
 def recipe_key(recipe) -> str:
     """A stable description of a recipe, for config fingerprints."""
     if isinstance(recipe, (ImageNetTrain, ImageNetVal)):
+        if recipe.max_short_side is None:  # the key from before the field: older checkpoints still resume
+            return repr(recipe).replace(", max_short_side=None", "")
         return repr(recipe)
     if isinstance(recipe, DecodedRecipe):
         fn = recipe.augment
-        return f"decoded:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+        cap = f":max_short_side={recipe.max_short_side}" if recipe.max_short_side else ""
+        return f"decoded:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}{cap}"
     return f"callable:{getattr(recipe, '__module__', '?')}.{getattr(recipe, '__qualname__', repr(recipe))}"

@@ -253,7 +253,11 @@ class _Producer:
     def _run_dali(self, first: Claim) -> None:
         try:
             keep = self.member.resources.fetcher if self.member.resources.decoded is not None else None
-            for images, labels, ids in self.prep.epoch(self._feed(first), self._paths.__getitem__, 0, keep):
+            # Claims run on across epochs: without the decoder only once the tier holds the dataset.
+            whole = keep is not None and keep.all_decoded()
+            for images, labels, ids in self.prep.epoch(
+                self._feed(first), self._paths.__getitem__, 0, keep, all_decoded=whole
+            ):
                 c = self._match(int(ids[0]))
                 self._write(c, images, labels, ids)
         except SampleError as e:
