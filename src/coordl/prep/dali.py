@@ -29,9 +29,9 @@ from coordl import draws, lifecycle
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
-from coordl.prep import graph
+from coordl.prep import graph, windows
 from coordl.prep.planned import SampleRandom, uses_dali_random
-from coordl.prep.recipes import PrepContext
+from coordl.prep.recipes import ImageNetTrain, PrepContext
 
 __all__ = ["DaliPrep"]
 
@@ -138,6 +138,7 @@ class DaliPrep:
 
         columns = self._columns
         inputs = 4 if columns else 3
+        planned = mode == DECODED_ONLY and isinstance(self.recipe, ImageNetTrain)
 
         @pipeline_def(
             batch_size=self.batch_size,
@@ -148,6 +149,16 @@ class DaliPrep:
             enable_conditionals=mode == TIERED,
         )
         def pipeline():
+            if planned:  # the training recipe on decoded images, its windows and flips computed here
+                images, labels, ids, anchor, size, mirror = fn.external_source(
+                    source=self._next_raw,
+                    num_outputs=6,
+                    batch=True,
+                    no_copy=True,
+                    dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT, types.FLOAT, types.INT32],
+                    layout=["HWC", None, None, None, None, None],
+                )
+                return graph.planned_train(self.recipe, images, anchor, size, mirror, self.ctx), labels, ids
             if mode != TIERED:
                 data, labels, ids, *uniforms = fn.external_source(
                     source=self._next_raw,
@@ -210,7 +221,16 @@ class DaliPrep:
         if not self._columns:
             return out
         epoch = self._epoch if batch.epoch is None else batch.epoch
-        return (*out, draws.uniforms(self.seed, epoch, batch.ids, self._columns))
+        u = draws.uniforms(self.seed, epoch, batch.ids, self._columns)
+        recipe = self.recipe
+        if not isinstance(recipe, ImageNetTrain):
+            return (*out, u)
+        u = windows.shape_free(u, recipe.scale, recipe.ratio)
+        if self._mode != DECODED_ONLY:
+            return (*out, u)
+        shapes = np.array([x.shape[:2] for x in batch.data], dtype=np.int64).reshape(-1, 2)
+        anchor, size = windows.crop_windows(shapes[:, 0], shapes[:, 1], u, recipe.ratio)
+        return (*out, anchor, size, windows.flips(u, recipe.flip))
 
     def epoch(
         self,

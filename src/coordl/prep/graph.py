@@ -20,7 +20,7 @@ from nvidia.dali import math as dmath
 from coordl.fetch.ahead import DECODE_KEEP, DECODED
 from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext, max_short_side, takes_decoded
 
-__all__ = ["augment", "decode", "encoded", "tiered"]
+__all__ = ["augment", "decode", "encoded", "planned_train", "tiered"]
 
 
 def decode(data, ctx: PrepContext, recipe=None):
@@ -40,7 +40,7 @@ def decode(data, ctx: PrepContext, recipe=None):
 def encoded(recipe, data, ctx: PrepContext):
     """The recipe's output from encoded bytes."""
     if isinstance(recipe, ImageNetTrain) and not recipe.max_short_side:
-        anchor, size = ctx.random.crop_window(fn.peek_image_shape(data), recipe.scale, recipe.ratio)
+        anchor, size = ctx.random.planned_crop_window(fn.peek_image_shape(data), recipe.ratio)
         return _train_tail(recipe, _decode_window(data, anchor, size, ctx), ctx)
     if takes_decoded(recipe):
         return augment(recipe, decode(data, ctx, recipe), ctx)
@@ -51,7 +51,7 @@ def augment(recipe, images, ctx: PrepContext):
     """The recipe's output from decoded images (a recipe that takes them: see
     :func:`~coordl.prep.recipes.takes_decoded`)."""
     if isinstance(recipe, ImageNetTrain):
-        anchor, size = ctx.random.crop_window(images.shape(), recipe.scale, recipe.ratio)
+        anchor, size = ctx.random.planned_crop_window(images.shape(), recipe.ratio)
         return _train_tail(recipe, _slice(images, anchor, size, ctx), ctx)
     if isinstance(recipe, ImageNetVal):
         images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
@@ -87,7 +87,7 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
             shape = images.shape()
         else:
             shape = fn.peek_image_shape(data, dtype=types.INT64)
-        anchor, size = ctx.random.crop_window(shape, recipe.scale, recipe.ratio)
+        anchor, size = ctx.random.planned_crop_window(shape, recipe.ratio)
         if kind == DECODED:
             crop = _slice(images, anchor, size, ctx)
             full = images[0:0]
@@ -111,6 +111,12 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
     return augment(recipe, decoded, ctx), full
 
 
+def planned_train(recipe: ImageNetTrain, images, anchor, size, mirror, ctx: PrepContext):
+    """The training recipe on decoded images whose crop windows and flips were computed before
+    the pipeline (:mod:`coordl.prep.windows`): the same pixels as :func:`augment`'s."""
+    return _train_tail(recipe, _slice(images, anchor, size, ctx), ctx, mirror=mirror)
+
+
 def _decode_window(data, anchor, size, ctx: PrepContext):
     """Decodes only the window ``(anchor, size)`` (pixels, ``[x, y]`` and ``[w, h]``)."""
     return fn.decoders.image_slice(
@@ -132,9 +138,10 @@ def _slice(images, anchor, size, ctx: PrepContext):
     )
 
 
-def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext):
+def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext, mirror=None):
     images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
-    mirror = ctx.random.coin_flip(recipe.flip)
+    if mirror is None:
+        mirror = ctx.random.coin_flip(recipe.flip)
     return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
 
 

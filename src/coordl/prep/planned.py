@@ -15,9 +15,9 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
-__all__ = ["ATTEMPTS", "SampleRandom", "uses_dali_random"]
+from coordl.prep.windows import ATTEMPTS
 
-ATTEMPTS = 10  # crop windows tried before the fallback, as torchvision's RandomResizedCrop
+__all__ = ["ATTEMPTS", "SampleRandom", "uses_dali_random", "window_of"]
 
 
 class SampleRandom:
@@ -84,34 +84,47 @@ class SampleRandom:
                 f"crop_window needs 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}"
             )
         u = self._take(2 * ATTEMPTS + 2)
-        shape = fn.cast(shape, dtype=types.FLOAT)
-        height, width = shape[0], shape[1]
-        target = (height * width) * (s_lo + (s_hi - s_lo) * u[0:ATTEMPTS])
+        frac = s_lo + (s_hi - s_lo) * u[0:ATTEMPTS]
         log_lo, log_hi = float(np.log(r_lo)), float(np.log(r_hi))
         aspect = dmath.exp(log_lo + (log_hi - log_lo) * u[ATTEMPTS : 2 * ATTEMPTS])
-        w = dmath.floor(dmath.sqrt(target * aspect) + 0.5)
-        h = dmath.floor(dmath.sqrt(target / aspect) + 0.5)
-        fits = (w >= 1.0) & (w <= width) & (h >= 1.0) & (h <= height)
-        # The first window that fits: the largest of fits * (ATTEMPTS - k), picked as a one-hot.
-        priority = fits * types.Constant(np.arange(ATTEMPTS, 0, -1, dtype=np.float32))
-        best = fn.reductions.max(priority)
-        found = best > 0.0
-        pick = (priority == best) & found
-        w_try, h_try = fn.reductions.sum(pick * w), fn.reductions.sum(pick * h)
-        # The fallback: the whole image, its aspect clamped to ``ratio``, centred.
-        image_ratio = width / height
-        narrow, wide = image_ratio < r_lo, image_ratio > r_hi
-        w_fb = dmath.max(1.0, width - wide * (width - dmath.floor(height * r_hi + 0.5)))
-        h_fb = dmath.max(1.0, height - narrow * (height - dmath.floor(width / r_lo + 0.5)))
-        w_out = found * w_try + (1 - found) * w_fb
-        h_out = found * h_try + (1 - found) * h_fb
-        x = found * dmath.floor(u[2 * ATTEMPTS] * (width - w_out + 1.0)) + (1 - found) * dmath.floor(
-            (width - w_out) * 0.5
-        )
-        y = found * dmath.floor(u[2 * ATTEMPTS + 1] * (height - h_out + 1.0)) + (1 - found) * dmath.floor(
-            (height - h_out) * 0.5
-        )
-        return fn.stack(x, y), fn.stack(w_out, h_out)
+        return window_of(shape, frac, aspect, u[2 * ATTEMPTS], u[2 * ATTEMPTS + 1], ratio)
+
+    def planned_crop_window(self, shape, ratio=(3 / 4, 4 / 3)):
+        """:meth:`crop_window` of the built-in training recipe, whose draws arrive planned: area
+        fractions and aspect ratios already computed (:func:`coordl.prep.windows.shape_free`), so
+        that :func:`coordl.prep.windows.crop_windows` gives the same windows outside DALI."""
+        u = self._take(2 * ATTEMPTS + 2)
+        return window_of(shape, u[0:ATTEMPTS], u[ATTEMPTS : 2 * ATTEMPTS], u[2 * ATTEMPTS], u[2 * ATTEMPTS + 1], ratio)
+
+
+def window_of(shape, frac, aspect, ux, uy, ratio):
+    """torchvision's crop window from the area fractions and aspect ratios to try, in DALI:
+    :func:`coordl.prep.windows.crop_windows`'s arithmetic, operation for operation."""
+    r_lo, r_hi = float(ratio[0]), float(ratio[1])
+    shape = fn.cast(shape, dtype=types.FLOAT)
+    height, width = shape[0], shape[1]
+    target = (height * width) * frac
+    w = dmath.floor(dmath.sqrt(target * aspect) + 0.5)
+    h = dmath.floor(dmath.sqrt(target / aspect) + 0.5)
+    fits = (w >= 1.0) & (w <= width) & (h >= 1.0) & (h <= height)
+    # The first window that fits: the largest of fits * (ATTEMPTS - k), picked as a one-hot.
+    priority = fits * types.Constant(np.arange(ATTEMPTS, 0, -1, dtype=np.float32))
+    best = fn.reductions.max(priority)
+    found = best > 0.0
+    pick = (priority == best) & found
+    w_try, h_try = fn.reductions.sum(pick * w), fn.reductions.sum(pick * h)
+    # The fallback: the whole image, its aspect clamped to ``ratio``, centred.
+    image_ratio = width / height
+    narrow, wide = image_ratio < r_lo, image_ratio > r_hi
+    w_fb = dmath.max(1.0, width - wide * (width - dmath.floor(height * r_hi + 0.5)))
+    h_fb = dmath.max(1.0, height - narrow * (height - dmath.floor(width / r_lo + 0.5)))
+    keep = fn.cast(found, dtype=types.FLOAT)
+    other = 1.0 - keep
+    w_out = keep * w_try + other * w_fb
+    h_out = keep * h_try + other * h_fb
+    x = keep * dmath.floor(ux * (width - w_out + 1.0)) + other * dmath.floor((width - w_out) * 0.5)
+    y = keep * dmath.floor(uy * (height - h_out + 1.0)) + other * dmath.floor((height - h_out) * 0.5)
+    return fn.stack(x, y), fn.stack(w_out, h_out)
 
 
 def uses_dali_random(pipe) -> list[str]:
