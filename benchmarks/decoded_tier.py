@@ -101,56 +101,89 @@ def decoded_bytes(root: str) -> int:
 def split(args, dataset_bytes: int, decoded: int) -> dict:
     from coordl.analyze.model import TierRates, tier_throughput
 
+    def config(f) -> dict:
+        if f == "auto":  # DALI's threads chosen too
+            return {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
+        if f == "auto-half":  # a node budget that holds half the decoded dataset
+            return {"cache_bytes": decoded // 2, "decoded_cache": "auto", "threads": None}
+        if str(f).startswith("capped"):  # images capped at a shorter side of N: a change to the data
+            _, how, cap = f.split("-")
+            dc = "auto" if how == "auto" else 0
+            return {"cache_bytes": dataset_bytes + decoded, "decoded_cache": dc, "threads": None, "cap": int(cap)}
+        y = int(f * decoded)
+        return {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
+
+    names = ["auto", "auto-half", *args.fractions]
+    for c in args.max_short_side:
+        names += [f"capped-auto-{c}", f"capped-0-{c}"]
+    repeats: dict = {f: [] for f in names}
+    for rep in range(args.repeat):  # every configuration once a round: the machine's drift hits them alike
+        for f in names:
+            kw = config(f)
+            with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
+                r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
+            steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
+            repeats[f].append({"steady_samples_per_s": steady, "epochs": r["epochs"], "tiers": r["tiers"]})
+            log(
+                f"  [{rep + 1}/{args.repeat}] {f!s:>16}: {steady:7.1f} samples/s  (epochs: "
+                + ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"])
+                + ")"
+            )
+    n = repeats["auto"][0]["epochs"][0]["samples"]
+
+    def rates_of(f) -> dict:  # the median of what the runs of f measured when their loaders were made
+        measured = [r["tiers"]["rates"] for r in repeats[f]]
+        return {
+            k: statistics.median(m[k] for m in measured)
+            for k in ("decoded_bytes", "storage", "encoded", "decoded", "encoded_only", "decoded_only")
+        }
+
+    def model_of(rates: dict) -> TierRates:
+        return TierRates(
+            n,
+            dataset_bytes / n,
+            rates["decoded_bytes"],
+            rates["storage"],
+            float("inf"),
+            rates["encoded"],
+            rates["decoded"],
+            rates["encoded_only"],
+            rates["decoded_only"],
+        )
+
+    rates = rates_of("auto")
+    model = model_of(rates)
     runs = []
-    plan = None
-    capped = [f"auto-capped-{c}" for c in args.max_short_side]
-    for f in ["auto", "auto-half", *args.fractions, *capped]:
-        with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
-            if f == "auto":  # DALI's threads chosen too
-                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
-            elif f == "auto-half":  # a node budget that holds half the decoded dataset
-                kw = {"cache_bytes": decoded // 2, "decoded_cache": "auto", "threads": None}
-            elif f in capped:  # images capped at a shorter side of N: a change to the data
-                cap = int(f.rsplit("-", 1)[1])
-                kw = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None, "cap": cap}
-            else:
-                y = int(f * decoded)
-                kw = {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
-            r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
-        steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
-        threads = r["tiers"].get("threads") or kw.get("threads") or args.threads
+    for f in names:
+        kw = config(f)
+        # A capped run is another dataset: the capped "auto" runs' rates predict it.
+        own = model_of(rates_of(f"capped-auto-{kw['cap']}")) if "cap" in kw else model
+        y = statistics.median(r["tiers"]["decoded_budget"] for r in repeats[f])
         run = {
             "fraction": f,
             **kw,
-            "threads": threads,
-            "steady_samples_per_s": steady,
-            "epochs": r["epochs"],
-            "tiers": r["tiers"],
+            "threads": repeats[f][0]["tiers"].get("threads") or kw.get("threads") or args.threads,
+            "steady_samples_per_s": statistics.median(r["steady_samples_per_s"] for r in repeats[f]),
+            "steady_each": [r["steady_samples_per_s"] for r in repeats[f]],
+            "predicted_samples_per_s": tier_throughput(own, kw["cache_bytes"], y),
+            "repeats": repeats[f],
+            "tiers": repeats[f][0]["tiers"],
         }
-        if f == "auto":
-            plan = r["tiers"]
-        runs.append(run)
-        log(f"  decoded {f!s:>5}: {steady:7.1f} samples/s  (epochs: "
-            + ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"]) + ")")  # fmt: skip
-    rates = plan["rates"]
-    n = runs[0]["epochs"][0]["samples"]
-
-    def model_of(rates: dict) -> TierRates:
-        return TierRates(n, dataset_bytes / n, rates["decoded_bytes"], rates["storage"], float("inf"), rates["encoded"],
-                         rates["decoded"], rates["encoded_only"], rates["decoded_only"])  # fmt: skip
-
-    model = model_of(rates)
-    for run in runs:
-        y = run["tiers"]["decoded_budget"]
-        # A capped run is another dataset: its own measured rates predict it.
-        own = model_of(run["tiers"]["rates"]) if str(run["fraction"]).startswith("auto-capped") else model
-        run["predicted_samples_per_s"] = tier_throughput(own, run["cache_bytes"], y)
         run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
-        log(f"  decoded {run['fraction']!s:>9}: measured {run['steady_samples_per_s']:6.0f}, predicted "
-            f"{run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})")  # fmt: skip
-    curve = [{"decoded_bytes": int(decoded * k / 50),
-              "predicted_samples_per_s": tier_throughput(model, dataset_bytes + decoded * k / 50, decoded * k / 50)}
-             for k in range(51)]  # fmt: skip
+        runs.append(run)
+        log(
+            f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: "
+            + ", ".join(f"{v:.0f}" for v in run["steady_each"])
+            + f"), predicted {run['predicted_samples_per_s']:6.0f}"
+            f" samples/s ({run['error']:+.1%})"
+        )
+    curve = [
+        {
+            "decoded_bytes": int(decoded * k / 50),
+            "predicted_samples_per_s": tier_throughput(model, dataset_bytes + decoded * k / 50, decoded * k / 50),
+        }
+        for k in range(51)
+    ]
     return {"runs": runs, "rates": rates, "predicted_curve": curve}
 
 
@@ -183,22 +216,40 @@ def plot(result: dict, path: Path) -> None:
 
     s = result["split"]
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot([p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
-            [p["predicted_samples_per_s"] for p in s["predicted_curve"]], "-", label="predicted (model)")  # fmt: skip
+    ax.plot(
+        [p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
+        [p["predicted_samples_per_s"] for p in s["predicted_curve"]],
+        "-",
+        label="predicted (model)",
+    )
     pts = [r for r in s["runs"] if isinstance(r["fraction"], float)]
-    ax.plot([r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts], "o",
-            label="measured")  # fmt: skip
+    ax.plot(
+        [r["tiers"]["decoded_budget"] / 1e9 for r in pts],
+        [r["steady_samples_per_s"] for r in pts],
+        "o",
+        label="measured",
+    )
     auto = next(r for r in s["runs"] if r["fraction"] == "auto")
     ax.plot([auto["tiers"]["decoded_budget"] / 1e9], [auto["steady_samples_per_s"]], "*", ms=12, label='"auto"')
     for r in s["runs"]:
-        if str(r["fraction"]).startswith("auto-capped"):
+        if str(r["fraction"]).startswith("capped-auto"):
             cap = r["fraction"].rsplit("-", 1)[1]
-            ax.plot([r["tiers"]["decoded_budget"] / 1e9], [r["steady_samples_per_s"]], "D", ms=8,
-                    label=f'"auto", max_short_side={cap} (other pixels)')  # fmt: skip
+            ax.plot(
+                [r["tiers"]["decoded_budget"] / 1e9],
+                [r["steady_samples_per_s"]],
+                "D",
+                ms=8,
+                label=f'"auto", max_short_side={cap} (other pixels)',
+            )
     half = next((r for r in s["runs"] if r["fraction"] == "auto-half"), None)
     if half is not None:
-        ax.plot([half["tiers"]["decoded_budget"] / 1e9], [half["steady_samples_per_s"]], "^", ms=9,
-                label='"auto", node budget = half the decoded dataset')  # fmt: skip
+        ax.plot(
+            [half["tiers"]["decoded_budget"] / 1e9],
+            [half["steady_samples_per_s"]],
+            "^",
+            ms=9,
+            label='"auto", node budget = half the decoded dataset',
+        )
     ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
     ax.set_ylabel("steady samples/s")
     ax.set_ylim(bottom=0)
@@ -219,8 +270,15 @@ def main(argv=None) -> None:
     p.add_argument("--job-epochs", type=int, default=5)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--skip-jobs", action="store_true", help="only the split")
-    p.add_argument("--max-short-side", type=int, nargs="*", default=[256],
-                   help='also "auto" with ImageNetTrain(max_short_side=N), a change to the data (default: 256)')  # fmt: skip
+    p.add_argument(
+        "--max-short-side",
+        type=int,
+        nargs="*",
+        default=[256],
+        help='also ImageNetTrain(max_short_side=N), a change to the data, with "auto" and with '
+        "decoded_cache=0 (default: 256)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the split's runs (the median is reported)")
     args = p.parse_args(argv)
     dataset = common.dataset_from_args(args)
     args.data = dataset["root"]
@@ -230,8 +288,14 @@ def main(argv=None) -> None:
     dataset_bytes = sum(f.stat().st_size for f in Path(args.data).rglob("*") if f.is_file())
     decoded = decoded_bytes(args.data)
     log(f"dataset: {common.describe(dataset)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
-    result = {"machine": common.machine(), "dataset": dataset, "dataset_bytes": dataset_bytes, "decoded_bytes": decoded,
-              "batch": args.batch, "threads": args.threads}  # fmt: skip
+    result = {
+        "machine": common.machine(),
+        "dataset": dataset,
+        "dataset_bytes": dataset_bytes,
+        "decoded_bytes": decoded,
+        "batch": args.batch,
+        "threads": args.threads,
+    }
     log("split (one job):")
     result["split"] = split(args, dataset_bytes, decoded)
     if not args.skip_jobs:
