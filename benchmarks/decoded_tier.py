@@ -86,15 +86,19 @@ def finish(p: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def decoded_bytes(root: str) -> int:
-    """The decoded dataset's bytes (RGB, each image at its own resolution), from the files' headers."""
+def decoded_bytes(root: str, cap: int | None = None) -> int:
+    """The decoded dataset's bytes (RGB, each image at its own resolution, or capped at a shorter
+    side of ``cap`` as ``ImageNetTrain(max_short_side=cap)`` does, to a pixel), from the headers."""
     from PIL import Image
 
     total = 0
     for p in sorted(Path(root).rglob("*")):
         if p.is_file():
             with Image.open(p) as im:
-                total += im.size[0] * im.size[1] * 3
+                w, h = im.size
+            if cap and min(w, h) > cap:
+                w, h = (cap, round(h * cap / w)) if w < h else (round(w * cap / h), cap)
+            total += w * h * 3
     return total
 
 
@@ -118,7 +122,7 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         names += [f"capped-auto-{c}", f"capped-0-{c}"]
     repeats: dict = {f: [] for f in names}
     for rep in range(args.repeat):  # every configuration once a round: the machine's drift hits them alike
-        for f in names:
+        for f in names[rep % len(names) :] + names[: rep % len(names)]:  # each round starts elsewhere
             kw = config(f)
             with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
                 r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
@@ -138,11 +142,11 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
             for k in ("decoded_bytes", "storage", "encoded", "decoded", "encoded_only", "decoded_only")
         }
 
-    def model_of(rates: dict) -> TierRates:
+    def model_of(rates: dict, decoded_bytes: float) -> TierRates:
         return TierRates(
             n,
             dataset_bytes / n,
-            rates["decoded_bytes"],
+            decoded_bytes,
             rates["storage"],
             float("inf"),
             rates["encoded"],
@@ -151,13 +155,16 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
             rates["decoded_only"],
         )
 
+    # The model with the rates "auto" measured and the decoded dataset's true size: the fixed
+    # shares are shares of it, where "auto" knows it only from a few samples.
     rates = rates_of("auto")
-    model = model_of(rates)
+    n_decoded = {None: decoded, **{c: decoded_bytes(args.data, c) for c in args.max_short_side}}
+    model = model_of(rates, decoded / n)
     runs = []
     for f in names:
         kw = config(f)
         # A capped run is another dataset: the capped "auto" runs' rates predict it.
-        own = model_of(rates_of(f"capped-auto-{kw['cap']}")) if "cap" in kw else model
+        own = model_of(rates_of(f"capped-auto-{kw['cap']}"), n_decoded[kw["cap"]] / n) if "cap" in kw else model
         y = statistics.median(r["tiers"]["decoded_budget"] for r in repeats[f])
         run = {
             "fraction": f,

@@ -63,7 +63,7 @@ class CoordLoader(DataLoaderAttributes):
         decoded_cache: the node's decoded tier (DALI on the CPU): decoded images that later
             epochs and other jobs on this node augment without decoding again, taken out of
             ``cache_bytes``. ``0`` (default): encoded bytes only. ``"auto"``: measure prep from
-            encoded bytes and from decoded images, and storage, on a few samples (a few seconds)
+            encoded bytes and from decoded images, and storage, on a few samples (6-10 s on 2 cores)
             and split ``cache_bytes`` as DS-Analyzer's model predicts is fastest (``"auto"`` for
             ``cache_bytes`` then takes up to the decoded dataset's size). Or bytes (int or
             ``"4GB"``), or a float fraction of ``cache_bytes``. The delivered tensors are the same

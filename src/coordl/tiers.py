@@ -211,7 +211,7 @@ def plan_tiers(
         rates.decoded_only,
     )
     decoded = best_tier_split(model, node)
-    if decoded >= n * rates.decoded_bytes:
+    if decoded >= int(n * rates.decoded_bytes):  # the sweep's points are whole bytes
         # The decoded dataset, as measured on a few samples: with a margin, so that it really
         # holds every image and each epoch runs the pipeline of decoded images alone.
         decoded = int(min(node, whole))
@@ -219,8 +219,9 @@ def plan_tiers(
         decoded = 0
     predicted = {0: tier_throughput(model, node, 0), decoded: tier_throughput(model, node, decoded)}
     why = (
-        f"auto: prep {rates.encoded:.0f} samples/s from encoded bytes, {rates.decoded:.0f} from decoded images "
-        f"({rates.decoded_bytes / 1e3:.0f} KB each), storage {rates.storage / 1e6:.0f} MB/s: "
+        f"auto: prep {rates.encoded_only:.0f} samples/s from encoded bytes, {rates.decoded_only:.0f} from decoded "
+        f"images ({rates.decoded:.0f} in mixed batches; {rates.decoded_bytes / 1e3:.0f} KB each), storage "
+        f"{rates.storage / 1e6:.0f} MB/s: "
         f"{format_bytes(decoded)} of {format_bytes(node)} decoded, predicted {predicted[decoded]:.0f} samples/s "
         f"(encoded only: {predicted[0]:.0f})"
     )

@@ -2,9 +2,10 @@
 bytes and decoded images depends on: prep from encoded bytes, prep from decoded images, the size
 of a decoded image, and the storage's read rate; and, when asked, how many DALI threads prep needs.
 
-It runs the job's own recipe in the same tiered DALI pipeline the loader uses, fed without a
-break as the loader feeds it (a pipeline started and drained every few batches runs at half its
-steady rate), so the rates are the ones the loader will see (about a second of work per rate).
+It runs the job's own recipe in the DALI pipelines the loader runs (encoded bytes alone, batches
+that mix encoded bytes and decoded images, decoded images alone), fed without a break as the
+loader feeds them (a pipeline started and drained every few batches runs at half its steady
+rate), so the rates are the ones the loader will see (about a second of work per rate).
 
 The thread count is Lobster's rule (Liu et al., ATC'22): the fewest threads whose prep rate is
 within :data:`THREADS_WITHIN` of the best measured; the cores left over are the storage's.
