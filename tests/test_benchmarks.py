@@ -265,3 +265,41 @@ def test_miss_path_small(tmp_path):
     assert nocache["storage_reads"] == 600 and nocache["cache_items"] == 0
     assert filling["storage_reads"] == 600 and 0 < filling["cache_items"] < 600
     assert warm["storage_reads"] == 0 and warm["cache_hits"] == 600
+
+
+def test_decoded_tier_small(tmp_path):
+    """benchmarks.decoded_tier on 96 photo-like JPEGs: every configuration runs, a prediction stands
+    beside each, the tier serves every sample where it holds the dataset, and the plot is drawn.
+    (640x480, so that even the capped tier is above the smallest tier "auto" keeps, 16 MiB.)"""
+    data, out = tmp_path / "data", tmp_path / "out"
+    command = [sys.executable, "-m", "benchmarks.decoded_tier", "--data", str(data), "--images", "96"]
+    command += ["--classes", "4", "--width", "640", "--height", "480", "--epochs", "2", "--repeat", "1"]
+    command += ["--fractions", "0", "1", "--max-short-side", "256", "--jobs", "2", "--job-epochs", "1"]
+    command += ["--batch", "16", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "decoded_tier.json").read_text())
+    runs = {str(r["fraction"]): r for r in result["split"]["runs"]}
+    assert set(runs) == {"auto", "auto-half", "0.0", "1.0", "capped-auto-256", "capped-0-256"}
+    assert all(r["predicted_samples_per_s"] > 0 and r["steady_samples_per_s"] > 0 for r in runs.values())
+    for name in ("1.0", "auto", "capped-auto-256"):
+        assert runs[name]["repeats"][0]["epochs"][1]["decoded_hits"] == 96
+    assert runs["0.0"]["repeats"][0]["epochs"][1]["decoded_hits"] == 0
+    assert {(j["jobs"], j["config"]) for j in result["jobs"]} == {
+        (2, "decoded_cache=0"),
+        (2, "decoded tier"),
+        (2, "hp_group"),
+    }
+    assert (out / "decoded_tier.png").stat().st_size > 0
+
+
+def test_prep_ops_small(tmp_path):
+    """benchmarks.prep_ops times every pipeline it lists."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    command = [sys.executable, "-m", "benchmarks.prep_ops", "--data", str(data), "--images", "64", "--classes", "2"]
+    command += ["--width", "160", "--height", "120", "--samples", "64", "--batch", "16", "--seconds", "0.2"]
+    command += ["--max-short-side", "64", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = json.loads((out / "prep_ops.json").read_text())["lines"]
+    assert len(lines) == 8 and all(line["samples_per_s"] > 0 for line in lines)
