@@ -139,7 +139,7 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         measured = [r["tiers"]["rates"] for r in repeats[f]]
         return {
             k: statistics.median(m[k] for m in measured)
-            for k in ("decoded_bytes", "storage", "encoded", "decoded", "encoded_only", "decoded_only")
+            for k in ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")
         }
 
     def model_of(rates: dict, decoded_bytes: float) -> TierRates:
@@ -151,7 +151,6 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
             float("inf"),
             rates["encoded"],
             rates["decoded"],
-            rates["encoded_only"],
             rates["decoded_only"],
         )
 

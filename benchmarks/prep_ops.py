@@ -125,46 +125,42 @@ def main(argv=None) -> None:
     def slice_(d, a, s):
         return fn.slice(d, a, s, axis_names="WH", normalized_anchor=False, normalized_shape=False)
 
-    lines = []
     decoded = run_once(encoded, decode)
     anchor, size, mirror = windows_of(decoded)
     crops = cut(decoded, anchor, size)
     log(f"{len(files)} images, {T} threads, batch {B}:")
-    lines.append(
-        timed(
+    cases = [
+        (
             "encoded: decode window, resize, normalise",
             lambda d, a, s, m: tail(islice(d, a, s), m),
             [encoded, anchor, size, mirror],
-        )
-    )
-    lines.append(timed("encoded: decode window", islice, [encoded, anchor, size]))
-    lines.append(
-        timed(
+        ),
+        ("encoded: decode window", islice, [encoded, anchor, size]),
+        (
             "decoded: slice, resize, normalise",
             lambda d, a, s, m: tail(slice_(d, a, s), m),
             [decoded, anchor, size, mirror],
-        )
-    )
-    lines.append(timed("decoded: slice", slice_, [decoded, anchor, size]))
-    lines.append(timed("window given: resize, normalise", tail, [crops, mirror]))
-    lines.append(timed("window given: resize", lambda c: fn.resize(c, resize_x=224, resize_y=224), [crops]))
+        ),
+        ("decoded: slice", slice_, [decoded, anchor, size]),
+        ("window given: resize, normalise", tail, [crops, mirror]),
+        ("window given: resize", lambda c: fn.resize(c, resize_x=224, resize_y=224), [crops]),
+    ]
     for cap in args.max_short_side:
         capped = run_once(encoded, lambda x, cap=cap: decode(x, cap))
-        anchor, size, mirror = windows_of(capped)
-        lines.append(
-            timed(
+        c_anchor, c_size, c_mirror = windows_of(capped)
+        cases += [
+            (
                 f"capped {cap}, encoded: decode, cap, slice, ...",
                 lambda d, a, s, m, cap=cap: tail(slice_(decode(d, cap), a, s), m),
-                [encoded, anchor, size, mirror],
-            )
-        )
-        lines.append(
-            timed(
+                [encoded, c_anchor, c_size, c_mirror],
+            ),
+            (
                 f"capped {cap}, decoded: slice, resize, normalise",
                 lambda d, a, s, m: tail(slice_(d, a, s), m),
-                [capped, anchor, size, mirror],
-            )
-        )
+                [capped, c_anchor, c_size, c_mirror],
+            ),
+        ]
+    lines = [timed(name, build, feeds) for name, build, feeds in cases]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {

@@ -207,7 +207,6 @@ def plan_tiers(
         math.inf,
         rates.encoded,
         rates.decoded,
-        rates.encoded_only,
         rates.decoded_only,
     )
     decoded = best_tier_split(model, node)
@@ -219,7 +218,7 @@ def plan_tiers(
         decoded = 0
     predicted = {0: tier_throughput(model, node, 0), decoded: tier_throughput(model, node, decoded)}
     why = (
-        f"auto: prep {rates.encoded_only:.0f} samples/s from encoded bytes, {rates.decoded_only:.0f} from decoded "
+        f"auto: prep {rates.encoded:.0f} samples/s from encoded bytes, {rates.decoded_only:.0f} from decoded "
         f"images ({rates.decoded:.0f} in mixed batches; {rates.decoded_bytes / 1e3:.0f} KB each), storage "
         f"{rates.storage / 1e6:.0f} MB/s: "
         f"{format_bytes(decoded)} of {format_bytes(node)} decoded, predicted {predicted[decoded]:.0f} samples/s "

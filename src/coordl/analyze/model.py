@@ -59,7 +59,6 @@ class Rates:
     decoded_speedup: float = 0.0  # prep from decoded images (mixed batches) over P, encoded bytes alone (0: unknown)
     decoded_sample_bytes: float = 0.0  # mean bytes of a decoded image
     decoded_only_speedup: float = 0.0  # prep when the tier holds every sample, over P (0: as decoded_speedup)
-    mixed_encoded_ratio: float = 1.0  # prep from encoded bytes in batches that mix both tiers, over P
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -215,9 +214,8 @@ class Model:
             r.decoded_sample_bytes,
             r.S,
             r.C,
-            r.P * r.mixed_encoded_ratio,
-            r.P * r.decoded_speedup,
             r.P,
+            r.P * r.decoded_speedup,
             r.P * r.decoded_only_speedup,
         )
         best = best_tier_split(tier, budget, prep=self.R_with_prep)
@@ -297,9 +295,8 @@ class TierRates:
     decoded_bytes: float
     storage: float  # bytes/s read from storage
     cache: float  # bytes/s read from the encoded tier
-    prep_encoded: float  # samples/s from encoded bytes: decode and augment (in batches that mix both)
+    prep_encoded: float  # samples/s from encoded bytes: decode and augment
     prep_decoded: float  # samples/s from decoded images: augment only (in batches that mix both)
-    prep_encoded_only: float = 0.0  # samples/s with no decoded tier (0: as prep_encoded)
     prep_decoded_only: float = 0.0  # samples/s when the tier holds every sample (0: as prep_decoded)
 
 
@@ -312,14 +309,13 @@ def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> f
 
         xd = min(1, decoded / (n * d))      xe = min(1 - xd, (budget - decoded) / (n * b))
         F  = 1 / (b * xe / C + b * (1 - xd - xe) / S)                       (fetch)
-        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)     for 0 < xd < 1  (prep)
+        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)     for xd < 1      (prep)
 
-    At the ends prep runs a pipeline of one kind: ``P_encoded_only`` with no decoded tier and
-    ``P_decoded_only`` when the tier holds every sample, without the per-sample conditionals
-    of batches that mix both. The job runs at ``min(F, prep(P))``, where ``prep`` maps the
-    loader's prep rate to the job's (DS-Analyzer's ``R`` for a measured training step; the
-    loader alone by default). A decoded image costs no fetch: it is a view of shared memory,
-    read by the augmentation.
+    When the tier holds every sample, prep runs a pipeline of decoded images alone, without the
+    per-sample conditionals of batches that mix both: ``P_decoded_only``. The job runs at
+    ``min(F, prep(P))``, where ``prep`` maps the loader's prep rate to the job's (DS-Analyzer's
+    ``R`` for a measured training step; the loader alone by default). A decoded image costs no
+    fetch: it is a view of shared memory, read by the augmentation.
     """
     n, b, d = r.samples, r.encoded_bytes, r.decoded_bytes
     decoded = min(max(decoded, 0.0), budget)
@@ -328,8 +324,6 @@ def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> f
     t_fetch = b * xe / r.cache + b * max(0.0, 1.0 - xd - xe) / r.storage
     if xd >= 1.0:
         t_prep = 1.0 / (r.prep_decoded_only or r.prep_decoded)
-    elif xd <= 0.0:
-        t_prep = 1.0 / (r.prep_encoded_only or r.prep_encoded)
     else:
         t_prep = xd / r.prep_decoded + (1.0 - xd) / r.prep_encoded
     rate = 1.0 / t_prep if prep is None else prep(1.0 / t_prep)

@@ -34,7 +34,6 @@ def rates_from(phases: dict[str, list[dict]]) -> Rates:
         decoded_speedup=phases["P"][0].get("decoded_speedup", 0.0),
         decoded_sample_bytes=phases["P"][0].get("decoded_sample_bytes", 0.0),
         decoded_only_speedup=phases["P"][0].get("decoded_only_speedup", 0.0),
-        mixed_encoded_ratio=phases["P"][0].get("mixed_encoded_ratio", 1.0),
     )
 
 
