@@ -14,6 +14,7 @@ from coordl.errors import (
     SampleError,
     SharedMemoryError,
     StaleStateError,
+    StoreError,
 )
 from coordl.index import Index
 from coordl.loader import CoordLoader
@@ -43,5 +44,6 @@ __all__ = [
     "SampleError",
     "SharedMemoryError",
     "StaleStateError",
+    "StoreError",
     "__version__",
 ]

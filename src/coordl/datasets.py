@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from coordl.fetch import storage
+from coordl.fetch import samples
 from coordl.index import IMG_EXTENSIONS, Index
 
 try:  # a Dataset subclass where torch is installed, so that torch's type checks pass
@@ -106,9 +106,7 @@ class FileDataset(_Base):
     def open(self, i: int) -> io.BytesIO:
         """Item ``i``'s file as an in-memory binary file object, read from storage. (A
         CoordLoader reads through the node's cache instead, then calls :meth:`decode`.)"""
-        path = self.index.paths[i]
-        data = storage.read(path, int(self.index.sizes[i]), drop_page_cache=False)
-        return as_file(data, path)
+        return as_file(samples.read(self.index, i), self.index.paths[i])
 
     def decode(self, f: io.BytesIO) -> Any:
         """Turns a file into a sample (before ``transform``). Override, or pass ``decode``."""

@@ -14,6 +14,7 @@ __all__ = [
     "SampleError",
     "SharedMemoryError",
     "StaleStateError",
+    "StoreError",
 ]
 
 
@@ -31,6 +32,11 @@ class StaleStateError(CoordlError):
 
 class DatasetChangedError(CoordlError):
     """A file differs from the index (size changed, file gone): the index is stale."""
+
+
+class StoreError(CoordlError):
+    """The object store refused the job's credentials, or the dataset's bucket is gone: no sample
+    of an ``s3://`` dataset can be read (raised whatever ``on_error`` says)."""
 
 
 class SampleError(CoordlError):

@@ -3,10 +3,13 @@
 Built once by scanning a class-per-folder tree with torchvision ``ImageFolder``'s
 rules (classes are the sorted sub-folder names; files sorted, found by
 ``os.walk(followlinks=True)``; the same image extensions), or from an explicit list
-of ``(path, label)``. A scanned index is saved in the index directory
+of ``(path, label)``. An ``s3://bucket/prefix`` root is listed by the same rules over keys
+(:mod:`coordl.s3.listing`), and its index also holds every object's ETag. A scanned index is saved in the index directory
 (``$COORDL_INDEX_DIR``, else ``$XDG_CACHE_HOME/coordl``, else ``~/.cache/coordl``)
 with the modification times of every folder of the tree, so a restart checks a few
-thousand folder times instead of listing a million files; a changed tree is rescanned.
+thousand folder times instead of listing a million files; a changed tree is rescanned. A saved ``s3://`` index is reused after one listing of the root's
+class prefixes: objects replaced since are caught when they are read (their ETag), and keys
+added to a class are seen when the index is rebuilt (``rebuild=True``, ``COORDL_REINDEX=1``).
 
 Memory: an index holds four flat arrays and no Python object per sample (the paths are a
 :class:`~coordl.paths.PathTable`), so a forked worker that reads it copies nothing. A saved
@@ -30,6 +33,7 @@ import numpy as np
 
 from coordl import indexfile
 from coordl.paths import PathTable
+from coordl.s3 import url as s3url
 
 __all__ = ["IMG_EXTENSIONS", "Index", "default_index_dir"]
 
@@ -60,7 +64,10 @@ class Index:
         root: the scanned folder, or None for a list-built index.
         fingerprint: 16 hex digits naming this exact sample table: the first 16 of the
             SHA-256 of the paths joined by NUL (UTF-8), the labels and the sizes (int64,
-            little-endian). The same samples give the same fingerprint in every process.
+            little-endian), and the ETags joined by NUL when there are. The same samples give
+            the same fingerprint in every process.
+        etags: the ETag of every sample of an ``s3://`` dataset (a
+            :class:`~coordl.paths.PathTable` of strings), or None for files.
     """
 
     paths: PathTable
@@ -70,6 +77,7 @@ class Index:
     root: str | None
     fingerprint: str
     saved_path: str | None = None  # where this index is saved, if it is
+    etags: PathTable | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -83,8 +91,13 @@ class Index:
         return {c: i for i, c in enumerate(self.classes)}
 
     # -- building --------------------------------------------------------------------
+    @property
+    def in_store(self) -> bool:
+        """Whether the samples are objects in an object store (``s3://``), not files."""
+        return self.etags is not None
+
     @classmethod
-    def build(cls, paths: Sequence[str] | PathTable, labels, sizes, classes=(), root=None) -> Index:
+    def build(cls, paths: Sequence[str] | PathTable, labels, sizes, classes=(), root=None, etags=None) -> Index:
         """An index from parallel sequences, with its fingerprint computed.
 
         Raises:
@@ -102,14 +115,20 @@ class Index:
         h.update(table.blob)  # the paths joined by NUL: the bytes that version 1 hashed
         h.update(labels)
         h.update(sizes)
-        return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16])
+        if etags is not None:
+            etags = etags if isinstance(etags, PathTable) else PathTable.from_strings(etags)
+            if len(etags) != len(table):
+                raise ValueError(f"Index.build got {len(etags)} ETags for {len(table)} samples")
+            h.update(etags.blob)
+        return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags)
 
     @classmethod
     def from_list(cls, samples: Iterable[tuple[str | os.PathLike, int]], classes: Sequence[str] = ()) -> Index:
-        """An index of explicit ``(path, label)`` pairs, in the order given.
+        """An index of explicit ``(path, label)`` pairs, in the order given: files, or ``s3://``
+        URLs (all of them; their sizes and ETags are asked of the store).
 
         Raises:
-            ValueError: the list is empty or a label is not a non-negative int.
+            ValueError: the list is empty, mixes files and URLs, or a label is not a non-negative int.
             FileNotFoundError: a path does not exist (the message names it).
         """
         paths, labels, sizes = [], [], []
@@ -120,13 +139,24 @@ class Index:
                 raise ValueError(f"expected (path, label) pairs, got {item!r}") from None
             if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or label < 0:
                 raise ValueError(f"label of {path} must be a non-negative int, got {label!r}")
-            path = os.path.abspath(os.fspath(path))
-            sizes.append(_size(path))
+            if s3url.is_url(path):
+                s3url.split(path)  # a bucket, or a ValueError that names the URL
+            else:
+                path = os.path.abspath(os.fspath(path))
             paths.append(path)
             labels.append(int(label))
         if not paths:
             raise ValueError("the list of samples is empty")
-        return cls.build(paths, labels, sizes, classes)
+        in_store = [s3url.is_url(p) for p in paths]
+        if not any(in_store):
+            return cls.build(paths, labels, [_size(p) for p in paths], classes)
+        if not all(in_store):
+            local = paths[in_store.index(False)]
+            raise ValueError(f"the list mixes s3:// URLs and files ({local}); an index reads from one or the other")
+        from coordl.s3 import listing
+
+        sizes, etags = listing.stat_many(paths)
+        return cls.build(paths, labels, sizes, classes, etags=etags)
 
     @classmethod
     def scan(
@@ -142,10 +172,11 @@ class Index:
         """The index of an ImageFolder tree, loaded from the index directory when still valid.
 
         Args:
-            root: folder with one sub-folder per class.
+            root: folder with one sub-folder per class, or ``s3://bucket/prefix`` with one
+                prefix per class.
             extensions: file endings that count as samples (case-insensitive).
             index_dir: where to save and look for the index; ``""`` disables saving.
-            rebuild: rescan even if a saved index is valid.
+            rebuild: rescan even if a saved index is valid (also ``COORDL_REINDEX=1``).
             is_valid_file: a function of a path that decides which files count, instead of
                 ``extensions`` (an index scanned with one is not saved).
             allow_empty: accept class folders without a valid file.
@@ -153,20 +184,29 @@ class Index:
         Raises:
             FileNotFoundError: ``root`` is missing, has no class folders, or a class
                 folder has no file with an accepted extension (the message names them).
+            StoreError: an ``s3://`` root's store refused the credentials, or has no such bucket.
         """
-        root = os.path.abspath(os.fspath(root))
-        if not os.path.isdir(root):
-            raise FileNotFoundError(f"dataset folder {root} does not exist or is not a folder")
+        in_store = s3url.is_url(root)
+        if in_store:
+            root = s3url.normalize(root)
+        else:
+            root = os.path.abspath(os.fspath(root))
+            if not os.path.isdir(root):
+                raise FileNotFoundError(f"dataset folder {root} does not exist or is not a folder")
         extensions = tuple(e.lower() for e in extensions)
         index_dir = default_index_dir() if index_dir is None else index_dir
         if is_valid_file is not None:
             index_dir = ""  # a predicate has no key to save the index under
         saved = _saved_path(index_dir, root, extensions, allow_empty) if index_dir else None
+        rebuild = rebuild or os.environ.get("COORDL_REINDEX", "") not in ("", "0")
         if saved and not rebuild:
             index = _load_if_fresh(saved, root)
             if index is not None:
                 return dataclasses.replace(index, saved_path=saved)
-        index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
+        if in_store:
+            index, dirs = _scan_store(root, extensions, is_valid_file, allow_empty), []
+        else:
+            index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
         if saved:
             try:
                 _save(index, dirs, saved)
@@ -239,15 +279,31 @@ def _scan_class(top: str, valid: Callable[[str], bool]) -> tuple[list[tuple[str,
     return folders, paths, sizes
 
 
+def _scan_store(root: str, extensions: tuple[str, ...], is_valid_file=None, allow_empty: bool = False) -> Index:
+    from coordl.s3 import listing
+
+    found = listing.scan(root, extensions, is_valid_file, allow_empty)
+    return Index.build(found.urls, found.labels, found.sizes, found.classes, root, etags=found.etags)
+
+
+def _store_name() -> str:
+    """The endpoint an ``s3://`` index was listed from: one bucket name at two stores is two datasets."""
+    from coordl.s3 import client
+
+    return client.settings().endpoint or "aws"
+
+
 def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> str:
     key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
+    if s3url.is_url(root):
+        key.append({"store": _store_name()})
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return os.path.join(index_dir, f"index-{key}{indexfile.SUFFIX}")
 
 
 def _save(index: Index, dirs: list[tuple[str, int]], path: str) -> None:
     meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
-    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta)
+    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags)
     with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
         os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
 
@@ -265,7 +321,7 @@ def _open(path: str) -> tuple[Index, list] | None:
     except (KeyError, TypeError) as e:
         log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
         return None
-    return Index(saved.paths, saved.labels, saved.sizes, classes, root, saved.fingerprint), dirs
+    return Index(saved.paths, saved.labels, saved.sizes, classes, root, saved.fingerprint, etags=saved.etags), dirs
 
 
 def _load_if_fresh(path: str, root: str) -> Index | None:
@@ -275,6 +331,13 @@ def _load_if_fresh(path: str, root: str) -> Index | None:
     index, dirs = opened
     if index.root != root:
         return None
+    if s3url.is_url(root):
+        from coordl.s3 import listing
+
+        if list(index.classes) != listing.class_names(root):  # one request per thousand classes
+            log.info("coordl: the class prefixes of %s changed since the index was saved; listing again", root)
+            return None
+        return index
     for folder, mtime in dirs:
         try:
             changed = os.stat(folder).st_mtime_ns != mtime

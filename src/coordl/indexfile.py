@@ -1,10 +1,12 @@
 """The saved index's file, declared once: write it atomically, map it read-only, check it.
 
 One file per scanned tree, ``index-<key>.idx`` in the index directory: a :data:`HEADER`
-(a numpy structured dtype with a magic, a version and the sizes), then five sections,
+(a numpy structured dtype with a magic, a version and the sizes), then seven sections,
 each starting at a multiple of :data:`ALIGN` bytes: ``offsets`` (int64, count + 1),
 ``labels`` (int64, count), ``sizes`` (int64, count), ``blob`` (uint8, the paths' bytes,
-see :mod:`coordl.paths`) and ``meta`` (UTF-8 JSON). The arrays are stored as they are in
+see :mod:`coordl.paths`), ``meta`` (UTF-8 JSON), and the objects' ETags of an ``s3://``
+index as a second table of strings, ``etag_offsets`` (int64, count + 1) and ``etag_blob``
+(both empty for local files). The arrays are stored as they are in
 memory, so reading the file is mapping it: no sample is read at load, and the processes
 of a machine share one copy of its pages in the page cache.
 
@@ -13,7 +15,7 @@ temporary name, fsynced and renamed over the old one; a process that mapped the 
 keeps it (a local filesystem keeps a replaced file's pages while they are mapped). On a
 network filesystem, where a replacement by another machine can pull the pages from under
 a mapping (SIGBUS), the file is read into memory instead (:func:`is_local`). Version 1
-was an ``.npz`` of another name, which is not read.
+was an ``.npz`` of another name, which is not read; version 2, without ETags, is rescanned.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from coordl.paths import PathTable
 __all__ = ["FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
 
 MAGIC = b"coordlix"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ALIGN = 64
 HEADER = np.dtype(
     [
@@ -44,6 +46,7 @@ HEADER = np.dtype(
         ("blob_bytes", "<u8"),
         ("meta_bytes", "<u8"),
         ("fingerprint", "S16"),  # Index.fingerprint, as computed when the index was built
+        ("etag_bytes", "<u8"),  # the ETags' blob and one (0: no ETags, local files)
     ]
 )
 SUFFIX = ".idx"
@@ -60,9 +63,18 @@ class Saved:
     sizes: np.ndarray
     fingerprint: str
     meta: dict
+    etags: PathTable | None = None
 
 
-def write(path: str, paths: PathTable, labels: np.ndarray, sizes: np.ndarray, fingerprint: str, meta: dict) -> None:
+def write(
+    path: str,
+    paths: PathTable,
+    labels: np.ndarray,
+    sizes: np.ndarray,
+    fingerprint: str,
+    meta: dict,
+    etags: PathTable | None = None,
+) -> None:
     """Publishes a saved index at ``path``: complete, or not at all.
 
     Raises:
@@ -76,12 +88,15 @@ def write(path: str, paths: PathTable, labels: np.ndarray, sizes: np.ndarray, fi
         "sizes": sizes,
         "blob": paths.blob,
         "meta": np.frombuffer(meta_bytes, dtype=np.uint8),
+        "etag_offsets": etags.offsets if etags is not None else np.zeros(0, np.int64),
+        "etag_blob": etags.blob if etags is not None else np.zeros(0, np.uint8),
     }
     head = np.zeros((), HEADER)
     head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
     head["count"], head["blob_bytes"], head["meta_bytes"] = len(paths), len(paths.blob), len(meta_bytes)
     head["fingerprint"] = fingerprint.encode()
-    sections, total = _sections(len(paths), len(paths.blob), len(meta_bytes))
+    head["etag_bytes"] = len(etags.blob) + 1 if etags is not None else 0
+    sections, total = _sections(len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]))
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique also in an index folder shared by nodes
     try:
         with open(tmp, "wb") as f:
@@ -114,7 +129,9 @@ def read(path: str) -> Saved | str | None:
     if why is not None:
         return why
     head = np.frombuffer(buf, HEADER, count=1)[0]
-    sections, _ = _sections(int(head["count"]), int(head["blob_bytes"]), int(head["meta_bytes"]))
+    sections, _ = _sections(
+        int(head["count"]), int(head["blob_bytes"]), int(head["meta_bytes"]), int(head["etag_bytes"])
+    )
     a = {name: np.frombuffer(buf, dtype, items, offset) for name, dtype, items, offset in sections}
     try:
         meta = json.loads(a["meta"].tobytes())
@@ -123,7 +140,8 @@ def read(path: str) -> Saved | str | None:
     if not isinstance(meta, dict):
         return "metadata: not an object"
     paths = PathTable(a["blob"], a["offsets"])
-    return Saved(paths, a["labels"], a["sizes"], head["fingerprint"].decode(), meta)
+    etags = PathTable(a["etag_blob"], a["etag_offsets"]) if head["etag_bytes"] else None
+    return Saved(paths, a["labels"], a["sizes"], head["fingerprint"].decode(), meta, etags)
 
 
 def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
@@ -152,8 +170,11 @@ def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     return fstype in LOCAL_FILESYSTEMS
 
 
-def _sections(count: int, blob_bytes: int, meta_bytes: int) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
-    """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size."""
+def _sections(
+    count: int, blob_bytes: int, meta_bytes: int, etag_bytes: int = 0
+) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
+    """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size
+    (``etag_bytes``: the header's, 0 for no ETags)."""
     out, at = [], HEADER.itemsize
     for name, dtype, items in (
         ("offsets", np.dtype("<i8"), count + 1),
@@ -161,8 +182,11 @@ def _sections(count: int, blob_bytes: int, meta_bytes: int) -> tuple[list[tuple[
         ("sizes", np.dtype("<i8"), count),
         ("blob", np.dtype(np.uint8), blob_bytes),
         ("meta", np.dtype(np.uint8), meta_bytes),
+        ("etag_offsets", np.dtype("<i8"), count + 1 if etag_bytes else 0),
+        ("etag_blob", np.dtype(np.uint8), max(etag_bytes - 1, 0)),
     ):
-        at = -(-at // ALIGN) * ALIGN
+        if items:  # an empty section takes no room: a file without ETags ends with its metadata
+            at = -(-at // ALIGN) * ALIGN
         out.append((name, dtype, items, at))
         at += dtype.itemsize * items
     return out, at
@@ -178,12 +202,17 @@ def _unusable(buf) -> str | None:
         return "not a coordl index file"
     if head["version"] != FORMAT_VERSION:
         return f"format version {head['version']}, this coordl reads {FORMAT_VERSION}"
-    count, blob_bytes = int(head["count"]), int(head["blob_bytes"])
-    _, total = _sections(count, blob_bytes, int(head["meta_bytes"]))
+    count, blob_bytes, etag_bytes = int(head["count"]), int(head["blob_bytes"]), int(head["etag_bytes"])
+    sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes)
     if len(buf) != total:
         return f"{len(buf)} bytes, the header says {total}"
     offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
     first, last = np.frombuffer(buf, "<i8", 1, offsets_at), np.frombuffer(buf, "<i8", 1, offsets_at + 8 * count)
     if first[0] != 0 or last[0] != (blob_bytes + 1 if count else 0):
         return "its path offsets do not match its paths"
+    if etag_bytes:
+        at = next(offset for name, _, _, offset in sections if name == "etag_offsets")
+        first, last = np.frombuffer(buf, "<i8", 1, at), np.frombuffer(buf, "<i8", 1, at + 8 * count)
+        if first[0] != 0 or last[0] != (etag_bytes if count else 0):
+            return "its ETag offsets do not match its ETags"
     return None

@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from coordl import sampler
-from coordl.fetch import storage
+from coordl.fetch import samples
 from coordl.fetch.cache import MinIOCache
 from coordl.passes import Pass, Step
 
@@ -46,6 +46,7 @@ ENV = "COORDL_ANALYZE"
 # Batches a measured pass runs beyond its last measured step, so that the pipeline is still
 # working ahead when the measurement ends, as it was when it began (no drain at the end).
 TAIL = 6
+STORAGE_PART = 16  # samples per read task of phase S, as the loader reads a batch's misses in parts
 _claimed = False
 
 
@@ -311,25 +312,34 @@ class StoragePass(_Phase):
         ld = self.target
         ids = self._order(ld.position.epoch + 7919)[: (self.warmup + self.steps) * self.bs]
         limit = float(self.spec.get("storage_seconds", 20.0))
-        paths, sizes = ld.resources.index.paths, ld.resources.index.sizes
-        _drop_pages(paths, ids)
+        index = ld.resources.index
+        _drop_pages(index.paths, ids)
         threads = ld.resources.io_threads or 8
         done_bytes = done_items = 0
+
+        def read(part: np.ndarray) -> int:
+            # As the loader reads misses: a part per task, an object store's part all in flight at once.
+            buffers = [[np.empty(int(index.sizes[i]), dtype=np.uint8)] for i in part.tolist()]
+            failed = samples.read_many(index, part, buffers, drop_page_cache=True)
+            if failed:
+                raise next(iter(failed.values()))
+            return int(index.sizes[part].sum())
+
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(threads) as pool:
             futures = []
-            it = iter(ids.tolist())
-            for i in it:  # keep the threads busy, stop submitting after the time limit
-                futures.append(pool.submit(storage.read, paths[i], int(sizes[i]), drop_page_cache=True))
-                if len(futures) >= 4 * threads:
-                    f = futures.pop(0)
-                    done_bytes += len(f.result())
-                    done_items += 1
+            for a in range(0, len(ids), STORAGE_PART):  # keep the threads busy, stop submitting after the time limit
+                part = ids[a : a + STORAGE_PART]
+                futures.append((len(part), pool.submit(read, part)))
+                if len(futures) >= 2 * threads:
+                    n, f = futures.pop(0)
+                    done_bytes += f.result()
+                    done_items += n
                     if time.perf_counter() - t0 > limit:
                         break
-            for f in futures:
-                done_bytes += len(f.result())
-                done_items += 1
+            for n, f in futures:
+                done_bytes += f.result()
+                done_items += n
         dt = time.perf_counter() - t0
         self.result = {
             "S_bytes_per_s": done_bytes / dt,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from coordl.errors import DatasetChangedError, SampleError
-from coordl.fetch import storage
+from coordl.fetch import samples
 from coordl.fetch.cache import MinIOCache
 from coordl.index import Index
 
@@ -238,8 +238,9 @@ class Fetcher:
             the bytes of each of ``ids`` (None for one that failed), and the failures by sample.
 
         Raises:
-            DatasetChangedError: a file's size is not the index's: the index is stale (the other
-                samples are read and published first).
+            DatasetChangedError: a file's size (an object's size or ETag) is not the index's: the
+                index is stale (the other samples are read and published first).
+            StoreError: the object store refused the job's credentials (nothing is published).
         """
         ids = np.asarray(ids, dtype=np.int64)
         sizes = self.index.sizes[ids]
@@ -261,9 +262,7 @@ class Fetcher:
         b0 = _busy_ns() if paced else 0
         t0 = time.perf_counter_ns()
         try:
-            failed = storage.read_many(
-                self.index.paths.encoded(ids), sizes.tolist(), slots, drop_page_cache=self.drop_page_cache
-            )
+            failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache)
         except BaseException:
             if in_cache.any():
                 self.cache.abort_many(ids[in_cache])

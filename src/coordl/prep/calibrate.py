@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from coordl.fetch import storage
+from coordl.fetch import samples
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, ENCODED, RawBatch
 from coordl.index import Index
 
@@ -181,13 +181,10 @@ def _prep(recipe, batch: int, threads: int, seed: int, *, tiered: bool = True):
 def _read(index: Index, ids: np.ndarray, threads: int) -> tuple[list[np.ndarray], float]:
     sizes = index.sizes[ids]
     data = [np.empty(int(s), dtype=np.uint8) for s in sizes]
-    paths = index.paths.encoded(ids)
     parts = np.array_split(np.arange(len(ids)), max(1, min(threads, len(ids))))
 
     def read(part):
-        return storage.read_many(
-            [paths[k] for k in part], sizes[part].tolist(), [[data[k]] for k in part], drop_page_cache=False
-        )
+        return samples.read_many(index, ids[part], [[data[k]] for k in part], drop_page_cache=False)
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(len(parts)) as pool:

@@ -1,0 +1,50 @@
+"""Reads samples' bytes from where the index says they are: files (:mod:`coordl.fetch.storage`) or
+objects in a store (:mod:`coordl.s3.reads`). Everything that reads a dataset goes through here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from coordl.fetch import storage
+from coordl.index import Index
+
+__all__ = ["read", "read_many"]
+
+
+def read_many(index: Index, ids: np.ndarray, buffers: Sequence[list], *, drop_page_cache: bool) -> dict[int, Exception]:
+    """Reads sample ``ids[k]`` into ``buffers[k]`` (a list of buffers of its size in all), for every ``k``.
+
+    Returns:
+        the samples that could not be read, by position: an ``OSError`` or a
+        :class:`~coordl.errors.DatasetChangedError`.
+
+    Raises:
+        StoreError: an object store refused the job's credentials (``s3://`` datasets).
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    sizes = index.sizes[ids].tolist()
+    if index.in_store:
+        from coordl.s3 import reads
+
+        order = ids.tolist()
+        urls = [index.paths[i] for i in order]
+        etags = [index.etags[i] for i in order]
+        return reads.read_many(urls, sizes, etags, buffers)
+    return storage.read_many(index.paths.encoded(ids), sizes, buffers, drop_page_cache=drop_page_cache)
+
+
+def read(index: Index, i: int, *, drop_page_cache: bool = False) -> np.ndarray:
+    """The bytes of sample ``i`` in a new uint8 array.
+
+    Raises:
+        OSError: it cannot be read (missing, unreadable, forbidden, timed out).
+        DatasetChangedError: it is no longer what the index says (size, ETag).
+        StoreError: the object store refused the job's credentials.
+    """
+    out = np.empty(int(index.sizes[i]), dtype=np.uint8)
+    failed = read_many(index, np.array([i], dtype=np.int64), [[out]], drop_page_cache=drop_page_cache)
+    if failed:
+        raise failed[0]
+    return out
