@@ -1,0 +1,415 @@
+"""s3:// datasets against a real S3-compatible server on localhost: moto's server behind a proxy
+that counts every request and injects latency, failures and hangs (``coordl.tools.s3server``).
+
+Nothing here mocks a client: coordl lists with boto3 and reads with obstore over real sockets,
+and the counts are the server's view (the proxy's), compared with coordl's own accounting.
+Tests that change the process-wide settings (timeouts, retries, credentials) run a script in a
+subprocess, as a user's job would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("moto")
+pytest.importorskip("obstore")
+pytest.importorskip("boto3")
+
+from coordl import CoordLoader, ImageNetTrain
+from coordl.errors import DatasetChangedError, SampleError
+from coordl.index import Index
+from coordl.tools.s3server import S3Server
+from recording import take
+
+HERE = Path(__file__).resolve().parent
+N = 120  # samples in tiny_dataset
+BUCKET = "coordl-data"
+RECIPE = ImageNetTrain(size=16)
+_prefixes = [0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with S3Server() as s:
+        s.create_bucket(BUCKET)
+        yield s
+
+
+@pytest.fixture
+def s3env(server, monkeypatch):
+    """This process talks to the module's server (the settings a process resolves once)."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    server.reset()
+    return server
+
+
+@pytest.fixture
+def root(s3env, tiny_dataset) -> str:
+    """A fresh prefix holding the tiny dataset: ``s3://coordl-data/t<k>/train``."""
+    _prefixes[0] += 1
+    prefix = f"t{_prefixes[0]}/train"
+    s3env.upload_tree(tiny_dataset, BUCKET, prefix)
+    s3env.reset()
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def _key(url: str) -> str:
+    return url.split(f"s3://{BUCKET}/", 1)[1]
+
+
+def _relative(paths, base: str) -> list[str]:
+    return [p.split(base, 1)[1] for p in paths]
+
+
+def _script(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs ``code`` as a user's script, in a fresh process with ``env`` added."""
+    full = dict(os.environ, **env)
+    full["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), full.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# -- listing and the index ---------------------------------------------------------------------
+
+
+def test_listing_follows_imagefolder_rules_over_keys(s3env, tiny_dataset, tmp_path):
+    local = tmp_path / "train"
+    shutil.copytree(tiny_dataset, local)
+    (local / "class_02" / "sub").mkdir()
+    (local / "class_02" / "sub" / "deeper.jpg").write_bytes((local / "class_02" / "img_0000.jpg").read_bytes())
+    (local / "class_01" / "notes.txt").write_text("not an image")
+    (local / "class_03" / "UPPER.JPG").write_bytes(b"\xff\xd8 tiny")
+    (local / "stray.jpg").write_bytes(b"outside every class")
+    s3env.upload_tree(local, BUCKET, "rules/train")
+    s3env.put(BUCKET, "rules/train/class_00/", b"")  # a "folder" marker some tools write
+    s3env.reset()
+
+    remote = Index.scan(f"s3://{BUCKET}/rules/train/")  # a trailing slash names the same root
+    expected = Index.scan(local, index_dir="")
+    assert remote.root == f"s3://{BUCKET}/rules/train"
+    assert remote.classes == expected.classes
+    assert _relative(remote.paths, "/rules/train/") == _relative(expected.paths, str(local) + "/")
+    assert remote.labels.tolist() == expected.labels.tolist()
+    assert remote.sizes.tolist() == expected.sizes.tolist()
+    md5s = [f'"{hashlib.md5(Path(p).read_bytes()).hexdigest()}"' for p in expected.paths]
+    assert list(remote.etags) == md5s  # moto's ETag of a simple PUT is its MD5
+    assert s3env.count("GET", objects_only=True) == 0  # listing only: no object was read
+    assert remote.in_store and not expected.in_store
+
+
+def test_a_restart_reuses_the_saved_index_after_one_request_and_a_new_class_is_seen(root, s3env, tiny_dataset):
+    first = Index.scan(root)
+    listed = s3env.count("GET", objects_only=False)
+    assert listed >= 5  # the classes, then each class
+    s3env.reset()
+    again = Index.scan(root)
+    assert s3env.count("GET", objects_only=False) == 1  # the class prefixes only
+    assert again.fingerprint == first.fingerprint and again.saved_path == first.saved_path
+    assert again.etags == first.etags and again.paths == first.paths
+
+    s3env.put(BUCKET, _key(root) + "/class_99/new.jpg", (tiny_dataset / "class_00" / "img_0000.jpg").read_bytes())
+    s3env.reset()
+    grown = Index.scan(root)
+    assert grown.classes[-1] == "class_99" and len(grown) == N + 1
+    assert s3env.count("GET", objects_only=False) > 1  # listed again
+
+
+def test_reindex_lists_again_and_sees_keys_added_to_a_class(root, s3env, tiny_dataset, monkeypatch):
+    Index.scan(root)
+    s3env.put(BUCKET, _key(root) + "/class_00/zzz.jpg", (tiny_dataset / "class_00" / "img_0000.jpg").read_bytes())
+    assert len(Index.scan(root)) == N  # the saved index: a key added to a class is not seen
+    monkeypatch.setenv("COORDL_REINDEX", "1")
+    assert len(Index.scan(root)) == N + 1
+
+
+def test_a_list_of_urls_gets_sizes_and_etags_from_the_store(root, s3env, tiny_dataset):
+    scanned = Index.scan(root, index_dir="")
+    pairs = [(scanned.paths[i], int(scanned.labels[i])) for i in range(0, N, 3)]
+    s3env.reset()
+    listed = Index.from_list(pairs)
+    assert list(listed.paths) == [u for u, _ in pairs]
+    assert listed.sizes.tolist() == scanned.sizes[::3].tolist()
+    assert listed.etags == [scanned.etags[i] for i in range(0, N, 3)]
+    assert s3env.count("GET", objects_only=False) == 4  # one listing per class folder, not a HEAD per URL
+    few = Index.from_list([pairs[0], pairs[-1]])  # two URLs in two folders: a HEAD each
+    assert few.sizes.tolist() == [listed.sizes[0], listed.sizes[-1]]
+    assert s3env.count("HEAD") == 2
+    with pytest.raises(FileNotFoundError, match=f"sample s3://{BUCKET}/.*/class_00/missing.jpg does not exist"):
+        Index.from_list([*pairs, (root + "/class_00/missing.jpg", 0)])
+    with pytest.raises(ValueError, match="mixes s3:// URLs and files"):
+        Index.from_list([pairs[0], (str(tiny_dataset / "class_00" / "img_0000.jpg"), 0)])
+
+
+def test_an_empty_prefix_or_a_missing_bucket_says_so(s3env):
+    with pytest.raises(FileNotFoundError, match="no class folders found in s3://coordl-data/nothing-here"):
+        Index.scan(f"s3://{BUCKET}/nothing-here")
+    from coordl.errors import StoreError
+
+    with pytest.raises(StoreError, match="does not exist at this endpoint"):
+        Index.scan("s3://no-such-bucket-here/train")
+
+
+# -- epochs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", [0, 0.5, 1.0], ids=["no-cache", "half", "all"])
+def test_epochs_are_exactly_once_and_later_epochs_get_only_the_uncached_samples(root, s3env, cache):
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=cache,
+                     return_index=True, seed=3) as loader:  # fmt: skip
+        for epoch in range(3):
+            s3env.reset()
+            seen = Counter(i for _, _, ids in loader for i in ids.tolist())
+            assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}, f"epoch {epoch}"
+            s = loader.stats()
+            gets = s3env.count("GET")
+            assert gets == s["storage_reads"]  # one GET per sample read, no more
+            assert s3env.bytes_sent("GET") == s["storage_bytes"]
+            if epoch == 0:
+                assert gets == N
+            else:
+                assert gets == N - s["cache_items"] == N - s["cache_hits"]  # exactly the uncached samples
+    if cache == 1.0:
+        assert gets == 0
+
+
+def test_an_s3_loader_delivers_the_local_loaders_tensors(root, tiny_dataset):
+    got, want = {}, {}
+    with CoordLoader(root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True,
+                     seed=7, cache_bytes=0.5) as loader:  # fmt: skip
+        for epoch in (0, 1):
+            take(loader, got, epoch)
+    with CoordLoader(str(tiny_dataset), batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1,
+                     return_index=True, seed=7, cache_bytes=0) as loader:  # fmt: skip
+        for epoch in (0, 1):
+            take(loader, want, epoch)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_resumed_s3_loader_continues_where_the_state_was_saved(root):
+    def loader():
+        return CoordLoader(root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True,
+                           seed=7, cache_bytes=0.5)  # fmt: skip
+
+    with loader() as a:
+        whole = [ids.tolist() for _, _, ids in a]
+    with loader() as a:
+        for k, _ in enumerate(a):
+            if k == 4:
+                break
+        state = a.state_dict()
+    with loader() as b:
+        b.load_state_dict(json.loads(json.dumps(state)))
+        rest = [ids.tolist() for _, _, ids in b]
+    assert rest == whole[5:]
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def test_throttling_and_server_errors_are_retried(root, s3env):
+    s3env.fail(_key(root) + "/class_00/*", 503, times=6)
+    s3env.fail(_key(root) + "/class_01/*", 500, times=4)
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
+                     return_index=True) as loader:  # fmt: skip
+        seen = Counter(i for _, _, ids in loader for i in ids.tolist())
+        s = loader.stats()
+    assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+    statuses = Counter(status for method, _, status, _ in s3env.requests("GET") if method == "GET")
+    assert statuses[503] == 6 and statuses[500] == 4
+    assert s3env.count("GET") == N + 10  # every sample once, and the ten refused tries again
+    assert s["storage_reads"] == N  # the failed attempts are the client's retries, not samples
+
+
+def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
+    index = Index.scan(root)
+    gone = index.paths[17]
+    s3env.delete(BUCKET, _key(gone))
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+        with pytest.raises(SampleError, match=f"cannot read sample 17 \\({gone}\\): no such object \\(404"):
+            for _ in loader:
+                pass
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
+                     on_error="skip", return_index=True) as loader:  # fmt: skip
+        seen = [i for _, _, ids in loader for i in ids.tolist()]
+        assert sorted(seen) == [i for i in range(N) if i != 17]
+        assert loader.stats()["skipped_paths"] == [gone]
+
+
+def test_a_forbidden_object_follows_on_error(root, s3env):
+    index = Index.scan(root)
+    s3env.fail(_key(index.paths[5]), 403, times=100)
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
+                     on_error="skip", return_index=True) as loader:  # fmt: skip
+        seen = [i for _, _, ids in loader for i in ids.tolist()]
+    assert sorted(seen) == [i for i in range(N) if i != 5]
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+        with pytest.raises(SampleError, match="access denied \\(403 AccessDenied\\)"):
+            for _ in loader:
+                pass
+
+
+@pytest.mark.parametrize("same_size", [True, False], ids=["same-size", "other-size"])
+def test_a_changed_object_raises_dataset_changed_and_the_next_start_lists_again(root, s3env, same_size):
+    index = Index.scan(root)
+    victim = index.paths[40]
+    old = s3env.client().get_object(Bucket=BUCKET, Key=_key(victim))["Body"].read()
+    new = bytes(reversed(old)) if same_size else old + b"\0" * 10
+    s3env.put(BUCKET, _key(victim), new)
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+        with pytest.raises(DatasetChangedError, match=f"{victim} (changed after it was indexed|is {len(new)} bytes)"):
+            for _ in loader:
+                pass
+    assert not os.path.exists(index.saved_path)  # forgotten: the restart the error asks for lists again
+    relisted = Index.scan(root)
+    assert relisted.etags[40] != index.etags[40] and relisted.fingerprint != index.fingerprint
+
+
+# -- settings, credentials, processes: scripts in a process of their own ---------------------
+
+
+def _urls_index(root: str) -> str:
+    """Code that builds ``index`` of ``root`` from a saved listing (no request to the store)."""
+    index = Index.scan(root)
+    data = {"paths": list(index.paths), "labels": index.labels.tolist(), "sizes": index.sizes.tolist(),
+            "etags": list(index.etags)}  # fmt: skip
+    return f"from coordl.index import Index\nindex = Index.build(**{json.dumps(data)!s})\n"
+
+
+def test_a_request_that_hangs_past_the_timeout_is_retried_then_fails_with_its_url(root, s3env):
+    index = Index.scan(root)
+    once, always = index.paths[3], index.paths[70]
+    s3env.hang(_key(once), 3.0, times=1)
+    s3env.hang(_key(always), 3.0, times=100)
+    code = _urls_index(root) + textwrap.dedent("""
+        import json, time, coordl
+        from coordl.errors import SampleError
+        out = {}
+        t0 = time.monotonic()
+        with coordl.CoordLoader(index, batch_size=16, device_id=None, num_threads=1, cache_bytes=0,
+                                pipeline=coordl.ImageNetTrain(size=16), on_error="skip", return_index=True) as ld:
+            out["seen"] = sorted(i for _, _, ids in ld for i in ids.tolist())
+            out["skipped"] = ld.stats()["skipped_paths"]
+        out["seconds"] = time.monotonic() - t0
+        print(json.dumps(out))
+    """)
+    proc = _script(code, {"COORDL_S3_TIMEOUT": "0.5", "AWS_MAX_ATTEMPTS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["seen"] == [i for i in range(N) if i != 70]  # sample 3 came on its second try
+    assert out["skipped"] == [always]
+    assert out["seconds"] < 20  # two 0.5 s tries, not 3 s hangs
+    tries = Counter(path for method, path, _, _ in s3env.requests("GET"))
+    assert tries[f"/{BUCKET}/{_key(once)}"] == 2 and tries[f"/{BUCKET}/{_key(always)}"] == 2
+    assert "no complete answer within 0.5 s" in proc.stderr  # the skip's warning gives the reason
+
+
+def test_refused_credentials_raise_store_error_at_once_whatever_on_error_says(tiny_dataset):
+    local = Index.scan(tiny_dataset, index_dir="")
+    with S3Server(auth=True) as s:
+        s.create_bucket(BUCKET)
+        s.upload_tree(tiny_dataset, BUCKET, "train")
+        root = f"s3://{BUCKET}/train"
+        # The index as a listing would give it (moto 5.2 refuses good signatures of listings whose prefix has a
+        # "/", so this test lists with bad credentials only): URLs, sizes, and ETags (the MD5 of a simple PUT).
+        paths = [root + "/" + p.split(str(tiny_dataset) + "/", 1)[1] for p in local.paths]
+        etags = [f'"{hashlib.md5(Path(p).read_bytes()).hexdigest()}"' for p in local.paths]
+        code = "import coordl\nfrom coordl.index import Index\n"
+        code += (
+            f"index = Index.build({paths!r}, {local.labels.tolist()!r}, {local.sizes.tolist()!r}, etags={etags!r})\n"
+        )
+        code += textwrap.dedent("""
+            with coordl.CoordLoader(index, batch_size=8, device_id=None, on_error="skip", cache_bytes=0) as ld:
+                print(sum(len(labels) for _, labels in ld), ld.stats()["skipped"])
+        """)
+        proc = _script(code, s.env())
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[-2:] == [str(N), "0"]  # the good credentials read every sample
+
+        bad = dict(s.env(), AWS_SECRET_ACCESS_KEY="not-the-secret")
+        proc = _script(f"import coordl\ncoordl.CoordLoader({root!r}, batch_size=8, device_id=None)", bad)
+        assert proc.returncode != 0
+        assert (
+            "StoreError: the object store refused coordl's credentials for s3://coordl-data/train (403" in proc.stderr
+        )
+        # An index made before the credentials went bad: the first batch stops the job, on_error="skip" or not.
+        s.reset()
+        proc = _script(code, bad)
+        assert proc.returncode != 0
+        assert "StoreError: the object store refused coordl's credentials for s3://coordl-data/train/" in proc.stderr
+        assert "403 SignatureDoesNotMatch" in proc.stderr
+        assert s.count("GET") <= 64  # stopped at the first batches, not a refusal per sample of the epoch
+
+
+TORCH_SCRIPT = """
+import json, sys
+import numpy as np
+import coordl
+from coordl.datasets import ImageFolder
+
+def to_array(image):
+    return np.asarray(image.resize((16, 16)), dtype=np.uint8)
+
+ds = ImageFolder(sys.argv[1], transform=to_array)
+if sys.argv[2] == "read-first":
+    ds[0]  # the main process reads an object itself before the workers fork
+out = []
+with coordl.CoordLoader(ds, batch_size=16, num_workers=2, cache_bytes=0.5, return_index=True) as ld:
+    for epoch in range(2):
+        ids = sorted(i for _, _, idx in ld for i in idx.tolist())
+        s = ld.stats()
+        out.append({"ids": ids, "storage_reads": s["storage_reads"], "cache_items": s["cache_items"]})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("first", ["workers-only", "read-first"])
+def test_the_torch_backend_reads_s3_in_forked_workers(root, s3env, first):
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), full.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", TORCH_SCRIPT, root, first], env=full, capture_output=True, text=True, check=False,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    epochs = json.loads(proc.stdout.splitlines()[-1])
+    for e in epochs:
+        assert e["ids"] == list(range(N))
+    assert epochs[0]["storage_reads"] == N
+    assert epochs[1]["storage_reads"] == N - epochs[1]["cache_items"]
+    assert s3env.count("GET") == 2 * N - epochs[1]["cache_items"] + (first == "read-first")
+    fallback = "reads with boto3 instead" in proc.stderr
+    assert fallback == (first == "read-first"), proc.stderr  # obstore does not survive fork: boto3 then
+
+
+# -- a multi-node job reads the store once ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_nodes_read_the_store_once_per_run(root, s3env, tmp_path):
+    from test_peers import _records, _run_nodes
+
+    out = tmp_path / "out"
+    codes = _run_nodes(root, out, 2, ["--epochs", "3", "--cache", "0.6"], loopback=True)  # type: ignore[arg-type]
+    assert codes == [0, 0], "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("node*.log")))
+    recs = _records(out, 2)
+    for epoch in range(3):
+        seen = Counter(i for r in recs for b in r["epochs"][epoch]["batches"] for i in b)
+        assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+    assert s3env.count("GET") == N  # every sample once, in the first epoch, by one node or the other
+    assert sum(r["epochs"][e]["stats"]["storage_reads"] for r in recs for e in range(3)) == N
