@@ -190,8 +190,13 @@ class DatasetFolder(FileDataset):
         return self.samples
 
     def find_classes(self, directory: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
-        """The class names of a folder and their indices, as torchvision's ``find_classes``."""
-        classes = sorted(e.name for e in os.scandir(directory) if e.is_dir())
+        """The class names of a folder (or an ``s3://`` prefix) and their indices, as torchvision's ``find_classes``."""
+        if isinstance(directory, str) and directory.startswith("s3://"):
+            from coordl.s3 import listing
+
+            classes = listing.class_names(directory)
+        else:
+            classes = sorted(e.name for e in os.scandir(directory) if e.is_dir())
         if not classes:
             raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
         return classes, {c: i for i, c in enumerate(classes)}

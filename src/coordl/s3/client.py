@@ -72,8 +72,8 @@ class Settings:
     anonymous: bool
 
 
-def _env_number(name: str, default, kind=float):
-    raw = os.environ.get(name, "")
+def _positive(name: str, raw: str, default, kind=float):
+    """The value of the environment variable ``name`` (``raw``), or ``default`` when it is empty."""
     if not raw:
         return default
     try:
@@ -109,9 +109,9 @@ def settings() -> Settings:
     out = Settings(
         endpoint=endpoint,
         region=session.get_config_variable("region"),
-        timeout_s=_env_number("COORDL_S3_TIMEOUT", DEFAULT_TIMEOUT_S),
+        timeout_s=_positive("COORDL_S3_TIMEOUT", os.environ.get("COORDL_S3_TIMEOUT", ""), DEFAULT_TIMEOUT_S),
         attempts=int(attempts) if attempts else DEFAULT_ATTEMPTS,
-        max_requests=_env_number("COORDL_S3_REQUESTS", DEFAULT_REQUESTS, int),
+        max_requests=_positive("COORDL_S3_REQUESTS", os.environ.get("COORDL_S3_REQUESTS", ""), DEFAULT_REQUESTS, int),
         virtual_hosted=isinstance(s3, dict) and s3.get("addressing_style") == "virtual",
         anonymous=session.get_credentials() is None,
     )
