@@ -413,3 +413,35 @@ def test_two_nodes_read_the_store_once_per_run(root, s3env, tmp_path):
         assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
     assert s3env.count("GET") == N  # every sample once, in the first epoch, by one node or the other
     assert sum(r["epochs"][e]["stats"]["storage_reads"] for r in recs for e in range(3)) == N
+
+
+# -- DS-Analyzer: S is the store's throughput, read as the loader reads ------------------------
+
+ANALYZED = """
+import sys, time
+import coordl
+
+with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0.5, device_id=None, num_threads=1,
+                        pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:
+    for epoch in range(100):
+        for images, labels in loader:
+            time.sleep(0.02)  # the training step
+"""
+
+
+def test_analyze_measures_the_store_with_requests_in_flight(root, s3env, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ANALYZED)
+    out = tmp_path / "out"
+    s3env.latency_s = 0.05  # one request at a time would deliver 20 samples/s
+    try:
+        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "10", "--warmup", "2", "--out", str(out),
+               "--storage-seconds", "3", "--", sys.executable, str(script), root]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    finally:
+        s3env.latency_s = 0.0
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    phase = json.loads((out / "phase-S-rank0.json").read_text())
+    assert phase["S_samples_per_s"] > 100, phase  # many GETs in flight, as the loader keeps them
+    report = json.loads((out / "report.json").read_text())
+    assert report["rates"]["S"] == pytest.approx(phase["S_bytes_per_s"], rel=0.01)
