@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -280,6 +281,21 @@ def test_a_changed_object_raises_dataset_changed_and_the_next_start_lists_again(
     assert not os.path.exists(index.saved_path)  # forgotten: the restart the error asks for lists again
     relisted = Index.scan(root)
     assert relisted.etags[40] != index.etags[40] and relisted.fingerprint != index.fingerprint
+
+
+def test_closing_a_loader_abandons_the_requests_that_still_wait_for_the_store(root, s3env):
+    index = Index.scan(root)
+    for i in range(24, 48):  # batches 3-5: in flight ahead of DALI's queue when the loop leaves after batch 0
+        s3env.hang(_key(index.paths[i]), 60.0, times=100)
+    loader = CoordLoader(root, batch_size=8, shuffle=False, pipeline=RECIPE, device_id=None, num_threads=1,
+                         cache_bytes=0, prefetch_batches=2)  # fmt: skip
+    for _ in loader:
+        break
+    time.sleep(0.5)  # the requests of batch 3 are out
+    assert any(status == 0 for *_, status, _ in s3env.requests("GET"))
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 5  # not the 30 s timeout, nor its retries
 
 
 # -- settings, credentials, processes: scripts in a process of their own ---------------------

@@ -158,6 +158,7 @@ class Resources:
         if self.closed:
             return
         self.closed = True
+        self.fetcher.closing.set()  # requests still waiting for an object store give up now
         if self.dataloader is not None:
             it = getattr(self.dataloader, "_iterator", None)  # persistent workers
             shutdown = getattr(it, "_shutdown_workers", None)

@@ -97,6 +97,7 @@ class Fetcher:
         self.decoded = decoded
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
+        self.closing = threading.Event()  # set when the loader closes: reads still waiting for a store end
         self._lock = threading.Lock()
         self._pace = _Pace()
 
@@ -262,7 +263,7 @@ class Fetcher:
         b0 = _busy_ns() if paced else 0
         t0 = time.perf_counter_ns()
         try:
-            failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache)
+            failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache, stop=self.closing)
         except BaseException:
             if in_cache.any():
                 self.cache.abort_many(ids[in_cache])

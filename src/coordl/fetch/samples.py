@@ -3,6 +3,7 @@ objects in a store (:mod:`coordl.s3.reads`). Everything that reads a dataset goe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,8 +14,16 @@ from coordl.index import Index
 __all__ = ["read", "read_many"]
 
 
-def read_many(index: Index, ids: np.ndarray, buffers: Sequence[list], *, drop_page_cache: bool) -> dict[int, Exception]:
+def read_many(
+    index: Index,
+    ids: np.ndarray,
+    buffers: Sequence[list],
+    *,
+    drop_page_cache: bool,
+    stop: threading.Event | None = None,
+) -> dict[int, Exception]:
     """Reads sample ``ids[k]`` into ``buffers[k]`` (a list of buffers of its size in all), for every ``k``.
+    When ``stop`` is set, requests still waiting for an object store end (as failures).
 
     Returns:
         the samples that could not be read, by position: an ``OSError`` or a
@@ -31,7 +40,7 @@ def read_many(index: Index, ids: np.ndarray, buffers: Sequence[list], *, drop_pa
         order = ids.tolist()
         urls = [index.paths[i] for i in order]
         etags = [index.etags[i] for i in order]
-        return reads.read_many(urls, sizes, etags, buffers)
+        return reads.read_many(urls, sizes, etags, buffers, stop=stop)
     return storage.read_many(index.paths.encoded(ids), sizes, buffers, drop_page_cache=drop_page_cache)
 
 

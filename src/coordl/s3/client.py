@@ -55,7 +55,7 @@ class Settings:
 
     Attributes:
         endpoint: the S3 endpoint URL, or None for AWS's own (from the region).
-        region: the region requests are signed for (None: ask the bucket).
+        region: the region requests are signed for (None: "us-east-1" at an endpoint of its own, else the bucket's).
         timeout_s: seconds one request may take, from connecting to its last byte.
         attempts: tries per request (``AWS_MAX_ATTEMPTS``), with exponential backoff and jitter.
         max_requests: requests in flight at once in this process.
@@ -151,6 +151,8 @@ def bucket_region(bucket: str) -> str:
     s = settings()
     if s.region:
         return s.region
+    if s.endpoint:
+        return "us-east-1"  # what MinIO and Ceph sign for unless they are told otherwise
     key = (os.getpid(), "region", bucket)
     with _lock:
         if key in _clients:
@@ -183,8 +185,10 @@ def obstore_store(bucket: str):
     }
     config: dict = {"region": bucket_region(bucket), "virtual_hosted_style_request": s.virtual_hosted}
     if s.endpoint:
-        config["endpoint"] = s.endpoint
-        options["allow_http"] = s.endpoint.startswith("http://")
+        scheme, _, host = s.endpoint.partition("://")
+        # obstore's virtual-hosted requests go to the endpoint as given: it must name the bucket.
+        config["endpoint"] = f"{scheme}://{bucket}.{host}" if s.virtual_hosted else s.endpoint
+        options["allow_http"] = scheme == "http"
     retry = {
         "max_retries": max(0, s.attempts - 1),
         "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import errno
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ __all__ = ["read_many"]
 
 log = logging.getLogger(__name__)
 
+STOP_POLL_S = 0.05  # how often a call's requests look at its stop event
 _obstore_pid: int | None = None  # the process whose obstore runtime this is (None: not started)
 _warned_fork = False
 
@@ -70,10 +72,16 @@ def _process_tokens() -> _Tokens:
 
 
 def read_many(
-    urls: Sequence[str], sizes: Sequence[int], etags: Sequence[str | None], buffers: Sequence[list]
+    urls: Sequence[str],
+    sizes: Sequence[int],
+    etags: Sequence[str | None],
+    buffers: Sequence[list],
+    *,
+    stop: threading.Event | None = None,
 ) -> dict[int, Exception]:
     """Reads object ``k`` of ``urls`` (``sizes[k]`` bytes, ETag ``etags[k]``) into ``buffers[k]``,
-    a list of buffers that hold ``sizes[k]`` bytes in all, for every ``k``.
+    a list of buffers that hold ``sizes[k]`` bytes in all, for every ``k``. Once ``stop`` is set
+    (the loader closes), the requests still in flight are abandoned (failures, ``ECANCELED``).
 
     Returns:
         the objects that could not be read, by position: an ``OSError`` (missing, forbidden,
@@ -89,7 +97,7 @@ def read_many(
     n = tokens.take(len(urls))
     try:
         if _obstore_usable():
-            failed = _run(_read_async(urls, sizes, etags, buffers, n))
+            failed = _run(_read_async(urls, sizes, etags, buffers, n, stop))
         else:
             failed = _read_threads(urls, sizes, etags, buffers, n)
     finally:
@@ -147,7 +155,7 @@ def _changed_size(where: str, actual: int, size: int) -> DatasetChangedError:
     )
 
 
-async def _read_async(urls, sizes, etags, buffers, limit: int) -> dict[int, Exception]:
+async def _read_async(urls, sizes, etags, buffers, limit: int, stop: threading.Event | None) -> dict[int, Exception]:
     import obstore
 
     gate = asyncio.Semaphore(limit)
@@ -164,8 +172,26 @@ async def _read_async(urls, sizes, etags, buffers, limit: int) -> dict[int, Exce
             data = await answer.bytes_async()
         _scatter(data, buffers[k], sizes[k], urls[k])
 
-    results = await asyncio.gather(*(one(k) for k in range(len(urls))), return_exceptions=True)
-    return {k: client.classify(r, urls[k]) for k, r in enumerate(results) if isinstance(r, BaseException)}
+    tasks = [asyncio.ensure_future(one(k)) for k in range(len(urls))]
+    watch = asyncio.ensure_future(_cancel_on(stop, tasks)) if stop is not None else None
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    if watch is not None:
+        watch.cancel()
+    return {k: _failure(r, urls[k]) for k, r in enumerate(results) if isinstance(r, BaseException)}
+
+
+async def _cancel_on(stop: threading.Event, tasks: list) -> None:
+    """Cancels ``tasks`` once ``stop`` is set (checked every 50 ms)."""
+    while not stop.is_set():
+        await asyncio.sleep(STOP_POLL_S)
+    for t in tasks:
+        t.cancel()
+
+
+def _failure(e: BaseException, where: str) -> Exception:
+    if isinstance(e, asyncio.CancelledError):
+        return OSError(errno.ECANCELED, "the loader closed before the object arrived")
+    return client.classify(e, where)
 
 
 def _read_threads(urls, sizes, etags, buffers, limit: int) -> dict[int, Exception]:
