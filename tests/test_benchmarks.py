@@ -303,3 +303,54 @@ def test_prep_ops_small(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = json.loads((out / "prep_ops.json").read_text())["lines"]
     assert len(lines) == 8 and all(line["samples_per_s"] > 0 for line in lines)
+
+
+def test_s3_small(tmp_path):
+    """benchmarks.s3 on 96 photo-like JPEGs: every configuration in the JSON, the proxy's object GETs equal to
+    coordl's storage_reads in every epoch (a full cache reads nothing the second time), DALI's s3:// reader
+    either measured or its failure recorded, and no moto server left running."""
+    data, out = tmp_path / "data", tmp_path / "s3.json"
+    command = [sys.executable, "-m", "benchmarks.s3", "--data", str(data), "--images", "96", "--classes", "4"]
+    command += ["--width", "200", "--height", "160", "--repeat", "1", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    names = {"coordl-0", "coordl-0.5", "coordl-1", "dali-s3", "dali-local", "capacity-0", "capacity-0.02"}
+    assert set(result["runs"]) == names and set(result["summary"]) == names
+    assert result["objects"] == 96 and result["machine"]["cpus"] == os.cpu_count()
+    for name in ("coordl-0", "coordl-0.5", "coordl-1", "dali-local", "capacity-0", "capacity-0.02"):
+        (run,) = result["runs"][name]
+        assert "error" not in run, run["error"]
+    for name, cached in (("coordl-0", {0}), ("coordl-0.5", set(range(1, 96))), ("coordl-1", {96})):
+        (run,) = result["runs"][name]
+        assert run["create_requests"]["listing_requests"] > 0 and run["create_requests"]["gets"] == 0
+        assert [e["samples"] for e in run["epochs"]] == [96, 96]
+        for e in run["epochs"]:
+            assert e["gets"] == e["stats"]["storage_reads"] and e["get_bytes"] == e["stats"]["storage_bytes"]
+        hits = run["epochs"][1]["stats"]["cache_hits"]
+        assert run["epochs"][0]["gets"] == 96 and hits in cached and run["epochs"][1]["gets"] == 96 - hits
+        assert result["summary"][name]["epochs"][1]["samples_per_s"]["median"] > 0
+    dali = result["runs"]["dali-s3"][0]
+    if "error" in dali:
+        assert result["dali_s3"] == {"works": False, "error": dali["error"]} and dali["error"]
+    else:
+        assert result["dali_s3"]["works"] and all(e["samples"] == 96 and e["gets"] >= 96 for e in dali["epochs"])
+    assert all(e["gets"] == 0 for e in result["runs"]["dali-local"][0]["epochs"])
+    for name in ("capacity-0", "capacity-0.02"):
+        (e,) = result["runs"][name][0]["epochs"]
+        assert e["gets"] == 96 and e["samples_per_s"] > 0
+    assert "| coordl-0.5 | 1 |" in proc.stdout and "server capacity" in proc.stdout
+    cmdline = Path(f"/proc/{result['moto_pid']}/cmdline")  # the benchmark's moto server is gone
+    assert not cmdline.exists() or b"moto.server" not in cmdline.read_bytes()
+
+
+def test_s3_clients_small(tmp_path):
+    """benchmarks.s3_clients on 24 small JPEGs: both clients GET every object and report their CPU per GET."""
+    data, out = tmp_path / "data", tmp_path / "s3_clients.json"
+    command = [sys.executable, "-m", "benchmarks.s3_clients", "--data", str(data), "--images", "24", "--classes", "2"]
+    command += ["--width", "120", "--height", "100", "--objects", "24", "--repeat", "1", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(r["client"] for r in result["rows"]) == ["boto3", "obstore"]
+    assert all(r["gets"] == 24 and r["cpu_ms_per_get"] > 0 and r["gets_per_s"] > 0 for r in result["rows"])

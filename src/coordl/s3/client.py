@@ -49,6 +49,14 @@ _lock = threading.Lock()
 _clients: dict = {}  # (pid, what, bucket) -> client; a forked child makes its own
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @dataclass(frozen=True)
 class Settings:
     """How this process talks to the store.

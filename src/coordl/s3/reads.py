@@ -40,7 +40,6 @@ class _Tokens:
     """Requests in flight in this process: at most ``limit``, shared by concurrent calls."""
 
     def __init__(self, limit: int):
-        self.pid = os.getpid()
         self.free = limit
         self.cond = threading.Condition()
 
@@ -63,10 +62,18 @@ _tokens: _Tokens | None = None
 _tokens_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _tokens, _tokens_lock
+    _tokens, _tokens_lock = None, threading.Lock()  # another thread may have held them at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _process_tokens() -> _Tokens:
     global _tokens
     with _tokens_lock:
-        if _tokens is None or _tokens.pid != os.getpid():  # a forked child starts with its own
+        if _tokens is None:
             _tokens = _Tokens(client.settings().max_requests)
         return _tokens
 
@@ -119,7 +126,7 @@ def _obstore_usable() -> bool:
         _warned_fork = True
         log.warning(
             "coordl: this process was forked from one that had read s3:// objects with obstore, whose runtime does "
-            "not survive fork; it reads with boto3 instead, at about 4x the CPU time per request. Start the workers "
+            "not survive fork; it reads with boto3 instead, at about 3x the CPU time per request. Start the workers "
             "with multiprocessing_context='forkserver' (or 'spawn') to keep obstore"
         )
     return False

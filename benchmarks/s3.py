@@ -1,0 +1,485 @@
+"""An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's own
+``fn.readers.file`` reading the same s3:// root, per epoch: samples/s, and the requests and bytes
+the store served.
+
+    python -m benchmarks.s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+
+The store is moto's S3 server behind ``coordl.tools.s3server.S3Server``'s proxy on 127.0.0.1,
+which waits ``--latency`` seconds (default 0.02) before forwarding each request and counts
+what it forwards. The dataset is uploaded once (``--bucket``/``--prefix``, straight to moto, not
+counted); then, in ``--repeat`` rounds whose starting configuration rotates, every configuration
+runs in a fresh process (its own ``COORDL_SHM_DIR`` under /dev/shm and ``COORDL_INDEX_DIR``,
+removed after), ``--epochs`` epochs each (the first and a steady one):
+
+- ``coordl-0``, ``coordl-0.5``, ``coordl-1``: ``CoordLoader("s3://...", cache_bytes=f,
+  pipeline="imagenet-train", device_id=None)``, batch ``--batch``, its default threads and
+  ``COORDL_S3_REQUESTS`` (``--requests`` sets it);
+- ``dali-s3``: ``fn.readers.file(file_root="s3://...", random_shuffle=True)`` and the same
+  recipe (``decoders.image_random_crop``, ``resize`` 224x224, ``crop_mirror_normalize`` with a
+  coin-flip mirror), same batch, as many threads as coordl chose (``os.cpu_count()``),
+  ``DALIGenericIterator``; the AWS SDK for C++ inside DALI reads the same AWS_* variables;
+- ``dali-local``: the same DALI pipeline on the local copy of the dataset (page cache warm), for
+  reference (no requests);
+- ``capacity-0`` and ``capacity-<latency>``: no loader, the server's own capacity: every object
+  of the dataset GET once with obstore, 64 in flight, at latency 0 and at ``--latency``.
+
+Per epoch: seconds, samples/s, the object GETs and their body bytes the proxy saw (counts reset
+before each epoch), other requests (listings), coordl's ``storage_reads``/``storage_bytes``/
+``cache_hits``, and the CPU seconds of the loader's process, of the proxy (this process) and of
+moto; per run the time to make the loader (coordl: listing and index; DALI: ``build()``, which
+lists) and the requests that took. DALI's pipeline reads ahead across an epoch's end, so its GETs
+per epoch are where they happened, not which epoch's samples they were.
+
+Writes ``--out`` (default ``benchmarks/results/s3.json``) and prints the medians (and ranges).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common
+
+COORDL_CACHES = (0.0, 0.5, 1.0)
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def config_names(args) -> list[str]:
+    names = [f"coordl-{c:g}" for c in args.caches]
+    if not args.skip_dali:
+        names += ["dali-s3", "dali-local"]
+    if not args.skip_capacity:
+        names += ["capacity-0", f"capacity-{args.latency:g}"]
+    return names
+
+
+# -- the child: one configuration in a fresh process ----------------------------------------------
+class Parent:
+    """The child's side of the conversation: one JSON line out, then wait for the parent's go-ahead
+    (it reads the proxy's counters and resets them in between)."""
+
+    def say(self, **msg) -> None:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+
+    def wait(self) -> None:
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("the parent went away")
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _dali_pipeline(root: str, batch: int, threads: int, size: int = 224):
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])  # fmt: skip
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        return fn.crop_mirror_normalize(
+            images, dtype=types.FLOAT, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+        ), labels  # fmt: skip
+
+    return pipe()
+
+
+def child_loader(spec: dict) -> None:
+    """A coordl or DALI loader: made, then ``epochs`` epochs, each reported and awaited."""
+    parent = Parent()
+    kind = spec["kind"]
+    # Every library either loader uses is imported before the clock starts (``import_s``): making
+    # the loader (``create_s``) is then listing, indexing and building the pipeline.
+    t0 = time.perf_counter()
+    import boto3  # noqa: F401
+    import nvidia.dali.fn  # noqa: F401
+    import obstore  # noqa: F401
+    import torch  # noqa: F401
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    import coordl
+
+    import_s = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), _cpu()
+    if kind == "coordl":
+        loader = coordl.CoordLoader(spec["url"], batch_size=spec["batch"], device_id=None,
+                                    cache_bytes=spec["cache"], pipeline="imagenet-train")  # fmt: skip
+        threads = loader.num_threads
+        epoch = lambda: loader
+    else:
+        threads = spec["threads"]
+        pipe = _dali_pipeline(spec["url"], spec["batch"], threads)
+        pipe.build()  # lists the root (an s3:// one with ListObjectsV2)
+        iterator = None
+
+        def epoch():
+            nonlocal iterator
+            if iterator is None:  # made at the first epoch: it starts the pipeline's read-ahead
+                iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader",
+                                               last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)  # fmt: skip
+            return iterator
+
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads,
+               import_s=import_s)  # fmt: skip
+    parent.wait()
+    for e in range(spec["epochs"]):
+        t0, c0 = time.perf_counter(), _cpu()
+        n = 0
+        for batch in epoch():
+            n += len(batch[1]) if kind == "coordl" else batch[0]["labels"].shape[0]
+        seconds = time.perf_counter() - t0
+        row = {"event": "epoch", "epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds,
+               "cpu_s": _cpu() - c0}  # fmt: skip
+        if kind == "coordl":
+            s = loader.stats()
+            row["stats"] = {k: v for k, v in s.items() if k != "skipped_paths"}
+            # read_s sums the time coordl's io threads spent in storage reads (each a call with many GETs in
+            # flight): over the epoch's seconds, how many of those threads were reading on average
+            row["threads_reading"] = s["read_s"] / seconds
+        parent.say(**row)
+        parent.wait()
+    if kind == "coordl":
+        loader.close()
+    parent.say(event="done")
+
+
+def child_capacity(spec: dict) -> None:
+    """Every key GET once with obstore, ``inflight`` at a time: the server's rate, not a loader's."""
+    import asyncio
+    from datetime import timedelta
+
+    import obstore
+    from obstore.store import S3Store
+
+    parent = Parent()
+    keys = spec["keys"]
+    store = S3Store(
+        spec["bucket"],
+        config={"endpoint": os.environ["AWS_ENDPOINT_URL"], "region": os.environ["AWS_DEFAULT_REGION"],
+                "access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+                "secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"], "virtual_hosted_style_request": False},
+        client_options={"allow_http": True, "pool_max_idle_per_host": str(spec["inflight"]),
+                        "timeout": timedelta(seconds=60)},
+    )  # fmt: skip
+
+    async def run() -> int:
+        sem = asyncio.Semaphore(spec["inflight"])
+
+        async def one(key: str) -> int:
+            async with sem:
+                r = await obstore.get_async(store, key)
+                return len(await r.bytes_async())
+
+        return sum(await asyncio.gather(*(one(k) for k in keys)))
+
+    parent.say(event="created", create_s=0.0, cpu_s=0.0, threads=None, import_s=0.0)
+    parent.wait()
+    t0, c0 = time.perf_counter(), _cpu()
+    nbytes = asyncio.run(run())
+    seconds = time.perf_counter() - t0
+    parent.say(event="epoch", epoch=0, samples=len(keys), seconds=seconds, samples_per_s=len(keys) / seconds,
+               cpu_s=_cpu() - c0, bytes=nbytes)  # fmt: skip
+    parent.wait()
+    parent.say(event="done")
+
+
+# -- the parent: the server, the rounds, the children ------------------------------------------------
+def _moto_cpu(server) -> float | None:
+    """moto's CPU seconds so far (its process's utime + stime), None when it cannot be read."""
+    proc = getattr(server, "_proc", None)
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+
+
+class Meter:
+    """What the server did between two readings: requests, bytes, CPU of the proxy and moto."""
+
+    def __init__(self, server):
+        self.server = server
+        self.start()
+
+    def start(self) -> None:
+        self.server.reset()
+        self.t_proxy, self.t_moto = _cpu(), _moto_cpu(self.server)
+
+    def read(self) -> dict:
+        s = self.server
+        moto = _moto_cpu(s)
+        out = {
+            "gets": s.count("GET"),
+            "get_bytes": s.bytes_sent("GET"),
+            "other_requests": len(s.requests()) - s.count("GET"),
+            "listing_requests": s.count("GET", objects_only=False) - s.count("GET"),
+            "errors": sum(1 for r in s.requests() if r[2] >= 400 or r[2] == 0),
+            "distinct_keys": len({r[1].split("?", 1)[0] for r in s.requests("GET") if r[2] < 300}),
+            "proxy_cpu_s": _cpu() - self.t_proxy,
+            "moto_cpu_s": None if moto is None or self.t_moto is None else moto - self.t_moto,
+        }
+        self.start()
+        return out
+
+
+def run_one(args, server, name: str, keys: list[str]) -> dict:
+    """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
+    url = f"s3://{args.bucket}/{args.prefix}"
+    if name.startswith("coordl-"):
+        spec = {"kind": "coordl", "url": url, "cache": float(name.split("-", 1)[1]), "batch": args.batch,
+                "epochs": args.epochs}  # fmt: skip
+    elif name.startswith("dali-"):
+        spec = {"kind": "dali", "url": url if name == "dali-s3" else args.data, "batch": args.batch,
+                "threads": args.threads, "epochs": args.epochs}  # fmt: skip
+    else:
+        spec = {"kind": "capacity", "bucket": args.bucket, "keys": keys, "inflight": args.capacity_inflight}
+    server.latency_s = float(name.split("-", 1)[1]) if name.startswith("capacity-") else args.latency
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-")
+    index = tempfile.mkdtemp(prefix="coordl-s3bench-index-")
+    env = {**os.environ, **server.env(), "COORDL_SHM_DIR": shm, "COORDL_INDEX_DIR": index}
+    env.pop("COORDL_S3_REQUESTS", None)
+    if args.requests:
+        env["COORDL_S3_REQUESTS"] = str(args.requests)
+    spec_file = Path(index) / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    meter = Meter(server)
+    proc = subprocess.Popen(common.module_command("s3", "--one", str(spec_file)), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    run = {"config": name, "latency_s": server.latency_s, "epochs": []}
+    try:
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue  # a library's chatter on stdout
+            event = msg.pop("event")
+            if event == "done":
+                break
+            counts = meter.read()
+            if event == "created":
+                run.update(import_s=msg["import_s"], create_s=msg["create_s"], create_cpu_s=msg["cpu_s"],
+                           threads=msg["threads"], create_requests=counts)  # fmt: skip
+            else:
+                msg["loader_cpu_s"] = msg.pop("cpu_s")
+                run["epochs"].append({**msg, **counts})
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        proc.stdin.close()
+        err = proc.stderr.read()
+        proc.wait(60)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        server.latency_s = args.latency
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(index, ignore_errors=True)
+    if proc.returncode != 0 or len(run["epochs"]) < (1 if spec["kind"] == "capacity" else args.epochs):
+        run["error"] = _error_text(err) or f"exit status {proc.returncode}"
+    return run
+
+
+def _error_text(stderr: str) -> str:
+    """The part of a child's stderr that says what failed (its last traceback, else its tail)."""
+    at = stderr.rfind("Traceback (most recent call last)")
+    text = stderr[at:] if at >= 0 else stderr
+    return text.strip()[-3000:]
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Per configuration and epoch: the median and range of every measured value over the rounds."""
+    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "listing_requests", "loader_cpu_s", "proxy_cpu_s",
+              "moto_cpu_s", "threads_reading")  # fmt: skip
+    stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
+    out = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
+        if ok:
+            entry["import_s"] = _spread([r["import_s"] for r in ok])
+            entry["create_s"] = _spread([r["create_s"] for r in ok])
+            entry["create_listing_requests"] = _spread([r["create_requests"]["listing_requests"] for r in ok])
+            epochs = []
+            for e in range(min(len(r["epochs"]) for r in ok)):
+                rows = [r["epochs"][e] for r in ok]
+                ep = {"epoch": e, "samples": rows[0]["samples"]}
+                for f in fields:
+                    vals = [row[f] for row in rows if row.get(f) is not None]
+                    if vals:
+                        ep[f] = _spread(vals)
+                for f in stats_fields:
+                    vals = [row["stats"][f] for row in rows if "stats" in row]
+                    if vals:
+                        ep[f] = _spread(vals)
+                epochs.append(ep)
+            entry["epochs"] = epochs
+        out[name] = entry
+    return out
+
+
+def _spread(vals: list[float]) -> dict:
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "all": vals}
+
+
+def table(result: dict) -> str:
+    lat = result["config"]["latency_s"]
+    lines = [
+        f"latency {lat * 1000:g} ms per request; {result['config']['repeat']} round(s); medians, [min-max] over rounds",
+        (
+            "| config | epoch | samples/s | s | make s | object GETs | MB | listing reqs | storage_reads | "
+            "cache_hits | io threads reading | CPU s loader / proxy / moto |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(d, fmt="{:.0f}", rng=False):
+        if d is None:
+            return "-"
+        m = fmt.format(d["median"])
+        return f"{m} [{fmt.format(d['min'])}-{fmt.format(d['max'])}]" if rng and d["min"] != d["max"] else m
+
+    for name, s in result["summary"].items():
+        if name.startswith("capacity-"):
+            continue
+        if not s["ok"]:
+            lines.append(f"| {name} | - | failed: {s['errors'][0].splitlines()[-1][:120]} | | | | | | | | | |")
+            continue
+        for ep in s["epochs"]:
+            listing = s["create_listing_requests"] if ep["epoch"] == 0 else ep.get("listing_requests")
+            mbs = {k: v / 1e6 for k, v in ep["get_bytes"].items() if k != "all"} if "get_bytes" in ep else None
+            cpu = " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
+            make = cell(s["create_s"], "{:.1f}") if ep["epoch"] == 0 else ""
+            flight = cell(ep.get("threads_reading"), "{:.1f}")
+            lines.append(
+                f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} | {cell(ep['seconds'], '{:.1f}')} | "
+                f"{make} | {cell(ep.get('gets'))} | {cell(mbs, '{:.1f}')} | {cell(listing)} | "
+                f"{cell(ep.get('storage_reads'))} | {cell(ep.get('cache_hits'))} | {flight} | {cpu} |"
+            )
+    caps = [(n, s) for n, s in result["summary"].items() if n.startswith("capacity-") and s["ok"]]
+    if caps:
+        lines += [
+            "",
+            f"server capacity (obstore, {result['config']['capacity_inflight']} GETs in flight, every object once):",
+        ]
+        for name, s in caps:
+            ep = s["epochs"][0]
+            lines.append(
+                f"  latency {name.split('-', 1)[1]} s: {cell(ep['samples_per_s'], rng=True)} GETs/s, "
+                f"{ep['get_bytes']['median'] / ep['seconds']['median'] / 1e6:.0f} MB/s; CPU s client / proxy / moto "
+                + " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
+            )
+    for name, s in result["summary"].items():
+        if s["ok"] < s["rounds"]:
+            lines += ["", f"{name}: {s['rounds'] - s['ok']} of {s['rounds']} run(s) failed:", s["errors"][0]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.s3", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+    p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--caches", type=float, nargs="+", default=list(COORDL_CACHES),
+                   help="coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI's threads (default: os.cpu_count())")
+    p.add_argument("--requests", type=int, help="COORDL_S3_REQUESTS for coordl (default: coordl's own, 64)")
+    p.add_argument("--capacity-inflight", type=int, default=64, help="GETs in flight for the capacity runs")
+    p.add_argument("--bucket", default="coordl-bench")
+    p.add_argument("--prefix", default="bench/train")
+    p.add_argument("--skip-dali", action="store_true", help="only coordl (and the capacity runs)")
+    p.add_argument("--skip-capacity", action="store_true")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "s3.json"))
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
+    args = p.parse_args(argv)
+    if args.one:
+        spec = json.loads(Path(args.one).read_text())
+        (child_capacity if spec["kind"] == "capacity" else child_loader)(spec)  # a failure: its traceback, exit 1
+        return 0
+
+    from coordl.tools.s3server import S3Server
+
+    dataset = common.dataset_from_args(args)
+    args.data = dataset["root"]
+    log(f"dataset: {common.describe(dataset)}")
+    names = config_names(args)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    t_start = time.time()
+    with S3Server() as server:
+        moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
+        server.create_bucket(args.bucket)
+        t0 = time.perf_counter()
+        keys = server.upload_tree(args.data, args.bucket, args.prefix)
+        log(f"uploaded {len(keys)} objects to s3://{args.bucket}/{args.prefix} in {time.perf_counter() - t0:.1f} s")
+        server.latency_s = args.latency
+        for rnd in range(args.repeat):
+            k = rnd % len(names)
+            for name in names[k:] + names[:k]:  # every round starts elsewhere: drift hits all alike
+                if name == "dali-s3" and runs[name] and all("error" in r for r in runs[name]):
+                    continue  # failed before: the reason is recorded
+                r = run_one(args, server, name, keys)
+                r["round"] = rnd
+                runs[name].append(r)
+                if "error" in r:
+                    log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
+                else:
+                    log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
+                        + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"]))  # fmt: skip
+    result = {
+        "benchmark": "s3",
+        "config": {
+            "latency_s": args.latency,
+            "epochs": args.epochs,
+            "repeat": args.repeat,
+            "batch": args.batch,
+            "caches": args.caches,
+            "dali_threads": args.threads,
+            "coordl_s3_requests": args.requests or 64,
+            "capacity_inflight": args.capacity_inflight,
+            "url": f"s3://{args.bucket}/{args.prefix}",
+            "pipeline": "imagenet-train",
+            "configurations": names,
+        },
+        "machine": common.machine(),
+        "dataset": dataset,
+        "objects": len(keys),
+        "moto_pid": moto_pid,  # stopped when the run ended
+        "wall_s": time.time() - t_start,
+        "runs": runs,
+        "summary": summarise(runs),
+    }
+    dali = result["summary"].get("dali-s3")
+    if dali is not None:
+        result["dali_s3"] = {"works": dali["ok"] > 0, "error": dali["errors"][0] if dali["errors"] else None}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
