@@ -374,6 +374,42 @@ def test_refused_credentials_raise_store_error_at_once_whatever_on_error_says(ti
         assert s.count("GET") <= 64  # stopped at the first batches, not a refusal per sample of the epoch
 
 
+def test_credentials_and_the_endpoint_come_from_an_aws_profile(tiny_dataset, tmp_path):
+    """No AWS_* credentials or endpoint in the environment: AWS_PROFILE names a profile of the shared
+    files that holds them, as the AWS CLI would use it."""
+    local = Index.scan(tiny_dataset, index_dir="")
+    with S3Server(auth=True) as s:
+        s.create_bucket(BUCKET)
+        s.upload_tree(tiny_dataset, BUCKET, "train")
+        (tmp_path / "credentials").write_text(
+            f"[training]\naws_access_key_id = {s.access_key}\naws_secret_access_key = {s.secret_key}\n"
+            "[stale]\naws_access_key_id = AKIAEXAMPLEEXAMPLE00\naws_secret_access_key = nope\n"
+        )
+        (tmp_path / "config").write_text(
+            f"[profile training]\nregion = {s.region}\nendpoint_url = {s.endpoint}\n"
+            f"[profile stale]\nregion = {s.region}\nendpoint_url = {s.endpoint}\n"
+        )
+        # None of the server's variables (no key, secret, region or endpoint): the profile says it all.
+        env = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(tmp_path / "config"),
+               "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+        assert not any(k in os.environ for k in s.env() if k != "AWS_EC2_METADATA_DISABLED")
+        paths = [f"s3://{BUCKET}/train/" + p.split(str(tiny_dataset) + "/", 1)[1] for p in local.paths]
+        etags = [f'"{hashlib.md5(Path(p).read_bytes()).hexdigest()}"' for p in local.paths]
+        code = "import coordl\nfrom coordl.index import Index\n"
+        code += (
+            f"index = Index.build({paths!r}, {local.labels.tolist()!r}, {local.sizes.tolist()!r}, etags={etags!r})\n"
+        )
+        code += textwrap.dedent("""
+            with coordl.CoordLoader(index, batch_size=8, device_id=None, cache_bytes=0) as ld:
+                print(sum(len(labels) for _, labels in ld))
+        """)
+        proc = _script(code, dict(env, AWS_PROFILE="training"))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[-1] == str(N) and s.count("GET") == N
+        proc = _script(code, dict(env, AWS_PROFILE="stale"))
+        assert proc.returncode != 0 and "InvalidAccessKeyId" in proc.stderr, proc.stderr
+
+
 TORCH_SCRIPT = """
 import json, sys
 import numpy as np
