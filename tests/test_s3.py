@@ -410,6 +410,37 @@ def test_credentials_and_the_endpoint_come_from_an_aws_profile(tiny_dataset, tmp
         assert proc.returncode != 0 and "InvalidAccessKeyId" in proc.stderr, proc.stderr
 
 
+LEAVING_SCRIPT = """
+import sys
+import coordl
+loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None, num_threads=1, cache_bytes=0.5,
+                            pipeline=coordl.ImageNetTrain(size=16))
+for k, _ in enumerate(loader):
+    if k == 0:
+        if sys.argv[2] == "raise":
+            raise RuntimeError("the training step failed")
+        break
+print("left the loop")  # and ends without close()
+"""
+
+
+@pytest.mark.parametrize("how", ["break", "raise"])
+def test_a_script_that_leaves_the_loop_with_requests_hung_exits_promptly_and_leaves_nothing(root, s3env, isolated, how):
+    index = Index.scan(root)
+    for i in range(24, 48):  # batches 3-5: in flight when the loop leaves after batch 0
+        s3env.hang(_key(index.paths[i]), 60.0, times=100)
+    t0 = time.monotonic()
+    proc = _script(LEAVING_SCRIPT.replace("sys.argv[1]", repr(root)).replace("sys.argv[2]", repr(how)), {}, timeout=60)
+    assert time.monotonic() - t0 < 30  # not the hung requests' 30 s timeout and its retries
+    if how == "break":
+        assert proc.returncode == 0 and "left the loop" in proc.stdout, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 1 and proc.stderr.rstrip().endswith("RuntimeError: the training step failed")
+    assert any(status == 0 for *_, status, _ in s3env.requests("GET"))  # requests were hung at exit
+    assert os.listdir(isolated) == []  # the cache left shared memory with the process
+
+
 TORCH_SCRIPT = """
 import json, sys
 import numpy as np

@@ -286,7 +286,7 @@ class FetchPass(_Timed):
             tail = min(TAIL, len(batches) // 4)
             self.warmup = min(self.warmup, len(batches) // 5)
             self.steps = len(batches) - self.warmup - tail
-        _drop_pages(ld.resources.index.paths, np.concatenate(batches))
+        _drop_pages(ld.resources.index, np.concatenate(batches))
         self._drive(batches)
 
     def _done(self):
@@ -313,7 +313,7 @@ class StoragePass(_Phase):
         ids = self._order(ld.position.epoch + 7919)[: (self.warmup + self.steps) * self.bs]
         limit = float(self.spec.get("storage_seconds", 20.0))
         index = ld.resources.index
-        _drop_pages(index.paths, ids)
+        _drop_pages(index, ids)
         threads = ld.resources.io_threads or 8
         done_bytes = done_items = 0
 
@@ -390,8 +390,12 @@ def _cache_read_rate(cache: MinIOCache | None, ids: np.ndarray, min_seconds: flo
             return total / dt
 
 
-def _drop_pages(paths, ids) -> None:
-    """Evicts the files of ``ids`` from the OS page cache, so that reading them hits the device."""
+def _drop_pages(index, ids) -> None:
+    """Evicts the files of ``ids`` from the OS page cache, so that reading them hits the device
+    (objects in a store have no pages here)."""
+    if index.in_store:
+        return
+    paths = index.paths
     for i in np.unique(ids).tolist():
         try:
             fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)

@@ -9,6 +9,10 @@ read; then its bytes are copied from the client's receive buffer into the caller
 cache slot): no other copy. Throttling (503 SlowDown), 5xx answers, dropped connections and
 timeouts are retried by the client with exponential backoff and jitter (``AWS_MAX_ATTEMPTS``).
 
+A call's requests still waiting when its ``stop`` event is set (the loader closes) or the
+interpreter exits (a script that ends without ``close()``) are abandoned, so that neither waits
+out the timeout and its retries.
+
 obstore's runtime does not survive ``fork``: a process forked from one that used it (a
 ``DataLoader`` worker whose parent read samples itself) reads with boto3 instead, on threads,
 and says so once.
@@ -68,6 +72,12 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# The interpreter is exiting: requests still waiting are abandoned. Python joins the I/O pools'
+# threads (concurrent.futures' exit hook) before atexit closes the loaders a script left open, so
+# a hook of the same kind, registered later and so run earlier, must release them first.
+_exiting = threading.Event()
+threading._register_atexit(_exiting.set)  # private, but the hook concurrent.futures itself uses
 
 
 def _process_tokens() -> _Tokens:
@@ -166,10 +176,12 @@ async def _read_async(urls, sizes, etags, buffers, limit: int, stop: threading.E
     import obstore
 
     gate = asyncio.Semaphore(limit)
+    where = [url.split(u) for u in urls]
+    stores = {bucket: client.obstore_store(bucket) for bucket in {b for b, _ in where}}  # once per call, not object
 
     async def one(k: int) -> None:
-        bucket, key = url.split(urls[k])
-        store = client.obstore_store(bucket)
+        bucket, key = where[k]
+        store = stores[bucket]
         options = {"if_match": etags[k]} if etags[k] else None
         async with gate:
             answer = await obstore.get_async(store, key, options=options)
@@ -180,16 +192,15 @@ async def _read_async(urls, sizes, etags, buffers, limit: int, stop: threading.E
         _scatter(data, buffers[k], sizes[k], urls[k])
 
     tasks = [asyncio.ensure_future(one(k)) for k in range(len(urls))]
-    watch = asyncio.ensure_future(_cancel_on(stop, tasks)) if stop is not None else None
+    watch = asyncio.ensure_future(_cancel_on(stop, tasks))
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    if watch is not None:
-        watch.cancel()
+    watch.cancel()
     return {k: _failure(r, urls[k]) for k, r in enumerate(results) if isinstance(r, BaseException)}
 
 
-async def _cancel_on(stop: threading.Event, tasks: list) -> None:
-    """Cancels ``tasks`` once ``stop`` is set (checked every 50 ms)."""
-    while not stop.is_set():
+async def _cancel_on(stop: threading.Event | None, tasks: list) -> None:
+    """Cancels ``tasks`` once ``stop`` is set or the interpreter exits (checked every 50 ms)."""
+    while not (_exiting.is_set() or (stop is not None and stop.is_set())):
         await asyncio.sleep(STOP_POLL_S)
     for t in tasks:
         t.cancel()
