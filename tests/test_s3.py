@@ -441,6 +441,49 @@ def test_a_script_that_leaves_the_loop_with_requests_hung_exits_promptly_and_lea
     assert os.listdir(isolated) == []  # the cache left shared memory with the process
 
 
+KILLED_SCRIPT = """
+import sys, time
+import coordl
+loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None, num_threads=1, cache_bytes=1.0,
+                            pipeline=coordl.ImageNetTrain(size=16))
+for k, _ in enumerate(loader):
+    print("batch", k, flush=True)
+    time.sleep(3600)  # killed here, with the GETs of later batches stuck and their cache slots reserved
+"""
+
+
+def test_a_process_killed_with_gets_in_flight_leaves_a_cache_the_next_loader_removes(root, s3env, isolated):
+    index = Index.scan(root)
+    for i in range(24, 48):
+        s3env.hang(_key(index.paths[i]), 60.0, times=1)  # once each: the killed process's requests
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, root], env=full, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("batch 0")
+        deadline = time.monotonic() + 20
+        while not any(status == 0 for *_, status, _ in s3env.requests("GET")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.listdir(isolated)  # the dead process's cache, with slots reserved for the stuck objects
+    s3env.reset()
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=1.0,
+                     return_index=True) as loader:  # fmt: skip
+        stats = []
+        for epoch in range(2):
+            seen = Counter(i for _, _, ids in loader for i in ids.tolist())
+            assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+            stats.append(loader.stats())
+    # The dead job's cache (slots reserved for the stuck objects included) was removed by the next loader,
+    # which read every object once, exactly as its statistics say.
+    delivered = sum(1 for _, path, status, _ in s3env.requests("GET") if status == 200 and "list-type" not in path)
+    assert delivered == stats[0]["storage_reads"] == N
+    assert stats[1]["storage_reads"] == 0 and stats[1]["cache_hits"] == N  # then the cache holds every sample
+    assert os.listdir(isolated) == []
+
+
 TORCH_SCRIPT = """
 import json, sys
 import numpy as np
