@@ -60,8 +60,11 @@ def loader_batch_time(root: str, batch_size: int, epochs: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.accounting_overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.accounting_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
@@ -79,8 +82,10 @@ def main() -> int:
         "overhead_fraction": {"all_cached": cost_hit / batch, "all_from_storage": cost_miss / batch},
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"accounting per batch of {args.batch_size}: {1e6 * cost_hit:.1f} us (all cached), "
-          f"{1e6 * cost_miss:.1f} us (all from storage)")  # fmt: skip
+    print(
+        f"accounting per batch of {args.batch_size}: {1e6 * cost_hit:.1f} us (all cached), "
+        f"{1e6 * cost_miss:.1f} us (all from storage)"
+    )
     print(f"warm loader batch: {1e3 * batch:.1f} ms ({args.batch_size / batch:.0f} samples/s)")
     print(f"overhead: {100 * cost_hit / batch:.4f}% (cached), {100 * cost_miss / batch:.4f}% (storage); target < 1%")
     return 0

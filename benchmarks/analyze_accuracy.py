@@ -39,8 +39,9 @@ def log(*a) -> None:
 def settle(root: str) -> None:
     """Libraries in the page cache (each phase starts a fresh Python that imports torch and DALI,
     which must not crawl through the storage throttle), the dataset's files out of it."""
-    subprocess.run([sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"], check=True
+    )
     common.evict(root)
 
 
@@ -52,8 +53,11 @@ def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.analyze_accuracy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.analyze_accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--analyze-cache", type=float, default=0.5, help="the analysed job's cache fraction")
@@ -64,9 +68,12 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, help="storage bytes/s (default: from --storage-factor)")
     p.add_argument("--working-set", type=float, default=1.6e9, help="memory the script needs besides the cache")
     p.add_argument("--out", default=str(HERE / "results" / "analyze_accuracy.json"))
-    p.add_argument("--threads", default="1,1",
-                   help="the model's torch threads and DALI's threads, e.g. 1,1 (one core each, the default) "
-                   "or 0,0 (each library's default: both use every core)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        default="1,1",
+        help="the model's torch threads and DALI's threads, e.g. 1,1 (one core each, the default) "
+        "or 0,0 (each library's default: both use every core)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
     args = p.parse_args()
     if args.quick:
@@ -90,8 +97,16 @@ def main() -> int:
 
     # 1. The throttle: a fraction of what training on cached data needs.
     if args.bandwidth is None:
-        res = run_phase(script + ["--cache", "0"], "P", out=str(out_dir), steps=args.steps, warmup=5,
-                        run_id=uuid.uuid4().hex[:12], timeout=900, extra={"subset_batches": 16})  # fmt: skip
+        res = run_phase(
+            script + ["--cache", "0"],
+            "P",
+            out=str(out_dir),
+            steps=args.steps,
+            warmup=5,
+            run_id=uuid.uuid4().hex[:12],
+            timeout=900,
+            extra={"subset_batches": 16},
+        )
         R = sum(r["R_samples_per_s"] for r in res)
         args.bandwidth = args.storage_factor * R * b
         log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {format_bytes(args.bandwidth, 'MB')}/s")
@@ -106,8 +121,22 @@ def main() -> int:
     report_path = out_dir / "report.json"
     t0 = time.perf_counter()
     try:
-        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir),
-               "--json", str(report_path), "--", *script, "--cache", str(args.analyze_cache)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordl.cli",
+            "analyze",
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out_dir),
+            "--json",
+            str(report_path),
+            "--",
+            *script,
+            "--cache",
+            str(args.analyze_cache),
+        ]
         subprocess.run(cmd, check=True, preexec_fn=lim.join)
     finally:
         lim.remove()
@@ -123,22 +152,34 @@ def main() -> int:
         memory = int(args.working_set + x * total)
         lim = limited(args, f"coordl-analyze-m-{os.getpid()}", memory, bw, dev, caps)
         try:
-            proc = subprocess.run(script + ["--cache", str(x), "--epochs", str(args.epochs)], check=True,
-                                  capture_output=True, text=True, preexec_fn=lim.join)  # fmt: skip
+            proc = subprocess.run(
+                script + ["--cache", str(x), "--epochs", str(args.epochs)],
+                check=True,
+                capture_output=True,
+                text=True,
+                preexec_fn=lim.join,
+            )
         finally:
             lim.remove()
         epochs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         steady = epochs[1:]
         measured = statistics.median(e["samples"] / e["elapsed_s"] for e in steady)
         predicted = model.throughput(x)
-        rows.append({
-            "cache_fraction": x, "predicted_samples_per_s": predicted, "measured_samples_per_s": measured,
-            "error": predicted / measured - 1, "bound": model.bound(x),
-            "storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady),
-            "epochs": epochs,
-        })  # fmt: skip
-        log(f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s "
-            f"({100 * (predicted / measured - 1):+.1f}%), {model.bound(x)}-bound")  # fmt: skip
+        rows.append(
+            {
+                "cache_fraction": x,
+                "predicted_samples_per_s": predicted,
+                "measured_samples_per_s": measured,
+                "error": predicted / measured - 1,
+                "bound": model.bound(x),
+                "storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady),
+                "epochs": epochs,
+            }
+        )
+        log(
+            f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s "
+            f"({100 * (predicted / measured - 1):+.1f}%), {model.bound(x)}-bound"
+        )
 
     result = {
         "machine": common.machine(),
@@ -155,18 +196,25 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     png = Path(args.out).with_suffix(".png")
     try:
-        rep.plot(report, str(png), measured=[(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows],
-                 title=f"small ResNet on 2 CPU cores, storage {format_bytes(bw, 'MB')}/s: "
-                 "predicted vs measured")  # fmt: skip
+        rep.plot(
+            report,
+            str(png),
+            measured=[(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows],
+            title=f"small ResNet on 2 CPU cores, storage {format_bytes(bw, 'MB')}/s: predicted vs measured",
+        )
     except ImportError:
         png = None
     print("\n| cache | predicted samples/s | measured samples/s | error | bound |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['cache_fraction']:.0%} | {r['predicted_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
-              f"| {100 * r['error']:+.1f}% | {r['bound']} |")  # fmt: skip
-    print(f"\nrates: G {report['rates']['G']:.0f}, P {report['rates']['P']:.0f}, R {report['rates']['R']:.0f} "
-          f"samples/s; S {format_bytes(report['rates']['S'], 'MB')}/s; analysis took {analyze_s:.0f} s")  # fmt: skip
+        print(
+            f"| {r['cache_fraction']:.0%} | {r['predicted_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
+            f"| {100 * r['error']:+.1f}% | {r['bound']} |"
+        )
+    print(
+        f"\nrates: G {report['rates']['G']:.0f}, P {report['rates']['P']:.0f}, R {report['rates']['R']:.0f} "
+        f"samples/s; S {format_bytes(report['rates']['S'], 'MB')}/s; analysis took {analyze_s:.0f} s"
+    )
     print(f"results: {args.out}" + (f", plot: {png}" if png else ""))
     return 0
 

@@ -59,15 +59,19 @@ def bare_dali(index, batch_size: int, threads: int, size: int):
 
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
-        jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True,
-                                         dtype=[types.UINT8, types.INT64])  # fmt: skip
-        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
-                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])  # fmt: skip
+        jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+        images = fn.decoders.image_random_crop(
+            jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
+        )
         images = fn.resize(images, resize_x=size, resize_y=size)
         return fn.crop_mirror_normalize(
-            images, dtype=types.FLOAT, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5),
-            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-        ), labs  # fmt: skip
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mirror=fn.random.coin_flip(probability=0.5),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+        ), labs
 
     p = pipe()
     p.build()
@@ -84,8 +88,11 @@ def time_epoch(it) -> tuple[float, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dali_overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.dali_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -96,8 +103,14 @@ def main() -> int:
 
     dataset = common.dataset_from_args(args)
     recipe = coordl.ImageNetTrain(size=args.crop)
-    loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=1.0,
-                                device_id=None, num_threads=args.threads)  # fmt: skip
+    loader = coordl.CoordLoader(
+        args.data,
+        batch_size=args.batch_size,
+        pipeline=recipe,
+        cache_bytes=1.0,
+        device_id=None,
+        num_threads=args.threads,
+    )
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
     reader = loaders.DaliLoader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
@@ -122,13 +135,22 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratio = med["coordl"] / med["dali"]
     ratio_reader = med["coordl"] / med["dali-reader"]
-    result = {"benchmark": "dali_overhead", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-              "samples_per_s": runs, "median": med, "ratio_coordl_over_dali": round(ratio, 4),
-              "ratio_coordl_over_dali_reader": round(ratio_reader, 4)}  # fmt: skip
+    result = {
+        "benchmark": "dali_overhead",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "samples_per_s": runs,
+        "median": med,
+        "ratio_coordl_over_dali": round(ratio, 4),
+        "ratio_coordl_over_dali_reader": round(ratio_reader, 4),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}, DALI file reader "
-          f"{med['dali-reader']:.1f}; ratios {ratio:.3f}, {ratio_reader:.3f}")
+    print(
+        f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}, DALI file reader "
+        f"{med['dali-reader']:.1f}; ratios {ratio:.3f}, {ratio_reader:.3f}"
+    )
     return 0
 
 

@@ -38,8 +38,9 @@ def job(args) -> None:
 
     kw = {"hp_group": args.group} if args.group else {}
     out = {"epochs": [], "times": []}
-    with coordl.CoordLoader(args.data, batch_size=args.batch_size, cache_bytes=1.0, keep_cache=True,
-                            device_id=None, **kw) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        args.data, batch_size=args.batch_size, cache_bytes=1.0, keep_cache=True, device_id=None, **kw
+    ) as loader:
         Path(args.ready).touch()
         while not os.path.exists(args.go):
             time.sleep(0.01)
@@ -54,19 +55,38 @@ def job(args) -> None:
                 if args.progress:
                     Path(args.progress).write_text(str(len(out["times"])))
             s = loader.stats()
-            out["epochs"].append({
-                "seconds": time.perf_counter() - t0,
-                "samples": n,
-                **{k: s.get(k) for k in ("produced", "consumed_shared", "storage_bytes", "staging_peak_bytes",
-                                         "staging_bound", "order_epoch", "hp_members")},
-            })  # fmt: skip
+            out["epochs"].append(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "samples": n,
+                    **{
+                        k: s.get(k)
+                        for k in (
+                            "produced",
+                            "consumed_shared",
+                            "storage_bytes",
+                            "staging_peak_bytes",
+                            "staging_bound",
+                            "order_epoch",
+                            "hp_members",
+                        )
+                    },
+                }
+            )
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_s"] = {"user": ru.ru_utime, "sys": ru.ru_stime}
     Path(args.out).write_text(json.dumps(out))
 
 
-def launch(args, n: int, group: str | None, workdir: Path, epochs: int, kill_one: bool = False,
-           dev: tuple[int, int] | None = None) -> dict:
+def launch(
+    args,
+    n: int,
+    group: str | None,
+    workdir: Path,
+    epochs: int,
+    kill_one: bool = False,
+    dev: tuple[int, int] | None = None,
+) -> dict:
     """Starts ``n`` jobs, lets them go together once all are ready; with ``dev``, drops the page
     cache just before and counts the bytes the device delivers while they run."""
     go = workdir / "go"
@@ -76,9 +96,22 @@ def launch(args, n: int, group: str | None, workdir: Path, epochs: int, kill_one
         out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
         out.unlink(missing_ok=True)
         ready.unlink(missing_ok=True)
-        cmd = common.module_command("hp_group", "--job", "--data", args.data, "--batch-size", str(args.batch_size),
-                                    "--epochs", str(epochs), "--ready", str(ready), "--go", str(go),
-                                    "--out", str(out))  # fmt: skip
+        cmd = common.module_command(
+            "hp_group",
+            "--job",
+            "--data",
+            args.data,
+            "--batch-size",
+            str(args.batch_size),
+            "--epochs",
+            str(epochs),
+            "--ready",
+            str(ready),
+            "--go",
+            str(go),
+            "--out",
+            str(out),
+        )
         if group:
             cmd += ["--group", group]
         if kill_one and k == 0:
@@ -137,8 +170,9 @@ def per_job_rate(run: dict) -> list[float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hp_group", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.hp_group", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     for a in ("--group", "--ready", "--go", "--out", "--progress"):
         p.add_argument(a, help=argparse.SUPPRESS)
@@ -178,7 +212,9 @@ def main() -> int:
                     "per_job_samples_per_s": rates,
                     "mean_per_job_samples_per_s": sum(rates) / len(rates),
                     "cold_epoch_device_bytes": cold_bytes,
-                    "cold_epoch_stats_storage_bytes": sum(e["storage_bytes"] for j in cold["jobs"] for e in j["epochs"]),
+                    "cold_epoch_stats_storage_bytes": sum(
+                        e["storage_bytes"] for j in cold["jobs"] for e in j["epochs"]
+                    ),
                     "batches_decoded_per_epoch": decoded,
                     "staging_peak_bytes": max((e["staging_peak_bytes"] or 0) for e in steady),
                     "staging_bound": max((e["staging_bound"] or 0) for e in steady),
@@ -186,9 +222,11 @@ def main() -> int:
                     "jobs": [j["epochs"] for j in run["jobs"]],
                     "cpu_s_per_epoch": sum(j["cpu_s"]["user"] + j["cpu_s"]["sys"] for j in run["jobs"]) / args.epochs,
                 }
-                print(f"N={n} {mode:>11}: per job {[round(r) for r in rates]} samples/s, cold epoch read "
-                      f"{format_bytes(cold_bytes, 'MB')} from the device, {row[mode]['batches_decoded_per_epoch']:.0f} "
-                      f"batches decoded per epoch, {row[mode]['cpu_s_per_epoch']:.1f} CPU-s per epoch")  # fmt: skip
+                print(
+                    f"N={n} {mode:>11}: per job {[round(r) for r in rates]} samples/s, cold epoch read "
+                    f"{format_bytes(cold_bytes, 'MB')} from the device, {row[mode]['batches_decoded_per_epoch']:.0f} "
+                    f"batches decoded per epoch, {row[mode]['cpu_s_per_epoch']:.1f} CPU-s per epoch"
+                )
             row["ratio"] = row["coordinated"]["mean_per_job_samples_per_s"] / row["alone"]["mean_per_job_samples_per_s"]
             print(f"N={n}: coordinated / alone per-job throughput = {row['ratio']:.2f} (target >= {0.8 * n:.1f})")
             results["rows"].append(row)
@@ -198,14 +236,17 @@ def main() -> int:
         for j in run["jobs"]:
             t = j["times"]
             before = [b - a for a, b in zip(t, t[1:], strict=False) if b < run["killed_at"]]
-            after = [b - a for a, b in zip(t, t[1:], strict=False) if a >= run["killed_at"] - 1 and b >= run["killed_at"]]
+            after = [
+                b - a for a, b in zip(t, t[1:], strict=False) if a >= run["killed_at"] - 1 and b >= run["killed_at"]
+            ]
             typical = sorted(before)[len(before) // 2]
-            gaps.append({"typical_gap_s": typical, "max_gap_after_kill_s": max(after),
-                         "lost_s": max(after) - typical})  # fmt: skip
+            gaps.append({"typical_gap_s": typical, "max_gap_after_kill_s": max(after), "lost_s": max(after) - typical})
         results["recovery"] = gaps
-        print(f"kill -9 of one of 3 members: survivors' longest wait for a batch after the kill "
-              f"{[round(g['max_gap_after_kill_s'], 3) for g in gaps]} s (typical "
-              f"{[round(g['typical_gap_s'], 3) for g in gaps]} s)")  # fmt: skip
+        print(
+            f"kill -9 of one of 3 members: survivors' longest wait for a batch after the kill "
+            f"{[round(g['max_gap_after_kill_s'], 3) for g in gaps]} s (typical "
+            f"{[round(g['typical_gap_s'], 3) for g in gaps]} s)"
+        )
     finally:
         reaper.reap(include_kept=True)
     Path(args.result).parent.mkdir(parents=True, exist_ok=True)

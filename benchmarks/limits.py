@@ -32,8 +32,10 @@ def probe() -> dict:
     notes = []
     root = os.geteuid() == 0
     if not root:
-        notes.append("not root: no memory cgroup, no blkio throttle, no page-cache drop; "
-                     "results are for an unlimited, unthrottled, possibly warm machine")  # fmt: skip
+        notes.append(
+            "not root: no memory cgroup, no blkio throttle, no page-cache drop; "
+            "results are for an unlimited, unthrottled, possibly warm machine"
+        )
     ok = {}
     for controller, knob in (("memory", "memory.limit_in_bytes"), ("blkio", "blkio.throttle.read_bps_device")):
         path = _own_path(controller)

@@ -141,8 +141,14 @@ class TorchLoader:
         self.dataset = PillowImageFolder(data, TrainAugment())
         g = torch.Generator()
         g.manual_seed(seed)
-        self.loader = DataLoader(self.dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                 persistent_workers=workers > 0, generator=g)  # fmt: skip
+        self.loader = DataLoader(
+            self.dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            generator=g,
+        )
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -175,19 +181,25 @@ class DaliLoader:
         @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.readers.file(file_root=data, name="Reader", **reader)
-            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
-                                                   random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])  # fmt: skip
+            images = fn.decoders.image_random_crop(
+                jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
+            )
             images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
             return fn.crop_mirror_normalize(
-                images, dtype=types.FLOAT, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5),
-                mean=[m * 255 for m in MEAN], std=[s * 255 for s in STD],
-            ), labels  # fmt: skip
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mirror=fn.random.coin_flip(probability=0.5),
+                mean=[m * 255 for m in MEAN],
+                std=[s * 255 for s in STD],
+            ), labels
 
         p = pipe()
         p.build()
         self.n = p.reader_meta("Reader")["epoch_size"]
-        self.it = DALIGenericIterator(p, ["images", "labels"], reader_name="Reader",
-                                      last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)  # fmt: skip
+        self.it = DALIGenericIterator(
+            p, ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
+        )
 
     def __len__(self) -> int:
         return self.n
@@ -208,8 +220,15 @@ class CoordlLoader:
     def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int, decoded_cache=0):
         import coordl
 
-        self.loader = coordl.CoordLoader(data, batch_size=batch_size, cache_bytes=cache_bytes, device_id=None,
-                                         num_threads=workers, seed=seed, decoded_cache=decoded_cache)  # fmt: skip
+        self.loader = coordl.CoordLoader(
+            data,
+            batch_size=batch_size,
+            cache_bytes=cache_bytes,
+            device_id=None,
+            num_threads=workers,
+            seed=seed,
+            decoded_cache=decoded_cache,
+        )
 
     def __len__(self) -> int:
         return len(self.loader.index)
@@ -220,8 +239,18 @@ class CoordlLoader:
 
     def counters(self) -> dict | None:
         s = self.loader.stats()
-        keys = ("cache_hits", "storage_reads", "storage_bytes", "cache_bytes", "cache_items", "cache_budget",
-                "stall_s", "fetch_wait_s", "decoded_hits", "decoded_cache_budget")  # fmt: skip
+        keys = (
+            "cache_hits",
+            "storage_reads",
+            "storage_bytes",
+            "cache_bytes",
+            "cache_items",
+            "cache_budget",
+            "stall_s",
+            "fetch_wait_s",
+            "decoded_hits",
+            "decoded_cache_budget",
+        )
         return {k: s[k] for k in keys}
 
     def close(self) -> None:
@@ -236,8 +265,14 @@ class CoordlTorchLoader(CoordlLoader):
         from coordl.datasets import ImageFolder
 
         dataset = ImageFolder(data, transform=TrainAugment())
-        self.loader = coordl.CoordLoader(dataset, batch_size=batch_size, num_workers=workers,
-                                         persistent_workers=workers > 0, cache_bytes=cache_bytes, seed=seed)  # fmt: skip
+        self.loader = coordl.CoordLoader(
+            dataset,
+            batch_size=batch_size,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            cache_bytes=cache_bytes,
+            seed=seed,
+        )
 
 
 def make(kind: str, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
@@ -294,7 +329,10 @@ class MemoryMeter:
         if not self.cgroup:
             import resource
 
-            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            kb = (
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            )
             return {"peak_memory_bytes": kb * 1024, "peak_memory_kind": "rss"}
         self._stop.set()
         self._thread.join()
@@ -323,8 +361,12 @@ def child(args) -> int:
     for _ in range(args.warmup_batches):
         samples += next(epoch).shape[0]
     extra = loader.counters() or {}
-    say(ready=True, build_s=round(time.perf_counter() - t_build, 2), warmup_samples=samples,
-        cache_bytes=extra.get("cache_bytes", 0))  # fmt: skip
+    say(
+        ready=True,
+        build_s=round(time.perf_counter() - t_build, 2),
+        warmup_samples=samples,
+        cache_bytes=extra.get("cache_bytes", 0),
+    )
     if sys.stdin.readline().strip() != "go":
         loader.close()
         return 1
@@ -347,8 +389,15 @@ def child(args) -> int:
                 time.sleep(args.compute_ms / 1000)
         seconds = time.perf_counter() - t0
         disk = common.sectors_read(dev) - before
-        row = {"epoch": e, "seconds": round(seconds, 3), "samples": samples, "samples_per_s": round(samples / seconds, 1),
-               "device_bytes": disk, "wait_s": round(wait, 3), **memory.stop()}  # fmt: skip
+        row = {
+            "epoch": e,
+            "seconds": round(seconds, 3),
+            "samples": samples,
+            "samples_per_s": round(samples / seconds, 1),
+            "device_bytes": disk,
+            "wait_s": round(wait, 3),
+            **memory.stop(),
+        }
         counters = loader.counters()
         if counters is not None:
             row["counters"] = counters  # epoch 0's include the warm-up batches
@@ -359,8 +408,10 @@ def child(args) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loaders",
-                                description="one benchmark loader in a child process (started by benchmarks.run)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.loaders",
+        description="one benchmark loader in a child process (started by benchmarks.run)",
+    )
     p.add_argument("--loader", choices=LOADERS, required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--batch-size", type=int, default=64)

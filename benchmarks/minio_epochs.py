@@ -20,14 +20,22 @@ from benchmarks import common
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.minio_epochs", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.minio_epochs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--cache", type=float, default=0.5, help="cache budget as a fraction of the dataset")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--drop-level", type=int, default=3, choices=(1, 3),
-                   help="drop_caches level before each epoch: 3 (pages, dentries, inodes) or 1 (pages only)")
+    p.add_argument(
+        "--drop-level",
+        type=int,
+        default=3,
+        choices=(1, 3),
+        help="drop_caches level before each epoch: 3 (pages, dentries, inodes) or 1 (pages only)",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "minio_epochs.json"))
     args = p.parse_args()
 
@@ -70,8 +78,14 @@ def main() -> int:
             }
             rows.append(row)
             print(json.dumps(row))
-    result = {"benchmark": "minio_epochs", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-              "notes": notes, "epochs": rows}  # fmt: skip
+    result = {
+        "benchmark": "minio_epochs",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "notes": notes,
+        "epochs": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(table(rows))

@@ -111,9 +111,13 @@ def main() -> int:
 
     def loader(cache_bytes):
         return coordl.CoordLoader(
-            args.data, batch_size=args.batch_size, pipeline=recipe, cache_bytes=cache_bytes, device_id=None,
+            args.data,
+            batch_size=args.batch_size,
+            pipeline=recipe,
+            cache_bytes=cache_bytes,
+            device_id=None,
             num_threads=args.threads,
-        )  # fmt: skip
+        )
 
     index = loader(0)
     paths = list(index.index.paths)
@@ -158,11 +162,17 @@ def main() -> int:
     med = {m: statistics.median(v) for m, v in runs.items()}
     ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
     result = {
-        "benchmark": "miss_path", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-        "cpus_allowed": len(os.sched_getaffinity(0)), "coordl": str(Path(coordl.__file__).parent),
-        "samples_per_s": runs, "median": med,
-        "ratio_to_dali_reader": ratios, "stats": details,
-    }  # fmt: skip
+        "benchmark": "miss_path",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "coordl": str(Path(coordl.__file__).parent),
+        "samples_per_s": runs,
+        "median": med,
+        "ratio_to_dali_reader": ratios,
+        "stats": details,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print("median samples/s: " + ", ".join(f"{m} {v:.0f}" for m, v in med.items()))

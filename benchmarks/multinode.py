@@ -63,9 +63,24 @@ MODES = {
     "b": ("partitioned", ["--locality", "0"]),
     "c": ("partitioned + locality", ["--locality", "1"]),
 }
-STAT_KEYS = ("samples", "samples_per_s", "elapsed_s", "stall_s", "storage_reads", "storage_bytes", "peer_reads",
-             "peer_bytes", "peer_served_reads", "peer_served_bytes", "cache_hits", "cache_hit_bytes", "cache_bytes",
-             "cache_items", "cache_budget", "admitted")  # fmt: skip
+STAT_KEYS = (
+    "samples",
+    "samples_per_s",
+    "elapsed_s",
+    "stall_s",
+    "storage_reads",
+    "storage_bytes",
+    "peer_reads",
+    "peer_bytes",
+    "peer_served_reads",
+    "peer_served_bytes",
+    "cache_hits",
+    "cache_hit_bytes",
+    "cache_bytes",
+    "cache_items",
+    "cache_budget",
+    "admitted",
+)
 
 
 # -- the training job, one per node (launched by torchrun) ------------------------------------
@@ -84,8 +99,11 @@ def worker(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--blkio", help="this node's blkio.throttle.io_service_bytes")
     p.add_argument("--device", default="254:0")
-    p.add_argument("--close-first", action="store_true",
-                   help="close the loader before the final barrier (tests/multinode_train.py's order)")
+    p.add_argument(
+        "--close-first",
+        action="store_true",
+        help="close the loader before the final barrier (tests/multinode_train.py's order)",
+    )
     a = p.parse_args(argv)
 
     import torch.distributed as dist
@@ -95,10 +113,17 @@ def worker(argv: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     loader = coordl.CoordLoader(
-        a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.crop), cache_bytes=a.cache,
-        device_id=None, num_threads=a.threads, return_index=True, seed=a.seed,
-        peers="auto" if a.peers == "auto" else False, locality_aware=bool(a.locality),
-    )  # fmt: skip
+        a.data,
+        batch_size=a.batch_size,
+        pipeline=coordl.ImageNetTrain(size=a.crop),
+        cache_bytes=a.cache,
+        device_id=None,
+        num_threads=a.threads,
+        return_index=True,
+        seed=a.seed,
+        peers="auto" if a.peers == "auto" else False,
+        locality_aware=bool(a.locality),
+    )
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
@@ -111,9 +136,16 @@ def worker(argv: list[str]) -> None:
         # What the node's cache holds now: the holder map every rank learns at the next pass.
         everything = np.arange(len(loader.index))
         cached = [] if loader.cache is None else np.flatnonzero(loader.cache.ready_mask(everything)).tolist()
-        record["epochs"].append({"time_s": seconds, "stats": loader.stats(), "batches": batches, "cached": cached,
-                                 "blkio_read_bytes": None if dev0 is None else dev1 - dev0,
-                                 "proc_read_bytes": io1 - io0})  # fmt: skip
+        record["epochs"].append(
+            {
+                "time_s": seconds,
+                "stats": loader.stats(),
+                "batches": batches,
+                "cached": cached,
+                "blkio_read_bytes": None if dev0 is None else dev1 - dev0,
+                "proc_read_bytes": io1 - io0,
+            }
+        )
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
     # The multi-node guide's advice: a barrier before closing, so that no node stops serving
@@ -148,12 +180,22 @@ def _proc_read_bytes() -> int:
 class Run:
     """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup of its own."""
 
-    def __init__(self, args, dataset: dict, nodes: int, budget: int, mode: str, throttle: int | None, port: int,
-                 prep_sps: float | None = None):
+    def __init__(
+        self,
+        args,
+        dataset: dict,
+        nodes: int,
+        budget: int,
+        mode: str,
+        throttle: int | None,
+        port: int,
+        prep_sps: float | None = None,
+    ):
         self.args, self.dataset, self.nodes, self.budget = args, dataset, nodes, budget
         self.prep_sps = prep_sps  # samples/s per node measured unthrottled, for the bounds
         self.mode, self.throttle, self.port = mode, throttle, port
-        self.device = "%d:%d" % common.device_of(dataset["root"])
+        major, minor = common.device_of(dataset["root"])
+        self.device = f"{major}:{minor}"
         self.cgroups = [BLKIO / f"cdl-mn{os.getpid()}-{port}-{k}" for k in range(nodes)]
 
     def execute(self) -> dict:
@@ -176,15 +218,45 @@ class Run:
                     log = open(out / f"node{k}.log", "w")
                     logs.append(log)
                     blk = str(self.cgroups[k] / "blkio.throttle.io_service_bytes")
-                    argv = ["torchrun", "--nnodes", str(self.nodes), "--node_rank", str(k), "--nproc_per_node", "1",
-                            "--master_addr", c.address(0), "--master_port", str(self.port), "-m", "benchmarks.multinode", "worker",
-                            self.dataset["root"], str(out), "--epochs", str(self.args.epochs),
-                            "-b", str(self.args.batch_size), "--cache", str(self.budget), "--crop", str(self.args.crop),
-                            "--threads", str(self.args.threads), "--seed", str(self.args.seed), "--blkio", blk,
-                            "--device", self.device,
-                            *MODES[self.mode][1], *(["--close-first"] if self.args.close_first else [])]  # fmt: skip
-                    procs.append(c.popen(k, argv, env=env, cgroups=[str(self.cgroups[k])], stdout=log,
-                                         stderr=subprocess.STDOUT))  # fmt: skip
+                    argv = [
+                        "torchrun",
+                        "--nnodes",
+                        str(self.nodes),
+                        "--node_rank",
+                        str(k),
+                        "--nproc_per_node",
+                        "1",
+                        "--master_addr",
+                        c.address(0),
+                        "--master_port",
+                        str(self.port),
+                        "-m",
+                        "benchmarks.multinode",
+                        "worker",
+                        self.dataset["root"],
+                        str(out),
+                        "--epochs",
+                        str(self.args.epochs),
+                        "-b",
+                        str(self.args.batch_size),
+                        "--cache",
+                        str(self.budget),
+                        "--crop",
+                        str(self.args.crop),
+                        "--threads",
+                        str(self.args.threads),
+                        "--seed",
+                        str(self.args.seed),
+                        "--blkio",
+                        blk,
+                        "--device",
+                        self.device,
+                        *MODES[self.mode][1],
+                        *(["--close-first"] if self.args.close_first else []),
+                    ]
+                    procs.append(
+                        c.popen(k, argv, env=env, cgroups=[str(self.cgroups[k])], stdout=log, stderr=subprocess.STDOUT)
+                    )
                 deadline = time.monotonic() + self.args.run_timeout
                 codes = [self._wait(p, deadline) for p in procs]
             wall = time.perf_counter() - t0
@@ -244,7 +316,9 @@ class Run:
             out["least"].append(least)
         planned_by = "locality-aware plan" if self.mode == "c" else "plain sharding"
         return {f"steady_peer_reads_{key}": v for key, v in out.items() if key != "batches_as_planned"} | {
-            "batches_as_planned": out["batches_as_planned"], "planned_by": planned_by}
+            "batches_as_planned": out["batches_as_planned"],
+            "planned_by": planned_by,
+        }
 
     @staticmethod
     def _wait(p: subprocess.Popen, deadline: float) -> int | None:
@@ -260,9 +334,15 @@ class Run:
             epochs = []
             for e in r["epochs"]:
                 s = e["stats"]
-                epochs.append({"epoch": s["epoch"], "time_s": round(e["time_s"], 3),
-                               "blkio_read_bytes": e["blkio_read_bytes"], "proc_read_bytes": e["proc_read_bytes"],
-                               **{k: s[k] for k in STAT_KEYS}})  # fmt: skip
+                epochs.append(
+                    {
+                        "epoch": s["epoch"],
+                        "time_s": round(e["time_s"], 3),
+                        "blkio_read_bytes": e["blkio_read_bytes"],
+                        "proc_read_bytes": e["proc_read_bytes"],
+                        **{k: s[k] for k in STAT_KEYS},
+                    }
+                )
             per_node.append({"node": r["rank"], "epochs": epochs})
         totals = []
         for k in range(len(per_node[0]["epochs"])):
@@ -271,10 +351,22 @@ class Run:
             cached_before = sum(n["epochs"][k - 1]["cache_bytes"] for n in per_node) if k else 0
             # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
             minimum = self.dataset["total_bytes"] - cached_before if self.mode != "a" else None
-            t = {"epoch": k, "time_s": max(x["time_s"] for x in rows), "minimum_storage_bytes": minimum,
-                 "cached_bytes_start": cached_before, "covers_dataset": len(set(ids)) == n_items}  # fmt: skip
-            for key in ("storage_bytes", "blkio_read_bytes", "proc_read_bytes", "peer_bytes", "peer_served_bytes",
-                        "cache_hit_bytes", "samples"):  # fmt: skip
+            t = {
+                "epoch": k,
+                "time_s": max(x["time_s"] for x in rows),
+                "minimum_storage_bytes": minimum,
+                "cached_bytes_start": cached_before,
+                "covers_dataset": len(set(ids)) == n_items,
+            }
+            for key in (
+                "storage_bytes",
+                "blkio_read_bytes",
+                "proc_read_bytes",
+                "peer_bytes",
+                "peer_served_bytes",
+                "cache_hit_bytes",
+                "samples",
+            ):
                 t[key] = sum(x[key] or 0 for x in rows)
             # What each resource alone needs for this epoch (the slowest node): storage at the
             # throttle, the node's link at the tbf rate, decoding at the measured prep rate.
@@ -288,24 +380,37 @@ class Run:
         summary = {
             "epoch0_time_s": round(totals[0]["time_s"], 3),
             "steady_time_s": round(sum(t["time_s"] for t in steady) / len(steady), 3),
-            **{f"steady_{key}": round(sum(t[key] for t in steady) / len(steady))
-               for key in ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes")},
-            **{f"steady_{key}": None if steady[0][key] is None else round(sum(t[key] for t in steady) / len(steady), 3)
-               for key in ("storage_bound_s", "network_bound_s", "prep_bound_s")},
-            "steady_minimum_storage_bytes": None if self.mode == "a" else
-            round(sum(t["minimum_storage_bytes"] for t in steady) / len(steady)),
+            **{
+                f"steady_{key}": round(sum(t[key] for t in steady) / len(steady))
+                for key in ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes")
+            },
+            **{
+                f"steady_{key}": None if steady[0][key] is None else round(sum(t[key] for t in steady) / len(steady), 3)
+                for key in ("storage_bound_s", "network_bound_s", "prep_bound_s")
+            },
+            "steady_minimum_storage_bytes": None
+            if self.mode == "a"
+            else round(sum(t["minimum_storage_bytes"] for t in steady) / len(steady)),
             "epoch0_storage_bytes": totals[0]["storage_bytes"],
             "epoch0_blkio_read_bytes": totals[0]["blkio_read_bytes"],
             "run_blkio_read_bytes": sum(run_blkio),
             "loader_storage_bytes_all_epochs": sum(t["storage_bytes"] for t in totals),
             "aggregate_cached_bytes": sum(n["epochs"][-1]["cache_bytes"] for n in per_node),
-        }  # fmt: skip
+        }
         if self.mode != "a":
             summary.update(self._traffic(ranks))
-        return {"nodes": self.nodes, "mode": self.mode, "mode_name": MODES[self.mode][0],
-                "budget_per_node": self.budget, "throttle_bps": self.throttle, "wall_s": round(wall, 1),
-                "per_node": per_node, "epochs": totals, "run_blkio_read_bytes_per_node": run_blkio,
-                "summary": summary}  # fmt: skip
+        return {
+            "nodes": self.nodes,
+            "mode": self.mode,
+            "mode_name": MODES[self.mode][0],
+            "budget_per_node": self.budget,
+            "throttle_bps": self.throttle,
+            "wall_s": round(wall, 1),
+            "per_node": per_node,
+            "epochs": totals,
+            "run_blkio_read_bytes_per_node": run_blkio,
+            "summary": summary,
+        }
 
 
 def _warnings(log: str) -> list[str]:
@@ -347,8 +452,12 @@ def prep_rate(run: dict, mean_bytes: float) -> dict:
         e["samples_per_s"] for n in run["per_node"] for e in n["epochs"]
     ]
     sps = sum(rates) / len(rates)
-    return {"samples_per_s_per_node": round(sps, 1), "bytes_per_s_per_node": round(sps * mean_bytes),
-            "min_samples_per_s": round(min(rates), 1), "max_samples_per_s": round(max(rates), 1)}  # fmt: skip
+    return {
+        "samples_per_s_per_node": round(sps, 1),
+        "bytes_per_s_per_node": round(sps * mean_bytes),
+        "min_samples_per_s": round(min(rates), 1),
+        "max_samples_per_s": round(max(rates), 1),
+    }
 
 
 def checks(runs: dict) -> list[dict]:
@@ -407,10 +516,16 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2:])
         return 0
-    p = argparse.ArgumentParser(prog="python -m benchmarks.multinode", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_dataset_options(p, data=None, images=2048, classes=16,
-                               data_help="dataset root (default: /var/tmp/coordl-bench/multinode-<images>)")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.multinode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    common.add_dataset_options(
+        p,
+        data=None,
+        images=2048,
+        classes=16,
+        data_help="dataset root (default: /var/tmp/coordl-bench/multinode-<images>)",
+    )
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
     p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
@@ -422,13 +537,20 @@ def main() -> int:
     p.add_argument("--crop", type=int, default=64, help="random-resized crop size in pixels (default: 64)")
     p.add_argument("--threads", type=int, default=1, help="DALI threads per node")
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link")
-    p.add_argument("--throttle-frac", type=float, default=0.1,
-                   help="each node's storage throttle, as a fraction of its measured prep rate in bytes")
+    p.add_argument(
+        "--throttle-frac",
+        type=float,
+        default=0.1,
+        help="each node's storage throttle, as a fraction of its measured prep rate in bytes",
+    )
     p.add_argument("--throttle", type=int, help="bytes/s per node, instead of --throttle-frac x prep rate")
     p.add_argument("--run-timeout", type=float, default=900)
-    p.add_argument("--close-first", action="store_true",
-                   help="close each loader before the final barrier, as tests/multinode_train.py does (nodes that "
-                        "finish first then stop serving the others' last epoch)")
+    p.add_argument(
+        "--close-first",
+        action="store_true",
+        help="close each loader before the final barrier, as tests/multinode_train.py does (nodes that "
+        "finish first then stop serving the others' last epoch)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
     p.add_argument("--out", help="JSON path; the .md goes next to it (default benchmarks/results/multinode.json)")
     p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown report of a saved result")
@@ -458,14 +580,24 @@ def main() -> int:
     print(f"dataset: {common.describe(dataset)}, device {dev[0]}:{dev[1]}", flush=True)
     # Load the libraries (DALI's operators too: a pipeline runs) once, so that throttled nodes
     # find them in the page cache; the dataset's pages are evicted before every run.
-    warm = ("import sys, torch, torch.distributed.run, coordl\n"
-            "with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0, device_id=None, num_threads=1,"
-            " pipeline=coordl.ImageNetTrain(size=64), index_dir='') as w:\n    next(iter(w))\n")  # fmt: skip
+    warm = (
+        "import sys, torch, torch.distributed.run, coordl\n"
+        "with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0, device_id=None, num_threads=1,"
+        " pipeline=coordl.ImageNetTrain(size=64), index_dir='') as w:\n    next(iter(w))\n"
+    )
     subprocess.run([sys.executable, "-c", warm, args.data], check=True)
     node_counts = [int(x) for x in args.nodes.split(",")]
     aggregates = [float(x) for x in args.aggregate.split(",")]
-    result = {"benchmark": "multinode", "args": vars(args), "dataset": dataset, "machine": common.machine(),
-              "load_avg_start": os.getloadavg(), "prep": {}, "runs": [], "checks": []}  # fmt: skip
+    result = {
+        "benchmark": "multinode",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "load_avg_start": os.getloadavg(),
+        "prep": {},
+        "runs": [],
+        "checks": [],
+    }
     port = 29700 + os.getpid() % 100 * 10
     runs: dict = {}
     for nodes in node_counts:
@@ -479,18 +611,24 @@ def main() -> int:
         rate = prep_rate(prep_run, dataset["mean_bytes"])
         throttle = args.throttle or int(args.throttle_frac * rate["bytes_per_s_per_node"])
         result["prep"][str(nodes)] = {**rate, "throttle_bps_per_node": throttle, "run": prep_run}
-        print(f"prep rate {rate['samples_per_s_per_node']} samples/s per node = "
-              f"{format_bytes(rate['bytes_per_s_per_node'], 'MB', digits=2)}/s; "
-              f"throttle {format_bytes(throttle, 'MB', digits=2)}/s per node",
-              flush=True)  # fmt: skip
+        print(
+            f"prep rate {rate['samples_per_s_per_node']} samples/s per node = "
+            f"{format_bytes(rate['bytes_per_s_per_node'], 'MB', digits=2)}/s; "
+            f"throttle {format_bytes(throttle, 'MB', digits=2)}/s per node",
+            flush=True,
+        )
         for agg in aggregates:
             for rep in range(args.reps):  # a b c a b c: the modes interleaved
                 for mode in args.modes:
                     port += 1
-                    print(f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {format_bytes(budgets[agg], 'MB')} per "
-                          f"node), mode {mode}: {MODES[mode][0]}, repetition {rep + 1}/{args.reps}", flush=True)
-                    run = Run(args, dataset, nodes, budgets[agg], mode, throttle, port,
-                              rate["samples_per_s_per_node"]).execute()
+                    print(
+                        f"\n== {nodes} nodes, aggregate cache {agg:.0%} (budget {format_bytes(budgets[agg], 'MB')} per "
+                        f"node), mode {mode}: {MODES[mode][0]}, repetition {rep + 1}/{args.reps}",
+                        flush=True,
+                    )
+                    run = Run(
+                        args, dataset, nodes, budgets[agg], mode, throttle, port, rate["samples_per_s_per_node"]
+                    ).execute()
                     run["aggregate_cache"], run["repetition"] = agg, rep
                     _print_run(run)
                     runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(run)
@@ -515,18 +653,25 @@ def _mb(x) -> str:
 
 
 def _node_table(run: dict) -> str:
-    lines = ["| node | epoch | time s | samples/s | storage MB (loader) | blkio MB | peer MB in | peer MB served | "
-             "cache hit MB | cached MB |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| node | epoch | time s | samples/s | storage MB (loader) | blkio MB | peer MB in | peer MB served | "
+        "cache hit MB | cached MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in run["per_node"]:
         for e in n["epochs"]:
-            lines.append(f"| {n['node']} | {e['epoch']} | {e['time_s']:.2f} | {e['samples_per_s']:.1f} | "
-                         f"{_mb(e['storage_bytes'])} | {_mb(e['blkio_read_bytes'])} | {_mb(e['peer_bytes'])} | "
-                         f"{_mb(e['peer_served_bytes'])} | {_mb(e['cache_hit_bytes'])} | "
-                         f"{_mb(e['cache_bytes'])} |")  # fmt: skip
+            lines.append(
+                f"| {n['node']} | {e['epoch']} | {e['time_s']:.2f} | {e['samples_per_s']:.1f} | "
+                f"{_mb(e['storage_bytes'])} | {_mb(e['blkio_read_bytes'])} | {_mb(e['peer_bytes'])} | "
+                f"{_mb(e['peer_served_bytes'])} | {_mb(e['cache_hit_bytes'])} | "
+                f"{_mb(e['cache_bytes'])} |"
+            )
     for t in run["epochs"]:
-        lines.append(f"| all | {t['epoch']} | {t['time_s']:.2f} (max) | | {_mb(t['storage_bytes'])} | "
-                     f"{_mb(t['blkio_read_bytes'])} | {_mb(t['peer_bytes'])} | {_mb(t['peer_served_bytes'])} | "
-                     f"{_mb(t['cache_hit_bytes'])} | minimum storage {_mb(t['minimum_storage_bytes'])} |")  # fmt: skip
+        lines.append(
+            f"| all | {t['epoch']} | {t['time_s']:.2f} (max) | | {_mb(t['storage_bytes'])} | "
+            f"{_mb(t['blkio_read_bytes'])} | {_mb(t['peer_bytes'])} | {_mb(t['peer_served_bytes'])} | "
+            f"{_mb(t['cache_hit_bytes'])} | minimum storage {_mb(t['minimum_storage_bytes'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -536,38 +681,49 @@ def _print_run(run: dict) -> None:
         for line in lines:
             print(f"node {k}: {line}")
     s = run["summary"]
-    print(f"steady epoch {s['steady_time_s']:.2f} s, storage {_mb(s['steady_storage_bytes'])} MB "
-          f"(blkio {_mb(s['steady_blkio_read_bytes'])}, minimum {_mb(s['steady_minimum_storage_bytes'])}), "
-          f"peer {_mb(s['steady_peer_bytes'])} MB; run blkio {_mb(s['run_blkio_read_bytes'])} MB vs loader "
-          f"{_mb(s['loader_storage_bytes_all_epochs'])} MB; bounds s: storage {_s(s['steady_storage_bound_s'])}, "
-          f"network {_s(s['steady_network_bound_s'])}, prep {_s(s['steady_prep_bound_s'])}; wall {run['wall_s']} s",
-          flush=True)  # fmt: skip
+    print(
+        f"steady epoch {s['steady_time_s']:.2f} s, storage {_mb(s['steady_storage_bytes'])} MB "
+        f"(blkio {_mb(s['steady_blkio_read_bytes'])}, minimum {_mb(s['steady_minimum_storage_bytes'])}), "
+        f"peer {_mb(s['steady_peer_bytes'])} MB; run blkio {_mb(s['run_blkio_read_bytes'])} MB vs loader "
+        f"{_mb(s['loader_storage_bytes_all_epochs'])} MB; bounds s: storage {_s(s['steady_storage_bound_s'])}, "
+        f"network {_s(s['steady_network_bound_s'])}, prep {_s(s['steady_prep_bound_s'])}; wall {run['wall_s']} s",
+        flush=True,
+    )
     if "steady_peer_reads_measured" in s:
-        print(f"peer samples per steady epoch: measured {_ints(s['steady_peer_reads_measured'])}; model: the delivered "
-              f"batches {_ints(s['steady_peer_reads_delivered'])}, plain sharding "
-              f"{_ints(s['steady_peer_reads_plain'])}, least {_ints(s['steady_peer_reads_least'])}; batches as "
-              f"the {s['planned_by']} says: {s['batches_as_planned']}", flush=True)  # fmt: skip
+        print(
+            f"peer samples per steady epoch: measured {_ints(s['steady_peer_reads_measured'])}; model: the delivered "
+            f"batches {_ints(s['steady_peer_reads_delivered'])}, plain sharding "
+            f"{_ints(s['steady_peer_reads_plain'])}, least {_ints(s['steady_peer_reads_least'])}; batches as "
+            f"the {s['planned_by']} says: {s['batches_as_planned']}",
+            flush=True,
+        )
 
 
 def _summary_table(runs: list[dict]) -> str:
-    lines = ["| nodes | aggregate | mode | rep | budget/node MB | epoch 0 s | steady s | bounds s (storage / network / "
-             "prep) | steady storage MB (loader / blkio / minimum) | steady peer MB | steady peer samples (measured / "
-             "model: delivered, plain, least) | epoch 0 storage MB | run blkio MB / loader MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| nodes | aggregate | mode | rep | budget/node MB | epoch 0 s | steady s | bounds s (storage / network / "
+        "prep) | steady storage MB (loader / blkio / minimum) | steady peer MB | steady peer samples (measured / "
+        "model: delivered, plain, least) | epoch 0 storage MB | run blkio MB / loader MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         s = r["summary"]
         peers = "-"
         if "steady_peer_reads_measured" in s:
-            peers = (f"{_ints(s['steady_peer_reads_measured'])} / {_ints(s['steady_peer_reads_delivered'])}, "
-                     f"{_ints(s['steady_peer_reads_plain'])}, {_ints(s['steady_peer_reads_least'])}")  # fmt: skip
-        lines.append(f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['mode']} ({r['mode_name']}) | "
-                     f"{r.get('repetition', 0) + 1} | {_mb(r['budget_per_node'])} | {s['epoch0_time_s']:.2f} | "
-                     f"{s['steady_time_s']:.2f} | {_s(s['steady_storage_bound_s'])} / "
-                     f"{_s(s['steady_network_bound_s'])} / {_s(s['steady_prep_bound_s'])} | "
-                     f"{_mb(s['steady_storage_bytes'])} / {_mb(s['steady_blkio_read_bytes'])} / "
-                     f"{_mb(s['steady_minimum_storage_bytes'])} | {_mb(s['steady_peer_bytes'])} | {peers} | "
-                     f"{_mb(s['epoch0_storage_bytes'])} | {_mb(s['run_blkio_read_bytes'])} / "
-                     f"{_mb(s['loader_storage_bytes_all_epochs'])} |")  # fmt: skip
+            peers = (
+                f"{_ints(s['steady_peer_reads_measured'])} / {_ints(s['steady_peer_reads_delivered'])}, "
+                f"{_ints(s['steady_peer_reads_plain'])}, {_ints(s['steady_peer_reads_least'])}"
+            )
+        lines.append(
+            f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['mode']} ({r['mode_name']}) | "
+            f"{r.get('repetition', 0) + 1} | {_mb(r['budget_per_node'])} | {s['epoch0_time_s']:.2f} | "
+            f"{s['steady_time_s']:.2f} | {_s(s['steady_storage_bound_s'])} / "
+            f"{_s(s['steady_network_bound_s'])} / {_s(s['steady_prep_bound_s'])} | "
+            f"{_mb(s['steady_storage_bytes'])} / {_mb(s['steady_blkio_read_bytes'])} / "
+            f"{_mb(s['steady_minimum_storage_bytes'])} | {_mb(s['steady_peer_bytes'])} | {peers} | "
+            f"{_mb(s['epoch0_storage_bytes'])} | {_mb(s['run_blkio_read_bytes'])} / "
+            f"{_mb(s['loader_storage_bytes_all_epochs'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -576,22 +732,26 @@ def _ints(values: list) -> str:
 
 
 def _checks_table(rows: list[dict]) -> str:
-    lines = ["| nodes | aggregate | reps | b storage / minimum MB | c storage / minimum MB | b, c at minimum | "
-             "c peer / b peer MB | c / b (<= 0.1) | a time / b time (per rep) | model a / b (slowest bounds) | "
-             "a time / c time (per rep) | b >= 2x faster than a |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| nodes | aggregate | reps | b storage / minimum MB | c storage / minimum MB | b, c at minimum | "
+        "c peer / b peer MB | c / b (<= 0.1) | a time / b time (per rep) | model a / b (slowest bounds) | "
+        "a time / c time (per rep) | b >= 2x faster than a |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         at_min = f"{r.get('b_storage_at_minimum')}, {r.get('c_storage_at_minimum')}"
         two_x = r.get("b_at_least_2x_faster_than_a", "n/a (50%)")
         per_b = ", ".join(str(x) for x in r.get("a_time_over_b_time_per_rep", []))
         per_c = ", ".join(str(x) for x in r.get("a_time_over_c_time_per_rep", []))
-        lines.append(f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['repetitions']} | "
-                     f"{_mb(r.get('b_storage_bytes'))} / {_mb(r.get('b_minimum_bytes'))} | "
-                     f"{_mb(r.get('c_storage_bytes'))} / {_mb(r.get('c_minimum_bytes'))} | {at_min} | "
-                     f"{_mb(r.get('c_peer_bytes'))} / {_mb(r.get('b_peer_bytes'))} | {r.get('c_peer_over_b_peer')} "
-                     f"({r.get('c_peer_at_most_10pct_of_b')}) | {r.get('a_time_over_b_time')} ({per_b}) | "
-                     f"{r.get('model_a_time_over_b_time')} | {r.get('a_time_over_c_time')} ({per_c}) | "
-                     f"{two_x} |")  # fmt: skip
+        lines.append(
+            f"| {r['nodes']} | {r['aggregate_cache']:.0%} | {r['repetitions']} | "
+            f"{_mb(r.get('b_storage_bytes'))} / {_mb(r.get('b_minimum_bytes'))} | "
+            f"{_mb(r.get('c_storage_bytes'))} / {_mb(r.get('c_minimum_bytes'))} | {at_min} | "
+            f"{_mb(r.get('c_peer_bytes'))} / {_mb(r.get('b_peer_bytes'))} | {r.get('c_peer_over_b_peer')} "
+            f"({r.get('c_peer_at_most_10pct_of_b')}) | {r.get('a_time_over_b_time')} ({per_b}) | "
+            f"{r.get('model_a_time_over_b_time')} | {r.get('a_time_over_c_time')} ({per_c}) | "
+            f"{two_x} |"
+        )
     return "\n".join(lines)
 
 
@@ -607,54 +767,83 @@ def render(result: dict) -> str:
     """The Markdown report of a result (``--render`` rewrites it from a saved JSON)."""
     a, d, m = result["args"], result["dataset"], result["machine"]
     load = ", ".join(f"{x:.2f}" for x in result["load_avg_start"])
-    md = ["# Partitioned cache across nodes (`benchmarks/multinode.py`)", "",
-          f"`python -m benchmarks.multinode{' --quick' if a.get('quick') else ''}` ({result['total_wall_s'] / 60:.1f} "
-          f"min). Conditions: {m['cpus']} cores ({m['cpu_model']}) shared by all nodes, {m['mem_gib']} GiB, kernel "
-          f"{m['kernel']}; one network namespace per node with a private tmpfs /dev/shm, every link shaped with tbf "
-          f"at {a['rate']}; one torchrun rank per node (gloo), {a['threads']} DALI thread, batch {a['batch_size']} "
-          f"per rank, random-resized crops of {a.get('crop', a.get('size'))} px, seed {a['seed']}, {a['epochs']} epochs (epoch 0 fills "
-          "the caches; epochs 1.. are steady); "
-          f"{a['reps']} repetition(s) of every configuration, modes interleaved (a b c a b c). Each node's processes "
-          "in a blkio cgroup of their own, reads of the dataset's device throttled to "
-          f"{a['throttle_frac']} x the node's measured prep rate (below); the dataset's pages evicted "
-          "(`POSIX_FADV_DONTNEED`, after `sync`) before every run, libraries warmed once. Each worker passes a "
-          "barrier before closing its loader"
-          f"{' (not in this run: --close-first)' if a.get('close_first') else ''}. Load average at start: {load}; "
-          "other jobs shared the machine.", "",
-          f"Dataset: {d['files']} JPEGs ({d['source']}), {d['total_bytes']:,} bytes, mean {d['mean_bytes']:,} bytes, "
-          f"{d['classes']} classes, at `{d['root']}`.", "",
-          "Modes: **a** no peer cache (`peers=False`), **b** partitioned cache (`locality_aware=False`), "
-          "**c** partitioned + locality-aware. Budget per node: aggregate 50% -> 0.5/nodes of the dataset, "
-          f"100% -> {a['margin']}/nodes.", "", "How to read the tables:", "",
-          "- *minimum* storage of an epoch = dataset bytes - bytes cached across all nodes at its start (the nodes' "
-          "`cache_bytes` after the previous epoch); it applies to b and c, not to a (a node without peers cannot use "
-          "the others' caches).",
-          "- *blkio* = the node's cgroup `blkio.throttle.io_service_bytes` Read delta around the epoch, read inside "
-          "the worker; *run blkio* = the delta around the whole run (startup included). blkio is ~1.8% above the "
-          "loader's count: the device reads whole 4 KiB pages, so each file's tail rounds up (~2 KB of ~113 KB).",
-          "- *bounds* = what one resource alone needs for the slowest node's epoch: storage bytes / throttle, "
-          "max(peer bytes in, out) / tbf rate, samples / measured prep rate. The largest is the bottleneck.",
-          "- *peer samples, model*: from the nodes' cache contents at the start of each steady epoch, "
-          "`coordl.placement` gives the samples held by another node in the batches each rank received "
-          "(*delivered*, which `peer_reads` should equal), under plain sharding of the epoch's global batches "
-          "(*plain*), and the least any equal split of them can move (*least*, what the locality-aware plan moves).",
-          "- *peer MB served* counts what a node's server sent during that node's own epoch, so a node that "
-          "finishes first shows less than its peers received.", "",
-          "## Prep rate and throttle", "",
-          "| nodes | steady samples/s per node (min-max) | MB/s per node | throttle MB/s per node |",
-          "|---|---|---|---|"]  # fmt: skip
+    md = [
+        "# Partitioned cache across nodes (`benchmarks/multinode.py`)",
+        "",
+        f"`python -m benchmarks.multinode{' --quick' if a.get('quick') else ''}` ({result['total_wall_s'] / 60:.1f} "
+        f"min). Conditions: {m['cpus']} cores ({m['cpu_model']}) shared by all nodes, {m['mem_gib']} GiB, kernel "
+        f"{m['kernel']}; one network namespace per node with a private tmpfs /dev/shm, every link shaped with tbf "
+        f"at {a['rate']}; one torchrun rank per node (gloo), {a['threads']} DALI thread, batch {a['batch_size']} "
+        f"per rank, random-resized crops of {a.get('crop', a.get('size'))} px, seed {a['seed']}, "
+        f"{a['epochs']} epochs (epoch 0 fills "
+        "the caches; epochs 1.. are steady); "
+        f"{a['reps']} repetition(s) of every configuration, modes interleaved (a b c a b c). Each node's processes "
+        "in a blkio cgroup of their own, reads of the dataset's device throttled to "
+        f"{a['throttle_frac']} x the node's measured prep rate (below); the dataset's pages evicted "
+        "(`POSIX_FADV_DONTNEED`, after `sync`) before every run, libraries warmed once. Each worker passes a "
+        "barrier before closing its loader"
+        f"{' (not in this run: --close-first)' if a.get('close_first') else ''}. Load average at start: {load}; "
+        "other jobs shared the machine.",
+        "",
+        f"Dataset: {d['files']} JPEGs ({d['source']}), {d['total_bytes']:,} bytes, mean {d['mean_bytes']:,} bytes, "
+        f"{d['classes']} classes, at `{d['root']}`.",
+        "",
+        "Modes: **a** no peer cache (`peers=False`), **b** partitioned cache (`locality_aware=False`), "
+        "**c** partitioned + locality-aware. Budget per node: aggregate 50% -> 0.5/nodes of the dataset, "
+        f"100% -> {a['margin']}/nodes.",
+        "",
+        "How to read the tables:",
+        "",
+        "- *minimum* storage of an epoch = dataset bytes - bytes cached across all nodes at its start (the nodes' "
+        "`cache_bytes` after the previous epoch); it applies to b and c, not to a (a node without peers cannot use "
+        "the others' caches).",
+        "- *blkio* = the node's cgroup `blkio.throttle.io_service_bytes` Read delta around the epoch, read inside "
+        "the worker; *run blkio* = the delta around the whole run (startup included). blkio is ~1.8% above the "
+        "loader's count: the device reads whole 4 KiB pages, so each file's tail rounds up (~2 KB of ~113 KB).",
+        "- *bounds* = what one resource alone needs for the slowest node's epoch: storage bytes / throttle, "
+        "max(peer bytes in, out) / tbf rate, samples / measured prep rate. The largest is the bottleneck.",
+        "- *peer samples, model*: from the nodes' cache contents at the start of each steady epoch, "
+        "`coordl.placement` gives the samples held by another node in the batches each rank received "
+        "(*delivered*, which `peer_reads` should equal), under plain sharding of the epoch's global batches "
+        "(*plain*), and the least any equal split of them can move (*least*, what the locality-aware plan moves).",
+        "- *peer MB served* counts what a node's server sent during that node's own epoch, so a node that "
+        "finishes first shows less than its peers received.",
+        "",
+        "## Prep rate and throttle",
+        "",
+        "| nodes | steady samples/s per node (min-max) | MB/s per node | throttle MB/s per node |",
+        "|---|---|---|---|",
+    ]
     for nodes, pr in result["prep"].items():
-        md.append(f"| {nodes} | {pr['samples_per_s_per_node']} ({pr['min_samples_per_s']}-{pr['max_samples_per_s']}) | "
-                  f"{_mb(pr['bytes_per_s_per_node'])} | {_mb(pr['throttle_bps_per_node'])} |")  # fmt: skip
-    md += ["", "## Target checks (steady epochs; means over repetitions)", "", _checks_table(result["checks"]), "",
-           *_findings(result), "## Per run (steady = mean over epochs 1..)", "", _summary_table(result["runs"]), "",
-           "## Per node and epoch", ""]  # fmt: skip
+        md.append(
+            f"| {nodes} | {pr['samples_per_s_per_node']} ({pr['min_samples_per_s']}-{pr['max_samples_per_s']}) | "
+            f"{_mb(pr['bytes_per_s_per_node'])} | {_mb(pr['throttle_bps_per_node'])} |"
+        )
+    md += [
+        "",
+        "## Target checks (steady epochs; means over repetitions)",
+        "",
+        _checks_table(result["checks"]),
+        "",
+        *_findings(result),
+        "## Per run (steady = mean over epochs 1..)",
+        "",
+        _summary_table(result["runs"]),
+        "",
+        "## Per node and epoch",
+        "",
+    ]
     for nodes, pr in result["prep"].items():
         md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", _node_table(pr["run"]), ""]
     for r in result["runs"]:
-        md += [f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
-               f"repetition {r.get('repetition', 0) + 1}, throttle {_mb(r['throttle_bps'])} MB/s per node, wall "
-               f"{r['wall_s']} s", "", _node_table(r), ""]  # fmt: skip
+        md += [
+            f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
+            f"repetition {r.get('repetition', 0) + 1}, throttle {_mb(r['throttle_bps'])} MB/s per node, wall "
+            f"{r['wall_s']} s",
+            "",
+            _node_table(r),
+            "",
+        ]
         md += [f"- node {k}: `{line}`" for k, lines in enumerate(r.get("warnings", [])) for line in lines]
         md += [""] if r.get("warnings") and any(r["warnings"]) else []
     md.append(f"Total time: {result['total_wall_s']:.0f} s.")
@@ -673,32 +862,38 @@ def _findings(result: dict) -> list[str]:
         if "a" in mean and "b" in mean and agg >= 1.0:
             a, b = mean["a"], mean["b"]
             share = min(1.0, a_args["margin"] / nodes)
-            out.append(f"- {nodes} nodes, {agg:.0%}: without peers each node's own cache holds {share:.0%} of the "
-                       f"dataset, so a still reads {_mb(a['steady_storage_bytes'] / nodes)} MB per node per epoch "
-                       f"(~{1 - share:.0%} of its shard): {_s(a['steady_storage_bound_s'])} s at the throttle "
-                       f"(measured {_s(a['steady_time_s'])} s: I/O-bound). b reads nothing from storage and needs "
-                       f"{_s(b['steady_prep_bound_s'])} s at the measured prep rate (measured "
-                       f"{_s(b['steady_time_s'])} s; network bound {_s(b['steady_network_bound_s'])} s). So a/b can "
-                       f"reach at most ~{row.get('model_a_time_over_b_time')} here; 2x needs a throttle below "
-                       f"~{(1 - share) / 2:.2f} x the prep rate at {nodes} nodes (a/b ~ (1 - {share:.2f}) / "
-                       "throttle fraction).")  # fmt: skip
+            out.append(
+                f"- {nodes} nodes, {agg:.0%}: without peers each node's own cache holds {share:.0%} of the "
+                f"dataset, so a still reads {_mb(a['steady_storage_bytes'] / nodes)} MB per node per epoch "
+                f"(~{1 - share:.0%} of its shard): {_s(a['steady_storage_bound_s'])} s at the throttle "
+                f"(measured {_s(a['steady_time_s'])} s: I/O-bound). b reads nothing from storage and needs "
+                f"{_s(b['steady_prep_bound_s'])} s at the measured prep rate (measured "
+                f"{_s(b['steady_time_s'])} s; network bound {_s(b['steady_network_bound_s'])} s). So a/b can "
+                f"reach at most ~{row.get('model_a_time_over_b_time')} here; 2x needs a throttle below "
+                f"~{(1 - share) / 2:.2f} x the prep rate at {nodes} nodes (a/b ~ (1 - {share:.2f}) / "
+                "throttle fraction)."
+            )
             if "c" in mean and mean["c"]["steady_time_s"] < b["steady_time_s"]:
-                out.append(f"- {nodes} nodes, {agg:.0%}: c ({_s(mean['c']['steady_time_s'])} s) beats b "
-                           f"({_s(b['steady_time_s'])} s) with the same storage bytes: b moves "
-                           f"{_mb(b['steady_peer_bytes'])} MB per epoch between nodes, c "
-                           f"{_mb(mean['c']['steady_peer_bytes'])} MB, and serving and receiving it costs CPU on the "
-                           "cores the nodes share (the network is far from its bound).")  # fmt: skip
+                out.append(
+                    f"- {nodes} nodes, {agg:.0%}: c ({_s(mean['c']['steady_time_s'])} s) beats b "
+                    f"({_s(b['steady_time_s'])} s) with the same storage bytes: b moves "
+                    f"{_mb(b['steady_peer_bytes'])} MB per epoch between nodes, c "
+                    f"{_mb(mean['c']['steady_peer_bytes'])} MB, and serving and receiving it costs CPU on the "
+                    "cores the nodes share (the network is far from its bound)."
+                )
         if "b" in mean and "c" in mean and row.get("c_peer_over_b_peer") is not None:
             # Locality-aware traffic is each global batch's imbalance: with every item cached on one of N nodes
             # at random, node j holds X_j ~ Bin(N*B, 1/N) of a global batch, keeps B, and E[max(0, X_j - B)]
             # ~ sigma / sqrt(2 pi); plain sharding moves (N - 1) * B of N * B.
             expected = math.sqrt(nodes) / math.sqrt(2 * math.pi * size * (nodes - 1))
             if agg >= 1.0:
-                out.append(f"- {nodes} nodes, {agg:.0%}: c moves the least any equal split can (model column); with "
-                           f"the whole dataset cached at random over {nodes} nodes that is ~sqrt(N / (2 pi B (N - 1)))"
-                           f" = {expected:.3f} of plain sharding's traffic for B = {size} per rank (measured "
-                           f"{row['c_peer_over_b_peer']}): the 10% target depends on the batch size (B = 64 gives "
-                           f"{math.sqrt(nodes) / math.sqrt(2 * math.pi * 64 * (nodes - 1)):.3f}).")  # fmt: skip
+                out.append(
+                    f"- {nodes} nodes, {agg:.0%}: c moves the least any equal split can (model column); with "
+                    f"the whole dataset cached at random over {nodes} nodes that is ~sqrt(N / (2 pi B (N - 1)))"
+                    f" = {expected:.3f} of plain sharding's traffic for B = {size} per rank (measured "
+                    f"{row['c_peer_over_b_peer']}): the 10% target depends on the batch size (B = 64 gives "
+                    f"{math.sqrt(nodes) / math.sqrt(2 * math.pi * 64 * (nodes - 1)):.3f})."
+                )
     return out + [""] if len(out) > 2 else []
 
 

@@ -93,7 +93,9 @@ def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
     value, unit = bw
     if unit == "P":
         if prep_bps is None:
-            raise SystemExit(f"scenario {cell['name']} needs the prep rate: keep the 'fits' scenario or pass --prep-rate")
+            raise SystemExit(
+                f"scenario {cell['name']} needs the prep rate: keep the 'fits' scenario or pass --prep-rate"
+            )
         return int(value * prep_bps)
     return int(value)
 
@@ -104,8 +106,14 @@ class Child:
 
     def __init__(self, cmd: list[str], lim: limits.Limits | None, logfile: Path):
         self.log = open(logfile, "w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     preexec_fn=lim.join if lim else None)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            preexec_fn=lim.join if lim else None,
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -151,11 +159,28 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
     cmd = common.module_command(
-        "loaders", "--loader", loader, "--data", dataset["root"], "--batch-size", str(args.batch_size),
-        "--workers", str(args.workers), "--epochs", str(epochs), "--seed", str(args.seed),
-        "--cache-bytes", str(cache_bytes), "--compute-ms", str(args.compute_ms),
-        "--warmup-batches", str(args.warmup_batches), "--device", f"{dev[0]}:{dev[1]}",
-    )  # fmt: skip
+        "loaders",
+        "--loader",
+        loader,
+        "--data",
+        dataset["root"],
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--epochs",
+        str(epochs),
+        "--seed",
+        str(args.seed),
+        "--cache-bytes",
+        str(cache_bytes),
+        "--compute-ms",
+        str(args.compute_ms),
+        "--warmup-batches",
+        str(args.warmup_batches),
+        "--device",
+        f"{dev[0]}:{dev[1]}",
+    )
     if lim and lim.memory_path:
         cmd += ["--memcg", lim.memory_path]
     logs = Path(args.out) / "logs"
@@ -165,8 +190,14 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     if lim and loader in MEASURE_WHEN_MADE:
         lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
-    run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes,
-           "bandwidth_bps": bandwidth, "epochs": []}  # fmt: skip
+    run = {
+        "scenario": cell["name"],
+        "loader": loader,
+        "cache_fraction": cell["cache"],
+        "cache_bytes": cache_bytes,
+        "bandwidth_bps": bandwidth,
+        "epochs": [],
+    }
     try:
         run["ready"] = child.message(args.timeout)
         if caps["drop_caches"]:
@@ -190,10 +221,11 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
                 break
             run["epochs"].append(msg)
             c = msg.get("counters") or {}
-            log(f"  epoch {msg['epoch']}: {msg['seconds']:7.2f} s  {msg['samples_per_s']:7.1f} samples/s  "
+            log(
+                f"  epoch {msg['epoch']}: {msg['seconds']:7.2f} s  {msg['samples_per_s']:7.1f} samples/s  "
                 f"device {format_bytes(msg['device_bytes'], 'MB'):>10}  wait {msg['wait_s']:6.2f} s"
-                + (f"  coordl storage {format_bytes(c['storage_bytes'], 'MB')}, hits {c['cache_hits']}"
-                   if c else ""))  # fmt: skip
+                + (f"  coordl storage {format_bytes(c['storage_bytes'], 'MB')}, hits {c['cache_hits']}" if c else "")
+            )
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         run["error"] = f"{type(e).__name__}: {e}"
         log(f"  FAILED: {run['error']}")
@@ -242,8 +274,11 @@ def prep_rate(runs: list[dict]) -> float | None:
     """P in samples/s: the fastest steady rate with everything in memory of the DALI pipelines,
     or of the Pillow pipelines (``torch``, ``coordl-torch``) when no DALI pipeline ran."""
     for family in PIPELINES_OF_P:
-        rates = [r["steady"]["samples_per_s"] for r in runs
-                 if r["scenario"] == "fits" and r["loader"] in family and "steady" in r]  # fmt: skip
+        rates = [
+            r["steady"]["samples_per_s"]
+            for r in runs
+            if r["scenario"] == "fits" and r["loader"] in family and "steady" in r
+        ]
         if rates:
             return max(rates)
     return None
@@ -265,14 +300,21 @@ def summarise(result: dict) -> list[dict]:
         if not runs:
             continue
         minimum = total - int(round(cell["cache"] * total))
-        row = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": cell.get("bandwidth_bps"),
-               "minimum_bytes": minimum}  # fmt: skip
+        row = {
+            "scenario": cell["name"],
+            "cache_fraction": cell["cache"],
+            "bandwidth_bps": cell.get("bandwidth_bps"),
+            "minimum_bytes": minimum,
+        }
         if base:
             best = min(base, key=lambda r: r["steady"]["seconds"])
             row.update(best_baseline=best["loader"], best_baseline_s=best["steady"]["seconds"])
         if mine:
-            row.update(coordl_s=mine["steady"]["seconds"], coordl_device_bytes=mine["steady"]["device_bytes"],
-                       coordl_storage_bytes=mine["steady"].get("coordl_storage_bytes"))  # fmt: skip
+            row.update(
+                coordl_s=mine["steady"]["seconds"],
+                coordl_device_bytes=mine["steady"]["device_bytes"],
+                coordl_storage_bytes=mine["steady"].get("coordl_storage_bytes"),
+            )
             if minimum:
                 row["coordl_device_over_min"] = mine["steady"]["device_bytes"] / minimum
             if base:
@@ -314,12 +356,18 @@ def markdown(result: dict) -> str:
     ]
     if result.get("prep_rate_samples_per_s"):
         p = result["prep_rate_samples_per_s"]
-        lines.append(f"Prep rate P = {p:.0f} samples/s = {format_bytes(p * d['mean_bytes'], 'MB')}/s "
-                     f"(fastest DALI pipeline, else fastest Pillow one; everything in memory).")  # fmt: skip
+        lines.append(
+            f"Prep rate P = {p:.0f} samples/s = {format_bytes(p * d['mean_bytes'], 'MB')}/s "
+            f"(fastest DALI pipeline, else fastest Pillow one; everything in memory)."
+        )
     for n in result["limits"]["notes"]:
         lines.append(f"**NOTE:** {n}")
-    lines += ["", "| scenario | storage | cache | loader | cold s | steady s | samples/s | device MB/epoch | "
-              "vs minimum | waiting s | data in memory MB | peak MB | limit MB |", "|" + "---|" * 13]  # fmt: skip
+    lines += [
+        "",
+        "| scenario | storage | cache | loader | cold s | steady s | samples/s | device MB/epoch | "
+        "vs minimum | waiting s | data in memory MB | peak MB | limit MB |",
+        "|" + "---|" * 13,
+    ]
     for cell in result["scenarios"]:
         minimum = d["total_bytes"] * (1 - cell["cache"])
         for r in (r for r in result["runs"] if r["scenario"] == cell["name"]):
@@ -336,8 +384,12 @@ def markdown(result: dict) -> str:
                 f"{common.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {common.mb(held, digits=0)} | "
                 f"{common.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
             )
-    lines += ["", "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
-              "coordl device/min | bound s | coordl/bound |", "|" + "---|" * 10]  # fmt: skip
+    lines += [
+        "",
+        "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
+        "coordl device/min | bound s | coordl/bound |",
+        "|" + "---|" * 10,
+    ]
     for row in result["summary"]:
         g = row.get
         lines.append(
@@ -375,23 +427,37 @@ def plot(result: dict, path: Path) -> str | None:
             for j, name in enumerate(loaders):
                 xs, ys = [], []
                 for i, cell in enumerate(cells):
-                    r = next((r for r in result["runs"] if r["scenario"] == cell["name"] and r["loader"] == name
-                              and "steady" in r), None)  # fmt: skip
+                    r = next(
+                        (
+                            r
+                            for r in result["runs"]
+                            if r["scenario"] == cell["name"] and r["loader"] == name and "steady" in r
+                        ),
+                        None,
+                    )
                     if r:
                         xs.append(i + (j - (len(loaders) - 1) / 2) * width)
                         ys.append(r["steady"][metric] / (1e6 if metric == "device_bytes" else 1))
                 ax.bar(xs, ys, width, label=name)
             if metric == "device_bytes":
                 for i, cell in enumerate(cells):
-                    ax.hlines(total * (1 - cell["cache"]) / 1e6, i - 0.45, i + 0.45, colors="k", linestyles="--",
-                              label="minimum" if i == 0 else None)  # fmt: skip
+                    ax.hlines(
+                        total * (1 - cell["cache"]) / 1e6,
+                        i - 0.45,
+                        i + 0.45,
+                        colors="k",
+                        linestyles="--",
+                        label="minimum" if i == 0 else None,
+                    )
             ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
             ax.set_title(key if row == 0 else "")
             ax.set_ylabel("steady epoch s" if metric == "seconds" else "device MB per steady epoch")
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
-    fig.suptitle(f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; "
-                 f"memory = working set + cache; {result['machine']['cpus']} cores")  # fmt: skip
+    fig.suptitle(
+        f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; "
+        f"memory = working set + cache; {result['machine']['cpus']} cores"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -400,13 +466,19 @@ def plot(result: dict, path: Path) -> str | None:
 
 # -- main ------------------------------------------------------------------------------------------
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
-    p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}")
+    p.add_argument(
+        "--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}"
+    )
     p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
-    p.add_argument("--bandwidth", default="0.25P,0.5P,2P",
-                   help="storage throttles: '20MB' (per second), or a multiple of the measured prep rate, '0.5P'")
+    p.add_argument(
+        "--bandwidth",
+        default="0.25P,0.5P,2P",
+        help="storage throttles: '20MB' (per second), or a multiple of the measured prep rate, '0.5P'",
+    )
     p.add_argument("--no-fit", action="store_true", help="skip the everything-fits scenario (needs --prep-rate)")
     p.add_argument("--prep-rate", type=float, help="prep rate P in samples/s, instead of measuring it")
     p.add_argument("--epochs", type=int, default=3)
@@ -415,13 +487,25 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="worker processes / DALI threads per loader")
     p.add_argument("--compute-ms", type=float, default=0.0, help="a fixed compute step per batch (a stand-in GPU)")
     p.add_argument("--warmup-batches", type=int, default=3)
-    p.add_argument("--no-memory-limit", action="store_true",
-                   help="no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on "
-                        "datasets smaller than a loader's memory swings, where any budget ends in the OOM killer")  # fmt: skip
-    p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="memory beyond coordl's peak working set + cache (OOM headroom)")
-    p.add_argument("--baseline-slack", type=parse_bytes, default=0,
-                   help="memory beyond a baseline's working set + cache (default none: its page cache would use it "
-                        "for data); for smoke runs on datasets smaller than a baseline's memory swings")  # fmt: skip
+    p.add_argument(
+        "--no-memory-limit",
+        action="store_true",
+        help="no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on "
+        "datasets smaller than a loader's memory swings, where any budget ends in the OOM killer",
+    )
+    p.add_argument(
+        "--slack",
+        type=parse_bytes,
+        default=32 << 20,
+        help="memory beyond coordl's peak working set + cache (OOM headroom)",
+    )
+    p.add_argument(
+        "--baseline-slack",
+        type=parse_bytes,
+        default=0,
+        help="memory beyond a baseline's working set + cache (default none: its page cache would use it "
+        "for data); for smoke runs on datasets smaller than a baseline's memory swings",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
     p.add_argument("--out", default=str(HERE / "results" / "run"))
@@ -450,9 +534,16 @@ def main() -> int:
     log(f"dataset: {common.describe(dataset)}; device {dev[0]}:{dev[1]}")
 
     cells = scenarios(args)
-    result = {"benchmark": "run", "args": {k: v for k, v in vars(args).items() if k != "working_sets"},
-              "dataset": dataset, "machine": common.machine(), "limits": caps, "scenarios": cells,
-              "working_sets": args.working_sets, "runs": []}  # fmt: skip
+    result = {
+        "benchmark": "run",
+        "args": {k: v for k, v in vars(args).items() if k != "working_sets"},
+        "dataset": dataset,
+        "machine": common.machine(),
+        "limits": caps,
+        "scenarios": cells,
+        "working_sets": args.working_sets,
+        "runs": [],
+    }
     path = out / "results.json"
     done: dict[tuple[str, str], dict] = {}
     if args.resume and path.exists():
@@ -470,7 +561,7 @@ def main() -> int:
                 log(f"prep rate P = {p_rate:.0f} samples/s = {format_bytes(p_rate * dataset['mean_bytes'], 'MB')}/s")
         bw = resolve_bandwidth(cell, p_rate * dataset["mean_bytes"] if p_rate else None)
         cell["bandwidth_bps"] = bw
-        order = args.loaders[ci % len(args.loaders):] + args.loaders[: ci % len(args.loaders)]  # interleave
+        order = args.loaders[ci % len(args.loaders) :] + args.loaders[: ci % len(args.loaders)]  # interleave
         for loader in order:
             if (cell["name"], loader) in done:
                 result["runs"].append(done[(cell["name"], loader)])
@@ -492,12 +583,16 @@ def main() -> int:
     print(md)
     for row in result["summary"]:
         if "speedup_vs_best" in row:
-            print(f"{row['scenario']:>12}: coordl {row['coordl_s']:.2f} s vs {row['best_baseline']} "
-                  f"{row['best_baseline_s']:.2f} s -> {row['speedup_vs_best']:.2f}x"
-                  + (f"; {row['coordl_over_bound']:.2f}x the bound" if "coordl_over_bound" in row else ""))  # fmt: skip
+            print(
+                f"{row['scenario']:>12}: coordl {row['coordl_s']:.2f} s vs {row['best_baseline']} "
+                f"{row['best_baseline_s']:.2f} s -> {row['speedup_vs_best']:.2f}x"
+                + (f"; {row['coordl_over_bound']:.2f}x the bound" if "coordl_over_bound" in row else "")
+            )
         if "coordl_torch_speedup_vs_torch" in row:
-            print(f"{row['scenario']:>12}: coordl-torch {row['coordl_torch_s']:.2f} s vs torch {row['torch_s']:.2f} s "
-                  f"-> {row['coordl_torch_speedup_vs_torch']:.2f}x")  # fmt: skip
+            print(
+                f"{row['scenario']:>12}: coordl-torch {row['coordl_torch_s']:.2f} s vs torch {row['torch_s']:.2f} s "
+                f"-> {row['coordl_torch_speedup_vs_torch']:.2f}x"
+            )
     log(f"wrote {path}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
 

@@ -89,13 +89,18 @@ def _dali_pipeline(root: str, batch: int, threads: int, size: int = 224):
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
         jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
-        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
-                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])  # fmt: skip
+        images = fn.decoders.image_random_crop(
+            jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
+        )
         images = fn.resize(images, resize_x=size, resize_y=size)
         return fn.crop_mirror_normalize(
-            images, dtype=types.FLOAT, output_layout="CHW", mirror=fn.random.coin_flip(probability=0.5),
-            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-        ), labels  # fmt: skip
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mirror=fn.random.coin_flip(probability=0.5),
+            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+        ), labels
 
     return pipe()
 
@@ -118,10 +123,13 @@ def child_loader(spec: dict) -> None:
     import_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), _cpu()
     if kind == "coordl":
-        loader = coordl.CoordLoader(spec["url"], batch_size=spec["batch"], device_id=None,
-                                    cache_bytes=spec["cache"], pipeline="imagenet-train")  # fmt: skip
+        loader = coordl.CoordLoader(
+            spec["url"], batch_size=spec["batch"], device_id=None, cache_bytes=spec["cache"], pipeline="imagenet-train"
+        )
         threads = loader.num_threads
-        epoch = lambda: loader
+
+        def epoch():
+            return loader
     else:
         threads = spec["threads"]
         pipe = _dali_pipeline(spec["url"], spec["batch"], threads)
@@ -131,12 +139,18 @@ def child_loader(spec: dict) -> None:
         def epoch():
             nonlocal iterator
             if iterator is None:  # made at the first epoch: it starts the pipeline's read-ahead
-                iterator = DALIGenericIterator(pipe, ["images", "labels"], reader_name="Reader",
-                                               last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)  # fmt: skip
+                iterator = DALIGenericIterator(
+                    pipe,
+                    ["images", "labels"],
+                    reader_name="Reader",
+                    last_batch_policy=LastBatchPolicy.PARTIAL,
+                    auto_reset=True,
+                )
             return iterator
 
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads,
-               import_s=import_s)  # fmt: skip
+    parent.say(
+        event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads, import_s=import_s
+    )
     parent.wait()
     for e in range(spec["epochs"]):
         t0, c0 = time.perf_counter(), _cpu()
@@ -144,8 +158,14 @@ def child_loader(spec: dict) -> None:
         for batch in epoch():
             n += len(batch[1]) if kind == "coordl" else batch[0]["labels"].shape[0]
         seconds = time.perf_counter() - t0
-        row = {"event": "epoch", "epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds,
-               "cpu_s": _cpu() - c0}  # fmt: skip
+        row = {
+            "event": "epoch",
+            "epoch": e,
+            "samples": n,
+            "seconds": seconds,
+            "samples_per_s": n / seconds,
+            "cpu_s": _cpu() - c0,
+        }
         if kind == "coordl":
             s = loader.stats()
             row["stats"] = {k: v for k, v in s.items() if k != "skipped_paths"}
@@ -171,12 +191,19 @@ def child_capacity(spec: dict) -> None:
     keys = spec["keys"]
     store = S3Store(
         spec["bucket"],
-        config={"endpoint": os.environ["AWS_ENDPOINT_URL"], "region": os.environ["AWS_DEFAULT_REGION"],
-                "access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
-                "secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"], "virtual_hosted_style_request": False},
-        client_options={"allow_http": True, "pool_max_idle_per_host": str(spec["inflight"]),
-                        "timeout": timedelta(seconds=60)},
-    )  # fmt: skip
+        config={
+            "endpoint": os.environ["AWS_ENDPOINT_URL"],
+            "region": os.environ["AWS_DEFAULT_REGION"],
+            "access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+            "secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "virtual_hosted_style_request": False,
+        },
+        client_options={
+            "allow_http": True,
+            "pool_max_idle_per_host": str(spec["inflight"]),
+            "timeout": timedelta(seconds=60),
+        },
+    )
 
     async def run() -> int:
         sem = asyncio.Semaphore(spec["inflight"])
@@ -193,8 +220,15 @@ def child_capacity(spec: dict) -> None:
     t0, c0 = time.perf_counter(), _cpu()
     nbytes = asyncio.run(run())
     seconds = time.perf_counter() - t0
-    parent.say(event="epoch", epoch=0, samples=len(keys), seconds=seconds, samples_per_s=len(keys) / seconds,
-               cpu_s=_cpu() - c0, bytes=nbytes)  # fmt: skip
+    parent.say(
+        event="epoch",
+        epoch=0,
+        samples=len(keys),
+        seconds=seconds,
+        samples_per_s=len(keys) / seconds,
+        cpu_s=_cpu() - c0,
+        bytes=nbytes,
+    )
     parent.wait()
     parent.say(event="done")
 
@@ -242,11 +276,21 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
     """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
     url = f"s3://{args.bucket}/{args.prefix}"
     if name.startswith("coordl-"):
-        spec = {"kind": "coordl", "url": url, "cache": float(name.split("-", 1)[1]), "batch": args.batch,
-                "epochs": args.epochs}  # fmt: skip
+        spec = {
+            "kind": "coordl",
+            "url": url,
+            "cache": float(name.split("-", 1)[1]),
+            "batch": args.batch,
+            "epochs": args.epochs,
+        }
     elif name.startswith("dali-"):
-        spec = {"kind": "dali", "url": url if name == "dali-s3" else args.data, "batch": args.batch,
-                "threads": args.threads, "epochs": args.epochs}  # fmt: skip
+        spec = {
+            "kind": "dali",
+            "url": url if name == "dali-s3" else args.data,
+            "batch": args.batch,
+            "threads": args.threads,
+            "epochs": args.epochs,
+        }
     else:
         spec = {"kind": "capacity", "bucket": args.bucket, "keys": keys, "inflight": args.capacity_inflight}
     server.latency_s = float(name.split("-", 1)[1]) if name.startswith("capacity-") else args.latency
@@ -259,8 +303,14 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
     spec_file = Path(index) / "spec.json"
     spec_file.write_text(json.dumps(spec))
     meter = Meter(server)
-    proc = subprocess.Popen(common.module_command("s3", "--one", str(spec_file)), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        common.module_command("s3", "--one", str(spec_file)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     run = {"config": name, "latency_s": server.latency_s, "epochs": []}
     try:
         while True:
@@ -276,8 +326,13 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
                 break
             counts = meter.read()
             if event == "created":
-                run.update(import_s=msg["import_s"], create_s=msg["create_s"], create_cpu_s=msg["cpu_s"],
-                           threads=msg["threads"], create_requests=counts)  # fmt: skip
+                run.update(
+                    import_s=msg["import_s"],
+                    create_s=msg["create_s"],
+                    create_cpu_s=msg["cpu_s"],
+                    threads=msg["threads"],
+                    create_requests=counts,
+                )
             else:
                 msg["loader_cpu_s"] = msg.pop("cpu_s")
                 run["epochs"].append({**msg, **counts})
@@ -308,8 +363,17 @@ def _error_text(stderr: str) -> str:
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
     """Per configuration and epoch: the median and range of every measured value over the rounds."""
-    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "listing_requests", "loader_cpu_s", "proxy_cpu_s",
-              "moto_cpu_s", "threads_reading")  # fmt: skip
+    fields = (
+        "seconds",
+        "samples_per_s",
+        "gets",
+        "get_bytes",
+        "listing_requests",
+        "loader_cpu_s",
+        "proxy_cpu_s",
+        "moto_cpu_s",
+        "threads_reading",
+    )
     stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
     out = {}
     for name, rs in runs.items():
@@ -395,15 +459,21 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.s3", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.s3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--caches", type=float, nargs="+", default=list(COORDL_CACHES),
-                   help="coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)")  # fmt: skip
+    p.add_argument(
+        "--caches",
+        type=float,
+        nargs="+",
+        default=list(COORDL_CACHES),
+        help="coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI's threads (default: os.cpu_count())")
     p.add_argument("--requests", type=int, help="COORDL_S3_REQUESTS for coordl (default: coordl's own, 64)")
     p.add_argument("--capacity-inflight", type=int, default=64, help="GETs in flight for the capacity runs")
@@ -445,8 +515,10 @@ def main(argv=None) -> int:
                 if "error" in r:
                     log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
                 else:
-                    log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
-                        + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"]))  # fmt: skip
+                    log(
+                        f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
+                        + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
+                    )
     result = {
         "benchmark": "s3",
         "config": {

@@ -63,13 +63,20 @@ def _one(client: str, keys: list[str], sizes: list[int]) -> dict:
             c0, t0 = _cpu(), time.perf_counter()
             list(pool.map(get, range(len(keys))))
             c1, t1 = _cpu(), time.perf_counter()
-    return {"client": client, "gets": len(keys), "cpu_ms_per_get": 1e3 * (c1 - c0) / len(keys),
-            "gets_per_s": len(keys) / (t1 - t0)}  # fmt: skip
+    return {
+        "client": client,
+        "gets": len(keys),
+        "cpu_ms_per_get": 1e3 * (c1 - c0) / len(keys),
+        "gets_per_s": len(keys) / (t1 - t0),
+    }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.s3_clients", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.s3_clients",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--objects", type=int, default=1000, help="objects of the dataset to GET per run")
     p.add_argument("--repeat", type=int, default=3, help="rounds of both clients")
@@ -118,8 +125,14 @@ def main() -> int:
     }
     for name, m in medians.items():
         print(f"{name:8s} median: {m['cpu_ms_per_get']:.2f} ms CPU per GET, {m['gets_per_s']:.0f} GET/s")
-    result = {"machine": common.machine(), "dataset": dataset, "objects": len(keys), "in_flight": 64,
-              "rows": rows, "medians": medians}  # fmt: skip
+    result = {
+        "machine": common.machine(),
+        "dataset": dataset,
+        "objects": len(keys),
+        "in_flight": 64,
+        "rows": rows,
+        "medians": medians,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -43,8 +43,9 @@ class SmallResNet(nn.Module):
     def __init__(self, num_classes: int, width: int = 16):
         super().__init__()
         w = width
-        self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
-                                  nn.MaxPool2d(3, 2, 1))  # fmt: skip
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
         self.layers = nn.Sequential(Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2), Block(4 * w, 8 * w, 2))
         self.fc = nn.Linear(8 * w, num_classes)
 
@@ -54,8 +55,11 @@ class SmallResNet(nn.Module):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.small_resnet", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.small_resnet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("data")
     p.add_argument("--cache", type=float, default=0.5, help="cache budget, fraction of the dataset")
     p.add_argument("--epochs", type=int, default=3)
@@ -69,8 +73,14 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    with coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=coordl.ImageNetTrain(size=args.size),
-                            cache_bytes=args.cache, device_id=None, num_threads=args.prep_threads) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        args.data,
+        batch_size=args.batch_size,
+        pipeline=coordl.ImageNetTrain(size=args.size),
+        cache_bytes=args.cache,
+        device_id=None,
+        num_threads=args.prep_threads,
+    ) as loader:
         classes = int(loader.index.labels.max()) + 1
         model = SmallResNet(classes, args.width)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)

@@ -20,8 +20,8 @@ per-epoch handshake and a second main process without isolating anything the wor
 processes do not already isolate. Reports the median samples/s of each loader and the ratio
 coordl-torch / torch (target: at least 0.95). The DALI path (``coordl``: ``CoordLoader`` on the
 folder, ``imagenet-train`` with ``--workers`` DALI threads, sharing the same node cache) runs
-in the same rotation, to compare the two backends on the same data and work. With the bytes the device delivered during every
-timed epoch (``/proc/diskstats``) and coordl's counters, which show that both ran warm.
+in the same rotation, to compare the two backends on the same data and work. With the bytes the device
+delivered during every timed epoch (``/proc/diskstats``) and coordl's counters, which show that both ran warm.
 
 Part ``limited``: the memory-limit / throttled-storage scenario of BENCHMARKING.md at
 ``--cache`` (50%) of the dataset, by running ``benchmarks.run --loaders torch,coordl-torch``: each
@@ -76,8 +76,12 @@ def time_epoch(loader, dev: tuple[int, int]) -> dict:
     t0 = time.perf_counter()
     samples = sum(images.shape[0] for images in loader.epoch())
     seconds = time.perf_counter() - t0
-    return {"seconds": round(seconds, 3), "samples": samples, "samples_per_s": round(samples / seconds, 1),
-            "device_bytes": common.sectors_read(dev) - before}  # fmt: skip
+    return {
+        "seconds": round(seconds, 3),
+        "samples": samples,
+        "samples_per_s": round(samples / seconds, 1),
+        "device_bytes": common.sectors_read(dev) - before,
+    }
 
 
 def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
@@ -109,8 +113,10 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
                 if counters is not None:
                     row["counters"] = counters
                 epochs.append(row)
-                log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
-                    f"device {format_bytes(row['device_bytes'], 'MB'):>9}")  # fmt: skip
+                log(
+                    f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
+                    f"device {format_bytes(row['device_bytes'], 'MB'):>9}"
+                )
     finally:
         for loader in made.values():
             loader.close()
@@ -120,8 +126,10 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
         notes.append("a coordl loader read storage during a timed epoch: its cache was not complete")
     cold = [e for e in epochs if e["device_bytes"] > 0.01 * total]
     if cold:
-        notes.append(f"{len(cold)} timed epochs saw the device deliver more than 1% of the dataset: the page cache "
-                     "was not warm, or another process read the disk (the count is the whole device's)")  # fmt: skip
+        notes.append(
+            f"{len(cold)} timed epochs saw the device deliver more than 1% of the dataset: the page cache "
+            "was not warm, or another process read the disk (the count is the whole device's)"
+        )
     return {
         "cache_bytes": total,
         "reps": args.reps,
@@ -139,11 +147,29 @@ def limited(args, dataset: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
     cmd = common.module_command(
-        "run", *common.dataset_argv(args), "--loaders", "torch,coordl-torch", "--cache", str(args.cache),
-        "--bandwidth", args.bandwidth, "--epochs", str(args.epochs), "--fit-epochs", str(args.fit_epochs),
-        "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-        "--warmup-batches", str(args.warmup_batches), "--seed", str(args.seed), "--out", str(out),
-    )  # fmt: skip
+        "run",
+        *common.dataset_argv(args),
+        "--loaders",
+        "torch,coordl-torch",
+        "--cache",
+        str(args.cache),
+        "--bandwidth",
+        args.bandwidth,
+        "--epochs",
+        str(args.epochs),
+        "--fit-epochs",
+        str(args.fit_epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--warmup-batches",
+        str(args.warmup_batches),
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
+    )
     if args.quick:  # a tiny dataset is smaller than a loader's memory swings: any budget ends in the OOM killer
         cmd.append("--no-memory-limit")
     log(f"[limited] {' '.join(cmd)}")
@@ -160,8 +186,9 @@ def limited(args, dataset: dict) -> dict:
         "prep_rate_samples_per_s": res.get("prep_rate_samples_per_s"),
         "limits": res["limits"],
         "run_results": str(out / "results.json"),
-        "fits_samples_per_s": {r["loader"]: r["steady"]["samples_per_s"] for r in res["runs"]
-                               if r["scenario"] == "fits" and "steady" in r},  # fmt: skip
+        "fits_samples_per_s": {
+            r["loader"]: r["steady"]["samples_per_s"] for r in res["runs"] if r["scenario"] == "fits" and "steady" in r
+        },
         "loaders": {},
     }
     for r in (r for r in res["runs"] if r["scenario"] == cell["name"]):
@@ -191,9 +218,16 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
     has none: the warm-up batches and the batches the workers fetched ahead of them were read
     before its measurement began (its ``stats()`` bytes include them, its device bytes do not)."""
     c = e.get("counters")
-    row = {"epoch": e["epoch"], "seconds": e["seconds"], "samples_per_s": e["samples_per_s"],
-           "device_bytes": e["device_bytes"], "storage_bytes": c["storage_bytes"] if c else None,
-           "minimum_bytes": None, "wait_s": e["wait_s"], "peak_memory_bytes": e["peak_memory_bytes"]}  # fmt: skip
+    row = {
+        "epoch": e["epoch"],
+        "seconds": e["seconds"],
+        "samples_per_s": e["samples_per_s"],
+        "device_bytes": e["device_bytes"],
+        "storage_bytes": c["storage_bytes"] if c else None,
+        "minimum_bytes": None,
+        "wait_s": e["wait_s"],
+        "peak_memory_bytes": e["peak_memory_bytes"],
+    }
     minimum = total - (c["cache_bytes"] if c else cache_bytes)
     if e["epoch"] > 0 and minimum > 0:
         row["minimum_bytes"] = minimum
@@ -210,25 +244,42 @@ def report(result: dict) -> str:
     lines = [f"Dataset: {common.describe(d)}; batch {a['batch_size']}, {a['workers']} workers per loader."]
     w = result.get("warm")
     if w:
-        lines += ["", f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.", "",
-                  "| loader | median samples/s | samples/s per epoch | device MB per epoch (max) |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.",
+            "",
+            "| loader | median samples/s | samples/s per epoch | device MB per epoch (max) |",
+            "|---|---|---|---|",
+        ]
         for name in w["median_samples_per_s"]:
             rows = [e for e in w["epochs"] if e["loader"] == name]
             rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in rows)
-            lines.append(f"| {name} | {w['median_samples_per_s'][name]:.1f} | {rates} | "
-                         f"{common.mb(max(e['device_bytes'] for e in rows))} |")  # fmt: skip
-        lines += ["", f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** "
-                      f"(target: at least {w['target_ratio']})"]  # fmt: skip
+            lines.append(
+                f"| {name} | {w['median_samples_per_s'][name]:.1f} | {rates} | "
+                f"{common.mb(max(e['device_bytes'] for e in rows))} |"
+            )
+        lines += [
+            "",
+            f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** "
+            f"(target: at least {w['target_ratio']})",
+        ]
         lines += [f"**NOTE:** {n}" for n in w["notes"]]
     lim = result.get("limited")
     if lim:
         bw = lim["bandwidth_bps"]
-        lines += ["", f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage "
-                      f"{format_bytes(bw, 'MB') + '/s' if bw else 'unthrottled'}; epoch 0 cold, partly read "
-                      "before its measurement (warm-up), so without a minimum."]  # fmt: skip
+        lines += [
+            "",
+            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage "
+            f"{format_bytes(bw, 'MB') + '/s' if bw else 'unthrottled'}; epoch 0 cold, partly read "
+            "before its measurement (warm-up), so without a minimum.",
+        ]
         lines += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
-        lines += ["", "| loader | memory limit MB | epoch | s | samples/s | device MB | stats MB | minimum MB | "
-                      "device/min | stats/min |", "|" + "---|" * 10]  # fmt: skip
+        lines += [
+            "",
+            "| loader | memory limit MB | epoch | s | samples/s | device MB | stats MB | minimum MB | "
+            "device/min | stats/min |",
+            "|" + "---|" * 10,
+        ]
         for name, entry in lim["loaders"].items():
             limit = entry["memory_limit_bytes"]
             if entry["error"]:
@@ -248,33 +299,61 @@ def report(result: dict) -> str:
 
 # -- main --------------------------------------------------------------------------------------
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.torch_backend", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("both", "warm", "limited"), default="both",
-                   help="what to measure; the JSON keeps the other part from an earlier run on the same dataset")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.torch_backend",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--part",
+        choices=("both", "warm", "limited"),
+        default="both",
+        help="what to measure; the JSON keeps the other part from an earlier run on the same dataset",
+    )
     # Defaults after parsing: run's dataset (DATA, 500MB, 100 classes), or with --quick QUICK_DATA, 64 images, 4.
-    common.add_dataset_options(p, data=None, images=None, size=None, classes=None,
-                               data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})")
+    common.add_dataset_options(
+        p,
+        data=None,
+        images=None,
+        size=None,
+        classes=None,
+        data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per loader")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, help="warm: timed epochs per loader (default 4; --quick: 1)")
     p.add_argument("--cache", type=float, default=0.5, help="limited: cache fraction of the dataset")
-    p.add_argument("--bandwidth", default="0.5P",
-                   help="limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'")
+    p.add_argument(
+        "--bandwidth",
+        default="0.5P",
+        help="limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'",
+    )
     p.add_argument("--epochs", type=int, help="limited: epochs, the first cold (default 4; --quick: 2)")
-    p.add_argument("--fit-epochs", type=int,
-                   help="limited: epochs of run.py's 'fits' scenario, which measures working sets and P "
-                        "(default 3; --quick: 2)")  # fmt: skip
-    p.add_argument("--warmup-batches", type=int, help="limited: batches before the limits apply (default 3; --quick: 1)")
+    p.add_argument(
+        "--fit-epochs",
+        type=int,
+        help="limited: epochs of run.py's 'fits' scenario, which measures working sets and P (default 3; --quick: 2)",
+    )
+    p.add_argument(
+        "--warmup-batches", type=int, help="limited: batches before the limits apply (default 3; --quick: 1)"
+    )
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
-    p.add_argument("--out", help="the JSON file (default: benchmarks/results/torch_backend.json; "
-                                 "with --quick, torch_backend_quick.json)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        help="the JSON file (default: benchmarks/results/torch_backend.json; with --quick, torch_backend_quick.json)",
+    )
     args = p.parse_args()
     q = args.quick
-    defaults = {"data": QUICK_DATA if q else DATA, "classes": 4 if q else 100, "reps": 1 if q else 4,
-                "epochs": 2 if q else 4, "fit_epochs": 2 if q else 3, "warmup_batches": 1 if q else 3,
-                "out": str(HERE / "results" / f"torch_backend{'_quick' if q else ''}.json")}  # fmt: skip
+    defaults = {
+        "data": QUICK_DATA if q else DATA,
+        "classes": 4 if q else 100,
+        "reps": 1 if q else 4,
+        "epochs": 2 if q else 4,
+        "fit_epochs": 2 if q else 3,
+        "warmup_batches": 1 if q else 3,
+        "out": str(HERE / "results" / f"torch_backend{'_quick' if q else ''}.json"),
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -66,7 +66,9 @@ def warm_libraries() -> None:
 
     for base in {*site.getsitepackages(), os.path.dirname(os.__file__)}:
         for name in os.listdir(base):
-            if name.split(".")[0] in ("torch", "nvidia", "numpy", "PIL", "pillow", "lib-dynload") or name.endswith(".libs"):
+            if name.split(".")[0] in ("torch", "nvidia", "numpy", "PIL", "pillow", "lib-dynload") or name.endswith(
+                ".libs"
+            ):
                 for folder, _, files in os.walk(os.path.join(base, name)):
                     for f in files:
                         with open(os.path.join(folder, f), "rb") as fh:
@@ -138,22 +140,49 @@ def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: 
         how = "follows own memory +"
     else:
         how = f"{format_bytes(run['memory_limit_bytes'], 'MB', digits=0)} = own {format_bytes(own, 'MB', digits=0)} +"
-    print(f"  {loader}: memory limit {how} slack {format_bytes(slack, 'MB', digits=0)} + {args.cache:.0%} of the "
-          "dataset", flush=True)  # fmt: skip
+    print(
+        f"  {loader}: memory limit {how} slack {format_bytes(slack, 'MB', digits=0)} + {args.cache:.0%} of the dataset",
+        flush=True,
+    )
 
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
-    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) \
-        if caps["memory"] or caps["blkio"] else None  # fmt: skip
+    lim = (
+        limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"])
+        if caps["memory"] or caps["blkio"]
+        else None
+    )
     warm_libraries()
     subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
     common.evict(args.data)
     cache_bytes = int(args.cache * dataset_bytes)
-    cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs),
-           "-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size),
-           "--seed", "0", "--loader", loader, "--cache", str(args.cache), "-p", "1000000",
-           "--checkpoint-dir", tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-u",
+        str(TRAIN),
+        args.data,
+        "-a",
+        args.arch,
+        "--epochs",
+        str(args.epochs),
+        "-b",
+        str(args.batch_size),
+        "-j",
+        str(args.workers),
+        "--image-size",
+        str(args.image_size),
+        "--seed",
+        "0",
+        "--loader",
+        loader,
+        "--cache",
+        str(args.cache),
+        "-p",
+        "1000000",
+        "--checkpoint-dir",
+        tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-"),
+    ]
     run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
     if lim:
         lim.throttle(dev, args.bandwidth)
@@ -165,7 +194,12 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
         last = blkio_read(lim, dev)
         for line in proc.stdout:
             log.write(line)
-            if lim and lim.memory and "memory_limit_bytes" not in run and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line):
+            if (
+                lim
+                and lim.memory
+                and "memory_limit_bytes" not in run
+                and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line)
+            ):
                 limit_memory(args, run, lim, loader, cache_bytes, meter)
             m = SUMMARY.match(line.strip())
             if not m:
@@ -210,13 +244,17 @@ def markdown(result: dict) -> str:
         f"{a['cache']:.0%} of the dataset for data: coordl (`--cache {a['cache']}`) at its peak own memory + the cache "
         f"+ {format_bytes(a['slack'], 'MiB', digits=0)} of headroom its fixed cache cannot use; the DataLoader at "
         f"its own memory + {a['cache']:.0%} + {format_bytes(a['baseline_slack'], 'MiB', digits=0)}, "
-        + ("the limit following its own memory every 50 ms, so that its page cache holds that much." if a.get("follow", True)
-           else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."),
+        + (
+            "the limit following its own memory every 50 ms, so that its page cache holds that much."
+            if a.get("follow", True)
+            else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."
+        ),
         "Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k "
         "(epoch k's training and epoch k-1's validation). Data in memory: the mean of the cgroup's page cache "
         "and shared memory over the same window (coordl: its cache in /dev/shm; the DataLoader: the page cache).",
         "",
-        "| loader | epoch | seconds | samples/s | waited for data s | device MB | data in memory MB | memory limit MB |",
+        "| loader | epoch | seconds | samples/s | waited for data s | device MB | data in memory MB "
+        "| memory limit MB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
@@ -225,11 +263,15 @@ def markdown(result: dict) -> str:
             limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
             limit = common.mb(r["memory_limit_bytes"], digits=0) if limited else "none (warm-up)"
             if limited and r.get("memory_limit_follows"):
-                limit = f"own + {common.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
+                limit = (
+                    f"own + {common.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
+                )
             held = e.get("mean_data_in_memory_bytes")
             held = common.mb(held)
-            out.append(f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
-                       f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |")  # fmt: skip
+            out.append(
+                f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
+                f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |"
+            )
     out += ["", "The summary lines the script printed:", "", "```"]
     for r in result["runs"]:
         out += [e["line"] for e in r["epochs"]]
@@ -238,27 +280,48 @@ def markdown(result: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.train_example", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_example",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # Large images: the data to cache must be large against the process's own memory swings, ~100-200 MB.
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/imagenet-example-1000px", images=1200, classes=10,
-                               width=1000, height=875,
-                               data_help="holds (or gets) train/, of --images or --size, and val/")  # fmt: skip
+    common.add_dataset_options(
+        p,
+        data="/var/tmp/coordl-bench/imagenet-example-1000px",
+        images=1200,
+        classes=10,
+        width=1000,
+        height=875,
+        data_help="holds (or gets) train/, of --images or --size, and val/",
+    )
     p.add_argument("--val-images", type=int, default=100, help="validation JPEGs, in DATA/val (default: 100)")
     p.add_argument("-a", "--arch", default="resnet18")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("-b", "--batch-size", type=int, default=32)
     p.add_argument("-j", "--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--limit-after", type=int, default=2,
-                   help="epochs (and their validation) that run without a memory limit: PyTorch's and DALI's "
-                        "memory grows for the first 2-3 epochs, then levels off")  # fmt: skip
+    p.add_argument(
+        "--limit-after",
+        type=int,
+        default=2,
+        help="epochs (and their validation) that run without a memory limit: PyTorch's and DALI's "
+        "memory grows for the first 2-3 epochs, then levels off",
+    )
     p.add_argument("--cache", type=float, default=0.5, help="fraction of the dataset the memory limit leaves for data")
     p.add_argument("--bandwidth", type=parse_bytes, default="8MB", help="storage throttle, bytes per second")
-    p.add_argument("--slack", type=parse_bytes, default="192MiB", help="coordl's memory beyond its own peak (OOM headroom)")
-    p.add_argument("--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its page cache uses it)")
-    p.add_argument("--no-follow", dest="follow", action="store_false",
-                   help="a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)")
+    p.add_argument(
+        "--slack", type=parse_bytes, default="192MiB", help="coordl's memory beyond its own peak (OOM headroom)"
+    )
+    p.add_argument(
+        "--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its page cache uses it)"
+    )
+    p.add_argument(
+        "--no-follow",
+        dest="follow",
+        action="store_false",
+        help="a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)",
+    )
     p.add_argument("--loaders", default="coordl,torch")
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
     p.add_argument("--out", default=str(HERE / "results"))
@@ -276,13 +339,24 @@ def main() -> int:
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
     train = common.dataset_from_args(args, root=os.path.join(args.data, "train"))
-    val = common.dataset_from_args(args, root=os.path.join(args.data, "val"), images=args.val_images,
-                                   seed=args.dataset_seed + 1)  # fmt: skip
-    dataset = {"train_files": train["files"], "val_files": val["files"],
-               "total_bytes": train["total_bytes"] + val["total_bytes"], "source": train["source"]}  # fmt: skip
+    val = common.dataset_from_args(
+        args, root=os.path.join(args.data, "val"), images=args.val_images, seed=args.dataset_seed + 1
+    )
+    dataset = {
+        "train_files": train["files"],
+        "val_files": val["files"],
+        "total_bytes": train["total_bytes"] + val["total_bytes"],
+        "source": train["source"],
+    }
     dev = common.device_of(train["root"])
-    result = {"command": "python -m benchmarks.train_example " + " ".join(sys.argv[1:]), "machine": common.machine(),
-              "args": vars(args), "dataset": dataset, "limits": caps, "runs": []}  # fmt: skip
+    result = {
+        "command": "python -m benchmarks.train_example " + " ".join(sys.argv[1:]),
+        "machine": common.machine(),
+        "args": vars(args),
+        "dataset": dataset,
+        "limits": caps,
+        "runs": [],
+    }
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)
         result["runs"].append(run_one(args, loader, train["total_bytes"] + val["total_bytes"], dev, caps))

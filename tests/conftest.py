@@ -29,8 +29,7 @@ def write_jpeg(path: Path, rng: np.random.Generator, size=(48, 40), quality=90) 
     w, h = size
     yy, xx = np.mgrid[0:h, 0:w]
     base = rng.integers(0, 256, 3)
-    img = (base + 60 * np.sin(xx[..., None] / (3 + rng.random() * 5) + rng.random(3) * 6)
-           + rng.normal(0, 12, (h, w, 3)))  # fmt: skip
+    img = base + 60 * np.sin(xx[..., None] / (3 + rng.random() * 5) + rng.random(3) * 6) + rng.normal(0, 12, (h, w, 3))
     buf = io.BytesIO()
     Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=quality)
     path.write_bytes(buf.getvalue())
@@ -93,7 +92,9 @@ def isolated(monkeypatch, tmp_path):
     deadline = time.monotonic() + 5
     while True:
         left = sorted(os.listdir(shm))
-        threads = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("coordl")]
+        threads = [
+            t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("coordl")
+        ]
         children = multiprocessing.active_children()
         if not (left or threads or children) or time.monotonic() > deadline:
             break

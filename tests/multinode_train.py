@@ -50,10 +50,18 @@ def main() -> None:
     rank = dist.get_rank()
     cache = float(a.cache) if "." in a.cache else int(a.cache)
     loader = coordl.CoordLoader(
-        a.data, batch_size=a.batch_size, pipeline=coordl.ImageNetTrain(size=a.size), cache_bytes=cache,
-        device_id=None, num_threads=a.threads, return_index=True, seed=5, peers="auto" if a.peers == "auto" else False,
-        locality_aware=bool(a.locality), peer_timeout=a.peer_timeout,
-    )  # fmt: skip
+        a.data,
+        batch_size=a.batch_size,
+        pipeline=coordl.ImageNetTrain(size=a.size),
+        cache_bytes=cache,
+        device_id=None,
+        num_threads=a.threads,
+        return_index=True,
+        seed=5,
+        peers="auto" if a.peers == "auto" else False,
+        locality_aware=bool(a.locality),
+        peer_timeout=a.peer_timeout,
+    )
     die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
     stop = tuple(int(x) for x in a.stop_at.split(",")) if a.stop_at else None
     first = 0

@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -93,8 +92,14 @@ def test_waits_on_slow_storage_are_fetch_bound(tiny_dataset, slow_storage):
     sizes = sum(p.stat().st_size for p in tiny_dataset.rglob("*.jpg"))
     bps = sizes / 2.0  # the dataset takes 2 s to read
     slow_storage(bps)
-    with coordl.CoordLoader(tiny_dataset, batch_size=10, cache_bytes=0, device_id=None, num_threads=1,
-                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        tiny_dataset,
+        batch_size=10,
+        cache_bytes=0,
+        device_id=None,
+        num_threads=1,
+        pipeline=coordl.ImageNetVal(size=32, resize=36),
+    ) as loader:
         for _ in loader:
             pass
         s = loader.stats()
@@ -132,8 +137,14 @@ def test_waits_on_slow_prep_are_prep_bound(tiny_dataset):
 
 
 def test_cache_hit_bytes_and_the_epoch_line(tiny_dataset, capsys):
-    with coordl.CoordLoader(tiny_dataset, batch_size=16, cache_bytes=1.0, device_id=None, log_epochs=True,
-                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        tiny_dataset,
+        batch_size=16,
+        cache_bytes=1.0,
+        device_id=None,
+        log_epochs=True,
+        pipeline=coordl.ImageNetVal(size=32, resize=36),
+    ) as loader:
         for _ in range(2):
             for _ in loader:
                 pass
@@ -147,8 +158,9 @@ def test_cache_hit_bytes_and_the_epoch_line(tiny_dataset, capsys):
 
 
 def test_stats_keys_are_the_same_before_and_after_a_pass(tiny_dataset):
-    with coordl.CoordLoader(tiny_dataset, batch_size=16, cache_bytes=0, device_id=None,
-                            pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        tiny_dataset, batch_size=16, cache_bytes=0, device_id=None, pipeline=coordl.ImageNetVal(size=32, resize=36)
+    ) as loader:
         before = set(loader.stats())
         for _ in loader:
             pass
@@ -157,8 +169,19 @@ def test_stats_keys_are_the_same_before_and_after_a_pass(tiny_dataset):
 
 # -- the model ---------------------------------------------------------------------------------
 def rates(**kw) -> Rates:
-    base = dict(G=400.0, P=300.0, R=200.0, S=10e6, C=1e10, F=90.0, sample_bytes=1e5, dataset_samples=10_000,
-                dataset_bytes=10**9, cache_bytes=5 * 10**8, prep_threads=2)  # fmt: skip
+    base = dict(
+        G=400.0,
+        P=300.0,
+        R=200.0,
+        S=10e6,
+        C=1e10,
+        F=90.0,
+        sample_bytes=1e5,
+        dataset_samples=10_000,
+        dataset_bytes=10**9,
+        cache_bytes=5 * 10**8,
+        prep_threads=2,
+    )
     base.update(kw)
     return Rates(**base)
 
@@ -232,7 +255,9 @@ def test_report_json_table_and_plot(tmp_path):
 
 
 # -- coordl analyze end to end --------------------------------------------------------------------
-TRAIN = SLOW_STORAGE + """
+TRAIN = (
+    SLOW_STORAGE
+    + """
 import sys
 import coordl
 
@@ -246,6 +271,7 @@ with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0.5, device_id=No
             time.sleep(STEP)  # the training step
 print("the script finished")
 """
+)
 
 
 def test_analyze_end_to_end(tiny_dataset, tmp_path, isolated):
@@ -255,8 +281,26 @@ def test_analyze_end_to_end(tiny_dataset, tmp_path, isolated):
     b = sum(sizes) / len(sizes)
     bps = 60 * b  # storage delivers 60 samples/s; the step ingests 8 / 0.02 = 400
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "10", "--warmup", "2", "--out", str(out),
-           "--storage-seconds", "3", "--", sys.executable, str(script), str(tiny_dataset), str(bps), "0.02"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordl.cli",
+        "analyze",
+        "--steps",
+        "10",
+        "--warmup",
+        "2",
+        "--out",
+        str(out),
+        "--storage-seconds",
+        "3",
+        "--",
+        sys.executable,
+        str(script),
+        str(tiny_dataset),
+        str(bps),
+        "0.02",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "Bottleneck: fetch-bound" in proc.stdout
@@ -283,8 +327,12 @@ def test_analyze_explains_a_script_without_coordl(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text("print('no loader here')\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(out), "--", sys.executable,
-                           str(script)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordl.cli", "analyze", "--out", str(out), "--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "must iterate a coordl.CoordLoader" in proc.stderr
     assert "no loader here" in proc.stderr  # the end of its log
@@ -293,15 +341,33 @@ def test_analyze_explains_a_script_without_coordl(tmp_path):
 def test_analyze_reports_a_failing_script(tmp_path):
     script = tmp_path / "bad.py"
     script.write_text("raise SystemExit('boom: bad arguments')\n")
-    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path / "o"), "--",
-                           sys.executable, str(script)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordl.cli",
+            "analyze",
+            "--out",
+            str(tmp_path / "o"),
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "failed with exit code 1" in proc.stderr and "boom: bad arguments" in proc.stderr
 
 
 def test_analyze_needs_a_command(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "give the training command after --" in proc.stderr
 
 
@@ -309,9 +375,24 @@ def test_a_phase_that_hangs_times_out(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(600)\n")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--timeout", "2", "--out",
-                           str(tmp_path / "o"), "--", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordl.cli",
+            "analyze",
+            "--timeout",
+            "2",
+            "--out",
+            str(tmp_path / "o"),
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "did not finish within 2 s" in proc.stderr
     assert time.monotonic() - t0 < 30
 
@@ -349,8 +430,24 @@ def test_analyze_a_torch_backend_script(tiny_dataset, tmp_path, isolated):
     script = tmp_path / "train_torch.py"
     script.write_text(TRAIN_TORCH)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "8", "--warmup", "1", "--out", str(out),
-           "--storage-seconds", "2", "--", sys.executable, str(script), str(tiny_dataset)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "coordl.cli",
+        "analyze",
+        "--steps",
+        "8",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--storage-seconds",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        str(tiny_dataset),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     r = json.loads((out / "report.json").read_text())

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from benchmarks import loaders, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,9 +33,19 @@ def test_bandwidth_specs():
 
 
 def _run(scenario, loader, seconds, device_bytes, samples_per_s=100.0, storage=None):
-    r = {"scenario": scenario, "loader": loader, "bandwidth_bps": None, "epochs": [{"seconds": 1.0}],
-         "steady": {"seconds": seconds, "device_bytes": device_bytes, "samples_per_s": samples_per_s,
-                    "wait_s": 0.0, "peak_memory_bytes": 1}}  # fmt: skip
+    r = {
+        "scenario": scenario,
+        "loader": loader,
+        "bandwidth_bps": None,
+        "epochs": [{"seconds": 1.0}],
+        "steady": {
+            "seconds": seconds,
+            "device_bytes": device_bytes,
+            "samples_per_s": samples_per_s,
+            "wait_s": 0.0,
+            "peak_memory_bytes": 1,
+        },
+    }
     if storage is not None:
         r["steady"]["coordl_storage_bytes"] = storage
     return r
@@ -47,7 +58,7 @@ def test_summary_ratios_and_bound():
         "scenarios": [
             {"name": "fits", "cache": 1.0, "bandwidth_bps": None},
             {"name": "io", "cache": 0.5, "bandwidth_bps": 100},
-        ],  # fmt: skip
+        ],
         "runs": [
             _run("fits", "dali-seq", 2.0, 0, samples_per_s=50.0),
             _run("fits", "coordl", 2.1, 0, samples_per_s=47.0),
@@ -94,17 +105,48 @@ def test_runner_end_to_end(tmp_path):
     for every run, the report files, and no cgroup left behind."""
     before = _bench_cgroups()
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--data", str(tmp_path / "ds"), "--images", "48",
-           "--classes", "3", "--loaders", "dali-seq,coordl", "--cache", "0.5", "--bandwidth", "0.5P",
-           "--epochs", "2", "--fit-epochs", "2", "--batch-size", "8", "--workers", "1", "--warmup-batches", "1",
-           "--baseline-slack", "64MB", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--data",
+        str(tmp_path / "ds"),
+        "--images",
+        "48",
+        "--classes",
+        "3",
+        "--loaders",
+        "dali-seq,coordl",
+        "--cache",
+        "0.5",
+        "--bandwidth",
+        "0.5P",
+        "--epochs",
+        "2",
+        "--fit-epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--workers",
+        "1",
+        "--warmup-batches",
+        "1",
+        "--baseline-slack",
+        "64MB",
+        "--out",
+        str(out),
+    ]
     # 48 tiny images are far fewer bytes than DALI's own memory swings between runs; without
     # headroom the baseline was, now and then, OOM-killed under its measured working set.
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert [(r["scenario"], r["loader"]) for r in result["runs"]] == [
-        ("fits", "dali-seq"), ("fits", "coordl"), ("0.5P@0.5", "coordl"), ("0.5P@0.5", "dali-seq")]  # fmt: skip
+        ("fits", "dali-seq"),
+        ("fits", "coordl"),
+        ("0.5P@0.5", "coordl"),
+        ("0.5P@0.5", "dali-seq"),
+    ]
     for r in result["runs"]:
         assert "error" not in r, r["error"]
         assert [e["samples"] for e in r["epochs"][1:]] == [48]  # every steady epoch is whole
@@ -158,8 +200,22 @@ def test_torch_backend_quick(tmp_path):
     fixture fails the test on shared memory left behind.)"""
     before = _bench_cgroups()
     out = tmp_path / "tb.json"
-    cmd = [sys.executable, "-m", "benchmarks.torch_backend", "--quick", "--data", str(tmp_path / "ds"),
-           "--images", "48", "--classes", "3", "--batch-size", "8", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.torch_backend",
+        "--quick",
+        "--data",
+        str(tmp_path / "ds"),
+        "--images",
+        "48",
+        "--classes",
+        "3",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -196,15 +252,33 @@ def test_multinode_quick(tmp_path):
     """benchmarks.multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
     from coordl.tools import netns
 
-    why = netns.unavailable() or (None if Path("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device").exists()
-                                  else "no v1 blkio cgroup")  # fmt: skip
+    why = netns.unavailable() or (
+        None if Path("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device").exists() else "no v1 blkio cgroup"
+    )
     if why:
         pytest.skip(why)
     out = tmp_path / "multinode.json"
     data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.multinode", "--quick", "--data", str(data), "--out", str(out),
-                           "--aggregate", "1.0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.multinode",
+            "--quick",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--aggregate",
+            "1.0",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (check,) = result["checks"]
@@ -217,17 +291,24 @@ def test_train_example_quick(tmp_path):
     """benchmarks.train_example --quick: the ImageNet example with both loaders, in cgroups."""
     data = tmp_path / "data"
     checkpoints = set(Path(tempfile.gettempdir()).glob("coordl-train-example-*"))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.train_example", "--quick", "--data", str(data),
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_example", "--quick", "--data", str(data), "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "train_example_quick.json").read_text())
     assert [r["loader"] for r in result["runs"]] == ["coordl", "torch"]
-    for run in result["runs"]:
-        assert run["returncode"] == 0 and [e["epoch"] for e in run["epochs"]] == [0, 1]
+    for one in result["runs"]:
+        assert one["returncode"] == 0 and [e["epoch"] for e in one["epochs"]] == [0, 1]
     # Epoch 0 reads the 128 training images from storage; with --cache 0.5, epoch 1 reads only
     # what the cache does not hold.
-    first, second = (re.search(r"storage [\d.]+ MB in (\d+) reads, cache hits (\d+) ", e["line"]).groups()
-                     for e in result["runs"][0]["epochs"])  # fmt: skip
+    first, second = (
+        re.search(r"storage [\d.]+ MB in (\d+) reads, cache hits (\d+) ", e["line"]).groups()
+        for e in result["runs"][0]["epochs"]
+    )
     assert first == ("128", "0")
     assert int(second[0]) + int(second[1]) == 128 and 0 < int(second[1]) < 128
     assert (tmp_path / "train_example_quick.md").exists()

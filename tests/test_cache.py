@@ -22,13 +22,12 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from childproc import report, result
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from childproc import report, result
 from coordl.fetch.budget import resolve_budget
-from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import (
     EMPTY,
     ENTRY,
@@ -39,6 +38,7 @@ from coordl.fetch.cache import (
     MinIOCache,
     headroom,
 )
+from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper
 from coordl.units import format_bytes, parse_bytes
@@ -87,9 +87,6 @@ def chunk_sizes(directory) -> list[int]:
 
 def file_bytes(index: Index, i: int) -> np.ndarray:
     return np.fromfile(index.paths[i], dtype=np.uint8)
-
-
-
 
 
 @pytest.fixture
@@ -430,8 +427,9 @@ def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs
 def _killed_mid_write(root, budget, keep, fill, i, written, q):
     def body():
         index = Index.scan(root)
-        cache = MinIOCache(index.fingerprint, index.sizes, budget, keep=keep, directory=names.shm_dir(),
-                           chunk_bytes=4096)  # fmt: skip
+        cache = MinIOCache(
+            index.fingerprint, index.sizes, budget, keep=keep, directory=names.shm_dir(), chunk_bytes=4096
+        )
         fetcher = Fetcher(index, cache, drop_page_cache=False)
         for j in fill:
             fetcher.fetch(j)
@@ -452,8 +450,9 @@ def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isola
     cache = MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated), chunk_bytes=4096)
     try:
         written, q = CTX.Event(), CTX.Queue()
-        p = procs(_killed_mid_write, str(tiny_dataset), index.total_bytes, False, list(range(victim)), victim,
-                  written, q)  # fmt: skip
+        p = procs(
+            _killed_mid_write, str(tiny_dataset), index.total_bytes, False, list(range(victim)), victim, written, q
+        )
         assert result(q) is True and written.wait(WAIT)
         kill9(p)
         assert cache.get(victim) is None
@@ -530,8 +529,9 @@ def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isol
 def small_tmpfs(size: int):
     """A fresh tmpfs of ``size`` bytes; skips the test where mounting is not allowed."""
     mnt = tempfile.mkdtemp(prefix="coordl-tmpfs-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", mnt],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", mnt], capture_output=True, text=True
+    )
     if r.returncode != 0:
         os.rmdir(mnt)
         pytest.skip(f"cannot mount a tmpfs to test a small /dev/shm (needs root): {r.stderr.strip()}")
@@ -582,8 +582,9 @@ def test_loader_on_tiny_shm_runs_without_a_cache(tiny_dataset, isolated, monkeyp
     with small_tmpfs(16 << 20) as mnt:
         monkeypatch.setenv("COORDL_SHM_DIR", mnt)
         with pytest.warns(RuntimeWarning, match=mnt):
-            loader = coordl.CoordLoader(tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="40GB",
-                                        device_id=None)  # fmt: skip
+            loader = coordl.CoordLoader(
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="40GB", device_id=None
+            )
         try:
             assert loader.cache is None
             assert sum(len(labels) for _, labels in loader) == n
@@ -602,8 +603,9 @@ def test_loader_shrinks_a_budget_that_does_not_fit_and_keeps_working(tiny_datase
         vfs = os.statvfs(mnt)
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
         with pytest.warns(RuntimeWarning, match=f"does not fit in {mnt}"):
-            loader = coordl.CoordLoader(tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB",
-                                        device_id=None)  # fmt: skip
+            loader = coordl.CoordLoader(
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB", device_id=None
+            )
         try:
             assert 0 < loader.cache.budget <= free - headroom(total) < index.total_bytes
             with warnings.catch_warnings():
@@ -628,8 +630,9 @@ def test_shrunk_budget_is_actually_usable(tiny_dataset, isolated, monkeypatch):
         monkeypatch.setenv("COORDL_SHM_DIR", mnt)
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            loader = coordl.CoordLoader(tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB",
-                                        device_id=None)  # fmt: skip
+            loader = coordl.CoordLoader(
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB", device_id=None
+            )
             try:
                 budget = loader.cache.budget
                 for _ in loader:
@@ -814,7 +817,6 @@ def test_parse_bytes_bad_strings_say_what_is_expected(bad):
     assert "40GB" in str(e.value) or "0.5" in str(e.value)
 
 
-
 def test_parse_bytes_rejects_negative_strings():
     with pytest.raises(ValueError, match="negative"):
         parse_bytes("-1GB")
@@ -839,15 +841,31 @@ def test_parse_bytes_types():
 
 @given(n=st.integers(0, 10**6), unit=st.sampled_from(["b", "kb", "MB", "Gb", "kib", "MiB", "GiB", "k", "m", "g"]))
 def test_parse_bytes_units_property(n, unit):
-    mult = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-            "k": 2**10, "m": 2**20, "g": 2**30}[unit.lower()]  # fmt: skip
+    mult = {
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "k": 2**10,
+        "m": 2**20,
+        "g": 2**30,
+    }[unit.lower()]
     assert parse_bytes(f"{n}{unit}") == n * mult
     assert parse_bytes(f" {n} {unit.upper()} ") == n * mult
 
 
 def test_format_bytes():
     assert [format_bytes(n) for n in (0, 999, 1000, 12_345_678, 2.5e12, 7e15)] == [
-        "0 B", "999 B", "1.0 KB", "12.3 MB", "2.5 TB", "7000.0 TB"]  # fmt: skip
+        "0 B",
+        "999 B",
+        "1.0 KB",
+        "12.3 MB",
+        "2.5 TB",
+        "7000.0 TB",
+    ]
     assert format_bytes(200_000, "MB") == "0.2 MB"  # a fixed unit, whatever the size
     assert format_bytes(512 << 20, "MiB", digits=0) == "512 MiB"
     assert format_bytes(1_234_567, "MB", digits=2, with_unit=False) == "1.23"  # a column headed MB

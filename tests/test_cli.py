@@ -8,8 +8,14 @@ import coordl
 
 
 def run(*args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or os.environ.copy(), check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "coordl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or os.environ.copy(),
+        check=False,
+    )
 
 
 def test_demo_fills_the_cache_then_hits_it(tmp_path):
@@ -28,8 +34,14 @@ def test_cache_ls_and_clean(tiny_dataset):
     r = run("cache", "ls")
     assert r.returncode == 0 and "no coordl shared memory" in r.stdout
     assert r.stdout.splitlines()[-1].startswith("memory limit: ")  # the limit shared memory counts against
-    with coordl.CoordLoader(tiny_dataset, batch_size=30, cache_bytes=0.5, keep_cache=True, device_id=None,
-                            pipeline=coordl.ImageNetTrain(size=32)) as loader:  # fmt: skip
+    with coordl.CoordLoader(
+        tiny_dataset,
+        batch_size=30,
+        cache_bytes=0.5,
+        keep_cache=True,
+        device_id=None,
+        pipeline=coordl.ImageNetTrain(size=32),
+    ) as loader:
         for _ in loader:
             pass
         fp = loader.cache.fingerprint  # the group: the dataset's fingerprint and the user's
@@ -47,8 +59,19 @@ def test_cache_ls_and_clean(tiny_dataset):
 
 
 def test_make_dataset(tmp_path):
-    r = run("make-dataset", str(tmp_path / "ds"), "--images", "12", "--classes", "3", "--width", "64",
-            "--height", "48", "-q")  # fmt: skip
+    r = run(
+        "make-dataset",
+        str(tmp_path / "ds"),
+        "--images",
+        "12",
+        "--classes",
+        "3",
+        "--width",
+        "64",
+        "--height",
+        "48",
+        "-q",
+    )
     assert r.returncode == 0, r.stderr
     assert "12 files in 3 classes" in r.stdout
     assert len(coordl.Index.scan(tmp_path / "ds")) == 12

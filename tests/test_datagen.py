@@ -16,9 +16,7 @@ needs_photos = pytest.mark.skipif(not PHOTOS.is_dir(), reason=f"{PHOTOS} not fou
 
 def files_of(root: Path) -> dict[str, bytes]:
     """Map each file's path relative to root to its bytes."""
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def recount(root: Path) -> tuple[int, int, int, int]:
@@ -55,8 +53,7 @@ def test_tree_shape(tmp_path: Path) -> None:
 
 def test_sizes_vary_and_options(tmp_path: Path) -> None:
     root = tmp_path / "ds"
-    make_dataset(root, num_images=12, num_classes=1, size=(64, 48), quality=75, ext=".jpg",
-                 progress=False)
+    make_dataset(root, num_images=12, num_classes=1, size=(64, 48), quality=75, ext=".jpg", progress=False)
     files = sorted((root / "n00000000").iterdir())
     assert [f.name for f in files] == [f"n00000000_{i:06d}.jpg" for i in range(12)]
     sizes = set()
@@ -185,12 +182,10 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, match: str) -> None:
 
 def test_bad_photos_dir(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        make_dataset(tmp_path / "ds", num_images=1, num_classes=1, photos_dir=tmp_path / "nope",
-                     progress=False)
+        make_dataset(tmp_path / "ds", num_images=1, num_classes=1, photos_dir=tmp_path / "nope", progress=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no photographs"):
-        make_dataset(tmp_path / "ds", num_images=1, num_classes=1, photos_dir=tmp_path / "empty",
-                     progress=False)
+        make_dataset(tmp_path / "ds", num_images=1, num_classes=1, photos_dir=tmp_path / "empty", progress=False)
 
 
 def test_summary_matches_disk(tmp_path: Path) -> None:
@@ -204,11 +199,10 @@ def test_summary_matches_disk(tmp_path: Path) -> None:
 
 
 def test_summary_str() -> None:
-    s = DatasetSummary(root="/data/x", files=2000, classes=10, total_bytes=221_400_000,
-                       mean_bytes=110_700.0, bytes_per_pixel=0.79)
-    assert str(s) == (
-        "2000 files in 10 classes, 221.4 MB, mean 110.7 KB, 0.79 bytes/pixel at /data/x"
+    s = DatasetSummary(
+        root="/data/x", files=2000, classes=10, total_bytes=221_400_000, mean_bytes=110_700.0, bytes_per_pixel=0.79
     )
+    assert str(s) == ("2000 files in 10 classes, 221.4 MB, mean 110.7 KB, 0.79 bytes/pixel at /data/x")
 
 
 def test_progress_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,10 +235,8 @@ def test_photos_bytes_per_pixel(tmp_path: Path) -> None:
 
 @needs_photos
 def test_photos_deterministic_and_distinct_from_synthetic(tmp_path: Path) -> None:
-    make_dataset(tmp_path / "a", num_images=4, num_classes=2, photos_dir=PHOTOS, grain=10,
-                 progress=False)
-    make_dataset(tmp_path / "b", num_images=4, num_classes=2, photos_dir=PHOTOS, grain=10,
-                 progress=False)
+    make_dataset(tmp_path / "a", num_images=4, num_classes=2, photos_dir=PHOTOS, grain=10, progress=False)
+    make_dataset(tmp_path / "b", num_images=4, num_classes=2, photos_dir=PHOTOS, grain=10, progress=False)
     make_dataset(tmp_path / "c", num_images=4, num_classes=2, grain=10, progress=False)
     fa, fb, fc = (files_of(tmp_path / n) for n in "abc")
     assert fa == fb
@@ -292,9 +284,7 @@ def test_total_bytes_reaches_target_with_fewest_images(tmp_path: Path) -> None:
     assert files_of(root) == files_of(tmp_path / "ref")
 
 
-def test_total_bytes_deterministic_whatever_the_rounds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_total_bytes_deterministic_whatever_the_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = 250_000
     a = make_dataset(tmp_path / "a", total_bytes=target, num_classes=4, seed=5, **SMALL)
     # Many small rounds with no margin, written by a pool of workers.

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_tree
 
 import coordl
 from coordl import CoordLoader, DecodedRecipe, ImageNetTrain, ImageNetVal

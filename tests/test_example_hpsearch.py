@@ -69,8 +69,22 @@ def test_launch_trials_share_one_group(data, isolated):
 def test_halving_kills_the_worst_trial_and_the_group_goes_on(data, isolated):
     # Enough epochs that a round ends while every trial still trains, however far apart the trials
     # started (each imports torch and DALI on 2 shared cores; an epoch here takes 0.3 s).
-    p = _run("halving.py", str(data), "--trials", "3", "--rounds", "1", "--epochs", str(EPOCHS), "--lrs", "0.3,0.05,0.01",
-             *FAST, "--timeout", "150", timeout=180)  # fmt: skip
+    p = _run(
+        "halving.py",
+        str(data),
+        "--trials",
+        "3",
+        "--rounds",
+        "1",
+        "--epochs",
+        str(EPOCHS),
+        "--lrs",
+        "0.3,0.05,0.01",
+        *FAST,
+        "--timeout",
+        "150",
+        timeout=180,
+    )
     out = p.stdout
     assert p.returncode == 0, out
     killed = re.search(r"round 1: killed (t\d) \(lr [\d.e-]+, pid \d+\) with SIGKILL after (\d) epoch", out)

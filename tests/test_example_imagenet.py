@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tree
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "train.py"
@@ -32,16 +33,22 @@ def data(tmp_path_factory) -> Path:
 
 
 def run(data: Path, ckpt: Path, *args: str, timeout: float = 120) -> str:
-    p = subprocess.run([sys.executable, str(TRAIN), str(data), *FAST, "--checkpoint-dir", str(ckpt), *args],
-                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), str(data), *FAST, "--checkpoint-dir", str(ckpt), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
 
 
 def summaries(out: str) -> list[tuple[int, int, int]]:
     """(epoch, batches trained, first batch) of every epoch summary line."""
-    return [(int(e), int(n), int(s)) for e, n, s in
-            re.findall(r"Epoch \[(\d+)\] summary: (\d+) batches from batch (\d+)", out)]  # fmt: skip
+    return [
+        (int(e), int(n), int(s))
+        for e, n, s in re.findall(r"Epoch \[(\d+)\] summary: (\d+) batches from batch (\d+)", out)
+    ]
 
 
 def test_coordl_epoch_prints_stalls_and_accuracy_and_checkpoints_the_loader(data, tmp_path):
@@ -68,8 +75,9 @@ def test_torch_loader_runs_the_same_script(data, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--save-every", "--log-samples"])
 def test_save_every_and_log_samples_need_coordl(data, tmp_path, flag):
-    p = subprocess.run([sys.executable, str(TRAIN), str(data), "--loader", "torch", flag, "2"],
-                       capture_output=True, text=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), str(data), "--loader", "torch", flag, "2"], capture_output=True, text=True
+    )
     assert p.returncode == 2 and f"{flag} needs --loader coordl" in p.stderr
 
 
@@ -84,9 +92,13 @@ def _start(data: Path, ckpt: Path, *args: str, ranks: int = 1) -> subprocess.Pop
     launcher = [sys.executable]
     if ranks > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    return subprocess.Popen([*launcher, str(TRAIN), str(data), *FAST, "--checkpoint-dir", str(ckpt), "-p", "1", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    return subprocess.Popen(
+        [*launcher, str(TRAIN), str(data), *FAST, "--checkpoint-dir", str(ckpt), "-p", "1", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def _rank0_worker(torchrun: int) -> int:
@@ -138,8 +150,9 @@ def test_sigterm_saves_mid_epoch_and_resume_trains_exactly_the_rest(data, tmp_pa
     stopped = re.search(r"stopped by SIGTERM after batch (\d+) of epoch (\d+)", first)
     assert stopped, first
     k, epoch = int(stopped[1]), int(stopped[2])
-    out = run(data, tmp_path, "--epochs", "2", "--log-samples", str(log), "--resume",
-              str(tmp_path / "checkpoint.pth.tar"))  # fmt: skip
+    out = run(
+        data, tmp_path, "--epochs", "2", "--log-samples", str(log), "--resume", str(tmp_path / "checkpoint.pth.tar")
+    )
     done = summaries(first) + summaries(out)
     # Every epoch's batches are trained exactly once over the two runs.
     per_epoch = {e: 0 for e in range(2)}
@@ -183,9 +196,29 @@ def test_two_ranks_under_torchrun_count_every_validation_image_once(data, tmp_pa
     # 20 validation images over 2 ranks at batch 4: the shards are padded to 12 each; the
     # accuracy must still be over exactly 20 images.
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN),
-                        str(data), *FAST, "--epochs", "1", "--cache", "1.0", "--checkpoint-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TRAIN),
+            str(data),
+            *FAST,
+            "--epochs",
+            "1",
+            "--cache",
+            "1.0",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "2 rank(s)" in p.stdout
     assert summaries(p.stdout) == [(0, BATCHES // 2, 0)]

@@ -25,8 +25,11 @@ SIMULATE = ROOT / "examples" / "multinode" / "simulate.py"
 
 NS_REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETNS") else netns.unavailable()
 N = 128  # training images
-SUMMARY = re.compile(r"^\[node 0\] Epoch \[(\d+)\] summary: .*; storage ([\d.]+) MB in (\d+) reads, "
-                     r"cache hits (\d+) \(([\d.]+) MB\), peers ([\d.]+) MB", re.MULTILINE)  # fmt: skip
+SUMMARY = re.compile(
+    r"^\[node 0\] Epoch \[(\d+)\] summary: .*; storage ([\d.]+) MB in (\d+) reads, "
+    r"cache hits (\d+) \(([\d.]+) MB\), peers ([\d.]+) MB",
+    re.MULTILINE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +44,9 @@ def data(tmp_path_factory) -> Path:
 def _simulate(*args: str, timeout: float = 150) -> tuple[int, str]:
     """Runs simulate.py; its exit code and output. Past ``timeout`` it gets a SIGTERM, as from a
     user, so that it still cleans up, and the test fails."""
-    p = subprocess.Popen([sys.executable, str(SIMULATE), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, str(SIMULATE), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -76,17 +80,42 @@ def _namespaces_of(pid: int) -> list[str]:
     return sorted(set(re.findall(rf"\bcdl[bnv]{tag}(?:_\d+)?\b", out)))
 
 
-MODES = [pytest.param([], id="netns", marks=pytest.mark.skipif(NS_REASON is not None, reason=f"{NS_REASON}")),
-         pytest.param(["--no-netns"], id="loopback")]  # fmt: skip
+MODES = [
+    pytest.param([], id="netns", marks=pytest.mark.skipif(NS_REASON is not None, reason=f"{NS_REASON}")),
+    pytest.param(["--no-netns"], id="loopback"),
+]
 MODE = [] if NS_REASON is None else ["--no-netns"]  # this machine's own, for the tests of failures
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_two_nodes_read_storage_only_in_the_first_epoch(data, tmp_path, mode):
     t0 = time.monotonic()
-    code, out = _simulate("--data", str(data), "--nodes", "2", "--cache", "0.6", *mode, "--",
-                          "-a", "resnet_tiny", "--image-size", "32", "--epochs", "2", "-b", "16", "-j", "1",
-                          "-p", "100", "--seed", "0", "--checkpoint-dir", str(tmp_path / "ckpt"))  # fmt: skip
+    code, out = _simulate(
+        "--data",
+        str(data),
+        "--nodes",
+        "2",
+        "--cache",
+        "0.6",
+        *mode,
+        "--",
+        "-a",
+        "resnet_tiny",
+        "--image-size",
+        "32",
+        "--epochs",
+        "2",
+        "-b",
+        "16",
+        "-j",
+        "1",
+        "-p",
+        "100",
+        "--seed",
+        "0",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    )
     assert code == 0, out
     assert "simulate: 2 node(s) x 1 rank(s) finished" in out and "(exit codes [0, 0])" in out, out
     assert "2 rank(s)" in out, out  # one job of two ranks, not two jobs of one
@@ -129,8 +158,13 @@ def test_sigterm_stops_every_node_and_removes_everything(tmp_path, mode=MODE):
     script = tmp_path / "sleeps.py"
     script.write_text(FAIL_ON_NODE_1.replace('"1"', '"no node"'))
     env = dict(os.environ, SLEEP="300")
-    p = subprocess.Popen([sys.executable, str(SIMULATE), "--script", str(script), "--data", str(tmp_path), *mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, str(SIMULATE), "--script", str(script), "--data", str(tmp_path), *mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         lines = []
         for line in p.stdout:  # wait until both nodes' scripts run

@@ -168,8 +168,17 @@ def _claim_and_hang(directory, claimed, q):
 
 def _area(name, **kw):
     kw.setdefault("batch_size", 2)
-    return StagingArea(name, 0, {"dataset": "x"}, batches_per_pass=10, sample_shape=(3, 4, 4), dtype="uint8",
-                       epoch=0, bound=kw.pop("bound", 4 * 4096), **kw)  # fmt: skip
+    return StagingArea(
+        name,
+        0,
+        {"dataset": "x"},
+        batches_per_pass=10,
+        sample_shape=(3, 4, 4),
+        dtype="uint8",
+        epoch=0,
+        bound=kw.pop("bound", 4 * 4096),
+        **kw,
+    )
 
 
 def test_the_ring_never_holds_more_than_the_bound(isolated):
@@ -257,7 +266,10 @@ def _member_signalling(root, group, epochs, kw, q, progress, ready):
 def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
     with _loader(str(tiny_dataset), hp_group="cfg") as first:
         next(iter(first))
-        for kw, message in (({"batch_size": 16}, "batch_size: the group has 8, this job has 16"), ({"seed": 3}, "seed")):
+        for kw, message in (
+            ({"batch_size": 16}, "batch_size: the group has 8, this job has 16"),
+            ({"seed": 3}, "seed"),
+        ):
             other = _loader(str(tiny_dataset), hp_group="cfg", **kw)
             try:
                 with pytest.raises(GroupConfigError, match=message):
@@ -334,8 +346,22 @@ def test_the_hpsearch_example_runs_trials_that_share(tiny_dataset, isolated):
     from pathlib import Path
 
     launch = Path(__file__).resolve().parents[1] / "examples" / "hpsearch" / "launch.py"
-    run = subprocess.run([sys.executable, str(launch), str(tiny_dataset), "--lrs", "0.1,0.01", "--epochs", "1",
-                          "--group", "example-test"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(launch),
+            str(tiny_dataset),
+            "--lrs",
+            "0.1,0.01",
+            "--epochs",
+            "1",
+            "--group",
+            "example-test",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     lines = [ln for ln in run.stdout.splitlines() if "epoch 0" in ln]
     assert len(lines) == 2 and all("batches made by other trials" in ln for ln in lines), run.stdout

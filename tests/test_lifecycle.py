@@ -350,7 +350,15 @@ print("done")
 
 DALI_ONLY = {"train_and_val_loaders"}
 # The torch backend's and an HP group member's: the idioms that end a pass early or the process.
-SUBSET = ["full_epoch", "partial_pass", "break", "del_and_gc", "value_error", "sigterm", "sigterm_handled_by_the_script"]
+SUBSET = [
+    "full_epoch",
+    "partial_pass",
+    "break",
+    "del_and_gc",
+    "value_error",
+    "sigterm",
+    "sigterm_handled_by_the_script",
+]
 CASES = (
     [("dali", name) for name in SCENARIOS] + [("torch", name) for name in SUBSET] + [("hp", name) for name in SUBSET]
 )

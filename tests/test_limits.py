@@ -37,7 +37,8 @@ Hugepagesize:       2048 kB
 
 V2_MOUNTINFO = """\
 22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
-26 22 0:24 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot
+26 22 0:24 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 \
+rw,nsdelegate,memory_recursiveprot
 27 22 0:25 / /dev/shm rw,nosuid,nodev shared:5 - tmpfs tmpfs rw,size=8388608k
 """
 

@@ -215,8 +215,17 @@ def test_stats_count_cache_and_storage(tiny_dataset):
         for _ in range(3):
             epoch_ids(loader)
             rows.append(loader.stats())
-    for key in ("epoch", "samples", "cache_hits", "storage_reads", "storage_bytes", "peer_reads",
-                "peer_bytes", "cache_bytes", "stall_s"):  # fmt: skip
+    for key in (
+        "epoch",
+        "samples",
+        "cache_hits",
+        "storage_reads",
+        "storage_bytes",
+        "peer_reads",
+        "peer_bytes",
+        "cache_bytes",
+        "stall_s",
+    ):
         assert key in rows[0]
     assert rows[0]["storage_reads"] == 120 and rows[0]["storage_bytes"] == total
     assert 0 < rows[0]["cache_bytes"] <= rows[0]["cache_budget"] == total // 2

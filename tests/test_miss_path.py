@@ -262,8 +262,9 @@ def test_reads_that_wait_for_the_storage_spread_over_the_pool(tiny_dataset, isol
     pool = CountingPool(4)
     try:
         batches = [np.arange(0, 40), np.arange(40, 80), np.arange(80, 120)]
-        ahead = FetchAhead(fetcher, batches, index.labels, pool, threads=4, depth=0, on_error="raise",
-                           stop=threading.Event())  # fmt: skip
+        ahead = FetchAhead(
+            fetcher, batches, index.labels, pool, threads=4, depth=0, on_error="raise", stop=threading.Event()
+        )
         expected = contents(index)
         for raw in ahead:
             assert [bytes(d) for d in raw.data] == [expected[i] for i in raw.ids]

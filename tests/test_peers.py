@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,8 +23,8 @@ import pytest
 from coordl import CoordLoader, sampler
 from coordl.errors import CoordlError
 from coordl.fetch import wire
-from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.cache import MinIOCache
+from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
 from coordl.index import Index
 from coordl.tools import netns
@@ -168,8 +167,9 @@ def test_a_silent_peer_costs_one_timeout_then_is_left_alone(tiny_dataset):
     index = Index.scan(tiny_dataset)
     listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
     try:
-        client = PeerClient({1: [listener.getsockname()]}, SECRET, index.fingerprint, index.sizes,
-                            timeout=0.5, retry_after=30)  # fmt: skip
+        client = PeerClient(
+            {1: [listener.getsockname()]}, SECRET, index.fingerprint, index.sizes, timeout=0.5, retry_after=30
+        )
         t0 = time.monotonic()
         assert client.fetch(1, np.arange(8)) == {}
         assert 0.4 < time.monotonic() - t0 < 2.0
@@ -222,8 +222,17 @@ NS_REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETN
 _port = [29600 + os.getpid() % 200]
 
 
-def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int = 1, timeout: float = 240,
-               until=None, leftovers: list | None = None, loopback: bool = False) -> list:  # fmt: skip
+def _run_nodes(
+    data: Path,
+    out: Path,
+    nodes: int,
+    args: list[str],
+    per_node: int = 1,
+    timeout: float = 240,
+    until=None,
+    leftovers: list | None = None,
+    loopback: bool = False,
+) -> list:
     """Runs multinode_train.py on ``nodes`` nodes; returns each torchrun's exit code (-9: killed
     at ``timeout``, or once ``until()`` is true). ``loopback`` runs the nodes on loopback addresses
     with a shm folder each, whose contents after the run go into ``leftovers``."""
@@ -234,22 +243,51 @@ def _run_nodes(data: Path, out: Path, nodes: int, args: list[str], per_node: int
     script = [str(HERE / "multinode_train.py"), str(data), str(out), *args]
 
     def torchrun(k, master):
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(k),
-                "--nproc_per_node", str(per_node), "--master_addr", master, "--master_port", str(_port[0]), *script]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nodes),
+            "--node_rank",
+            str(k),
+            "--nproc_per_node",
+            str(per_node),
+            "--master_addr",
+            master,
+            "--master_port",
+            str(_port[0]),
+            *script,
+        ]
 
     if NS_REASON is None and not loopback:
         with netns.Cluster(nodes, shm_bytes=256 << 20) as c:  # 64 MiB of it stay free (headroom)
             env["GLOO_SOCKET_IFNAME"] = "eth0"
-            procs = [c.popen(k, torchrun(k, c.address(0)), env=env, stdout=subprocess.DEVNULL,
-                             stderr=open(out / f"node{k}.log", "w")) for k in range(nodes)]  # fmt: skip
+            procs = [
+                c.popen(
+                    k,
+                    torchrun(k, c.address(0)),
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(out / f"node{k}.log", "w"),
+                )
+                for k in range(nodes)
+            ]
             return _wait_all(procs, timeout, until)
     procs = []
     for k in range(nodes):
         shm = Path(f"/dev/shm/coordl-test-node{os.getpid()}-{k}")
         shm.mkdir(exist_ok=True)
         node_env = dict(env, COORDL_SHM_DIR=str(shm), COORDL_PEER_ADDR=f"127.0.0.{k + 1}")
-        procs.append(subprocess.Popen(torchrun(k, "127.0.0.1"), env=node_env, stdout=subprocess.DEVNULL,
-                                      stderr=open(out / f"node{k}.log", "w"), start_new_session=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                torchrun(k, "127.0.0.1"),
+                env=node_env,
+                stdout=subprocess.DEVNULL,
+                stderr=open(out / f"node{k}.log", "w"),
+                start_new_session=True,
+            )
+        )
     try:
         return _wait_all(procs, timeout, until)
     finally:
@@ -285,8 +323,9 @@ def test_ranks_that_break_out_and_end_without_close_exit_cleanly_and_leave_nothi
     """Two nodes with peers break out of their last epoch and end without close(): exit 0, no
     traceback or abort in their logs, and their shared memory released by the processes themselves."""
     out, left = tmp_path / "out", []
-    codes = _run_nodes(tiny_dataset, out, 2, ["--epochs", "2", "--cache", "0.6", "--leave-at", "2"], leftovers=left,
-                       loopback=True)
+    codes = _run_nodes(
+        tiny_dataset, out, 2, ["--epochs", "2", "--cache", "0.6", "--leave-at", "2"], leftovers=left, loopback=True
+    )
     logs = _logs(out)
     assert codes == [0, 0], logs
     for bad in ("Traceback", "terminate called", "Exception ignored", "AssertionError"):
@@ -297,8 +336,7 @@ def test_ranks_that_break_out_and_end_without_close_exit_cleanly_and_leave_nothi
 
 
 @pytest.mark.parametrize("locality", [0, 1], ids=["partitioned", "locality-aware"])
-def test_two_nodes_read_storage_only_in_the_first_epoch_and_deliver_every_sample_once(tiny_dataset, tmp_path,
-                                                                                        locality):  # fmt: skip
+def test_two_nodes_read_storage_only_in_the_first_epoch_and_deliver_every_sample_once(tiny_dataset, tmp_path, locality):
     out = tmp_path / "out"
     codes = _run_nodes(tiny_dataset, out, 2, ["--epochs", "3", "--cache", "0.6", "--locality", str(locality)])
     assert codes == [0, 0], _logs(out)
@@ -344,8 +382,24 @@ def test_four_ranks_on_two_nodes_share_each_nodes_cache(tiny_dataset, tmp_path):
 
 def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_dataset, tmp_path):
     out = tmp_path / "out"
-    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--die-rank", "1", "--die-at", "1,0", "-b", "4",
-            "--step-ms", "30", "--peer-timeout", "3"]  # fmt: skip
+    args = [
+        "--epochs",
+        "2",
+        "--cache",
+        "0.6",
+        "--locality",
+        "0",
+        "--die-rank",
+        "1",
+        "--die-at",
+        "1,0",
+        "-b",
+        "4",
+        "--step-ms",
+        "30",
+        "--peer-timeout",
+        "3",
+    ]
 
     def survivor_done():
         try:

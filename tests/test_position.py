@@ -173,8 +173,13 @@ def test_an_epoch_resumed_at_other_world_sizes_delivers_every_sample_once_beyond
 
 
 @settings(max_examples=200, deadline=None)
-@given(samples=st.integers(1, 50), batch_size=st.integers(1, 4), world=st.integers(1, 4), take=st.integers(0, 8),
-       drop_last=st.booleans())  # fmt: skip
+@given(
+    samples=st.integers(1, 50),
+    batch_size=st.integers(1, 4),
+    world=st.integers(1, 4),
+    take=st.integers(0, 8),
+    drop_last=st.booleans(),
+)
 def test_a_resume_at_the_same_world_size_continues_the_uninterrupted_batches(
     samples, batch_size, world, take, drop_last
 ):
@@ -204,8 +209,14 @@ def test_the_epochs_after_an_elastic_resume_follow_the_new_world_size():
 
 
 @settings(max_examples=100, deadline=None)
-@given(samples=st.integers(1, 60), batch_size=st.integers(1, 4), before=st.integers(1, 4), after=st.integers(1, 4),
-       take=st.integers(0, 5), seed=st.integers(0, 99))  # fmt: skip
+@given(
+    samples=st.integers(1, 60),
+    batch_size=st.integers(1, 4),
+    before=st.integers(1, 4),
+    after=st.integers(1, 4),
+    take=st.integers(0, 5),
+    seed=st.integers(0, 99),
+)
 def test_locality_aware_resume_keeps_the_global_batches_of_the_plain_one(
     samples, batch_size, before, after, take, seed
 ):

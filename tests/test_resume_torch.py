@@ -150,8 +150,14 @@ def test_a_sample_is_augmented_differently_in_every_epoch(reference):
 
 def test_another_seed_augments_differently(tiny_dataset, reference):
     out = {}
-    with CoordLoader(ImageFolder(tiny_dataset, transform=augment), batch_size=BS, seed=SEED + 1,
-                     shuffle=False, return_index=True, cache_bytes=0) as loader:  # fmt: skip
+    with CoordLoader(
+        ImageFolder(tiny_dataset, transform=augment),
+        batch_size=BS,
+        seed=SEED + 1,
+        shuffle=False,
+        return_index=True,
+        cache_bytes=0,
+    ) as loader:
         take(loader, out, 0)
     same = [i for i in range(N) if torch.equal(out[(0, i)], reference[(0, i)])]
     assert not same, f"samples {same} were augmented alike with seeds {SEED} and {SEED + 1}"

@@ -173,8 +173,16 @@ def test_an_empty_prefix_or_a_missing_bucket_says_so(s3env):
 
 @pytest.mark.parametrize("cache", [0, 0.5, 1.0], ids=["no-cache", "half", "all"])
 def test_epochs_are_exactly_once_and_later_epochs_get_only_the_uncached_samples(root, s3env, cache):
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=cache,
-                     return_index=True, seed=3) as loader:  # fmt: skip
+    with CoordLoader(
+        root,
+        batch_size=16,
+        pipeline=RECIPE,
+        device_id=None,
+        num_threads=1,
+        cache_bytes=cache,
+        return_index=True,
+        seed=3,
+    ) as loader:
         for epoch in range(3):
             s3env.reset()
             seen = Counter(i for _, _, ids in loader for i in ids.tolist())
@@ -193,12 +201,21 @@ def test_epochs_are_exactly_once_and_later_epochs_get_only_the_uncached_samples(
 
 def test_an_s3_loader_delivers_the_local_loaders_tensors(root, tiny_dataset):
     got, want = {}, {}
-    with CoordLoader(root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True,
-                     seed=7, cache_bytes=0.5) as loader:  # fmt: skip
+    with CoordLoader(
+        root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True, seed=7, cache_bytes=0.5
+    ) as loader:
         for epoch in (0, 1):
             take(loader, got, epoch)
-    with CoordLoader(str(tiny_dataset), batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1,
-                     return_index=True, seed=7, cache_bytes=0) as loader:  # fmt: skip
+    with CoordLoader(
+        str(tiny_dataset),
+        batch_size=8,
+        pipeline=RECIPE,
+        device_id=None,
+        num_threads=1,
+        return_index=True,
+        seed=7,
+        cache_bytes=0,
+    ) as loader:
         for epoch in (0, 1):
             take(loader, want, epoch)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -206,8 +223,16 @@ def test_an_s3_loader_delivers_the_local_loaders_tensors(root, tiny_dataset):
 
 def test_a_resumed_s3_loader_continues_where_the_state_was_saved(root):
     def loader():
-        return CoordLoader(root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True,
-                           seed=7, cache_bytes=0.5)  # fmt: skip
+        return CoordLoader(
+            root,
+            batch_size=8,
+            pipeline=RECIPE,
+            device_id=None,
+            num_threads=1,
+            return_index=True,
+            seed=7,
+            cache_bytes=0.5,
+        )
 
     with loader() as a:
         whole = [ids.tolist() for _, _, ids in a]
@@ -228,8 +253,9 @@ def test_a_resumed_s3_loader_continues_where_the_state_was_saved(root):
 def test_throttling_and_server_errors_are_retried(root, s3env):
     s3env.fail(_key(root) + "/class_00/*", 503, times=6)
     s3env.fail(_key(root) + "/class_01/*", 500, times=4)
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
-                     return_index=True) as loader:  # fmt: skip
+    with CoordLoader(
+        root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0, return_index=True
+    ) as loader:
         seen = Counter(i for _, _, ids in loader for i in ids.tolist())
         s = loader.stats()
     assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
@@ -247,8 +273,16 @@ def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
         with pytest.raises(SampleError, match=f"cannot read sample 17 \\({gone}\\): no such object \\(404"):
             for _ in loader:
                 pass
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
-                     on_error="skip", return_index=True) as loader:  # fmt: skip
+    with CoordLoader(
+        root,
+        batch_size=16,
+        pipeline=RECIPE,
+        device_id=None,
+        num_threads=1,
+        cache_bytes=0,
+        on_error="skip",
+        return_index=True,
+    ) as loader:
         seen = [i for _, _, ids in loader for i in ids.tolist()]
         assert sorted(seen) == [i for i in range(N) if i != 17]
         assert loader.stats()["skipped_paths"] == [gone]
@@ -257,8 +291,16 @@ def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
 def test_a_forbidden_object_follows_on_error(root, s3env):
     index = Index.scan(root)
     s3env.fail(_key(index.paths[5]), 403, times=100)
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0,
-                     on_error="skip", return_index=True) as loader:  # fmt: skip
+    with CoordLoader(
+        root,
+        batch_size=16,
+        pipeline=RECIPE,
+        device_id=None,
+        num_threads=1,
+        cache_bytes=0,
+        on_error="skip",
+        return_index=True,
+    ) as loader:
         seen = [i for _, _, ids in loader for i in ids.tolist()]
     assert sorted(seen) == [i for i in range(N) if i != 5]
     with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
@@ -287,8 +329,16 @@ def test_closing_a_loader_abandons_the_requests_that_still_wait_for_the_store(ro
     index = Index.scan(root)
     for i in range(24, 48):  # batches 3-5: in flight ahead of DALI's queue when the loop leaves after batch 0
         s3env.hang(_key(index.paths[i]), 60.0, times=100)
-    loader = CoordLoader(root, batch_size=8, shuffle=False, pipeline=RECIPE, device_id=None, num_threads=1,
-                         cache_bytes=0, prefetch_batches=2)  # fmt: skip
+    loader = CoordLoader(
+        root,
+        batch_size=8,
+        shuffle=False,
+        pipeline=RECIPE,
+        device_id=None,
+        num_threads=1,
+        cache_bytes=0,
+        prefetch_batches=2,
+    )
     for _ in loader:
         break
     time.sleep(0.5)  # the requests of batch 3 are out
@@ -304,8 +354,12 @@ def test_closing_a_loader_abandons_the_requests_that_still_wait_for_the_store(ro
 def _urls_index(root: str) -> str:
     """Code that builds ``index`` of ``root`` from a saved listing (no request to the store)."""
     index = Index.scan(root)
-    data = {"paths": list(index.paths), "labels": index.labels.tolist(), "sizes": index.sizes.tolist(),
-            "etags": list(index.etags)}  # fmt: skip
+    data = {
+        "paths": list(index.paths),
+        "labels": index.labels.tolist(),
+        "sizes": index.sizes.tolist(),
+        "etags": list(index.etags),
+    }
     return f"from coordl.index import Index\nindex = Index.build(**{json.dumps(data)!s})\n"
 
 
@@ -390,8 +444,11 @@ def test_credentials_and_the_endpoint_come_from_an_aws_profile(tiny_dataset, tmp
             f"[profile stale]\nregion = {s.region}\nendpoint_url = {s.endpoint}\n"
         )
         # None of the server's variables (no key, secret, region or endpoint): the profile says it all.
-        env = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(tmp_path / "config"),
-               "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+        env = {
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+            "AWS_CONFIG_FILE": str(tmp_path / "config"),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
         assert not any(k in os.environ for k in s.env() if k != "AWS_EC2_METADATA_DISABLED")
         paths = [f"s3://{BUCKET}/train/" + p.split(str(tiny_dataset) + "/", 1)[1] for p in local.paths]
         etags = [f'"{hashlib.md5(Path(p).read_bytes()).hexdigest()}"' for p in local.paths]
@@ -469,10 +526,11 @@ def test_a_process_killed_with_gets_in_flight_leaves_a_cache_the_next_loader_rem
         proc.wait()
     assert os.listdir(isolated)  # the dead process's cache, with slots reserved for the stuck objects
     s3env.reset()
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=1.0,
-                     return_index=True) as loader:  # fmt: skip
+    with CoordLoader(
+        root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=1.0, return_index=True
+    ) as loader:
         stats = []
-        for epoch in range(2):
+        for _ in range(2):
             seen = Counter(i for _, _, ids in loader for i in ids.tolist())
             assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
             stats.append(loader.stats())
@@ -510,8 +568,14 @@ print(json.dumps(out))
 def test_the_torch_backend_reads_s3_in_forked_workers(root, s3env, first):
     full = dict(os.environ)
     full["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), full.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", TORCH_SCRIPT, root, first], env=full, capture_output=True, text=True, check=False,
-                          timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_SCRIPT, root, first],
+        env=full,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     epochs = json.loads(proc.stdout.splitlines()[-1])
     for e in epochs:
@@ -584,8 +648,24 @@ def test_analyze_measures_the_store_with_requests_in_flight(root, s3env, tmp_pat
     out = tmp_path / "out"
     s3env.latency_s = 0.05  # one request at a time would deliver 20 samples/s
     try:
-        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", "10", "--warmup", "2", "--out", str(out),
-               "--storage-seconds", "3", "--", sys.executable, str(script), root]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordl.cli",
+            "analyze",
+            "--steps",
+            "10",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+            "--storage-seconds",
+            "3",
+            "--",
+            sys.executable,
+            str(script),
+            root,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     finally:
         s3env.latency_s = 0.0

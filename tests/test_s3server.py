@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("moto")
 boto3 = pytest.importorskip("boto3")
 
-from botocore.config import Config
-from botocore.exceptions import ClientError, ReadTimeoutError
+from botocore.config import Config  # noqa: E402 - after the importorskip above
+from botocore.exceptions import ClientError, ReadTimeoutError  # noqa: E402
 
-from coordl.tools.s3server import S3Server
+from coordl.tools.s3server import S3Server  # noqa: E402
 
 BUCKET = "test-bucket"
 FILES = {"a.bin": b"a" * 1000, "sub/b.bin": b"b" * 2000, "sub/deep/c b.bin": b"c" * 3000}

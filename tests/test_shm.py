@@ -17,14 +17,14 @@ import time
 import traceback
 
 import numpy as np
-from childproc import report, result
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from childproc import report, result
 from coordl.fetch.cache import MinIOCache
-from coordl.staging.area import StagingArea
 from coordl.shm import group, names, reaper
+from coordl.staging.area import StagingArea
 
 CTX = multiprocessing.get_context("spawn")
 FP = "5eed5eed5eed5eed"
@@ -33,11 +33,8 @@ FP_LIVE = "a11ce0a11ce0a11c"
 WAIT = 30
 
 
-
-
 def files_of(directory, fp: str) -> list[str]:
     return sorted(e for e in os.listdir(directory) if (p := names.parse_name(e)) is not None and p[0] == fp)
-
 
 
 def kill9(p) -> None:
@@ -52,8 +49,16 @@ def test_segment_name_and_parse_name():
     assert names.segment_name(FP, "chunk", 3) == f"coordl.{FP}.chunk.3"
     assert names.parse_name(f"coordl.{FP}.chunk.3") == (FP, "chunk", "3")
     assert names.parse_name(f"coordl.{FP}.lock") == (FP, "lock", None)
-    for foreign in ("coordl", f"coordl.{FP}", f"coordl.{FP}.nosuchkind", f"other.{FP}.table",
-                    f"coordl.{FP.upper()}.table", "coordl.abc.table", f"coordl.{FP}.chunk.3/x", "sem.mp-1234"):  # fmt: skip
+    for foreign in (
+        "coordl",
+        f"coordl.{FP}",
+        f"coordl.{FP}.nosuchkind",
+        f"other.{FP}.table",
+        f"coordl.{FP.upper()}.table",
+        "coordl.abc.table",
+        f"coordl.{FP}.chunk.3/x",
+        "sem.mp-1234",
+    ):
         assert names.parse_name(foreign) is None, foreign
     with pytest.raises(ValueError, match="fingerprint"):
         names.segment_name("not-hex!", "table")
@@ -86,8 +91,18 @@ def test_every_segment_is_private_and_named_by_the_one_function(isolated):
     old = os.umask(0)  # the most permissive umask must not widen anything
     try:
         cache = MinIOCache(FP, sizes, 20_000, keep=True, directory=str(isolated), chunk_bytes=4096)
-        area = StagingArea("sweep", 0, {}, batch_size=2, batches_per_pass=5, sample_shape=(3, 4, 4), dtype="uint8",
-                           epoch=0, bound=4 * 4096, directory=str(isolated))  # fmt: skip
+        area = StagingArea(
+            "sweep",
+            0,
+            {},
+            batch_size=2,
+            batches_per_pass=5,
+            sample_shape=(3, 4, 4),
+            dtype="uint8",
+            epoch=0,
+            bound=4 * 4096,
+            directory=str(isolated),
+        )
     finally:
         os.umask(old)
     try:

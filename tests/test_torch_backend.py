@@ -132,8 +132,15 @@ def test_every_epoch_is_exactly_once_in_a_fresh_order_like_the_dali_path(tiny_da
         orders = [flat(epoch_ids(loader)) for _ in range(3)]
     assert all(sorted(o) == list(range(N)) for o in orders)
     assert len({tuple(o) for o in orders}) == 3
-    dali = CoordLoader(tiny_dataset, batch_size=8, pipeline=coordl.ImageNetVal(size=16), device_id=None,
-                       num_threads=1, return_index=True, cache_bytes=0)  # fmt: skip
+    dali = CoordLoader(
+        tiny_dataset,
+        batch_size=8,
+        pipeline=coordl.ImageNetVal(size=16),
+        device_id=None,
+        num_threads=1,
+        return_index=True,
+        cache_bytes=0,
+    )
     with dali:
         assert [flat(epoch_ids(dali)) for _ in range(3)] == orders  # one sampler for both backends
 

@@ -41,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 import common  # noqa: E402 - this folder's module (the script's folder is on sys.path)
+
 T0 = time.monotonic()
 _print_lock = threading.Lock()
 
@@ -100,12 +101,27 @@ class Search:
 
     def start(self, lr: float, newcomer: bool = False, together: list[str] = ()) -> Trial:
         a = self.args
-        cmd = [sys.executable, str(HERE / "train.py"), a.data, "--lr", repr(lr), "--epochs", str(a.epochs),
-               "--batch-size", str(a.batch_size), "--size", str(a.size), "--hp-group", a.group, *together]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "train.py"),
+            a.data,
+            "--lr",
+            repr(lr),
+            "--epochs",
+            str(a.epochs),
+            "--batch-size",
+            str(a.batch_size),
+            "--size",
+            str(a.size),
+            "--hp-group",
+            a.group,
+            *together,
+        ]
         # A session of its own: Ctrl-C here does not reach it (stop() interrupts it), and a kill
         # of its process group reaches whatever it started.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+        )
         trial = Trial(f"t{len(self.trials)}", lr, a.epochs, proc, newcomer)
         self.trials.append(trial)
         threading.Thread(target=self._read, args=(trial,), name=f"read-{trial.name}", daemon=True).start()
@@ -128,8 +144,10 @@ class Search:
     def run(self) -> int:
         a = self.args
         lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else [self.draw_lr() for _ in range(a.trials)]
-        say(f"{len(lrs)} trials sharing hp_group {a.group!r}, {a.epochs} epochs each; {a.rounds} round(s) of "
-            "killing the worst trial (by training loss) and starting a new one")  # fmt: skip
+        say(
+            f"{len(lrs)} trials sharing hp_group {a.group!r}, {a.epochs} epochs each; {a.rounds} round(s) of "
+            "killing the worst trial (by training loss) and starting a new one"
+        )
         together = common.StartTogether()  # the first trials begin their first epoch together
         try:
             for lr in lrs:
@@ -183,13 +201,17 @@ class Search:
         k = self.rounds
         m = min(len(t.reports) for t in ranked)
         ranked = sorted(ranked, key=lambda t: t.loss_after(m))
-        say(f"round {k}: training loss after {m} epoch(s): "
-            + ", ".join(f"{t.name} (lr {t.lr:g}) {t.loss_after(m):.3f}" for t in ranked))  # fmt: skip
+        say(
+            f"round {k}: training loss after {m} epoch(s): "
+            + ", ".join(f"{t.name} (lr {t.lr:g}) {t.loss_after(m):.3f}" for t in ranked)
+        )
         worst = ranked[-1]
         worst.signal(signal.SIGKILL)
         worst.fate, worst.killed_at = f"killed in round {k}", time.time()
-        say(f"round {k}: killed {worst.name} (lr {worst.lr:g}, pid {worst.proc.pid}) with SIGKILL "
-            f"after {len(worst.reports)} epoch(s)")  # fmt: skip
+        say(
+            f"round {k}: killed {worst.name} (lr {worst.lr:g}, pid {worst.proc.pid}) with SIGKILL "
+            f"after {len(worst.reports)} epoch(s)"
+        )
         new = self.start(self.draw_lr(), newcomer=True)
         worst.replaced_by = new.name
         say(f"round {k}: started {new.name}: lr {new.lr:g}, pid {new.proc.pid}; it joins hp_group {self.args.group!r}")
@@ -214,8 +236,10 @@ class Search:
             subprocess.run([sys.executable, "-m", "coordl.cli", "cache", "clean", "--keep-warm"], check=False)
 
     def summarize(self) -> None:
-        say(f"{'trial':<6} {'lr':>7}  {'fate':<17} {'epochs':>6}  {'loss':>6}  {'acc':>4}  "
-            "batches made by other trials, per epoch")  # fmt: skip
+        say(
+            f"{'trial':<6} {'lr':>7}  {'fate':<17} {'epochs':>6}  {'loss':>6}  {'acc':>4}  "
+            "batches made by other trials, per epoch"
+        )
         for t in self.trials:
             last = t.reports[-1] if t.reports else None
             loss, acc = (f"{last['loss']:.3f}", f"{last['acc']:.0%}") if last else ("-", "-")
@@ -229,8 +253,11 @@ class Search:
         replacement started, against the median of the other epochs (first epochs, with a start, left out)."""
         at_kill, marked = [], set()
         for dead in (t for t in self.trials if t.killed_at is not None):
-            epochs = [(t.name, next((r for r in t.reports if r["time"] > dead.killed_at), None))
-                      for t in self.trials if t is not dead and t.started < dead.killed_at]  # fmt: skip
+            epochs = [
+                (t.name, next((r for r in t.reports if r["time"] > dead.killed_at), None))
+                for t in self.trials
+                if t is not dead and t.started < dead.killed_at
+            ]
             epochs = [(name, r) for name, r in epochs if r is not None]
             marked.update(id(r) for _, r in epochs)
             if epochs:
@@ -238,8 +265,10 @@ class Search:
         others = sorted(r["wait_max_s"] for t in self.trials for r in t.reports[1:] if id(r) not in marked)
         median = f"; in the other epochs, {others[len(others) // 2]:.2f} s (median)" if others else ""
         for dead, (who, r) in at_kill:
-            say(f"epoch in which {dead.name} was killed and {dead.replaced_by} started: the others' longest wait "
-                f"for a batch was {r['wait_max_s']:.2f} s ({who}){median}")  # fmt: skip
+            say(
+                f"epoch in which {dead.name} was killed and {dead.replaced_by} started: the others' longest wait "
+                f"for a batch was {r['wait_max_s']:.2f} s ({who}){median}"
+            )
 
 
 def main() -> int:
@@ -249,8 +278,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="how many times the worst trial is replaced")
     p.add_argument("--epochs", type=int, default=8, help="epochs of every trial")
     p.add_argument("--lrs", help="learning rates of the first trials, comma-separated (default: drawn)")
-    p.add_argument("--lr-range", type=float, nargs=2, default=(0.003, 1.0), metavar=("LO", "HI"),
-                   help="learning rates are drawn log-uniformly from this range")  # fmt: skip
+    p.add_argument(
+        "--lr-range",
+        type=float,
+        nargs=2,
+        default=(0.003, 1.0),
+        metavar=("LO", "HI"),
+        help="learning rates are drawn log-uniformly from this range",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the learning rates drawn")
     p.add_argument("--timeout", type=float, default=0, help="stop everything after this many seconds (0: never)")
     args = p.parse_args()

@@ -35,8 +35,20 @@ def main() -> int:
     together = common.StartTogether()
     try:
         for lr in args.lrs.split(","):
-            cmd = [sys.executable, str(HERE / "train.py"), args.data, "--lr", lr, "--epochs", str(args.epochs),
-                   "--batch-size", str(args.batch_size), "--size", str(args.size), *together.args()]  # fmt: skip
+            cmd = [
+                sys.executable,
+                str(HERE / "train.py"),
+                args.data,
+                "--lr",
+                lr,
+                "--epochs",
+                str(args.epochs),
+                "--batch-size",
+                str(args.batch_size),
+                "--size",
+                str(args.size),
+                *together.args(),
+            ]
             if not args.alone:
                 cmd += ["--hp-group", args.group]
             trials.append(subprocess.Popen(cmd))  # independent processes, as an HP tool starts them
@@ -55,8 +67,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 t.kill()
                 t.wait()
-    print(f"{len(trials)} trials {'alone' if args.alone else f'sharing hp_group {args.group!r}'}: "
-          f"{time.perf_counter() - t0:.1f} s, exit codes {codes}")  # fmt: skip
+    print(
+        f"{len(trials)} trials {'alone' if args.alone else f'sharing hp_group {args.group!r}'}: "
+        f"{time.perf_counter() - t0:.1f} s, exit codes {codes}"
+    )
     return 0 if not any(codes) else 1
 
 

@@ -24,25 +24,27 @@ import os
 import sys
 import time
 
+import common  # this folder's module (the script's folder is on sys.path)
 import torch
 from torch import nn
 
 import coordl
-import common  # this folder's module (the script's folder is on sys.path)
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     def block(cin, cout):
         return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
 
-    return nn.Sequential(block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(64, num_classes))  # fmt: skip
+    return nn.Sequential(
+        block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)
+    )
 
 
 def train(args) -> None:
     torch.manual_seed(0)
-    loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, pipeline=coordl.ImageNetTrain(size=args.size),
-                                hp_group=args.hp_group)  # fmt: skip
+    loader = coordl.CoordLoader(
+        args.data, batch_size=args.batch_size, pipeline=coordl.ImageNetTrain(size=args.size), hp_group=args.hp_group
+    )
     model = tiny_cnn(len(loader.index.classes))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     common.wait_for_go(args.start_together)  # launch.py/halving.py start their first trials together
@@ -65,11 +67,22 @@ def train(args) -> None:
 def report(args, epoch: int, loss: float, acc: float, samples_per_s: float, s: dict) -> None:
     """Prints an epoch's line for people, then its JSON line for the tool that runs the trial."""
     shared = f", {s['consumed_shared']}/{s['batches']} batches made by other trials" if args.hp_group else ""
-    print(f"lr={args.lr:g} epoch {epoch}: loss {loss:.3f}, train acc {acc:.1%}, {samples_per_s:.0f} samples/s, "
-          f"waited {s['stall_s']:.1f} s for data{shared}", flush=True)  # fmt: skip
+    print(
+        f"lr={args.lr:g} epoch {epoch}: loss {loss:.3f}, train acc {acc:.1%}, {samples_per_s:.0f} samples/s, "
+        f"waited {s['stall_s']:.1f} s for data{shared}",
+        flush=True,
+    )
     line = {"event": "epoch", "lr": args.lr, "epoch": epoch, "epochs": args.epochs, "loss": loss, "acc": acc}
-    keys = ("batches", "samples_per_s", "stall_s", "wait_max_s", "consumed_shared", "produced", "hp_members",
-            "order_epoch")  # fmt: skip
+    keys = (
+        "batches",
+        "samples_per_s",
+        "stall_s",
+        "wait_max_s",
+        "consumed_shared",
+        "produced",
+        "hp_members",
+        "order_epoch",
+    )
     line.update({k: s[k] for k in keys if k in s})
     line = {k: round(v, 4) if isinstance(v, float) else v for k, v in line.items()}
     line.update(pid=os.getpid(), time=round(time.time(), 3))

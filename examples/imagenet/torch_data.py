@@ -30,8 +30,9 @@ def datasets(traindir: str, valdir: str, size: int, resize: int):
     except Exception:  # noqa: BLE001 - not installed, or a CUDA build on a CPU torch
         return (ImageFolder(traindir, TrainTransform(size)), ImageFolder(valdir, ValTransform(size, resize)))
     norm = T.Normalize(MEAN, STD)
-    train = tvd.ImageFolder(traindir, T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                                                 norm]))  # fmt: skip
+    train = tvd.ImageFolder(
+        traindir, T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    )
     val = tvd.ImageFolder(valdir, T.Compose([T.Resize(resize), T.CenterCrop(size), T.ToTensor(), norm]))
     return train, val
 
@@ -46,8 +47,9 @@ class ImageFolder(torch.utils.data.Dataset):
         self.samples = []
         for label, name in enumerate(self.classes):
             for dirpath, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-                self.samples += [(os.path.join(dirpath, f), label) for f in sorted(files)
-                                 if f.lower().endswith(IMG_EXTENSIONS)]  # fmt: skip
+                self.samples += [
+                    (os.path.join(dirpath, f), label) for f in sorted(files) if f.lower().endswith(IMG_EXTENSIONS)
+                ]
         self.transform = transform
 
     def __len__(self) -> int:

@@ -44,15 +44,27 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models  # noqa: E402 - this folder's modules
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="Distributed: run under torchrun; every rank reads WORLD_SIZE, RANK and "
-                                        "LOCAL_RANK from it.")  # fmt: skip
+parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0],
+    epilog="Distributed: run under torchrun; every rank reads WORLD_SIZE, RANK and LOCAL_RANK from it.",
+)
 parser.add_argument("data", metavar="DIR", help="dataset folder holding train/ and val/ (one sub-folder per class)")
-parser.add_argument("-a", "--arch", metavar="ARCH", default="resnet18",
-                    help="model: resnet18 (default), resnet34, resnet50, resnet_tiny (a CPU demo model), or any "
-                         "torchvision model when torchvision is installed")  # fmt: skip
-parser.add_argument("-j", "--workers", default=4, type=int, metavar="N",
-                    help="data-loading threads (coordl: DALI threads) or worker processes (torch) per rank")
+parser.add_argument(
+    "-a",
+    "--arch",
+    metavar="ARCH",
+    default="resnet18",
+    help="model: resnet18 (default), resnet34, resnet50, resnet_tiny (a CPU demo model), or any "
+    "torchvision model when torchvision is installed",
+)
+parser.add_argument(
+    "-j",
+    "--workers",
+    default=4,
+    type=int,
+    metavar="N",
+    help="data-loading threads (coordl: DALI threads) or worker processes (torch) per rank",
+)
 parser.add_argument("--epochs", default=90, type=int, metavar="N", help="number of total epochs to run")
 parser.add_argument("--start-epoch", default=0, type=int, metavar="N", help="manual epoch number (useful on restarts)")
 parser.add_argument("-b", "--batch-size", default=256, type=int, metavar="N", help="mini-batch size per rank")
@@ -62,24 +74,42 @@ parser.add_argument("--wd", "--weight-decay", default=1e-4, type=float, metavar=
 parser.add_argument("-p", "--print-freq", default=10, type=int, metavar="N", help="print every N batches")
 parser.add_argument("--resume", default="", type=str, metavar="PATH", help="checkpoint to resume from")
 parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model on the validation set only")
-parser.add_argument("--seed", default=None, type=int,
-                    help="seed of the model's initialisation and of the data order and augmentation")
+parser.add_argument(
+    "--seed", default=None, type=int, help="seed of the model's initialisation and of the data order and augmentation"
+)
 parser.add_argument("--gpu", default=None, type=int, help="GPU to use (default: LOCAL_RANK's under torchrun, else 0)")
 parser.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
-parser.add_argument("--dist-backend", default=None, type=str,
-                    help="torch.distributed backend (default: nccl on GPUs, gloo on the CPU)")
-parser.add_argument("--loader", choices=("coordl", "torch"), default="coordl",
-                    help="coordl's CoordLoader (default) or torch.utils.data.DataLoader, for comparison")
-parser.add_argument("--cache", default="auto",
-                    help="coordl: cache budget per node, as CoordLoader's cache_bytes: 'auto', a fraction of the "
-                         "dataset (0.5), a size (40GB) or 0")  # fmt: skip
+parser.add_argument(
+    "--dist-backend", default=None, type=str, help="torch.distributed backend (default: nccl on GPUs, gloo on the CPU)"
+)
+parser.add_argument(
+    "--loader",
+    choices=("coordl", "torch"),
+    default="coordl",
+    help="coordl's CoordLoader (default) or torch.utils.data.DataLoader, for comparison",
+)
+parser.add_argument(
+    "--cache",
+    default="auto",
+    help="coordl: cache budget per node, as CoordLoader's cache_bytes: 'auto', a fraction of the "
+    "dataset (0.5), a size (40GB) or 0",
+)
 parser.add_argument("--image-size", default=224, type=int, help="training and validation crop size")
-parser.add_argument("--save-every", default=0, type=int, metavar="N",
-                    help="coordl: also checkpoint every N training batches (resume continues mid-epoch)")
+parser.add_argument(
+    "--save-every",
+    default=0,
+    type=int,
+    metavar="N",
+    help="coordl: also checkpoint every N training batches (resume continues mid-epoch)",
+)
 parser.add_argument("--checkpoint-dir", default=".", help="where checkpoint.pth.tar and model_best.pth.tar go")
-parser.add_argument("--log-samples", default="", metavar="DIR",
-                    help="coordl: append the ids of the samples each rank trains on to DIR/rank<r>.jsonl, one line "
-                         "per batch, to check what a resume trains on")  # fmt: skip
+parser.add_argument(
+    "--log-samples",
+    default="",
+    metavar="DIR",
+    help="coordl: append the ids of the samples each rank trains on to DIR/rank<r>.jsonl, one line "
+    "per batch, to check what a resume trains on",
+)
 
 best_acc1 = 0.0
 
@@ -141,12 +171,15 @@ def main() -> None:
 
     train_loader, val_loader, num_classes, sampler = make_loaders(run, traindir, valdir)
     model, origin = models.create(args.arch, num_classes)
-    run.log(f"=> {args.arch} from {origin}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-            f"{num_classes} classes; data: {args.loader}; device: {run.device}; {run.world_size} rank(s)")  # fmt: skip
+    run.log(
+        f"=> {args.arch} from {origin}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+        f"{num_classes} classes; data: {args.loader}; device: {run.device}; {run.world_size} rank(s)"
+    )
     model = model.to(run.device)
     if run.distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[run.device.index] if run.device.index is not None
-                                                    else None)  # fmt: skip
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[run.device.index] if run.device.index is not None else None
+        )
     criterion = nn.CrossEntropyLoss().to(run.device)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
@@ -185,13 +218,28 @@ def make_loaders(run: Run, traindir: str, valdir: str):
         except ValueError:
             pass  # 'auto' or a size like '40GB'
         device_id = None if run.device.type == "cpu" else run.device.index
-        common = dict(batch_size=args.batch_size, seed=args.seed or 0, cache_bytes=cache, device_id=device_id,
-                      num_threads=args.workers)  # fmt: skip
-        train = coordl.CoordLoader(traindir, pipeline=coordl.ImageNetTrain(size=args.image_size), shuffle=True,
-                                   return_index=bool(args.log_samples), **common)  # fmt: skip
+        common = dict(
+            batch_size=args.batch_size,
+            seed=args.seed or 0,
+            cache_bytes=cache,
+            device_id=device_id,
+            num_threads=args.workers,
+        )
+        train = coordl.CoordLoader(
+            traindir,
+            pipeline=coordl.ImageNetTrain(size=args.image_size),
+            shuffle=True,
+            return_index=bool(args.log_samples),
+            **common,
+        )
         # return_index: the padding that evens out the ranks' shards is counted once in the accuracy.
-        val = coordl.CoordLoader(valdir, pipeline=coordl.ImageNetVal(size=args.image_size, resize=args.image_size * 8 // 7),
-                                 shuffle=False, return_index=True, **common)  # fmt: skip
+        val = coordl.CoordLoader(
+            valdir,
+            pipeline=coordl.ImageNetVal(size=args.image_size, resize=args.image_size * 8 // 7),
+            shuffle=False,
+            return_index=True,
+            **common,
+        )
         return train, val, len(train.index.classes), None
 
     import torch_data
@@ -202,11 +250,23 @@ def make_loaders(run: Run, traindir: str, valdir: str):
         sampler = torch.utils.data.distributed.DistributedSampler(train_set, seed=args.seed or 0)
         val_sampler = torch.utils.data.distributed.DistributedSampler(val_set, shuffle=False, drop_last=True)
     pin = run.device.type == "cuda"
-    train = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=sampler is None,
-                                        num_workers=args.workers, pin_memory=pin, sampler=sampler,
-                                        persistent_workers=args.workers > 0)  # fmt: skip
-    val = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
-                                      pin_memory=pin, sampler=val_sampler)  # fmt: skip
+    train = torch.utils.data.DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        num_workers=args.workers,
+        pin_memory=pin,
+        sampler=sampler,
+        persistent_workers=args.workers > 0,
+    )
+    val = torch.utils.data.DataLoader(
+        val_set,
+        batch_size=args.batch_size,
+        shuffle=False,
+        num_workers=args.workers,
+        pin_memory=pin,
+        sampler=val_sampler,
+    )
     return train, val, len(train_set.classes), sampler
 
 
@@ -221,9 +281,15 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
     total = start + len(batches)
     base = loader.state_dict().get("base", 0) if coordl_loader else 0
     if start or base:
-        run.log(f"=> resuming epoch {epoch} at batch {start} of {total}"
-                + (f", which deal the {len(loader.index) - base} samples the epoch had left when the number of "
-                   f"ranks changed" if base else ""))  # fmt: skip
+        run.log(
+            f"=> resuming epoch {epoch} at batch {start} of {total}"
+            + (
+                f", which deal the {len(loader.index) - base} samples the epoch had left when the number of "
+                f"ranks changed"
+                if base
+                else ""
+            )
+        )
     batch_time, data_time = AverageMeter("Time", ":6.3f"), AverageMeter("Data", ":6.3f")
     losses, top1, top5 = AverageMeter("Loss", ":.4e"), AverageMeter("Acc@1", ":6.2f"), AverageMeter("Acc@5", ":6.2f")
     progress = ProgressMeter(total, [batch_time, data_time, losses, top1, top5], prefix=f"Epoch: [{epoch}]")
@@ -256,8 +322,17 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
         if stop or (coordl_loader and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < total):
             save_checkpoint(run, model, optimizer, scheduler, loader, epoch, False)
             if stop:
-                epoch_summary(run, loader, epoch, time.perf_counter() - t_epoch, waited, samples, start, i + 1 - start,
-                              stopped=True)  # fmt: skip
+                epoch_summary(
+                    run,
+                    loader,
+                    epoch,
+                    time.perf_counter() - t_epoch,
+                    waited,
+                    samples,
+                    start,
+                    i + 1 - start,
+                    stopped=True,
+                )
                 run.log(f"=> stopped by SIGTERM after batch {i + 1} of epoch {epoch}; --resume continues there")
                 return False
         end = time.perf_counter()
@@ -265,8 +340,17 @@ def train(run: Run, loader, model, criterion, optimizer, scheduler, epoch: int) 
     return True
 
 
-def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, samples: int, start: int,
-                  batches: int, stopped: bool = False) -> None:  # fmt: skip
+def epoch_summary(
+    run: Run,
+    loader,
+    epoch: int,
+    seconds: float,
+    waited: float,
+    samples: int,
+    start: int,
+    batches: int,
+    stopped: bool = False,
+) -> None:
     """Where the epoch's time went, and for coordl where its bytes came from, over all ranks."""
     total = [samples, waited, seconds]
     stats = loader.stats() if run.args.loader == "coordl" else None
@@ -279,9 +363,11 @@ def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, s
     samples = sum(t[0] for t, _ in everyone)
     waited = max(t[1] for t, _ in everyone)  # the slowest rank's wait is what DDP waits for
     seconds = max(t[2] for t, _ in everyone)
-    line = (f"Epoch [{epoch}] summary: {batches} batches from batch {start}, {seconds:.1f} s, "
-            f"{samples / max(seconds, 1e-9):.1f} samples/s; waited for data {waited:.1f} s "
-            f"({waited / max(seconds, 1e-9):.0%})")  # fmt: skip
+    line = (
+        f"Epoch [{epoch}] summary: {batches} batches from batch {start}, {seconds:.1f} s, "
+        f"{samples / max(seconds, 1e-9):.1f} samples/s; waited for data {waited:.1f} s "
+        f"({waited / max(seconds, 1e-9):.0%})"
+    )
     if stats is not None:
         from coordl.units import format_bytes  # coordl is imported only with --loader coordl
 
@@ -290,12 +376,14 @@ def epoch_summary(run: Run, loader, epoch: int, seconds: float, waited: float, s
         def total_of(key):
             return sum(x.get(key, 0) for x in s)
 
-        line += (f": fetch {max(x['stall_fetch_s'] for x in s):.1f} s, prep {max(x['stall_prep_s'] for x in s):.1f} s; "
-                 f"storage {format_bytes(total_of('storage_bytes'), 'MB')} in {total_of('storage_reads')} reads, "
-                 f"cache hits {total_of('cache_hits')} ({format_bytes(total_of('cache_hit_bytes'), 'MB')}), "
-                 f"peers {format_bytes(total_of('peer_bytes'), 'MB')}; "
-                 f"node cache {format_bytes(s[0]['cache_bytes'], 'MB', with_unit=False)} "
-                 f"of {format_bytes(s[0]['cache_budget'], 'MB')}")  # fmt: skip
+        line += (
+            f": fetch {max(x['stall_fetch_s'] for x in s):.1f} s, prep {max(x['stall_prep_s'] for x in s):.1f} s; "
+            f"storage {format_bytes(total_of('storage_bytes'), 'MB')} in {total_of('storage_reads')} reads, "
+            f"cache hits {total_of('cache_hits')} ({format_bytes(total_of('cache_hit_bytes'), 'MB')}), "
+            f"peers {format_bytes(total_of('peer_bytes'), 'MB')}; "
+            f"node cache {format_bytes(s[0]['cache_bytes'], 'MB', with_unit=False)} "
+            f"of {format_bytes(s[0]['cache_budget'], 'MB')}"
+        )
         if stopped:
             line += " (stopped early: the bytes include batches the loader had fetched ahead of training)"
     print(line, flush=True)
@@ -368,9 +456,16 @@ def save_checkpoint(run: Run, model, optimizer, scheduler, train_loader, epoch: 
         return
     # Every rank has trained on as many batches (DDP), so rank 0's loader state is every rank's.
     loader_state = train_loader.state_dict() if run.args.loader == "coordl" else None
-    state = {"epoch": epoch, "arch": run.args.arch, "state_dict": unwrapped(model).state_dict(),
-             "best_acc1": best_acc1, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "loader": loader_state, "mid_epoch": mid_epoch(loader_state)}  # fmt: skip
+    state = {
+        "epoch": epoch,
+        "arch": run.args.arch,
+        "state_dict": unwrapped(model).state_dict(),
+        "best_acc1": best_acc1,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "loader": loader_state,
+        "mid_epoch": mid_epoch(loader_state),
+    }
     folder = Path(run.args.checkpoint_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path, tmp = folder / "checkpoint.pth.tar", folder / "checkpoint.pth.tar.tmp"

@@ -79,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         extra = [*DEMO_ARGS, "--checkpoint-dir", str(data / "checkpoints"), *extra]
 
     if why:
-        print(f"simulate: no network namespaces ({why}); the nodes share this machine's network "
-              "(127.0.0.<k+1>) and /dev/shm (a folder per node)", flush=True)  # fmt: skip
+        print(
+            f"simulate: no network namespaces ({why}); the nodes share this machine's network "
+            "(127.0.0.<k+1>) and /dev/shm (a folder per node)",
+            flush=True,
+        )
     try:
         shm_bytes = parse_bytes(args.shm) if args.shm != "auto" else _auto_shm(data)
     except ValueError as e:
@@ -104,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if stopped:  # only ever after another node failed
         verdict += f", stopped node(s) {', '.join(stopped)}"
     shown = ", ".join("stopped" if c is None else str(c) for c in codes)
-    print(f"simulate: {args.nodes} node(s) x {args.nproc_per_node} rank(s) {verdict} in {took:.1f} s "
-          f"(exit codes [{shown}])", flush=True)  # fmt: skip
+    print(
+        f"simulate: {args.nodes} node(s) x {args.nproc_per_node} rank(s) {verdict} in {took:.1f} s "
+        f"(exit codes [{shown}])",
+        flush=True,
+    )
     return 1 if failed or stopped else 0
 
 
@@ -117,25 +123,41 @@ def _interrupt(signum, frame) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="%(prog)s [options] [-- ARGS for the training script]")  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] [-- ARGS for the training script]",
+    )
     p.add_argument("--data", help="dataset folder with train/ and val/ (ImageFolder trees), the same on every node")
-    p.add_argument("--demo", action="store_true",
-                   help=f"generate a small dataset (512 + 128 JPEGs, 10 classes) in --data, else {DEMO}")  # fmt: skip
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help=f"generate a small dataset (512 + 128 JPEGs, 10 classes) in --data, else {DEMO}",
+    )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (default 1)")
-    p.add_argument("--cache", default="0.6",
-                   help="cache budget per node, passed to the script: a fraction of the dataset (0.6: two "
-                   "nodes hold it all), bytes ('2GB') or 'auto' (default 0.6)")  # fmt: skip
+    p.add_argument(
+        "--cache",
+        default="0.6",
+        help="cache budget per node, passed to the script: a fraction of the dataset (0.6: two "
+        "nodes hold it all), bytes ('2GB') or 'auto' (default 0.6)",
+    )
     p.add_argument("--rate", help="link rate of every node, e.g. 1gbit or 100mbit (default: unshaped)")
-    p.add_argument("--shm", default="auto",
-                   help="size of each node's /dev/shm, e.g. 4GB (default: twice the dataset, at least 256MB, "
-                   "at most this machine's /dev/shm)")  # fmt: skip
+    p.add_argument(
+        "--shm",
+        default="auto",
+        help="size of each node's /dev/shm, e.g. 4GB (default: twice the dataset, at least 256MB, "
+        "at most this machine's /dev/shm)",
+    )
     p.add_argument("--master-port", type=int, default=None, help="torchrun's port (default 29500, or a free one)")
     p.add_argument("--script", help=f"training script to run (default {TRAIN.relative_to(ROOT)})")
     p.add_argument("--no-netns", action="store_true", help="run the nodes on loopback addresses, without root")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds the other nodes get to finish once one has failed (default 30)")  # fmt: skip
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the other nodes get to finish once one has failed (default 30)",
+    )
     return p
 
 
@@ -162,9 +184,22 @@ def _environment() -> dict:
 
 
 def _torchrun(args, k: int, master: str, port: int, command: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes), "--node-rank", str(k),
-            "--nproc-per-node", str(args.nproc_per_node), "--master-addr", master, "--master-port", str(port),
-            *command]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(args.nodes),
+        "--node-rank",
+        str(k),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--master-addr",
+        master,
+        "--master-port",
+        str(port),
+        *command,
+    ]
 
 
 def _run_in_namespaces(args, command: list[str], shm_bytes: int) -> list[int | None] | None:
@@ -173,9 +208,11 @@ def _run_in_namespaces(args, command: list[str], shm_bytes: int) -> list[int | N
     port = args.master_port or 29500  # every namespace has its own ports
     with netns.Cluster(args.nodes, rate=args.rate, shm_bytes=shm_bytes) as cluster:
         rate = f", links at {args.rate}" if args.rate else ""
-        print(f"simulate: {args.nodes} network namespaces on bridge {cluster.bridge}, node k at "
-              f"{cluster.address(0)[:-1]}<k+1>, /dev/shm of {format_bytes(shm_bytes, 'MB', digits=0)} each{rate}",
-              flush=True)  # fmt: skip
+        print(
+            f"simulate: {args.nodes} network namespaces on bridge {cluster.bridge}, node k at "
+            f"{cluster.address(0)[:-1]}<k+1>, /dev/shm of {format_bytes(shm_bytes, 'MB', digits=0)} each{rate}",
+            flush=True,
+        )
         nodes = []
 
         def pids():
@@ -202,10 +239,15 @@ def _run_on_loopback(args, command: list[str]) -> list[int | None] | None:
             shm[k].mkdir()
             node_env = dict(env, COORDL_SHM_DIR=str(shm[k]), COORDL_PEER_ADDR=f"127.0.0.{k + 1}")
             argv = _torchrun(args, k, "127.0.0.1", port, command)
-            print(f"simulate: node {k}: COORDL_SHM_DIR={shm[k]} COORDL_PEER_ADDR=127.0.0.{k + 1} {_show(argv)}",
-                  flush=True)  # fmt: skip
-            nodes.append(subprocess.Popen(argv, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+            print(
+                f"simulate: node {k}: COORDL_SHM_DIR={shm[k]} COORDL_PEER_ADDR=127.0.0.{k + 1} {_show(argv)}",
+                flush=True,
+            )
+            nodes.append(
+                subprocess.Popen(
+                    argv, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         return _supervise(nodes, args.grace, lambda: [_descendants(p.pid) for p in nodes])
     finally:
         _stop(nodes, lambda: [_descendants(p.pid) for p in nodes])

@@ -4,12 +4,13 @@ Built once by scanning a class-per-folder tree with torchvision ``ImageFolder``'
 rules (classes are the sorted sub-folder names; files sorted, found by
 ``os.walk(followlinks=True)``; the same image extensions), or from an explicit list
 of ``(path, label)``. An ``s3://bucket/prefix`` root is listed by the same rules over keys
-(:mod:`coordl.s3.listing`), and its index also holds every object's ETag. A scanned index is saved in the index directory
-(``$COORDL_INDEX_DIR``, else ``$XDG_CACHE_HOME/coordl``, else ``~/.cache/coordl``)
-with the modification times of every folder of the tree, so a restart checks a few
-thousand folder times instead of listing a million files; a changed tree is rescanned. A saved ``s3://`` index is reused after one listing of the root's
-class prefixes: objects replaced since are caught when they are read (their ETag), and keys
-added to a class are seen when the index is rebuilt (``rebuild=True``, ``COORDL_REINDEX=1``).
+(:mod:`coordl.s3.listing`), and its index also holds every object's ETag. A scanned index is
+saved in the index directory (``$COORDL_INDEX_DIR``, else ``$XDG_CACHE_HOME/coordl``, else
+``~/.cache/coordl``) with the modification times of every folder of the tree, so a restart
+checks a few thousand folder times instead of listing a million files; a changed tree is
+rescanned. A saved ``s3://`` index is reused after one listing of the root's class prefixes:
+objects replaced since are caught when they are read (their ETag), and keys added to a class
+are seen when the index is rebuilt (``rebuild=True``, ``COORDL_REINDEX=1``).
 
 Memory: an index holds four flat arrays and no Python object per sample (the paths are a
 :class:`~coordl.paths.PathTable`), so a forked worker that reads it copies nothing. A saved
@@ -214,8 +215,8 @@ class Index:
                 log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
                 return index
             # The saved copy, mapped: this process then shares it with the node's others and
-            # frees the scanned arrays (on a network filesystem, a copy of it in memory). A concurrent scan may have replaced the file with
-            # another tree's index: then the scanned one is kept.
+            # frees the scanned arrays (on a network filesystem, a copy of it in memory). A concurrent
+            # scan may have replaced the file with another tree's index: then the scanned one is kept.
             opened = _open(saved)
             if opened is not None and opened[0].fingerprint == index.fingerprint:
                 index = opened[0]

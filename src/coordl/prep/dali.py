@@ -20,8 +20,8 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 
-import torch
 import numpy as np
+import torch
 from nvidia.dali import Pipeline, fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
 
