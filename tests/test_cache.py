@@ -35,7 +35,7 @@ from coordl.fetch.cache import (
     HEADER_BYTES,
     READY,
     WRITING,
-    MinIOCache,
+    NodeCache,
     headroom,
 )
 from coordl.fetch.fetcher import Fetcher
@@ -114,7 +114,7 @@ def test_reserve_publish_admits_until_budget_then_never_evicts(isolated, closing
     rng = np.random.default_rng(1)
     sizes = rng.integers(100, 900, 60)
     chunk, budget = 1000, 9000  # items straddle chunk boundaries; about a third of the items fit
-    cache = closing(MinIOCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
+    cache = closing(NodeCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
     assert cache.budget == budget
     admitted = []
     for i in range(len(sizes)):
@@ -155,7 +155,7 @@ def test_reserve_publish_admits_until_budget_then_never_evicts(isolated, closing
 
 def test_cache_marks_itself_full_when_not_even_the_smallest_item_fits(isolated, closing):
     sizes = np.full(30, 100)
-    cache = closing(MinIOCache(FP, sizes, 1000, directory=str(isolated), chunk_bytes=256))
+    cache = closing(NodeCache(FP, sizes, 1000, directory=str(isolated), chunk_bytes=256))
     for i in range(30):
         views = cache.reserve(i)
         assert (views is None) == (i >= 10)
@@ -173,7 +173,7 @@ def test_fetcher_fills_cache_to_budget_and_keeps_items_identical(tiny_dataset, i
     n, total = len(index), index.total_bytes
     budget = resolve_budget(0.3, total, str(isolated))
     assert budget == int(0.3 * total)
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=4096))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=4096))
     fetcher = Fetcher(index, cache, drop_page_cache=True)
     expected = [file_bytes(index, i) for i in range(n)]
     rng = np.random.default_rng(0)
@@ -209,7 +209,7 @@ def test_fetcher_fills_cache_to_budget_and_keeps_items_identical(tiny_dataset, i
 def test_entry_with_reserved_bytes_is_refilled_after_the_cache_is_full(dataset_copy, isolated, closing):
     index = Index.scan(dataset_copy)
     budget = int(index.sizes[:10].sum())  # items 0..9 fill the budget exactly
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, budget, directory=str(isolated)))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=False)
     lost = Path(index.paths[0])
     content = lost.read_bytes()
@@ -262,7 +262,7 @@ def _sharing_member(root, budget, k, attached, filled, done, q):
     def body():
         index = Index.scan(root)
         n = len(index)
-        cache = MinIOCache(index.fingerprint, index.sizes, budget, directory=names.shm_dir(), chunk_bytes=8192)
+        cache = NodeCache(index.fingerprint, index.sizes, budget, directory=names.shm_dir(), chunk_bytes=8192)
         try:
             fetcher = Fetcher(index, cache, drop_page_cache=True)
             expected = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
@@ -323,7 +323,7 @@ def test_processes_share_one_cache_within_one_budget(tiny_dataset, isolated, pro
 # -- 4. a reader never sees a partial item -------------------------------------------------
 def _half_writer(directory, sizes, budget, chunk, i, half, go_on, q):
     def body():
-        cache = MinIOCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
+        cache = NodeCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
         try:
             views = cache.reserve(i)
             assert views is not None
@@ -343,7 +343,7 @@ def _half_writer(directory, sizes, budget, chunk, i, half, go_on, q):
 def test_reader_never_sees_half_written_item(isolated, procs, closing):
     sizes = np.array([700, 900, 5000, 300])
     i, chunk = 2, 2048  # item 2 spans three chunks
-    reader = closing(MinIOCache(FP, sizes, int(sizes.sum()), directory=str(isolated), chunk_bytes=chunk))
+    reader = closing(NodeCache(FP, sizes, int(sizes.sum()), directory=str(isolated), chunk_bytes=chunk))
     half, go_on, q = CTX.Event(), CTX.Event(), CTX.Queue()
     p = procs(_half_writer, str(isolated), sizes, int(sizes.sum()), chunk, i, half, go_on, q)
     assert half.wait(WAIT)
@@ -363,7 +363,7 @@ def test_reader_never_sees_half_written_item(isolated, procs, closing):
 
 def _racing_writer(directory, sizes, budget, chunk, k, start, q):
     def body():
-        cache = MinIOCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
+        cache = NodeCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
         try:
             order = np.random.default_rng(100 + k).permutation(len(sizes))
             written = []
@@ -390,7 +390,7 @@ def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs
     rng = np.random.default_rng(7)
     sizes = rng.integers(200, 3000, 200)
     budget, chunk = int(sizes.sum() * 0.8), 4096
-    reader = closing(MinIOCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
+    reader = closing(NodeCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
     expected = [pattern(i, s) for i, s in enumerate(sizes)]
     start, q = CTX.Barrier(3), CTX.Queue()
     ps = [procs(_racing_writer, str(isolated), sizes, budget, chunk, k, start, q) for k in range(2)]
@@ -427,7 +427,7 @@ def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs
 def _killed_mid_write(root, budget, keep, fill, i, written, q):
     def body():
         index = Index.scan(root)
-        cache = MinIOCache(
+        cache = NodeCache(
             index.fingerprint, index.sizes, budget, keep=keep, directory=names.shm_dir(), chunk_bytes=4096
         )
         fetcher = Fetcher(index, cache, drop_page_cache=False)
@@ -447,7 +447,7 @@ def _killed_mid_write(root, budget, keep, fill, i, written, q):
 def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isolated, procs):
     index = Index.scan(tiny_dataset)
     n, victim = len(index), 10
-    cache = MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated), chunk_bytes=4096)
+    cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated), chunk_bytes=4096)
     try:
         written, q = CTX.Event(), CTX.Queue()
         p = procs(
@@ -480,7 +480,7 @@ def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isola
 def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isolated, procs):
     index = Index.scan(tiny_dataset)
     fp, victim, budget = index.fingerprint, 10, index.total_bytes
-    first = MinIOCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)
+    first = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)
     try:
         written, q = CTX.Event(), CTX.Queue()
         p = procs(_killed_mid_write, str(tiny_dataset), budget, False, list(range(victim)), victim, written, q)
@@ -499,7 +499,7 @@ def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isol
         offset, alloc, num_chunks = entries["offset"][victim], head["alloc"], head["num_chunks"]
         chunk_total = sum(chunk_sizes(isolated))
 
-        again = MinIOCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)  # alone
+        again = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)  # alone
         try:
             head2, entries2 = table(isolated, fp)
             assert entries2["state"][victim] == EMPTY and entries2["offset"][victim] == offset
@@ -654,7 +654,7 @@ import json, os, sys, warnings
 import numpy as np
 import coordl
 from coordl.fetch.fetcher import Fetcher
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 sys.path.insert(0, {tests!r})
 from test_cache import fill_up
 
@@ -666,7 +666,7 @@ n = len(index)
 expected = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
 
 # A: chunks already reserved, then the tmpfs is filled to the last byte from outside.
-cache = MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=mnt, chunk_bytes=16384)
+cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=mnt, chunk_bytes=16384)
 f = Fetcher(index, cache, drop_page_cache=False)
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
@@ -736,7 +736,7 @@ def test_failed_open_on_full_shm_leaves_nothing(isolated):
     with small_tmpfs(1 << 20) as mnt:
         fill_up(os.path.join(mnt, "filler"))
         with pytest.raises(SharedMemoryError, match=mnt):
-            MinIOCache(FP, np.full(100, 1000), 50_000, directory=mnt)
+            NodeCache(FP, np.full(100, 1000), 50_000, directory=mnt)
         left = sorted(e for e in os.listdir(mnt) if e != "filler")
         reaper.reap(mnt, include_kept=True)
     assert left == []
@@ -899,10 +899,10 @@ def test_resolve_budget(isolated):
 def test_the_last_process_to_leave_decides_whether_the_cache_is_kept(tiny_dataset, isolated):
     index = Index.scan(tiny_dataset)
     fp, d = index.fingerprint, str(isolated)
-    kept = MinIOCache(fp, index.sizes, 10_000, keep=True, directory=d)
+    kept = NodeCache(fp, index.sizes, 10_000, keep=True, directory=d)
     kept.close()
     assert "keep" in {names.parse_name(e)[1] for e in group_entries(isolated, fp)}
-    plain = MinIOCache(fp, index.sizes, 10_000, directory=d)  # a later run that does not ask to keep it
+    plain = NodeCache(fp, index.sizes, 10_000, directory=d)  # a later run that does not ask to keep it
     assert os.path.exists(os.path.join(d, names.segment_name(fp, "table")))  # it started from the kept one
     plain.close()
     assert os.listdir(isolated) == []
@@ -911,7 +911,7 @@ def test_the_last_process_to_leave_decides_whether_the_cache_is_kept(tiny_datase
 def test_a_forked_child_cannot_use_or_release_its_parents_attachment(isolated):
     """flock belongs to the open file, which a fork shares: a child using the parent's
     attachment would not be excluded, and its close would drop the parent's membership."""
-    cache = MinIOCache(FP, np.array([10, 20]), 100, directory=str(isolated))
+    cache = NodeCache(FP, np.array([10, 20]), 100, directory=str(isolated))
     try:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through its exit code

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from coordl.fetch.budget import resolve_budget
-from coordl.fetch.cache import MinIOCache, headroom
+from coordl.fetch.cache import NodeCache, headroom
 from coordl.index import Index
 from coordl.shm import limits, names
 from coordl.shm.limits import Level
@@ -93,7 +93,7 @@ def test_cache_stops_growing_when_the_memory_room_runs_out(isolated):
         return Level(base.name, base.limit, chunk_bytes_in(d))
 
     sizes = np.full(40, 100)
-    cache = MinIOCache("00c0ffee00c0ffee", sizes, 4000, directory=d, chunk_bytes=1000, memory=memory)
+    cache = NodeCache("00c0ffee00c0ffee", sizes, 4000, directory=d, chunk_bytes=1000, memory=memory)
     try:
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
@@ -139,7 +139,7 @@ def test_memory_is_reserved_and_checked_a_slice_at_a_time(isolated):
         return Level("cgroup /fake (v1)", limits.MIN_MARGIN + 3 * piece + 848, reserved_bytes_in(d))
 
     sizes = np.full(64, 4000)
-    cache = MinIOCache(
+    cache = NodeCache(
         "00c0ffee00c0ffee", sizes, 10**6, directory=d, chunk_bytes=chunk, slice_bytes=piece, memory=memory
     )
     try:

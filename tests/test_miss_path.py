@@ -18,7 +18,7 @@ import pytest
 from coordl.errors import DatasetChangedError, SampleError
 from coordl.fetch import storage
 from coordl.fetch.ahead import FetchAhead
-from coordl.fetch.cache import ENTRY, HEADER, HEADER_BYTES, READY, WRITING, MinIOCache
+from coordl.fetch.cache import ENTRY, HEADER, HEADER_BYTES, READY, WRITING, NodeCache
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names
@@ -86,7 +86,7 @@ def test_a_short_read_is_finished(tmp_path):
 # -- the cache, many items at a time ------------------------------------------------------
 def test_reserve_many_hands_out_bytes_in_order_until_the_budget_then_fits_smaller_ones(isolated, closing):
     sizes = np.array([300, 200, 400, 100, 50, 250, 30, 20], dtype=np.int64)
-    cache = closing(MinIOCache(FP, sizes, 700, directory=str(isolated), chunk_bytes=256))
+    cache = closing(NodeCache(FP, sizes, 700, directory=str(isolated), chunk_bytes=256))
     ids = np.array([0, 1, 2, 3, 4, 5, 6], dtype=np.int64)
     slots = cache.reserve_many(ids)
     got = [k for k, v in enumerate(slots) if v is not None]
@@ -125,7 +125,7 @@ def test_fetcher_read_admits_what_fits_and_accounts_exactly(tiny_dataset, isolat
     index = Index.scan(tiny_dataset)
     expected = contents(index)
     budget = int(index.sizes[:40].sum())
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=8192))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=8192))
     fetcher = Fetcher(index, cache, drop_page_cache=True)
     order = np.random.default_rng(3).permutation(len(index))
     for part in np.array_split(order, 4):
@@ -152,7 +152,7 @@ def test_a_failed_read_is_a_sample_error_and_the_rest_of_the_batch_is_read_and_a
 ):
     index = Index.scan(dataset_copy)
     expected = contents(index)
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=False)
     lost = Path(index.paths[5])
     lost.unlink()
@@ -169,7 +169,7 @@ def test_a_failed_read_is_a_sample_error_and_the_rest_of_the_batch_is_read_and_a
 
 def test_a_changed_file_raises_after_the_others_are_published(dataset_copy, isolated, closing):
     index = Index.scan(dataset_copy)
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=False)
     with open(index.paths[3], "ab") as f:
         f.write(b"more")
@@ -206,7 +206,7 @@ class CountingPool(cf.ThreadPoolExecutor):
 def test_a_batch_is_read_in_few_tasks_duplicates_once_failures_skipped_in_order(dataset_copy, isolated, closing):
     index = Index.scan(dataset_copy)
     expected = contents(index)
-    cache = closing(MinIOCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
+    cache = closing(NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=False)
     Path(index.paths[7]).unlink()
     pool = CountingPool(4)

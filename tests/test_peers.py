@@ -23,7 +23,7 @@ import pytest
 from coordl import CoordLoader, sampler
 from coordl.errors import CoordlError
 from coordl.fetch import wire
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
 from coordl.index import Index
@@ -40,7 +40,7 @@ N = 120  # samples in tiny_dataset
 def served(tiny_dataset, isolated):
     """A cache holding the even samples of the tiny dataset, served on 127.0.0.1."""
     index = Index.scan(tiny_dataset)
-    cache = MinIOCache("ab" * 8, index.sizes, index.total_bytes, directory=str(isolated), dataset=index.fingerprint)
+    cache = NodeCache("ab" * 8, index.sizes, index.total_bytes, directory=str(isolated), dataset=index.fingerprint)
     fetcher = Fetcher(index, cache, drop_page_cache=False)
     for i in range(0, len(index), 2):
         fetcher.fetch(i)

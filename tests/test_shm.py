@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from childproc import report, result
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 from coordl.shm import group, names, reaper
 from coordl.staging.area import StagingArea
 
@@ -90,7 +90,7 @@ def test_every_segment_is_private_and_named_by_the_one_function(isolated):
     sizes = np.full(40, 700)
     old = os.umask(0)  # the most permissive umask must not widen anything
     try:
-        cache = MinIOCache(FP, sizes, 20_000, keep=True, directory=str(isolated), chunk_bytes=4096)
+        cache = NodeCache(FP, sizes, 20_000, keep=True, directory=str(isolated), chunk_bytes=4096)
         area = StagingArea(
             "sweep",
             0,
@@ -160,7 +160,7 @@ def _cache_user(directory, fp, role, ready, release, q):
 
     def body():
         sizes = np.arange(100, 140)
-        cache = MinIOCache(fp, sizes, int(sizes.sum()), directory=directory, chunk_bytes=1024)
+        cache = NodeCache(fp, sizes, int(sizes.sum()), directory=directory, chunk_bytes=1024)
         for i in range(10):
             views = cache.reserve(i)
             if views is not None:
@@ -227,7 +227,7 @@ def test_attaching_to_a_group_whose_users_were_all_killed_starts_clean(isolated,
     assert result(q) == "half" and ready.wait(WAIT)
     kill9(p)
     sizes = np.arange(100, 140)
-    cache = MinIOCache(FP_DEAD, sizes, int(sizes.sum()), directory=d, chunk_bytes=1024)  # alone: recovers
+    cache = NodeCache(FP_DEAD, sizes, int(sizes.sum()), directory=d, chunk_bytes=1024)  # alone: recovers
     try:
         assert cache.resident_items == 10
         assert all(np.all(cache.get(i) == 7) for i in range(10))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
+
+from coordl import env
 
 __all__ = ["GroupOptions", "LoaderConfig", "PeerOptions", "TorchOptions", "fingerprint", "identity"]
 
@@ -44,7 +45,7 @@ class LoaderConfig:
             raise ValueError("io_threads and prefetch_batches must be at least 1")
         object.__setattr__(self, "shuffle", bool(self.shuffle))
         object.__setattr__(self, "drop_last", bool(self.drop_last))
-        log = bool(self.log_epochs) or os.environ.get("COORDL_LOG_EPOCHS", "") not in ("", "0")
+        log = bool(self.log_epochs) or env.flag("COORDL_LOG_EPOCHS")
         object.__setattr__(self, "log_epochs", log)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl import indexfile
+from coordl import env, indexfile
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
 
@@ -46,9 +46,9 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 
 def default_index_dir() -> str:
     """Where scanned indexes are saved (see the module docstring)."""
-    if os.environ.get("COORDL_INDEX_DIR"):
-        return os.environ["COORDL_INDEX_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if env.text("COORDL_INDEX_DIR"):
+        return env.text("COORDL_INDEX_DIR")
+    base = env.text("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "coordl")
 
 
@@ -199,7 +199,7 @@ class Index:
         if is_valid_file is not None:
             index_dir = ""  # a predicate has no key to save the index under
         saved = _saved_path(index_dir, root, extensions, allow_empty) if index_dir else None
-        rebuild = rebuild or os.environ.get("COORDL_REINDEX", "") not in ("", "0")
+        rebuild = rebuild or env.flag("COORDL_REINDEX")
         if saved and not rebuild:
             index = _load_if_fresh(saved, root)
             if index is not None:

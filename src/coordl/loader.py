@@ -16,7 +16,7 @@ import os
 import weakref
 from collections.abc import Sequence
 
-from coordl import lifecycle, world
+from coordl import env, lifecycle, world
 from coordl.accounting import print_epoch_line
 from coordl.config import GroupOptions, LoaderConfig, PeerOptions, TorchOptions, fingerprint, identity
 from coordl.index import IMG_EXTENSIONS, Index
@@ -441,7 +441,7 @@ class CoordLoader(DataLoaderAttributes):
             retry_after=float(o.retry_after),
             address=None,
             interface=o.interface,
-            port=o.port if o.port is not None else world.env_int("COORDL_PEER_PORT", 0),
+            port=o.port if o.port is not None else env.integer("COORDL_PEER_PORT", 0, minimum=0),
         )
 
     def _start_prep(self, res: Resources) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl import lifecycle
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
@@ -73,7 +73,7 @@ class CacheSpec:
         group = hashlib.sha256(key.encode()).hexdigest()[:16]
         return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier)
 
-    def open(self, sizes: np.ndarray) -> MinIOCache:
+    def open(self, sizes: np.ndarray) -> NodeCache:
         """Attaches to the cache (creating it if this is its first user)."""
         reap_once(self.directory)
         if self.tier == "decoded":
@@ -86,7 +86,7 @@ class CacheSpec:
                 dataset=self.dataset,
                 min_size=int(sizes.min()) if len(sizes) else 1,
             )
-        return MinIOCache(
+        return NodeCache(
             self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory, dataset=self.dataset
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from coordl import env
 from coordl.index import Index
 
 __all__ = ["as_dataset", "make_index", "resolve_device"]
@@ -52,9 +53,9 @@ def resolve_device(device_id) -> int | None:
 
         if not torch.cuda.is_available():
             return None
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is not None and local_rank.isdigit():
-            return int(local_rank) % torch.cuda.device_count()
+        local_rank = env.integer("LOCAL_RANK", -1)
+        if local_rank >= 0:
+            return local_rank % torch.cuda.device_count()
         return torch.cuda.current_device()
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be 'auto', None or a GPU number, got {device_id!r}")

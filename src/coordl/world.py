@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from coordl import env
 
 __all__ = ["World", "detect"]
 
@@ -31,16 +32,6 @@ class World:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
 
 
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def detect(rank: int | None = None, world_size: int | None = None) -> World:
     """The world from explicit values, else ``torch.distributed``, else torchrun's environment.
 
@@ -58,15 +49,15 @@ def detect(rank: int | None = None, world_size: int | None = None) -> World:
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
         if rank is None:
-            rank = dist_rank if dist_rank is not None else env_int("RANK", 0)
+            rank = dist_rank if dist_rank is not None else env.integer("RANK", 0)
         if world_size is None:
-            world_size = dist_world if dist_world is not None else env_int("WORLD_SIZE", 1)
+            world_size = dist_world if dist_world is not None else env.integer("WORLD_SIZE", 1)
     # Without a launcher saying otherwise, assume one rank per node (each may use all cores).
-    local_world = env_int("LOCAL_WORLD_SIZE", 1)
+    local_world = env.integer("LOCAL_WORLD_SIZE", 1)
     return World(
         rank=rank,
         world_size=world_size,
-        local_rank=env_int("LOCAL_RANK", rank % max(local_world, 1)),
+        local_rank=env.integer("LOCAL_RANK", rank % max(local_world, 1)),
         local_world_size=local_world,
-        node_rank=env_int("GROUP_RANK", rank // max(local_world, 1)),
+        node_rank=env.integer("GROUP_RANK", rank // max(local_world, 1)),
     )

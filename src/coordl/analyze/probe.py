@@ -35,7 +35,7 @@ import numpy as np
 
 from coordl import sampler
 from coordl.fetch import samples
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 from coordl.passes import Pass, Step
 
 __all__ = ["ENV", "Target", "claim", "spec"]
@@ -372,7 +372,7 @@ def _decoded_rates(ld) -> dict:
     }
 
 
-def _cache_read_rate(cache: MinIOCache | None, ids: np.ndarray, min_seconds: float = 0.25) -> float:
+def _cache_read_rate(cache: NodeCache | None, ids: np.ndarray, min_seconds: float = 0.25) -> float:
     """Bytes/s of copying cached samples out of the cache (memory bandwidth, as the paper)."""
     if cache is None:
         return 0.0

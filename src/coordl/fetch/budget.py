@@ -1,6 +1,6 @@
 """How big a cache may be: the budget from what the user asks, /dev/shm's free space and the memory limit.
 
-:func:`resolve_budget` plans; :class:`~coordl.fetch.cache.MinIOCache` carries the plan out and
+:func:`resolve_budget` plans; :class:`~coordl.fetch.cache.NodeCache` carries the plan out and
 checks the same two limits again as it fills, since other processes use memory meanwhile.
 """
 

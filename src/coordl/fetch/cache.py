@@ -47,7 +47,7 @@ from coordl.errors import SharedMemoryError, StaleStateError
 from coordl.shm import group, limits, segment
 from coordl.units import format_bytes
 
-__all__ = ["ENTRY", "HEADER", "MinIOCache", "headroom", "memory_text", "table_bytes"]
+__all__ = ["ENTRY", "HEADER", "NodeCache", "headroom", "memory_text", "table_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def memory_text(level: limits.Level) -> str:
     )
 
 
-class MinIOCache:
+class NodeCache:
     """A node-wide MinIO cache of one dataset's raw samples.
 
     Args:
@@ -350,7 +350,7 @@ class MinIOCache:
     def _locked(self):
         if os.getpid() != self._pid:
             # flock belongs to the open file, which a forked child shares: no mutual exclusion.
-            raise RuntimeError("a MinIOCache attachment was inherited by a forked process; attach a new one there")
+            raise RuntimeError("a NodeCache attachment was inherited by a forked process; attach a new one there")
         with self._tlock:
             fcntl.flock(self._table_fd, fcntl.LOCK_EX)
             try:

@@ -1,7 +1,7 @@
 """The decoded tier: decoded images in shared memory beside the encoded tier, shared by every job
 of the node, under the MinIO cache's guarantees.
 
-It is a :class:`~coordl.fetch.cache.MinIOCache` of its own (its own group of segments, its own
+It is a :class:`~coordl.fetch.cache.NodeCache` of its own (its own group of segments, its own
 budget taken out of ``cache_bytes``) whose items are RGB ``uint8`` images, ``(H, W, 3)``, the
 decoder's output at the file's resolution. An image's size is known only once it is decoded,
 so an entry is first *claimed* (``EMPTY -> WRITING``, no bytes yet) by the process that will
@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from coordl.fetch.cache import EMPTY, NO_OFFSET, WRITING, MinIOCache
+from coordl.fetch.cache import EMPTY, NO_OFFSET, WRITING, NodeCache
 
 __all__ = ["DECODED_ENTRY", "DecodedTier"]
 
@@ -28,7 +28,7 @@ DECODED_ENTRY = np.dtype([("offset", "<u8"), ("length", "<u4"), ("state", "<u4")
 CHANNELS = 3
 
 
-class DecodedTier(MinIOCache):
+class DecodedTier(NodeCache):
     """A node-wide tier of one dataset's decoded images.
 
     Args:
@@ -36,7 +36,7 @@ class DecodedTier(MinIOCache):
         num_items: samples in the dataset.
         budget: bytes it may hold (used by the process that creates it).
         min_size: the smallest image there can be, in bytes (the tier is full once less is left).
-        **kwargs: as :class:`~coordl.fetch.cache.MinIOCache` (``keep``, ``directory``,
+        **kwargs: as :class:`~coordl.fetch.cache.NodeCache` (``keep``, ``directory``,
             ``dataset``, ``memory``, ``chunk_bytes``, ``slice_bytes``).
     """
 

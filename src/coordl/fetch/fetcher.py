@@ -18,7 +18,7 @@ import numpy as np
 
 from coordl.errors import DatasetChangedError, SampleError
 from coordl.fetch import samples
-from coordl.fetch.cache import MinIOCache
+from coordl.fetch.cache import NodeCache
 from coordl.index import Index
 
 __all__ = ["FetchCounters", "Fetcher"]
@@ -91,7 +91,7 @@ class Fetcher:
         decoded: the node's decoded tier (:class:`~coordl.fetch.decoded.DecodedTier`), or None.
     """
 
-    def __init__(self, index: Index, cache: MinIOCache | None, *, drop_page_cache: bool, decoded=None):
+    def __init__(self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None):
         self.index = index
         self.cache = cache
         self.decoded = decoded

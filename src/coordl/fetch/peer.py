@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -25,7 +24,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from coordl import lifecycle, placement
+from coordl import env, lifecycle, placement
 from coordl.errors import CoordlError
 from coordl.fetch import wire
 
@@ -66,13 +65,13 @@ def advertised_address(address: str | None = None, interface: str | None = None)
     Raises:
         CoordlError: no usable address (the message says what to set).
     """
-    address = address or os.environ.get("COORDL_PEER_ADDR") or None
+    address = address or env.text("COORDL_PEER_ADDR")
     if address:
         return socket.gethostbyname(address)
-    interface = interface or os.environ.get("COORDL_PEER_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
+    interface = interface or env.text("COORDL_PEER_IFNAME") or env.text("GLOO_SOCKET_IFNAME")
     if interface:
         return _interface_address(interface.split(",")[0])
-    master = os.environ.get("MASTER_ADDR")
+    master = env.text("MASTER_ADDR")
     if not master:
         raise CoordlError(
             "the partitioned cache cannot tell which address other nodes reach this one at: MASTER_ADDR is not set; "

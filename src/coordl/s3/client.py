@@ -23,6 +23,7 @@ import re
 import threading
 from dataclasses import dataclass
 
+from coordl import env
 from coordl.errors import CoordlError, DatasetChangedError, StoreError
 
 __all__ = ["Settings", "boto3_client", "classify", "obstore_store", "settings"]
@@ -80,19 +81,6 @@ class Settings:
     anonymous: bool
 
 
-def _positive(name: str, raw: str, default, kind=float):
-    """The value of the environment variable ``name`` (``raw``), or ``default`` when it is empty."""
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {raw!r}")
-    return value
-
-
 def _session():
     try:
         import botocore.session
@@ -117,9 +105,9 @@ def settings() -> Settings:
     out = Settings(
         endpoint=endpoint,
         region=session.get_config_variable("region"),
-        timeout_s=_positive("COORDL_S3_TIMEOUT", os.environ.get("COORDL_S3_TIMEOUT", ""), DEFAULT_TIMEOUT_S),
+        timeout_s=env.number("COORDL_S3_TIMEOUT", DEFAULT_TIMEOUT_S),
         attempts=int(attempts) if attempts else DEFAULT_ATTEMPTS,
-        max_requests=_positive("COORDL_S3_REQUESTS", os.environ.get("COORDL_S3_REQUESTS", ""), DEFAULT_REQUESTS, int),
+        max_requests=env.integer("COORDL_S3_REQUESTS", DEFAULT_REQUESTS, minimum=1),
         virtual_hosted=isinstance(s3, dict) and s3.get("addressing_style") == "virtual",
         anonymous=session.get_credentials() is None,
     )

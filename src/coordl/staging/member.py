@@ -13,14 +13,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 
 import numpy as np
 import torch
 
-from coordl import lifecycle
+from coordl import env, lifecycle
 from coordl.errors import CoordlError, SampleError
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.fetch.fetcher import FetchCounters
@@ -111,7 +110,7 @@ class GroupMember:
         return (
             isinstance(r, (ImageNetTrain, ImageNetVal))
             and r.dtype == "float32"
-            and (self.device_id is not None or os.environ.get("COORDL_HP_STAGE_UINT8") == "1")
+            and (self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8"))
         )
 
     def _staged_format(self, num_threads: int) -> tuple[tuple[int, ...], str]:
