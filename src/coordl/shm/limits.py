@@ -20,14 +20,17 @@ file lists, so they always count.
 Every limit keeps a :func:`margin` free for the processes' own growth and the other processes
 of the group; :attr:`Level.room` is what is left for a cache beyond it, and :func:`tightest`
 the limit that leaves the least. The ``parse_*`` functions and :func:`cgroup_dirs` are pure (the
-files' text in, values out); :func:`levels` reads the files.
+files' text in, values out); :func:`levels` reads the files, in the cgroups that
+:mod:`coordl.shm.cgroups` finds.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
+
+from coordl.shm import cgroups
+from coordl.shm.cgroups import Mount, cgroup_dirs
 
 __all__ = [
     "Level",
@@ -86,74 +89,16 @@ class Level:
         return max(0, self.limit - self.used - self.margin)
 
 
-@dataclass(frozen=True)
-class Mount:
-    """A cgroup hierarchy's mount: where it is, and which cgroup its root shows."""
-
-    version: int  # 1: a v1 hierarchy with the memory controller; 2: the unified hierarchy
-    point: str
-    root: str
-
-
 # -- parsing: the files' text in, values out ------------------------------------------------------
+# (where the cgroups are is found by coordl.shm.cgroups, for any controller; these read memory's)
 def parse_proc_cgroup(text: str) -> dict[int, str]:
-    """The process's cgroup paths from ``/proc/<pid>/cgroup``: ``{1: v1 memory path, 2: v2 path}``.
-
-    Lines are ``id:controllers:path``; v1's memory hierarchy lists ``memory`` among its
-    controllers, v2's line is ``0::path``. A key is missing when there is no such line.
-    """
-    out: dict[int, str] = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, controllers, path = parts
-        if hid == "0" and controllers == "":
-            out[2] = path
-        elif "memory" in controllers.split(","):
-            out[1] = path
-    return out
-
-
-def _unescape(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040).
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+    """The process's cgroup paths from ``/proc/<pid>/cgroup``: ``{1: v1 memory path, 2: v2 path}``."""
+    return cgroups.parse_proc_cgroup(text, "memory")
 
 
 def parse_mountinfo(text: str) -> list[Mount]:
-    """The cgroup mounts in ``/proc/<pid>/mountinfo``: cgroup2, and v1 hierarchies with ``memory``.
-
-    A line is ``id parent major:minor root mount-point options [optional...] - fstype source
-    super-options``; v1's controllers are among the super-options.
-    """
-    out = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or not tail:
-            continue
-        if tail[0] == "cgroup2":
-            version = 2
-        elif tail[0] == "cgroup" and len(tail) > 2 and "memory" in tail[2].split(","):
-            version = 1
-        else:
-            continue
-        out.append(Mount(version, _unescape(fields[4]), _unescape(fields[3])))
-    return out
-
-
-def cgroup_dirs(path: str, mount: Mount) -> list[tuple[str, str]]:
-    """``(cgroup path, directory)`` of the cgroup at ``path`` and of its ancestors visible under
-    ``mount``, the cgroup itself first; empty when the cgroup is not under the mount's root."""
-    root = mount.root.rstrip("/")
-    if path != mount.root and not path.startswith(root + "/"):
-        return []
-    parts = [p for p in path[len(root) :].split("/") if p]
-    if ".." in parts:  # outside this cgroup namespace
-        return []
-    return [
-        ("/".join([root, *parts[:k]]) or "/", os.path.join(mount.point, *parts[:k])) for k in range(len(parts), -1, -1)
-    ]
+    """The cgroup mounts in ``/proc/<pid>/mountinfo``: cgroup2, and v1 hierarchies with ``memory``."""
+    return cgroups.parse_mountinfo(text, "memory")
 
 
 def parse_limit(text: str) -> int | None:
@@ -236,21 +181,8 @@ def levels(root: str = "/") -> list[Level]:
         root: where ``/proc`` and the cgroup mounts are (a fake tree in tests).
     """
     out = []
-    try:
-        paths = parse_proc_cgroup(_read(os.path.join(root, "proc/self/cgroup")))
-        mounts = parse_mountinfo(_read(os.path.join(root, "proc/self/mountinfo")))
-    except OSError:  # not Linux, or no /proc
-        paths, mounts = {}, []
-    for version in (1, 2):
-        if version not in paths:
-            continue
-        for mount in mounts:
-            if mount.version != version:
-                continue
-            pairs = [(p, os.path.join(root, d.lstrip("/"))) for p, d in cgroup_dirs(paths[version], mount)]
-            if pairs and os.path.isdir(pairs[0][1]):
-                out += _cgroup_levels(version, pairs)
-                break
+    for version, pairs in cgroups.hierarchies("memory", root):
+        out += _cgroup_levels(version, pairs)
     try:
         info = parse_meminfo(_read(os.path.join(root, "proc/meminfo")))
     except OSError:
