@@ -9,9 +9,9 @@ the files are the same whichever process writes them, in whatever order.
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Callable
 
+from coordl import cpus
 from coordl.tools.datagen import images
 from coordl.tools.datagen.job import Job
 
@@ -50,11 +50,8 @@ def generate(job: Job, todo: list[int], advance: Callable[[int], None]) -> dict[
 
 
 def cpu_count() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The CPUs this process may use (its affinity and its cgroups' CPU quota): the pool's size."""
+    return cpus.available()
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
