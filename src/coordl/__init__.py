@@ -1,10 +1,12 @@
 """coordl: a data loader for deep-learning training that removes data stalls.
 
 ``CoordLoader`` replaces ``torch.utils.data.DataLoader``: it shards and shuffles like
-``DistributedSampler``, decodes and augments with NVIDIA DALI, and keeps raw samples
-in a node-wide MinIO cache in shared memory so that every epoch after the first reads
-only what the cache cannot hold. Datasets with Python transforms (:mod:`coordl.datasets`,
-imported on first use) run on PyTorch's DataLoader workers with the same cache.
+``DistributedSampler``, decodes and augments with NVIDIA DALI, and keeps raw samples in the
+node's cache in shared memory (never evicted: the paper's MinIO policy) so that every epoch
+after the first reads only what the cache cannot hold. Each feature takes one option object
+(:class:`Cache`, :class:`Peers`, :class:`HPGroup`, :class:`Shard`, :class:`Prep`,
+:class:`Fetch`). Datasets with Python transforms (:mod:`coordl.datasets`, imported on first
+use) run on PyTorch's DataLoader workers with the same cache.
 """
 
 from coordl.errors import (
@@ -18,6 +20,7 @@ from coordl.errors import (
 )
 from coordl.index import Index
 from coordl.loader import CoordLoader
+from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, Shard
 from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
 
 __version__ = "0.1.0"
@@ -32,16 +35,22 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Cache",
     "CoordLoader",
     "CoordlError",
     "DatasetChangedError",
     "DecodedRecipe",
+    "Fetch",
     "GroupConfigError",
+    "HPGroup",
     "ImageNetTrain",
     "ImageNetVal",
     "Index",
+    "Peers",
+    "Prep",
     "PrepContext",
     "SampleError",
+    "Shard",
     "SharedMemoryError",
     "StaleStateError",
     "StoreError",

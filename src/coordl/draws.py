@@ -1,4 +1,5 @@
-"""Pure: the random numbers of a sample's augmentation, as a function of ``(seed, epoch, sample)``.
+"""Pure: coordl's random numbers, as functions of their key: the epoch order's keys, the random
+numbers of a sample's augmentation, and the seeds of generators coordl seeds.
 
 Every random decision of pre-processing (a crop window, a flip, a transform's draws from
 torch's RNG) comes from here, keyed by the loader's seed, the epoch whose order is being
@@ -7,16 +8,17 @@ size, the batch a sample lands in, where a resume started, or which member of an
 decoded it. So a sample gets the same augmentation in a given epoch wherever and whenever it is
 delivered, and different augmentation in every epoch.
 
-The numbers are SplitMix64 steps over the key (the same mixing as ``seed_for``), computed with
-numpy over a whole batch at once; they do not depend on numpy's generators, so they do not
-change between numpy versions.
+The numbers are SplitMix64 steps over the key (:func:`mix` for one value, :func:`_keys` for a
+whole batch at once with numpy), each kind of number in a domain of its own. They do not depend
+on numpy's generators, whose streams numpy does not promise to keep between versions, so they
+are the same with every numpy and on every machine.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sample_seeds", "uniforms"]
+__all__ = ["mix", "order_keys", "sample_seeds", "uniforms"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -33,10 +35,30 @@ def _step(x: np.ndarray, v) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _keys(seed: int, epoch: int, ids) -> np.ndarray:
-    x = _step(np.uint64(seed & _MASK), np.uint64(0x636F6F72646C))  # a domain of its own ("coordl")
+#: The domains of the numbers: the same key in two domains gives unrelated numbers.
+AUGMENT = 0x636F6F72646C  # "coordl": a sample's augmentation
+ORDER = 0x6F72646572  # "order": the epoch order
+
+
+def mix(*values: int) -> int:
+    """A 64-bit number from ``values`` (ints; negative ones as two's complement): one SplitMix64
+    step per value, starting from 0. The seeds coordl gives generators come from here."""
+    x = np.uint64(0)
+    for v in values:
+        x = _step(x, np.uint64(v & _MASK))
+    return int(x)
+
+
+def _keys(seed: int, epoch: int, ids, domain: int = AUGMENT) -> np.ndarray:
+    x = _step(np.uint64(seed & _MASK), np.uint64(domain))
     x = _step(x, np.uint64(epoch & _MASK))
     return _step(np.full(len(ids), x, dtype=np.uint64), np.asarray(ids, dtype=np.int64).astype(np.uint64))
+
+
+def order_keys(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The sort key of each of the ``n`` samples in ``epoch``'s order (uint64; see
+    :func:`coordl.sampler.epoch_order`)."""
+    return _keys(seed, epoch, np.arange(n, dtype=np.int64), ORDER)
 
 
 def sample_seeds(seed: int, epoch: int, ids) -> np.ndarray:

@@ -7,6 +7,10 @@ of coordl's own failures.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 __all__ = [
     "CoordlError",
     "DatasetChangedError",
@@ -15,6 +19,7 @@ __all__ = [
     "SharedMemoryError",
     "StaleStateError",
     "StoreError",
+    "warn",
 ]
 
 
@@ -56,3 +61,16 @@ class SampleError(CoordlError):
 class GroupConfigError(CoordlError, ValueError):
     """A job tried to join an ``hp_group`` whose members load differently (the message names
     what differs: dataset, batch size, pipeline, seed...)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warns about the line of the caller's code that called into coordl: the innermost frame
+    outside the coordl package (a user's ``CoordLoader(...)`` line), however deep in coordl the
+    warning is raised, so that ``-W error``, filters by module and the printed location name it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -1,282 +1,316 @@
-"""CoordLoader: a drop-in replacement for ``torch.utils.data.DataLoader`` on DALI with a MinIO cache.
+"""CoordLoader: a drop-in replacement for ``torch.utils.data.DataLoader`` on DALI, with the node's cache.
 
 The loader wires the chain and owns the position; everything else is a collaborator:
-:mod:`~coordl.config` (validated settings), :mod:`~coordl.schedule` (this rank's batches of a
-pass), :mod:`~coordl.position` (epoch and batches delivered; resume),
-:mod:`~coordl.resources` (index, cache, fetcher, pools, peers, pipeline), and a pass per
+:mod:`~coordl.options` (one option object per feature), :mod:`~coordl.sources` (the data and its
+backend), :mod:`~coordl.tiers` (the node's cache, planned), :mod:`~coordl.schedule` (this rank's
+batches of a pass), :mod:`~coordl.position` (epoch and batches delivered; resume),
+:mod:`~coordl.resources` (what passes share, made when the first pass starts) and a pass per
 ``iter()`` (:mod:`~coordl.backends.dali`, :mod:`~coordl.backends.torch`,
 :mod:`~coordl.staging.member`). :mod:`~coordl.lifecycle` closes loaders a script leaves open.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import logging
+import dataclasses
+import functools
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from coordl import env, lifecycle, world
+from coordl import cpus, env, lifecycle, sources, world
 from coordl.accounting import print_epoch_line
-from coordl.config import GroupOptions, LoaderConfig, PeerOptions, TorchOptions, fingerprint, identity
-from coordl.index import IMG_EXTENSIONS, Index
+from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
+from coordl.fetch import peer
+from coordl.fetch.fetcher import FetchCounters, Fetcher
+from coordl.index import Index
+from coordl.options import AUTO, Cache, Fetch, HPGroup, Peers, Prep, Shard
 from coordl.passes import Pass, PassStats, pass_stats
-from coordl.position import Position, check_state
-from coordl.prep.recipes import recipe_key, resolve_recipe
-from coordl.resources import Resources
+from coordl.position import VERSION, Position, check_state
+from coordl.prep import calibrate
+from coordl.prep.recipes import max_short_side, recipe_key
+from coordl.resources import Resources, thread_pool
+from coordl.sampler import ORDER_VERSION
 from coordl.schedule import Locality, Schedule
-from coordl.sources import as_dataset, make_index, resolve_device
-from coordl.surface import DataLoaderAttributes
+from coordl.tiers import plan as tiers
+from coordl.views import BatchSamplerView, SamplerView
 
-__all__ = ["CoordLoader"]
+__all__ = ["CoordLoader", "Options"]
 
-log = logging.getLogger(__name__)
+#: Arguments of earlier versions, and what says the same now.
+RENAMED = {
+    "cache_bytes": "cache= (cache='40GB', or coordl.Cache(size=...))",
+    "decoded_cache": "cache=coordl.Cache(size=..., decoded=...)",
+    "keep_cache": "cache=coordl.Cache(..., keep=True)",
+    "num_threads": "prep=coordl.Prep(threads=...)",
+    "io_threads": "fetch=coordl.Fetch(threads=...)",
+    "prefetch_batches": "fetch=coordl.Fetch(batches_ahead=...)",
+    "rank": "shard=coordl.Shard(rank=..., world_size=...)",
+    "world_size": "shard=coordl.Shard(rank=..., world_size=...)",
+    "locality_aware": "peers=coordl.Peers(locality_aware=...)",
+    "peer_timeout": "peers=coordl.Peers(timeout=...)",
+    "peer_retry_after": "peers=coordl.Peers(retry_after=...)",
+    "peer_interface": "peers=coordl.Peers(interface=...)",
+    "peer_port": "peers=coordl.Peers(port=...)",
+    "hp_staging": "hp_group=coordl.HPGroup(name, staging=...)",
+    "hp_idle_timeout": "hp_group=coordl.HPGroup(name, idle_timeout=...)",
+    "extensions": "data=coordl.Index.scan(root, extensions=...)",
+    "index_dir": "data=coordl.Index.scan(root, index_dir=...)",
+}
 
-STATE_VERSION = 2
+
+def _refuse_renamed(init):
+    """Names the new spelling of an argument of an earlier version (a ``TypeError``, as for any
+    unknown argument); ``inspect.signature`` still shows ``init``'s own parameters."""
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        old = sorted(RENAMED.keys() & kwargs.keys())
+        if old:
+            raise TypeError(
+                "CoordLoader does not take "
+                + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
+                + " (see docs/configuration.md)"
+            )
+        return init(self, *args, **kwargs)
+
+    return checked
 
 
-class CoordLoader(DataLoaderAttributes):
+@dataclass(frozen=True)
+class Options:
+    """A loader's option objects, shorthands resolved (``loader.options``)."""
+
+    cache: Cache
+    peers: Peers
+    hp_group: HPGroup | None
+    shard: Shard
+    prep: Prep
+    fetch: Fetch
+
+
+class CoordLoader:
     """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
 
-    Two backends share the order, sharding, resume, cache and statistics. A folder, a list or
-    an index is decoded and augmented by DALI (``pipeline``). A dataset of
-    :mod:`coordl.datasets` (``ImageFolder(root, transform=...)``, ``DatasetFolder``,
-    ``FileDataset``) runs the *torch backend*: PyTorch ``DataLoader`` workers read the bytes
-    through the node's cache and apply the dataset's own Python transforms, and batches are
-    whatever its ``collate_fn`` makes.
+    ``DataLoader``'s arguments keep their meaning and default. Two backends share the order,
+    sharding, resume, cache and statistics: a folder, a list or an index is decoded and augmented
+    by DALI (``pipeline``); a dataset of :mod:`coordl.datasets` (``ImageFolder(root,
+    transform=...)``, ``DatasetFolder``, ``FileDataset``) runs the *torch backend*: PyTorch
+    ``DataLoader`` workers read the bytes through the node's cache and apply the dataset's own
+    Python transforms, and batches are whatever its ``collate_fn`` makes.
 
     Args:
-        data: an ImageFolder-style folder (one sub-folder per class), a list of
-            ``(path, label)`` pairs, an :class:`~coordl.index.Index`, or a dataset of
+        data: an ImageFolder-style folder (one sub-folder per class; ``coordl.Index.scan(root,
+            extensions=..., index_dir=...)`` scans one with other settings), an ``s3://`` prefix of
+            one, a list of ``(path, label)`` pairs, an :class:`~coordl.index.Index`, or a dataset of
             :mod:`coordl.datasets` (the torch backend).
         batch_size: samples per batch.
-        pipeline: ``"imagenet-train"`` (random resized crop, flip, normalise),
-            ``"imagenet-val"`` (resize, center crop, normalise), a recipe object
-            (:class:`coordl.ImageNetTrain`, :class:`coordl.ImageNetVal`) or a callable
-            ``f(encoded, ctx)`` returning DALI ops (see the user guide).
-        shuffle: reshuffle every epoch, seeded by ``(seed, epoch)``.
-        drop_last: drop the last incomplete batch, and shard without padding.
-        seed: seed of the order and of the augmentation.
-        cache_bytes: MinIO cache budget: ``"auto"`` (half of the free shared memory,
-            at most the dataset), bytes (int), a string (``"40GB"``), a float fraction
-            of the dataset, or 0 for no cache.
-        decoded_cache: the node's decoded tier (DALI on the CPU): decoded images that later
-            epochs and other jobs on this node augment without decoding again, taken out of
-            ``cache_bytes``. ``0`` (default): encoded bytes only. ``"auto"``: measure prep from
-            encoded bytes and from decoded images, and storage, on a few samples (6-10 s on 2 cores)
-            and split ``cache_bytes`` as DS-Analyzer's model predicts is fastest (``"auto"`` for
-            ``cache_bytes`` then takes up to the decoded dataset's size). Or bytes (int or
-            ``"4GB"``), or a float fraction of ``cache_bytes``. The delivered tensors are the same
-            either way. See the decoded-tier guide.
-        keep_cache: keep the cache in shared memory after the last user leaves.
-        rank: this process's rank (default: ``torch.distributed``, else ``RANK``, read when a pass
-            starts, so a framework may start the process group after the loader is made).
-        world_size: number of ranks (default: ``torch.distributed``, else ``WORLD_SIZE``, read
-            when a pass starts).
-        device_id: GPU for decoding and outputs; ``"auto"`` uses GPU ``LOCAL_RANK`` under a
-            launcher that sets it (torchrun), else the current CUDA device, else the CPU;
-            None forces the CPU.
-        num_threads: DALI threads (default: CPU cores / ranks on this node, or what ``decoded_cache="auto"`` chose).
-        io_threads: threads reading from storage.
-        prefetch_batches: batches fetched ahead of pre-processing.
-        return_index: also yield each sample's position in the index.
-        on_error: ``"raise"`` (default) stops at an unreadable or undecodable sample with
-            its path; ``"skip"`` leaves it out of its batch and counts it in ``stats()``.
-        extensions: file endings that count as images when scanning a folder.
-        index_dir: where scanned indexes are saved (default: ``$COORDL_INDEX_DIR``, else
-            ``$XDG_CACHE_HOME/coordl``, else ``~/.cache/coordl``); ``""`` saves none.
-        hp_group: a name shared by the jobs of a hyper-parameter search on this machine: each
-            batch is then fetched and pre-processed once, by one of them, and consumed by all
-            (see the coordinated-prep guide). Members must use the same dataset, batch size,
-            pipeline, seed and shuffling; a mismatch raises :class:`~coordl.GroupConfigError`.
-        hp_staging: memory bound of the group's staging area of ready batches: ``"auto"``
-            (16 batches, at most 2 GiB, at least 4) or bytes (int or ``"1GB"``).
-        hp_idle_timeout: seconds a member that is between epochs may keep the others waiting
-            on a full staging area before it is dropped (it rejoins at a later epoch).
-        num_workers: the torch backend's worker processes (``DataLoader``'s meaning; default 0,
-            loading in the main process). With DALI, the number of DALI threads when
-            ``num_threads`` is not given.
-        pin_memory, collate_fn, worker_init_fn, timeout, multiprocessing_context, generator,
-        prefetch_factor, persistent_workers, pin_memory_device: as for ``DataLoader``, on
-            the torch backend. ``generator`` defaults to one seeded by ``(seed, epoch, rank)``,
-            so workers' random transforms repeat from run to run. ``pin_memory`` has no effect
-            with DALI, whose outputs are on their device already.
-        log_epochs: print one line of statistics per epoch to stderr (where the time went, where
-            the bytes came from); also turned on by the environment variable ``COORDL_LOG_EPOCHS=1``.
-        peers: the partitioned cache (DALI backend): ``"auto"`` turns it on when the job spans
-            several nodes (``WORLD_SIZE > LOCAL_WORLD_SIZE``) and ``torch.distributed`` is
-            initialized; then every node's cache serves the other nodes' misses over TCP.
-            ``False`` turns it off. Every rank must then iterate its loaders in the same order
-            (each pass starts with one collective on a gloo group), as with any collective.
-        locality_aware: with the partitioned cache, split each global batch so that every rank
-            takes the samples its own node caches (same global batches, equal local batch sizes;
-            which rank gets which sample changes). See the multi-node guide.
-        peer_timeout: seconds a request to another node may take before its samples are read
-            from storage instead; that node is then left alone for ``peer_retry_after`` seconds.
-        peer_retry_after: see ``peer_timeout``.
-        peer_interface: the network interface whose address this node's cache server binds to
-            and advertises (default ``$COORDL_PEER_IFNAME``, else ``$GLOO_SOCKET_IFNAME``, else
-            the one that routes to ``MASTER_ADDR``).
-        peer_port: the server's port (default ``$COORDL_PEER_PORT``, else any free port).
+        shuffle: reshuffle every epoch, in the order decided by ``(seed, epoch)``; ``False``
+            (``DataLoader``'s default): the index's order.
         sampler, batch_sampler: not accepted: coordl decides the order (``shuffle``, ``seed``,
             ``set_epoch``, the rank's shard) so that it can guarantee and resume it. The attributes
             ``loader.sampler`` and ``loader.batch_sampler`` describe that order as ``DataLoader``'s do.
+        num_workers: the torch backend's worker processes (0: loading in the main process). DALI
+            decodes on threads instead (``prep``).
+        collate_fn, pin_memory, timeout, worker_init_fn, multiprocessing_context, generator,
+        prefetch_factor, persistent_workers, pin_memory_device: as for ``DataLoader``, on the torch
+            backend. ``generator`` defaults to one seeded by ``(seed, epoch, rank)``, so workers'
+            random transforms repeat from run to run. ``pin_memory`` has no effect with DALI, whose
+            outputs are on their device already.
+        drop_last: drop each rank's last incomplete batch (``DataLoader``'s). Whether the ranks'
+            shards are padded or cut is ``shard=coordl.Shard(drop_last=...)``
+            (``DistributedSampler``'s, padded by default).
+        in_order: must be True: batches arrive in the epoch's order, which resume counts on.
+        pipeline: how DALI pre-processes a folder, a list or an index (required for them):
+            ``"imagenet-train"`` (random resized crop, flip, normalise), ``"imagenet-val"`` (resize,
+            center crop, normalise), a recipe object (:class:`coordl.ImageNetTrain`,
+            :class:`coordl.ImageNetVal`, :class:`coordl.DecodedRecipe`) or a callable
+            ``f(encoded, ctx)`` returning DALI ops (see the user guide).
+        seed: seed of the order and of the augmentation.
+        device_id: GPU for decoding and outputs; ``"auto"`` uses GPU ``LOCAL_RANK`` under a
+            launcher that sets it (torchrun), else the current CUDA device, else the CPU;
+            None forces the CPU.
+        cache: the node's cache: a :class:`coordl.Cache`, or its size (``"auto"``, bytes, a string
+            such as ``"40GB"``, a float fraction of the dataset, or 0 for none).
+        peers: the partitioned cache across nodes: a :class:`coordl.Peers`, or ``"auto"``,
+            ``True``, ``False``.
+        hp_group: coordinated prep with the other jobs of a hyper-parameter search on this
+            machine: a :class:`coordl.HPGroup`, or the group's name.
+        shard: this process's rank, the world size and the shards' tail: a :class:`coordl.Shard`
+            (default: the job's, read when the first pass starts).
+        prep: DALI's threads: a :class:`coordl.Prep`, or a thread count.
+        fetch: the DALI backend's reads from storage: a :class:`coordl.Fetch`.
+        on_error: ``"raise"`` (default) stops at an unreadable or undecodable sample with
+            its path; ``"skip"`` leaves it out of its batch and counts it in ``stats()``.
+        return_index: also yield each sample's position in the index.
+        log_epochs: print one line of statistics per epoch to stderr (where the time went, where
+            the bytes came from); also turned on by the environment variable ``COORDL_LOG_EPOCHS=1``.
     """
 
+    @_refuse_renamed
     def __init__(
         self,
         data: str | os.PathLike | Sequence[tuple[str, int]] | Index,
         batch_size: int = 1,
-        *,
-        pipeline="imagenet-train",
-        shuffle: bool = True,
-        drop_last: bool = False,
-        seed: int = 0,
-        cache_bytes: int | float | str = "auto",
-        decoded_cache: int | float | str | bool = 0,
-        keep_cache: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        device_id: int | str | None = "auto",
-        num_threads: int | None = None,
-        io_threads: int = 8,
-        prefetch_batches: int = 2,
-        return_index: bool = False,
-        on_error: str = "raise",
-        extensions: Sequence[str] = IMG_EXTENSIONS,
-        index_dir: str | None = None,
-        hp_group: str | None = None,
-        hp_staging: int | str = "auto",
-        hp_idle_timeout: float = 60.0,
-        num_workers: int | None = None,
-        pin_memory: bool = False,
+        shuffle: bool = False,
+        sampler=None,
+        batch_sampler=None,
+        num_workers: int = 0,
         collate_fn=None,
-        worker_init_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
         timeout: float = 0,
+        worker_init_fn=None,
         multiprocessing_context=None,
         generator=None,
+        *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
+        in_order: bool = True,
+        pipeline=None,
+        seed: int = 0,
+        device_id: int | str | None = "auto",
+        cache: Cache | int | float | str = AUTO,
+        peers: Peers | bool | str = AUTO,
+        hp_group: HPGroup | str | None = None,
+        shard: Shard | None = None,
+        prep: Prep | int | None = None,
+        fetch: Fetch | None = None,
+        on_error: str = "raise",
+        return_index: bool = False,
         log_epochs: bool = False,
-        peers: bool | str = "auto",
-        locality_aware: bool = True,
-        peer_timeout: float = 10.0,
-        peer_retry_after: float = 60.0,
-        peer_interface: str | None = None,
-        peer_port: int | None = None,
-        sampler=None,
-        batch_sampler=None,
     ):
         if sampler is not None or batch_sampler is not None:
             raise ValueError(
                 "CoordLoader decides the order of samples itself (shuffle=, seed=, set_epoch(), one shard per "
                 "rank) so that every epoch is exactly-once and resumable; drop sampler=/batch_sampler="
             )
-        if num_workers is not None and (
-            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
-        ):
-            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
-        self.config = LoaderConfig(
-            batch_size, shuffle, drop_last, seed, on_error, return_index, io_threads, prefetch_batches, log_epochs
+        if in_order is not True:
+            raise ValueError("in_order must be True: batches arrive in the epoch's order, which resume counts on")
+        self._closed = True  # until the caches are open
+        self.options = Options(
+            cache=Cache.of(cache),
+            peers=Peers.of(peers),
+            hp_group=HPGroup.of(hp_group),
+            shard=Shard.of(shard),
+            prep=Prep.of(prep),
+            fetch=Fetch.of(fetch),
         )
-        self.group_options = GroupOptions(hp_group, hp_staging, hp_idle_timeout) if hp_group is not None else None
-        self.peer_options = PeerOptions(
-            peers, locality_aware, peer_timeout, peer_retry_after, peer_interface, peer_port
+        fetch_options = self.options.fetch
+        self.config = LoaderConfig(
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            seed=seed,
+            on_error=on_error,
+            return_index=return_index,
+            log_epochs=log_epochs,
+            batches_ahead=fetch_options.batches_ahead,
         )
         self.torch_options = TorchOptions(
-            num_workers or 0,
-            bool(pin_memory),
-            collate_fn,
-            worker_init_fn,
-            timeout,
-            multiprocessing_context,
-            prefetch_factor,
-            bool(persistent_workers),
-            pin_memory_device,
+            num_workers=num_workers,
+            pin_memory=bool(pin_memory),
+            collate_fn=collate_fn,
+            worker_init_fn=worker_init_fn,
+            timeout=timeout,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=bool(persistent_workers),
+            pin_memory_device=pin_memory_device,
         )
-        self._explicit_world = (rank, world_size)
-        self._world: world.World | None = None  # read when the first pass starts
-        self._member = None  # this loader's part in its HP group, made on the first pass
-        self._torch_sampler = None
-        self._pass_ref = None  # the running pass (weakly: a dropped pass closes itself)
-        self._last: PassStats | None = None
-        self._pid = os.getpid()
-        self._closed = True  # until the resources are open
-        if rank is not None or world_size is not None:
-            world.detect(rank, world_size)  # an impossible rank is the caller's mistake: say so now
-        dataset = as_dataset(data)
-        self.backend = "dali" if dataset is None else "torch"
+        source = sources.open_source(
+            data,
+            pipeline=pipeline,
+            device_id=device_id,
+            torch_options=self.torch_options,
+            prep=self.options.prep,
+            fetch=fetch_options,
+            hp_group=self.options.hp_group,
+        )
+        self.backend, self.index, self.dataset = source.backend, source.index, source.dataset
+        self.recipe, self.device_id = source.recipe, source.device_id
+        # What the loader is decides whether the partitioned cache can serve it; where it runs, at
+        # the first pass. peers=True that can never work is refused now.
+        self._peers_refusal = peer.refusal(self.options.peers, self.backend, self.options.hp_group is not None)
+        if self._peers_refusal is not None and self.options.peers.enabled is True:
+            raise ValueError(f"peers=True, but the partitioned cache cannot run: {self._peers_refusal}")
         if self.backend == "dali":
-            given = self.torch_options.given() + (["generator"] if generator is not None else [])
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} apply to the torch backend, which runs a dataset of coordl.datasets "
-                    "(e.g. coordl.datasets.ImageFolder(root, transform=...)); a folder or a list is decoded by DALI"
-                )
-            self.index = make_index(data, extensions, index_dir)
-            self.recipe = resolve_recipe(pipeline)
-            self.device_id = resolve_device(device_id)
-            self.dataset = self.index
             import coordl.prep.dali  # noqa: F401 - DALI's import takes seconds: now, not in the first pass
 
             lifecycle.before_dali_exit()
-        else:
-            if pipeline != "imagenet-train":
-                raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
-            if hp_group is not None:
-                raise ValueError(
-                    "hp_group is not available on the torch backend yet: use a folder or a list of files, "
-                    "decoded by DALI, for coordinated pre-processing"
-                )
-            self.index = dataset.index
-            self.recipe = None
-            self.device_id = None  # the batches are collate_fn's, on the CPU (pinned with pin_memory)
-            self.dataset = dataset
-        if len(self.index) == 0:
-            raise ValueError("the dataset has no samples")
-        self._check_peers_possible()
-        self._num_threads_arg = num_threads
-        self._own_generator = generator is None
-        self.generator = generator
         if self.backend == "torch" and generator is None:
             import torch
 
-            self.generator = torch.Generator()  # seeded before every pass by (seed, epoch, rank)
+            generator = torch.Generator()  # seeded before every pass by (seed, epoch, rank)
+        self.generator = generator
+        self._own_generator = generator is not self.torch_options.generator
         self.schedule = Schedule(
-            len(self.index), self.config.batch_size, self.config.shuffle, self.config.drop_last, self.config.seed
+            samples=len(self.index),
+            batch_size=self.config.batch_size,
+            shuffle=self.config.shuffle,
+            drop_last=self.config.drop_last,
+            seed=self.config.seed,
+            shard_drop_last=self.options.shard.drop_last,
         )
         self.position = Position(len(self.index), self.config.batch_size)
-        from coordl import tiers
-
-        choose_threads = not (num_threads or self.torch_options.num_workers)
-        self.tiers = tiers.plan_for(self, cache_bytes, decoded_cache, keep_cache, choose_threads=choose_threads)
-        self._num_threads_arg = num_threads or self.tiers.threads
-        self.resources = Resources(
-            self.index,
-            self.tiers.encoded,
-            self.tiers.encoded_budget,
-            decoded_spec=self.tiers.decoded,
-            io_threads=io_threads if self.backend == "dali" else 0,
-        )
+        self._world: world.World | None = None  # read when the first pass starts
+        self._resources: Resources | None = None  # made when the first pass starts
+        self._member = None  # this loader's part in its HP group, made on the first pass
+        self._pass_ref = None  # the running pass (weakly: a dropped pass closes itself)
+        self._last: PassStats | None = None
+        self._pid = os.getpid()
+        self.tiers = self._plan_tiers()
+        self.cache = self.tiers.encoded.open(self.index.sizes) if self.tiers.encoded is not None else None
+        try:
+            self.decoded = self.tiers.decoded.open(self.index.sizes) if self.tiers.decoded is not None else None
+        except BaseException:
+            if self.cache is not None:
+                self.cache.close()
+            raise
         self._closed = False
         lifecycle.track(self)
+
+    def _plan_tiers(self) -> tiers.TierPlan:
+        """The node's cache for this loader: its budget, and its split when a decoded tier is asked for."""
+        w = self.world
+        why_not = tiers.refusal(self.backend, self.device_id, self.recipe, w.world_size > w.local_world_size)
+        measure = functools.partial(
+            calibrate.measure,
+            self.recipe,
+            self.index,
+            num_threads=self.options.prep.threads or self._default_threads(),
+            seed=self.seed,
+            batch_size=self.batch_size,
+            io_threads=self.options.fetch.threads,
+            choose_threads=self.options.prep.threads is None,  # then it picks the fewest that prep as fast
+        )
+        return tiers.plan(
+            self.index,
+            self.options.cache,
+            why_not=why_not,
+            measure=measure,
+            max_short_side=max_short_side(self.recipe) if self.recipe is not None else None,
+        )
 
     # -- where the job is ------------------------------------------------------------------------
     @property
     def world(self) -> world.World:
         """This process's place in the job: fixed by the first pass, read from the job until then."""
-        return self._world if self._world is not None else world.detect(*self._explicit_world)
+        if self._world is not None:
+            return self._world
+        shard = self.options.shard
+        return world.detect(shard.rank, shard.world_size)
+
+    def _default_threads(self) -> int:
+        return max(1, cpus.available() // max(1, self.world.local_world_size))
 
     @property
     def num_threads(self) -> int:
-        """DALI's threads: ``num_threads``, else ``num_workers``, else the node's cores over its ranks."""
-        cores = os.cpu_count() or 1
-        return (
-            self._num_threads_arg
-            or self.torch_options.num_workers
-            or max(1, cores // max(1, self.world.local_world_size))
-        )
+        """DALI's threads: ``Prep(threads)``, else what ``Cache(decoded="auto")`` chose, else the CPUs
+        this process may use over the ranks on its node."""
+        return self.options.prep.threads or self.tiers.threads or self._default_threads()
 
     def __len__(self) -> int:
         return self.schedule.num_batches(self.world.world_size)
@@ -304,28 +338,20 @@ class CoordLoader(DataLoaderAttributes):
         running = self._running()
         if running is not None:
             running.close()  # a new pass abandons an unfinished one, as with DataLoader
-        self._start_world()
-        if os.environ.get("COORDL_ANALYZE"):  # `coordl analyze` runs this script
-            from coordl.analyze import probe
-
-            phase = probe.claim(self)
-            if phase is not None:
-                self._pass_ref = weakref.ref(phase)
-                return phase
-        begin = self.position.begin(self._world.world_size)
-        if self.group_options is not None and begin.start == 0 and begin.base == 0:
+        res = self.resources
+        w = self._world
+        begin = self.position.begin(w.world_size)
+        if self.options.hp_group is not None and begin.start == 0 and begin.base == 0:
             p = self._group_member().open_pass(begin.epoch, self._hooks())
             self.position.follow_order(p.order_epoch)
         else:
             # Alone: a plain pass, or the rest of an HP group's epoch this job resumes mid-way
             # (it joins the group at the next epoch).
             locality = None
-            peers = self.resources.peers
-            if peers is not None:
-                peers.sync()  # a collective: every rank learns who holds what
-                if self.locality_aware:
-                    locality = Locality(peers.holder, peers.rank_nodes)
-            w = self._world
+            if res.peers is not None:
+                res.peers.sync()  # a collective: every rank learns who holds what
+                if self.options.peers.locality_aware:
+                    locality = Locality(res.peers.holder, res.peers.rank_nodes)
             batches = self.schedule.batches(begin.order_epoch, w.rank, w.world_size, begin.start, locality, begin.base)
             p = self.open_pass(
                 batches, epoch=begin.epoch, order_epoch=begin.order_epoch, start=begin.start, **self._hooks()
@@ -352,10 +378,10 @@ class CoordLoader(DataLoaderAttributes):
             order_epoch: the epoch whose order ``batches`` follow, which keys the samples'
                 random augmentation (default: ``epoch``).
             start: the epoch's batch number of ``batches[0]``.
-            resources: collaborators to use instead of the loader's (a private cache).
+            resources: collaborators to use instead of the loader's
+                (:meth:`Resources.with_cache <coordl.resources.Resources.with_cache>`: a private cache).
             **hooks: ``on_batch``, ``on_end``, ``on_stop`` (see :class:`~coordl.passes.Pass`).
         """
-        self._start_world()
         res = resources if resources is not None else self.resources
         epoch = self.position.epoch if epoch is None else epoch
         order_epoch = epoch if order_epoch is None else order_epoch
@@ -363,7 +389,6 @@ class CoordLoader(DataLoaderAttributes):
         if self.backend == "torch":
             from coordl.backends.torch import TorchPass, seed_for
 
-            self._start_dataloader(res)
             if self._own_generator:
                 # The workers' seeds follow (seed, epoch, rank): a rerun augments alike, ranks differ.
                 self.generator.manual_seed(seed_for(self.seed, epoch, self._world.rank))
@@ -371,7 +396,6 @@ class CoordLoader(DataLoaderAttributes):
                 res,
                 self.config,
                 batches,
-                sampler=self._torch_sampler,
                 persistent=self.persistent_workers,
                 workers=self.num_workers,
                 epoch=epoch,
@@ -381,7 +405,6 @@ class CoordLoader(DataLoaderAttributes):
             )
         from coordl.backends.dali import DaliPass
 
-        self._start_prep(res)
         return DaliPass(res, self.config, batches, epoch=epoch, order_epoch=order_epoch, start=start, **hooks)
 
     def _hooks(self) -> dict:
@@ -407,85 +430,105 @@ class CoordLoader(DataLoaderAttributes):
         p = self._pass_ref() if self._pass_ref is not None else None
         return p if p is not None and p.active else None
 
-    def _start_world(self) -> None:
-        """Reads the job's world when the first pass starts (a framework starts its process group
-        after the script made its loaders)."""
-        if self._world is None:
-            self._world = world.detect(*self._explicit_world)
-            self._start_peers()
+    # -- what passes share, made when the first pass starts -------------------------------------------
+    @property
+    def resources(self) -> Resources:
+        """The passes' collaborators (:class:`~coordl.resources.Resources`), made complete when the
+        first pass starts, or when this is first read: the job's world is read then, and fixed (a
+        framework starts its process group after the script made its loaders)."""
+        if self._closed:
+            raise RuntimeError("this CoordLoader is closed")
+        if self._resources is None:
+            shard = self.options.shard
+            self._world = world.detect(shard.rank, shard.world_size)
+            self._resources = self._open_resources()
+        return self._resources
 
-    def _check_peers_possible(self) -> None:
-        """``peers=True`` that can never work is refused when the loader is made."""
-        from coordl.fetch import peer
+    def _open_resources(self) -> Resources:
+        made = []  # what needs stopping if a later part fails
+        try:
+            fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None, decoded=self.decoded)
+            io_threads = self.options.fetch.threads if self.backend == "dali" else 0
+            pool = None
+            if io_threads:
+                pool = thread_pool(io_threads, "coordl-io")
+                made.append(pool.shutdown)
+            peers, peer_pool = self._open_peers(made)
+            prep = dataloader = None
+            if self.backend == "dali":
+                from coordl.prep.dali import DaliPrep
 
-        why = peer.refusal(self.peer_options, self.backend, self.group_options is not None, self.world, early=True)
-        if why is not None and self.peer_options.mode is True:
-            raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
+                prep = DaliPrep(
+                    self.recipe,
+                    batch_size=self.batch_size,
+                    num_threads=self.num_threads,
+                    device_id=self.device_id,
+                    seed=self.seed,
+                    rank=self._world.rank,
+                    on_error=self.on_error,
+                    tiered=self.decoded is not None,
+                )
+                made.append(prep.close)
+                lifecycle.before_dali_exit()
+            else:
+                from coordl.backends import torch as tb
 
-    def _start_peers(self) -> None:
-        """The partitioned cache, when this job spans several nodes (see ``peers``)."""
-        from coordl.fetch import peer
+                items = tb.Items(self.dataset, fetcher, self.tiers.encoded, self.on_error)
+                dataloader = tb.make_dataloader(items, tb.EpochBatches(), self.torch_options, self.generator)
+            return Resources(
+                index=self.index,
+                cache=self.cache,
+                decoded=self.decoded,
+                cache_spec=self.tiers.encoded,
+                fetcher=fetcher,
+                io_threads=io_threads,
+                pool=pool,
+                peers=peers,
+                peer_pool=peer_pool,
+                prep=prep,
+                dataloader=dataloader,
+            )
+        except BaseException:
+            for stop in reversed(made):
+                stop()
+            raise
 
-        o, res = self.peer_options, self.resources
-        why = peer.refusal(o, self.backend, self.group_options is not None, self._world)
+    def _open_peers(self, made: list):
+        """The partitioned cache, when this job spans several nodes (see :class:`coordl.Peers`)."""
+        o = self.options.peers
+        why = self._peers_refusal or peer.world_refusal(self._world)
         if why is not None:
-            if o.mode is True:
+            if o.enabled is True:
                 raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
-            return
-        res.peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer", initializer=lifecycle.quiet_thread)
-        res.peers = peer.PeerGroup(
+            return None, None
+        pool = thread_pool(8, "coordl-peer")
+        made.append(pool.shutdown)
+        group = peer.PeerGroup(
             self._world,
             self.index,
-            res.cache,
+            self.cache,
             timeout=float(o.timeout),
             retry_after=float(o.retry_after),
-            address=None,
             interface=o.interface,
             port=o.port if o.port is not None else env.integer("COORDL_PEER_PORT", 0, minimum=0),
         )
-
-    def _start_prep(self, res: Resources) -> None:
-        if res.lender is not None:
-            self._start_prep(res.lender)
-            res.prep = res.lender.prep
-        if res.prep is None:
-            from coordl.prep.dali import DaliPrep
-
-            res.prep = DaliPrep(
-                self.recipe,
-                batch_size=self.batch_size,
-                num_threads=self.num_threads,
-                device_id=self.device_id,
-                seed=self.seed,
-                dali_seed=self.seed * 7919 + self._world.rank,
-                on_error=self.on_error,
-                tiered=res.decoded is not None,
-            )
-            lifecycle.before_dali_exit()
-
-    def _start_dataloader(self, res: Resources) -> None:
-        if res.dataloader is None:
-            from coordl.backends import torch as tb
-
-            self._torch_sampler = tb.EpochBatches()
-            items = tb.Items(self.dataset, res.fetcher, res.cache_spec, self.on_error)
-            res.dataloader = tb.make_dataloader(items, self._torch_sampler, self.torch_options, self.generator)
+        made.append(group.close)
+        return group, pool
 
     def _group_member(self):
         if self._member is None:
             from coordl.staging.member import GroupMember
 
-            self._start_prep(self.resources)
             self._member = GroupMember(
-                self.group_options,
+                self.options.hp_group,
                 self.resources,
                 self.config,
+                self.schedule,
                 self.recipe,
                 self._world,
                 self.device_id,
                 self.num_threads,
                 self.identity(),
-                batches_per_pass=len(self),
                 epoch=self.position.epoch,
             )
         return self._member
@@ -499,8 +542,10 @@ class CoordLoader(DataLoaderAttributes):
             prep=prep,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
+            shard_drop_last=self.schedule.shard_drop_last,
             shuffle=self.shuffle,
             seed=self.seed,
+            order=ORDER_VERSION,
         )
 
     def state_dict(self) -> dict:
@@ -510,12 +555,14 @@ class CoordLoader(DataLoaderAttributes):
         rank's state resumes every rank, at this or another world size (see :meth:`load_state_dict`).
         """
         return {
-            "version": STATE_VERSION,
+            "version": VERSION,
+            "order": ORDER_VERSION,
             "seed": self.seed,
             "world_size": self.world.world_size,
             **self.position.state_dict(),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            "shard_drop_last": self.schedule.shard_drop_last,
             "shuffle": self.shuffle,
             "dataset": self.index.fingerprint,
             "config": fingerprint(self.identity()),
@@ -530,8 +577,8 @@ class CoordLoader(DataLoaderAttributes):
         as ``DistributedSampler`` pads or cuts an epoch; the epochs after it follow the new world.
 
         Raises:
-            ValueError: ``state`` was saved by a differently configured loader (the message
-                names the field) or is malformed.
+            ValueError: ``state`` was saved by a differently configured loader (the message names
+                the field), with another epoch order (another version of coordl), or is malformed.
         """
         check_state(state, self.state_dict(), len(self.index), self.schedule.num_batches)
         running = self._running()
@@ -548,14 +595,68 @@ class CoordLoader(DataLoaderAttributes):
             return running.stats().as_dict()
         if self._last is not None:
             return self._last.as_dict()
-        from coordl.fetch.fetcher import FetchCounters
-
         s = pass_stats(self.position.epoch, None if self._closed else self.cache, FetchCounters())
-        if self.group_options is not None:
+        if self.options.hp_group is not None:
             from coordl.staging.member import EMPTY_GROUP_STATS
 
             s.extra.update(EMPTY_GROUP_STATS)
         return s.as_dict()
+
+    # -- DataLoader's attributes ----------------------------------------------------------------------
+    batch_size = property(lambda self: self.config.batch_size)
+    drop_last = property(lambda self: self.config.drop_last)
+    shuffle = property(lambda self: self.config.shuffle)
+    seed = property(lambda self: self.config.seed)
+    return_index = property(lambda self: self.config.return_index)
+    on_error = property(lambda self: self.config.on_error)
+    log_epochs = property(lambda self: self.config.log_epochs)
+    num_workers = property(lambda self: self.torch_options.num_workers)
+    pin_memory = property(lambda self: self.torch_options.pin_memory)
+    timeout = property(lambda self: self.torch_options.timeout)
+    multiprocessing_context = property(lambda self: self.torch_options.multiprocessing_context)
+    persistent_workers = property(lambda self: self.torch_options.persistent_workers)
+    pin_memory_device = property(lambda self: self.torch_options.pin_memory_device)
+    in_order = property(lambda self: True)
+    hp_group = property(lambda self: self.options.hp_group.name if self.options.hp_group is not None else None)
+
+    @property
+    def worker_init_fn(self):
+        """The torch backend's ``worker_init_fn``; settable before a pass, as frameworks do."""
+        return self.torch_options.worker_init_fn
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn) -> None:
+        self.torch_options = dataclasses.replace(self.torch_options, worker_init_fn=fn)
+        if self._resources is not None and self._resources.dataloader is not None:
+            self._resources.dataloader.worker_init_fn = fn  # its workers start with the next pass
+
+    @property
+    def collate_fn(self):
+        """The torch backend's ``collate_fn`` (``default_collate`` when none was given); None with DALI."""
+        if self.backend == "dali":
+            return None
+        if self.torch_options.collate_fn is not None:
+            return self.torch_options.collate_fn
+        from torch.utils.data import default_collate
+
+        return default_collate
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """As ``DataLoader``'s: batches each worker loads ahead (2 with workers, None without; None with DALI,
+        which reads ``Fetch(batches_ahead)`` batches ahead)."""
+        pf = self.torch_options.prefetch_factor
+        return pf if pf is not None or self.num_workers == 0 else 2
+
+    @property
+    def sampler(self) -> SamplerView:
+        """This rank's samples of the current epoch, as a ``DistributedSampler`` (``len``, ``iter``, ``set_epoch``)."""
+        return SamplerView(self)
+
+    @property
+    def batch_sampler(self) -> BatchSamplerView:
+        """This rank's batches of the current epoch (``len(loader.batch_sampler) == len(loader)``)."""
+        return BatchSamplerView(self)
 
     # -- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -574,7 +675,11 @@ class CoordLoader(DataLoaderAttributes):
             running.close()
         if self._member is not None:
             self._member.close()
-        self.resources.close()
+        if self._resources is not None:
+            self._resources.close()
+        for cache in (self.decoded, self.cache):
+            if cache is not None:
+                cache.close()
 
     def __enter__(self):
         return self

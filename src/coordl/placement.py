@@ -44,19 +44,27 @@ def holders(bitmaps: np.ndarray) -> np.ndarray:
 
 
 def global_batches(
-    order: np.ndarray, world_size: int, batch_size: int, drop_last: bool, start: int = 0
+    order: np.ndarray,
+    world_size: int,
+    batch_size: int,
+    drop_last: bool,
+    start: int = 0,
+    *,
+    shard_drop_last: bool = False,
 ) -> list[np.ndarray]:
     """The global batches of an epoch, beginning at batch number ``start``.
 
     Global batch ``k`` is the contiguous slice of the (padded or truncated) epoch order that plain sharding spreads
-    over the ranks, so ``sampler.batches(sampler.shard(order, r, W, drop_last), B, drop_last)[k]`` equals
-    ``global_batches(order, W, B, drop_last)[k][r::W]`` for every rank ``r``. Each has ``batch_size * world_size``
-    entries, except a partial last one when ``drop_last=False``, which still splits evenly among the ranks.
+    over the ranks, so ``sampler.batches(sampler.shard(order, r, W, shard_drop_last), B, drop_last)[k]`` equals
+    ``global_batches(order, W, B, drop_last, shard_drop_last=shard_drop_last)[k][r::W]`` for every rank ``r``. Each
+    has ``batch_size * world_size`` entries, except a partial last one when ``drop_last=False``, which still splits
+    evenly among the ranks. ``drop_last`` drops each rank's last incomplete batch (``DataLoader``'s),
+    ``shard_drop_last`` the order's tail instead of padding it (``DistributedSampler``'s ``drop_last``).
     """
     if world_size < 1 or batch_size < 1:
         raise ValueError(f"world_size and batch_size must be >= 1, got {world_size} and {batch_size}")
     order = np.asarray(order)
-    per_rank = sampler.shard_size(len(order), world_size, drop_last)
+    per_rank = sampler.shard_size(len(order), world_size, shard_drop_last)
     total = per_rank * world_size
     padded = np.resize(order, total) if total > len(order) else order[:total]  # the padding of sampler.shard
     step, count = batch_size * world_size, sampler.num_batches(per_rank, batch_size, drop_last)
@@ -169,6 +177,8 @@ def locality_batches(
     holder: np.ndarray,
     rank_nodes: np.ndarray,
     start: int = 0,
+    *,
+    shard_drop_last: bool = False,
 ) -> list[np.ndarray]:
     """This rank's batches of the epoch under locality-aware assignment, beginning at batch number ``start``.
 
@@ -179,7 +189,8 @@ def locality_batches(
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if len(rank_nodes) != world_size:
         raise ValueError(f"rank_nodes must name the node of each of the {world_size} ranks, got {len(rank_nodes)}")
-    return [plan(g, holder, rank_nodes)[rank] for g in global_batches(order, world_size, batch_size, drop_last, start)]
+    cut = global_batches(order, world_size, batch_size, drop_last, start, shard_drop_last=shard_drop_last)
+    return [plan(g, holder, rank_nodes)[rank] for g in cut]
 
 
 def traffic(batch: np.ndarray, holder: np.ndarray, rank_nodes: np.ndarray, parts: list[np.ndarray]) -> int:

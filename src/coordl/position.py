@@ -147,8 +147,8 @@ class Position:
 # Fields that must be equal for a state to resume a loader, in the order they are checked; the
 # position is checked after them, and ``config`` (the rest of the identity: the pre-processing) last.
 # The world size may differ: the state then resumes elastically.
-MATCHING = ("seed", "batch_size", "drop_last", "shuffle", "dataset")
-VERSIONS = (1, 2)  # 1: a rank's own state (with "rank"), which resumes alike
+MATCHING = ("seed", "batch_size", "drop_last", "shard_drop_last", "shuffle", "dataset")
+VERSION = 3  # of the state's layout: 3 added "order" and "shard_drop_last"
 
 
 def check_state(state, mine: dict, samples: int, batches_in: Callable[[int, int], int]) -> None:
@@ -165,12 +165,23 @@ def check_state(state, mine: dict, samples: int, batches_in: Callable[[int, int]
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+    if state.get("version") in (1, 2):
+        raise ValueError(
+            f"cannot resume: state has version={state['version']}, saved by coordl 0.1, whose epoch order was "
+            f"numpy's Generator.permutation; this coordl orders epochs with an algorithm of its own (order "
+            f"version {mine['order']}), so the rest of that epoch would be other samples. Start its epoch "
+            f"again with loader.set_epoch({state.get('epoch', 0)!r}) instead of load_state_dict"
+        )
     missing = sorted(set(mine) - set(state) - {"order_epoch", "base"})
     if missing:
         raise ValueError(f"state is missing {', '.join(missing)}; was it made by CoordLoader.state_dict()?")
-    if state["version"] not in VERSIONS:
+    if state["version"] != VERSION:
+        raise ValueError(f"cannot resume: state has version={state['version']!r}; this coordl reads version {VERSION}")
+    if state["order"] != mine["order"]:
         raise ValueError(
-            f"cannot resume: state has version={state['version']!r}; this coordl reads versions {list(VERSIONS)}"
+            f"cannot resume: state has order={state['order']!r}, the version of the epoch order it was saved "
+            f"under, but this coordl orders epochs with version {mine['order']}, so the rest of its epoch would be "
+            f"other samples. Start its epoch again with loader.set_epoch({state['epoch']!r}) instead"
         )
     for key in MATCHING:
         _same(key, state, mine)

@@ -1,13 +1,14 @@
 """What a loader's passes share: the index, the node's cache, the fetcher, thread pools, peers, the pipeline.
 
-:class:`Resources` is a plain holder with public attributes; passes receive it (never the
-loader). :class:`CacheSpec` says how to attach to a node's cache, so the loader, the torch
-backend's worker processes and DS-Analyzer open caches the same way.
+:class:`Resources` is a frozen record with public attributes, made complete when the first pass
+starts; passes receive it (never the loader). :class:`CacheSpec` says how to attach to a node's
+cache, so the loader, the torch backend's worker processes and DS-Analyzer open caches the same way.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 import logging
 import os
@@ -15,14 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl import lifecycle
+from coordl import compat, lifecycle
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper
 
-__all__ = ["CacheSpec", "Resources", "reap_once"]
+__all__ = ["CacheSpec", "Resources", "reap_once", "thread_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -91,90 +92,58 @@ class CacheSpec:
         )
 
 
+@dataclass(frozen=True)
 class Resources:
-    """The collaborators of a loader's passes, opened once and closed once.
+    """The collaborators of a loader's passes, made complete in one place when its first pass
+    starts (the job's world is known then), and closed once.
 
     Attributes:
         index: the dataset.
-        cache_spec: how to attach to the node's cache (None: no cache).
-        budget: the cache budget asked for, in bytes.
-        cache: this process's attachment to the node's cache, or None.
-        decoded: this process's attachment to the node's decoded tier, or None.
+        cache: this process's attachment to the node's cache, or None (the loader's: it closes it).
+        decoded: this process's attachment to the node's decoded tier, or None (the loader's too).
+        cache_spec: how the torch backend's worker processes attach to the node's cache (None: no cache).
         fetcher: bytes of samples through the cache.
-        io_threads: threads of ``pool`` (0: no pool).
-        pool: threads reading misses from storage (DALI backend).
-        peer_pool: threads waiting for other nodes' caches.
+        io_threads: threads of ``pool``.
+        pool: threads reading misses from storage (DALI backend), or None.
         peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
-        prep: the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`), made on the first pass.
-        dataloader: the torch backend's ``DataLoader`` over this cache, made on the first pass.
-        lender: the resources whose pool and pipeline these borrow (DS-Analyzer's private cache), or None.
+        peer_pool: threads waiting for other nodes' caches, or None.
+        prep: the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`), or None.
+        dataloader: the torch backend's ``DataLoader`` over the node's cache, or None.
     """
 
-    def __init__(
-        self,
-        index: Index,
-        cache_spec: CacheSpec | None,
-        budget: int,
-        *,
-        decoded_spec: CacheSpec | None = None,
-        io_threads: int = 0,
-        lender: Resources | None = None,
-    ):
-        self.index = index
-        self.cache_spec = cache_spec
-        self.budget = budget
-        self.cache = cache_spec.open(index.sizes) if cache_spec is not None else None
-        try:
-            self.decoded = decoded_spec.open(index.sizes) if decoded_spec is not None else None
-        except BaseException:
-            if self.cache is not None:
-                self.cache.close()
-            raise
-        self.fetcher = Fetcher(index, self.cache, drop_page_cache=self.cache is not None, decoded=self.decoded)
-        self.lender = lender  # whose pools and pipeline these resources borrow
-        if lender is None:
-            self.io_threads = io_threads
-            self.pool = (
-                cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
-                if io_threads
-                else None
-            )
-        else:
-            self.io_threads, self.pool = lender.io_threads, lender.pool
-        self.peer_pool: cf.ThreadPoolExecutor | None = None
-        self.peers = None
-        self.prep = None
-        self.dataloader = None
-        self.closed = False
+    index: Index
+    cache: NodeCache | None
+    decoded: DecodedTier | None
+    cache_spec: CacheSpec | None
+    fetcher: Fetcher
+    io_threads: int = 0
+    pool: cf.ThreadPoolExecutor | None = None
+    peers: object = None
+    peer_pool: cf.ThreadPoolExecutor | None = None
+    prep: object = None
+    dataloader: object = None
 
-    def private(self, budget: int, name: str) -> Resources:
-        """Resources with a cold cache of ``budget`` bytes of their own (DS-Analyzer), borrowing
-        these resources' thread pool and pipeline."""
-        spec = CacheSpec.for_dataset(self.index, budget, private=name) if budget > 0 else None
-        return Resources(self.index, spec, budget, lender=self)
+    def with_cache(self, cache: NodeCache | None) -> Resources:
+        """These resources over another cache (DS-Analyzer's cold, private one): the same pools and
+        pipeline, a fetcher of its own, no decoded tier and no peers. Closing them is the caller's:
+        its cache, not these resources."""
+        fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
+        return dataclasses.replace(self, cache=cache, decoded=None, fetcher=fetcher, peers=None)
 
     def close(self) -> None:
-        """Stops the workers, the threads and the pipeline it owns, and leaves the cache. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+        """Stops the workers, threads and pipeline (the caches are the loader's). Idempotent."""
         self.fetcher.closing.set()  # requests still waiting for an object store give up now
         if self.dataloader is not None:
-            it = getattr(self.dataloader, "_iterator", None)  # persistent workers
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self.dataloader = None
-        if self.lender is None:
-            if self.peer_pool is not None:
-                self.peer_pool.shutdown(wait=True, cancel_futures=True)
-            if self.pool is not None:
-                self.pool.shutdown(wait=True, cancel_futures=True)
-            if self.peers is not None:
-                self.peers.close()
-            if self.prep is not None:
-                self.prep.close()
-        if self.decoded is not None:
-            self.decoded.close()
-        if self.cache is not None:
-            self.cache.close()
+            compat.shutdown_dataloader_workers(self.dataloader)  # persistent workers
+        for pool in (self.peer_pool, self.pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        if self.peers is not None:
+            self.peers.close()
+        if self.prep is not None:
+            self.prep.close()
+
+
+def thread_pool(threads: int, name: str) -> cf.ThreadPoolExecutor:
+    """A pool of ``threads`` threads named ``name``, which never take the process's signals."""
+    return cf.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lifecycle.quiet_thread)

@@ -35,8 +35,10 @@ class Schedule:
         samples: samples in the dataset.
         batch_size: samples per batch and rank.
         shuffle: reshuffle every epoch, seeded by ``(seed, epoch)``.
-        drop_last: drop the last partial batch, and shard without padding.
+        drop_last: drop each rank's last incomplete batch (``DataLoader``'s).
         seed: the seed of the order.
+        shard_drop_last: shard without padding, dropping the order's tail
+            (``DistributedSampler``'s ``drop_last``).
     """
 
     samples: int
@@ -44,6 +46,7 @@ class Schedule:
     shuffle: bool
     drop_last: bool
     seed: int
+    shard_drop_last: bool = False
 
     def order(self, epoch: int, base: int = 0) -> np.ndarray:
         """The global order of ``epoch``, from position ``base`` on."""
@@ -52,11 +55,11 @@ class Schedule:
 
     def shard(self, epoch: int, rank: int, world_size: int) -> np.ndarray:
         """Rank ``rank``'s samples of ``epoch``, in delivery order (``DistributedSampler``'s shard)."""
-        return sampler.shard(self.order(epoch), rank, world_size, self.drop_last)
+        return sampler.shard(self.order(epoch), rank, world_size, self.shard_drop_last)
 
     def shard_size(self, world_size: int, base: int = 0) -> int:
         """Samples per rank and epoch (of a plan from ``base`` on)."""
-        return sampler.shard_size(self.samples - base, world_size, self.drop_last)
+        return sampler.shard_size(self.samples - base, world_size, self.shard_drop_last)
 
     def num_batches(self, world_size: int, base: int = 0) -> int:
         """Batches per rank and epoch (of a plan from ``base`` on)."""
@@ -88,7 +91,7 @@ class Schedule:
                 locality.holder,
                 locality.rank_nodes,
                 start=start,
+                shard_drop_last=self.shard_drop_last,
             )
-        return sampler.batches(
-            sampler.shard(order, rank, world_size, self.drop_last), self.batch_size, self.drop_last, start=start
-        )
+        shard = sampler.shard(order, rank, world_size, self.shard_drop_last)
+        return sampler.batches(shard, self.batch_size, self.drop_last, start=start)

@@ -1,14 +1,98 @@
-"""What a loader reads: an index of files for DALI, or a dataset of :mod:`coordl.datasets` for the torch backend."""
+"""What a loader reads and which backend pre-processes it: an index of files that DALI decodes with
+a recipe, or a dataset of :mod:`coordl.datasets` that the torch backend's workers transform; and
+the arguments each backend refuses, checked here once."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from coordl import env
+from coordl.config import TorchOptions
 from coordl.index import Index
+from coordl.options import Fetch, HPGroup, Prep
+from coordl.prep.recipes import resolve_recipe
 
-__all__ = ["as_dataset", "make_index", "resolve_device"]
+__all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
+
+PIPELINE_NEEDED = (
+    "CoordLoader needs pipeline= for a folder, a list of files or an Index: how DALI decodes and "
+    "augments them. The two usual choices: pipeline='imagenet-train' (random resized crop and flip, "
+    "normalised: for training) or pipeline='imagenet-val' (resize, centre crop, normalised: for "
+    "evaluation); or a coordl.ImageNetTrain(...)/ImageNetVal(...) with other sizes, or a recipe of "
+    "your own (docs/user-guide.md#custom-dali-recipes)"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A loader's data and the backend that pre-processes it.
+
+    Attributes:
+        backend: ``"dali"`` or ``"torch"``.
+        index: the samples.
+        dataset: the torch backend's dataset, or the index (what ``loader.dataset`` is).
+        recipe: DALI's recipe, or None on the torch backend.
+        device_id: the GPU DALI decodes on and delivers to, or None (the CPU; the torch backend).
+    """
+
+    backend: str
+    index: Index
+    dataset: object
+    recipe: object
+    device_id: int | None
+
+
+def open_source(
+    data, *, pipeline, device_id, torch_options: TorchOptions, prep: Prep, fetch: Fetch, hp_group: HPGroup | None
+) -> Source:
+    """The backend for ``data`` with its arguments checked (``ValueError`` names what a backend
+    refuses), and the samples indexed.
+
+    Raises:
+        ValueError: an argument the backend does not take, a missing ``pipeline``, or no samples.
+        TypeError: ``data`` is of no kind a loader reads.
+    """
+    dataset = as_dataset(data)
+    if dataset is None:
+        given = torch_options.given()
+        if torch_options.num_workers:
+            raise ValueError(
+                f"num_workers={torch_options.num_workers} starts DataLoader worker processes, which the torch "
+                "backend (a dataset of coordl.datasets) uses; DALI decodes a folder or a list on threads of this "
+                "process: pass prep=coordl.Prep(threads=N) instead (default: the CPUs this process may use)"
+            )
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to the torch backend, which runs a dataset of coordl.datasets "
+                "(e.g. coordl.datasets.ImageFolder(root, transform=...)); a folder or a list is decoded by DALI"
+            )
+        if pipeline is None:
+            raise ValueError(PIPELINE_NEEDED)
+        index = make_index(data)
+        source = Source("dali", index, index, resolve_recipe(pipeline), resolve_device(device_id))
+    else:
+        if pipeline is not None:
+            raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
+        if hp_group is not None:
+            raise ValueError(
+                "hp_group is not available on the torch backend yet: use a folder or a list of files, "
+                "decoded by DALI, for coordinated pre-processing"
+            )
+        if prep != Prep():
+            raise ValueError(
+                "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes"
+            )
+        if fetch != Fetch():
+            raise ValueError(
+                "fetch= tunes the DALI backend's reads; the torch backend's workers read their own batches"
+            )
+        # The batches are collate_fn's, on the CPU (pinned with pin_memory).
+        source = Source("torch", dataset.index, dataset, None, None)
+    if len(source.index) == 0:
+        raise ValueError("the dataset has no samples")
+    return source
 
 
 def as_dataset(data):
@@ -33,12 +117,13 @@ def as_dataset(data):
     return None
 
 
-def make_index(data, extensions, index_dir) -> Index:
-    """The index of a folder, a list of ``(path, label)`` pairs, or an index."""
+def make_index(data) -> Index:
+    """The index of a folder (scanned with the defaults of :meth:`Index.scan`), a list of
+    ``(path, label)`` pairs, or an index."""
     if isinstance(data, Index):
         return data
     if isinstance(data, (str, os.PathLike)):
-        return Index.scan(data, extensions=extensions, index_dir=index_dir)
+        return Index.scan(data)
     if isinstance(data, Sequence):
         return Index.from_list(data)
     raise TypeError(f"data must be a folder, a list of (path, label) pairs or an Index, got {type(data).__name__}")

@@ -26,17 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-__all__ = [
-    "Model",
-    "Rates",
-    "TierRates",
-    "best_tier_split",
-    "bottleneck",
-    "describe_bottleneck",
-    "stall_split",
-    "tier_sweep",
-    "tier_throughput",
-]
+from coordl.tiers.model import TierRates, best_tier_split, tier_sweep, tier_throughput
+
+__all__ = ["Model", "Rates", "bottleneck", "describe_bottleneck", "stall_split"]
 
 
 @dataclass
@@ -209,14 +201,14 @@ class Model:
             return None
         budget = r.cache_bytes if budget is None else budget
         tier = TierRates(
-            r.dataset_samples,
-            r.sample_bytes,
-            r.decoded_sample_bytes,
-            r.S,
-            r.C,
-            r.P,
-            r.P * r.decoded_speedup,
-            r.P * r.decoded_only_speedup,
+            samples=r.dataset_samples,
+            encoded_bytes=r.sample_bytes,
+            decoded_bytes=r.decoded_sample_bytes,
+            storage=r.S,
+            cache=r.C,
+            prep_encoded=r.P,
+            prep_decoded=r.P * r.decoded_speedup,
+            prep_decoded_only=r.P * r.decoded_only_speedup,
         )
         best = best_tier_split(tier, budget, prep=self.R_with_prep)
         return {
@@ -280,76 +272,3 @@ class Model:
             "coordinated_per_job": coordinated,
             "speedup": coordinated / independent,
         }
-
-
-# -- the decoded tier ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TierRates:
-    """What the split of a node's cache between encoded bytes and decoded images depends on.
-
-    Prep rates are one rank's (its DALI threads); bytes are means per sample.
-    """
-
-    samples: int  # in the dataset
-    encoded_bytes: float
-    decoded_bytes: float
-    storage: float  # bytes/s read from storage
-    cache: float  # bytes/s read from the encoded tier
-    prep_encoded: float  # samples/s from encoded bytes: decode and augment
-    prep_decoded: float  # samples/s from decoded images: augment only (in batches that mix both)
-    prep_decoded_only: float = 0.0  # samples/s when the tier holds every sample (0: as prep_decoded)
-
-
-def tier_throughput(r: TierRates, budget: float, decoded: float, prep=None) -> float:
-    """Predicted samples/s in epochs after the first, with ``decoded`` of the node's ``budget``
-    bytes holding decoded images and the rest encoded bytes.
-
-    The decoded tier holds a fraction ``xd`` of the samples, the encoded tier ``xe`` of the
-    others, storage serves the rest::
-
-        xd = min(1, decoded / (n * d))      xe = min(1 - xd, (budget - decoded) / (n * b))
-        F  = 1 / (b * xe / C + b * (1 - xd - xe) / S)                       (fetch)
-        P  = 1 / (xd / P_decoded + (1 - xd) / P_encoded)     for xd < 1      (prep)
-
-    When the tier holds every sample, prep runs a pipeline of decoded images alone, without the
-    per-sample conditionals of batches that mix both: ``P_decoded_only``. The job runs at
-    ``min(F, prep(P))``, where ``prep`` maps the loader's prep rate to the job's (DS-Analyzer's
-    ``R`` for a measured training step; the loader alone by default). A decoded image costs no
-    fetch: it is a view of shared memory, read by the augmentation.
-    """
-    n, b, d = r.samples, r.encoded_bytes, r.decoded_bytes
-    decoded = min(max(decoded, 0.0), budget)
-    xd = min(1.0, decoded / (n * d)) if n * d > 0 else 0.0
-    xe = min(1.0 - xd, (budget - decoded) / (n * b)) if n * b > 0 else 0.0
-    t_fetch = b * xe / r.cache + b * max(0.0, 1.0 - xd - xe) / r.storage
-    if xd >= 1.0:
-        t_prep = 1.0 / (r.prep_decoded_only or r.prep_decoded)
-    else:
-        t_prep = xd / r.prep_decoded + (1.0 - xd) / r.prep_encoded
-    rate = 1.0 / t_prep if prep is None else prep(1.0 / t_prep)
-    return rate if t_fetch <= 0 else min(1.0 / t_fetch, rate)
-
-
-def tier_sweep(r: TierRates, budget: float, points: int = 101, prep=None) -> list[dict]:
-    """Predicted samples/s at evenly spaced decoded shares of ``budget`` (up to the decoded dataset)."""
-    top = min(budget, r.samples * r.decoded_bytes)
-    out = []
-    for k in range(points):
-        y = top * k / (points - 1)
-        out.append(
-            {
-                "decoded_bytes": int(y),
-                "encoded_bytes": int(budget - y),
-                "predicted_samples_per_s": tier_throughput(r, budget, y, prep),
-            }
-        )
-    return out
-
-
-def best_tier_split(r: TierRates, budget: float, tolerance: float = 0.001, prep=None) -> int:
-    """The decoded share of ``budget`` the model prefers: the smallest within ``tolerance`` of the
-    best predicted throughput, so that memory goes to decoded images only where they speed the
-    job up (an I/O-bound job keeps encoded bytes, which keep its storage reads at the minimum)."""
-    sweep = tier_sweep(r, budget, 201, prep)
-    best = max(p["predicted_samples_per_s"] for p in sweep)
-    return next(p["decoded_bytes"] for p in sweep if p["predicted_samples_per_s"] >= (1.0 - tolerance) * best)

@@ -1,8 +1,10 @@
 """The part of DS-Analyzer that runs inside the user's training script.
 
 ``coordl analyze`` runs the script once per phase with ``COORDL_ANALYZE`` set to a JSON
-spec (``phase``, ``steps``, ``warmup``, ``out``, ``run``, ...). The first CoordLoader the
-script iterates is then replaced, for that pass, by the phase's pass:
+spec (``phase``, ``steps``, ``warmup``, ``out``, ``run``, ...) and this package's ``boot``
+folder first on ``PYTHONPATH``, whose ``sitecustomize`` calls :func:`install` when the
+interpreter starts: ``coordl.CoordLoader`` is then :class:`AnalyzedLoader`, a loader whose first
+pass the script iterates is the phase's pass:
 
 - ``G``: one real batch, then the same tensors again and again: the step's own rate;
 - ``P``: a subset of the dataset that fits in a private cache is read once, then the loader
@@ -16,10 +18,10 @@ script iterates is then replaced, for that pass, by the phase's pass:
 Each rank writes ``phase-<P>-rank<r>.json`` into ``out`` and then ends the process with
 ``SystemExit(0)``, so a run takes ``warmup + steps`` steps whatever the script's epochs.
 
-The entry is :func:`claim`, which ``CoordLoader.__iter__`` calls when ``COORDL_ANALYZE`` is
-set. It sees the loader only through :class:`Target`: its public ``schedule``, ``world``,
-``position``, ``resources`` and ``open_pass``; a phase that needs a cold cache gets private
-resources (``resources.private``) instead of changing the loader's.
+The loader itself knows nothing of the analyzer. A phase sees it through :class:`Target`: its
+public ``schedule``, ``world``, ``position``, ``resources`` and ``open_pass``, the one entry by
+which a phase runs passes of the loader's own pipeline; a phase that needs a cold cache runs them
+on resources over a private cache (``resources.with_cache``) instead of changing the loader's.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ from typing import Protocol
 
 import numpy as np
 
+import coordl
 from coordl import sampler
 from coordl.fetch import samples
 from coordl.fetch.cache import NodeCache
+from coordl.loader import CoordLoader
 from coordl.passes import Pass, Step
+from coordl.resources import CacheSpec
 
-__all__ = ["ENV", "Target", "claim", "spec"]
+__all__ = ["ENV", "AnalyzedLoader", "Target", "claim", "install", "spec"]
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +77,9 @@ class Target(Protocol):
     schedule: object  # coordl.schedule.Schedule
     position: object  # coordl.position.Position
     resources: object  # coordl.resources.Resources
+    tiers: object  # coordl.tiers.plan.TierPlan
     world: object  # coordl.world.World
     batch_size: int
-    drop_last: bool
     seed: int
     num_threads: int
     num_workers: int
@@ -83,6 +88,23 @@ class Target(Protocol):
     def open_pass(self, batches, *, resources=None, **hooks) -> Pass: ...
 
     def close(self) -> None: ...
+
+
+class AnalyzedLoader(CoordLoader):
+    """A :class:`~coordl.CoordLoader` whose first pass the script iterates, in the whole process,
+    is the phase's (:func:`claim`); every other pass is the loader's own."""
+
+    def __iter__(self):
+        phase = claim(self)
+        return phase if phase is not None else super().__iter__()
+
+
+def install() -> None:
+    """Makes ``coordl.CoordLoader`` the :class:`AnalyzedLoader`, when this process runs a phase
+    (``COORDL_ANALYZE`` is set). Called at interpreter start-up, before the script imports coordl's
+    names, by the ``sitecustomize`` of ``coordl/analyze/boot``."""
+    if spec() is not None:
+        coordl.CoordLoader = AnalyzedLoader
 
 
 def claim(loader: Target):
@@ -111,6 +133,7 @@ class _Phase(Pass):
         self.bs = loader.batch_size
         self.rank = loader.world.rank
         self.res = loader.resources  # the resources the phase's passes use
+        self._private: NodeCache | None = None  # the cold cache of a phase that needs one
         self.calls: list[float] = []  # when the script asked for each batch
         self.result: dict = {}
 
@@ -132,7 +155,11 @@ class _Phase(Pass):
 
     def _private_cache(self, budget: int) -> None:
         """Runs the phase's passes on a cold cache of ``budget`` bytes, private to this run."""
-        self.res = self.target.resources.private(budget, f"analyze:{self.spec['run']}:{self.spec['phase']}")
+        index = self.target.resources.index
+        if budget > 0:
+            name = f"analyze:{self.spec['run']}:{self.spec['phase']}"
+            self._private = CacheSpec.for_dataset(index, budget, private=name).open(index.sizes)
+        self.res = self.target.resources.with_cache(self._private)
 
     def _rate(self, times: list[float]) -> float:
         """Samples/s over the measured steps of ``times`` (one timestamp per step, plus the end)."""
@@ -160,7 +187,7 @@ class _Phase(Pass):
             "io_threads": res.io_threads or max(1, ld.num_workers),
             "dataset_samples": len(res.index),
             "dataset_bytes": int(res.index.total_bytes),
-            "cache_budget": int(res.budget),
+            "cache_budget": int(ld.tiers.encoded_budget),
             "pid": os.getpid(),
         }
         out.update(self.result)
@@ -170,8 +197,8 @@ class _Phase(Pass):
             json.dump(out, f, indent=1)
         os.replace(tmp, path)
         self.close()
-        if self.res is not res:
-            self.res.close()  # leaves the private cache
+        if self._private is not None:
+            self._private.close()  # leaves the private cache
         ld.close()  # stops the pipeline and leaves the cache before the script ends
         log.info("coordl analyze: phase %s measured; ending the script", self.spec["phase"])
         raise SystemExit(0)
@@ -279,7 +306,7 @@ class FetchPass(_Timed):
     def __init__(self, loader, s):
         super().__init__(loader, s)
         ld = loader
-        self._private_cache(ld.resources.budget)
+        self._private_cache(ld.tiers.encoded_budget)
         w = ld.world
         batches = ld.schedule.batches(ld.position.epoch, w.rank, w.world_size)[: self.warmup + self.steps + TAIL]
         if len(batches) < self.warmup + self.steps + TAIL:  # a short epoch: measure what there is
@@ -355,15 +382,15 @@ def _decoded_rates(ld) -> dict:
     """Prep from decoded images against prep from encoded bytes (in batches that mix both, and
     when the tier holds every sample), and a decoded image's bytes, for the decoded tier's what-if
     (DALI on the CPU with a recipe that takes decoded images)."""
-    from coordl import tiers
+    from coordl.tiers import plan
 
     w = ld.world
-    if tiers.refusal(ld.backend, ld.device_id, ld.recipe, w.world_size > w.local_world_size) is not None:
+    if plan.refusal(ld.backend, ld.device_id, ld.recipe, w.world_size > w.local_world_size) is not None:
         return {}
     from coordl.prep import calibrate
 
     r = calibrate.measure(
-        ld.recipe, ld.resources.index, num_threads=ld.num_threads, seed=ld.seed + 2, batch_size=ld.config.batch_size
+        ld.recipe, ld.resources.index, num_threads=ld.num_threads, seed=ld.seed + 2, batch_size=ld.batch_size
     )
     return {
         "decoded_speedup": r.decoded / r.encoded,

@@ -1,8 +1,10 @@
 """``coordl analyze``: runs a training script in DS-Analyzer's phases and reports.
 
-Each phase is one run of the user's unchanged command with ``COORDL_ANALYZE`` set (see
-:mod:`coordl.analyze.probe`). The script's output goes to ``<out>/phase-<P>.log``; every rank
-writes ``<out>/phase-<P>-rank<r>.json`` and ends itself once its phase is measured.
+Each phase is one run of the user's unchanged command with ``COORDL_ANALYZE`` set and
+``coordl/analyze/boot`` first on ``PYTHONPATH``, whose ``sitecustomize`` installs the probe in
+every Python process of the command (see :mod:`coordl.analyze.probe`). The script's output goes
+to ``<out>/phase-<P>.log``; every rank writes ``<out>/phase-<P>-rank<r>.json`` and ends itself
+once its phase is measured.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from coordl.analyze import report as rep
 from coordl.errors import CoordlError
 
 __all__ = ["AnalyzeError", "PHASES", "analyze", "run_phase"]
+
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")  # its sitecustomize installs the probe
 
 PHASES = {
     "G": "ingestion rate: the script's step on synthetic batches",
@@ -54,7 +58,8 @@ def run_phase(
         os.remove(old)
     spec = {"phase": phase, "steps": steps, "warmup": warmup, "out": os.path.abspath(out), "run": run_id}
     spec.update(extra or {})
-    env = dict(os.environ, COORDL_ANALYZE=json.dumps(spec))
+    path = os.pathsep.join(p for p in (BOOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, COORDL_ANALYZE=json.dumps(spec), PYTHONPATH=path)
     log_path = os.path.join(out, f"phase-{phase}.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -55,7 +55,7 @@ class DaliPass(Pass):
             resources.index.labels,
             resources.pool,
             threads=resources.io_threads,
-            depth=config.prefetch_batches,
+            depth=config.batches_ahead,
             on_error=config.on_error,
             stop=self.stop_event,
             peers=resources.peers,
@@ -63,7 +63,6 @@ class DaliPass(Pass):
         )
         peers = resources.peers
         self._served0 = peers.served() if peers is not None else (0, 0)
-        self._cursor = 0  # batches before this one have been delivered or skipped whole
         keep = resources.fetcher if resources.decoded is not None else None
         all_decoded = keep is not None and bool(batches) and keep.all_decoded(np.concatenate(batches))
         self._channel = Channel(2, self.stop_event)
@@ -92,19 +91,10 @@ class DaliPass(Pass):
         if item is END:
             self._thread.join()
             return None
-        images, labels, ids = item
-        position = self.start + self._number(int(ids[0])) + 1
+        images, labels, ids, number = item
         out = (images, labels, ids) if self._return_index else (images, labels)
-        return Step(out, len(labels), position, fetch=fetching.total() - f0)
-
-    def _number(self, first: int) -> int:
-        """The number of the batch just delivered, whose first id is ``first``: the next batch
-        holding it (a batch skipped whole is passed over; padding may repeat an id later)."""
-        batches = self._ahead.batches
-        while self._cursor < len(batches) - 1 and first not in batches[self._cursor]:
-            self._cursor += 1
-        self._cursor += 1
-        return self._cursor - 1
+        # Batches before it that were skipped whole count as received too.
+        return Step(out, len(labels), self.start + number + 1, fetch=fetching.total() - f0)
 
     def _counters(self) -> FetchCounters:
         return self._res.fetcher.counters

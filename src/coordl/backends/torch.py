@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from coordl import draws
+from coordl import compat, draws
 from coordl.datasets import as_file
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
 from coordl.fetch.fetcher import FetchCounters, Fetcher
@@ -75,10 +75,8 @@ class Fetched:
 
     def pin_memory(self, device=None) -> Fetched:
         """Called by the DataLoader's pinning thread: pins the batch, as it would pin a batch."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
         if self.batch is not None:
-            self.batch = pin_memory(self.batch, device)
+            self.batch = compat.pin_memory(self.batch, device)
         return self
 
 
@@ -271,10 +269,10 @@ class TorchPass(Pass):
     """One pass of the torch backend over ``batches``, iterated like a DataLoader pass.
 
     Args:
-        resources: the loader's collaborators; ``resources.dataloader`` runs the pass.
+        resources: the loader's collaborators; ``resources.dataloader`` runs the pass (its batch
+            sampler, an :class:`EpochBatches`, is set to ``batches``).
         config: the loader's settings.
         batches: sample ids of each batch, in delivery order.
-        sampler: the DataLoader's batch sampler, which this pass sets to ``batches``.
         persistent: the workers outlive the pass (``persistent_workers=True``).
         workers: the DataLoader's worker processes.
         order_epoch: the epoch whose order ``batches`` follow (default: ``epoch``); with
@@ -288,7 +286,6 @@ class TorchPass(Pass):
         config,
         batches: list[np.ndarray],
         *,
-        sampler: EpochBatches,
         persistent: bool,
         workers: int,
         order_epoch: int | None = None,
@@ -305,7 +302,7 @@ class TorchPass(Pass):
         self._skipped: list[tuple[int, str, str]] = []
         self._fetched = FetchCounters()
         seed = config.seed
-        sampler.batches = [Batch(b.tolist(), seed, self.order_epoch) for b in batches]
+        resources.dataloader.batch_sampler.batches = [Batch(b.tolist(), seed, self.order_epoch) for b in batches]
         self._it = iter(resources.dataloader)
 
     def _step(self) -> Step | None:
@@ -357,20 +354,13 @@ class TorchPass(Pass):
     def _shutdown(self) -> None:
         """Stops the pass's workers (persistent workers stay for the next pass)."""
         it, self._it = self._it, None
-        if it is not None and not self._persistent and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        if it is not None and not self._persistent:
+            compat.shutdown_iterator_workers(it)
 
 
 def seed_for(seed: int, epoch: int, rank: int) -> int:
-    """A 63-bit seed from ``(seed, epoch, rank)`` (SplitMix64 steps)."""
-    x = np.uint64(0)
-    with np.errstate(over="ignore"):
-        for v in (seed, epoch, rank):
-            x = (x ^ np.uint64(v & (2**64 - 1))) + np.uint64(0x9E3779B97F4A7C15)
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            x = x ^ (x >> np.uint64(31))
-    return int(x) >> 1
+    """A 63-bit seed from ``(seed, epoch, rank)`` (:func:`coordl.draws.mix`)."""
+    return draws.mix(seed, epoch, rank) >> 1
 
 
 def _with_ids(batch, ids: torch.Tensor):

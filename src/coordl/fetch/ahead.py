@@ -44,6 +44,7 @@ class RawBatch:
     labels: np.ndarray  # int64
     epoch: int | None = None  # the epoch whose random draws augment it, when not the pass's
     kind: np.ndarray | None = None  # ENCODED, DECODE_KEEP or DECODED per sample (None: all ENCODED)
+    number: int = -1  # which batch of its pass it is: it travels with the batch through prep
 
     def kinds(self) -> np.ndarray:
         return self.kind if self.kind is not None else np.zeros(len(self.ids), dtype=np.int8)
@@ -51,7 +52,7 @@ class RawBatch:
     def subset(self, keep: list[int]) -> RawBatch:
         """The batch without the samples not in ``keep`` (positions)."""
         kind = self.kind[keep] if self.kind is not None else None
-        return RawBatch(self.ids[keep], [self.data[k] for k in keep], self.labels[keep], self.epoch, kind)
+        return RawBatch(self.ids[keep], [self.data[k] for k in keep], self.labels[keep], self.epoch, kind, self.number)
 
 
 class FetchAhead:
@@ -103,7 +104,7 @@ class FetchAhead:
         try:
             for _ in range(len(self.batches)):
                 while nxt < len(self.batches) and len(inflight) <= self.depth:
-                    inflight.append(self._submit(self.batches[nxt]))
+                    inflight.append(self._submit(self.batches[nxt], nxt))
                     nxt += 1
                 batch = self._collect(inflight.popleft())
                 if self.stop.is_set():
@@ -114,11 +115,11 @@ class FetchAhead:
                 for _, future in pending.reads:
                     future.cancel()
 
-    def collect(self, ids: np.ndarray) -> RawBatch:
+    def collect(self, ids: np.ndarray, number: int = -1) -> RawBatch:
         """Fetches one batch now (misses in parallel on the pool), outside the look-ahead."""
-        return self._collect(self._submit(ids))
+        return self._collect(self._submit(ids, number))
 
-    def _submit(self, ids: np.ndarray) -> _Pending:
+    def _submit(self, ids: np.ndarray, number: int) -> _Pending:
         fetcher = self.fetcher
         kind = None
         decoded = np.zeros(len(ids), dtype=bool)
@@ -143,7 +144,7 @@ class FetchAhead:
             # Bytes bound for the decoded tier are not admitted into the encoded one as well.
             admit = ~np.isin(part, claimed) if len(claimed) else None
             reads.append((part, self.pool.submit(fetcher.read, part, admit)))
-        return _Pending(ids, hit, reads, kind)
+        return _Pending(ids, hit, reads, kind, number)
 
     def _parts(self, misses: np.ndarray) -> list[np.ndarray]:
         """A batch's misses cut into parts, each read by one task of the pool, in order.
@@ -181,17 +182,7 @@ class FetchAhead:
             got.update(zip(part.tolist(), data))
             errors.update(failed)
         kind = pending.kind
-        out: list[np.ndarray | None] = [None] * len(ids)
-        where = np.flatnonzero(hit)
-        for k, view in zip(where.tolist(), self.fetcher.hits(ids[where])):
-            out[k] = view
-        decoded = kind == DECODED if kind is not None else np.zeros(len(ids), dtype=bool)
-        where = np.flatnonzero(decoded)
-        for k, image in zip(where.tolist(), self.fetcher.decoded_images(ids[where])):
-            out[k] = image
-        where = np.flatnonzero(~hit & ~decoded)
-        for k, i in zip(where.tolist(), ids[where].tolist()):
-            out[k] = got[i]
+        out = self.fetcher.merge(ids, hit, got, None if kind is None else kind == DECODED)
         if errors:
             if kind is not None:
                 self.fetcher.abort(np.array(sorted(errors), dtype=np.int64))  # their claims, if any
@@ -209,7 +200,7 @@ class FetchAhead:
             out = [out[k] for k in keep]
             kind = kind[keep] if kind is not None else None
         ids = np.ascontiguousarray(ids, dtype=np.int64)  # DALI takes only dense arrays
-        return RawBatch(ids, out, self.labels[ids], kind=kind)
+        return RawBatch(ids, out, self.labels[ids], kind=kind, number=pending.number)
 
     def _result(self, future: cf.Future):
         if future.done():
@@ -240,6 +231,7 @@ class _Pending:
     hit: np.ndarray
     reads: list[tuple[np.ndarray, cf.Future]]
     kind: np.ndarray | None = None  # how each sample reaches pre-processing (RawBatch.kind)
+    number: int = -1  # RawBatch.number
 
 
 class Stopped(Exception):

@@ -7,10 +7,10 @@ checks the same two limits again as it fills, since other processes use memory m
 from __future__ import annotations
 
 import logging
-import warnings
 
-from coordl.errors import SharedMemoryError
+from coordl.errors import SharedMemoryError, warn
 from coordl.fetch.cache import headroom, memory_text, table_bytes
+from coordl.options import AUTO
 from coordl.shm import limits, segment
 from coordl.units import format_bytes, parse_bytes
 
@@ -42,7 +42,7 @@ def resolve_budget(
         A larger explicit request is shrunk with a warning; ``"auto"`` logs a warning when the
         memory limit leaves room for less than it would take otherwise.
     """
-    auto = isinstance(request, str) and request.strip().lower() == "auto"
+    auto = request == AUTO
     wanted = dataset_bytes if auto else parse_bytes(request, dataset_bytes)
     if wanted == 0:
         return 0
@@ -77,23 +77,19 @@ def resolve_budget(
         return budget
     wanted = min(wanted, dataset_bytes)
     if room < min(wanted, usable):
-        warnings.warn(
+        warn(
             f"coordl: cache budget of {format_bytes(wanted)} does not fit in {memory_text(level)}; "
             f"using {format_bytes(room)}. Raise the memory limit (docker run --memory, the pod's "
             "resources.limits.memory, Slurm's --mem) or ask for less.",
-            RuntimeWarning,
-            stacklevel=4,  # the user's CoordLoader(...) line
         )
         wanted = room
     elif wanted > usable:
-        warnings.warn(
+        warn(
             f"coordl: cache budget of {format_bytes(wanted)} does not fit in {directory} "
             f"({format_bytes(space.free)} free of {format_bytes(space.total)}, "
             f"{format_bytes(headroom(space.total))} kept free for other shared memory); "
             f"using {format_bytes(usable)}. Enlarge {directory} "
             "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory) or ask for less.",
-            RuntimeWarning,
-            stacklevel=4,  # the user's CoordLoader(...) line
         )
         wanted = usable
     return wanted

@@ -39,11 +39,10 @@ import logging
 import mmap
 import os
 import threading
-import warnings
 
 import numpy as np
 
-from coordl.errors import SharedMemoryError, StaleStateError
+from coordl.errors import SharedMemoryError, StaleStateError, warn
 from coordl.shm import group, limits, segment
 from coordl.units import format_bytes
 
@@ -507,11 +506,9 @@ class NodeCache:
     def _warn_full(self, why: str) -> None:
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(
+            warn(
                 f"coordl: the cache stopped growing at {format_bytes(int(self._header['alloc']))} of its "
-                f"{format_bytes(self.budget)} budget because {why}; further misses are read from storage.",
-                RuntimeWarning,
-                stacklevel=4,
+                f"{format_bytes(self.budget)} budget because {why}; further misses are read from storage."
             )
 
     def publish(self, i: int) -> None:

@@ -181,19 +181,31 @@ class Fetcher:
             DatasetChangedError: a file's size is not the index's: the index is stale.
         """
         ids = np.asarray(ids, dtype=np.int64)
-        out: list[np.ndarray | None] = [None] * len(ids)
         hit = self.cached(ids)
+        misses = np.unique(ids[~hit])  # a padded batch may repeat a sample: read once
+        data, errors = self.read(misses) if len(misses) else ([], {})
+        return self.merge(ids, hit, dict(zip(misses.tolist(), data))), errors
+
+    def merge(
+        self, ids: np.ndarray, hit: np.ndarray, got: dict, decoded: np.ndarray | None = None
+    ) -> list[np.ndarray | None]:
+        """A batch's bytes in order: views of the cached samples (``hit``, counted as hits), the
+        decoded tier's images of the ``decoded`` ones (counted too), and ``got[i]`` (bytes read
+        elsewhere, None for a failure) for the others."""
+        out: list[np.ndarray | None] = [None] * len(ids)
         where = np.flatnonzero(hit)
         for k, view in zip(where.tolist(), self.hits(ids[where])):
             out[k] = view
-        errors: dict[int, SampleError] = {}
-        where = np.flatnonzero(~hit)
-        if len(where):
-            misses, position = np.unique(ids[where], return_inverse=True)
-            data, errors = self.read(misses)
-            for k, j in zip(where.tolist(), position.tolist()):
-                out[k] = data[j]
-        return out, errors
+        rest = ~hit
+        if decoded is not None:
+            where = np.flatnonzero(decoded)
+            for k, image in zip(where.tolist(), self.decoded_images(ids[where])):
+                out[k] = image
+            rest &= ~decoded
+        where = np.flatnonzero(rest)
+        for k, i in zip(where.tolist(), ids[where].tolist()):
+            out[k] = got[i]
+        return out
 
     def fetch(self, i: int) -> np.ndarray:
         """The raw bytes of sample ``i`` (a read-only view when it comes from the cache).

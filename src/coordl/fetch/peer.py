@@ -371,27 +371,31 @@ def _group():
     return _gloo_group
 
 
-def refusal(options, backend: str, grouped: bool, world, *, early: bool = False) -> str | None:
-    """Why the partitioned cache does not run for a loader (None: it runs).
+def refusal(options, backend: str, grouped: bool) -> str | None:
+    """Why the partitioned cache never runs for a loader (None: it may), from what the loader is;
+    checked once, when it is made. Where it runs is :func:`world_refusal`'s.
 
     Args:
-        options: the loader's :class:`~coordl.config.PeerOptions`.
+        options: the loader's :class:`~coordl.Peers`.
         backend: ``"dali"`` or ``"torch"``.
         grouped: the loader is in an ``hp_group``.
-        world: this process's place in the job.
-        early: the loader is being made: a launcher's environment that says the job spans
-            several nodes is enough (the process group may start later, before the first pass).
     """
-    if options.mode is False:
+    if options.enabled is False:
         return "peers=False"
     if backend != "dali":
         return "it serves the DALI backend (a folder or a list of files), not the torch backend yet"
     if grouped:
         return "an hp_group shares prep within one node"
-    if not enabled(world) and not (early and world.world_size > world.local_world_size):
+    return None
+
+
+def world_refusal(world) -> str | None:
+    """Why the partitioned cache does not run where a loader runs (None: it runs); checked once,
+    when its first pass starts."""
+    if not enabled(world):
         return (
             "the job runs on one node, or torch.distributed is not initialized (call "
-            "torch.distributed.init_process_group before making the loader)"
+            "torch.distributed.init_process_group before the first pass)"
         )
     return None
 
@@ -413,7 +417,7 @@ class PeerGroup:
         index: the dataset.
         cache: the node's MinIO cache (None: this node holds nothing and serves nothing).
         timeout, retry_after: see :class:`PeerClient`.
-        address, interface: see :func:`advertised_address`.
+        interface: see :func:`advertised_address`.
         port: the server's port (0: any free one).
     """
 
@@ -425,7 +429,6 @@ class PeerGroup:
         *,
         timeout: float,
         retry_after: float,
-        address: str | None,
         interface: str | None,
         port: int,
     ):
@@ -443,7 +446,7 @@ class PeerGroup:
         self._secret = secrets.token_bytes(32) if world.rank == 0 else None
         if cache is not None:
             try:
-                host = advertised_address(address, interface)
+                host = advertised_address(interface=interface)
                 self.server = PeerServer(cache, index.fingerprint, len(index), host, port)
             except (CoordlError, OSError) as e:
                 log.warning("coordl: this rank does not serve its node's cache to other nodes: %s", e)

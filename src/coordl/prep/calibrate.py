@@ -175,7 +175,9 @@ def measure(
 def _prep(recipe, batch: int, threads: int, seed: int, *, tiered: bool = True):
     from coordl.prep.dali import DaliPrep
 
-    return DaliPrep(recipe, batch_size=batch, num_threads=threads, device_id=None, seed=seed, tiered=tiered)
+    return DaliPrep(
+        recipe, batch_size=batch, num_threads=threads, device_id=None, seed=seed, role="calibrate", tiered=tiered
+    )
 
 
 def _read(index: Index, ids: np.ndarray, threads: int) -> tuple[list[np.ndarray], float]:
@@ -206,7 +208,7 @@ def _batches(ids, data, labels, kind: int, size: int) -> list[RawBatch]:
 
 def _run(prep, batches: list[RawBatch], index: Index, keep=None) -> int:
     n = 0
-    for _, labels, _ in prep.epoch(iter(batches), index.paths.__getitem__, 0, keep):
+    for _, labels, _, _ in prep.epoch(iter(batches), index.paths.__getitem__, 0, keep):
         n += len(labels)
     return n
 
@@ -221,7 +223,7 @@ def _rate(prep, batches: list[RawBatch], index: Index, *, all_decoded: bool = Fa
     done, t0, elapsed = 0, 0.0, 0.0
     outputs = prep.epoch(forever(), index.paths.__getitem__, 0, all_decoded=all_decoded)
     try:
-        for k, (_, labels, _) in enumerate(outputs):
+        for k, (_, labels, _, _) in enumerate(outputs):
             if k < WARM_BATCHES:
                 t0 = time.perf_counter()
                 continue

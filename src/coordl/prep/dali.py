@@ -14,7 +14,6 @@ at a time, and then raises :class:`~coordl.errors.SampleError` naming the file, 
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import logging
 import weakref
@@ -23,9 +22,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 from nvidia.dali import Pipeline, fn, pipeline_def, types
-from nvidia.dali.plugin.pytorch.torch_utils import feed_ndarray, to_torch_type
+from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
-from coordl import draws, lifecycle
+from coordl import compat, draws, lifecycle
 from coordl.accounting import BusyClock
 from coordl.errors import SampleError
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
@@ -46,11 +45,10 @@ def _forget_pipelines_in_child() -> None:
     child. So the child lets go of them without shutting them down: their native handles are
     kept alive until the process ends, and the Python objects no longer refer to them."""
     for prep in list(_preps):
-        pipe, prep._pipe = prep._pipe, None
-        handle = getattr(pipe, "_pipe", None)
-        if handle is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))  # never freed in the child
-            pipe._pipe = None
+        for pipe in (prep._pipe, prep._probe):  # both built in the parent
+            if pipe is not None:
+                compat.abandon_pipeline(pipe)
+        prep._pipe = prep._probe = None
 
 
 lifecycle.on_fork_child(_forget_pipelines_in_child)
@@ -66,10 +64,11 @@ class DaliPrep:
         device_id: GPU to decode and augment on, or None for CPU only.
         seed: the loader's seed: with the epoch and the sample, it decides every draw of
             ``ctx.random`` (the built-in recipes' crop windows and flips).
-        dali_seed: the seed of DALI's own random operators, which only custom recipes use
-            (their draws depend on the batch a sample is in; they differ between ranks).
+        rank: this process's rank, and ``role`` what the pipeline is for (a key of :data:`ROLES`):
+            with ``seed`` they seed DALI's own random operators, which only custom recipes use
+            (their draws depend on the batch a sample is in, so they differ between ranks anyway);
+            two pipelines of one process draw different streams.
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
-        prefetch_queue_depth: batches DALI works on ahead of the consumer.
         tiered: build the pipeline for batches that mix encoded bytes and decoded images (the
             decoded tier, :mod:`coordl.prep.graph`); the recipe must take decoded images.
     """
@@ -82,9 +81,9 @@ class DaliPrep:
         num_threads: int,
         device_id: int | None,
         seed: int,
-        dali_seed: int | None = None,
+        rank: int = 0,
+        role: str = "loader",
         on_error: str = "raise",
-        prefetch_queue_depth: int = 2,
         tiered: bool = False,
     ):
         self.recipe = recipe
@@ -92,18 +91,18 @@ class DaliPrep:
         self.num_threads = num_threads
         self.device_id = device_id
         self.seed = seed
-        self.dali_seed = seed if dali_seed is None else dali_seed
+        self.dali_seed = draws.mix(seed, rank, ROLES[role])
         self._epoch = 0  # the epoch whose draws the pipeline is fed
         self._columns: int | None = None  # draws per sample the recipe uses
         self.dali_random: list[str] = []  # DALI random operators the recipe uses
         self.on_error = on_error
-        self.depth = prefetch_queue_depth
         self.tiered = tiered
         self._mode: str | None = None  # the built pipeline's: PLAIN, TIERED or DECODED_ONLY
         self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
         gpu = device_id is not None
         self.ctx = PrepContext("mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id)
         self._pipe = None
+        self._probe = None  # decodes one sample at a time, to find the bad ones of a failed batch
         self._builds = 0
         self._source: Iterator[RawBatch] | None = None
         self._pending: collections.deque[RawBatch] = collections.deque()
@@ -133,7 +132,7 @@ class DaliPrep:
         if self._columns is None:
             self._columns = self._draws_per_sample()
         # A new seed per build keeps a rebuilt pipeline from replaying DALI's randomness.
-        seed = (self.dali_seed * 1_000_003 + self._builds) % (2**31)
+        seed = draws.mix(self.dali_seed, self._builds) % (2**31)
         self._builds += 1
 
         columns = self._columns
@@ -145,7 +144,7 @@ class DaliPrep:
             num_threads=self.num_threads,
             device_id=self.device_id,
             seed=seed,
-            prefetch_queue_depth=self.depth,
+            prefetch_queue_depth=QUEUE_DEPTH,
             enable_conditionals=mode == TIERED,
         )
         def pipeline():
@@ -194,7 +193,7 @@ class DaliPrep:
         pipe.build()
         self._mode = mode
         if self._builds == 1:
-            self.dali_random = uses_dali_random(pipe)
+            self.dali_random = uses_dali_random(compat.pipeline_schemas(pipe))
             if self.dali_random:
                 log.warning(
                     "coordl: the recipe uses DALI's own random operators (%s): what they draw depends on the "
@@ -241,8 +240,10 @@ class DaliPrep:
         *,
         all_decoded: bool = False,
     ) -> Iterator[tuple]:
-        """Yields ``(images, labels, ids)`` torch tensors for every batch of ``source``, augmented
-        with the draws of ``epoch`` (the epoch whose order the batches follow).
+        """Yields ``(images, labels, ids, number)`` for every batch of ``source``: torch tensors,
+        augmented with the draws of ``epoch`` (the epoch whose order the batches follow), and the
+        batch's :attr:`~coordl.fetch.ahead.RawBatch.number`. A batch whose every sample was
+        skipped (``on_error="skip"``) yields nothing.
 
         Args:
             keep: where the full decoded images of a tiered pipeline's ``DECODE_KEEP`` samples go
@@ -285,7 +286,7 @@ class DaliPrep:
                 del out
                 self._pipe.release_outputs()
                 self._pipe.schedule_run()
-                yield tensors
+                yield (*tensors, batch.number)
             self._pipe.reset()
         except BaseException:
             self._pipe = None  # a pipeline interrupted mid-epoch is not reused
@@ -338,14 +339,17 @@ class DaliPrep:
         self._pipe = self._build(self._mode)
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:
+        """The samples of a failed batch that do not decode, found by decoding them one at a time
+        with one probe pipeline, built once (a failure leaves it usable for the next sample)."""
         bad = {}
         for i, data, kind in zip(batch.ids, batch.data, batch.kinds(), strict=True):
             if kind == DECODED:
                 continue  # decoded before: it decodes
-            probe = _probe_pipeline(self.ctx.decoder_device, self.device_id)
+            if self._probe is None:
+                self._probe = _probe_pipeline(self.ctx.decoder_device, self.device_id)
             try:
-                probe.feed_input("x", [data])
-                probe.run()
+                self._probe.feed_input("x", [data])
+                self._probe.run()
             except RuntimeError as e:
                 bad[int(i)] = _short(str(e))
         return bad
@@ -389,10 +393,16 @@ class DaliPrep:
 
     def close(self) -> None:
         self._pipe = None
+        self._probe = None
         self._source = None
         self._pending.clear()
         self._inflight.clear()
 
+
+#: What a process's pipelines are for, each a stream of DALI's own random numbers of its own:
+#: the loader's, an HP group member's staging pipeline, and the loader's rate measurements.
+ROLES = {"loader": 0, "staging": 1, "calibrate": 2}
+QUEUE_DEPTH = 2  # batches DALI works on ahead of the consumer
 
 #: The pipelines a prep builds: encoded bytes alone; batches that mix encoded bytes and decoded
 #: images (DALI's conditionals); decoded images alone (an epoch the decoded tier serves whole).

@@ -127,15 +127,13 @@ def window_of(shape, frac, aspect, ux, uy, ratio):
     return fn.stack(x, y), fn.stack(w_out, h_out)
 
 
-def uses_dali_random(pipe) -> list[str]:
-    """The names of the DALI operators of a built pipeline that draw from DALI's own generators."""
+def uses_dali_random(schemas: list[str]) -> list[str]:
+    """The names of the operators among ``schemas`` (a built pipeline's,
+    :func:`coordl.compat.pipeline_schemas`) that draw from DALI's own generators."""
     from nvidia.dali import backend
 
     found = []
-    for op in getattr(pipe, "_ops", None) or []:
-        name = getattr(getattr(op, "_op", None), "schema_name", None)
-        if not name:
-            continue
+    for name in schemas:
         try:
             random = backend.GetSchema(name).HasRandomSeedArg()
         except (KeyError, RuntimeError, TypeError):

@@ -48,15 +48,15 @@ class GroupMember:
     """One loader's membership of its HP group, from its first pass to ``close()``.
 
     Args:
-        options: the group's name, staging bound and idle timeout.
+        options: the group's name, staging bound and idle timeout (:class:`~coordl.HPGroup`).
         resources: the loader's collaborators (cache, fetcher, pool, the DALI pipeline).
         config: the loader's settings.
+        schedule: the loader's order settings.
         recipe: the DALI recipe.
         world: this process's place in the job (the group is per rank).
         device_id: the GPU of the outputs, or None.
         num_threads: DALI threads of a pipeline made for staging.
         identity: the loader's :func:`~coordl.config.identity`, which every member must share.
-        batches_per_pass: batches per epoch and rank.
         epoch: the loader's epoch when it joins.
     """
 
@@ -65,13 +65,13 @@ class GroupMember:
         options,
         resources,
         config,
+        schedule: Schedule,
         recipe,
         world,
         device_id,
         num_threads: int,
         identity: dict,
         *,
-        batches_per_pass: int,
         epoch: int,
     ):
         self.options = options
@@ -80,7 +80,7 @@ class GroupMember:
         self.recipe = recipe
         self.world = world
         self.device_id = device_id
-        self.schedule = Schedule(len(resources.index), config.batch_size, config.shuffle, config.drop_last, config.seed)
+        self.schedule = schedule
         self.in_step = True  # every group pass so far had the order of this loader's epoch
         self.produced = 0  # group batches this member's producers made
         self.produced_mark = 0  # ... when the last pass's statistics were taken
@@ -96,7 +96,7 @@ class GroupMember:
             world.rank,
             config_of_group,
             batch_size=config.batch_size,
-            batches_per_pass=batches_per_pass,
+            batches_per_pass=schedule.num_batches(world.world_size),
             sample_shape=shape,
             dtype=dtype,
             epoch=epoch,
@@ -128,7 +128,8 @@ class GroupMember:
                     num_threads=num_threads,
                     device_id=self.device_id,
                     seed=c.seed,
-                    dali_seed=c.seed * 7919 + self.world.rank + 104729,
+                    rank=self.world.rank,
+                    role="staging",
                     on_error=c.on_error,
                     tiered=self.resources.decoded is not None,
                 )
@@ -138,7 +139,7 @@ class GroupMember:
         res = self.resources
         data = res.fetcher.fetch(0)
         raw = RawBatch(np.array([0], np.int64), [data], res.index.labels[[0]])
-        images, _, _ = next(iter(res.prep.epoch(iter([raw]), res.index.paths.__getitem__, 0)))
+        images = next(iter(res.prep.epoch(iter([raw]), res.index.paths.__getitem__, 0)))[0]
         return tuple(images.shape[1:]), str(images.dtype).removeprefix("torch.")
 
     def _normalizer(self):
@@ -238,7 +239,7 @@ class _Producer:
         while c is not None:
             ids = self._ids(c.q)
             try:
-                raw = self.fetch.collect(ids)
+                raw = self.fetch.collect(ids, number=c.q)  # the claim's number travels with the batch
             except SampleError as e:
                 self.area.publish_error(c, str(e), e.path)
             else:
@@ -254,11 +255,10 @@ class _Producer:
             keep = self.member.resources.fetcher if self.member.resources.decoded is not None else None
             # Claims run on across epochs: without the decoder only once the tier holds the dataset.
             whole = keep is not None and keep.all_decoded()
-            for images, labels, ids in self.prep.epoch(
+            for images, labels, ids, q in self.prep.epoch(
                 self._feed(first), self._paths.__getitem__, 0, keep, all_decoded=whole
             ):
-                c = self._match(int(ids[0]))
-                self._write(c, images, labels, ids)
+                self._write(self._claim_of(q), images, labels, ids)
         except SampleError as e:
             bad = next((c for c, ids in self._inflight if e.index in ids), None)
             if bad is None:
@@ -272,13 +272,15 @@ class _Producer:
         while self._inflight:  # every sample of these was skipped (on_error="skip")
             self.area.publish(self._inflight.popleft()[0], 0)
 
-    def _match(self, first_id: int) -> Claim:
+    def _claim_of(self, q: int) -> Claim:
+        """The claim of batch ``q``, which DALI just returned; those fed before it that it did not
+        return had every sample skipped (``on_error="skip"``): published empty."""
         while self._inflight:
-            c, ids = self._inflight.popleft()
-            if first_id in ids:
+            c, _ = self._inflight.popleft()
+            if c.q == q:
                 return c
             self.area.publish(c, 0)
-        raise CoordlError("coordl: internal error: DALI returned a batch nobody fed")
+        raise CoordlError(f"coordl: internal error: DALI returned batch {q}, which nobody fed")
 
     def _write(self, c: Claim, images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> None:
         n = len(labels)

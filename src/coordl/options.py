@@ -1,0 +1,287 @@
+"""The option objects of :class:`~coordl.CoordLoader`: one frozen, validated record per feature.
+
+Each feature of the loader takes one argument: its option object, or a shorthand for the common
+case, which :meth:`of` turns into the object:
+
+============  ===========================================  ==========================================
+argument      option object                                shorthand
+============  ===========================================  ==========================================
+``cache``     :class:`Cache` (size, decoded tier, keep)    a size: ``"40GB"``, bytes, ``0.5``, ``0``
+``peers``     :class:`Peers` (the partitioned cache)       ``"auto"``, ``True``, ``False``
+``hp_group``  :class:`HPGroup` (coordinated prep)          the group's name: ``"sweep"``
+``shard``     :class:`Shard` (rank, world size, tail)      none: the job's rank and world size
+``prep``      :class:`Prep` (DALI's threads)               a thread count: ``4``
+``fetch``     :class:`Fetch` (reads from storage)          none
+============  ===========================================  ==========================================
+
+Sizes are parsed and ``"auto"`` recognised here, once: the rest of coordl sees :data:`AUTO`, an
+``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction of the dataset.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from coordl.units import parse_bytes
+
+__all__ = ["AUTO", "Cache", "Fetch", "HPGroup", "Peers", "Prep", "Shard"]
+
+AUTO = "auto"
+
+
+def _auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def _size(value, name: str, *, fraction: bool) -> int | float | str:
+    """``value`` as :data:`AUTO`, bytes, or (``fraction``) a float fraction of the dataset in [0, 1]."""
+    if _auto(value):
+        return AUTO
+    if isinstance(value, float) and not fraction:
+        raise TypeError(f"{name}={value!r}: give bytes (an int or a string such as '4GB'), 'auto' or 0")
+    try:
+        parse_bytes(value, 1)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}={value!r}: {e}, or 'auto'") from None
+    return float(value) if isinstance(value, float) else value if isinstance(value, int) else parse_bytes(value)
+
+
+def _positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _seconds(value, name: str, *, zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be {'non-negative' if zero else 'positive'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Cache:
+    """The node's cache of samples in shared memory (``CoordLoader(cache=...)``), shared by every
+    process of the machine that loads the same dataset. The first process to make it decides its
+    budget and split; later ones attach to it.
+
+    Attributes:
+        size: the budget of the whole cache: ``"auto"`` (half of the free shared memory, at most
+            the dataset and what the memory limit leaves), bytes (an ``int`` or a string such as
+            ``"40GB"``), a ``float`` in [0, 1] (that fraction of the dataset's files), or ``0``
+            for no cache.
+        decoded: the decoded tier's share of ``size`` (DALI on the CPU): decoded images that later
+            epochs and other jobs on the node augment without decoding again. ``0`` (default):
+            encoded bytes only. Bytes (an ``int`` or a string such as ``"4GB"``), or ``"auto"``:
+            measure prep and storage on a few samples and split ``size`` as DS-Analyzer's model
+            predicts is fastest (``size="auto"`` may then take up to the decoded dataset's size).
+            The delivered tensors are the same either way.
+        keep: keep the cache in shared memory after the last process leaves, so that the next
+            run on the same dataset starts warm.
+    """
+
+    size: int | float | str = AUTO
+    decoded: int | str = 0
+    keep: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "size", _size(self.size, "Cache(size)", fraction=True))
+        decoded = 0 if self.decoded is False or self.decoded is None else self.decoded
+        object.__setattr__(self, "decoded", _size(decoded, "Cache(decoded)", fraction=False))
+        if not isinstance(self.keep, bool):
+            raise TypeError(f"Cache(keep) must be a bool, got {self.keep!r}")
+
+    @classmethod
+    def of(cls, value) -> Cache:
+        """``cache=`` as given: a :class:`Cache`, or a size (``False`` is ``0``: no cache)."""
+        if isinstance(value, cls):
+            return value
+        return cls(size=0 if value is False else value)
+
+
+@dataclass(frozen=True)
+class Peers:
+    """The partitioned cache (``CoordLoader(peers=...)``): in a job on several nodes, every node's
+    cache serves the other nodes' misses over TCP (DALI backend).
+
+    Attributes:
+        enabled: ``"auto"``: on when the job spans several nodes (``WORLD_SIZE >
+            LOCAL_WORLD_SIZE``) and ``torch.distributed`` is initialized. ``True``: on, or an
+            error that says why it cannot be. ``False``: off. When on, every rank must iterate its
+            loaders in the same order (each pass starts with one collective on a gloo group).
+        locality_aware: split each global batch so that every rank takes the samples its own node
+            caches (the same global batches, equal local batch sizes). ``False``:
+            ``DistributedSampler``'s shards exactly.
+        timeout: seconds a request to another node may take before its samples are read from
+            storage instead.
+        retry_after: seconds a node that failed is then left alone.
+        linger: seconds a node's server keeps serving, when its loader closes, for nodes that have
+            not finished their pass yet.
+        interface: the network interface whose address this node's server binds to and
+            advertises (default ``$COORDL_PEER_IFNAME``, else ``$GLOO_SOCKET_IFNAME``, else the
+            one that routes to ``MASTER_ADDR``).
+        port: the server's port (default ``$COORDL_PEER_PORT``, else any free port).
+    """
+
+    enabled: bool | str = AUTO
+    locality_aware: bool = True
+    timeout: float = 10.0
+    retry_after: float = 60.0
+    linger: float = 60.0
+    interface: str | None = None
+    port: int | None = None
+
+    def __post_init__(self):
+        enabled = AUTO if _auto(self.enabled) else self.enabled
+        if enabled not in (AUTO, True, False):
+            raise ValueError(f"peers must be 'auto', True or False, got {self.enabled!r}")
+        object.__setattr__(self, "enabled", enabled)
+        _seconds(self.timeout, "Peers(timeout)")
+        _seconds(self.retry_after, "Peers(retry_after)", zero=True)
+        _seconds(self.linger, "Peers(linger)", zero=True)
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int)):
+            raise TypeError(f"Peers(port) must be an int, got {self.port!r}")
+        if self.port is not None and not 0 <= self.port < 65536:
+            raise ValueError(f"Peers(port) must be a TCP port (0 for any), got {self.port!r}")
+
+    @classmethod
+    def of(cls, value) -> Peers:
+        """``peers=`` as given: a :class:`Peers`, or ``"auto"``, ``True``, ``False``."""
+        return value if isinstance(value, cls) else cls(enabled=value)
+
+
+@dataclass(frozen=True)
+class HPGroup:
+    """Coordinated prep (``CoordLoader(hp_group=...)``): the jobs of a hyper-parameter search on
+    one machine that name the same group fetch and pre-process each batch once, by one of them,
+    and all consume it. Members must load the same dataset with the same batch size, pipeline,
+    seed, shuffling and ``drop_last`` (else :class:`~coordl.GroupConfigError`).
+
+    Attributes:
+        name: the group's name, shared by its members.
+        staging: the memory bound of the group's staging area of ready batches: ``"auto"``
+            (16 batches, at most 2 GiB, at least 4) or bytes (an ``int`` or a string such as
+            ``"1GB"``). The group's first member decides.
+        idle_timeout: seconds a member that is between epochs may keep the others waiting on a
+            full staging area before it is dropped (it rejoins at a later epoch).
+    """
+
+    name: str
+    staging: int | str = AUTO
+    idle_timeout: float = 60.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"hp_group must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "staging", _size(self.staging, "HPGroup(staging)", fraction=False))
+        _seconds(self.idle_timeout, "HPGroup(idle_timeout)")
+
+    @classmethod
+    def of(cls, value) -> HPGroup | None:
+        """``hp_group=`` as given: a :class:`HPGroup`, a name, or None (no group)."""
+        if value is None or isinstance(value, cls):
+            return value
+        return cls(value)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's shard of every epoch (``CoordLoader(shard=...)``), as
+    ``DistributedSampler`` deals it: rank ``r`` of ``W`` gets ``order[r::W]``.
+
+    Attributes:
+        rank: this process's rank. None: ``torch.distributed``'s, else ``$RANK``, else 0, read
+            when the first pass starts (a framework may start the process group after the loader
+            is made).
+        world_size: the number of ranks. None: as ``rank``, from ``torch.distributed``, else
+            ``$WORLD_SIZE``, else 1.
+        drop_last: ``DistributedSampler``'s ``drop_last``. ``False`` (default): the order is
+            padded by repeating its head, so every rank gets ``ceil(n / W)`` samples (at most
+            ``W - 1`` repeats per epoch). ``True``: its tail is dropped, so every rank gets
+            ``floor(n / W)`` and none repeats. (``CoordLoader(drop_last=...)`` is
+            ``DataLoader``'s: it drops each rank's last incomplete batch.)
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    drop_last: bool = False
+
+    def __post_init__(self):
+        for name in ("rank", "world_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"Shard({name}) must be an int or None, got {v!r}")
+        if self.world_size is not None and self.world_size < 1:
+            raise ValueError(f"Shard(world_size) must be at least 1, got {self.world_size}")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"Shard(rank) must be non-negative, got {self.rank}")
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        if not isinstance(self.drop_last, bool):
+            raise TypeError(f"Shard(drop_last) must be a bool, got {self.drop_last!r}")
+
+    @classmethod
+    def of(cls, value) -> Shard:
+        """``shard=`` as given: a :class:`Shard`, or None (the job's rank and world size)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"shard must be a coordl.Shard, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Prep:
+    """How DALI pre-processes on this machine (``CoordLoader(prep=...)``).
+
+    Attributes:
+        threads: DALI's CPU threads. None: the CPUs this process may use (its affinity and its
+            cgroup's CPU quota) divided by the ranks on the node, or, with
+            ``Cache(decoded="auto")``, the fewest that prep as fast (Lobster's rule).
+    """
+
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.threads is not None:
+            _positive_int(self.threads, "Prep(threads)")
+
+    @classmethod
+    def of(cls, value) -> Prep:
+        """``prep=`` as given: a :class:`Prep`, a thread count, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(threads=value)
+        raise TypeError(f"prep must be a coordl.Prep or a number of threads, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """How the DALI backend reads samples its node's cache does not hold (``CoordLoader(fetch=...)``).
+
+    Attributes:
+        threads: threads reading from storage: the most reads that run at once. A batch's misses
+            are read in as many parts as the storage's latency asks for (one from the page cache;
+            up to ``threads`` for NVMe or network storage, measured from the reads' own timing).
+        batches_ahead: batches whose samples are read ahead of pre-processing. Raise it when the
+            storage has a long latency; each costs a batch of encoded bytes in memory.
+    """
+
+    threads: int = 8
+    batches_ahead: int = 2
+
+    def __post_init__(self):
+        _positive_int(self.threads, "Fetch(threads)")
+        _positive_int(self.batches_ahead, "Fetch(batches_ahead)")
+
+    @classmethod
+    def of(cls, value) -> Fetch:
+        """``fetch=`` as given: a :class:`Fetch`, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"fetch must be a coordl.Fetch, got {type(value).__name__}")
