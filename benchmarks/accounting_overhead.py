@@ -48,7 +48,9 @@ def per_batch_cost(batch_size: int, miss_fraction: float, n: int = 200_000) -> f
 def loader_batch_time(root: str, batch_size: int, epochs: int) -> float:
     """Seconds per batch of a warm CoordLoader (everything cached), median over epochs."""
     times = []
-    with coordl.CoordLoader(root, batch_size=batch_size, cache_bytes=1.0, device_id=None) as loader:
+    with coordl.CoordLoader(
+        root, batch_size=batch_size, device_id=None, cache=1.0, shuffle=True, pipeline="imagenet-train"
+    ) as loader:
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             for _ in loader:

@@ -107,9 +107,10 @@ def main() -> int:
         args.data,
         batch_size=args.batch_size,
         pipeline=recipe,
-        cache_bytes=1.0,
         device_id=None,
-        num_threads=args.threads,
+        cache=1.0,
+        prep=args.threads,
+        shuffle=True,
     )
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache

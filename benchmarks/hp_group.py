@@ -39,7 +39,13 @@ def job(args) -> None:
     kw = {"hp_group": args.group} if args.group else {}
     out = {"epochs": [], "times": []}
     with coordl.CoordLoader(
-        args.data, batch_size=args.batch_size, cache_bytes=1.0, keep_cache=True, device_id=None, **kw
+        args.data,
+        batch_size=args.batch_size,
+        shuffle=True,
+        pipeline="imagenet-train",
+        device_id=None,
+        **kw,
+        cache=coordl.Cache(size=1.0, keep=True),
     ) as loader:
         Path(args.ready).touch()
         while not os.path.exists(args.go):

@@ -223,11 +223,12 @@ class CoordlLoader:
         self.loader = coordl.CoordLoader(
             data,
             batch_size=batch_size,
-            cache_bytes=cache_bytes,
             device_id=None,
-            num_threads=workers,
             seed=seed,
-            decoded_cache=decoded_cache,
+            cache=coordl.Cache(size=cache_bytes, decoded=decoded_cache),
+            prep=workers,
+            shuffle=True,
+            pipeline="imagenet-train",
         )
 
     def __len__(self) -> int:
@@ -270,8 +271,9 @@ class CoordlTorchLoader(CoordlLoader):
             batch_size=batch_size,
             num_workers=workers,
             persistent_workers=workers > 0,
-            cache_bytes=cache_bytes,
             seed=seed,
+            cache=cache_bytes,
+            shuffle=True,
         )
 
 

@@ -76,12 +76,13 @@ def child(args) -> int:
             args.data,
             batch_size=args.batch_size,
             pipeline=coordl.ImageNetTrain(size=args.image_size),
-            cache_bytes=cache,
             device_id=None,
-            num_threads=args.num_threads,
-            io_threads=args.io_threads,
             return_index=True,
             seed=0,
+            cache=cache,
+            prep=args.num_threads,
+            fetch=coordl.Fetch(threads=args.io_threads),
+            shuffle=True,
         ) as loader:
             n = len(loader.index)
             out["budget"] = loader.cache.budget if loader.cache is not None else 0

@@ -45,11 +45,15 @@ def main() -> int:
     rows, notes = [], []
     # Warm-up: load DALI's libraries and build a pipeline before anything is measured,
     # so that the first epoch's device reads are the dataset's, not the libraries'.
-    with coordl.CoordLoader(args.data, batch_size=args.batch_size, cache_bytes=0, device_id=None) as warm:
+    with coordl.CoordLoader(
+        args.data, batch_size=args.batch_size, device_id=None, cache=0, shuffle=True, pipeline="imagenet-train"
+    ) as warm:
         for k, _ in enumerate(warm):
             if k == 2:
                 break
-    with coordl.CoordLoader(args.data, batch_size=args.batch_size, cache_bytes=args.cache, device_id=None) as loader:
+    with coordl.CoordLoader(
+        args.data, batch_size=args.batch_size, device_id=None, cache=args.cache, shuffle=True, pipeline="imagenet-train"
+    ) as loader:
         for epoch in range(args.epochs):
             why = common.drop_page_cache(args.drop_level)
             if why and why not in notes:

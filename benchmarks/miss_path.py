@@ -114,9 +114,10 @@ def main() -> int:
             args.data,
             batch_size=args.batch_size,
             pipeline=recipe,
-            cache_bytes=cache_bytes,
             device_id=None,
-            num_threads=args.threads,
+            cache=cache_bytes,
+            prep=args.threads,
+            shuffle=True,
         )
 
     index = loader(0)

@@ -116,13 +116,13 @@ def worker(argv: list[str]) -> None:
         a.data,
         batch_size=a.batch_size,
         pipeline=coordl.ImageNetTrain(size=a.crop),
-        cache_bytes=a.cache,
         device_id=None,
-        num_threads=a.threads,
         return_index=True,
         seed=a.seed,
-        peers="auto" if a.peers == "auto" else False,
-        locality_aware=bool(a.locality),
+        cache=a.cache,
+        prep=a.threads,
+        peers=coordl.Peers(enabled="auto" if a.peers == "auto" else False, locality_aware=bool(a.locality)),
+        shuffle=True,
     )
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
@@ -582,8 +582,8 @@ def main() -> int:
     # find them in the page cache; the dataset's pages are evicted before every run.
     warm = (
         "import sys, torch, torch.distributed.run, coordl\n"
-        "with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0, device_id=None, num_threads=1,"
-        " pipeline=coordl.ImageNetTrain(size=64), index_dir='') as w:\n    next(iter(w))\n"
+        "with coordl.CoordLoader(coordl.Index.scan(sys.argv[1], index_dir=''), batch_size=8, cache=0,"
+        " device_id=None, prep=1, shuffle=True, pipeline=coordl.ImageNetTrain(size=64)) as w:\n    next(iter(w))\n"
     )
     subprocess.run([sys.executable, "-c", warm, args.data], check=True)
     node_counts = [int(x) for x in args.nodes.split(",")]

@@ -124,7 +124,12 @@ def child_loader(spec: dict) -> None:
     t0, c0 = time.perf_counter(), _cpu()
     if kind == "coordl":
         loader = coordl.CoordLoader(
-            spec["url"], batch_size=spec["batch"], device_id=None, cache_bytes=spec["cache"], pipeline="imagenet-train"
+            spec["url"],
+            batch_size=spec["batch"],
+            device_id=None,
+            pipeline="imagenet-train",
+            cache=spec["cache"],
+            shuffle=True,
         )
         threads = loader.num_threads
 

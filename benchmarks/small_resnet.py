@@ -77,9 +77,10 @@ def main() -> int:
         args.data,
         batch_size=args.batch_size,
         pipeline=coordl.ImageNetTrain(size=args.size),
-        cache_bytes=args.cache,
         device_id=None,
-        num_threads=args.prep_threads,
+        cache=args.cache,
+        prep=args.prep_threads,
+        shuffle=True,
     ) as loader:
         classes = int(loader.index.labels.max()) + 1
         model = SmallResNet(classes, args.width)

@@ -53,14 +53,15 @@ def main() -> None:
         a.data,
         batch_size=a.batch_size,
         pipeline=coordl.ImageNetTrain(size=a.size),
-        cache_bytes=cache,
         device_id=None,
-        num_threads=a.threads,
         return_index=True,
         seed=5,
-        peers="auto" if a.peers == "auto" else False,
-        locality_aware=bool(a.locality),
-        peer_timeout=a.peer_timeout,
+        cache=cache,
+        prep=a.threads,
+        peers=coordl.Peers(
+            enabled="auto" if a.peers == "auto" else False, locality_aware=bool(a.locality), timeout=a.peer_timeout
+        ),
+        shuffle=True,
     )
     die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
     stop = tuple(int(x) for x in a.stop_at.split(",")) if a.stop_at else None

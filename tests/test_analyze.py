@@ -95,10 +95,11 @@ def test_waits_on_slow_storage_are_fetch_bound(tiny_dataset, slow_storage):
     with coordl.CoordLoader(
         tiny_dataset,
         batch_size=10,
-        cache_bytes=0,
         device_id=None,
-        num_threads=1,
         pipeline=coordl.ImageNetVal(size=32, resize=36),
+        cache=0,
+        prep=1,
+        shuffle=True,
     ) as loader:
         for _ in loader:
             pass
@@ -127,7 +128,7 @@ def test_waits_on_slow_prep_are_prep_bound(tiny_dataset):
     from coordl.datasets import ImageFolder
 
     ds = ImageFolder(tiny_dataset, transform=_Slow(0.01))
-    with coordl.CoordLoader(ds, batch_size=12, cache_bytes=0) as loader:
+    with coordl.CoordLoader(ds, batch_size=12, cache=0, shuffle=True) as loader:
         for _ in loader:
             pass
         s = loader.stats()
@@ -140,10 +141,11 @@ def test_cache_hit_bytes_and_the_epoch_line(tiny_dataset, capsys):
     with coordl.CoordLoader(
         tiny_dataset,
         batch_size=16,
-        cache_bytes=1.0,
         device_id=None,
         log_epochs=True,
         pipeline=coordl.ImageNetVal(size=32, resize=36),
+        cache=1.0,
+        shuffle=True,
     ) as loader:
         for _ in range(2):
             for _ in loader:
@@ -159,7 +161,12 @@ def test_cache_hit_bytes_and_the_epoch_line(tiny_dataset, capsys):
 
 def test_stats_keys_are_the_same_before_and_after_a_pass(tiny_dataset):
     with coordl.CoordLoader(
-        tiny_dataset, batch_size=16, cache_bytes=0, device_id=None, pipeline=coordl.ImageNetVal(size=32, resize=36)
+        tiny_dataset,
+        batch_size=16,
+        device_id=None,
+        pipeline=coordl.ImageNetVal(size=32, resize=36),
+        cache=0,
+        shuffle=True,
     ) as loader:
         before = set(loader.stats())
         for _ in loader:
@@ -179,8 +186,8 @@ def rates(**kw) -> Rates:
         sample_bytes=1e5,
         dataset_samples=10_000,
         dataset_bytes=10**9,
-        cache_bytes=5 * 10**8,
         prep_threads=2,
+        cache=5 * 10**8,
     )
     base.update(kw)
     return Rates(**base)
@@ -263,8 +270,8 @@ import coordl
 
 throttle(float(sys.argv[2]))
 STEP = float(sys.argv[3])
-with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0.5, device_id=None, num_threads=1,
-                        pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:
+with coordl.CoordLoader(sys.argv[1], batch_size=8, device_id=None, pipeline=coordl.ImageNetVal(size=32, resize=36),
+                        cache=0.5, prep=1, shuffle=True) as loader:
     for epoch in range(100):
         for images, labels in loader:
             assert images.shape == (len(labels), 3, 32, 32)
@@ -418,7 +425,7 @@ def small(img):
     return np.asarray(img.resize((16, 16)), dtype=np.float32)
 
 ds = ImageFolder(sys.argv[1], transform=small)
-with coordl.CoordLoader(ds, batch_size=8, cache_bytes=0.5, num_workers=1) as loader:
+with coordl.CoordLoader(ds, batch_size=8, num_workers=1, cache=0.5, shuffle=True) as loader:
     for epoch in range(100):
         for images, labels in loader:
             time.sleep(0.02)

@@ -235,7 +235,9 @@ def test_loader_later_epochs_read_exactly_the_uncached_items(tiny_dataset, isola
     index = Index.scan(tiny_dataset)
     n, total = len(index), index.total_bytes
     loader = closing(
-        coordl.CoordLoader(tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes=0.5, device_id=None)
+        coordl.CoordLoader(
+            tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache=0.5, shuffle=True
+        )
     )
     per_epoch = []
     for epoch in range(3):
@@ -583,7 +585,7 @@ def test_loader_on_tiny_shm_runs_without_a_cache(tiny_dataset, isolated, monkeyp
         monkeypatch.setenv("COORDL_SHM_DIR", mnt)
         with pytest.warns(RuntimeWarning, match=mnt):
             loader = coordl.CoordLoader(
-                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="40GB", device_id=None
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="40GB", shuffle=True
             )
         try:
             assert loader.cache is None
@@ -604,7 +606,7 @@ def test_loader_shrinks_a_budget_that_does_not_fit_and_keeps_working(tiny_datase
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
         with pytest.warns(RuntimeWarning, match=f"does not fit in {mnt}"):
             loader = coordl.CoordLoader(
-                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB", device_id=None
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="1GB", shuffle=True
             )
         try:
             assert 0 < loader.cache.budget <= free - headroom(total) < index.total_bytes
@@ -631,7 +633,7 @@ def test_shrunk_budget_is_actually_usable(tiny_dataset, isolated, monkeypatch):
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             loader = coordl.CoordLoader(
-                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes="1GB", device_id=None
+                tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="1GB", shuffle=True
             )
             try:
                 budget = loader.cache.budget
@@ -690,7 +692,9 @@ os.unlink(os.path.join(mnt, "filler"))
 # B: the loader's cache exists, then the tmpfs is filled from outside before its first chunk.
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
-    loader = coordl.CoordLoader(root, 8, pipeline=coordl.ImageNetTrain(size=32), cache_bytes=1.0, device_id=None)
+    loader = coordl.CoordLoader(
+        root, 8, pipeline=coordl.ImageNetTrain(size=32), cache=1.0, device_id=None, shuffle=True
+    )
     out["b_budget"] = loader.cache.budget
     fill_up(os.path.join(mnt, "filler"))
     stats = []
@@ -747,14 +751,14 @@ def test_loader_close_leaves_nothing_and_keep_cache_starts_warm(tiny_dataset, is
     import coordl
 
     n = len(Index.scan(tiny_dataset))
-    kw = dict(pipeline=coordl.ImageNetTrain(size=32), cache_bytes=0.5, device_id=None)
+    kw = dict(pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache=0.5, shuffle=True)
     with coordl.CoordLoader(tiny_dataset, 8, **kw) as loader:
         for _ in loader:
             pass
         assert {names.parse_name(e)[1] for e in os.listdir(isolated)} >= {"table", "chunk", "lock", "init"}
     assert os.listdir(isolated) == []
 
-    with coordl.CoordLoader(tiny_dataset, 8, keep_cache=True, **kw) as loader:
+    with coordl.CoordLoader(tiny_dataset, 8, **kw, cache=coordl.Cache(keep=True)) as loader:
         for _ in loader:
             pass
         cached = loader.stats()["cache_items"]
@@ -763,7 +767,9 @@ def test_loader_close_leaves_nothing_and_keep_cache_starts_warm(tiny_dataset, is
     assert {names.parse_name(e)[1] for e in kept} >= {"table", "chunk", "keep"}
     try:
         assert reaper.reap(str(isolated)) == []  # kept groups survive a plain reap
-        with coordl.CoordLoader(tiny_dataset, 8, keep_cache=True, **kw) as loader:  # the next run, kept again
+        with coordl.CoordLoader(
+            tiny_dataset, 8, **kw, cache=coordl.Cache(keep=True)
+        ) as loader:  # the next run, kept again
             for _ in loader:
                 pass
             s = loader.stats()

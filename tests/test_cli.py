@@ -37,10 +37,10 @@ def test_cache_ls_and_clean(tiny_dataset):
     with coordl.CoordLoader(
         tiny_dataset,
         batch_size=30,
-        cache_bytes=0.5,
-        keep_cache=True,
         device_id=None,
         pipeline=coordl.ImageNetTrain(size=32),
+        cache=coordl.Cache(size=0.5, keep=True),
+        shuffle=True,
     ) as loader:
         for _ in loader:
             pass

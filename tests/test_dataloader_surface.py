@@ -36,12 +36,13 @@ def to_tensor(img):
 
 def make(root, backend, **kw):
     kw.setdefault("batch_size", BATCH)
-    kw.setdefault("cache_bytes", 0)
+    kw.setdefault("cache", 0)
+    kw.setdefault("shuffle", True)
     kw.setdefault("return_index", True)
     if backend == "dali":
         kw.setdefault("pipeline", coordl.ImageNetVal(size=16, resize=18))
         kw.setdefault("device_id", None)
-        kw.setdefault("num_threads", 1)
+        kw.setdefault("prep", 1)
         return CoordLoader(root, **kw)
     return CoordLoader(coordl.datasets.ImageFolder(root, transform=to_tensor), **kw)
 
@@ -55,7 +56,9 @@ def pass_ids(loader) -> list[int]:
 def test_lengths_of_sampler_dataset_and_batch_sampler(root, backend, drop_last):
     per_rank = N // WORLD if drop_last else math.ceil(N / WORLD)
     batches = per_rank // BATCH if drop_last else math.ceil(per_rank / BATCH)
-    with make(root, backend, rank=RANK, world_size=WORLD, drop_last=drop_last) as loader:
+    with make(
+        root, backend, drop_last=drop_last, shard=coordl.Shard(rank=RANK, world_size=WORLD, drop_last=drop_last)
+    ) as loader:
         got = {name: length_of(loader, name) for name in ("", "sampler", "dataset", "batch_sampler")}
     want = {"": batches, "sampler": per_rank, "dataset": N, "batch_sampler": batches}
     problems = [
@@ -84,13 +87,13 @@ def length_of(loader, name: str):
 
 @pytest.mark.parametrize("backend", ["dali", "torch"])
 def test_sampler_set_epoch_chooses_the_next_passs_order_like_set_epoch(root, backend):
-    with make(root, backend, rank=RANK, world_size=WORLD) as a:
+    with make(root, backend, shard=coordl.Shard(rank=RANK, world_size=WORLD)) as a:
         a.sampler.set_epoch(3)
         via_sampler = pass_ids(a)
-    with make(root, backend, rank=RANK, world_size=WORLD) as b:
+    with make(root, backend, shard=coordl.Shard(rank=RANK, world_size=WORLD)) as b:
         b.set_epoch(3)
         via_loader = pass_ids(b)
-    with make(root, backend, rank=RANK, world_size=WORLD) as c:
+    with make(root, backend, shard=coordl.Shard(rank=RANK, world_size=WORLD)) as c:
         epoch0 = pass_ids(c)
     assert via_sampler == via_loader, "loader.sampler.set_epoch(e) must do what loader.set_epoch(e) does"
     assert via_sampler != epoch0, "set_epoch(3) left the order of epoch 0"
@@ -98,7 +101,7 @@ def test_sampler_set_epoch_chooses_the_next_passs_order_like_set_epoch(root, bac
 
 @pytest.mark.parametrize("backend", ["dali", "torch"])
 def test_the_sampler_iterates_this_ranks_ids_of_the_next_pass(root, backend):
-    with make(root, backend, rank=RANK, world_size=WORLD) as loader:
+    with make(root, backend, shard=coordl.Shard(rank=RANK, world_size=WORLD)) as loader:
         loader.set_epoch(2)
         planned = [int(i) for i in loader.sampler]
         batches = [[int(i) for i in b] for b in loader.batch_sampler]
@@ -168,7 +171,8 @@ def test_torch_backend_keeps_the_users_dataset_and_dataloader_arguments(root):
         prefetch_factor=3,
         persistent_workers=True,
         pin_memory=False,
-        cache_bytes=0,
+        cache=0,
+        shuffle=True,
     ) as loader:
         problems = attribute_problems(
             loader,

@@ -65,10 +65,10 @@ def _flip_and_crop(images, ctx):
     ids=["train", "train-uint8", "val", "train-capped", "val-capped"],
 )
 def test_tensors_are_bit_for_bit_the_same_with_and_without_the_tier(tiny_dataset, pipeline):
-    kw = dict(batch_size=16, pipeline=pipeline, seed=3, device_id=None, num_threads=2)
-    with CoordLoader(str(tiny_dataset), decoded_cache=0, **kw) as plain:
+    kw = dict(batch_size=16, pipeline=pipeline, seed=3, device_id=None, prep=2, shuffle=True)
+    with CoordLoader(str(tiny_dataset), **kw, cache=coordl.Cache(decoded=0)) as plain:
         want, _ = epochs(plain)
-    with CoordLoader(str(tiny_dataset), cache_bytes=BIG, decoded_cache=BIG, **kw) as tiered:
+    with CoordLoader(str(tiny_dataset), **kw, cache=coordl.Cache(size=BIG, decoded=BIG)) as tiered:
         got, stats = epochs(tiered)
     assert_same(want, got)
     n = len(tiered.index)
@@ -84,12 +84,13 @@ def test_tensors_are_bit_for_bit_the_same_with_and_without_the_tier(tiny_dataset
 
 @pytest.mark.parametrize("cap", [None, 50], ids=["file-resolution", "capped"])
 def test_half_a_tier_serves_some_decoded_and_the_rest_encoded_alike(tiny_dataset, cap):
-    kw = dict(batch_size=16, seed=5, device_id=None, num_threads=2, pipeline=ImageNetTrain(size=32, max_short_side=cap))
-    with CoordLoader(str(tiny_dataset), decoded_cache=0, **kw) as plain:
+    kw = dict(batch_size=16, seed=5, device_id=None, pipeline=ImageNetTrain(size=32, max_short_side=cap), prep=2)
+    kw["shuffle"] = True
+    with CoordLoader(str(tiny_dataset), **kw, cache=coordl.Cache(decoded=0)) as plain:
         want, _ = epochs(plain, 3)
     full = sum(int(np.prod(s)) for s in _decoded_shapes(tiny_dataset, cap))
     budget = f"{full // 2}B"
-    with CoordLoader(str(tiny_dataset), cache_bytes="1GB", decoded_cache=budget, **kw) as tiered:
+    with CoordLoader(str(tiny_dataset), **kw, cache=coordl.Cache(size="1GB", decoded=budget)) as tiered:
         got, stats = epochs(tiered, 3)
     assert_same(want, got)
     n = len(tiered.index)
@@ -114,11 +115,11 @@ def _decoded_shapes(root: Path, cap: int | None = None) -> list[tuple[int, int, 
 
 
 def test_a_decoded_recipe_uses_the_tier_and_a_callable_on_bytes_cannot(tiny_dataset):
-    kw = dict(batch_size=16, seed=1, device_id=None, num_threads=2)
+    kw = dict(batch_size=16, seed=1, device_id=None, prep=2, shuffle=True)
     recipe = DecodedRecipe(_flip_and_crop)
     with CoordLoader(str(tiny_dataset), pipeline=recipe, **kw) as plain:
         want, _ = epochs(plain)
-    with CoordLoader(str(tiny_dataset), pipeline=recipe, cache_bytes=BIG, decoded_cache=BIG, **kw) as tiered:
+    with CoordLoader(str(tiny_dataset), pipeline=recipe, **kw, cache=coordl.Cache(size=BIG, decoded=BIG)) as tiered:
         got, stats = epochs(tiered)
     assert_same(want, got)
     assert stats[1]["decoded_hits"] == len(tiered.index)
@@ -127,13 +128,13 @@ def test_a_decoded_recipe_uses_the_tier_and_a_callable_on_bytes_cannot(tiny_data
         return _flip_and_crop(__import__("nvidia.dali.fn", fromlist=["fn"]).decoders.image(encoded), ctx)
 
     with pytest.raises(ValueError, match="DecodedRecipe"):
-        CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache=BIG, **kw)
-    with CoordLoader(str(tiny_dataset), pipeline=on_bytes, decoded_cache="auto", **kw) as auto:
+        CoordLoader(str(tiny_dataset), pipeline=on_bytes, **kw, cache=coordl.Cache(decoded=BIG))
+    with CoordLoader(str(tiny_dataset), pipeline=on_bytes, **kw, cache=coordl.Cache(decoded="auto")) as auto:
         assert auto.decoded is None  # "auto" stays on encoded bytes, as the recipe must
 
 
 def test_a_capped_tier_holds_the_capped_images_and_is_another_tier(tiny_dataset):
-    kw = dict(batch_size=16, seed=4, device_id=None, num_threads=2, cache_bytes=BIG, decoded_cache=BIG)
+    kw = dict(batch_size=16, seed=4, device_id=None, cache=coordl.Cache(size=BIG, decoded=BIG), prep=2, shuffle=True)
     with CoordLoader(str(tiny_dataset), pipeline=ImageNetTrain(size=24, max_short_side=50), **kw) as capped:
         got = [images.clone() for images, _ in capped]
         images = capped.decoded.images(np.arange(len(capped.index)))
@@ -159,15 +160,22 @@ def test_max_short_side_is_validated():
 
 def test_decoded_cache_is_refused_where_it_cannot_work_and_says_why(tiny_dataset):
     with pytest.raises(ValueError, match="torch backend"):
-        CoordLoader(coordl.datasets.ImageFolder(str(tiny_dataset)), decoded_cache="1GB")
-    with pytest.raises(ValueError, match="fraction of cache_bytes"):
-        CoordLoader(str(tiny_dataset), decoded_cache=1.5, device_id=None)
-    with pytest.raises(ValueError, match="decoded_cache='lots': cannot parse"):
-        CoordLoader(str(tiny_dataset), decoded_cache="lots", device_id=None)
+        CoordLoader(coordl.datasets.ImageFolder(str(tiny_dataset)), cache=coordl.Cache(decoded="1GB"), shuffle=True)
+    # A float is a fraction of the dataset for Cache(size); the decoded tier's share is bytes, never a float.
+    with pytest.raises(TypeError, match=r"Cache\(decoded\)=0.25: give bytes"):
+        coordl.Cache(size="100MB", decoded=0.25)
+    with pytest.raises(ValueError, match=r"Cache\(decoded\)='lots': cannot parse"):
+        coordl.Cache(decoded="lots")
 
 
-def test_a_fraction_of_cache_bytes_goes_to_the_tier(tiny_dataset):
-    with CoordLoader(str(tiny_dataset), cache_bytes="100MB", decoded_cache=0.25, device_id=None) as loader:
+def test_the_tiers_share_of_the_cache_goes_to_the_tier(tiny_dataset):
+    with CoordLoader(
+        str(tiny_dataset),
+        device_id=None,
+        cache=coordl.Cache(size="100MB", decoded="25MB"),
+        shuffle=True,
+        pipeline="imagenet-train",
+    ) as loader:
         assert loader.tiers.decoded_budget == 25_000_000
         assert loader.tiers.encoded_budget == 75_000_000
         assert loader.cache.budget == 75_000_000 and loader.decoded.budget == 25_000_000
@@ -179,8 +187,8 @@ JOB = textwrap.dedent(
     import json, sys
     from coordl import CoordLoader, ImageNetTrain
     root, seed, epochs, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "keep"
-    loader = CoordLoader(root, batch_size=8, pipeline=ImageNetTrain(size=24), seed=seed, device_id=None,
-                         num_threads=1, cache_bytes="1GB", decoded_cache="1GB", keep_cache=keep)
+    loader = CoordLoader(root, batch_size=8, pipeline=ImageNetTrain(size=24), seed=seed, device_id=None, prep=1,
+                         shuffle=True, cache=coordl.Cache(size="1GB", decoded="1GB", keep=keep))
     out = []
     for e in range(epochs):
         for _ in loader:
@@ -268,7 +276,13 @@ def photo_like(tmp_path_factory) -> Path:
 
 def test_auto_spends_memory_on_decoded_images_when_prep_is_the_bottleneck(photo_like):
     with CoordLoader(
-        str(photo_like), batch_size=8, cache_bytes="1GB", decoded_cache="auto", device_id=None, num_threads=2
+        str(photo_like),
+        batch_size=8,
+        device_id=None,
+        cache=coordl.Cache(size="1GB", decoded="auto"),
+        prep=2,
+        shuffle=True,
+        pipeline="imagenet-train",
     ) as loader:
         rates = loader.tiers.rates
         assert rates["decoded"] > rates["encoded"]  # augmenting a decoded image is cheaper than decoding it
@@ -294,7 +308,13 @@ def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypa
     monkeypatch.setattr(storage, "read_many", slow)
     # Half the files fit: every byte of memory spent on decoded images is more read from storage.
     with CoordLoader(
-        str(photo_like), batch_size=8, cache_bytes=0.5, decoded_cache="auto", device_id=None, num_threads=2
+        str(photo_like),
+        batch_size=8,
+        device_id=None,
+        cache=coordl.Cache(size=0.5, decoded="auto"),
+        prep=2,
+        shuffle=True,
+        pipeline="imagenet-train",
     ) as loader:
         assert loader.tiers.rates["storage"] < 5e6
         assert loader.decoded is None and loader.tiers.decoded_budget == 0
@@ -302,13 +322,19 @@ def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypa
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core leaves no thread count to choose")
 def test_auto_chooses_the_fewest_threads_near_the_best_rate_unless_the_user_set_them(photo_like):
-    kw = {"batch_size": 8, "cache_bytes": "1GB", "decoded_cache": "auto", "device_id": None}
+    kw = {
+        "batch_size": 8,
+        "cache": coordl.Cache(size="1GB", decoded="auto"),
+        "device_id": None,
+        "shuffle": True,
+        "pipeline": "imagenet-train",
+    }
     with CoordLoader(str(photo_like), **kw) as loader:
         tried = {int(t): r for t, r in loader.tiers.rates["thread_rates"].items()}
         assert 1 in tried and os.cpu_count() in tried
         best = max(tried.values())
         assert loader.num_threads == loader.tiers.threads == min(t for t, r in tried.items() if r >= 0.95 * best)
         assert loader.tiers.rates["threads"] == loader.num_threads
-    with CoordLoader(str(photo_like), num_threads=1, **kw) as loader:
+    with CoordLoader(str(photo_like), **kw, prep=1) as loader:
         assert loader.tiers.threads is None and loader.tiers.rates["thread_rates"] is None
         assert loader.num_threads == 1 and loader.tiers.rates["threads"] == 1

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import coordl
 from childproc import WAIT, report, result
 from coordl import CoordLoader, GroupConfigError, ImageNetTrain, ImageNetVal
 from coordl.index import Index
@@ -29,7 +30,8 @@ N = 120  # samples in tiny_dataset
 def _loader(root, **kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("pipeline", RECIPE)
-    return CoordLoader(root, return_index=True, num_threads=1, io_threads=2, **kw)
+    kw.setdefault("shuffle", True)
+    return CoordLoader(root, return_index=True, **kw, prep=1, fetch=coordl.Fetch(threads=2))
 
 
 def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, stop_after=None, ready=None):
@@ -226,10 +228,11 @@ def test_a_member_idle_between_epochs_is_dropped_after_the_timeout(isolated):
 # -- joining -------------------------------------------------------------------------------
 def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tiny_dataset, isolated, procs):
     q_a, q_b, progress, ready = CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
-    kw = {"batch_size": 4, "hp_staging": 4 * 4 * 3 * 16 * 16 * 4 + 4 * 4096}  # 4-5 slots, 30 batches a pass
-    procs(_member_signalling, str(tiny_dataset), "join", 3, kw, q_a, progress, ready)
+    group = coordl.HPGroup("join", staging=4 * 4 * 3 * 16 * 16 * 4 + 4 * 4096)  # 4-5 slots, 30 batches a pass
+    kw = {"batch_size": 4}
+    procs(_member_signalling, str(tiny_dataset), group, 3, kw, q_a, progress, ready)
     assert progress.wait(WAIT)  # A is in the middle of its first epoch, and waits for B to start
-    procs(_member, str(tiny_dataset), "join", 2, kw, None, q_b, 0.0, None, None, ready)
+    procs(_member, str(tiny_dataset), group, 2, kw, None, q_b, 0.0, None, None, ready)
     a, b = result(q_a, 120), result(q_b, 120)
     _check_epochs(a)
     _check_epochs(b)
@@ -285,9 +288,9 @@ def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
 
 def test_bad_arguments_are_refused(tiny_dataset):
     with pytest.raises(ValueError, match="hp_group"):
-        CoordLoader(str(tiny_dataset), hp_group="")
-    with pytest.raises(ValueError, match="hp_staging"):
-        loader = _loader(str(tiny_dataset), hp_group="small", hp_staging=1000)
+        CoordLoader(str(tiny_dataset), hp_group="", shuffle=True, pipeline="imagenet-train")
+    with pytest.raises(ValueError, match=r"HPGroup\(staging\)"):
+        loader = _loader(str(tiny_dataset), hp_group=coordl.HPGroup("small", staging=1000))
         try:
             next(iter(loader))
         finally:

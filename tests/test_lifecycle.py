@@ -80,7 +80,8 @@ import coordl
 def make(**kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("pipeline", coordl.ImageNetTrain(size=32))
-    kw.setdefault("cache_bytes", "4MB")
+    kw.setdefault("cache", "4MB")
+    kw.setdefault("shuffle", True)
     return coordl.CoordLoader(ROOT, **kw)
 
 
@@ -101,7 +102,8 @@ def to_tensor(img):  # a picklable transform: PIL image -> uint8 tensor 3x16x16
 def make(**kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("num_workers", 2)
-    kw.setdefault("cache_bytes", "4MB")
+    kw.setdefault("cache", "4MB")
+    kw.setdefault("shuffle", True)
     return coordl.CoordLoader(coordl.datasets.ImageFolder(ROOT, transform=to_tensor), **kw)
 
 
@@ -114,7 +116,8 @@ import coordl
 def make(**kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("pipeline", coordl.ImageNetTrain(size=32))
-    kw.setdefault("cache_bytes", "4MB")
+    kw.setdefault("cache", "4MB")
+    kw.setdefault("shuffle", True)
     kw.setdefault("hp_group", "lc-test")
     return coordl.CoordLoader(ROOT, **kw)
 

@@ -61,9 +61,9 @@ ROOT, OUT = sys.argv[1], sys.argv[2]
 
 # Made at the top, before the Trainer: Lightning starts the process group inside fit().
 train_loader = coordl.CoordLoader(ROOT, batch_size=8, pipeline=coordl.ImageNetTrain(size=16),
-                                  return_index=True, cache_bytes="4MB")
+                                  return_index=True, cache="4MB", shuffle=True)
 val_loader = coordl.CoordLoader(ROOT, batch_size=8, pipeline=coordl.ImageNetVal(size=16, resize=18),
-                                shuffle=False, return_index=True, cache_bytes="4MB")
+                                shuffle=False, return_index=True, cache="4MB")
 
 
 class Tiny(L.LightningModule):

@@ -18,7 +18,8 @@ def make(data, **kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("pipeline", SMALL)
     kw.setdefault("device_id", None)
-    kw.setdefault("num_threads", 2)
+    kw.setdefault("prep", 2)
+    kw.setdefault("shuffle", True)
     kw.setdefault("return_index", True)
     return CoordLoader(data, **kw)
 
@@ -49,7 +50,7 @@ def test_batches_are_torch_tensors_with_the_right_labels(tiny_dataset):
 
 
 def test_every_epoch_visits_every_sample_once_in_a_fresh_order(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0.5) as loader:
+    with make(tiny_dataset, cache=0.5) as loader:
         orders = []
         for _ in range(3):
             ids = flat(epoch_ids(loader))
@@ -60,21 +61,21 @@ def test_every_epoch_visits_every_sample_once_in_a_fresh_order(tiny_dataset):
 
 
 def test_same_seed_same_order_and_set_epoch(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0) as a:
+    with make(tiny_dataset, cache=0) as a:
         a.set_epoch(5)
         first = epoch_ids(a)
-    with make(tiny_dataset, cache_bytes=0) as b:
+    with make(tiny_dataset, cache=0) as b:
         b.set_epoch(5)
         assert epoch_ids(b) == first
         b.set_epoch(6)
         assert epoch_ids(b) != first
-    with make(tiny_dataset, cache_bytes=0, seed=1) as c:
+    with make(tiny_dataset, seed=1, cache=0) as c:
         c.set_epoch(5)
         assert epoch_ids(c) != first
 
 
 def test_no_shuffle_is_index_order(tiny_dataset):
-    with make(tiny_dataset, shuffle=False, cache_bytes=0) as loader:
+    with make(tiny_dataset, shuffle=False, cache=0) as loader:
         assert flat(epoch_ids(loader)) == list(range(120))
 
 
@@ -84,7 +85,12 @@ def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
     index = coordl.Index.scan(tiny_dataset)
     extra = coordl.Index.from_list(list(zip(index.paths, index.labels.tolist(), strict=True)) + [(index.paths[0], 0)])
     assert len(extra) == n
-    loaders = [make(extra, rank=r, world_size=world, drop_last=drop_last, batch_size=7) for r in range(world)]
+    loaders = [
+        make(
+            extra, drop_last=drop_last, batch_size=7, shard=coordl.Shard(rank=r, world_size=world, drop_last=drop_last)
+        )
+        for r in range(world)
+    ]
     try:
         for epoch in range(2):
             shards = []
@@ -107,7 +113,7 @@ def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
 def test_rank_and_world_come_from_the_environment(tiny_dataset, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with make(tiny_dataset, cache_bytes=0) as loader:
+    with make(tiny_dataset, cache=0) as loader:
         assert (loader.world.rank, loader.world.world_size) == (1, 2)
         assert len(flat(epoch_ids(loader))) == 60
 
@@ -133,11 +139,11 @@ def check_resume(make_loader, epoch: int, stop_after: int) -> None:
 
 
 RESUME_CONFIGS = {
-    "shuffle": dict(cache_bytes=0.3),
-    "no-shuffle": dict(cache_bytes=0, shuffle=False),
-    "drop-last": dict(cache_bytes=0.3, drop_last=True, batch_size=7),
-    "rank-1-of-3": dict(cache_bytes=0.3, rank=1, world_size=3, batch_size=5),
-    "skip-policy": dict(cache_bytes=0.3, on_error="skip", seed=11),
+    "shuffle": dict(cache=0.3),
+    "no-shuffle": dict(shuffle=False, cache=0),
+    "drop-last": dict(drop_last=True, batch_size=7, cache=0.3),
+    "rank-1-of-3": dict(batch_size=5, cache=0.3, shard=coordl.Shard(rank=1, world_size=3)),
+    "skip-policy": dict(on_error="skip", seed=11, cache=0.3),
 }
 
 
@@ -148,14 +154,14 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, conf
 
 
 def test_resume_after_the_last_batch_does_not_replay_the_epoch(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0) as a:
+    with make(tiny_dataset, cache=0) as a:
         a.set_epoch(4)
         it = iter(a)
         for _ in range(len(a)):
             next(it)
         state = a.state_dict()  # saved inside the loop, after the last batch
     assert (state["epoch"], state["batches"]) == (4, len(a))
-    with make(tiny_dataset, cache_bytes=0) as b:
+    with make(tiny_dataset, cache=0) as b:
         b.load_state_dict(state)
         b.set_epoch(4)  # the training script's loop does this again after a restart
         assert epoch_ids(b) == []
@@ -163,12 +169,12 @@ def test_resume_after_the_last_batch_does_not_replay_the_epoch(tiny_dataset):
 
 
 def test_resume_refuses_a_different_configuration(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0) as a:
+    with make(tiny_dataset, cache=0) as a:
         state = a.state_dict()
-    with make(tiny_dataset, cache_bytes=0, batch_size=4) as b:
+    with make(tiny_dataset, batch_size=4, cache=0) as b:
         with pytest.raises(ValueError, match="batch_size=8 but this loader has batch_size=4"):
             b.load_state_dict(state)
-    with make(tiny_dataset, cache_bytes=0, seed=3) as c:
+    with make(tiny_dataset, seed=3, cache=0) as c:
         with pytest.raises(ValueError, match="seed"):
             c.load_state_dict(state)
         with pytest.raises(ValueError, match="missing"):
@@ -186,12 +192,12 @@ def test_augmentation_is_fresh_every_epoch_and_val_is_deterministic(tiny_dataset
                 out[i] = img
         return out
 
-    with make(tiny_dataset, cache_bytes=0) as train:
+    with make(tiny_dataset, cache=0) as train:
         e0, e1 = by_id(train), by_id(train)
         same = sum(torch.equal(e0[i], e1[i]) for i in e0)
         assert same < 5  # random crops and flips differ between epochs
     val = coordl.ImageNetVal(size=32, resize=36)
-    with make(tiny_dataset, cache_bytes=0, pipeline=val, shuffle=False) as ev:
+    with make(tiny_dataset, pipeline=val, shuffle=False, cache=0) as ev:
         v0, v1 = by_id(ev), by_id(ev)
         assert all(torch.equal(v0[i], v1[i]) for i in v0)
 
@@ -203,14 +209,14 @@ def test_custom_dali_recipe(tiny_dataset):
         images = fn.decoders.image(encoded, device=ctx.decoder_device, output_type=types.GRAY)
         return fn.resize(images, device=ctx.device, size=(16, 16))
 
-    with make(tiny_dataset, pipeline=gray_thumbnails, cache_bytes=0, batch_size=10) as loader:
+    with make(tiny_dataset, pipeline=gray_thumbnails, batch_size=10, cache=0) as loader:
         images, labels, ids = next(iter(loader))
         assert images.dtype == torch.uint8 and tuple(images.shape) == (10, 16, 16, 1)
 
 
 def test_stats_count_cache_and_storage(tiny_dataset):
     total = coordl.Index.scan(tiny_dataset).total_bytes
-    with make(tiny_dataset, cache_bytes=0.5) as loader:
+    with make(tiny_dataset, cache=0.5) as loader:
         rows = []
         for _ in range(3):
             epoch_ids(loader)
@@ -238,7 +244,7 @@ def test_stats_count_cache_and_storage(tiny_dataset):
 
 
 def test_cache_off_reads_everything_every_epoch(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0) as loader:
+    with make(tiny_dataset, cache=0) as loader:
         assert loader.cache is None
         epoch_ids(loader)
         epoch_ids(loader)
@@ -257,7 +263,7 @@ def corrupt(root, how):
 @pytest.mark.parametrize("how", ["truncate", "garbage"])
 def test_corrupt_sample_raises_with_its_path(dataset_copy, how):
     bad = corrupt(dataset_copy, how)
-    with make(dataset_copy, cache_bytes=0) as loader:
+    with make(dataset_copy, cache=0) as loader:
         with pytest.raises(SampleError) as info:
             epoch_ids(loader)
         assert info.value.path in bad and info.value.path in str(info.value)
@@ -266,7 +272,7 @@ def test_corrupt_sample_raises_with_its_path(dataset_copy, how):
 @pytest.mark.parametrize("how", ["truncate", "garbage"])
 def test_corrupt_samples_are_skipped_and_counted(dataset_copy, how):
     bad = corrupt(dataset_copy, how)
-    with make(dataset_copy, cache_bytes=0.5, on_error="skip") as loader:
+    with make(dataset_copy, on_error="skip", cache=0.5) as loader:
         bad_ids = {loader.index.paths.index(p) for p in bad}
         for _ in range(2):
             ids = flat(epoch_ids(loader))
@@ -280,25 +286,25 @@ def test_missing_or_changed_file(dataset_copy):
     index = coordl.Index.scan(dataset_copy)  # indexed before the files change
     victim, grown = index.paths[5], index.paths[7]
     os.unlink(victim)
-    with make(index, cache_bytes=0) as loader:
+    with make(index, cache=0) as loader:
         with pytest.raises(SampleError, match=victim):
             epoch_ids(loader)
-    with make(index, cache_bytes=0, on_error="skip") as loader:
+    with make(index, on_error="skip", cache=0) as loader:
         ids = flat(epoch_ids(loader))
         assert sorted(ids) == [i for i in range(120) if i != 5]
         assert loader.stats()["skipped_paths"] == [victim]
     with open(grown, "ab") as f:
         f.write(b"\0" * 10)
-    with make(index, cache_bytes=0, on_error="skip") as loader:
+    with make(index, on_error="skip", cache=0) as loader:
         with pytest.raises(coordl.DatasetChangedError, match=f"{grown} is .* changed after it was indexed"):
             epoch_ids(loader)  # a changed dataset is never silently skipped
-    with make(dataset_copy, cache_bytes=0) as fresh:
+    with make(dataset_copy, cache=0) as fresh:
         assert len(fresh.index) == 119  # a new scan sees the tree as it is now
         assert sorted(flat(epoch_ids(fresh))) == list(range(119))
 
 
 def test_breaking_out_and_closing_leaves_nothing_running(tiny_dataset):
-    loader = make(tiny_dataset, cache_bytes=0.5)
+    loader = make(tiny_dataset, cache=0.5)
     for k, _ in enumerate(loader):
         if k == 2:
             break
@@ -314,27 +320,27 @@ def test_breaking_out_and_closing_leaves_nothing_running(tiny_dataset):
 
 def test_argument_errors(tiny_dataset):
     with pytest.raises(ValueError, match="batch_size"):
-        CoordLoader(tiny_dataset, batch_size=0)
+        CoordLoader(tiny_dataset, batch_size=0, shuffle=True, pipeline="imagenet-train")
     with pytest.raises(ValueError, match="on_error"):
-        CoordLoader(tiny_dataset, batch_size=2, on_error="ignore")
+        CoordLoader(tiny_dataset, batch_size=2, on_error="ignore", shuffle=True, pipeline="imagenet-train")
     with pytest.raises(ValueError, match="unknown pipeline"):
-        CoordLoader(tiny_dataset, batch_size=2, pipeline="imagenet-tran", cache_bytes=0)
+        CoordLoader(tiny_dataset, batch_size=2, pipeline="imagenet-tran", cache=0, shuffle=True)
     with pytest.raises(TypeError, match="data must be"):
-        CoordLoader(42, batch_size=2)
+        CoordLoader(42, batch_size=2, shuffle=True, pipeline="imagenet-train")
     with pytest.raises(ValueError, match="cannot parse byte size"):
-        CoordLoader(tiny_dataset, batch_size=2, cache_bytes="lots")
-    with make(tiny_dataset, cache_bytes=0) as loader:
+        CoordLoader(tiny_dataset, batch_size=2, cache="lots", shuffle=True, pipeline="imagenet-train")
+    with make(tiny_dataset, cache=0) as loader:
         with pytest.raises(ValueError, match="epoch"):
             loader.set_epoch(-1)
 
 
 def test_set_epoch_during_or_after_a_pass_applies_to_the_next_pass(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=0) as ref:
+    with make(tiny_dataset, cache=0) as ref:
         ref.set_epoch(1)
         epoch1 = epoch_ids(ref)
         ref.set_epoch(7)
         epoch7 = epoch_ids(ref)
-    with make(tiny_dataset, cache_bytes=0) as loader:
+    with make(tiny_dataset, cache=0) as loader:
         loader.set_epoch(1)
         got = []
         for k, (_, _, ids) in enumerate(loader):
@@ -353,7 +359,7 @@ def test_set_epoch_during_or_after_a_pass_applies_to_the_next_pass(tiny_dataset)
 
 def test_skipped_whole_batch_keeps_the_resume_position(dataset_copy):
     index = coordl.Index.scan(dataset_copy)
-    with make(index, cache_bytes=0, shuffle=False, batch_size=10, on_error="skip") as loader:
+    with make(index, shuffle=False, batch_size=10, on_error="skip", cache=0) as loader:
         for p in index.paths[10:20]:  # every sample of batch 1: same size, not a JPEG
             size = os.path.getsize(p)
             with open(p, "wb") as f:
@@ -363,7 +369,7 @@ def test_skipped_whole_batch_keeps_the_resume_position(dataset_copy):
         assert next(it)[2].tolist() == list(range(20, 30))  # batch 1 was skipped whole
         assert loader.state_dict()["batches"] == 3  # position of batch 2, not a count of deliveries
         state = loader.state_dict()
-    with make(index, cache_bytes=0, shuffle=False, batch_size=10, on_error="skip") as again:
+    with make(index, shuffle=False, batch_size=10, on_error="skip", cache=0) as again:
         again.load_state_dict(state)
         assert flat(epoch_ids(again)) == list(range(30, 120))
 
@@ -371,7 +377,7 @@ def test_skipped_whole_batch_keeps_the_resume_position(dataset_copy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_gpu_path_outputs_on_the_device(tiny_dataset):
-    with make(tiny_dataset, device_id=0, cache_bytes=0.5) as loader:
+    with make(tiny_dataset, device_id=0, cache=0.5) as loader:
         for _ in range(2):
             ids = []
             for images, labels, idx in loader:

@@ -217,8 +217,8 @@ logging.getLogger("coordl").addHandler(Keep(logging.WARNING))
 out = {"epochs": []}
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
-    with coordl.CoordLoader(root, batch_size=16, pipeline=coordl.ImageNetTrain(size=64), cache_bytes=cache,
-                            device_id=None, num_threads=2, io_threads=2, return_index=True) as loader:
+    with coordl.CoordLoader(root, batch_size=16, pipeline=coordl.ImageNetTrain(size=64), cache=cache, shuffle=True,
+                            device_id=None, prep=2, fetch=coordl.Fetch(threads=2), return_index=True) as loader:
         n = len(loader.index)
         out["budget"] = loader.cache.budget if loader.cache is not None else 0
         for epoch in range(epochs):
@@ -287,7 +287,7 @@ def test_loader_in_a_memory_cgroup_caches_what_fits_and_is_never_killed(big_data
     for cache in ("auto", 1.0):
         r = run_in_cgroup(parent, str(cache), limit, big_dataset, cache, 2)
         facts = {k: v for k, v in r.items() if k != "stderr"}
-        assert r["returncode"] == 0, f"cache_bytes={cache}: exit {r['returncode']} (-9: killed) {facts}\n{r['stderr']}"
+        assert r["returncode"] == 0, f"cache={cache}: exit {r['returncode']} (-9: killed) {facts}\n{r['stderr']}"
         assert r["oom_kill"] == 0 and r["max_usage"] <= limit, facts
         assert any("memory limit" in m for m in r["messages"]), facts  # the warning names the limit
         assert r["budget"] < total, facts  # planned within the room: never the whole dataset

@@ -212,8 +212,10 @@ def test_the_advertised_address_follows_the_configuration(monkeypatch):
 
 def test_peers_true_without_a_distributed_job_says_why(tiny_dataset):
     with pytest.raises(ValueError, match="init_process_group"):
-        CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True)
-    with CoordLoader(tiny_dataset, batch_size=8, device_id=None) as loader:  # "auto": off, quietly
+        CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True, shuffle=True, pipeline="imagenet-train")
+    with CoordLoader(
+        tiny_dataset, batch_size=8, device_id=None, shuffle=True, pipeline="imagenet-train"
+    ) as loader:  # "auto": off, quietly
         assert loader.resources.peers is None
 
 

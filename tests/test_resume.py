@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvidia.dali import fn, pipeline_def, types
 
+import coordl
 from childproc import report, result
 from coordl import CoordLoader, ImageNetTrain, draws
 from coordl.prep.planned import ATTEMPTS, SampleRandom
@@ -34,7 +35,8 @@ CTX = multiprocessing.get_context("spawn")
 
 def _loader(root, **kw):
     kw.setdefault("pipeline", RECIPE)
-    return CoordLoader(root, batch_size=BS, return_index=True, num_threads=1, io_threads=2, seed=7, **kw)
+    kw.setdefault("shuffle", True)
+    return CoordLoader(root, batch_size=BS, return_index=True, seed=7, **kw, prep=1, fetch=coordl.Fetch(threads=2))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def reference(tiny_dataset, tmp_path_factory):
     out = {}
     with pytest.MonkeyPatch.context() as mp:  # the per-test isolation is not set up yet
         mp.setenv("COORDL_INDEX_DIR", str(tmp_path_factory.mktemp("index")))
-        with _loader(str(tiny_dataset), cache_bytes=0) as loader:
+        with _loader(str(tiny_dataset), cache=0) as loader:
             for epoch in (0, 1):
                 assert sorted(take(loader, out, epoch)) == list(range(N))
     return out
@@ -63,7 +65,7 @@ def _check(out, reference, delivered_before, delivered_after, world_after):
 @given(cut=st.integers(0, 16))
 def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, reference, before, after, cut):
     root, out = str(tiny_dataset), {}
-    ranks = [_loader(root, rank=r, world_size=before, cache_bytes=0) for r in range(before)]
+    ranks = [_loader(root, cache=0, shard=coordl.Shard(rank=r, world_size=before)) for r in range(before)]
     try:
         first = []
         for loader in ranks:
@@ -76,7 +78,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
     assert all(s == states[0] for s in states), "ranks that received as many batches have one state"
     assert "rank" not in states[0]
     delivered = {0: first, 1: []}
-    ranks = [_loader(root, rank=r, world_size=after, cache_bytes=0) for r in range(after)]
+    ranks = [_loader(root, cache=0, shard=coordl.Shard(rank=r, world_size=after)) for r in range(after)]
     try:
         for loader in ranks:
             loader.load_state_dict(states[0])  # rank 0's state, on every new rank
@@ -97,38 +99,38 @@ def test_augmentation_differs_between_epochs(reference):
 
 def test_a_resume_at_the_same_world_size_continues_the_same_batches(tiny_dataset):
     root = str(tiny_dataset)
-    with _loader(root, rank=1, world_size=2, cache_bytes=0) as loader:
+    with _loader(root, cache=0, shard=coordl.Shard(rank=1, world_size=2)) as loader:
         whole = [ids.tolist() for _, _, ids in loader]
-    with _loader(root, rank=0, world_size=2, cache_bytes=0) as loader:  # rank 0 saves
+    with _loader(root, cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:  # rank 0 saves
         for k, _ in enumerate(loader):
             if k == 2:
                 break
         state = loader.state_dict()
-    with _loader(root, rank=1, world_size=2, cache_bytes=0) as loader:  # rank 1 resumes from it
+    with _loader(root, cache=0, shard=coordl.Shard(rank=1, world_size=2)) as loader:  # rank 1 resumes from it
         loader.load_state_dict(state)
         rest = [ids.tolist() for _, _, ids in loader]
     assert rest == whole[3:]
 
 
 def test_a_state_of_another_batch_size_or_dataset_is_refused(tiny_dataset, dataset_copy):
-    with _loader(str(tiny_dataset), cache_bytes=0) as loader:
+    with _loader(str(tiny_dataset), cache=0) as loader:
         state = loader.state_dict()
-    other = CoordLoader(str(tiny_dataset), batch_size=BS + 1, pipeline=RECIPE, seed=7, cache_bytes=0)
+    other = CoordLoader(str(tiny_dataset), batch_size=BS + 1, pipeline=RECIPE, seed=7, cache=0, shuffle=True)
     message = "cannot resume: state has batch_size=8 but this loader has batch_size=9"
     with other, pytest.raises(ValueError, match=message):
         other.load_state_dict(state)
     next(dataset_copy.rglob("*.jpg")).unlink()
-    with _loader(str(dataset_copy), cache_bytes=0) as other, pytest.raises(ValueError, match="state has dataset="):
+    with _loader(str(dataset_copy), cache=0) as other, pytest.raises(ValueError, match="state has dataset="):
         other.load_state_dict(state)
 
 
 def test_a_version_1_state_of_a_rank_still_resumes(tiny_dataset):
-    with _loader(str(tiny_dataset), rank=0, world_size=2, cache_bytes=0) as loader:
+    with _loader(str(tiny_dataset), cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:
         for k, _ in enumerate(loader):
             if k == 1:
                 break
         state = {**loader.state_dict(), "version": 1, "rank": 0}
-    with _loader(str(tiny_dataset), rank=0, world_size=2, cache_bytes=0) as loader:
+    with _loader(str(tiny_dataset), cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:
         loader.load_state_dict(state)
         assert loader.state_dict()["batches"] == 2
 
@@ -171,10 +173,10 @@ def test_an_hp_group_members_images_are_those_of_the_same_loader_alone(tiny_data
 
 def test_a_member_resumed_alone_gets_the_images_the_group_would_have_given_it(tiny_dataset, isolated, reference):
     root, out = str(tiny_dataset), {}
-    with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
+    with _loader(root, hp_group="resumed", cache=0) as loader:
         first = take(loader, out, 0, limit=4)
         state = loader.state_dict()
-    with _loader(root, hp_group="resumed", cache_bytes=0) as loader:
+    with _loader(root, hp_group="resumed", cache=0) as loader:
         loader.load_state_dict(state)
         rest = take(loader, out, 0)  # alone: the group's epoch is in the middle
         take(loader, out, 1)  # from the group again
@@ -203,16 +205,16 @@ def _dali_random_recipe(encoded, ctx):
 
 def test_a_custom_recipe_drawing_from_ctx_random_is_the_same_on_any_world_size(tiny_dataset):
     root, one, two = str(tiny_dataset), {}, {}
-    with _loader(root, pipeline=_planned_recipe, cache_bytes=0) as loader:
+    with _loader(root, pipeline=_planned_recipe, cache=0) as loader:
         take(loader, one, 0)
     for r in range(2):
-        with _loader(root, pipeline=_planned_recipe, cache_bytes=0, rank=r, world_size=2) as loader:
+        with _loader(root, pipeline=_planned_recipe, cache=0, shard=coordl.Shard(rank=r, world_size=2)) as loader:
             take(loader, two, 0)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 def test_a_custom_recipe_using_dali_random_operators_is_warned_about(tiny_dataset, caplog):
-    loader = _loader(str(tiny_dataset), pipeline=_dali_random_recipe, cache_bytes=0)
+    loader = _loader(str(tiny_dataset), pipeline=_dali_random_recipe, cache=0)
     with caplog.at_level(logging.WARNING, logger="coordl"), loader:
         next(iter(loader))
     warned = [r.getMessage() for r in caplog.records if "DALI's own random operators" in r.getMessage()]
@@ -272,7 +274,7 @@ def test_a_pass_left_and_started_again_and_a_skipped_file_change_no_other_sample
     bad = sorted(dataset_copy.rglob("*.jpg"))[5]  # sample 5: the index sorts classes, then files
     bad.write_bytes(b"not a jpeg" * 50)
     out = {}
-    with _loader(str(dataset_copy), cache_bytes=0, on_error="skip") as loader:
+    with _loader(str(dataset_copy), on_error="skip", cache=0) as loader:
         take(loader, out, 0, limit=3)  # left after 3 batches...
         out.clear()
         got = take(loader, out, 0)  # ...and the epoch started again; the bad file rebuilds the pipeline

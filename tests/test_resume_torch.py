@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+import coordl
 from coordl import CoordLoader
 from coordl.datasets import ImageFolder
 from recording import take
@@ -68,8 +69,9 @@ def augment(im: Image.Image) -> torch.Tensor:
 
 def _loader(root, workers: str = "in-process", transform=augment, **kw) -> CoordLoader:
     kw.setdefault("batch_size", BS)
+    kw.setdefault("shuffle", True)
     data = ImageFolder(root, transform=transform)
-    return CoordLoader(data, seed=SEED, return_index=True, cache_bytes=0, **WORKERS[workers], **kw)
+    return CoordLoader(data, seed=SEED, return_index=True, **WORKERS[workers], **kw, cache=0)
 
 
 def _check(out: dict, reference: dict) -> None:
@@ -101,7 +103,7 @@ def reference(tiny_dataset, tmp_path_factory):
 @given(data=st.data())
 def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, reference, workers, before, after, data):
     root, out = str(tiny_dataset), {}
-    ranks = [_loader(root, workers, rank=r, world_size=before) for r in range(before)]
+    ranks = [_loader(root, workers, shard=coordl.Shard(rank=r, world_size=before)) for r in range(before)]
     try:
         cut = data.draw(st.integers(0, len(ranks[0]) - 1), label="batches before the interruption")
         first = []
@@ -113,7 +115,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
             loader.close()
     assert all(s == states[0] for s in states) and (states[0]["epoch"], states[0]["batches"]) == (0, cut)
     rest, later = [], []
-    ranks = [_loader(root, workers, rank=r, world_size=after) for r in range(after)]
+    ranks = [_loader(root, workers, shard=coordl.Shard(rank=r, world_size=after)) for r in range(after)]
     try:
         for loader in ranks:
             loader.load_state_dict(states[0])  # rank 0's state, on every new rank
@@ -135,7 +137,7 @@ def test_a_resumed_run_delivers_the_uninterrupted_runs_tensors(tiny_dataset, ref
 def test_the_tensors_do_not_depend_on_workers_batch_size_or_rank(tiny_dataset, reference, workers):
     out = {}
     for rank in range(3):
-        with _loader(str(tiny_dataset), workers, rank=rank, world_size=3, batch_size=5) as loader:
+        with _loader(str(tiny_dataset), workers, batch_size=5, shard=coordl.Shard(rank=rank, world_size=3)) as loader:
             for epoch in (0, 1):
                 take(loader, out, epoch)
     assert len(out) == 2 * N
@@ -156,7 +158,7 @@ def test_another_seed_augments_differently(tiny_dataset, reference):
         seed=SEED + 1,
         shuffle=False,
         return_index=True,
-        cache_bytes=0,
+        cache=0,
     ) as loader:
         take(loader, out, 0)
     same = [i for i in range(N) if torch.equal(out[(0, i)], reference[(0, i)])]

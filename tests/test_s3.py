@@ -27,6 +27,7 @@ pytest.importorskip("moto")
 pytest.importorskip("obstore")
 pytest.importorskip("boto3")
 
+import coordl
 from coordl import CoordLoader, ImageNetTrain
 from coordl.errors import DatasetChangedError, SampleError
 from coordl.index import Index
@@ -178,10 +179,11 @@ def test_epochs_are_exactly_once_and_later_epochs_get_only_the_uncached_samples(
         batch_size=16,
         pipeline=RECIPE,
         device_id=None,
-        num_threads=1,
-        cache_bytes=cache,
         return_index=True,
         seed=3,
+        cache=cache,
+        prep=1,
+        shuffle=True,
     ) as loader:
         for epoch in range(3):
             s3env.reset()
@@ -202,7 +204,7 @@ def test_epochs_are_exactly_once_and_later_epochs_get_only_the_uncached_samples(
 def test_an_s3_loader_delivers_the_local_loaders_tensors(root, tiny_dataset):
     got, want = {}, {}
     with CoordLoader(
-        root, batch_size=8, pipeline=RECIPE, device_id=None, num_threads=1, return_index=True, seed=7, cache_bytes=0.5
+        root, batch_size=8, pipeline=RECIPE, device_id=None, return_index=True, seed=7, cache=0.5, prep=1, shuffle=True
     ) as loader:
         for epoch in (0, 1):
             take(loader, got, epoch)
@@ -211,10 +213,11 @@ def test_an_s3_loader_delivers_the_local_loaders_tensors(root, tiny_dataset):
         batch_size=8,
         pipeline=RECIPE,
         device_id=None,
-        num_threads=1,
         return_index=True,
         seed=7,
-        cache_bytes=0,
+        cache=0,
+        prep=1,
+        shuffle=True,
     ) as loader:
         for epoch in (0, 1):
             take(loader, want, epoch)
@@ -228,10 +231,11 @@ def test_a_resumed_s3_loader_continues_where_the_state_was_saved(root):
             batch_size=8,
             pipeline=RECIPE,
             device_id=None,
-            num_threads=1,
             return_index=True,
             seed=7,
-            cache_bytes=0.5,
+            cache=0.5,
+            prep=1,
+            shuffle=True,
         )
 
     with loader() as a:
@@ -254,7 +258,7 @@ def test_throttling_and_server_errors_are_retried(root, s3env):
     s3env.fail(_key(root) + "/class_00/*", 503, times=6)
     s3env.fail(_key(root) + "/class_01/*", 500, times=4)
     with CoordLoader(
-        root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0, return_index=True
+        root, batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, cache=0, prep=1, shuffle=True
     ) as loader:
         seen = Counter(i for _, _, ids in loader for i in ids.tolist())
         s = loader.stats()
@@ -269,7 +273,7 @@ def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
     index = Index.scan(root)
     gone = index.paths[17]
     s3env.delete(BUCKET, _key(gone))
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, cache=0, prep=1, shuffle=True) as loader:
         with pytest.raises(SampleError, match=f"cannot read sample 17 \\({gone}\\): no such object \\(404"):
             for _ in loader:
                 pass
@@ -278,10 +282,11 @@ def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
         batch_size=16,
         pipeline=RECIPE,
         device_id=None,
-        num_threads=1,
-        cache_bytes=0,
         on_error="skip",
         return_index=True,
+        cache=0,
+        prep=1,
+        shuffle=True,
     ) as loader:
         seen = [i for _, _, ids in loader for i in ids.tolist()]
         assert sorted(seen) == [i for i in range(N) if i != 17]
@@ -296,14 +301,15 @@ def test_a_forbidden_object_follows_on_error(root, s3env):
         batch_size=16,
         pipeline=RECIPE,
         device_id=None,
-        num_threads=1,
-        cache_bytes=0,
         on_error="skip",
         return_index=True,
+        cache=0,
+        prep=1,
+        shuffle=True,
     ) as loader:
         seen = [i for _, _, ids in loader for i in ids.tolist()]
     assert sorted(seen) == [i for i in range(N) if i != 5]
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, cache=0, prep=1, shuffle=True) as loader:
         with pytest.raises(SampleError, match="access denied \\(403 AccessDenied\\)"):
             for _ in loader:
                 pass
@@ -316,7 +322,7 @@ def test_a_changed_object_raises_dataset_changed_and_the_next_start_lists_again(
     old = s3env.client().get_object(Bucket=BUCKET, Key=_key(victim))["Body"].read()
     new = bytes(reversed(old)) if same_size else old + b"\0" * 10
     s3env.put(BUCKET, _key(victim), new)
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=0) as loader:
+    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, cache=0, prep=1, shuffle=True) as loader:
         with pytest.raises(DatasetChangedError, match=f"{victim} (changed after it was indexed|is {len(new)} bytes)"):
             for _ in loader:
                 pass
@@ -335,9 +341,9 @@ def test_closing_a_loader_abandons_the_requests_that_still_wait_for_the_store(ro
         shuffle=False,
         pipeline=RECIPE,
         device_id=None,
-        num_threads=1,
-        cache_bytes=0,
-        prefetch_batches=2,
+        cache=0,
+        prep=1,
+        fetch=coordl.Fetch(batches_ahead=2),
     )
     for _ in loader:
         break
@@ -373,7 +379,7 @@ def test_a_request_that_hangs_past_the_timeout_is_retried_then_fails_with_its_ur
         from coordl.errors import SampleError
         out = {}
         t0 = time.monotonic()
-        with coordl.CoordLoader(index, batch_size=16, device_id=None, num_threads=1, cache_bytes=0,
+        with coordl.CoordLoader(index, batch_size=16, device_id=None, prep=1, cache=0, shuffle=True,
                                 pipeline=coordl.ImageNetTrain(size=16), on_error="skip", return_index=True) as ld:
             out["seen"] = sorted(i for _, _, ids in ld for i in ids.tolist())
             out["skipped"] = ld.stats()["skipped_paths"]
@@ -406,7 +412,8 @@ def test_refused_credentials_raise_store_error_at_once_whatever_on_error_says(ti
             f"index = Index.build({paths!r}, {local.labels.tolist()!r}, {local.sizes.tolist()!r}, etags={etags!r})\n"
         )
         code += textwrap.dedent("""
-            with coordl.CoordLoader(index, batch_size=8, device_id=None, on_error="skip", cache_bytes=0) as ld:
+            with coordl.CoordLoader(index, batch_size=8, device_id=None, on_error="skip", cache=0, shuffle=True,
+                                    pipeline="imagenet-train") as ld:
                 print(sum(len(labels) for _, labels in ld), ld.stats()["skipped"])
         """)
         proc = _script(code, s.env())
@@ -457,7 +464,8 @@ def test_credentials_and_the_endpoint_come_from_an_aws_profile(tiny_dataset, tmp
             f"index = Index.build({paths!r}, {local.labels.tolist()!r}, {local.sizes.tolist()!r}, etags={etags!r})\n"
         )
         code += textwrap.dedent("""
-            with coordl.CoordLoader(index, batch_size=8, device_id=None, cache_bytes=0) as ld:
+            with coordl.CoordLoader(index, batch_size=8, device_id=None, cache=0, shuffle=True,
+                                    pipeline="imagenet-train") as ld:
                 print(sum(len(labels) for _, labels in ld))
         """)
         proc = _script(code, dict(env, AWS_PROFILE="training"))
@@ -470,8 +478,8 @@ def test_credentials_and_the_endpoint_come_from_an_aws_profile(tiny_dataset, tmp
 LEAVING_SCRIPT = """
 import sys
 import coordl
-loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None, num_threads=1, cache_bytes=0.5,
-                            pipeline=coordl.ImageNetTrain(size=16))
+loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None,
+                            pipeline=coordl.ImageNetTrain(size=16), cache=0.5, prep=1)
 for k, _ in enumerate(loader):
     if k == 0:
         if sys.argv[2] == "raise":
@@ -501,8 +509,8 @@ def test_a_script_that_leaves_the_loop_with_requests_hung_exits_promptly_and_lea
 KILLED_SCRIPT = """
 import sys, time
 import coordl
-loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None, num_threads=1, cache_bytes=1.0,
-                            pipeline=coordl.ImageNetTrain(size=16))
+loader = coordl.CoordLoader(sys.argv[1], batch_size=8, shuffle=False, device_id=None,
+                            pipeline=coordl.ImageNetTrain(size=16), cache=1.0, prep=1)
 for k, _ in enumerate(loader):
     print("batch", k, flush=True)
     time.sleep(3600)  # killed here, with the GETs of later batches stuck and their cache slots reserved
@@ -527,7 +535,7 @@ def test_a_process_killed_with_gets_in_flight_leaves_a_cache_the_next_loader_rem
     assert os.listdir(isolated)  # the dead process's cache, with slots reserved for the stuck objects
     s3env.reset()
     with CoordLoader(
-        root, batch_size=16, pipeline=RECIPE, device_id=None, num_threads=1, cache_bytes=1.0, return_index=True
+        root, batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, cache=1.0, prep=1, shuffle=True
     ) as loader:
         stats = []
         for _ in range(2):
@@ -555,7 +563,7 @@ ds = ImageFolder(sys.argv[1], transform=to_array)
 if sys.argv[2] == "read-first":
     ds[0]  # the main process reads an object itself before the workers fork
 out = []
-with coordl.CoordLoader(ds, batch_size=16, num_workers=2, cache_bytes=0.5, return_index=True) as ld:
+with coordl.CoordLoader(ds, batch_size=16, num_workers=2, return_index=True, cache=0.5, shuffle=True) as ld:
     for epoch in range(2):
         ids = sorted(i for _, _, idx in ld for i in idx.tolist())
         s = ld.stats()
@@ -634,8 +642,8 @@ ANALYZED = """
 import sys, time
 import coordl
 
-with coordl.CoordLoader(sys.argv[1], batch_size=8, cache_bytes=0.5, device_id=None, num_threads=1,
-                        pipeline=coordl.ImageNetVal(size=32, resize=36)) as loader:
+with coordl.CoordLoader(sys.argv[1], batch_size=8, device_id=None, pipeline=coordl.ImageNetVal(size=32, resize=36),
+                        cache=0.5, prep=1, shuffle=True) as loader:
     for epoch in range(100):
         for images, labels in loader:
             time.sleep(0.02)  # the training step

@@ -38,6 +38,7 @@ def to_tensor(im: Image.Image) -> torch.Tensor:
 def make(data, **kw):
     kw.setdefault("batch_size", 8)
     kw.setdefault("num_workers", 2)
+    kw.setdefault("shuffle", True)
     kw.setdefault("return_index", True)
     if not isinstance(data, FileDataset):
         data = ImageFolder(data, transform=to_tensor)
@@ -116,7 +117,7 @@ def test_imagefolder_is_valid_file_allow_empty_and_errors(dataset_copy):
 
 def test_loader_batches_equal_the_reference_items_in_order(tiny_dataset):
     _, samples, item = reference_imagefolder(tiny_dataset)
-    with make(tiny_dataset, shuffle=False, cache_bytes=0.5) as loader:
+    with make(tiny_dataset, shuffle=False, cache=0.5) as loader:
         assert len(loader) == N // 8
         got = list(loader)
     for k, (images, labels, ids) in enumerate(got):
@@ -128,7 +129,7 @@ def test_loader_batches_equal_the_reference_items_in_order(tiny_dataset):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_epoch_is_exactly_once_in_a_fresh_order_like_the_dali_path(tiny_dataset, workers):
-    with make(tiny_dataset, num_workers=workers, cache_bytes=0.5, persistent_workers=workers > 0) as loader:
+    with make(tiny_dataset, num_workers=workers, persistent_workers=workers > 0, cache=0.5) as loader:
         orders = [flat(epoch_ids(loader)) for _ in range(3)]
     assert all(sorted(o) == list(range(N)) for o in orders)
     assert len({tuple(o) for o in orders}) == 3
@@ -137,16 +138,17 @@ def test_every_epoch_is_exactly_once_in_a_fresh_order_like_the_dali_path(tiny_da
         batch_size=8,
         pipeline=coordl.ImageNetVal(size=16),
         device_id=None,
-        num_threads=1,
         return_index=True,
-        cache_bytes=0,
+        cache=0,
+        prep=1,
+        shuffle=True,
     )
     with dali:
         assert [flat(epoch_ids(dali)) for _ in range(3)] == orders  # one sampler for both backends
 
 
 def test_spawned_workers_attach_to_the_cache_themselves(tiny_dataset):
-    with make(tiny_dataset, cache_bytes=1.0, multiprocessing_context="spawn", persistent_workers=True) as loader:
+    with make(tiny_dataset, multiprocessing_context="spawn", persistent_workers=True, cache=1.0) as loader:
         for _ in range(2):
             assert sorted(flat(epoch_ids(loader))) == list(range(N))
         assert loader.stats()["cache_hits"] == N and loader.stats()["storage_reads"] == 0
@@ -156,7 +158,13 @@ def test_spawned_workers_attach_to_the_cache_themselves(tiny_dataset):
 def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
     per_rank = []
     for rank in range(3):
-        with make(tiny_dataset, rank=rank, world_size=3, drop_last=drop_last, batch_size=7, cache_bytes=0) as loader:
+        with make(
+            tiny_dataset,
+            drop_last=drop_last,
+            batch_size=7,
+            cache=0,
+            shard=coordl.Shard(rank=rank, world_size=3, drop_last=drop_last),
+        ) as loader:
             per_rank.append(flat(epoch_ids(loader)))
     everything = sorted(i for ids in per_rank for i in ids)
     assert len({len(ids) for ids in per_rank}) == 1
@@ -167,11 +175,11 @@ def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
 
 
 RESUME_CONFIGS = {
-    "shuffle": dict(cache_bytes=0.3),
-    "persistent-workers": dict(cache_bytes=0.3, persistent_workers=True),
-    "in-process": dict(cache_bytes=0, num_workers=0, shuffle=False),
-    "drop-last": dict(cache_bytes=0.3, drop_last=True, batch_size=7),
-    "rank-1-of-3": dict(cache_bytes=0.3, rank=1, world_size=3, batch_size=5),
+    "shuffle": dict(cache=0.3),
+    "persistent-workers": dict(persistent_workers=True, cache=0.3),
+    "in-process": dict(num_workers=0, shuffle=False, cache=0),
+    "drop-last": dict(drop_last=True, batch_size=7, cache=0.3),
+    "rank-1-of-3": dict(batch_size=5, cache=0.3, shard=coordl.Shard(rank=1, world_size=3)),
 }
 
 
@@ -183,7 +191,7 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(tiny_dataset, conf
 
 def test_later_epochs_read_exactly_the_uncached_items(tiny_dataset):
     total = ImageFolder(tiny_dataset).index.total_bytes
-    with make(tiny_dataset, cache_bytes=0.5) as loader:
+    with make(tiny_dataset, cache=0.5) as loader:
         before = loader.stats()
         epoch_ids(loader)
         first = loader.stats()
@@ -197,7 +205,7 @@ def test_later_epochs_read_exactly_the_uncached_items(tiny_dataset):
             assert s["storage_reads"] == N - s["cache_items"]
             assert s["storage_bytes"] == total - s["cache_bytes"]  # exactly dataset - cache
             assert s["admitted"] == 0 and s["samples"] == N
-    with make(tiny_dataset, cache_bytes=1.0) as loader:
+    with make(tiny_dataset, cache=1.0) as loader:
         epoch_ids(loader)
         epoch_ids(loader)
         assert loader.stats()["storage_reads"] == 0 and loader.stats()["cache_hits"] == N
@@ -205,7 +213,7 @@ def test_later_epochs_read_exactly_the_uncached_items(tiny_dataset):
 
 def _second_job(root, q):
     def body():
-        with make(root, cache_bytes=1.0) as loader:
+        with make(root, cache=1.0) as loader:
             assert sorted(flat(epoch_ids(loader))) == list(range(N))
             return loader.stats()
 
@@ -213,7 +221,7 @@ def _second_job(root, q):
 
 
 def test_workers_and_other_jobs_share_one_cache(tiny_dataset, isolated):
-    with make(tiny_dataset, cache_bytes=1.0) as first:
+    with make(tiny_dataset, cache=1.0) as first:
         epoch_ids(first)  # two workers fill the node's cache
         budget = first.stats()["cache_budget"]
         chunks = [e for e in os.listdir(isolated) if ".chunk." in e]
@@ -238,11 +246,11 @@ def test_collate_fn_worker_init_fn_and_custom_batches(tiny_dataset, tmp_path):
     def init(worker_id):
         (tmp_path / f"worker{worker_id}").write_text(str(torch.utils.data.get_worker_info().num_workers))
 
-    with make(tiny_dataset, collate_fn=collate, worker_init_fn=init, return_index=False, cache_bytes=0) as loader:
+    with make(tiny_dataset, collate_fn=collate, worker_init_fn=init, return_index=False, cache=0) as loader:
         batches = list(loader)
     assert all(set(b) == {"x", "y"} and b["x"].shape == (8, 3, 16, 16) for b in batches)
     assert sorted((tmp_path / f"worker{k}").read_text() for k in range(2)) == ["2", "2"]
-    with make(tiny_dataset, collate_fn=collate, cache_bytes=0) as loader:
+    with make(tiny_dataset, collate_fn=collate, cache=0) as loader:
         b, ids = next(iter(loader))  # return_index on a batch that is not a tuple: (batch, ids)
         assert len(ids) == 8 and b["y"] == loader.index.labels[ids.numpy()].tolist()
 
@@ -252,7 +260,7 @@ def test_random_transforms_follow_seed_and_epoch(tiny_dataset):
         return to_tensor(im).float() + torch.rand(1)
 
     def run(seed, epochs=2):
-        with make(ImageFolder(tiny_dataset, transform=noisy), cache_bytes=0, seed=seed, shuffle=False) as loader:
+        with make(ImageFolder(tiny_dataset, transform=noisy), seed=seed, shuffle=False, cache=0) as loader:
             return [torch.cat([b[0] for b in loader]) for _ in range(epochs)]
 
     a, b, c = run(0), run(0), run(1)
@@ -269,12 +277,12 @@ def corrupt(root):
 
 def test_bad_samples_raise_with_their_path_or_are_skipped(dataset_copy, caplog):
     bad = corrupt(dataset_copy)
-    with make(dataset_copy, cache_bytes=0) as loader:
+    with make(dataset_copy, cache=0) as loader:
         with pytest.raises(SampleError, match="cannot decode sample") as info:
             epoch_ids(loader)
         assert info.value.path in bad and info.value.path in str(info.value)
         assert any("In the worker" in n for n in info.value.__notes__)
-    with make(dataset_copy, cache_bytes=0.5, on_error="skip") as loader:
+    with make(dataset_copy, on_error="skip", cache=0.5) as loader:
         bad_ids = {loader.index.paths.index(p) for p in bad}
         for _ in range(2):
             assert sorted(flat(epoch_ids(loader))) == sorted(set(range(N)) - bad_ids)
@@ -288,14 +296,14 @@ def test_missing_and_changed_files(dataset_copy):
     ds = ImageFolder(dataset_copy, transform=to_tensor)  # indexed before the files change
     victim, grown = ds.index.paths[5], ds.index.paths[7]
     os.unlink(victim)
-    with make(ds, cache_bytes=0) as loader:
+    with make(ds, cache=0) as loader:
         with pytest.raises(SampleError, match=victim):
             epoch_ids(loader)
-    with make(ds, cache_bytes=0, on_error="skip") as loader:
+    with make(ds, on_error="skip", cache=0) as loader:
         assert sorted(flat(epoch_ids(loader))) == [i for i in range(N) if i != 5]
     with open(grown, "ab") as f:
         f.write(b"\0" * 10)
-    with make(ds, cache_bytes=0, on_error="skip") as loader:
+    with make(ds, on_error="skip", cache=0) as loader:
         with pytest.raises(coordl.DatasetChangedError, match="changed after it was indexed"):
             epoch_ids(loader)  # never skipped
 
@@ -304,7 +312,7 @@ def test_a_transform_error_is_the_users_and_propagates(tiny_dataset):
     def broken(im):
         raise ZeroDivisionError("my transform is wrong")
 
-    with make(ImageFolder(tiny_dataset, transform=broken), cache_bytes=0, on_error="skip") as loader:
+    with make(ImageFolder(tiny_dataset, transform=broken), on_error="skip", cache=0) as loader:
         with pytest.raises(ZeroDivisionError, match="my transform is wrong"):
             epoch_ids(loader)
 
@@ -321,7 +329,7 @@ def _kill_once(flag):
 
 def test_a_killed_worker_fails_the_pass_and_the_next_one_is_whole(tiny_dataset, tmp_path):
     ds = ImageFolder(tiny_dataset, transform=_kill_once(str(tmp_path / "killed")))
-    with make(ds, cache_bytes=0.5) as loader:
+    with make(ds, cache=0.5) as loader:
         with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
             epoch_ids(loader)
         assert sorted(flat(epoch_ids(loader))) == list(range(N))  # the epoch again, exactly once
@@ -355,7 +363,7 @@ def test_general_form_audio_files(tmp_path):
     folder = DatasetFolder(tmp_path / "audio", loader=decode_wav, extensions=".wav", transform=lambda x: x[:400])
     assert folder.classes == ["cat", "dog"] and len(folder) == 20
     for ds in (listed, folder):
-        with CoordLoader(ds, batch_size=4, num_workers=2, shuffle=False, cache_bytes=1.0) as loader:
+        with CoordLoader(ds, batch_size=4, num_workers=2, shuffle=False, cache=1.0) as loader:
             for _ in range(2):
                 batches = list(loader)
             assert loader.stats()["cache_hits"] == 20 and loader.stats()["storage_reads"] == 0
@@ -368,15 +376,15 @@ def test_general_form_audio_files(tmp_path):
 def test_argument_errors(tiny_dataset):
     ds = ImageFolder(tiny_dataset, transform=to_tensor)
     with pytest.raises(ValueError, match="decides the order"):
-        CoordLoader(ds, batch_size=2, sampler=[0, 1])
+        CoordLoader(ds, batch_size=2, sampler=[0, 1], shuffle=True)
     with pytest.raises(ValueError, match="collate_fn apply to the torch backend"):
-        CoordLoader(tiny_dataset, batch_size=2, collate_fn=list, cache_bytes=0)
+        CoordLoader(tiny_dataset, batch_size=2, collate_fn=list, cache=0, shuffle=True)
     with pytest.raises(ValueError, match="hp_group"):
-        CoordLoader(ds, batch_size=2, hp_group="g")
+        CoordLoader(ds, batch_size=2, hp_group="g", shuffle=True)
     with pytest.raises(ValueError, match="pipeline"):
-        CoordLoader(ds, batch_size=2, pipeline="imagenet-val")
+        CoordLoader(ds, batch_size=2, pipeline="imagenet-val", shuffle=True)
     with pytest.raises(ValueError, match="num_workers"):
-        CoordLoader(ds, batch_size=2, num_workers=-1)
+        CoordLoader(ds, batch_size=2, num_workers=-1, shuffle=True)
 
     class Plain(torch.utils.data.Dataset):
         def __len__(self):
@@ -386,7 +394,7 @@ def test_argument_errors(tiny_dataset):
             return i
 
     with pytest.raises(TypeError, match="coordl.datasets.ImageFolder, DatasetFolder or FileDataset"):
-        CoordLoader(Plain(), batch_size=2)
+        CoordLoader(Plain(), batch_size=2, shuffle=True, pipeline="imagenet-train")
 
 
 def test_a_torchvision_imagefolder_is_read_through_coordl(tiny_dataset):
@@ -399,6 +407,6 @@ def test_a_torchvision_imagefolder_is_read_through_coordl(tiny_dataset):
     tv = TV()
     tv.root, tv.classes, tv.class_to_idx = str(tiny_dataset), ours.classes, ours.class_to_idx
     tv.samples, tv.loader, tv.transform, tv.target_transform = ours.samples, default_loader, to_tensor, None
-    with CoordLoader(tv, batch_size=8, shuffle=False, cache_bytes=0, num_workers=2) as loader:
+    with CoordLoader(tv, batch_size=8, shuffle=False, num_workers=2, cache=0) as loader:
         images, labels = next(iter(loader))
     assert torch.equal(images, torch.stack([to_tensor(ours[i][0]) for i in range(8)]))

@@ -43,7 +43,11 @@ def tiny_cnn(num_classes: int) -> nn.Module:
 def train(args) -> None:
     torch.manual_seed(0)
     loader = coordl.CoordLoader(
-        args.data, batch_size=args.batch_size, pipeline=coordl.ImageNetTrain(size=args.size), hp_group=args.hp_group
+        args.data,
+        batch_size=args.batch_size,
+        pipeline=coordl.ImageNetTrain(size=args.size),
+        hp_group=args.hp_group,
+        shuffle=True,
     )
     model = tiny_cnn(len(loader.index.classes))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -221,9 +221,9 @@ def make_loaders(run: Run, traindir: str, valdir: str):
         common = dict(
             batch_size=args.batch_size,
             seed=args.seed or 0,
-            cache_bytes=cache,
             device_id=device_id,
-            num_threads=args.workers,
+            cache=cache,
+            prep=args.workers,
         )
         train = coordl.CoordLoader(
             traindir,

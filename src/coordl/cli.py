@@ -50,12 +50,12 @@ def _demo(args) -> int:
         )
         rows = []
         with coordl.CoordLoader(
-            root,
+            coordl.Index.scan(root, index_dir="" if not args.dir else None),
             batch_size=args.batch_size,
             pipeline="imagenet-train",
-            cache_bytes=args.cache,
             device_id=None,
-            index_dir="" if not args.dir else None,
+            cache=args.cache,
+            shuffle=True,
         ) as loader:
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)

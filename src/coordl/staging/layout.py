@@ -19,7 +19,6 @@ import numpy as np
 
 from coordl.errors import SharedMemoryError
 from coordl.shm import segment
-from coordl.units import parse_bytes
 
 __all__ = [
     "CLAIMED",
@@ -139,7 +138,8 @@ def slot_stride(batch_size: int, sample_shape: tuple[int, ...], dtype: str) -> i
 
 
 def slots_for(bound, stride: int, directory: str) -> int:
-    """How many slots of ``stride`` bytes a new staging area has, for ``bound`` (``hp_staging``).
+    """How many slots of ``stride`` bytes a new staging area has, for ``bound``
+    (:attr:`HPGroup.staging <coordl.HPGroup.staging>`: ``"auto"`` or bytes).
 
     Raises:
         ValueError: ``bound`` holds fewer than :data:`MIN_SLOTS` slots.
@@ -149,10 +149,11 @@ def slots_for(bound, stride: int, directory: str) -> int:
     if bound == "auto":
         slots = max(MIN_SLOTS, min(16, (2 << 30) // stride))
     else:
-        slots = parse_bytes(bound) // stride if isinstance(bound, str) else int(bound) // stride
+        slots = int(bound) // stride
         if slots < MIN_SLOTS:
             raise ValueError(
-                f"hp_staging={bound!r} holds {slots} batch(es) of {stride} bytes; it must hold at least {MIN_SLOTS}"
+                f"HPGroup(staging={bound!r}) holds {slots} batch(es) of {stride} bytes; "
+                f"it must hold at least {MIN_SLOTS}"
             )
     slots = min(slots, MAX_SLOTS)
     if slots * stride > free // 2:
