@@ -81,7 +81,7 @@ def test_global_batches_are_what_plain_sharding_interleaves(setting, start):
     world = len(rank_nodes)
     if drop_last and len(order) < world:
         return
-    glob = placement.global_batches(order, world, bs, drop_last, start)
+    glob = placement.global_batches(order, world, bs, drop_last, start, shard_drop_last=drop_last)
     for r in range(world):
         mine = sampler.batches(sampler.shard(order, r, world, drop_last), bs, drop_last, start)
         assert len(mine) == len(glob)
@@ -96,7 +96,7 @@ def test_plan_is_an_equal_ordered_split_with_least_traffic(setting):
     rank_nodes, bitmaps, order, bs, drop_last = setting
     world = len(rank_nodes)
     holder = placement.holders(bitmaps)
-    for g in placement.global_batches(order, world, bs, drop_last):
+    for g in placement.global_batches(order, world, bs, drop_last, shard_drop_last=drop_last):
         parts = placement.plan(g, holder, rank_nodes)
         assert len(parts) == world
         assert all(len(p) == len(g) // world for p in parts)  # every local batch as big as plain sharding's
@@ -122,14 +122,19 @@ def test_locality_batches_cover_the_epoch_like_plain_sharding(setting, start):
     if drop_last and len(order) < world:
         return
     holder = placement.holders(bitmaps)
-    ours = [placement.locality_batches(order, r, world, bs, drop_last, holder, rank_nodes) for r in range(world)]
+    ours = [
+        placement.locality_batches(order, r, world, bs, drop_last, holder, rank_nodes, shard_drop_last=drop_last)
+        for r in range(world)
+    ]
     theirs = [sampler.batches(sampler.shard(order, r, world, drop_last), bs, drop_last) for r in range(world)]
     for mine, ref in zip(ours, theirs):
         assert [len(b) for b in mine] == [len(b) for b in ref]
     flat = np.concatenate([b for mine in ours for b in mine] + [np.empty(0, np.int64)])
     ref = np.concatenate([b for mine in theirs for b in mine] + [np.empty(0, np.int64)])
     assert np.array_equal(np.sort(flat), np.sort(ref))  # exactly once per epoch, padding included
-    later = placement.locality_batches(order, 0, world, bs, drop_last, holder, rank_nodes, start)
+    later = placement.locality_batches(
+        order, 0, world, bs, drop_last, holder, rank_nodes, start, shard_drop_last=drop_last
+    )
     assert len(later) == len(ours[0][start:])
     assert all(np.array_equal(a, b) for a, b in zip(later, ours[0][start:]))
 
@@ -141,7 +146,7 @@ def test_a_cache_that_tells_nothing_apart_gives_plain_sharding(setting, everythi
     if everything_on_one_node:  # a single node holding everything: kept entries are dealt round-robin
         rank_nodes = np.zeros(world, np.int64)
     holder = np.full(len(order), 0 if everything_on_one_node else -1)
-    for g in placement.global_batches(order, world, bs, drop_last):
+    for g in placement.global_batches(order, world, bs, drop_last, shard_drop_last=drop_last):
         assert all(np.array_equal(a, b) for a, b in zip(placement.plan(g, holder, rank_nodes), plain(g, world)))
 
 
@@ -181,7 +186,9 @@ def test_traffic_of_random_placement_is_small():
         fractions = [
             placement.traffic(g, holder, rank_nodes, placement.plan(g, holder, rank_nodes)) / len(g)
             for epoch in range(4)
-            for g in placement.global_batches(sampler.epoch_order(n, 0, epoch), p, 64, drop_last=True)
+            for g in placement.global_batches(
+                sampler.epoch_order(n, 0, epoch), p, 64, drop_last=True, shard_drop_last=True
+            )
         ]
         assert np.mean(fractions) < 0.10, (p, np.mean(fractions))
 

@@ -146,7 +146,7 @@ def _epoch_on(schedule: Schedule, pos: Position, world: int, take: int | None) -
 def test_an_epoch_resumed_at_other_world_sizes_delivers_every_sample_once_beyond_padding(
     samples, batch_size, drop_last, worlds, takes
 ):
-    schedule = Schedule(samples, batch_size, shuffle=True, drop_last=drop_last, seed=5)
+    schedule = Schedule(samples, batch_size, shuffle=True, drop_last=drop_last, seed=5, shard_drop_last=drop_last)
     pos = Position(samples, batch_size)
     got, slack = [], 0
     for k, world in enumerate(worlds):
@@ -156,7 +156,8 @@ def test_an_epoch_resumed_at_other_world_sizes_delivers_every_sample_once_beyond
         slack += world * batch_size  # a plan pads fewer than `world` samples, or cuts fewer than this
         if ended:
             break
-        fields = {"version": 2, "seed": 5, "batch_size": batch_size, "drop_last": drop_last, "shuffle": True}
+        fields = {"version": 3, "order": 1, "seed": 5, "batch_size": batch_size, "drop_last": drop_last}
+        fields |= {"shard_drop_last": drop_last, "shuffle": True}
         state = json.loads(json.dumps({**fields, **pos.state_dict(), "dataset": "d", "config": "c"}))
         check_state(state, state, samples, schedule.num_batches)  # what rank 0 saved is well formed
         pos = Position(samples, batch_size)  # the job restarts at the next world size
@@ -183,7 +184,7 @@ def test_an_epoch_resumed_at_other_world_sizes_delivers_every_sample_once_beyond
 def test_a_resume_at_the_same_world_size_continues_the_uninterrupted_batches(
     samples, batch_size, world, take, drop_last
 ):
-    schedule = Schedule(samples, batch_size, shuffle=True, drop_last=drop_last, seed=1)
+    schedule = Schedule(samples, batch_size, shuffle=True, drop_last=drop_last, seed=1, shard_drop_last=drop_last)
     whole, _ = _epoch_on(schedule, Position(samples, batch_size), world, None)
     pos = Position(samples, batch_size)
     first, ended = _epoch_on(schedule, pos, world, take)

@@ -124,15 +124,23 @@ def test_a_state_of_another_batch_size_or_dataset_is_refused(tiny_dataset, datas
         other.load_state_dict(state)
 
 
-def test_a_version_1_state_of_a_rank_still_resumes(tiny_dataset):
+def test_a_state_of_coordl_0_1_is_refused_with_how_to_start_its_epoch_again(tiny_dataset):
+    # Versions 1 and 2 of the state were saved under numpy's Generator.permutation as the epoch order;
+    # the rest of their epoch would be other samples under coordl's own order.
     with _loader(str(tiny_dataset), cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:
         for k, _ in enumerate(loader):
             if k == 1:
                 break
-        state = {**loader.state_dict(), "version": 1, "rank": 0}
+        state = loader.state_dict()
+    for old in ({**state, "version": 1, "rank": 0}, {**state, "version": 2}):
+        for key in ("order", "shard_drop_last"):
+            old.pop(key)
+        with _loader(str(tiny_dataset), cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:
+            with pytest.raises(ValueError, match=r"numpy's Generator.permutation.*loader.set_epoch\(0\)"):
+                loader.load_state_dict(old)
     with _loader(str(tiny_dataset), cache=0, shard=coordl.Shard(rank=0, world_size=2)) as loader:
-        loader.load_state_dict(state)
-        assert loader.state_dict()["batches"] == 2
+        with pytest.raises(ValueError, match="state has order=7.*with version 1"):
+            loader.load_state_dict({**state, "order": 7})
 
 
 # -- an HP group member ------------------------------------------------------------------------------

@@ -11,85 +11,32 @@ batches of a pass), :mod:`~coordl.position` (epoch and batches delivered; resume
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from coordl import cpus, env, lifecycle, sources, world
+from coordl import cpus, lifecycle, sources, world
 from coordl.accounting import print_epoch_line
 from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
 from coordl.fetch import peer
-from coordl.fetch.fetcher import FetchCounters, Fetcher
+from coordl.fetch.fetcher import FetchCounters
 from coordl.index import Index
-from coordl.options import AUTO, Cache, Fetch, HPGroup, Peers, Prep, Shard
+from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard, refuse_renamed
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
 from coordl.prep.recipes import max_short_side, recipe_key
-from coordl.resources import Resources, thread_pool
+from coordl.resources import Resources
 from coordl.sampler import ORDER_VERSION
 from coordl.schedule import Locality, Schedule
 from coordl.tiers import plan as tiers
-from coordl.views import BatchSamplerView, SamplerView
+from coordl.views import DataLoaderAttributes
 
-__all__ = ["CoordLoader", "Options"]
-
-#: Arguments of earlier versions, and what says the same now.
-RENAMED = {
-    "cache_bytes": "cache= (cache='40GB', or coordl.Cache(size=...))",
-    "decoded_cache": "cache=coordl.Cache(size=..., decoded=...)",
-    "keep_cache": "cache=coordl.Cache(..., keep=True)",
-    "num_threads": "prep=coordl.Prep(threads=...)",
-    "io_threads": "fetch=coordl.Fetch(threads=...)",
-    "prefetch_batches": "fetch=coordl.Fetch(batches_ahead=...)",
-    "rank": "shard=coordl.Shard(rank=..., world_size=...)",
-    "world_size": "shard=coordl.Shard(rank=..., world_size=...)",
-    "locality_aware": "peers=coordl.Peers(locality_aware=...)",
-    "peer_timeout": "peers=coordl.Peers(timeout=...)",
-    "peer_retry_after": "peers=coordl.Peers(retry_after=...)",
-    "peer_interface": "peers=coordl.Peers(interface=...)",
-    "peer_port": "peers=coordl.Peers(port=...)",
-    "hp_staging": "hp_group=coordl.HPGroup(name, staging=...)",
-    "hp_idle_timeout": "hp_group=coordl.HPGroup(name, idle_timeout=...)",
-    "extensions": "data=coordl.Index.scan(root, extensions=...)",
-    "index_dir": "data=coordl.Index.scan(root, index_dir=...)",
-}
+__all__ = ["CoordLoader"]
 
 
-def _refuse_renamed(init):
-    """Names the new spelling of an argument of an earlier version (a ``TypeError``, as for any
-    unknown argument); ``inspect.signature`` still shows ``init``'s own parameters."""
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        old = sorted(RENAMED.keys() & kwargs.keys())
-        if old:
-            raise TypeError(
-                "CoordLoader does not take "
-                + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
-                + " (see docs/configuration.md)"
-            )
-        return init(self, *args, **kwargs)
-
-    return checked
-
-
-@dataclass(frozen=True)
-class Options:
-    """A loader's option objects, shorthands resolved (``loader.options``)."""
-
-    cache: Cache
-    peers: Peers
-    hp_group: HPGroup | None
-    shard: Shard
-    prep: Prep
-    fetch: Fetch
-
-
-class CoordLoader:
+class CoordLoader(DataLoaderAttributes):
     """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
 
     ``DataLoader``'s arguments keep their meaning and default. Two backends share the order,
@@ -147,7 +94,7 @@ class CoordLoader:
             the bytes came from); also turned on by the environment variable ``COORDL_LOG_EPOCHS=1``.
     """
 
-    @_refuse_renamed
+    @refuse_renamed
     def __init__(
         self,
         data: str | os.PathLike | Sequence[tuple[str, int]] | Index,
@@ -189,15 +136,7 @@ class CoordLoader:
         if in_order is not True:
             raise ValueError("in_order must be True: batches arrive in the epoch's order, which resume counts on")
         self._closed = True  # until the caches are open
-        self.options = Options(
-            cache=Cache.of(cache),
-            peers=Peers.of(peers),
-            hp_group=HPGroup.of(hp_group),
-            shard=Shard.of(shard),
-            prep=Prep.of(prep),
-            fetch=Fetch.of(fetch),
-        )
-        fetch_options = self.options.fetch
+        self.options = Options.of(cache=cache, peers=peers, hp_group=hp_group, shard=shard, prep=prep, fetch=fetch)
         self.config = LoaderConfig(
             batch_size=batch_size,
             shuffle=shuffle,
@@ -206,7 +145,7 @@ class CoordLoader:
             on_error=on_error,
             return_index=return_index,
             log_epochs=log_epochs,
-            batches_ahead=fetch_options.batches_ahead,
+            batches_ahead=self.options.fetch.batches_ahead,
         )
         self.torch_options = TorchOptions(
             num_workers=num_workers,
@@ -220,15 +159,7 @@ class CoordLoader:
             persistent_workers=bool(persistent_workers),
             pin_memory_device=pin_memory_device,
         )
-        source = sources.open_source(
-            data,
-            pipeline=pipeline,
-            device_id=device_id,
-            torch_options=self.torch_options,
-            prep=self.options.prep,
-            fetch=fetch_options,
-            hp_group=self.options.hp_group,
-        )
+        source = sources.open_source(data, pipeline, device_id, self.torch_options, self.options)
         self.backend, self.index, self.dataset = source.backend, source.index, source.dataset
         self.recipe, self.device_id = source.recipe, source.device_id
         # What the loader is decides whether the partitioned cache can serve it; where it runs, at
@@ -262,13 +193,7 @@ class CoordLoader:
         self._last: PassStats | None = None
         self._pid = os.getpid()
         self.tiers = self._plan_tiers()
-        self.cache = self.tiers.encoded.open(self.index.sizes) if self.tiers.encoded is not None else None
-        try:
-            self.decoded = self.tiers.decoded.open(self.index.sizes) if self.tiers.decoded is not None else None
-        except BaseException:
-            if self.cache is not None:
-                self.cache.close()
-            raise
+        self.cache, self.decoded = self.tiers.open(self.index.sizes)  # the node's, attached (made by the first job)
         self._closed = False
         lifecycle.track(self)
 
@@ -445,75 +370,24 @@ class CoordLoader:
         return self._resources
 
     def _open_resources(self) -> Resources:
-        made = []  # what needs stopping if a later part fails
-        try:
-            fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None, decoded=self.decoded)
-            io_threads = self.options.fetch.threads if self.backend == "dali" else 0
-            pool = None
-            if io_threads:
-                pool = thread_pool(io_threads, "coordl-io")
-                made.append(pool.shutdown)
-            peers, peer_pool = self._open_peers(made)
-            prep = dataloader = None
-            if self.backend == "dali":
-                from coordl.prep.dali import DaliPrep
-
-                prep = DaliPrep(
-                    self.recipe,
-                    batch_size=self.batch_size,
-                    num_threads=self.num_threads,
-                    device_id=self.device_id,
-                    seed=self.seed,
-                    rank=self._world.rank,
-                    on_error=self.on_error,
-                    tiered=self.decoded is not None,
-                )
-                made.append(prep.close)
-                lifecycle.before_dali_exit()
-            else:
-                from coordl.backends import torch as tb
-
-                items = tb.Items(self.dataset, fetcher, self.tiers.encoded, self.on_error)
-                dataloader = tb.make_dataloader(items, tb.EpochBatches(), self.torch_options, self.generator)
-            return Resources(
-                index=self.index,
-                cache=self.cache,
-                decoded=self.decoded,
-                cache_spec=self.tiers.encoded,
-                fetcher=fetcher,
-                io_threads=io_threads,
-                pool=pool,
-                peers=peers,
-                peer_pool=peer_pool,
-                prep=prep,
-                dataloader=dataloader,
-            )
-        except BaseException:
-            for stop in reversed(made):
-                stop()
-            raise
-
-    def _open_peers(self, made: list):
-        """The partitioned cache, when this job spans several nodes (see :class:`coordl.Peers`)."""
-        o = self.options.peers
-        why = self._peers_refusal or peer.world_refusal(self._world)
-        if why is not None:
-            if o.enabled is True:
-                raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
-            return None, None
-        pool = thread_pool(8, "coordl-peer")
-        made.append(pool.shutdown)
-        group = peer.PeerGroup(
-            self._world,
+        w, o, dali = self._world, self.options, self.backend == "dali"
+        why = self._peers_refusal or peer.world_refusal(w)
+        if why is not None and o.peers.enabled is True:
+            raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
+        prep = dict(recipe=self.recipe, batch_size=self.batch_size, num_threads=self.num_threads)
+        prep.update(device_id=self.device_id, seed=self.seed, on_error=self.on_error)
+        dataloader = dict(dataset=self.dataset, on_error=self.on_error, options=self.torch_options)
+        return Resources.open(
             self.index,
             self.cache,
-            timeout=float(o.timeout),
-            retry_after=float(o.retry_after),
-            interface=o.interface,
-            port=o.port if o.port is not None else env.integer("COORDL_PEER_PORT", 0, minimum=0),
+            self.decoded,
+            self.tiers.encoded,
+            world=w,
+            io_threads=o.fetch.threads if dali else 0,
+            peers=o.peers if why is None else None,
+            prep=prep if dali else None,
+            dataloader=None if dali else dict(dataloader, generator=self.generator),
         )
-        made.append(group.close)
-        return group, pool
 
     def _group_member(self):
         if self._member is None:
@@ -601,62 +475,6 @@ class CoordLoader:
 
             s.extra.update(EMPTY_GROUP_STATS)
         return s.as_dict()
-
-    # -- DataLoader's attributes ----------------------------------------------------------------------
-    batch_size = property(lambda self: self.config.batch_size)
-    drop_last = property(lambda self: self.config.drop_last)
-    shuffle = property(lambda self: self.config.shuffle)
-    seed = property(lambda self: self.config.seed)
-    return_index = property(lambda self: self.config.return_index)
-    on_error = property(lambda self: self.config.on_error)
-    log_epochs = property(lambda self: self.config.log_epochs)
-    num_workers = property(lambda self: self.torch_options.num_workers)
-    pin_memory = property(lambda self: self.torch_options.pin_memory)
-    timeout = property(lambda self: self.torch_options.timeout)
-    multiprocessing_context = property(lambda self: self.torch_options.multiprocessing_context)
-    persistent_workers = property(lambda self: self.torch_options.persistent_workers)
-    pin_memory_device = property(lambda self: self.torch_options.pin_memory_device)
-    in_order = property(lambda self: True)
-    hp_group = property(lambda self: self.options.hp_group.name if self.options.hp_group is not None else None)
-
-    @property
-    def worker_init_fn(self):
-        """The torch backend's ``worker_init_fn``; settable before a pass, as frameworks do."""
-        return self.torch_options.worker_init_fn
-
-    @worker_init_fn.setter
-    def worker_init_fn(self, fn) -> None:
-        self.torch_options = dataclasses.replace(self.torch_options, worker_init_fn=fn)
-        if self._resources is not None and self._resources.dataloader is not None:
-            self._resources.dataloader.worker_init_fn = fn  # its workers start with the next pass
-
-    @property
-    def collate_fn(self):
-        """The torch backend's ``collate_fn`` (``default_collate`` when none was given); None with DALI."""
-        if self.backend == "dali":
-            return None
-        if self.torch_options.collate_fn is not None:
-            return self.torch_options.collate_fn
-        from torch.utils.data import default_collate
-
-        return default_collate
-
-    @property
-    def prefetch_factor(self) -> int | None:
-        """As ``DataLoader``'s: batches each worker loads ahead (2 with workers, None without; None with DALI,
-        which reads ``Fetch(batches_ahead)`` batches ahead)."""
-        pf = self.torch_options.prefetch_factor
-        return pf if pf is not None or self.num_workers == 0 else 2
-
-    @property
-    def sampler(self) -> SamplerView:
-        """This rank's samples of the current epoch, as a ``DistributedSampler`` (``len``, ``iter``, ``set_epoch``)."""
-        return SamplerView(self)
-
-    @property
-    def batch_sampler(self) -> BatchSamplerView:
-        """This rank's batches of the current epoch (``len(loader.batch_sampler) == len(loader)``)."""
-        return BatchSamplerView(self)
 
     # -- lifetime ---------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -14,18 +14,20 @@ argument      option object                                shorthand
 ``fetch``     :class:`Fetch` (reads from storage)          none
 ============  ===========================================  ==========================================
 
-Sizes are parsed and ``"auto"`` recognised here, once: the rest of coordl sees :data:`AUTO`, an
+:class:`Options` holds a loader's six, and :data:`RENAMED` the arguments of earlier versions that
+one of them replaced. Sizes are parsed and ``"auto"`` recognised here, once: the rest of coordl sees :data:`AUTO`, an
 ``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction of the dataset.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from coordl.units import parse_bytes
 
-__all__ = ["AUTO", "Cache", "Fetch", "HPGroup", "Peers", "Prep", "Shard"]
+__all__ = ["AUTO", "RENAMED", "Cache", "Fetch", "HPGroup", "Options", "Peers", "Prep", "Shard", "refuse_renamed"]
 
 AUTO = "auto"
 
@@ -285,3 +287,67 @@ class Fetch:
         if isinstance(value, cls):
             return value
         raise TypeError(f"fetch must be a coordl.Fetch, got {type(value).__name__}")
+
+
+#: Arguments of earlier versions, and what says the same now.
+RENAMED = {
+    "cache_bytes": "cache= (cache='40GB', or coordl.Cache(size=...))",
+    "decoded_cache": "cache=coordl.Cache(size=..., decoded=...)",
+    "keep_cache": "cache=coordl.Cache(..., keep=True)",
+    "num_threads": "prep=coordl.Prep(threads=...)",
+    "io_threads": "fetch=coordl.Fetch(threads=...)",
+    "prefetch_batches": "fetch=coordl.Fetch(batches_ahead=...)",
+    "rank": "shard=coordl.Shard(rank=..., world_size=...)",
+    "world_size": "shard=coordl.Shard(rank=..., world_size=...)",
+    "locality_aware": "peers=coordl.Peers(locality_aware=...)",
+    "peer_timeout": "peers=coordl.Peers(timeout=...)",
+    "peer_retry_after": "peers=coordl.Peers(retry_after=...)",
+    "peer_interface": "peers=coordl.Peers(interface=...)",
+    "peer_port": "peers=coordl.Peers(port=...)",
+    "hp_staging": "hp_group=coordl.HPGroup(name, staging=...)",
+    "hp_idle_timeout": "hp_group=coordl.HPGroup(name, idle_timeout=...)",
+    "extensions": "data=coordl.Index.scan(root, extensions=...)",
+    "index_dir": "data=coordl.Index.scan(root, index_dir=...)",
+}
+
+
+def refuse_renamed(init):
+    """Names the new spelling of an argument of an earlier version (a ``TypeError``, as for any
+    unknown argument); ``inspect.signature`` still shows ``init``'s own parameters."""
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        old = sorted(RENAMED.keys() & kwargs.keys())
+        if old:
+            raise TypeError(
+                "CoordLoader does not take "
+                + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
+                + " (see docs/configuration.md)"
+            )
+        return init(self, *args, **kwargs)
+
+    return checked
+
+
+@dataclass(frozen=True)
+class Options:
+    """A loader's option objects, shorthands resolved (``loader.options``)."""
+
+    cache: Cache
+    peers: Peers
+    hp_group: HPGroup | None
+    shard: Shard
+    prep: Prep
+    fetch: Fetch
+
+    @classmethod
+    def of(cls, *, cache, peers, hp_group, shard, prep, fetch) -> Options:
+        """The option objects of a loader's arguments, each an object or its shorthand."""
+        return cls(
+            cache=Cache.of(cache),
+            peers=Peers.of(peers),
+            hp_group=HPGroup.of(hp_group),
+            shard=Shard.of(shard),
+            prep=Prep.of(prep),
+            fetch=Fetch.of(fetch),
+        )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl import compat, lifecycle
+from coordl import compat, env, lifecycle
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
@@ -26,6 +26,8 @@ from coordl.shm import names, reaper
 __all__ = ["CacheSpec", "Resources", "reap_once", "thread_pool"]
 
 log = logging.getLogger(__name__)
+
+PEER_THREADS = 8  # requests to other nodes' caches in flight at once
 
 _reaped: set[str] = set()
 
@@ -123,6 +125,74 @@ class Resources:
     prep: object = None
     dataloader: object = None
 
+    @classmethod
+    def open(
+        cls,
+        index: Index,
+        cache: NodeCache | None,
+        decoded: DecodedTier | None,
+        cache_spec: CacheSpec | None,
+        *,
+        world,
+        io_threads: int,
+        peers=None,
+        prep: dict | None = None,
+        dataloader: dict | None = None,
+    ) -> Resources:
+        """Makes every collaborator, in one place; if one fails, those made already are stopped.
+
+        Args:
+            index, cache, decoded, cache_spec: the dataset and the node's caches (the loader's).
+            world: this process's place in the job.
+            io_threads: threads reading from storage (0: none, the torch backend's workers read).
+            peers: the partitioned cache's :class:`~coordl.Peers` when it runs (None: off).
+            prep: the arguments of the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`;
+                None: the torch backend).
+            dataloader: the torch backend's ``dataset``, ``on_error``, ``options`` (its
+                :class:`~coordl.config.TorchOptions`) and ``generator`` (None: DALI).
+        """
+        made = []  # what needs stopping if a later part fails
+        try:
+            fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded)
+            pool = peer_pool = group = runner = loader = None
+            if io_threads:
+                pool = thread_pool(io_threads, "coordl-io")
+                made.append(pool.shutdown)
+            if peers is not None:
+                peer_pool = thread_pool(PEER_THREADS, "coordl-peer")
+                made.append(peer_pool.shutdown)
+                group = _peer_group(peers, world, index, cache)
+                made.append(group.close)
+            if prep is not None:
+                from coordl.prep.dali import DaliPrep
+
+                runner = DaliPrep(rank=world.rank, tiered=decoded is not None, **prep)
+                made.append(runner.close)
+                lifecycle.before_dali_exit()
+            if dataloader is not None:
+                from coordl.backends import torch as tb
+
+                d = dataloader
+                items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"])
+                loader = tb.make_dataloader(items, tb.EpochBatches(), d["options"], d["generator"])
+            return cls(
+                index=index,
+                cache=cache,
+                decoded=decoded,
+                cache_spec=cache_spec,
+                fetcher=fetcher,
+                io_threads=io_threads,
+                pool=pool,
+                peers=group,
+                peer_pool=peer_pool,
+                prep=runner,
+                dataloader=loader,
+            )
+        except BaseException:
+            for stop in reversed(made):
+                stop()
+            raise
+
     def with_cache(self, cache: NodeCache | None) -> Resources:
         """These resources over another cache (DS-Analyzer's cold, private one): the same pools and
         pipeline, a fetcher of its own, no decoded tier and no peers. Closing them is the caller's:
@@ -142,6 +212,22 @@ class Resources:
             self.peers.close()
         if self.prep is not None:
             self.prep.close()
+
+
+def _peer_group(options, world, index: Index, cache: NodeCache | None):
+    """This rank's part in the partitioned cache (see :class:`coordl.Peers`)."""
+    from coordl.fetch.peer import PeerGroup
+
+    port = options.port if options.port is not None else env.integer("COORDL_PEER_PORT", 0, minimum=0)
+    return PeerGroup(
+        world,
+        index,
+        cache,
+        timeout=options.timeout,
+        retry_after=options.retry_after,
+        interface=options.interface,
+        port=port,
+    )
 
 
 def thread_pool(threads: int, name: str) -> cf.ThreadPoolExecutor:

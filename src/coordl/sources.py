@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from coordl import env
 from coordl.config import TorchOptions
 from coordl.index import Index
-from coordl.options import Fetch, HPGroup, Prep
+from coordl.options import Fetch, Options, Prep
 from coordl.prep.recipes import resolve_recipe
 
 __all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
@@ -44,11 +44,9 @@ class Source:
     device_id: int | None
 
 
-def open_source(
-    data, *, pipeline, device_id, torch_options: TorchOptions, prep: Prep, fetch: Fetch, hp_group: HPGroup | None
-) -> Source:
-    """The backend for ``data`` with its arguments checked (``ValueError`` names what a backend
-    refuses), and the samples indexed.
+def open_source(data, pipeline, device_id, torch_options: TorchOptions, options: Options) -> Source:
+    """The backend for ``data`` with the loader's arguments checked (``ValueError`` names what a
+    backend refuses), and the samples indexed.
 
     Raises:
         ValueError: an argument the backend does not take, a missing ``pipeline``, or no samples.
@@ -75,16 +73,16 @@ def open_source(
     else:
         if pipeline is not None:
             raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
-        if hp_group is not None:
+        if options.hp_group is not None:
             raise ValueError(
                 "hp_group is not available on the torch backend yet: use a folder or a list of files, "
                 "decoded by DALI, for coordinated pre-processing"
             )
-        if prep != Prep():
+        if options.prep != Prep():
             raise ValueError(
                 "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes"
             )
-        if fetch != Fetch():
+        if options.fetch != Fetch():
             raise ValueError(
                 "fetch= tunes the DALI backend's reads; the torch backend's workers read their own batches"
             )

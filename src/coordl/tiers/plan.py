@@ -48,6 +48,18 @@ class TierPlan:
     predicted: dict = field(default_factory=dict)  # samples/s the model expects, by decoded bytes
     threads: int | None = None  # DALI threads "auto" chose (Lobster's rule), when it was asked to
 
+    def open(self, sizes: np.ndarray) -> tuple:
+        """Attaches to the node's encoded and decoded tiers (each None when it has no budget),
+        making them if this is their first job."""
+        encoded = self.encoded.open(sizes) if self.encoded is not None else None
+        try:
+            decoded = self.decoded.open(sizes) if self.decoded is not None else None
+        except BaseException:
+            if encoded is not None:
+                encoded.close()
+            raise
+        return encoded, decoded
+
     def as_dict(self) -> dict:
         return {
             "encoded_budget": self.encoded_budget,
