@@ -1,97 +1,28 @@
 """What a loader's passes share: the index, the node's cache, the fetcher, thread pools, peers, the pipeline.
 
 :class:`Resources` is a frozen record with public attributes, made complete when the first pass
-starts; passes receive it (never the loader). :class:`CacheSpec` says how to attach to a node's
-cache, so the loader, the torch backend's worker processes and DS-Analyzer open caches the same way.
+starts; passes receive it (never the loader).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import hashlib
 import logging
-import os
 from dataclasses import dataclass
-
-import numpy as np
 
 from coordl import compat, env, lifecycle
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
+from coordl.fetch.spec import CacheSpec
 from coordl.index import Index
-from coordl.shm import names, reaper
 
-__all__ = ["CacheSpec", "Resources", "reap_once", "thread_pool"]
+__all__ = ["Resources", "thread_pool"]
 
 log = logging.getLogger(__name__)
 
 PEER_THREADS = 8  # requests to other nodes' caches in flight at once
-
-_reaped: set[str] = set()
-
-
-def reap_once(directory: str) -> None:
-    """Reclaims, once per process and directory, what crashed jobs left in the shm directory."""
-    if directory in _reaped:
-        return
-    _reaped.add(directory)
-    try:
-        for g in reaper.reap(directory):
-            log.info("coordl: removed %d bytes of shared memory left by a dead job (%s)", g.bytes, g.fingerprint)
-    except OSError as e:  # an unreadable directory is reported when the cache is opened
-        log.debug("coordl: reaping %s failed: %s", directory, e)
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """How to attach to one node-wide cache (picklable: worker processes attach by themselves)."""
-
-    fingerprint: str
-    budget: int
-    keep: bool
-    directory: str
-    dataset: str
-    tier: str = "encoded"  # or "decoded": the node's decoded images (a group of its own)
-
-    @classmethod
-    def for_dataset(
-        cls,
-        index: Index,
-        budget: int,
-        *,
-        keep: bool = False,
-        private: str = "",
-        tier: str = "encoded",
-        max_short_side: int | None = None,
-    ) -> CacheSpec:
-        """The cache of ``index`` for this user (segments are 0600, so two users get one each);
-        ``private`` names a cache of its own (DS-Analyzer's cold runs); ``tier="decoded"`` the
-        decoded tier beside it, of images capped at ``max_short_side`` when given (another tier:
-        other pixels)."""
-        key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
-        key += ":decoded" if tier == "decoded" else ""
-        key += f":max_short_side={max_short_side}" if tier == "decoded" and max_short_side else ""
-        group = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier)
-
-    def open(self, sizes: np.ndarray) -> NodeCache:
-        """Attaches to the cache (creating it if this is its first user)."""
-        reap_once(self.directory)
-        if self.tier == "decoded":
-            return DecodedTier(
-                self.fingerprint,
-                len(sizes),
-                self.budget,
-                keep=self.keep,
-                directory=self.directory,
-                dataset=self.dataset,
-                min_size=int(sizes.min()) if len(sizes) else 1,
-            )
-        return NodeCache(
-            self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory, dataset=self.dataset
-        )
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ import coordl
 from coordl import sampler
 from coordl.fetch import samples
 from coordl.fetch.cache import NodeCache
+from coordl.fetch.spec import CacheSpec
 from coordl.loader import CoordLoader
 from coordl.passes import Pass, Step
-from coordl.resources import CacheSpec
 
 __all__ = ["ENV", "AnalyzedLoader", "Target", "claim", "install", "spec"]
 

@@ -42,8 +42,8 @@ from coordl import compat, draws
 from coordl.datasets import as_file
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
 from coordl.fetch.fetcher import FetchCounters, Fetcher
+from coordl.fetch.spec import CacheSpec
 from coordl.passes import Pass, Step
-from coordl.resources import CacheSpec
 
 __all__ = [
     "Batch",

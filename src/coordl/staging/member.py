@@ -87,7 +87,7 @@ class GroupMember:
         self._staging_prep = None
         self.producer: _Producer | None = None  # the last pass's
         shape, dtype = self._staged_format(num_threads)
-        from coordl.resources import reap_once
+        from coordl.fetch.spec import reap_once
 
         reap_once(names.shm_dir())
         config_of_group = dict(identity, world_size=world.world_size, on_error=config.on_error)

@@ -19,10 +19,10 @@ import numpy as np
 from coordl.fetch.budget import resolve_budget
 from coordl.fetch.cache import HEADER, MAGIC
 from coordl.fetch.decoded import DecodedTier
+from coordl.fetch.spec import CacheSpec
 from coordl.index import Index
 from coordl.options import AUTO, Cache
 from coordl.prep.recipes import takes_decoded
-from coordl.resources import CacheSpec
 from coordl.shm import names
 from coordl.tiers.model import TierRates, best_tier_split, tier_throughput
 from coordl.units import format_bytes
