@@ -1,6 +1,6 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time, 2 and 4 nodes.
 
-Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl.tools.netns.Cluster``),
+Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl_testing.netns.Cluster``),
 its link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of their own whose
 ``read_bps_device`` throttles the dataset's device. One torchrun per node, one rank per node,
 ``init_process_group("gloo")``, and a CoordLoader per rank: this file's ``worker`` mode, the
@@ -52,8 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import common
-from coordl.tools import netns
 from coordl.units import format_bytes
+from coordl_testing import netns
 
 HERE = Path(__file__).resolve().parent
 
