@@ -5,6 +5,8 @@
 - :mod:`coordl_testing.netns` runs several "nodes" on one machine, each in a network namespace
   with a private ``/dev/shm`` (``examples/multinode/simulate.py``, the multi-node tests and
   benchmark).
+- :mod:`coordl_testing.traffic` counts the entries a split of a global batch moves between nodes,
+  the measure ``tests/test_placement.py`` and ``benchmarks/multinode.py`` hold plans to.
 
 It lives at the repository root, beside ``src/``, so that the wheel (``src/coordl`` only) never
 carries it. Import it from the root: pytest puts the root on ``sys.path`` (``pythonpath`` in
