@@ -439,7 +439,6 @@ class CoordLoader(DataLoaderAttributes):
             res.cache,
             timeout=float(o.timeout),
             retry_after=float(o.retry_after),
-            address=None,
             interface=o.interface,
             port=o.port if o.port is not None else env.integer("COORDL_PEER_PORT", 0, minimum=0),
         )

@@ -69,7 +69,6 @@ class DaliPrep:
         dali_seed: the seed of DALI's own random operators, which only custom recipes use
             (their draws depend on the batch a sample is in; they differ between ranks).
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
-        prefetch_queue_depth: batches DALI works on ahead of the consumer.
         tiered: build the pipeline for batches that mix encoded bytes and decoded images (the
             decoded tier, :mod:`coordl.prep.graph`); the recipe must take decoded images.
     """
@@ -84,7 +83,6 @@ class DaliPrep:
         seed: int,
         dali_seed: int | None = None,
         on_error: str = "raise",
-        prefetch_queue_depth: int = 2,
         tiered: bool = False,
     ):
         self.recipe = recipe
@@ -97,7 +95,7 @@ class DaliPrep:
         self._columns: int | None = None  # draws per sample the recipe uses
         self.dali_random: list[str] = []  # DALI random operators the recipe uses
         self.on_error = on_error
-        self.depth = prefetch_queue_depth
+        self.depth = 2  # batches DALI works on ahead of the consumer
         self.tiered = tiered
         self._mode: str | None = None  # the built pipeline's: PLAIN, TIERED or DECODED_ONLY
         self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
