@@ -1,6 +1,6 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time, 2 and 4 nodes.
 
-Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl.tools.netns.Cluster``),
+Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl_testing.netns.Cluster``),
 its link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of their own whose
 ``read_bps_device`` throttles the dataset's device. One torchrun per node, one rank per node,
 ``init_process_group("gloo")``, and a CoordLoader per rank: this file's ``worker`` mode, the
@@ -52,8 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import common
-from coordl.tools import netns
 from coordl.units import format_bytes
+from coordl_testing import netns
 
 HERE = Path(__file__).resolve().parent
 
@@ -281,12 +281,14 @@ class Run:
         """Peer samples per steady epoch: measured, and computed from what the nodes cached.
 
         From the nodes' cache contents at the start of an epoch (the holder map every rank learns),
-        ``placement`` gives the samples that cross nodes under plain sharding of the epoch's global
-        batches and under the locality-aware plan (the least any equal split can move); and,
+        ``placement`` and ``coordl_testing.traffic`` give the samples that cross nodes under plain
+        sharding of the epoch's global batches and under the locality-aware plan (the least any
+        equal split can move); and,
         for the batches the ranks actually received, the samples held by another node, which the
         loader's ``peer_reads`` should equal. Also whether the batches are the plan's.
         """
         from coordl import placement, sampler
+        from coordl_testing.traffic import traffic
 
         n, world, size = self.dataset["files"], len(ranks), self.args.batch_size
         rank_nodes = np.arange(world)
@@ -301,8 +303,8 @@ class Run:
             planned = [[] for _ in range(world)]
             for g in placement.global_batches(order, world, size, False):
                 parts = placement.plan(g, holder, rank_nodes)
-                least += placement.traffic(g, holder, rank_nodes, parts)
-                plain += placement.traffic(g, holder, rank_nodes, [g[r::world] for r in range(world)])
+                least += traffic(g, holder, rank_nodes, parts)
+                plain += traffic(g, holder, rank_nodes, [g[r::world] for r in range(world)])
                 for r in range(world):
                     planned[r].append(sorted(parts[r].tolist() if self.mode == "c" else g[r::world].tolist()))
             delivered = 0

@@ -4,7 +4,7 @@ the store served.
 
     python -m benchmarks.s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 
-The store is moto's S3 server behind ``coordl.tools.s3server.S3Server``'s proxy on 127.0.0.1,
+The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy on 127.0.0.1,
 which waits ``--latency`` seconds (default 0.02) before forwarding each request and counts
 what it forwards. The dataset is uploaded once (``--bucket``/``--prefix``, straight to moto, not
 counted); then, in ``--repeat`` rounds whose starting configuration rotates, every configuration
@@ -494,7 +494,7 @@ def main(argv=None) -> int:
         (child_capacity if spec["kind"] == "capacity" else child_loader)(spec)  # a failure: its traceback, exit 1
         return 0
 
-    from coordl.tools.s3server import S3Server
+    from coordl_testing.s3server import S3Server
 
     dataset = common.dataset_from_args(args)
     args.data = dataset["root"]

@@ -88,7 +88,7 @@ def main() -> int:
         print(json.dumps(_one(job["client"], job["keys"], job["sizes"])))
         return 0
 
-    from coordl.tools.s3server import S3Server
+    from coordl_testing.s3server import S3Server
 
     dataset = common.dataset_from_args(args)
     files = sorted(f for f in Path(args.data).rglob("*") if f.is_file())[: args.objects]

@@ -1,4 +1,5 @@
-"""Fixtures: tiny real JPEG datasets, an isolated shm directory, and a leak check.
+"""Fixtures: tiny real JPEG datasets, an isolated shm directory, a leak check, small cache layouts and
+memory limits.
 
 Every test runs with ``COORDL_SHM_DIR`` pointing at a fresh folder on /dev/shm (a
 real tmpfs) and ``COORDL_INDEX_DIR`` at a temp folder, so tests never see each
@@ -64,6 +65,38 @@ def procs():
         if p.is_alive():
             p.kill()
         p.join(10)
+
+
+@pytest.fixture
+def cache_layout(monkeypatch):
+    """``cache_layout(chunk_bytes, slice_bytes=None)``: the caches this test creates from then on are cut
+    into chunks (and reserved in slices) of these sizes, small so that a few items span chunks.
+
+    The sizes are :mod:`coordl.fetch.cache`'s constants, recorded in a cache's header when it is
+    created (a process that attaches follows the header); undone at teardown. A spawned child,
+    which this does not reach, sets the constants itself before it creates a cache.
+    """
+    from coordl.fetch import cache
+
+    def set_layout(chunk_bytes: int, slice_bytes: int | None = None) -> None:
+        monkeypatch.setattr(cache, "DEFAULT_CHUNK_BYTES", chunk_bytes)
+        if slice_bytes is not None:
+            monkeypatch.setattr(cache, "DEFAULT_SLICE_BYTES", slice_bytes)
+
+    return set_layout
+
+
+@pytest.fixture
+def memory_limit(monkeypatch):
+    """``memory_limit(level)``: the tightest memory limit coordl reads (:func:`coordl.shm.limits.tightest`)
+    is ``level`` from then on, a :class:`~coordl.shm.limits.Level`, None (no limit), or a callable
+    that returns one each time it is asked (a limit that changes as the cache fills)."""
+    from coordl.shm import limits
+
+    def set_limit(level) -> None:
+        monkeypatch.setattr(limits, "tightest", level if callable(level) else (lambda root="/": level))
+
+    return set_limit
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,13 @@ THIRD_PARTY_PURE_MAY_IMPORT = ["numpy"]
 SHM = "coordl.shm"
 
 
+# Test support lives outside the package, at the repository root (coordl_testing/, tests/,
+# benchmarks/), which pip does not install: no module of the package is one of the fixtures, and
+# none imports the test support or what only the fixtures need (moto).
+FIXTURES = ["s3server", "netns"]
+TEST_SUPPORT = ["coordl_testing", "tests", "benchmarks", "moto"]
+
+
 # -- reading the source -----------------------------------------------------------------------
 
 
@@ -335,6 +342,27 @@ def test_shm_imports_nothing_else_from_coordl(modules):
         if imp.internal and not (imp.target == SHM or imp.target.startswith(SHM + "."))
     ]
     _fail_if(offenders, "coordl.shm holds primitives and imports nothing else from coordl:")
+
+
+def test_the_package_holds_no_test_fixture_and_imports_no_test_support(modules):
+    fixtures = [
+        f"{m.where}: a test fixture in the package; it belongs in coordl_testing/"
+        for m in modules.values()
+        if m.name.rpartition(".")[2] in FIXTURES
+    ]
+    imports = [
+        f"{m.where}:{imp.line}: imports {imp.target}"
+        for m in modules.values()
+        for imp in m.imports
+        if not imp.internal and imp.target.split(".")[0] in TEST_SUPPORT
+    ]
+    _fail_if(
+        fixtures + imports,
+        "the installed package holds test support or needs it (fixtures live in coordl_testing/ at the "
+        "repository root, which pip does not install, and coordl never imports them):",
+    )
+    assert "coordl.tools" in modules  # where the fixtures were: the check above reads it
+    assert not [f"coordl.tools.{f}" for f in FIXTURES if f"coordl.tools.{f}" in modules]
 
 
 def _pure_modules(modules) -> list[str]:

@@ -250,7 +250,7 @@ def test_torch_backend_quick(tmp_path):
 
 def test_multinode_quick(tmp_path):
     """benchmarks.multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
-    from coordl.tools import netns
+    from coordl_testing import netns
 
     why = netns.unavailable() or (
         None if Path("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device").exists() else "no v1 blkio cgroup"

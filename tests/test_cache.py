@@ -27,6 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from childproc import report, result
+from coordl.fetch import cache as cache_module
 from coordl.fetch.budget import resolve_budget
 from coordl.fetch.cache import (
     EMPTY,
@@ -110,21 +111,22 @@ def kill9(p) -> None:
 
 
 # -- 1. admission until the budget, never eviction ----------------------------------------
-def test_reserve_publish_admits_until_budget_then_never_evicts(isolated, closing):
+def test_reserve_publish_admits_until_budget_then_never_evicts(isolated, closing, cache_layout):
     rng = np.random.default_rng(1)
     sizes = rng.integers(100, 900, 60)
     chunk, budget = 1000, 9000  # items straddle chunk boundaries; about a third of the items fit
-    cache = closing(NodeCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
+    cache_layout(chunk)
+    cache = closing(NodeCache(FP, sizes, budget, directory=str(isolated)))
     assert cache.budget == budget
     admitted = []
     for i in range(len(sizes)):
-        views = cache.reserve(i)
+        views = cache.reserve_many([i])[0]
         if views is None:
             continue
         assert sum(len(v) for v in views) == sizes[i]
         assert cache.get(i) is None  # reserved, not yet published
         write_range(views, pattern(i, sizes[i]))
-        cache.publish(i)
+        cache.publish_many([i])
         admitted.append(i)
         assert cache.resident_bytes <= budget
         assert sum(chunk_sizes(isolated)) <= budget
@@ -144,36 +146,38 @@ def test_reserve_publish_admits_until_budget_then_never_evicts(isolated, closing
     for _round in range(20):  # later misses are never admitted and nothing is replaced
         for i in rng.permutation(len(sizes)):
             if i in set(admitted):
-                assert cache.reserve(i) is None  # published: immutable
+                assert cache.reserve_many([i])[0] is None  # published: immutable
                 got = cache.get(i)
                 assert got is not None and not got.flags.writeable
                 assert np.array_equal(got, pattern(i, sizes[i]))
             else:
-                assert cache.reserve(i) is None and cache.get(i) is None
+                assert cache.reserve_many([i])[0] is None and cache.get(i) is None
     assert cache.resident_items == len(admitted) and table(isolated, FP)[0]["alloc"] == head["alloc"]
 
 
-def test_cache_marks_itself_full_when_not_even_the_smallest_item_fits(isolated, closing):
+def test_cache_marks_itself_full_when_not_even_the_smallest_item_fits(isolated, closing, cache_layout):
     sizes = np.full(30, 100)
-    cache = closing(NodeCache(FP, sizes, 1000, directory=str(isolated), chunk_bytes=256))
+    cache_layout(256)
+    cache = closing(NodeCache(FP, sizes, 1000, directory=str(isolated)))
     for i in range(30):
-        views = cache.reserve(i)
+        views = cache.reserve_many([i])[0]
         assert (views is None) == (i >= 10)
         if views is not None:
             write_range(views, pattern(i, 100))
-            cache.publish(i)
+            cache.publish_many([i])
     head, _ = table(isolated, FP)
     assert head["full"] == 1 and head["alloc"] == head["budget"] == cache.resident_bytes == 1000
     assert sorted(chunk_sizes(isolated)) == [232, 256, 256, 256]  # the last chunk ends at the budget
     assert all(np.array_equal(cache.get(i), pattern(i, 100)) for i in range(10))
 
 
-def test_fetcher_fills_cache_to_budget_and_keeps_items_identical(tiny_dataset, isolated, closing):
+def test_fetcher_fills_cache_to_budget_and_keeps_items_identical(tiny_dataset, isolated, closing, cache_layout):
     index = Index.scan(tiny_dataset)
     n, total = len(index), index.total_bytes
     budget = resolve_budget(0.3, total, str(isolated))
     assert budget == int(0.3 * total)
-    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=4096))
+    cache_layout(4096)
+    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=True)
     expected = [file_bytes(index, i) for i in range(n)]
     rng = np.random.default_rng(0)
@@ -264,7 +268,8 @@ def _sharing_member(root, budget, k, attached, filled, done, q):
     def body():
         index = Index.scan(root)
         n = len(index)
-        cache = NodeCache(index.fingerprint, index.sizes, budget, directory=names.shm_dir(), chunk_bytes=8192)
+        cache_module.DEFAULT_CHUNK_BYTES = 8192  # a spawned process: the parent's cache_layout does not reach it
+        cache = NodeCache(index.fingerprint, index.sizes, budget, directory=names.shm_dir())
         try:
             fetcher = Fetcher(index, cache, drop_page_cache=True)
             expected = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
@@ -325,16 +330,17 @@ def test_processes_share_one_cache_within_one_budget(tiny_dataset, isolated, pro
 # -- 4. a reader never sees a partial item -------------------------------------------------
 def _half_writer(directory, sizes, budget, chunk, i, half, go_on, q):
     def body():
-        cache = NodeCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
+        cache_module.DEFAULT_CHUNK_BYTES = chunk  # a spawned process: the parent's cache_layout does not reach it
+        cache = NodeCache(FP, sizes, budget, directory=directory)
         try:
-            views = cache.reserve(i)
+            views = cache.reserve_many([i])[0]
             assert views is not None
             data = pattern(i, sizes[i])
             write_range(views, data, 0, len(data) // 2)
             half.set()
             assert go_on.wait(WAIT)
             write_range(views, data, len(data) // 2)
-            cache.publish(i)
+            cache.publish_many([i])
             return True
         finally:
             cache.close()
@@ -342,16 +348,17 @@ def _half_writer(directory, sizes, budget, chunk, i, half, go_on, q):
     report(q, body)
 
 
-def test_reader_never_sees_half_written_item(isolated, procs, closing):
+def test_reader_never_sees_half_written_item(isolated, procs, closing, cache_layout):
     sizes = np.array([700, 900, 5000, 300])
     i, chunk = 2, 2048  # item 2 spans three chunks
-    reader = closing(NodeCache(FP, sizes, int(sizes.sum()), directory=str(isolated), chunk_bytes=chunk))
+    cache_layout(chunk)
+    reader = closing(NodeCache(FP, sizes, int(sizes.sum()), directory=str(isolated)))
     half, go_on, q = CTX.Event(), CTX.Event(), CTX.Queue()
     p = procs(_half_writer, str(isolated), sizes, int(sizes.sum()), chunk, i, half, go_on, q)
     assert half.wait(WAIT)
     assert reader.get(i) is None
     assert not reader.ready_mask(np.array([i]))[0]
-    assert reader.reserve(i) is None  # someone is writing it: not ours to write
+    assert reader.reserve_many([i])[0] is None  # someone is writing it: not ours to write
     assert table(isolated, FP)[1]["state"][i] == WRITING
     assert reader.resident_items == 0
     go_on.set()
@@ -365,13 +372,14 @@ def test_reader_never_sees_half_written_item(isolated, procs, closing):
 
 def _racing_writer(directory, sizes, budget, chunk, k, start, q):
     def body():
-        cache = NodeCache(FP, sizes, budget, directory=directory, chunk_bytes=chunk)
+        cache_module.DEFAULT_CHUNK_BYTES = chunk  # a spawned process: the parent's cache_layout does not reach it
+        cache = NodeCache(FP, sizes, budget, directory=directory)
         try:
             order = np.random.default_rng(100 + k).permutation(len(sizes))
             written = []
             assert start.wait(WAIT) is not None
             for i in order:
-                views = cache.reserve(int(i))
+                views = cache.reserve_many([int(i)])[0]
                 if views is None:
                     continue
                 data = pattern(int(i), sizes[i])
@@ -379,7 +387,7 @@ def _racing_writer(directory, sizes, budget, chunk, k, start, q):
                 for lo in range(0, len(data), step):  # slowly, so the reader looks in mid-write
                     write_range(views, data, lo, lo + step)
                     time.sleep(0.0002)
-                cache.publish(int(i))
+                cache.publish_many([int(i)])
                 written.append(int(i))
             return written
         finally:
@@ -388,11 +396,12 @@ def _racing_writer(directory, sizes, budget, chunk, k, start, q):
     report(q, body)
 
 
-def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs, closing):
+def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs, closing, cache_layout):
     rng = np.random.default_rng(7)
     sizes = rng.integers(200, 3000, 200)
     budget, chunk = int(sizes.sum() * 0.8), 4096
-    reader = closing(NodeCache(FP, sizes, budget, directory=str(isolated), chunk_bytes=chunk))
+    cache_layout(chunk)
+    reader = closing(NodeCache(FP, sizes, budget, directory=str(isolated)))
     expected = [pattern(i, s) for i, s in enumerate(sizes)]
     start, q = CTX.Barrier(3), CTX.Queue()
     ps = [procs(_racing_writer, str(isolated), sizes, budget, chunk, k, start, q) for k in range(2)]
@@ -429,13 +438,12 @@ def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs
 def _killed_mid_write(root, budget, keep, fill, i, written, q):
     def body():
         index = Index.scan(root)
-        cache = NodeCache(
-            index.fingerprint, index.sizes, budget, keep=keep, directory=names.shm_dir(), chunk_bytes=4096
-        )
+        cache_module.DEFAULT_CHUNK_BYTES = 4096  # a spawned process: the parent's cache_layout does not reach it
+        cache = NodeCache(index.fingerprint, index.sizes, budget, keep=keep, directory=names.shm_dir())
         fetcher = Fetcher(index, cache, drop_page_cache=False)
         for j in fill:
             fetcher.fetch(j)
-        views = cache.reserve(i)
+        views = cache.reserve_many([i])[0]
         assert views is not None
         garbage = np.full(int(index.sizes[i]), 0xAB, dtype=np.uint8)
         write_range(views, garbage, 0, len(garbage) // 2)
@@ -446,10 +454,11 @@ def _killed_mid_write(root, budget, keep, fill, i, written, q):
     time.sleep(3 * WAIT)  # killed here, cache still open, item i still WRITING
 
 
-def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isolated, procs):
+def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isolated, procs, cache_layout):
     index = Index.scan(tiny_dataset)
     n, victim = len(index), 10
-    cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated), chunk_bytes=4096)
+    cache_layout(4096)
+    cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=str(isolated))
     try:
         written, q = CTX.Event(), CTX.Queue()
         p = procs(
@@ -459,7 +468,7 @@ def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isola
         kill9(p)
         assert cache.get(victim) is None
         assert table(isolated, index.fingerprint)[1]["state"][victim] == WRITING
-        assert cache.reserve(victim) is None  # not reclaimed while others are attached...
+        assert cache.reserve_many([victim])[0] is None  # not reclaimed while others are attached...
         fetcher = Fetcher(index, cache, drop_page_cache=False)
         assert np.array_equal(fetcher.fetch(victim), file_bytes(index, victim))  # ...but served from storage
         assert (fetcher.counters.storage_reads, fetcher.counters.admitted) == (1, 0)
@@ -479,10 +488,11 @@ def test_kill9_mid_write_is_a_miss_while_others_are_attached(tiny_dataset, isola
     assert os.listdir(isolated) == []  # the killed child's membership died with it
 
 
-def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isolated, procs):
+def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isolated, procs, cache_layout):
     index = Index.scan(tiny_dataset)
     fp, victim, budget = index.fingerprint, 10, index.total_bytes
-    first = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)
+    cache_layout(4096)
+    first = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated))
     try:
         written, q = CTX.Event(), CTX.Queue()
         p = procs(_killed_mid_write, str(tiny_dataset), budget, False, list(range(victim)), victim, written, q)
@@ -501,7 +511,7 @@ def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isol
         offset, alloc, num_chunks = entries["offset"][victim], head["alloc"], head["num_chunks"]
         chunk_total = sum(chunk_sizes(isolated))
 
-        again = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated), chunk_bytes=4096)  # alone
+        again = NodeCache(fp, index.sizes, budget, keep=True, directory=str(isolated))  # alone
         try:
             head2, entries2 = table(isolated, fp)
             assert entries2["state"][victim] == EMPTY and entries2["offset"][victim] == offset
@@ -656,6 +666,8 @@ import json, os, sys, warnings
 import numpy as np
 import coordl
 from coordl.fetch.fetcher import Fetcher
+from unittest import mock
+from coordl.fetch import cache as cache_module
 from coordl.fetch.cache import NodeCache
 sys.path.insert(0, {tests!r})
 from test_cache import fill_up
@@ -668,7 +680,8 @@ n = len(index)
 expected = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
 
 # A: chunks already reserved, then the tmpfs is filled to the last byte from outside.
-cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=mnt, chunk_bytes=16384)
+with mock.patch.object(cache_module, "DEFAULT_CHUNK_BYTES", 16384):  # A's cache only: B's loader lays out its own
+    cache = NodeCache(index.fingerprint, index.sizes, index.total_bytes, directory=mnt)
 f = Fetcher(index, cache, drop_page_cache=False)
 with warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
@@ -923,7 +936,7 @@ def test_a_forked_child_cannot_use_or_release_its_parents_attachment(isolated):
         if pid == 0:  # pragma: no cover - the child reports through its exit code
             code = 1
             try:
-                cache.reserve(0)
+                cache.reserve_many([0])
             except RuntimeError as e:
                 code = 0 if "forked process" in str(e) else 2
             cache.close()
@@ -931,9 +944,9 @@ def test_a_forked_child_cannot_use_or_release_its_parents_attachment(isolated):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert os.listdir(isolated)  # the child's close removed nothing
-        views = cache.reserve(0)  # and the parent's attachment still works
+        views = cache.reserve_many([0])[0]  # and the parent's attachment still works
         views[0][:] = 7
-        cache.publish(0)
+        cache.publish_many([0])
         assert cache.get(0).tolist() == [7] * 10
     finally:
         cache.close()

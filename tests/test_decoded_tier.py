@@ -13,14 +13,21 @@ import warnings
 import numpy as np
 import pytest
 
+from coordl.fetch import cache as cache_module
 from coordl.fetch.decoded import DecodedTier
 
 CTX = multiprocessing.get_context("spawn")
 FP = "00decade00decade"
+CHUNK, SLICE = 256 << 10, 64 << 10  # small: a few images fill a slice, a few slices a chunk
+
+
+@pytest.fixture(autouse=True)
+def small_layout(cache_layout):
+    cache_layout(CHUNK, SLICE)
 
 
 def tier(shm, budget=1 << 20, n=16, **kw) -> DecodedTier:
-    return DecodedTier(FP, n, budget, directory=str(shm), slice_bytes=64 << 10, chunk_bytes=256 << 10, **kw)
+    return DecodedTier(FP, n, budget, directory=str(shm), **kw)
 
 
 def image(i: int, h: int = 20, w: int = 30) -> np.ndarray:
@@ -81,7 +88,9 @@ def test_a_process_claims_each_id_at_most_once_against_another(isolated):
 
 def _claim_fill_and_hang(shm: str, ready) -> None:
     os.environ["COORDL_SHM_DIR"] = shm
-    t = DecodedTier(FP, 16, 1 << 20, directory=shm, slice_bytes=64 << 10, chunk_bytes=256 << 10)
+    # A spawned process: the parent's cache_layout does not reach it.
+    cache_module.DEFAULT_CHUNK_BYTES, cache_module.DEFAULT_SLICE_BYTES = CHUNK, SLICE
+    t = DecodedTier(FP, 16, 1 << 20, directory=shm)
     t.claim_many(np.array([1, 2]))
     t.fill_many(np.array([1]), [image(1)])
     ready.set()
@@ -114,7 +123,7 @@ class Room:
     def __init__(self, left: int):
         self.left = left
 
-    def __call__(self):
+    def __call__(self, root: str = "/"):
         from coordl.shm.limits import Level, margin
 
         limit = 1 << 30
@@ -123,9 +132,10 @@ class Room:
         return level
 
 
-def test_stops_growing_before_the_memory_limit(isolated):
+def test_stops_growing_before_the_memory_limit(isolated, memory_limit):
     room = Room(128 << 10)
-    t = tier(isolated, budget=1 << 20, memory=room)
+    memory_limit(room)
+    t = tier(isolated, budget=1 << 20)
     ids = np.arange(16)
     t.claim_many(ids)
     with warnings.catch_warnings(record=True) as w:

@@ -331,7 +331,6 @@ def test_figures_taken_from_the_code_are_current():
 NOT_FOR_USERS = [
     ("__init__.py", "has no attribute"),  # Python's module __getattr__ protocol
     ("tools/datagen/workers.py", "worker job not initialised"),  # unreachable: the pool initializer sets it
-    ("tools/netns.py", "cgroup"),  # cgroup folders given by its callers: the benchmark and the tests
     ("placement.py", ""),  # input checks of pure planning functions; the loader passes valid plans
     ("sampler.py", "rank must be in"),  # the same for the sampler; the loader checks the rank first
     ("shm/group.py", "already joined"),  # a programming error inside coordl
@@ -346,7 +345,6 @@ NOT_FOR_USERS = [
     ("s3/client.py", "classify("),  # a store's refusal as coordl's error, each listed in faq.md
     ("s3/listing.py", "_cannot_list("),  # likewise, for a listing
     ("s3/reads.py", "_changed_size("),  # storage.py's message for a changed size, listed in faq.md
-    ("tools/s3server.py", ""),  # the tests' and benchmarks' S3 server: a tool, not the library
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
 COORDL_ERRORS = set(coordl.errors.__all__)

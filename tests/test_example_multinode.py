@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from coordl.tools import netns
 from coordl.tools.datagen import make_dataset
+from coordl_testing import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATE = ROOT / "examples" / "multinode" / "simulate.py"
@@ -76,7 +76,7 @@ def _namespaces_of(pid: int) -> list[str]:
         return []
     out = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
     out += subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    tag = pid % 10000  # coordl.tools.netns names everything of a cluster after its process id
+    tag = pid % 10000  # coordl_testing.netns names everything of a cluster after its process id
     return sorted(set(re.findall(rf"\bcdl[bnv]{tag}(?:_\d+)?\b", out)))
 
 

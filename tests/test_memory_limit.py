@@ -41,48 +41,52 @@ def chunk_bytes_in(directory) -> int:
 
 
 # -- the budget --------------------------------------------------------------------------------
-def test_explicit_budget_past_the_memory_room_shrinks_with_a_warning_naming_the_limit(isolated):
+def test_explicit_budget_past_the_memory_room_shrinks_with_a_warning_naming_the_limit(isolated, memory_limit):
     level = Level("cgroup /job (v2)", GiB, 600 * MiB)  # room: 1 GiB - 600 MiB - 256 MiB = 168 MiB
     assert level.room == 168 * MiB
+    memory_limit(level)
     for request in (1.0, "1GB", 10**9):
         with pytest.warns(RuntimeWarning, match="does not fit in the memory limit") as rec:
-            assert resolve_budget(request, 10**9, str(isolated), memory=level) == 168 * MiB
+            assert resolve_budget(request, 10**9, str(isolated)) == 168 * MiB
         msg = str(rec[0].message)
         assert "cgroup /job (v2)" in msg and "1.1 GB" in msg and "629.1 MB in use" in msg and "--memory" in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # what fits in the room is taken as asked
-        assert resolve_budget("100MiB", 10**9, str(isolated), memory=level) == 100 * MiB
-        assert resolve_budget(1.0, 10**9, str(isolated), memory=None) == 10**9  # limits ignored
-        assert resolve_budget(0, 10**9, str(isolated), memory=Level("x", GiB, GiB)) == 0
+        assert resolve_budget("100MiB", 10**9, str(isolated)) == 100 * MiB
+        memory_limit(None)  # no limit can be read: only /dev/shm bounds the budget
+        assert resolve_budget(1.0, 10**9, str(isolated)) == 10**9  # limits ignored
+        memory_limit(Level("x", GiB, GiB))
+        assert resolve_budget(0, 10**9, str(isolated)) == 0
 
 
-def test_auto_never_plans_past_the_room_and_says_so(isolated, caplog):
+def test_auto_never_plans_past_the_room_and_says_so(isolated, caplog, memory_limit):
     d = str(isolated)
-    level = Level("cgroup /job (v1)", GiB, 600 * MiB)
+    memory_limit(Level("cgroup /job (v1)", GiB, 600 * MiB))
     with caplog.at_level(logging.WARNING, logger="coordl"):
-        assert resolve_budget("auto", 10**9, d, memory=level) == 168 * MiB
+        assert resolve_budget("auto", 10**9, d) == 168 * MiB
     assert "cache budget of 176.2 MB for a dataset of 1.0 GB" in caplog.text and "cgroup /job (v1)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="coordl"):
-        assert resolve_budget("auto", 100 * MiB, d, memory=level) == 100 * MiB  # fits: as before, silently
+        assert resolve_budget("auto", 100 * MiB, d) == 100 * MiB  # fits: as before, silently
         assert caplog.text == ""
-        assert resolve_budget("auto", 10**9, d, memory=Level("cgroup /tiny (v2)", 300 * MiB, 100 * MiB)) == 0
+        memory_limit(Level("cgroup /tiny (v2)", 300 * MiB, 100 * MiB))
+        assert resolve_budget("auto", 10**9, d) == 0
     assert "no room for a cache within the memory limit of 314.6 MB (cgroup /tiny (v2)" in caplog.text
 
 
-def test_the_smaller_of_shm_and_memory_decides_and_only_it_is_named(isolated):
+def test_the_smaller_of_shm_and_memory_decides_and_only_it_is_named(isolated, memory_limit):
     d = str(isolated)
     space = os.statvfs(d)
     usable = space.f_bavail * space.f_frsize - headroom(space.f_blocks * space.f_frsize)
-    roomy = Level("cgroup /big (v2)", 4 * usable, 0)  # more room than /dev/shm has
+    memory_limit(Level("cgroup /big (v2)", 4 * usable, 0))  # more room than /dev/shm has
     with pytest.warns(RuntimeWarning, match=f"does not fit in {d}") as rec:
-        got = resolve_budget(10 * usable, 10 * usable, d, memory=roomy)
+        got = resolve_budget(10 * usable, 10 * usable, d)
     assert abs(got - usable) < 64 * MiB and len(rec) == 1 and "memory limit" not in str(rec[0].message)
-    assert 0 < resolve_budget("auto", 10 * usable, d, memory=roomy) <= usable // 2 + 64 * MiB
+    assert 0 < resolve_budget("auto", 10 * usable, d) <= usable // 2 + 64 * MiB
 
 
 # -- the cache stops growing before the limit -----------------------------------------------------
-def test_cache_stops_growing_when_the_memory_room_runs_out(isolated):
+def test_cache_stops_growing_when_the_memory_room_runs_out(isolated, cache_layout, memory_limit):
     """Each chunk is charged to the cgroup: the limit here leaves room for three of them."""
     d = str(isolated)
     base = Level("cgroup /fake (v2)", limits.MIN_MARGIN + 3500, 0)
@@ -93,18 +97,20 @@ def test_cache_stops_growing_when_the_memory_room_runs_out(isolated):
         return Level(base.name, base.limit, chunk_bytes_in(d))
 
     sizes = np.full(40, 100)
-    cache = NodeCache("00c0ffee00c0ffee", sizes, 4000, directory=d, chunk_bytes=1000, memory=memory)
+    cache_layout(1000)
+    memory_limit(memory)
+    cache = NodeCache("00c0ffee00c0ffee", sizes, 4000, directory=d)
     try:
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             admitted = []
             for _round in range(3):
                 for i in range(len(sizes)):
-                    views = cache.reserve(i)
+                    views = cache.reserve_many([i])[0]
                     if views is not None:
                         for v in views:
                             v[:] = i
-                        cache.publish(i)
+                        cache.publish_many([i])
                         admitted.append(i)
         assert admitted == list(range(30))  # three chunks of 1000 bytes, then nothing more
         assert chunk_bytes_in(d) == 3000 and cache.resident_bytes == 3000 < cache.budget
@@ -127,7 +133,7 @@ def reserved_bytes_in(directory) -> int:
     )
 
 
-def test_memory_is_reserved_and_checked_a_slice_at_a_time(isolated):
+def test_memory_is_reserved_and_checked_a_slice_at_a_time(isolated, cache_layout, memory_limit):
     """Chunks are files of their full size that take memory only as slices are reserved; the
     limit is checked once a slice, and the cache overshoots the room by less than a slice."""
     d = str(isolated)
@@ -139,19 +145,19 @@ def test_memory_is_reserved_and_checked_a_slice_at_a_time(isolated):
         return Level("cgroup /fake (v1)", limits.MIN_MARGIN + 3 * piece + 848, reserved_bytes_in(d))
 
     sizes = np.full(64, 4000)
-    cache = NodeCache(
-        "00c0ffee00c0ffee", sizes, 10**6, directory=d, chunk_bytes=chunk, slice_bytes=piece, memory=memory
-    )
+    cache_layout(chunk, piece)
+    memory_limit(memory)
+    cache = NodeCache("00c0ffee00c0ffee", sizes, 10**6, directory=d)
     try:
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             admitted = []
             for i in range(len(sizes)):
-                views = cache.reserve(i)
+                views = cache.reserve_many([i])[0]
                 if views is not None:
                     for v in views:
                         v[:] = i % 251
-                    cache.publish(i)
+                    cache.publish_many([i])
                     admitted.append(i)
                     assert reserved_bytes_in(d) == -(-4000 * len(admitted) // piece) * piece  # whole slices, in order
                     assert chunk_bytes_in(d) == chunk  # one chunk file, full size, sparse

@@ -84,9 +84,10 @@ def test_a_short_read_is_finished(tmp_path):
 
 
 # -- the cache, many items at a time ------------------------------------------------------
-def test_reserve_many_hands_out_bytes_in_order_until_the_budget_then_fits_smaller_ones(isolated, closing):
+def test_reserve_many_hands_out_bytes_in_order_until_the_budget_then_fits_smaller_ones(isolated, closing, cache_layout):
     sizes = np.array([300, 200, 400, 100, 50, 250, 30, 20], dtype=np.int64)
-    cache = closing(NodeCache(FP, sizes, 700, directory=str(isolated), chunk_bytes=256))
+    cache_layout(256)
+    cache = closing(NodeCache(FP, sizes, 700, directory=str(isolated)))
     ids = np.array([0, 1, 2, 3, 4, 5, 6], dtype=np.int64)
     slots = cache.reserve_many(ids)
     got = [k for k, v in enumerate(slots) if v is not None]
@@ -121,11 +122,12 @@ def test_reserve_many_hands_out_bytes_in_order_until_the_budget_then_fits_smalle
 
 
 # -- Fetcher.read -------------------------------------------------------------------------
-def test_fetcher_read_admits_what_fits_and_accounts_exactly(tiny_dataset, isolated, closing):
+def test_fetcher_read_admits_what_fits_and_accounts_exactly(tiny_dataset, isolated, closing, cache_layout):
     index = Index.scan(tiny_dataset)
     expected = contents(index)
     budget = int(index.sizes[:40].sum())
-    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated), chunk_bytes=8192))
+    cache_layout(8192)
+    cache = closing(NodeCache(index.fingerprint, index.sizes, budget, directory=str(isolated)))
     fetcher = Fetcher(index, cache, drop_page_cache=True)
     order = np.random.default_rng(3).permutation(len(index))
     for part in np.array_split(order, 4):

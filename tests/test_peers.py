@@ -1,7 +1,7 @@
 """The partitioned cache: peer servers and clients on real sockets, and real multi-node jobs.
 
 Multi-node tests launch ``tests/multinode_train.py`` with torchrun, one "node" per network
-namespace with its own tmpfs at /dev/shm (``coordl.tools.netns``), as a user would on
+namespace with its own tmpfs at /dev/shm (``coordl_testing.netns``), as a user would on
 several machines. Where namespaces are unavailable (not root), each node gets its own
 loopback address and shm folder instead.
 """
@@ -27,7 +27,7 @@ from coordl.fetch.cache import NodeCache
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
 from coordl.index import Index
-from coordl.tools import netns
+from coordl_testing import netns
 
 HERE = Path(__file__).resolve().parent
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordl import placement, sampler
+from coordl_testing.traffic import traffic
 
 
 @st.composite
@@ -105,9 +106,9 @@ def test_plan_is_an_equal_ordered_split_with_least_traffic(setting):
         again = placement.plan(g.copy(), holder.copy(), rank_nodes.copy())
         assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # deterministic
         # Every surplus entry (and every entry cached only by rank-less nodes) moves, nothing else does: optimal.
-        moved = placement.traffic(g, holder, rank_nodes, parts)
+        moved = traffic(g, holder, rank_nodes, parts)
         assert moved == lower_bound(g, holder, rank_nodes)
-        assert moved <= placement.traffic(g, holder, rank_nodes, plain(g, world))
+        assert moved <= traffic(g, holder, rank_nodes, plain(g, world))
         for j in np.unique(rank_nodes):  # node j keeps as many of its entries as fit
             held = np.count_nonzero(holder[g] == j)
             local = sum(np.count_nonzero(holder[parts[r]] == j) for r in np.flatnonzero(rank_nodes == j))
@@ -157,7 +158,7 @@ def test_plan_worked_example():
     parts = placement.plan(batch, holder, np.array([0, 0, 1]))
     # Node 0 keeps its 7 round-robin; the uncached 9, 10 and node 2's 11 go round-robin to ranks with room.
     assert [p.tolist() for p in parts] == [[0, 2, 4, 6], [1, 3, 5, 9], [7, 8, 10, 11]]
-    assert placement.traffic(batch, holder, np.array([0, 0, 1]), parts) == 1
+    assert traffic(batch, holder, np.array([0, 0, 1]), parts) == 1
 
 
 def test_balance_moves_the_largest_surplus_to_the_largest_deficit_first():
@@ -168,7 +169,7 @@ def test_balance_moves_the_largest_surplus_to_the_largest_deficit_first():
     # 12 -> 1, 13 -> 2, 14 -> 3, 15 -> 2, leaving deficits 2 (rank 2) and 3 (rank 3). Balance fills the largest
     # deficit first from the front of the surplus: 4, 5, 6 -> rank 3, then 7, 8 -> rank 2.
     assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [9, 10, 11, 12], [7, 8, 13, 15], [4, 5, 6, 14]]
-    assert placement.traffic(np.arange(16), holder, np.arange(4), parts) == 5
+    assert traffic(np.arange(16), holder, np.arange(4), parts) == 5
 
 
 def test_traffic_of_random_placement_is_small():
@@ -184,7 +185,7 @@ def test_traffic_of_random_placement_is_small():
         holder[rng.permutation(n)] = np.repeat(np.arange(p), n // p)
         rank_nodes = np.arange(p)
         fractions = [
-            placement.traffic(g, holder, rank_nodes, placement.plan(g, holder, rank_nodes)) / len(g)
+            traffic(g, holder, rank_nodes, placement.plan(g, holder, rank_nodes)) / len(g)
             for epoch in range(4)
             for g in placement.global_batches(
                 sampler.epoch_order(n, 0, epoch), p, 64, drop_last=True, shard_drop_last=True
@@ -244,6 +245,6 @@ def test_caller_mistakes_raise_value_errors():
     with pytest.raises(ValueError, match="each of the 3 ranks"):
         placement.locality_batches(np.arange(10), 0, 3, 2, False, holder, np.array([0, 1]))
     with pytest.raises(ValueError, match="one array per rank"):
-        placement.traffic(np.arange(4), holder, np.array([0, 1]), [np.arange(4)])
+        traffic(np.arange(4), holder, np.array([0, 1]), [np.arange(4)])
     with pytest.raises(ValueError, match="split of batch"):
-        placement.traffic(np.arange(4), holder, np.array([0, 1]), [np.arange(2), np.arange(2)])
+        traffic(np.arange(4), holder, np.array([0, 1]), [np.arange(2), np.arange(2)])

@@ -1,5 +1,5 @@
 """s3:// datasets against a real S3-compatible server on localhost: moto's server behind a proxy
-that counts every request and injects latency, failures and hangs (``coordl.tools.s3server``).
+that counts every request and injects latency, failures and hangs (``coordl_testing.s3server``).
 
 Nothing here mocks a client: coordl lists with boto3 and reads with obstore over real sockets,
 and the counts are the server's view (the proxy's), compared with coordl's own accounting.
@@ -31,7 +31,7 @@ import coordl
 from coordl import CoordLoader, ImageNetTrain
 from coordl.errors import DatasetChangedError, SampleError
 from coordl.index import Index
-from coordl.tools.s3server import S3Server
+from coordl_testing.s3server import S3Server
 from recording import take
 
 HERE = Path(__file__).resolve().parent

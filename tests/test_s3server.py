@@ -1,4 +1,4 @@
-"""coordl.tools.s3server: moto behind the counting, fault-injecting proxy, used by boto3 and obstore."""
+"""coordl_testing.s3server: moto behind the counting, fault-injecting proxy, used by boto3 and obstore."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ boto3 = pytest.importorskip("boto3")
 from botocore.config import Config  # noqa: E402 - after the importorskip above
 from botocore.exceptions import ClientError, ReadTimeoutError  # noqa: E402
 
-from coordl.tools.s3server import S3Server  # noqa: E402
+from coordl_testing.s3server import S3Server  # noqa: E402
 
 BUCKET = "test-bucket"
 FILES = {"a.bin": b"a" * 1000, "sub/b.bin": b"b" * 2000, "sub/deep/c b.bin": b"c" * 3000}

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from childproc import report, result
+from coordl.fetch import cache as cache_module
 from coordl.fetch.cache import NodeCache
 from coordl.shm import group, names, reaper
 from coordl.staging.area import StagingArea
@@ -86,11 +87,12 @@ def test_names_round_trip(fp, kind, ident):
 
 
 # -- 7. modes and names of everything in the shm folder -------------------------------------------
-def test_every_segment_is_private_and_named_by_the_one_function(isolated):
+def test_every_segment_is_private_and_named_by_the_one_function(isolated, cache_layout):
     sizes = np.full(40, 700)
+    cache_layout(4096)
     old = os.umask(0)  # the most permissive umask must not widen anything
     try:
-        cache = NodeCache(FP, sizes, 20_000, keep=True, directory=str(isolated), chunk_bytes=4096)
+        cache = NodeCache(FP, sizes, 20_000, keep=True, directory=str(isolated))
         area = StagingArea(
             "sweep",
             0,
@@ -107,12 +109,12 @@ def test_every_segment_is_private_and_named_by_the_one_function(isolated):
         os.umask(old)
     try:
         for i in range(40):
-            views = cache.reserve(i)
+            views = cache.reserve_many([i])[0]
             if views is None:
                 continue
             for v in views:
                 v[:] = i
-            cache.publish(i)
+            cache.publish_many([i])
         entries = os.listdir(isolated)
         kinds = set()
         for e in entries:
@@ -160,15 +162,16 @@ def _cache_user(directory, fp, role, ready, release, q):
 
     def body():
         sizes = np.arange(100, 140)
-        cache = NodeCache(fp, sizes, int(sizes.sum()), directory=directory, chunk_bytes=1024)
+        cache_module.DEFAULT_CHUNK_BYTES = 1024  # a spawned process: the parent's cache_layout does not reach it
+        cache = NodeCache(fp, sizes, int(sizes.sum()), directory=directory)
         for i in range(10):
-            views = cache.reserve(i)
+            views = cache.reserve_many([i])[0]
             if views is not None:
                 for v in views:
                     v[:] = 7
-                cache.publish(i)
+                cache.publish_many([i])
         if role == "half":
-            views = cache.reserve(20)
+            views = cache.reserve_many([20])[0]
             views[0][: len(views[0]) // 2] = 9
         return cache
 
@@ -220,23 +223,24 @@ def test_reap_after_kill9_of_all_users_spares_a_group_in_use(isolated, procs):
     assert os.listdir(d) == []  # its last user removed it
 
 
-def test_attaching_to_a_group_whose_users_were_all_killed_starts_clean(isolated, procs):
+def test_attaching_to_a_group_whose_users_were_all_killed_starts_clean(isolated, procs, cache_layout):
     d = str(isolated)
     q, release, ready = CTX.Queue(), CTX.Event(), CTX.Event()
     p = procs(_cache_user, d, FP_DEAD, "half", ready, release, q)
     assert result(q) == "half" and ready.wait(WAIT)
     kill9(p)
     sizes = np.arange(100, 140)
-    cache = NodeCache(FP_DEAD, sizes, int(sizes.sum()), directory=d, chunk_bytes=1024)  # alone: recovers
+    cache_layout(1024)
+    cache = NodeCache(FP_DEAD, sizes, int(sizes.sum()), directory=d)  # alone: recovers
     try:
         assert cache.resident_items == 10
         assert all(np.all(cache.get(i) == 7) for i in range(10))
         assert cache.get(20) is None
-        views = cache.reserve(20)  # the dead writer's entry is writable again
+        views = cache.reserve_many([20])[0]  # the dead writer's entry is writable again
         assert views is not None
         for v in views:
             v[:] = 5
-        cache.publish(20)
+        cache.publish_many([20])
         assert np.all(cache.get(20) == 5) and len(cache.get(20)) == sizes[20]
     finally:
         cache.close()

@@ -17,7 +17,9 @@ arguments after ``--``. Every line a node prints is shown as ``[node k] ...``.
     python examples/multinode/simulate.py --demo --no-netns             # without root
 
 Run it by its path, from any folder, with coordl installed (``pip install -e .``): the
-namespaces come from :mod:`coordl.tools.netns`. They need root, ``ip``, ``unshare`` and ``tc``.
+namespaces come from :mod:`coordl_testing.netns`, the repository's test support, which pip does
+not install; the script puts the repository root on ``sys.path`` to import it. They need root,
+``ip``, ``unshare`` and ``tc``.
 Without them (or with ``--no-netns``) the nodes share this machine's network and /dev/shm:
 node k serves its cache on 127.0.0.<k+1> and keeps it in a folder of its own
 (``COORDL_SHM_DIR``); the job is the same. Whatever
@@ -39,11 +41,16 @@ import threading
 import time
 from pathlib import Path
 
-from coordl.tools import netns  # namespaces, bridge, private /dev/shm
-from coordl.units import format_bytes, parse_bytes
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# coordl_testing (the namespaces) is at the repository root, not in the installed package: the
+# root goes on sys.path so that this script runs by its path from any folder.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from coordl.units import format_bytes, parse_bytes  # noqa: E402
+from coordl_testing import netns  # noqa: E402  (namespaces, bridge, private /dev/shm)
+
 TRAIN = ROOT / "examples" / "imagenet" / "train.py"
 DEMO = Path("/tmp/coordl-multinode-demo")
 # The demo dataset is small, so the demo trains a small model on small images by default, and

@@ -16,7 +16,7 @@ import numpy as np
 
 from coordl import sampler
 
-__all__ = ["global_batches", "holders", "locality_batches", "plan", "traffic"]
+__all__ = ["global_batches", "holders", "locality_batches", "plan"]
 
 
 def holders(bitmaps: np.ndarray) -> np.ndarray:
@@ -191,23 +191,6 @@ def locality_batches(
         raise ValueError(f"rank_nodes must name the node of each of the {world_size} ranks, got {len(rank_nodes)}")
     cut = global_batches(order, world_size, batch_size, drop_last, start, shard_drop_last=shard_drop_last)
     return [plan(g, holder, rank_nodes)[rank] for g in cut]
-
-
-def traffic(batch: np.ndarray, holder: np.ndarray, rank_nodes: np.ndarray, parts: list[np.ndarray]) -> int:
-    """How many entries of the split ``parts`` of ``batch`` a rank receives from another node's cache.
-
-    An entry counts when it is cached (``holder >= 0``) on a node other than that of the rank it goes to; uncached
-    entries come from storage and do not count.
-    """
-    rank_nodes = _check_rank_nodes(rank_nodes)
-    if len(parts) != len(rank_nodes):
-        raise ValueError(f"parts must hold one array per rank ({len(rank_nodes)}), got {len(parts)}")
-    got = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
-    if not np.array_equal(np.sort(got), np.sort(np.asarray(batch, dtype=np.int64))):
-        raise ValueError("parts must be a split of batch: together, a permutation of its entries")
-    src = np.asarray(holder)[got]
-    dest = np.repeat(rank_nodes, [len(p) for p in parts])
-    return int(np.count_nonzero((src >= 0) & (src != dest)))
 
 
 def _check_rank_nodes(rank_nodes: np.ndarray) -> np.ndarray:

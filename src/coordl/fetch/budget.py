@@ -19,9 +19,7 @@ __all__ = ["resolve_budget"]
 log = logging.getLogger(__name__)
 
 
-def resolve_budget(
-    request, dataset_bytes: int, directory: str, num_items: int | None = None, *, memory="kernel"
-) -> int:
+def resolve_budget(request, dataset_bytes: int, directory: str, num_items: int | None = None) -> int:
     """Turns a cache budget as the user gives it into bytes, checked against free space and memory.
 
     Args:
@@ -32,13 +30,11 @@ def resolve_budget(
         dataset_bytes: total bytes of the dataset's files.
         directory: the shm directory.
         num_items: samples in the dataset; their table's space is kept out of the budget.
-        memory: the memory limit to respect (a :class:`~coordl.shm.limits.Level`); ``"kernel"``
-            (default) reads the tightest one that applies (:func:`~coordl.shm.limits.tightest`),
-            None ignores memory limits.
 
     Returns:
         The budget in bytes, never more than the dataset, the free space beyond the headroom,
-        or the room the memory limit leaves beyond its margin (:attr:`~coordl.shm.limits.Level.room`).
+        or the room the tightest memory limit (:func:`~coordl.shm.limits.tightest`) leaves beyond
+        its margin (:attr:`~coordl.shm.limits.Level.room`).
         A larger explicit request is shrunk with a warning; ``"auto"`` logs a warning when the
         memory limit leaves room for less than it would take otherwise.
     """
@@ -55,7 +51,7 @@ def resolve_budget(
         ) from None
     table = table_bytes(num_items) if num_items is not None else 0
     usable = max(0, space.free - headroom(space.total) - table)
-    level = limits.tightest() if memory == "kernel" else memory
+    level = limits.tightest()  # None where no limit can be read: then only the shm space bounds it
     room = level.room if level is not None else wanted
     if auto:
         budget = min(dataset_bytes, usable // 2)

@@ -6,8 +6,9 @@ fingerprint (see :mod:`coordl.shm.names`):
 
 - ``table``: a :data:`HEADER` then one :data:`ENTRY` per sample of the index.
 - ``chunk.<k>``: the data, a logical byte space ``[0, budget)`` cut into chunks of
-  ``chunk_bytes``, created (sparse) when the allocation first reaches them and reserved
-  with ``posix_fallocate`` a slice of ``slice_bytes`` at a time as it fills. An item
+  ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`), created (sparse) when the allocation first
+  reaches them and reserved with ``posix_fallocate`` a slice of ``slice_bytes``
+  (:data:`DEFAULT_SLICE_BYTES`) at a time as it fills. An item
   occupies ``[offset, offset + length)`` of that space, possibly across a chunk boundary,
   so that no byte of the budget is wasted; it is handed out only once all of its bytes
   are reserved, so no write ever touches an unreserved page (a ``SIGBUS`` on a full tmpfs).
@@ -72,6 +73,8 @@ HEADER_BYTES = 128
 ENTRY = np.dtype([("offset", "<u8"), ("length", "<u4"), ("state", "<u4")])
 EMPTY, WRITING, READY = 0, 1, 2
 NO_OFFSET = np.uint64(2**64 - 1)
+# A new cache's layout, recorded in its header (attaching processes follow the header); read at
+# construction, so a test patches these to get small chunks.
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_SLICE_BYTES = 8 << 20
 assert HEADER.itemsize <= HEADER_BYTES and ENTRY.itemsize == 16
@@ -109,14 +112,16 @@ class NodeCache:
             the process that creates the cache; later processes use the existing one.
         keep: keep the segments after the last user leaves, so the next run starts warm.
         directory: the shm directory.
-        chunk_bytes: size of each data segment.
-        slice_bytes: how much of a chunk is reserved at a time (at most ``chunk_bytes``).
         dataset: the index fingerprint, recorded in and checked against the table.
         min_size: the smallest item there can be (default: the smallest of ``sizes``); once less
             than this is left of the budget, the cache is full.
-        memory: returns the tightest memory limit now (:func:`coordl.shm.limits.tightest`), checked
-            before each slice is reserved: a slice that would take more than the room the limit
-            leaves is not reserved, and the cache stops growing, so that the kernel never kills the job.
+
+    The creator lays the cache out in chunks of :data:`DEFAULT_CHUNK_BYTES`, reserved
+    :data:`DEFAULT_SLICE_BYTES` at a time (recorded in the table's header, which later processes
+    follow). Before each slice is reserved, the tightest memory limit
+    (:func:`coordl.shm.limits.tightest`) is read again: a slice that would take more than the
+    room the limit leaves is not reserved, and the cache stops growing, so that the kernel never
+    kills the job.
     """
 
     MAGIC = MAGIC
@@ -130,10 +135,7 @@ class NodeCache:
         *,
         keep: bool = False,
         directory: str,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        slice_bytes: int = DEFAULT_SLICE_BYTES,
         dataset: str | None = None,
-        memory=limits.tightest,
         min_size: int | None = None,
     ):
         self.fingerprint = fingerprint
@@ -146,7 +148,6 @@ class NodeCache:
             min_size = int(self._index_sizes.min()) if self._num else 1
         self._min_size = max(1, int(min_size))
         self._keep = keep
-        self._memory = memory
         self._tlock = threading.Lock()
         self._chunks: dict[int, mmap.mmap] = {}
         self._rw: dict[int, np.ndarray] = {}  # the chunks as arrays, writable and read-only
@@ -158,7 +159,9 @@ class NodeCache:
         self._final = (0, 0, 0)
         self._pid = os.getpid()  # a forked child's copy must not use or release this attachment
         self._group = group.Membership(fingerprint, directory)
-        self._group.join(lambda alone: self._setup(alone, budget, chunk_bytes, min(slice_bytes, chunk_bytes)))
+        # Read when called, not bound as defaults: the module's constants are the one place they are set.
+        chunk, piece = DEFAULT_CHUNK_BYTES, min(DEFAULT_SLICE_BYTES, DEFAULT_CHUNK_BYTES)
+        self._group.join(lambda alone: self._setup(alone, budget, chunk, piece))
 
     # -- attach ----------------------------------------------------------------------
     def _setup(self, alone: bool, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
@@ -357,11 +360,6 @@ class NodeCache:
             finally:
                 fcntl.flock(self._table_fd, fcntl.LOCK_UN)
 
-    def reserve(self, i: int) -> list[np.ndarray] | None:
-        """Claims sample ``i`` for writing and returns writable views of its bytes, or None
-        (see :meth:`reserve_many`)."""
-        return self.reserve_many(np.array([i], dtype=np.int64))[0]
-
     def reserve_many(self, ids: np.ndarray) -> list[list[np.ndarray] | None]:
         """Claims the samples ``ids`` (distinct) for writing, under one lock: for each, writable
         views of its bytes, or None when it is cached or being written already, or does not fit
@@ -468,7 +466,7 @@ class NodeCache:
         # The slice's pages are charged to this process's memory cgroup when reserved, and cannot
         # be reclaimed: a cgroup past its limit gets a process killed. A few small files read,
         # once a slice (8 MiB by default), never per sample.
-        level = self._memory()
+        level = limits.tightest()
         if level is not None and n > level.room:
             self._warn_full(f"{memory_text(level)} is near")
             return False
@@ -511,10 +509,6 @@ class NodeCache:
                 f"{format_bytes(self.budget)} budget because {why}; further misses are read from storage."
             )
 
-    def publish(self, i: int) -> None:
-        """Marks sample ``i``, fully written, as readable by everyone. It never changes again."""
-        self.publish_many(np.array([i], dtype=np.int64))
-
     def publish_many(self, ids: np.ndarray) -> None:
         """Marks the samples ``ids`` (distinct, fully written) readable by everyone, under one lock."""
         if not len(ids):
@@ -523,10 +517,6 @@ class NodeCache:
             self._state[ids] = READY
             self._header["resident_bytes"] += int(self._sizes[ids].sum())
             self._header["resident_items"] += len(ids)
-
-    def abort(self, i: int) -> None:
-        """Gives up writing sample ``i``; its reserved bytes stay reserved for it."""
-        self.abort_many(np.array([i], dtype=np.int64))
 
     def abort_many(self, ids: np.ndarray) -> None:
         """Gives up writing the samples ``ids``; their reserved bytes stay reserved for them."""

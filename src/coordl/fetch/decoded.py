@@ -36,8 +36,7 @@ class DecodedTier(NodeCache):
         num_items: samples in the dataset.
         budget: bytes it may hold (used by the process that creates it).
         min_size: the smallest image there can be, in bytes (the tier is full once less is left).
-        **kwargs: as :class:`~coordl.fetch.cache.NodeCache` (``keep``, ``directory``,
-            ``dataset``, ``memory``, ``chunk_bytes``, ``slice_bytes``).
+        **kwargs: as :class:`~coordl.fetch.cache.NodeCache` (``keep``, ``directory``, ``dataset``).
     """
 
     MAGIC = b"COORDLD1"

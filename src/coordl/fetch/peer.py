@@ -54,10 +54,10 @@ def _is_loopback(host: str) -> bool:
     return ipaddress.ip_address(host).is_loopback
 
 
-def advertised_address(address: str | None = None, interface: str | None = None) -> str:
+def advertised_address(interface: str | None = None) -> str:
     """The IPv4 address this node's servers bind to and other nodes connect to.
 
-    In order: ``address`` (or ``$COORDL_PEER_ADDR``); the address of ``interface`` (or
+    In order: ``$COORDL_PEER_ADDR``; the address of ``interface`` (or
     ``$COORDL_PEER_IFNAME``, else ``$GLOO_SOCKET_IFNAME``); else the local address of the route
     to ``$MASTER_ADDR``. A loopback address is only used when given explicitly or when the
     master itself is on loopback (then every node is on this machine).
@@ -65,7 +65,7 @@ def advertised_address(address: str | None = None, interface: str | None = None)
     Raises:
         CoordlError: no usable address (the message says what to set).
     """
-    address = address or env.text("COORDL_PEER_ADDR")
+    address = env.text("COORDL_PEER_ADDR")
     if address:
         return socket.gethostbyname(address)
     interface = interface or env.text("COORDL_PEER_IFNAME") or env.text("GLOO_SOCKET_IFNAME")
@@ -446,7 +446,7 @@ class PeerGroup:
         self._secret = secrets.token_bytes(32) if world.rank == 0 else None
         if cache is not None:
             try:
-                host = advertised_address(interface=interface)
+                host = advertised_address(interface)
                 self.server = PeerServer(cache, index.fingerprint, len(index), host, port)
             except (CoordlError, OSError) as e:
                 log.warning("coordl: this rank does not serve its node's cache to other nodes: %s", e)

@@ -17,11 +17,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import numpy as np
-
 from coordl.errors import DatasetChangedError
 
-__all__ = ["read", "read_many"]
+__all__ = ["read_many"]
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 _DONTNEED = os.POSIX_FADV_DONTNEED
@@ -84,17 +82,3 @@ def _rest(fd: int, path: str, size: int, views: list, done: int) -> None:
         if n == 0:
             raise DatasetChangedError(f"{path} ended early, after {done} bytes of {size}")
         done += n
-
-
-def read(path: str, size: int, *, drop_page_cache: bool) -> np.ndarray:
-    """Reads the ``size`` bytes of ``path`` into a new uint8 array.
-
-    Raises:
-        DatasetChangedError: the file's size is no longer ``size``.
-        OSError: the file cannot be opened or read.
-    """
-    out = np.empty(size, dtype=np.uint8)
-    failed = read_many([path], [size], [[out]], drop_page_cache=drop_page_cache)
-    if failed:
-        raise failed[0]
-    return out

@@ -10,8 +10,8 @@ two clusters can exist side by side. Needs root, ``ip`` and ``unshare``; :func:`
 says why not when they are missing.
 
 Used by ``examples/multinode/simulate.py``, ``benchmarks/multinode.py`` and the multi-node
-tests; it lives in the package, not beside them, so that the example runs by its path from any
-folder.
+tests. It is test support, not part of the installed package: the example puts the repository
+root on ``sys.path`` to import it, so that it still runs by its path from any folder.
 """
 
 from __future__ import annotations

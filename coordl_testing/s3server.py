@@ -10,7 +10,7 @@ With ``auth=True`` moto checks SigV4 signatures and IAM permissions: the server 
 key allowed ``s3:*``, and only that key (:attr:`S3Server.access_key`, :attr:`S3Server.secret_key`) is accepted.
 
 Needs ``moto[server]`` and ``boto3`` (imported lazily, so importing this module costs nothing). Used by the S3 tests
-and benchmarks; it is tooling and imports nothing from the loader.
+and benchmarks; it is test support, outside the installed package, and imports nothing from coordl.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Self
 
 __all__ = ["S3Server", "free_port"]
 
@@ -427,7 +426,7 @@ class S3Server:
             except OSError:
                 pass
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> S3Server:
         return self
 
     def __exit__(self, *exc) -> None:
