@@ -36,6 +36,7 @@ PURE = [
     "coordl.placement",  # STYLE.md puts it at coordl.fetch.placement: either place is fine
     "coordl.fetch.wire",
     "coordl.analyze.model",
+    "coordl.tiers.model",
 ]
 PURE_IF_PRESENT = [
     "coordl.draws",
@@ -367,6 +368,27 @@ def test_the_package_holds_no_test_fixture_and_imports_no_test_support(modules):
 
 def _pure_modules(modules) -> list[str]:
     return [name for name in PURE + PURE_IF_PRESENT if name in modules]
+
+
+ANALYZER = "coordl.analyze"
+MAY_IMPORT_ANALYZER = ["coordl.cli"]  # the `coordl analyze` command runs it
+
+
+def test_the_core_never_imports_the_analyzer(modules):
+    """DS-Analyzer is a tool that uses the loader (through its public entries), never the reverse:
+    no module outside coordl.analyze imports it, deferred imports included."""
+    offenders = [
+        f"{m.where}:{imp.line}: imports {imp.target}"
+        for m in modules.values()
+        if not _within(m.name, ANALYZER) and m.name not in MAY_IMPORT_ANALYZER
+        for imp in m.imports
+        if imp.internal and _within(imp.target, ANALYZER)
+    ]
+    _fail_if(sorted(offenders), "the core imports the analyzer (make what it needs a module of the core):")
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
 
 
 def test_the_listed_pure_modules_exist(modules):
