@@ -340,7 +340,8 @@ class DaliPrep:
 
     def _find_bad(self, batch: RawBatch) -> dict[int, str]:
         """The samples of a failed batch that do not decode, found by decoding them one at a time
-        with one probe pipeline, built once (a failure leaves it usable for the next sample)."""
+        with one probe pipeline, kept across batches and errors. A DALI pipeline does not run again
+        after an error, so a sample that fails costs a new probe; one that decodes costs a run."""
         bad = {}
         for i, data, kind in zip(batch.ids, batch.data, batch.kinds(), strict=True):
             if kind == DECODED:
@@ -352,6 +353,7 @@ class DaliPrep:
                 self._probe.run()
             except RuntimeError as e:
                 bad[int(i)] = _short(str(e))
+                self._probe = None
         return bad
 
     def _to_torch(self, out) -> tuple:
