@@ -187,7 +187,7 @@ def rates(**kw) -> Rates:
         dataset_samples=10_000,
         dataset_bytes=10**9,
         prep_threads=2,
-        cache=5 * 10**8,
+        cache_bytes=5 * 10**8,
     )
     base.update(kw)
     return Rates(**base)

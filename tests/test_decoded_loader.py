@@ -185,6 +185,7 @@ def test_the_tiers_share_of_the_cache_goes_to_the_tier(tiny_dataset):
 JOB = textwrap.dedent(
     """
     import json, sys
+    import coordl
     from coordl import CoordLoader, ImageNetTrain
     root, seed, epochs, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "keep"
     loader = CoordLoader(root, batch_size=8, pipeline=ImageNetTrain(size=24), seed=seed, device_id=None, prep=1,

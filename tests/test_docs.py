@@ -267,7 +267,8 @@ def _environment_variables() -> set[str]:
             key = None
             if isinstance(node, ast.Call):
                 func = ast.unparse(node.func)
-                if func in ("os.environ.get", "os.getenv", "env_int", "world.env_int") and node.args:
+                readers = ("os.environ.get", "os.getenv", "env.text", "env.flag", "env.integer", "env.number")
+                if func in readers and node.args:
                     key = node.args[0]
                 elif func == "dict" and node.args and ast.unparse(node.args[0]) == "os.environ":
                     found |= {k.arg for k in node.keywords if k.arg}

@@ -70,7 +70,7 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warns about the line of the caller's code that called into coordl: the innermost frame
     outside the coordl package (a user's ``CoordLoader(...)`` line), however deep in coordl the
     warning is raised, so that ``-W error``, filters by module and the printed location name it."""
-    frame, level = sys._getframe(1), 1
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of warn()
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

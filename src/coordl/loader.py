@@ -361,9 +361,9 @@ class CoordLoader(DataLoaderAttributes):
         """The passes' collaborators (:class:`~coordl.resources.Resources`), made complete when the
         first pass starts, or when this is first read: the job's world is read then, and fixed (a
         framework starts its process group after the script made its loaders)."""
-        if self._closed:
-            raise RuntimeError("this CoordLoader is closed")
         if self._resources is None:
+            if self._closed:
+                raise RuntimeError("this CoordLoader is closed")
             shard = self.options.shard
             self._world = world.detect(shard.rank, shard.world_size)
             self._resources = self._open_resources()

@@ -55,6 +55,7 @@ class Resources:
     peer_pool: cf.ThreadPoolExecutor | None = None
     prep: object = None
     dataloader: object = None
+    borrowed: bool = False  # made by with_cache: closing stops only its cache and its own workers
 
     @classmethod
     def open(
@@ -124,18 +125,39 @@ class Resources:
                 stop()
             raise
 
-    def with_cache(self, cache: NodeCache | None) -> Resources:
-        """These resources over another cache (DS-Analyzer's cold, private one): the same pools and
-        pipeline, a fetcher of its own, no decoded tier and no peers. Closing them is the caller's:
-        its cache, not these resources."""
+    def with_cache(self, spec: CacheSpec | None) -> Resources:
+        """These resources over another cache, attached from ``spec`` (DS-Analyzer's cold, private
+        one; None: none): the same pools and pipeline, a fetcher of its own, and on the torch
+        backend a ``DataLoader`` whose workers read through it; no decoded tier and no peers.
+        Their :meth:`close` leaves that cache and stops those workers, and nothing they share."""
+        cache = spec.open(self.index.sizes) if spec is not None else None
         fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
-        return dataclasses.replace(self, cache=cache, decoded=None, fetcher=fetcher, peers=None)
+        dataloader = self.dataloader
+        if dataloader is not None:
+            from coordl.backends import torch as tb
+
+            dataloader = tb.over_cache(dataloader, fetcher, spec)
+        return dataclasses.replace(
+            self,
+            cache=cache,
+            decoded=None,
+            cache_spec=spec,
+            fetcher=fetcher,
+            peers=None,
+            dataloader=dataloader,
+            borrowed=True,
+        )
 
     def close(self) -> None:
-        """Stops the workers, threads and pipeline (the caches are the loader's). Idempotent."""
+        """Stops the workers, threads and pipeline. Idempotent. The caches are the loader's, but for
+        the one resources made by :meth:`with_cache` attached to, which they leave."""
         self.fetcher.closing.set()  # requests still waiting for an object store give up now
         if self.dataloader is not None:
             compat.shutdown_dataloader_workers(self.dataloader)  # persistent workers
+        if self.borrowed:
+            if self.cache is not None:
+                self.cache.close()
+            return
         for pool in (self.peer_pool, self.pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

@@ -133,7 +133,7 @@ class _Phase(Pass):
         self.bs = loader.batch_size
         self.rank = loader.world.rank
         self.res = loader.resources  # the resources the phase's passes use
-        self._private: NodeCache | None = None  # the cold cache of a phase that needs one
+        self._private = None  # the resources over a cold cache, of a phase that needs one
         self.calls: list[float] = []  # when the script asked for each batch
         self.result: dict = {}
 
@@ -156,10 +156,9 @@ class _Phase(Pass):
     def _private_cache(self, budget: int) -> None:
         """Runs the phase's passes on a cold cache of ``budget`` bytes, private to this run."""
         index = self.target.resources.index
-        if budget > 0:
-            name = f"analyze:{self.spec['run']}:{self.spec['phase']}"
-            self._private = CacheSpec.for_dataset(index, budget, private=name).open(index.sizes)
-        self.res = self.target.resources.with_cache(self._private)
+        name = f"analyze:{self.spec['run']}:{self.spec['phase']}"
+        spec = CacheSpec.for_dataset(index, budget, private=name) if budget > 0 else None
+        self.res = self._private = self.target.resources.with_cache(spec)
 
     def _rate(self, times: list[float]) -> float:
         """Samples/s over the measured steps of ``times`` (one timestamp per step, plus the end)."""
@@ -198,7 +197,7 @@ class _Phase(Pass):
         os.replace(tmp, path)
         self.close()
         if self._private is not None:
-            self._private.close()  # leaves the private cache
+            self._private.close()  # leaves the private cache, stops its workers
         ld.close()  # stops the pipeline and leaves the cache before the script ends
         log.info("coordl analyze: phase %s measured; ending the script", self.spec["phase"])
         raise SystemExit(0)

@@ -54,6 +54,7 @@ __all__ = [
     "SampleDraws",
     "TorchPass",
     "make_dataloader",
+    "over_cache",
     "seed_for",
 ]
 
@@ -240,6 +241,26 @@ class EpochBatches:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+def over_cache(dataloader: DataLoader, fetcher: Fetcher, cache: CacheSpec | None) -> DataLoader:
+    """A DataLoader like ``dataloader`` (same dataset, settings and generator) whose workers read
+    through another cache: ``cache``, which ``fetcher`` reads in this process."""
+    items: Items = dataloader.dataset
+    return DataLoader(
+        Items(items.dataset, fetcher, cache, items.on_error),
+        batch_sampler=EpochBatches(),
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        prefetch_factor=dataloader.prefetch_factor,
+        persistent_workers=dataloader.persistent_workers,
+        pin_memory_device=dataloader.pin_memory_device,
+    )
 
 
 def make_dataloader(items: Items, batch_sampler: EpochBatches, options, generator: torch.Generator) -> DataLoader:
