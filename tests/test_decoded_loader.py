@@ -176,9 +176,15 @@ def test_the_tiers_share_of_the_cache_goes_to_the_tier(tiny_dataset):
         shuffle=True,
         pipeline="imagenet-train",
     ) as loader:
-        assert loader.tiers.decoded_budget == 25_000_000
-        assert loader.tiers.encoded_budget == 75_000_000
-        assert loader.cache.budget == 75_000_000 and loader.decoded.budget == 25_000_000
+        # The tier's share comes out of the cache's size; the rest holds encoded bytes, never more
+        # than the dataset's files.
+        total = loader.index.total_bytes
+        assert loader.tiers.decoded_budget == 25_000_000 and loader.tiers.encoded_budget == total
+        assert loader.cache.budget == total and loader.decoded.budget == 25_000_000
+    with CoordLoader(
+        str(tiny_dataset), device_id=None, cache=coordl.Cache(size="10MB", decoded="9.9MB"), pipeline="imagenet-train"
+    ) as loader:
+        assert loader.tiers.decoded_budget == 9_900_000 and loader.tiers.encoded_budget == 100_000
 
 
 # -- shared by the jobs of a node --------------------------------------------------------------------
