@@ -10,13 +10,12 @@ pass), :mod:`~coordl.position` (epoch and batches delivered; resume),
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
 import weakref
 from collections.abc import Sequence
 
-from coordl import env, lifecycle, world
+from coordl import env, lifecycle, threads, world
 from coordl.accounting import print_epoch_line
 from coordl.config import GroupOptions, LoaderConfig, PeerOptions, TorchOptions, fingerprint, identity
 from coordl.index import IMG_EXTENSIONS, Index
@@ -432,7 +431,7 @@ class CoordLoader(DataLoaderAttributes):
             if o.mode is True:
                 raise ValueError(f"peers=True, but the partitioned cache cannot run: {why}")
             return
-        res.peer_pool = cf.ThreadPoolExecutor(8, thread_name_prefix="coordl-peer", initializer=lifecycle.quiet_thread)
+        res.peer_pool = threads.DaemonPool(8, thread_name_prefix="coordl-peer", initializer=lifecycle.quiet_thread)
         res.peers = peer.PeerGroup(
             self._world,
             self.index,

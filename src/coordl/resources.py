@@ -7,7 +7,6 @@ backend's worker processes and DS-Analyzer open caches the same way.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import logging
 import os
@@ -21,6 +20,7 @@ from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper
+from coordl.threads import DaemonPool
 
 __all__ = ["CacheSpec", "Resources", "reap_once"]
 
@@ -102,8 +102,9 @@ class Resources:
         decoded: this process's attachment to the node's decoded tier, or None.
         fetcher: bytes of samples through the cache.
         io_threads: threads of ``pool`` (0: no pool).
-        pool: threads reading misses from storage (DALI backend).
-        peer_pool: threads waiting for other nodes' caches.
+        pool: threads reading misses from storage (DALI backend); daemon threads, so that the
+            interpreter's exit never waits for them before ``atexit`` closes the loader.
+        peer_pool: threads waiting for other nodes' caches (daemon threads too).
         peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
         prep: the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`), made on the first pass.
         dataloader: the torch backend's ``DataLoader`` over this cache, made on the first pass.
@@ -135,13 +136,13 @@ class Resources:
         if lender is None:
             self.io_threads = io_threads
             self.pool = (
-                cf.ThreadPoolExecutor(io_threads, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
+                DaemonPool(io_threads, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
                 if io_threads
                 else None
             )
         else:
             self.io_threads, self.pool = lender.io_threads, lender.pool
-        self.peer_pool: cf.ThreadPoolExecutor | None = None
+        self.peer_pool: DaemonPool | None = None
         self.peers = None
         self.prep = None
         self.dataloader = None
