@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from coordl.threads import LOOP_THREAD  # the process's event loop: one for its life, not a leak
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
@@ -126,7 +128,9 @@ def isolated(monkeypatch, tmp_path):
     while True:
         left = sorted(os.listdir(shm))
         threads = [
-            t.name for t in threading.enumerate() if t.ident not in threads_before and t.name.startswith("coordl")
+            t.name
+            for t in threading.enumerate()
+            if t.ident not in threads_before and t.name.startswith("coordl") and t.name != LOOP_THREAD
         ]
         children = multiprocessing.active_children()
         if not (left or threads or children) or time.monotonic() > deadline:

@@ -346,6 +346,7 @@ NOT_FOR_USERS = [
     ("s3/client.py", "classify("),  # a store's refusal as coordl's error, each listed in faq.md
     ("s3/listing.py", "_cannot_list("),  # likewise, for a listing
     ("s3/reads.py", "_changed_size("),  # storage.py's message for a changed size, listed in faq.md
+    ("threads.py", ""),  # thread primitives used by coordl only: a pool misused is a bug in coordl
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
 COORDL_ERRORS = set(coordl.errors.__all__)

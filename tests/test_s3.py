@@ -9,6 +9,9 @@ subprocess, as a user's job would.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
+import errno
 import hashlib
 import json
 import os
@@ -16,10 +19,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,8 +34,11 @@ pytest.importorskip("boto3")
 
 import coordl
 from coordl import CoordLoader, ImageNetTrain
-from coordl.errors import DatasetChangedError, SampleError
+from coordl.errors import DatasetChangedError, SampleError, StoreError
+from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
+from coordl.s3 import client, reads
+from coordl.threads import LOOP_THREAD, Signal
 from coordl_testing.s3server import S3Server
 from recording import take
 
@@ -352,6 +360,165 @@ def test_closing_a_loader_abandons_the_requests_that_still_wait_for_the_store(ro
     t0 = time.monotonic()
     loader.close()
     assert time.monotonic() - t0 < 5  # not the 30 s timeout, nor its retries
+
+
+# -- the read path: one event loop, a stop signal, errors by type -------------------------------
+
+
+def _read_args(index: Index, ids) -> tuple[list, list, list, list]:
+    """``read_many``'s arguments for samples ``ids``: URLs, sizes, ETags, a buffer each."""
+    ids = list(ids)
+    sizes = [int(index.sizes[i]) for i in ids]
+    return [index.paths[i] for i in ids], sizes, [index.etags[i] for i in ids], [[bytearray(n)] for n in sizes]
+
+
+def _content(s3env, path: str) -> bytes:
+    return s3env.client().get_object(Bucket=BUCKET, Key=_key(path))["Body"].read()
+
+
+def test_reads_run_on_one_event_loop_thread_whatever_thread_calls(root, s3env):
+    index = Index.scan(root)
+
+    def read(ids) -> list[bytes]:
+        urls, sizes, etags, buffers = _read_args(index, ids)
+        assert reads.read_many(urls, sizes, etags, buffers) == {}
+        return [bytes(b[0]) for b in buffers]
+
+    first = read(range(8))
+    loops = [t for t in threading.enumerate() if t.name == LOOP_THREAD]
+    assert len(loops) == 1 and loops[0].daemon  # never joined at exit
+    with cf.ThreadPoolExecutor(3) as pool:  # calls from several threads at once
+        rest = [b for part in pool.map(read, [range(8, 40), range(40, 80), range(80, N)]) for b in part]
+
+    async def caller_with_a_loop_of_its_own():
+        return read(range(8))
+
+    assert asyncio.run(caller_with_a_loop_of_its_own()) == first
+    assert [t for t in threading.enumerate() if t.name == LOOP_THREAD] == loops  # the same thread, every call
+    assert first + rest == [_content(s3env, p) for p in index.paths]
+    assert s3env.count("GET") == N + 8
+
+
+def test_a_call_whose_loader_has_closed_sends_nothing_to_the_store(root, s3env):
+    index = Index.scan(root)
+    stop = Signal()
+    stop.set()
+    failed = reads.read_many(*_read_args(index, range(16)), stop=stop)
+    assert sorted(failed) == list(range(16))
+    assert {e.errno for e in failed.values()} == {errno.ECANCELED}
+    time.sleep(0.3)
+    assert s3env.count("GET") == 0  # cancelled before a request was made: not sent, then abandoned
+
+
+def test_closing_abandons_stuck_gets_at_once_without_polling(root, s3env):
+    index = Index.scan(root)
+    stuck = list(range(8, 16))
+    for i in stuck:
+        s3env.hang(_key(index.paths[i]), 60.0, times=1)
+    fetcher = Fetcher(index, None, drop_page_cache=False)
+    s3env.reset()
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(zip(("data", "errors"), fetcher.read(np.arange(16)))))
+    reader.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        statuses = Counter(status for *_, status, _ in s3env.requests("GET"))
+        if statuses[0] == len(stuck) and statuses[200] == 16 - len(stuck):
+            break
+        time.sleep(0.02)
+    assert statuses[0] == len(stuck), statuses  # the stuck GETs are out, the others answered
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    fetcher.closing.set()  # what Resources.close() does first
+    reader.join(10)
+    took = time.monotonic() - t0
+    assert not reader.is_alive()
+    assert took < 0.5, took  # a notification: not a poll, nor the 30 s timeout and its retries
+    assert sorted(out["errors"]) == stuck
+    assert all("the loader closed before the object arrived" in str(e) for e in out["errors"].values())
+    assert [bytes(out["data"][i]) for i in range(8)] == [_content(s3env, index.paths[i]) for i in range(8)]
+
+
+def test_the_stop_signal_is_a_notification_not_a_flag_that_is_polled(root, s3env):
+    """Setting the signal is what abandons the requests: even one set only for an instant (which a
+    poll would most likely miss) does."""
+    index = Index.scan(root)
+    for i in range(4):
+        s3env.hang(_key(index.paths[i]), 60.0, times=1)
+    s3env.reset()
+    stop = Signal()
+    out: dict = {}
+    caller = threading.Thread(
+        target=lambda: out.update(failed=reads.read_many(*_read_args(index, range(4)), stop=stop))
+    )
+    caller.start()
+    deadline = time.monotonic() + 20
+    while s3env.count("GET") < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    stop.clear()
+    caller.join(5)
+    assert not caller.is_alive()
+    assert sorted(out["failed"]) == list(range(4)) and {e.errno for e in out["failed"].values()} == {errno.ECANCELED}
+
+
+def test_a_failing_object_is_tried_attempts_times_then_fails_alone(root, s3env):
+    index = Index.scan(root)
+    bad = index.paths[3]
+    s3env.fail(_key(bad), 500, times=100)
+    attempts = client.settings().attempts
+    urls, sizes, etags, buffers = _read_args(index, range(8))
+    failed = reads.read_many(urls, sizes, etags, buffers)
+    assert list(failed) == [3] and type(failed[3]) is OSError and failed[3].errno == errno.EIO
+    assert f"after {attempts - 1} retries" in str(failed[3]) and "500" in str(failed[3])
+    assert Counter(path for _, path, _, _ in s3env.requests("GET"))[f"/{BUCKET}/{_key(bad)}"] == attempts
+    assert [bytes(buffers[k][0]) for k in (0, 7)] == [_content(s3env, index.paths[k]) for k in (0, 7)]
+    with pytest.raises(StoreError, match="does not exist at this endpoint \\(404 NoSuchBucket\\)"):
+        reads.read_many(["s3://no-such-bucket-here/a.jpg"], [1], [None], [[bytearray(1)]])
+
+
+def test_errors_are_told_apart_by_their_type_not_their_text(s3env):
+    """The clients' real exception objects, with messages that name other errors."""
+    from botocore import exceptions as bx
+    from obstore import exceptions as ox
+
+    url = f"s3://{BUCKET}/a.jpg"
+    misleading = "<Code>SignatureDoesNotMatch</Code><Code>NoSuchBucket</Code> status code: 412 timed out"
+
+    def refusal(code: str, status: int, message: str = misleading) -> bx.ClientError:
+        answer = {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return bx.ClientError(answer, "GetObject")
+
+    def kind(e: BaseException) -> type:
+        return type(client.classify(e, url))
+
+    assert kind(ox.PermissionDeniedError(misleading)) is PermissionError  # a forbidden object, not the credentials
+    assert kind(ox.UnauthenticatedError("status code: 404 <Code>NoSuchKey</Code>")) is StoreError
+    assert kind(ox.PreconditionError("status code: 500")) is DatasetChangedError
+    assert kind(FileNotFoundError(misleading)) is FileNotFoundError  # obstore's 404
+    assert kind(ox.GenericError(misleading)) is OSError  # a try that failed: no status, no code, no timeout
+    assert kind(ox.GenericError("Server returned non-2xx status code: 404 Not Found")) is OSError
+    assert kind(refusal("NoSuchKey", 404)) is FileNotFoundError
+    assert kind(refusal("AccessDenied", 403)) is PermissionError
+    assert kind(refusal("InvalidAccessKeyId", 403, "status code: 404")) is StoreError
+    assert kind(refusal("NoSuchBucket", 404, "<Code>NoSuchKey</Code>")) is StoreError
+    assert kind(refusal("SlowDown", 503, "status code: 401 timed out")) is OSError
+    assert kind(bx.ReadTimeoutError(endpoint_url="http://store")) is TimeoutError
+    assert kind(bx.ConnectTimeoutError(endpoint_url="http://store")) is TimeoutError
+    assert kind(bx.EndpointConnectionError(endpoint_url="http://timeout.example")) is OSError  # refused, not slow
+    assert kind(bx.NoCredentialsError()) is StoreError
+    assert kind(TimeoutError()) is TimeoutError  # a try coordl cut at COORDL_S3_TIMEOUT
+
+    class UnauthenticatedError(Exception):  # obstore's name, not obstore's class
+        pass
+
+    assert kind(UnauthenticatedError("status code: 401 <Code>InvalidAccessKeyId</Code>")) is OSError
+    throttled = refusal("SlowDown", 503)
+    throttled.response["ResponseMetadata"]["RetryAttempts"] = 2  # botocore counts its own retries
+    assert str(client.classify(throttled, url)).endswith("the store answered 503 SlowDown after 2 retries")
+    assert str(client.classify(TimeoutError(), url, retries=1)).endswith(
+        f"no complete answer within {client.settings().timeout_s:g} s after 1 retries"
+    )
 
 
 # -- settings, credentials, processes: scripts in a process of their own ---------------------

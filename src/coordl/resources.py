@@ -6,7 +6,6 @@ starts; passes receive it (never the loader).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.spec import CacheSpec
 from coordl.index import Index
+from coordl.threads import DaemonPool
 
 __all__ = ["Resources", "thread_pool"]
 
@@ -37,7 +37,8 @@ class Resources:
         cache_spec: how the torch backend's worker processes attach to the node's cache (None: no cache).
         fetcher: bytes of samples through the cache.
         io_threads: threads of ``pool``.
-        pool: threads reading misses from storage (DALI backend), or None.
+        pool: threads reading misses from storage (DALI backend), or None; daemon threads, so that
+            the interpreter's exit never waits for them before ``atexit`` closes the loader.
         peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
         peer_pool: threads waiting for other nodes' caches, or None.
         prep: the DALI pipeline runner (:class:`~coordl.prep.dali.DaliPrep`), or None.
@@ -50,9 +51,9 @@ class Resources:
     cache_spec: CacheSpec | None
     fetcher: Fetcher
     io_threads: int = 0
-    pool: cf.ThreadPoolExecutor | None = None
+    pool: DaemonPool | None = None
     peers: object = None
-    peer_pool: cf.ThreadPoolExecutor | None = None
+    peer_pool: DaemonPool | None = None
     prep: object = None
     dataloader: object = None
     borrowed: bool = False  # made by with_cache: closing stops only its cache and its own workers
@@ -183,6 +184,8 @@ def _peer_group(options, world, index: Index, cache: NodeCache | None):
     )
 
 
-def thread_pool(threads: int, name: str) -> cf.ThreadPoolExecutor:
-    """A pool of ``threads`` threads named ``name``, which never take the process's signals."""
-    return cf.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lifecycle.quiet_thread)
+def thread_pool(threads: int, name: str) -> DaemonPool:
+    """A pool of ``threads`` daemon threads named ``name``, which never take the process's signals:
+    the interpreter's exit does not wait for them (a read stuck at a store), and ``atexit`` then
+    closes the loader, which stops them."""
+    return DaemonPool(threads, thread_name_prefix=name, initializer=lifecycle.quiet_thread)

@@ -20,6 +20,7 @@ from coordl.errors import DatasetChangedError, SampleError
 from coordl.fetch import samples
 from coordl.fetch.cache import NodeCache
 from coordl.index import Index
+from coordl.threads import Signal
 
 __all__ = ["FetchCounters", "Fetcher"]
 
@@ -97,7 +98,7 @@ class Fetcher:
         self.decoded = decoded
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
-        self.closing = threading.Event()  # set when the loader closes: reads still waiting for a store end
+        self.closing = Signal()  # set when the loader closes: reads still waiting for a store end at once
         self._lock = threading.Lock()
         self._pace = _Pace()
 

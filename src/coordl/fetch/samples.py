@@ -3,13 +3,13 @@ objects in a store (:mod:`coordl.s3.reads`). Everything that reads a dataset goe
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from coordl.fetch import storage
 from coordl.index import Index
+from coordl.threads import Signal
 
 __all__ = ["read", "read_many"]
 
@@ -20,7 +20,7 @@ def read_many(
     buffers: Sequence[list],
     *,
     drop_page_cache: bool,
-    stop: threading.Event | None = None,
+    stop: Signal | None = None,
 ) -> dict[int, Exception]:
     """Reads sample ``ids[k]`` into ``buffers[k]`` (a list of buffers of its size in all), for every ``k``.
     When ``stop`` is set, requests still waiting for an object store end (as failures).

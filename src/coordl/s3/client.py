@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from coordl import env
 from coordl.errors import CoordlError, DatasetChangedError, StoreError
+from coordl.s3 import url as s3url
 
-__all__ = ["Settings", "boto3_client", "classify", "obstore_store", "settings"]
+__all__ = ["Settings", "boto3_client", "classify", "explain", "obstore_store", "settings"]
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,12 @@ def obstore_store(bucket: str):
 
     from obstore.store import S3Store
 
+    # coordl cuts each try at timeout_s itself (a typed TimeoutError) and retries (coordl.s3.reads):
+    # obstore's own limits only back that up, and a connection that cannot be made in 10 s is given
+    # up (a GenericError, tried again) even when timeout_s is longer.
     options = {
-        "timeout": timedelta(seconds=s.timeout_s),
-        "connect_timeout": timedelta(seconds=min(s.timeout_s, 10.0)),
+        "timeout": timedelta(seconds=2 * s.timeout_s),
+        "connect_timeout": timedelta(seconds=min(2 * s.timeout_s, 10.0)),
         "pool_max_idle_per_host": str(s.max_requests),
     }
     config: dict = {"region": bucket_region(bucket), "virtual_hosted_style_request": s.virtual_hosted}
@@ -185,11 +189,7 @@ def obstore_store(bucket: str):
         # obstore's virtual-hosted requests go to the endpoint as given: it must name the bucket.
         config["endpoint"] = f"{scheme}://{bucket}.{host}" if s.virtual_hosted else s.endpoint
         options["allow_http"] = scheme == "http"
-    retry = {
-        "max_retries": max(0, s.attempts - 1),
-        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
-        "retry_timeout": timedelta(seconds=max(180.0, s.timeout_s * s.attempts)),
-    }
+    retry = {"max_retries": 0}  # one try a call: coordl retries (see above)
     provider = None
     if s.anonymous:
         config["skip_signature"] = True
@@ -203,64 +203,128 @@ def obstore_store(bucket: str):
 
 
 # -- what a refusal means -----------------------------------------------------------------------------
+#
+# By the clients' exception types, never their messages. What each carries:
+# - botocore's ClientError: the parsed answer, ``response["Error"]["Code"]`` (the S3 error code) and
+#   ``response["ResponseMetadata"]`` (``HTTPStatusCode``, ``RetryAttempts``); a subclass per code
+#   (``NoSuchKey``...) is made at run time, so the dict is what to read. ReadTimeoutError and
+#   ConnectTimeoutError: a try took too long; EndpointConnectionError and other HTTPClientErrors: no
+#   answer; NoCredentialsError, CredentialRetrievalError, TokenRetrievalError, SSOError...: no usable
+#   credentials were found.
+# - obstore (object_store's errors, by variant): PreconditionError (412), UnauthenticatedError (401),
+#   PermissionDeniedError (403), the builtin FileNotFoundError (404); their message is all they carry:
+#   no status, no S3 error code. So a 403 alone does not say whether the store refused the
+#   credentials (SignatureDoesNotMatch) or this one object (AccessDenied), nor a 404 whether the key
+#   or the bucket is gone: :func:`explain` asks boto3, whose ClientError carries the code.
+#   GenericError is everything else, with nothing typed to tell it apart: 5xx and throttling
+#   answers, refused or dropped connections, object_store's own timeouts. coordl makes obstore try
+#   once (no retries of its own), cuts each try at COORDL_S3_TIMEOUT itself (then the failure is
+#   the builtin TimeoutError) and retries GenericErrors and its timeouts (coordl.s3.reads): what a
+#   GenericError means to coordl is "this try failed and may succeed if tried again".
 
 
-def _code(text: str) -> str | None:
-    m = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
-    return m.group(1) if m else None
-
-
-def _status(e: BaseException, text: str) -> int | None:
-    response = getattr(e, "response", None)  # botocore's ClientError
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status:
-            return int(status)
-    m = re.search(r"status(?: code)?: (\d{3})", text)
-    return int(m.group(1)) if m else None
-
-
-def _retries(text: str) -> str:
-    m = re.search(r"retries: (\d+)", text)
-    return f" after {m.group(1)} retries" if m and m.group(1) != "0" else ""
-
-
-def classify(e: BaseException, url: str) -> BaseException:
+def classify(e: BaseException, url: str, *, retries: int = 0) -> BaseException:
     """What a client's exception about ``url`` means, as the error coordl reports:
 
-    - :class:`~coordl.errors.StoreError`: the store refused the job's credentials, or the bucket
-      does not exist: no sample can be read (raised whatever ``on_error`` says);
+    - :class:`~coordl.errors.StoreError`: the store refused the job's credentials (or none were
+      found), or the bucket does not exist: no sample can be read (raised whatever ``on_error`` says);
     - :class:`~coordl.errors.DatasetChangedError`: the object is no longer the one indexed (412);
     - an ``OSError`` for this object alone (``FileNotFoundError``, ``PermissionError``,
       ``TimeoutError``, or ``OSError`` with ``EIO``): ``on_error`` decides.
+
+    Args:
+        e: what botocore or obstore raised, or the builtin ``TimeoutError`` of a try that coordl
+            cut at ``COORDL_S3_TIMEOUT``.
+        url: the object (or prefix) asked for.
+        retries: how many times coordl tried again before ``e`` (botocore counts its own).
     """
     if isinstance(e, CoordlError):
         return e
-    text = str(e)
-    error = getattr(e, "response", {}).get("Error", {}) if isinstance(getattr(e, "response", None), dict) else {}
-    code = error.get("Code") or _code(text)
-    status = _status(e, text)
-    name = type(e).__name__
-    if code in CREDENTIAL_CODES or name == "UnauthenticatedError" or status == 401:
+    from botocore import exceptions as bx
+
+    after = f" after {retries} retries" if retries else ""
+    if isinstance(e, bx.ClientError):
+        meta = e.response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode")
+        code = e.response.get("Error", {}).get("Code")
+        if code == str(status):
+            code = None  # an answer without a body (HEAD): botocore puts the status there
+        retried = int(meta.get("RetryAttempts") or 0)
+        return _answer(url, int(status) if status else None, code, f" after {retried} retries" if retried else "")
+    from obstore import exceptions as ox
+
+    if isinstance(e, ox.PreconditionError):
+        return _answer(url, 412, None, after)
+    if isinstance(e, ox.UnauthenticatedError):
+        return _answer(url, 401, None, after)
+    if isinstance(e, ox.PermissionDeniedError):
+        return _answer(url, 403, None, after)
+    if isinstance(e, FileNotFoundError):  # obstore's 404 (its NotFoundError is not raised any more)
+        return _answer(url, 404, None, after)
+    if isinstance(e, (TimeoutError, bx.ReadTimeoutError, bx.ConnectTimeoutError)):
+        return TimeoutError(errno.ETIMEDOUT, f"no complete answer within {settings().timeout_s:g} s{after}")
+    if isinstance(e, _credential_errors(bx)):
         return StoreError(
-            f"the object store refused coordl's credentials for {url} ({status or ''} {code or name}): check "
-            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE and AWS_ENDPOINT_URL (or the instance's role)"
+            f"coordl found no usable credentials for {url} ({type(e).__name__}: {e}): check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE and AWS_ENDPOINT_URL (or the instance's role)"
+        )
+    text = str(e)
+    first = text.splitlines()[0][:300] if text else type(e).__name__
+    return OSError(errno.EIO, f"the request failed{after}: {first}")
+
+
+def _credential_errors(bx) -> tuple[type, ...]:
+    """botocore's exceptions for credentials that could not be had (not refused by the store)."""
+    return (
+        bx.NoCredentialsError,
+        bx.PartialCredentialsError,
+        bx.CredentialRetrievalError,
+        bx.TokenRetrievalError,
+        bx.SSOError,
+    )
+
+
+def _answer(url: str, status: int | None, code: str | None, after: str) -> BaseException:
+    """The error for the store's answer ``status`` with S3 error ``code`` (either may be unknown)."""
+    if code in CREDENTIAL_CODES or status == 401:
+        return StoreError(
+            f"the object store refused coordl's credentials for {url} ({status or ''} {code or 'Unauthorized'}): "
+            "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE and AWS_ENDPOINT_URL (or the instance's role)"
         )
     if code == "NoSuchBucket":
         return StoreError(f"the bucket of {url} does not exist at this endpoint (404 NoSuchBucket)")
-    if code == "PreconditionFailed" or status == 412 or name == "PreconditionError":
+    if code == "PreconditionFailed" or status == 412:
         return DatasetChangedError(
             f"{url} changed after it was indexed (its ETag is not the index's): the dataset changed; "
             "restart so that it is indexed again"
         )
-    if status == 404 or code in ("NoSuchKey", "NotFound") or isinstance(e, FileNotFoundError):
+    if status == 404 or code in ("NoSuchKey", "NotFound"):
         return FileNotFoundError(errno.ENOENT, f"no such object (404 {code or 'Not Found'})")
-    if status == 403 or isinstance(e, PermissionError) or name == "PermissionDeniedError":
+    if status == 403:
         return PermissionError(errno.EACCES, f"access denied (403 {code or 'Forbidden'})")
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered:
-        return TimeoutError(errno.ETIMEDOUT, f"no complete answer within {settings().timeout_s:g} s{_retries(text)}")
-    if status is not None:
-        return OSError(errno.EIO, f"the store answered {status} {code or ''}{_retries(text)}".rstrip())
-    first = text.splitlines()[0] if text else name
-    return OSError(errno.EIO, f"{first[:300]}{_retries(text)}")
+    return OSError(errno.EIO, f"the store answered {status or ''} {code or ''}".rstrip() + after)
+
+
+def explain(e: BaseException, url: str, retries: int = 0) -> BaseException:
+    """:func:`classify` of what obstore raised about ``url``, with the S3 error code where obstore
+    has none to give: after a 403 or a 404, the object is asked for again (its first byte) with
+    boto3, whose answer carries the code: refused credentials and a missing bucket are told from a
+    forbidden or missing object. One request, made only for an object obstore was refused."""
+    from botocore import exceptions as bx
+    from obstore import exceptions as ox
+
+    found = classify(e, url, retries=retries)
+    if not isinstance(e, (ox.PermissionDeniedError, FileNotFoundError)):
+        return found
+    bucket, key = s3url.split(url)
+    try:
+        answer = boto3_client().get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
+        answer["Body"].close()
+    except bx.ClientError as again:
+        told = classify(again, url)
+        # The same refusal, now with its code (or the job's credentials, or the bucket, refused).
+        if isinstance(told, StoreError) or type(told) is type(found):
+            return told
+    except Exception:  # noqa: BLE001 - no better answer than obstore's: it stands
+        pass
+    return found

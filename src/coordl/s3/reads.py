@@ -1,21 +1,24 @@
 """The only code that reads objects from the store: many GETs in flight, each checked against the
 index's size and ETag, into the caller's buffers.
 
-One call reads a list of objects concurrently (obstore's async GETs on an event loop of the
-calling thread), at most ``COORDL_S3_REQUESTS`` in flight in the whole process: calls share
-that many tokens. Each GET carries ``If-Match: <the index's ETag>``, so an object replaced since
-it was indexed is refused by the store itself (412), and its size is checked before its body is
-read; then its bytes are copied from the client's receive buffer into the caller's buffers (a
-cache slot): no other copy. Throttling (503 SlowDown), 5xx answers, dropped connections and
-timeouts are retried by the client with exponential backoff and jitter (``AWS_MAX_ATTEMPTS``).
+Every call's GETs run on this process's event loop (:func:`coordl.threads.event_loop`: one daemon
+thread for the life of the process) with obstore's async client, while the calling thread waits.
+At most ``COORDL_S3_REQUESTS`` GETs are in flight in the whole process: calls share one semaphore
+on the loop. Each GET carries ``If-Match: <the index's ETag>``, so an object replaced since it was
+indexed is refused by the store itself (412), and its size is checked before its body is read;
+then its bytes are copied from the client's receive buffer into the caller's buffers (a cache
+slot): no other copy, made on the loop's thread while the call waits, so nothing writes the
+buffers once the call has returned. Each try is cut at ``COORDL_S3_TIMEOUT``; throttling (503
+SlowDown), 5xx answers, dropped connections and timeouts are tried again, ``AWS_MAX_ATTEMPTS``
+tries in all, with exponential backoff and full jitter.
 
-A call's requests still waiting when its ``stop`` event is set (the loader closes) or the
-interpreter exits (a script that ends without ``close()``) are abandoned, so that neither waits
-out the timeout and its retries.
+A call's requests still waiting when its ``stop`` signal is set (the loader closes; a script that
+ends without ``close()`` closes it at exit, :func:`coordl.lifecycle.close_all`) are abandoned at
+once: the signal's callback cancels them on the loop. Nothing polls.
 
 obstore's runtime does not survive ``fork``: a process forked from one that used it (a
-``DataLoader`` worker whose parent read samples itself) reads with boto3 instead, on threads,
-and says so once.
+``DataLoader`` worker whose parent read samples itself) reads with boto3 instead, on daemon
+threads, under the same loop and bound, and says so once.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import concurrent.futures as cf
 import errno
 import logging
 import os
-import threading
+import random
 from collections.abc import Sequence
 
+from coordl import lifecycle, threads
 from coordl.errors import DatasetChangedError, StoreError
 from coordl.s3 import client, url
 
@@ -35,57 +39,20 @@ __all__ = ["read_many"]
 
 log = logging.getLogger(__name__)
 
-STOP_POLL_S = 0.05  # how often a call's requests look at its stop event
+INIT_BACKOFF_S = 0.1  # the first retry waits up to this long; each next one up to twice as long
+MAX_BACKOFF_S = 15.0
 _obstore_pid: int | None = None  # the process whose obstore runtime this is (None: not started)
 _warned_fork = False
-
-
-class _Tokens:
-    """Requests in flight in this process: at most ``limit``, shared by concurrent calls."""
-
-    def __init__(self, limit: int):
-        self.free = limit
-        self.cond = threading.Condition()
-
-    def take(self, want: int) -> int:
-        """Blocks until at least one token is free; takes up to ``want``."""
-        with self.cond:
-            while self.free == 0:
-                self.cond.wait()
-            n = min(want, self.free)
-            self.free -= n
-            return n
-
-    def give(self, n: int) -> None:
-        with self.cond:
-            self.free += n
-            self.cond.notify_all()
-
-
-_tokens: _Tokens | None = None
-_tokens_lock = threading.Lock()
+_gate: asyncio.Semaphore | None = None  # GETs in flight in this process; made on the loop
+_boto3_pool: threads.DaemonPool | None = None  # the boto3 reader's threads (a forked process)
 
 
 def _after_fork_in_child() -> None:
-    global _tokens, _tokens_lock
-    _tokens, _tokens_lock = None, threading.Lock()  # another thread may have held them at the fork
+    global _gate, _boto3_pool
+    _gate, _boto3_pool = None, None  # the parent's loop and threads: the child starts its own
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-# The interpreter is exiting: requests still waiting are abandoned. Python joins the I/O pools'
-# threads (concurrent.futures' exit hook) before atexit closes the loaders a script left open, so
-# a hook of the same kind, registered later and so run earlier, must release them first.
-_exiting = threading.Event()
-threading._register_atexit(_exiting.set)  # private, but the hook concurrent.futures itself uses
-
-
-def _process_tokens() -> _Tokens:
-    global _tokens
-    with _tokens_lock:
-        if _tokens is None:
-            _tokens = _Tokens(client.settings().max_requests)
-        return _tokens
 
 
 def read_many(
@@ -94,7 +61,7 @@ def read_many(
     etags: Sequence[str | None],
     buffers: Sequence[list],
     *,
-    stop: threading.Event | None = None,
+    stop: threads.Signal | None = None,
 ) -> dict[int, Exception]:
     """Reads object ``k`` of ``urls`` (``sizes[k]`` bytes, ETag ``etags[k]``) into ``buffers[k]``,
     a list of buffers that hold ``sizes[k]`` bytes in all, for every ``k``. Once ``stop`` is set
@@ -110,19 +77,148 @@ def read_many(
     """
     if not len(urls):
         return {}
-    tokens = _process_tokens()
-    n = tokens.take(len(urls))
+    s = client.settings()
+    where = [url.split(u) for u in urls]
+    if _obstore_usable():
+        # Here, not on the loop: making a store may ask for the bucket's region (a blocking request).
+        reader = _Obstore({bucket: client.obstore_store(bucket) for bucket in {b for b, _ in where}}, s)
+    else:
+        reader = _Boto3(client.boto3_client(), s)
+    call = _Call(threads.event_loop())
+    reads = [_read_one(reader, *where[k], etags[k], sizes[k], buffers[k], urls[k], s) for k in range(len(urls))]
+    handle = stop.add(call.cancel) if stop is not None else None
     try:
-        if _obstore_usable():
-            failed = _run(_read_async(urls, sizes, etags, buffers, n, stop))
-        else:
-            failed = _read_threads(urls, sizes, etags, buffers, n)
+        future = asyncio.run_coroutine_threadsafe(call.run(reads, s), call.loop)
+        try:
+            results = future.result()
+        except BaseException:  # interrupted while waiting (KeyboardInterrupt in the main thread)
+            call.cancel()
+            cf.wait([future])  # the buffers may be released once this call returns: nothing may write them after
+            raise
     finally:
-        tokens.give(n)
-    for e in failed.values():
-        if isinstance(e, StoreError):
-            raise e
+        if stop is not None:
+            stop.remove(handle)
+    failed: dict[int, Exception] = {}
+    for k, r in enumerate(results):
+        if r is None:
+            continue
+        if isinstance(r, asyncio.CancelledError):
+            failed[k] = OSError(errno.ECANCELED, "the loader closed before the object arrived")
+            continue
+        e, retries = r if isinstance(r, tuple) else (r, 0)
+        if stop is not None and stop.is_set():
+            failed[k] = client.classify(e, urls[k], retries=retries)
+        else:
+            failed[k] = client.explain(e, urls[k], retries)  # in this thread: it may ask the store again
+        if isinstance(failed[k], StoreError):
+            raise failed[k]  # no sample can be read: the objects left need no explaining
     return failed
+
+
+class _Call:
+    """One call's requests on the loop; :meth:`cancel` abandons those still waiting, from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.tasks: list[asyncio.Future] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self.cancelled = True  # before run() started: it cancels its tasks as it makes them
+        for task in self.tasks:
+            task.cancel()
+
+    async def run(self, reads: list, s: client.Settings) -> list:
+        global _gate
+        if _gate is None:
+            _gate = asyncio.Semaphore(s.max_requests)
+        self.tasks = [asyncio.ensure_future(r) for r in reads]
+        if self.cancelled:
+            self._cancel()
+        return await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def _read_one(reader, bucket: str, key: str, etag, size: int, views: list, where: str, s: client.Settings):
+    """Reads one object into ``views``, trying again what may succeed if tried again.
+
+    Returns:
+        None, or ``(what the client raised, how many times it was tried again)``.
+    """
+    failure: BaseException | None = None
+    async with _gate:
+        for n in range(reader.tries):
+            if n:
+                await asyncio.sleep(random.uniform(0.0, min(MAX_BACKOFF_S, INIT_BACKOFF_S * 2 ** (n - 1))))
+            try:
+                data = await reader.get(bucket, key, etag, size, where)
+                _scatter(data, views, size, where)
+                return None
+            except reader.retried as e:
+                failure = e
+            except Exception as e:  # noqa: BLE001 - classified by the caller, with the store's answer
+                return e, n
+    return failure, reader.tries - 1
+
+
+class _Obstore:
+    """GETs with obstore's async client, one try each (coordl retries), cut at ``timeout_s``."""
+
+    def __init__(self, stores: dict, s: client.Settings):
+        from obstore.exceptions import GenericError
+
+        self.stores = stores
+        self.timeout_s = s.timeout_s
+        self.tries = s.attempts
+        # What may succeed if tried again: a try cut at the timeout, and obstore's GenericError,
+        # which carries every failure without a variant of its own (see coordl.s3.client).
+        self.retried = (TimeoutError, GenericError)
+
+    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+        try:
+            return await asyncio.wait_for(self._get(bucket, key, etag, size, where), self.timeout_s)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            raise TimeoutError from None  # classify() says it, with the tries
+
+    async def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+        import obstore
+
+        answer = await obstore.get_async(self.stores[bucket], key, options={"if_match": etag} if etag else None)
+        actual = int(answer.meta["size"])
+        if actual != size:
+            raise _changed_size(where, actual, size)
+        return await answer.bytes_async()
+
+
+class _Boto3:
+    """GETs with boto3 on daemon threads (a process forked after obstore started); botocore retries."""
+
+    tries = 1
+    retried = ()
+
+    def __init__(self, s3, s: client.Settings):
+        global _boto3_pool
+        self.s3 = s3
+        if _boto3_pool is None:
+            _boto3_pool = threads.DaemonPool(
+                s.max_requests, thread_name_prefix="coordl-s3-boto3", initializer=lifecycle.quiet_thread
+            )
+        self.pool = _boto3_pool
+
+    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+        # The bytes come back to the loop, which copies them: a request abandoned on its thread writes nothing.
+        return await asyncio.wrap_future(self.pool.submit(self._get, bucket, key, etag, size, where))
+
+    def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str) -> bytes:
+        answer = self.s3.get_object(Bucket=bucket, Key=key, **({"IfMatch": etag} if etag else {}))
+        try:
+            if int(answer["ContentLength"]) != size:
+                raise _changed_size(where, int(answer["ContentLength"]), size)
+            return answer["Body"].read()
+        finally:
+            answer["Body"].close()
 
 
 def _obstore_usable() -> bool:
@@ -142,17 +238,6 @@ def _obstore_usable() -> bool:
     return False
 
 
-def _run(coro):
-    """Runs ``coro`` on an event loop of its own: here, or on a helper thread when this thread
-    already runs one (a caller inside async code)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with cf.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 def _scatter(data, views: list, size: int, where: str) -> None:
     """Copies the object's bytes into the caller's buffers."""
     src = memoryview(data).cast("B")
@@ -170,66 +255,3 @@ def _changed_size(where: str, actual: int, size: int) -> DatasetChangedError:
         f"{where} is {actual} bytes but the index says {size}: the dataset changed after it was indexed; "
         "restart so that it is indexed again"
     )
-
-
-async def _read_async(urls, sizes, etags, buffers, limit: int, stop: threading.Event | None) -> dict[int, Exception]:
-    import obstore
-
-    gate = asyncio.Semaphore(limit)
-    where = [url.split(u) for u in urls]
-    stores = {bucket: client.obstore_store(bucket) for bucket in {b for b, _ in where}}  # once per call, not object
-
-    async def one(k: int) -> None:
-        bucket, key = where[k]
-        store = stores[bucket]
-        options = {"if_match": etags[k]} if etags[k] else None
-        async with gate:
-            answer = await obstore.get_async(store, key, options=options)
-            actual = int(answer.meta["size"])
-            if actual != sizes[k]:
-                raise _changed_size(urls[k], actual, sizes[k])
-            data = await answer.bytes_async()
-        _scatter(data, buffers[k], sizes[k], urls[k])
-
-    tasks = [asyncio.ensure_future(one(k)) for k in range(len(urls))]
-    watch = asyncio.ensure_future(_cancel_on(stop, tasks))
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    watch.cancel()
-    return {k: _failure(r, urls[k]) for k, r in enumerate(results) if isinstance(r, BaseException)}
-
-
-async def _cancel_on(stop: threading.Event | None, tasks: list) -> None:
-    """Cancels ``tasks`` once ``stop`` is set or the interpreter exits (checked every 50 ms)."""
-    while not (_exiting.is_set() or (stop is not None and stop.is_set())):
-        await asyncio.sleep(STOP_POLL_S)
-    for t in tasks:
-        t.cancel()
-
-
-def _failure(e: BaseException, where: str) -> Exception:
-    if isinstance(e, asyncio.CancelledError):
-        return OSError(errno.ECANCELED, "the loader closed before the object arrived")
-    return client.classify(e, where)
-
-
-def _read_threads(urls, sizes, etags, buffers, limit: int) -> dict[int, Exception]:
-    """The same reads with boto3 on ``limit`` threads (a process forked after obstore started)."""
-    s3 = client.boto3_client()
-
-    def one(k: int) -> None:
-        bucket, key = url.split(urls[k])
-        extra = {"IfMatch": etags[k]} if etags[k] else {}
-        answer = s3.get_object(Bucket=bucket, Key=key, **extra)
-        if int(answer["ContentLength"]) != sizes[k]:
-            answer["Body"].close()
-            raise _changed_size(urls[k], int(answer["ContentLength"]), sizes[k])
-        _scatter(answer["Body"].read(), buffers[k], sizes[k], urls[k])
-
-    failed: dict[int, Exception] = {}
-    with cf.ThreadPoolExecutor(min(limit, len(urls))) as pool:
-        futures = {pool.submit(one, k): k for k in range(len(urls))}
-        for future, k in futures.items():
-            e = future.exception()
-            if e is not None:
-                failed[k] = client.classify(e, urls[k])
-    return failed
