@@ -90,7 +90,7 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
     made = {}
     try:
         for name in WARM:
-            made[name] = loaders.make(name, args.data, args.batch_size, args.workers, args.seed, cache=total)
+            made[name] = loaders.make(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
         warmup = {}
         for name in WARM:
             log(f"[warm] warm-up epoch: {name}")
