@@ -322,7 +322,16 @@ def _open(path: str) -> tuple[Index, list] | None:
     except (KeyError, TypeError) as e:
         log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
         return None
-    return Index(saved.paths, saved.labels, saved.sizes, classes, root, saved.fingerprint, etags=saved.etags), dirs
+    index = Index(
+        paths=saved.paths,
+        labels=saved.labels,
+        sizes=saved.sizes,
+        classes=classes,
+        root=root,
+        fingerprint=saved.fingerprint,
+        etags=saved.etags,
+    )
+    return index, dirs
 
 
 def _load_if_fresh(path: str, root: str) -> Index | None:

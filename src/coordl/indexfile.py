@@ -141,7 +141,14 @@ def read(path: str) -> Saved | str | None:
         return "metadata: not an object"
     paths = PathTable(a["blob"], a["offsets"])
     etags = PathTable(a["etag_blob"], a["etag_offsets"]) if head["etag_bytes"] else None
-    return Saved(paths, a["labels"], a["sizes"], head["fingerprint"].decode(), meta, etags)
+    return Saved(
+        paths=paths,
+        labels=a["labels"],
+        sizes=a["sizes"],
+        fingerprint=head["fingerprint"].decode(),
+        meta=meta,
+        etags=etags,
+    )
 
 
 def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:

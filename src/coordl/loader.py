@@ -394,15 +394,15 @@ class CoordLoader(DataLoaderAttributes):
             from coordl.staging.member import GroupMember
 
             self._member = GroupMember(
-                self.options.hp_group,
-                self.resources,
-                self.config,
-                self.schedule,
-                self.recipe,
-                self._world,
-                self.device_id,
-                self.num_threads,
-                self.identity(),
+                options=self.options.hp_group,
+                resources=self.resources,
+                config=self.config,
+                schedule=self.schedule,
+                recipe=self.recipe,
+                world=self._world,
+                device_id=self.device_id,
+                num_threads=self.num_threads,
+                identity=self.identity(),
                 epoch=self.position.epoch,
             )
         return self._member

@@ -319,6 +319,12 @@ class Pass:
             pass
 
 
+# The counters a pass's statistics take as they are (the others, times in ns, become seconds).
+_COUNTED = [
+    f.name for f in dataclasses.fields(FetchCounters) if f.name in {g.name for g in dataclasses.fields(PassStats)}
+]
+
+
 def pass_stats(
     epoch: int,
     cache,
@@ -341,21 +347,12 @@ def pass_stats(
         epoch=epoch,
         batches=batches,
         samples=samples,
-        cache_hits=c.cache_hits,
-        cache_hit_bytes=c.cache_hit_bytes,
-        storage_reads=c.storage_reads,
-        storage_bytes=c.storage_bytes,
-        peer_reads=c.peer_reads,
-        peer_bytes=c.peer_bytes,
+        **{name: getattr(c, name) for name in _COUNTED},  # where the bytes came from, as counted
         peer_served_reads=served[0],
         peer_served_bytes=served[1],
-        admitted=c.admitted,
         cache_bytes=cache.resident_bytes if cache is not None else 0,
         cache_items=cache.resident_items if cache is not None else 0,
         cache_budget=cache.budget if cache is not None else 0,
-        decoded_hits=c.decoded_hits,
-        decoded_hit_bytes=c.decoded_hit_bytes,
-        decoded_admitted=c.decoded_admitted,
         decoded_cache_bytes=decoded.resident_bytes if decoded is not None else 0,
         decoded_cache_items=decoded.resident_items if decoded is not None else 0,
         decoded_cache_budget=decoded.budget if decoded is not None else 0,

@@ -94,7 +94,13 @@ class Position:
             # Another world size: a new plan over the samples the old ranks had not received.
             self.base, self.delivered = self.received(), 0
         self.resume, self.world, self.running = False, world_size, True
-        return PassStart(self.epoch, self.delivered, self.order_epoch, self.base, world_size)
+        return PassStart(
+            epoch=self.epoch,
+            start=self.delivered,
+            order_epoch=self.order_epoch,
+            base=self.base,
+            world_size=world_size,
+        )
 
     def follow_order(self, order_epoch: int) -> None:
         """The running pass follows ``order_epoch``'s order (an HP group decides it)."""

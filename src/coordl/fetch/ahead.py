@@ -9,6 +9,7 @@ batch (on a pool of their own); whatever it does not deliver is read from storag
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -52,7 +53,9 @@ class RawBatch:
     def subset(self, keep: list[int]) -> RawBatch:
         """The batch without the samples not in ``keep`` (positions)."""
         kind = self.kind[keep] if self.kind is not None else None
-        return RawBatch(self.ids[keep], [self.data[k] for k in keep], self.labels[keep], self.epoch, kind, self.number)
+        return dataclasses.replace(
+            self, ids=self.ids[keep], data=[self.data[k] for k in keep], labels=self.labels[keep], kind=kind
+        )
 
 
 class FetchAhead:

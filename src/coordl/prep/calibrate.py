@@ -202,7 +202,7 @@ def _batches(ids, data, labels, kind: int, size: int) -> list[RawBatch]:
     out = []
     for a in range(0, len(ids), size):
         k = np.full(len(ids[a : a + size]), kind, dtype=np.int8)
-        out.append(RawBatch(ids[a : a + size], list(data[a : a + size]), labels[a : a + size], 0, k))
+        out.append(RawBatch(ids=ids[a : a + size], data=list(data[a : a + size]), labels=labels[a : a + size], kind=k))
     return out
 
 

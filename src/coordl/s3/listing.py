@@ -127,7 +127,7 @@ def scan(
         requests,
         time.perf_counter() - t0,
     )
-    return Listing(urls, labels, sizes, etags, classes, requests)
+    return Listing(urls=urls, labels=labels, sizes=sizes, etags=etags, classes=classes, requests=requests)
 
 
 def stat_many(urls: Sequence[str]) -> tuple[list[int], list[str]]:

@@ -54,7 +54,10 @@ def list_groups(directory: str | None = None) -> list[GroupInfo]:
         except PermissionError:
             continue  # another user's cache: theirs to list
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
-        out.append(GroupInfo(fp, len(entries), size, kinds, in_use, "keep" in kinds))
+        info = GroupInfo(
+            fingerprint=fp, files=len(entries), bytes=size, kinds=kinds, in_use=in_use, keep="keep" in kinds
+        )
+        out.append(info)
     return out
 
 
@@ -85,5 +88,5 @@ def reap(directory: str | None = None, *, include_kept: bool = False, exclude: s
         except PermissionError:
             continue  # another user's cache: not ours to remove
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
-        removed.append(GroupInfo(fp, len(entries), freed, kinds, False, keep))
+        removed.append(GroupInfo(fingerprint=fp, files=len(entries), bytes=freed, kinds=kinds, in_use=False, keep=keep))
     return removed

@@ -62,6 +62,7 @@ class GroupMember:
 
     def __init__(
         self,
+        *,
         options,
         resources,
         config,
@@ -71,7 +72,6 @@ class GroupMember:
         device_id,
         num_threads: int,
         identity: dict,
-        *,
         epoch: int,
     ):
         self.options = options
