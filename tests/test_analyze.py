@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -308,8 +309,15 @@ def test_analyze_end_to_end(tiny_dataset, tmp_path, isolated):
         str(bps),
         "0.02",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # The user's own sitecustomize (on PYTHONPATH) still runs: the probe's comes first and runs it.
+    own = tmp_path / "own-site"
+    own.mkdir()
+    marker = tmp_path / "own-sitecustomize-ran"
+    (own / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(own), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert marker.read_text().count("ran") >= 4  # once in each phase's interpreter at least
     assert "Bottleneck: fetch-bound" in proc.stdout
     r = json.loads((out / "report.json").read_text())
     rt = r["rates"]

@@ -45,7 +45,7 @@ def _demo(args) -> int:
         print(summary, flush=True)
         print(
             f"\nTraining loop: {args.epochs} epochs, batch size {args.batch_size}, "
-            f"MinIO cache = {args.cache:.0%} of the dataset, DALI on the CPU\n",
+            f"the node's cache = {args.cache:.0%} of the dataset (never evicted), DALI on the CPU\n",
             flush=True,
         )
         rows = []
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = csub.add_parser("ls", help="list caches in the shm directory")
     ls.set_defaults(func=_cache_ls)
     cl = csub.add_parser("clean", help="remove every cache no running process uses")
-    cl.add_argument("--keep-warm", action="store_true", help="keep caches made with keep_cache=True")
+    cl.add_argument("--keep-warm", action="store_true", help="keep caches made with coordl.Cache(keep=True)")
     cl.set_defaults(func=_cache_clean)
     return p
 

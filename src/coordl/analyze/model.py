@@ -194,7 +194,7 @@ class Model:
     def decoded_split(self, budget: float | None = None, points: int = 5) -> dict | None:
         """The job at ``budget`` bytes per node (default: its cache budget) split between
         encoded bytes and decoded images: predicted samples/s at ``points`` splits, and the
-        split the model recommends (``decoded_cache``). None when prep from decoded images was
+        split the model recommends (``Cache(decoded=...)``). None when prep from decoded images was
         not measured (GPU decoding, a recipe on encoded bytes, the torch backend)."""
         r = self.r
         if not r.decoded_speedup or not r.decoded_sample_bytes:

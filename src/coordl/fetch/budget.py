@@ -47,7 +47,7 @@ def resolve_budget(request, dataset_bytes: int, directory: str, num_items: int |
     except FileNotFoundError:
         raise SharedMemoryError(
             f"the shared-memory directory {directory} does not exist; mount a tmpfs there "
-            "or point COORDL_SHM_DIR at one, or pass cache_bytes=0 to run without a cache"
+            "or point COORDL_SHM_DIR at one, or pass cache=0 to run without a cache"
         ) from None
     table = table_bytes(num_items) if num_items is not None else 0
     usable = max(0, space.free - headroom(space.total) - table)

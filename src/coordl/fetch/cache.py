@@ -210,7 +210,7 @@ class NodeCache:
             if e.errno == errno.ENOSPC:
                 raise SharedMemoryError(
                     f"no space in {self.directory} for the cache table ({size} bytes); "
-                    "free it up, enlarge it, or pass cache_bytes=0"
+                    "free it up, enlarge it, or pass cache=0"
                 ) from None
             raise
         self._map_table(fd, size)
@@ -262,7 +262,7 @@ class NodeCache:
     # -- reading ---------------------------------------------------------------------
     @property
     def keep(self) -> bool:
-        """Whether the segments outlive the last user (``keep_cache``)."""
+        """Whether the segments outlive the last user (``Cache(keep=True)``)."""
         return self._keep
 
     @property
@@ -537,7 +537,7 @@ class NodeCache:
         if os.getpid() != self._pid:
             self._group.forget()  # the parent's attachment: its lock is the parent's to release
             return
-        # The last process to leave decides: keep_cache=True keeps the segments (and the marker).
+        # The last process to leave decides: Cache(keep=True) keeps the segments (and the marker).
         self._group.leave(remove_if_last=not self._keep)
 
     def _unmap(self) -> None:

@@ -2,7 +2,7 @@
 of the node, under the MinIO cache's guarantees.
 
 It is a :class:`~coordl.fetch.cache.NodeCache` of its own (its own group of segments, its own
-budget taken out of ``cache_bytes``) whose items are RGB ``uint8`` images, ``(H, W, 3)``, the
+budget taken out of ``Cache(size)``) whose items are RGB ``uint8`` images, ``(H, W, 3)``, the
 decoder's output at the file's resolution. An image's size is known only once it is decoded,
 so an entry is first *claimed* (``EMPTY -> WRITING``, no bytes yet) by the process that will
 decode it, and given bytes when it is filled; every other process sees a miss until it is

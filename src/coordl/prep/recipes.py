@@ -117,7 +117,7 @@ class DecodedRecipe:
 
     coordl decodes every sample to RGB ``uint8`` ``(H, W, 3)`` at the file's own resolution
     (``fn.decoders.image(encoded, output_type=types.RGB)``), or takes the image from the node's
-    decoded tier (``decoded_cache=``) when another epoch or job decoded it already, and calls
+    decoded tier (``Cache(decoded=...)``) when another epoch or job decoded it already, and calls
     ``augment(images, ctx)`` on the batch; what it returns is delivered. Both ways give the same
     pixels, so a sample's tensor does not depend on where its image came from.
 

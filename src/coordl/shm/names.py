@@ -16,7 +16,7 @@ KINDS = {
     "init": "serialises attach/detach decisions of a group (held for milliseconds)",
     "table": "MinIO cache header and one entry per sample (offset, length, state)",
     "chunk": "MinIO cache data: raw encoded sample bytes, reserved with posix_fallocate",
-    "keep": "marker: keep this group after its last user leaves (keep_cache=True)",
+    "keep": "marker: keep this group after its last user leaves (coordl.Cache(keep=True))",
     "stage": "HP-group staging area: header, configuration, member and slot records",
     "batches": "HP-group staging area: the slots of ready batches, reserved with posix_fallocate",
     "mutex": "HP-group staging area: serialises changes of its records (held for microseconds)",

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from coordl.errors import CoordlError
+from coordl.options import AUTO
 from coordl.shm import group, names
 from coordl.staging import files
 from coordl.staging.holds import Holds, cow_supported
@@ -79,7 +80,7 @@ class StagingArea:
         sample_shape: tuple[int, ...],
         dtype: str,
         epoch: int,
-        bound="auto",
+        bound=AUTO,
         idle_timeout: float = 60.0,
         directory: str | None = None,
     ):

@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from coordl.errors import SharedMemoryError
+from coordl.options import AUTO
 from coordl.shm import segment
 
 __all__ = [
@@ -146,7 +147,7 @@ def slots_for(bound, stride: int, directory: str) -> int:
         SharedMemoryError: ``directory`` has no room for :data:`MIN_SLOTS` slots.
     """
     free = segment.space(directory).free
-    if bound == "auto":
+    if bound == AUTO:
         slots = max(MIN_SLOTS, min(16, (2 << 30) // stride))
     else:
         slots = int(bound) // stride
