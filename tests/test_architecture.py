@@ -366,6 +366,56 @@ def test_the_package_holds_no_test_fixture_and_imports_no_test_support(modules):
     assert not [f"coordl.tools.{f}" for f in FIXTURES if f"coordl.tools.{f}" in modules]
 
 
+# Names the typing module gained after Python 3.10, the oldest Python pyproject.toml admits.
+TYPING_AFTER_310 = {
+    "Self",
+    "LiteralString",
+    "Never",
+    "TypeVarTuple",
+    "Unpack",
+    "Required",
+    "NotRequired",
+    "assert_never",
+    "assert_type",
+    "reveal_type",
+    "dataclass_transform",
+    "get_overloads",
+    "clear_overloads",
+    "override",
+    "TypeAliasType",
+    "get_protocol_members",
+    "is_protocol",
+    "ReadOnly",
+    "TypeIs",
+    "NoDefault",
+}
+
+
+def test_the_code_runs_on_the_oldest_python_it_declares(modules):
+    """Every module of the package and of coordl_testing parses as Python 3.10 and imports no typing name
+    3.10 lacks (ruff's target-version checks the rest of the syntax it rewrites)."""
+    offenders = []
+    paths = [m.path for m in modules.values()] + sorted((SRC.parent / "coordl_testing").glob("*.py"))
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        try:
+            tree = ast.parse(text, str(path), feature_version=(3, 10))
+        except SyntaxError as e:
+            offenders.append(f"{path.name}:{e.lineno}: not Python 3.10 syntax: {e.msg}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "typing":
+                late = sorted({a.name for a in node.names} & TYPING_AFTER_310)
+                offenders += [f"{path.name}:{node.lineno}: typing.{n} is not in Python 3.10" for n in late]
+            if (
+                isinstance(node, ast.Attribute)
+                and ast.unparse(node.value) == "typing"
+                and node.attr in TYPING_AFTER_310
+            ):
+                offenders.append(f"{path.name}:{node.lineno}: typing.{node.attr} is not in Python 3.10")
+    _fail_if(offenders, "code that Python 3.10 cannot run, which pyproject.toml's requires-python admits:")
+
+
 def _pure_modules(modules) -> list[str]:
     return [name for name in PURE + PURE_IF_PRESENT if name in modules]
 

@@ -211,8 +211,14 @@ def test_the_advertised_address_follows_the_configuration(monkeypatch):
 
 
 def test_peers_true_without_a_distributed_job_says_why(tiny_dataset):
-    with pytest.raises(ValueError, match="init_process_group"):
-        CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True, shuffle=True, pipeline="imagenet-train")
+    # Where the job runs is known when its first pass starts (a framework starts the process group
+    # after the script made its loaders): that is when peers=True is refused, once.
+    with CoordLoader(tiny_dataset, batch_size=8, device_id=None, peers=True, pipeline="imagenet-train") as loader:
+        with pytest.raises(ValueError, match="peers=True, but the partitioned cache cannot run: .*init_process_group"):
+            iter(loader)
+    # What the loader is, when it is made.
+    with pytest.raises(ValueError, match="peers=True, but .*: an hp_group shares prep within one node"):
+        CoordLoader(tiny_dataset, device_id=None, peers=True, hp_group="g", pipeline="imagenet-train")
     with CoordLoader(
         tiny_dataset, batch_size=8, device_id=None, shuffle=True, pipeline="imagenet-train"
     ) as loader:  # "auto": off, quietly
