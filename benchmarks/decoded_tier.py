@@ -41,12 +41,11 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     from coordl import CoordLoader
-    from coordl import ImageNetTrain
+    from coordl import Cache, ImageNetTrain
     a = json.loads(sys.argv[1])
     loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline=ImageNetTrain(max_short_side=a.get("cap")),
-                         device_id=None,
-                         num_threads=a.get("threads"), seed=a["seed"], cache_bytes=a["cache_bytes"],
-                         decoded_cache=a["decoded_cache"], hp_group=a.get("hp_group"))
+                         device_id=None, shuffle=True, prep=a.get("threads"), seed=a["seed"],
+                         cache=Cache(size=a["cache_bytes"], decoded=a["decoded_cache"]), hp_group=a.get("hp_group"))
     out = {"tiers": loader.tiers.as_dict(), "epochs": []}
     for e in range(a["epochs"]):
         t0 = time.perf_counter()

@@ -588,7 +588,9 @@ def test_refused_credentials_raise_store_error_at_once_whatever_on_error_says(ti
         assert proc.stdout.split()[-2:] == [str(N), "0"]  # the good credentials read every sample
 
         bad = dict(s.env(), AWS_SECRET_ACCESS_KEY="not-the-secret")
-        proc = _script(f"import coordl\ncoordl.CoordLoader({root!r}, batch_size=8, device_id=None)", bad)
+        proc = _script(
+            f"import coordl\ncoordl.CoordLoader({root!r}, batch_size=8, device_id=None, pipeline='imagenet-train')", bad
+        )
         assert proc.returncode != 0
         assert (
             "StoreError: the object store refused coordl's credentials for s3://coordl-data/train (403" in proc.stderr

@@ -6,7 +6,7 @@ training (SGD with momentum, step decay every 30 epochs, top-1/top-5 validation,
 
 - ``--loader coordl`` (default): the training and validation sets are CoordLoaders with the
   ``imagenet-train`` and ``imagenet-val`` recipes, decoded by DALI (on the GPU when there is
-  one), with a MinIO cache of raw samples in ``/dev/shm`` shared by every rank of the node
+  one), with the node's cache of raw samples in ``/dev/shm`` (never evicted) shared by every rank
   and, on several nodes, served to the other nodes. Checkpoints hold rank 0's
   ``loader.state_dict()``, which resumes every rank, so ``--resume`` continues in the middle of an
   epoch where the checkpoint was taken (``--save-every N`` batches, and on SIGTERM, e.g. a
@@ -91,7 +91,7 @@ parser.add_argument(
 parser.add_argument(
     "--cache",
     default="auto",
-    help="coordl: cache budget per node, as CoordLoader's cache_bytes: 'auto', a fraction of the "
+    help="coordl: cache budget per node, as CoordLoader's cache=: 'auto', a fraction of the "
     "dataset (0.5), a size (40GB) or 0",
 )
 parser.add_argument("--image-size", default=224, type=int, help="training and validation crop size")
@@ -223,7 +223,7 @@ def make_loaders(run: Run, traindir: str, valdir: str):
             seed=args.seed or 0,
             device_id=device_id,
             cache=cache,
-            prep=args.workers,
+            prep=coordl.Prep(threads=args.workers or None),  # -j 0: DALI's default threads
         )
         train = coordl.CoordLoader(
             traindir,

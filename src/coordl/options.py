@@ -36,12 +36,12 @@ def _auto(value) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
-def _size(value, name: str, *, fraction: bool) -> int | float | str:
+def _size(value, name: str, *, fraction: bool, example: str = "'4GB'", zero: bool = True) -> int | float | str:
     """``value`` as :data:`AUTO`, bytes, or (``fraction``) a float fraction of the dataset in [0, 1]."""
     if _auto(value):
         return AUTO
     if isinstance(value, float) and not fraction:
-        raise TypeError(f"{name}={value!r}: give bytes (an int or a string such as '4GB'), 'auto' or 0")
+        raise TypeError(f"{name}={value!r}: give bytes (an int or a string such as {example}), 'auto'{' or 0' * zero}")
     try:
         parse_bytes(value, 1)
     except (TypeError, ValueError) as e:
@@ -175,7 +175,8 @@ class HPGroup:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hp_group must be a non-empty string, got {self.name!r}")
-        object.__setattr__(self, "staging", _size(self.staging, "HPGroup(staging)", fraction=False))
+        staging = _size(self.staging, "HPGroup(staging)", fraction=False, example="'1GB'", zero=False)
+        object.__setattr__(self, "staging", staging)
         _seconds(self.idle_timeout, "HPGroup(idle_timeout)")
 
     @classmethod
@@ -322,7 +323,7 @@ def refuse_renamed(init):
             raise TypeError(
                 "CoordLoader does not take "
                 + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
-                + " (see docs/configuration.md)"
+                + " (docs/migration.md#from-coordl-01 lists every one)"
             )
         return init(self, *args, **kwargs)
 

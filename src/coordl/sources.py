@@ -78,6 +78,11 @@ def open_source(data, pipeline, device_id, torch_options: TorchOptions, options:
                 "hp_group is not available on the torch backend yet: use a folder or a list of files, "
                 "decoded by DALI, for coordinated pre-processing"
             )
+        if device_id != "auto":
+            raise ValueError(
+                "device_id= is where DALI decodes and delivers; on the torch backend the batches are collate_fn's, "
+                "on the CPU: move them with .to(device) (pin_memory=True pins them for that)"
+            )
         if options.prep != Prep():
             raise ValueError(
                 "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes"

@@ -188,7 +188,8 @@ def table(r: dict) -> str:
                 f"  with {w['decoded_bytes'] / 1e9:,.2f} GB of decoded images: {_rate(w['predicted_samples_per_s'])}"
             )
         lines.append(
-            f"  recommended: decoded_cache={d['recommended_decoded_cache']} ({_rate(d['recommended_samples_per_s'])})"
+            f"  recommended: cache=coordl.Cache(decoded={d['recommended_decoded_cache']}) "
+            f"({_rate(d['recommended_samples_per_s'])})"
         )
     mc = r["model_check"]
     lines += [

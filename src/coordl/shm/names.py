@@ -14,8 +14,8 @@ PREFIX = "coordl"
 KINDS = {
     "lock": "membership: every attached process holds a shared flock on it",
     "init": "serialises attach/detach decisions of a group (held for milliseconds)",
-    "table": "MinIO cache header and one entry per sample (offset, length, state)",
-    "chunk": "MinIO cache data: raw encoded sample bytes, reserved with posix_fallocate",
+    "table": "the node's cache: header and one entry per sample (offset, length, state)",
+    "chunk": "the node's cache: raw encoded sample bytes, reserved with posix_fallocate",
     "keep": "marker: keep this group after its last user leaves (coordl.Cache(keep=True))",
     "stage": "HP-group staging area: header, configuration, member and slot records",
     "batches": "HP-group staging area: the slots of ready batches, reserved with posix_fallocate",

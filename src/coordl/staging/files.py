@@ -75,7 +75,7 @@ def create(
         if e.errno == errno.ENOSPC:
             raise SharedMemoryError(
                 f"no room for the hp_group staging area ({slots} batches of {stride} bytes) in "
-                f"{membership.directory}; pass a smaller hp_staging or free shared memory"
+                f"{membership.directory}; pass a smaller HPGroup(staging=...) or free shared memory"
             ) from None
         raise
     data = segment.map_fd(dfd, slots * stride)
