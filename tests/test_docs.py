@@ -408,9 +408,13 @@ def _messages() -> list[tuple[str, int, str, str]]:
         tree = ast.parse(path.read_text())
         functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        # A message kept in a module-level constant (``raise ValueError(PIPELINE_NEEDED)``).
+        constants = {
+            t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+        }
         seen = set()
         for scope in reversed(scopes):  # innermost functions first; each node is taken once
-            assigned = {
+            assigned = constants | {
                 t.id: n.value
                 for n in ast.walk(scope)
                 if isinstance(n, ast.Assign)
