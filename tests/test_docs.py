@@ -9,8 +9,9 @@ Conventions in the Markdown (docs/*.md and README.md):
 - A ```diff block preceded by ``<!-- doctest: run-diff args="{data} ..." -->`` holds a whole
   script before and after a change: both sides must compile, and the "after" side is run as
   ``__main__`` with those command-line arguments (``{data}``: the tiny dataset).
-- docs/configuration.md has a table row per ``CoordLoader`` argument, recipe field and
-  environment variable, with the default as a Python literal in backticks.
+- docs/configuration.md has a table row per ``CoordLoader`` argument, option object field
+  (``coordl.Cache``, ``Peers``, ...), recipe field and environment variable, with the default as
+  a Python literal in backticks (``required`` for a field without one).
 - docs/faq.md quotes, in backticks, every message coordl raises, warns or logs at warning level
   or above: all of its literal text, in order, with the variable parts written ``<like this>``.
 """
@@ -242,13 +243,41 @@ def test_configuration_documents_every_argument_with_its_default():
     _check_defaults(documented, params, "CoordLoader")
 
 
+def _fields_table(heading: str, cls) -> dict[str, str]:
+    """The rows of the table that follows ``**`coordl.<cls>`**`` under ``## heading``."""
+    text = section(CONFIG, heading)
+    start = text.index(f"**`coordl.{cls.__name__}`**")
+    return _documented(table_rows(text[start:].split("\n\n**")[0]))
+
+
+def _field_defaults(cls) -> dict[str, object]:
+    return {
+        f.name: inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(cls)
+        if f.init
+    }
+
+
 @pytest.mark.parametrize("cls", [coordl.ImageNetTrain, coordl.ImageNetVal], ids=lambda c: c.__name__)
 def test_configuration_documents_every_recipe_field_with_its_default(cls):
-    text = section(CONFIG, "Recipes")
-    start = text.index(f"**`coordl.{cls.__name__}`**")
-    table = text[start:].split("\n\n**")[0]
-    params = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
-    _check_defaults(_documented(table_rows(table)), params, cls.__name__)
+    _check_defaults(_fields_table("Recipes", cls), _field_defaults(cls), cls.__name__)
+
+
+OPTIONS = [coordl.Cache, coordl.Peers, coordl.HPGroup, coordl.Shard, coordl.Prep, coordl.Fetch]
+
+
+@pytest.mark.parametrize("cls", OPTIONS, ids=lambda c: c.__name__)
+def test_configuration_documents_every_option_field_with_its_default(cls):
+    _check_defaults(_fields_table("Option objects", cls), _field_defaults(cls), cls.__name__)
+
+
+def test_every_option_object_is_documented():
+    """A new option object of the loader gets a table too (``loader.options`` holds them all)."""
+    from coordl.options import Options
+
+    held = {f.name for f in dataclasses.fields(Options)}
+    documented = {cls.__name__.lower() if cls is not coordl.HPGroup else "hp_group" for cls in OPTIONS}
+    assert held == documented, (sorted(held), sorted(documented))
 
 
 def _environment_variables() -> set[str]:
@@ -342,6 +371,8 @@ NOT_FOR_USERS = [
     ("backends/torch.py", "DatasetChangedError(message)"),  # a worker's failure again, listed in faq.md
     ("backends/torch.py", "SampleError(message, path=path, index=i)"),  # likewise
     ("analyze/probe.py", "SystemExit"),  # ends an analysed script with status 0; no message
+    ("errors.py", "warnings.warn(message"),  # errors.warn() itself; its callers' messages are scanned
+    ("compat.py", "_missing("),  # a CompatError made by _missing(), whose message is scanned there
     ("analyze/probe.py", "next(iter(failed.values()))"),  # a sample's read error, listed in faq.md
     ("s3/client.py", "classify("),  # a store's refusal as coordl's error, each listed in faq.md
     ("s3/listing.py", "_cannot_list("),  # likewise, for a listing
@@ -349,7 +380,7 @@ NOT_FOR_USERS = [
     ("threads.py", ""),  # thread primitives used by coordl only: a pool misused is a bug in coordl
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
-COORDL_ERRORS = set(coordl.errors.__all__)
+COORDL_ERRORS = set(coordl.errors.__all__) | {"CompatError"}  # coordl.compat's, a CoordlError
 PLACEHOLDER = "\x00"
 
 
@@ -378,9 +409,13 @@ def _messages() -> list[tuple[str, int, str, str]]:
         tree = ast.parse(path.read_text())
         functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
         scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        # A message kept in a module-level constant (``raise ValueError(PIPELINE_NEEDED)``).
+        constants = {
+            t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+        }
         seen = set()
         for scope in reversed(scopes):  # innermost functions first; each node is taken once
-            assigned = {
+            assigned = constants | {
                 t.id: n.value
                 for n in ast.walk(scope)
                 if isinstance(n, ast.Assign)
