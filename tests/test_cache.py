@@ -38,8 +38,8 @@ from coordl.fetch.cache import (
     READY,
     WRITING,
     NodeCache,
-    headroom,
 )
+from coordl.fetch.chunks import headroom
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
 from coordl.shm import names, reaper

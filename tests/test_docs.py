@@ -323,7 +323,7 @@ def test_configuration_documents_every_environment_variable():
 # Figures the docs state that come from constants in the code: (value in the code, expected,
 # a page, the phrase on it). If the code changes, the sentence must change with it.
 def _facts():
-    from coordl.fetch import cache, peer, wire
+    from coordl.fetch import cache, chunks, peer, wire
     from coordl.shm import limits
     from coordl.staging import layout, member
 
@@ -332,9 +332,9 @@ def _facts():
         (cache.HEADER_BYTES, 128, "configuration.md", "128 bytes plus 16 per sample"),
         (cache.HEADER_BYTES + 16 * 1_281_167, 20_498_800, "configuration.md", "20.5 MB for 1,281,167 samples"),
         (cache.DEFAULT_CHUNK_BYTES, 64 << 20, "shm.md", "chunks of 64 MiB"),
-        (cache.headroom(1 << 40), 1 << 30, "shm.md", "at most 1 GiB"),
-        (cache.headroom(1), 64 << 20, "shm.md", "at least 64 MiB"),
-        (cache.headroom(10 << 30), 1 << 30, "shm.md", "10% of the filesystem's size"),
+        (chunks.headroom(1 << 40), 1 << 30, "shm.md", "at most 1 GiB"),
+        (chunks.headroom(1), 64 << 20, "shm.md", "at least 64 MiB"),
+        (chunks.headroom(10 << 30), 1 << 30, "shm.md", "10% of the filesystem's size"),
         (cache.DEFAULT_SLICE_BYTES, 8 << 20, "shm.md", "8 MiB at a time"),
         (limits.margin(1 << 30), 256 << 20, "shm.md", "at least 256 MiB"),
         (limits.margin(10 << 30), 1 << 30, "shm.md", "10% of the limit"),

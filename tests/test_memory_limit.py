@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from coordl.fetch.budget import resolve_budget
-from coordl.fetch.cache import NodeCache, headroom
+from coordl.fetch.cache import NodeCache
+from coordl.fetch.chunks import headroom
 from coordl.index import Index
 from coordl.shm import limits, names
 from coordl.shm.limits import Level

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 
 from coordl.errors import SharedMemoryError, warn
-from coordl.fetch.cache import headroom, memory_text, table_bytes
+from coordl.fetch.cache import table_bytes
+from coordl.fetch.chunks import headroom, memory_text
 from coordl.options import AUTO
 from coordl.shm import limits, segment
 from coordl.units import format_bytes, parse_bytes

@@ -1,4 +1,5 @@
-"""The MinIO cache: raw encoded samples in shared memory, admitted until full, never evicted.
+"""The node's cache: raw encoded samples in shared memory, admitted until full, never evicted (the
+MinIO policy of the CoorDL paper).
 
 One cache per dataset per node, shared by every process that opens it (ranks,
 workers, other jobs). Layout, all in the shm directory under the dataset's
@@ -6,14 +7,11 @@ fingerprint (see :mod:`coordl.shm.names`):
 
 - ``table``: a :data:`HEADER` then one :data:`ENTRY` per sample of the index.
 - ``chunk.<k>``: the data, a logical byte space ``[0, budget)`` cut into chunks of
-  ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`), created (sparse) when the allocation first
-  reaches them and reserved with ``posix_fallocate`` a slice of ``slice_bytes``
-  (:data:`DEFAULT_SLICE_BYTES`) at a time as it fills. An item
+  ``chunk_bytes`` (:data:`DEFAULT_CHUNK_BYTES`), reserved ``slice_bytes``
+  (:data:`DEFAULT_SLICE_BYTES`) at a time as it fills (:mod:`coordl.fetch.chunks`). An item
   occupies ``[offset, offset + length)`` of that space, possibly across a chunk boundary,
   so that no byte of the budget is wasted; it is handed out only once all of its bytes
   are reserved, so no write ever touches an unreserved page (a ``SIGBUS`` on a full tmpfs).
-  Slices are reserved whole and in order, so the reserved space always ends at the first
-  slice boundary at or after ``alloc``.
 
 An entry goes ``EMPTY -> WRITING -> READY`` and never back from ``READY``: a
 published item is immutable and readers only look at ``READY`` entries, so no
@@ -23,9 +21,8 @@ reserved bytes; whoever next attaches alone resets it to ``EMPTY`` and the next
 storage read of that sample refills the same bytes.
 
 The cache takes memory only as it fills, a slice at a time, and checks before each slice
-that the shm filesystem keeps its :func:`headroom` and that the tightest memory limit
-(:mod:`coordl.shm.limits`) keeps its margin: shared memory counts against a container's or
-a job's memory limit and cannot be reclaimed. When either runs short the cache stops growing
+that the shm filesystem keeps its headroom and that the tightest memory limit keeps its
+margin (:mod:`coordl.fetch.chunks`). When either runs short the cache stops growing
 (``full``) and further misses are read from storage without being admitted. Slices are
 small so that the check follows the processes' own memory while it still grows (a
 pipeline's first batches) and the cache overshoots by at most one slice.
@@ -43,11 +40,11 @@ import threading
 
 import numpy as np
 
-from coordl.errors import SharedMemoryError, StaleStateError, warn
-from coordl.shm import group, limits, segment
-from coordl.units import format_bytes
+from coordl.errors import SharedMemoryError, StaleStateError
+from coordl.fetch.chunks import Chunks, close_maps
+from coordl.shm import group, segment
 
-__all__ = ["ENTRY", "HEADER", "NodeCache", "headroom", "memory_text", "table_bytes"]
+__all__ = ["ENTRY", "HEADER", "NodeCache", "table_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -80,30 +77,14 @@ DEFAULT_SLICE_BYTES = 8 << 20
 assert HEADER.itemsize <= HEADER_BYTES and ENTRY.itemsize == 16
 
 
-def headroom(total: int) -> int:
-    """Bytes of the shm filesystem that coordl never takes, for PyTorch's and DALI's own use.
-
-    10% of the filesystem, at least 64 MiB and at most 1 GiB.
-    """
-    return min(1 << 30, max(64 << 20, total // 10))
-
-
 def table_bytes(num_items: int, entry_bytes: int = ENTRY.itemsize) -> int:
     """Shared memory taken by the cache table of ``num_items`` samples, in whole pages."""
     page = mmap.PAGESIZE
     return -(-(HEADER_BYTES + num_items * entry_bytes) // page) * page
 
 
-def memory_text(level: limits.Level) -> str:
-    """A memory limit for messages: ``the memory limit of 631.2 MB (cgroup /a (v1): ...)``."""
-    return (
-        f"the memory limit of {format_bytes(level.limit)} ({level.name}: {format_bytes(level.used)} in use, "
-        f"{format_bytes(level.margin)} kept free for the processes' own memory)"
-    )
-
-
 class NodeCache:
-    """A node-wide MinIO cache of one dataset's raw samples.
+    """A node-wide cache of one dataset's raw samples (the MinIO policy: no eviction).
 
     Args:
         fingerprint: names the shared segments (the loader derives it from the dataset and the user).
@@ -149,12 +130,9 @@ class NodeCache:
         self._min_size = max(1, int(min_size))
         self._keep = keep
         self._tlock = threading.Lock()
-        self._chunks: dict[int, mmap.mmap] = {}
-        self._rw: dict[int, np.ndarray] = {}  # the chunks as arrays, writable and read-only
-        self._ro: dict[int, np.ndarray] = {}
         self._table_fd: int | None = None
         self._table: mmap.mmap | None = None
-        self._warned_full = False
+        self._data: Chunks | None = None  # the chunks, mapped once the table is
         self._header = None
         self._final = (0, 0, 0)
         self._pid = os.getpid()  # a forked child's copy must not use or release this attachment
@@ -246,6 +224,7 @@ class NodeCache:
         self._state = entries["state"]
         self._offset = entries["offset"]
         self._sizes = entries["length"]  # shared: the decoded tier writes an item's length when it has one
+        self._data = Chunks(self._header, lambda k: self._group.path("chunk", k), self.directory)
 
     def _recover(self) -> None:
         """Alone on attach: undo what killed processes left half-done."""
@@ -292,60 +271,7 @@ class NodeCache:
         """Read-only uint8 arrays of the bytes of ``ids``, which must all be published
         (:meth:`ready_mask`): a view into shared memory each, a copy only for the rare item
         that spans two chunks."""
-        offsets = self._offset[ids].astype(np.int64)
-        lengths = self._sizes[ids].astype(np.int64)
-        step = int(self._header["chunk_bytes"])
-        chunks, starts = np.divmod(offsets, step)
-        ends = starts + lengths
-        arrays = {k: self._array(k, writable=False) for k in np.unique(chunks).tolist()}
-        out = [arrays[k][a:b] for k, a, b in zip(chunks.tolist(), starts.tolist(), ends.tolist())]
-        for j in np.flatnonzero(ends > step).tolist():  # spans a chunk boundary: one copy
-            out[j] = self._view(int(offsets[j]), int(lengths[j]), writable=False)
-        return out
-
-    def _view(self, offset: int, length: int, writable: bool) -> np.ndarray:
-        parts = self._views(offset, length)
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if not writable:
-            out.flags.writeable = False
-        return out
-
-    def _views(self, offset: int, length: int) -> list[np.ndarray]:
-        step = int(self._header["chunk_bytes"])
-        parts = []
-        while length:
-            k, start = divmod(offset, step)
-            n = min(length, step - start)
-            parts.append(self._array(k, writable=True)[start : start + n])
-            offset += n
-            length -= n
-        return parts
-
-    def _array(self, k: int, *, writable: bool) -> np.ndarray:
-        """Chunk ``k`` as a uint8 array (made once per chunk and kind)."""
-        arrays = self._rw if writable else self._ro
-        a = arrays.get(k)
-        if a is None:
-            a = np.frombuffer(self._chunk(k), dtype=np.uint8)
-            if not writable:
-                a.flags.writeable = False
-            arrays[k] = a
-        return a
-
-    def _chunk(self, k: int) -> mmap.mmap:
-        m = self._chunks.get(k)
-        if m is None:
-            fd = segment.open_existing(self._group.path("chunk", k))
-            try:
-                m = segment.map_fd(fd, self._chunk_size(k))
-            finally:
-                os.close(fd)
-            self._chunks[k] = m
-        return m
-
-    def _chunk_size(self, k: int) -> int:
-        step = int(self._header["chunk_bytes"])
-        return min(step, self.budget - k * step)
+        return self._data.views(self._offset[ids].astype(np.int64), self._sizes[ids].astype(np.int64))
 
     # -- writing ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -387,7 +313,7 @@ class NodeCache:
             offsets = self._offset[ids[granted]].tolist()
         sizes = self._sizes[ids[granted]].tolist()
         for k, offset, size in zip(granted.tolist(), offsets, sizes):
-            out[k] = self._views(offset, size)
+            out[k] = self._data.writable(offset, size)
         return out
 
     def _allocate_many(self, ids: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -398,7 +324,7 @@ class NodeCache:
         ends = start + np.cumsum(self._sizes[ids[new]].astype(np.int64))
         fit = int(np.searchsorted(ends, self.budget, side="right"))
         if fit:
-            reached = self._reserve_until(int(ends[fit - 1]))
+            reached = self._data.reserve_until(int(ends[fit - 1]))
             fit = int(np.searchsorted(ends[:fit], reached, side="right"))
         if fit:
             self._offset[ids[new[:fit]]] = np.concatenate(([start], ends[: fit - 1]))
@@ -422,92 +348,11 @@ class NodeCache:
             if self.budget - start < self._min_size:
                 h["full"] = 1
             return None
-        if self._reserve_until(end) < end:
+        if self._data.reserve_until(end) < end:
             h["full"] = 1
             return None
         h["alloc"] = end
         return start
-
-    def _reserved(self) -> int:
-        """End of the reserved logical space: the first slice boundary at or after ``alloc``."""
-        step, piece = int(self._header["chunk_bytes"]), int(self._header["slice_bytes"])
-        k, off = divmod(int(self._header["alloc"]), step)
-        if off == 0:
-            return k * step
-        return k * step + min(-(-off // piece) * piece, self._chunk_size(k))
-
-    def _reserve_until(self, end: int) -> int:
-        """Reserves slices (making chunks as they are reached) until ``[0, end)`` is all reserved,
-        or the room runs out (then ``full`` is set); returns where the reserved space ends."""
-        h = self._header
-        step, piece = int(h["chunk_bytes"]), int(h["slice_bytes"])
-        reserved = self._reserved()
-        while reserved < end:
-            k, off = divmod(reserved, step)
-            n = min(piece, self._chunk_size(k) - off)
-            if not self._room_for(n):
-                h["full"] = 1
-                break
-            if k == int(h["num_chunks"]):
-                self._create_chunk(k)
-                h["num_chunks"] += 1
-            if not self._reserve_slice(k, off, n):
-                h["full"] = 1
-                break
-            reserved += n
-        return reserved
-
-    def _room_for(self, n: int) -> bool:
-        """Whether ``n`` more bytes leave the shm headroom and the memory limit's margin free."""
-        space = segment.space(self.directory)
-        if space.free - n < headroom(space.total):
-            self._warn_full(f"only {format_bytes(space.free)} of {self.directory} is free")
-            return False
-        # The slice's pages are charged to this process's memory cgroup when reserved, and cannot
-        # be reclaimed: a cgroup past its limit gets a process killed. A few small files read,
-        # once a slice (8 MiB by default), never per sample.
-        level = limits.tightest()
-        if level is not None and n > level.room:
-            self._warn_full(f"{memory_text(level)} is near")
-            return False
-        return True
-
-    def _create_chunk(self, k: int) -> None:
-        """Makes chunk ``k``'s file at its full size, sparse: it takes no memory until reserved."""
-        path = self._group.path("chunk", k)
-        try:
-            fd = segment.create_exclusive(path)
-        except FileExistsError:
-            # Left by a creator that died before recording it; we hold the table lock.
-            os.unlink(path)
-            fd = segment.create_exclusive(path)
-        try:
-            size = self._chunk_size(k)
-            os.ftruncate(fd, size)
-            self._chunks[k] = segment.map_fd(fd, size)
-        finally:
-            os.close(fd)
-
-    def _reserve_slice(self, k: int, offset: int, n: int) -> bool:
-        fd = segment.open_existing(self._group.path("chunk", k))
-        try:
-            segment.reserve(fd, n, offset=offset)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-            self._warn_full(f"{self.directory} is full")
-            return False
-        finally:
-            os.close(fd)
-        return True
-
-    def _warn_full(self, why: str) -> None:
-        if not self._warned_full:
-            self._warned_full = True
-            warn(
-                f"coordl: the cache stopped growing at {format_bytes(int(self._header['alloc']))} of its "
-                f"{format_bytes(self.budget)} budget because {why}; further misses are read from storage."
-            )
 
     def publish_many(self, ids: np.ndarray) -> None:
         """Marks the samples ``ids`` (distinct, fully written) readable by everyone, under one lock."""
@@ -543,17 +388,11 @@ class NodeCache:
     def _unmap(self) -> None:
         self._state = self._offset = self._entries = self._header = None
         self._sizes = self._index_sizes
-        self._rw.clear()
-        self._ro.clear()
-        maps = list(self._chunks.values())
+        maps = self._data.close() if self._data is not None else []
         if self._table is not None:
             maps.append(self._table)
-        self._chunks.clear()
-        self._table = None
-        for m in maps:
-            with contextlib.suppress(BufferError):
-                # A caller may still hold a view; the mapping then lives until it is dropped.
-                m.close()
+        self._data = self._table = None
+        close_maps(maps)
 
     def __del__(self):
         with contextlib.suppress(Exception):

@@ -123,7 +123,7 @@ class DecodedTier(NodeCache):
         for k, offset in zip(granted.tolist(), offsets, strict=True):
             pos = 0
             flat = np.ascontiguousarray(images[k]).reshape(-1)
-            for part in self._views(offset, int(lengths[k])):
+            for part in self._data.writable(offset, int(lengths[k])):
                 part[:] = flat[pos : pos + len(part)]
                 pos += len(part)
         self.publish_many(np.sort(ids[granted]))
