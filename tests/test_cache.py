@@ -782,7 +782,7 @@ def test_loader_close_leaves_nothing_and_keep_cache_starts_warm(tiny_dataset, is
     try:
         assert reaper.reap(str(isolated)) == []  # kept groups survive a plain reap
         with coordl.CoordLoader(
-            tiny_dataset, 8, **kw, cache=coordl.Cache(keep=True)
+            tiny_dataset, 8, **{**kw, "cache": coordl.Cache(size=0.5, keep=True)}
         ) as loader:  # the next run, kept again
             for _ in loader:
                 pass
