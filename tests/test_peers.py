@@ -235,7 +235,8 @@ def _run_nodes(
 ) -> list:
     """Runs multinode_train.py on ``nodes`` nodes; returns each torchrun's exit code (-9: killed
     at ``timeout``, or once ``until()`` is true). ``loopback`` runs the nodes on loopback addresses
-    with a shm folder each, whose contents after the run go into ``leftovers``."""
+    with a shm folder each. What the nodes leave in their /dev/shm (their shm folder) after the
+    run goes into ``leftovers``."""
     _port[0] += 1
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
@@ -261,19 +262,34 @@ def _run_nodes(
         ]
 
     if NS_REASON is None and not loopback:
+
+        def listing(k: int, argv: list[str]) -> list[str]:
+            """``argv``, then what it left in the node's own /dev/shm, listed into a file."""
+            if leftovers is None:
+                return argv
+            shm = out / f"node{k}.shm"
+            return ["sh", "-c", f'"$@"; rc=$?; ls -A /dev/shm > {shm}; exit $rc', "sh", *argv]
+
         with netns.Cluster(nodes, shm_bytes=256 << 20) as c:  # 64 MiB of it stay free (headroom)
             env["GLOO_SOCKET_IFNAME"] = "eth0"
             procs = [
                 c.popen(
                     k,
-                    torchrun(k, c.address(0)),
+                    listing(k, torchrun(k, c.address(0))),
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=open(out / f"node{k}.log", "w"),
                 )
                 for k in range(nodes)
             ]
-            return _wait_all(procs, timeout, until)
+            try:
+                return _wait_all(procs, timeout, until)
+            finally:
+                for k in range(nodes):
+                    shm = out / f"node{k}.shm"
+                    if leftovers is not None:
+                        names = shm.read_text().split() if shm.exists() else ["(not listed: the node was killed)"]
+                        leftovers += [f"node {k}: {name}" for name in names]
     procs = []
     for k in range(nodes):
         shm = Path(f"/dev/shm/coordl-test-node{os.getpid()}-{k}")
@@ -420,6 +436,25 @@ def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_data
     assert sorted(ids) == sorted(order[0::2].tolist())  # its whole shard, each sample once
     assert last["stats"]["storage_reads"] > 0  # what the dead node held came from storage
     assert "reading its samples from storage" in _logs(out)
+
+
+def test_nodes_whose_last_epochs_end_out_of_step_keep_serving_each_other(tiny_dataset, tmp_path):
+    """Rank 1 stalls in its last epoch, so node 0 ends its script and closes its loader first,
+    with no barrier before: node 0's server keeps serving until node 1 is done, so node 1 reads
+    nothing from storage that node 0 holds and warns of no failed peer; both exit 0 and leave
+    nothing in /dev/shm."""
+    out, left = tmp_path / "out", []
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--end-barrier", "0", "--stall", "1,1,1,6"]
+    codes = _run_nodes(tiny_dataset, out, 2, args, leftovers=left)
+    logs = _logs(out)
+    assert codes == [0, 0], logs
+    assert "coordl: peer node" not in logs and "Traceback" not in logs, logs  # no peer failed
+    assert left == [], f"left in shared memory: {left}"
+    recs = _records(out, 2)
+    last = [r["epochs"][1]["stats"] for r in recs]
+    assert [s["storage_reads"] for s in last] == [0, 0], last  # the two caches hold it all
+    assert last[1]["peer_reads"] > 0  # node 1 still read from node 0 after node 0 had closed
+    assert recs[0]["close_s"] > 3  # node 0 waited for node 1 (stalled for 6 s) to finish
 
 
 def _delivered(recs: list[dict], epoch: int) -> Counter:
