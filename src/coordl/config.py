@@ -74,12 +74,15 @@ class PeerOptions:
     retry_after: float = 60.0
     interface: str | None = None
     port: int | None = None
+    linger: float | None = None  # None: 3 * timeout
 
     def __post_init__(self):
         if self.mode not in ("auto", True, False):
             raise ValueError(f"peers must be 'auto', True or False, got {self.mode!r}")
         if self.timeout <= 0 or self.retry_after < 0:
             raise ValueError("peer_timeout must be positive and peer_retry_after non-negative")
+        if self.linger is not None and not self.linger >= 0:
+            raise ValueError(f"peer_linger must be non-negative (or None: 3 x peer_timeout), got {self.linger!r}")
 
 
 @dataclass(frozen=True)
