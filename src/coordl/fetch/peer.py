@@ -198,7 +198,8 @@ class PeerClient:
         with self._quiet:
             self._quiet.wait_for(lambda: self._inflight == 0, max(0.0, deadline - time.monotonic()))
         frame = wire.pack_done(passes)
-        addrs = [a for node in sorted(self.servers) for a in self.servers[node]]
+        servers = self.servers  # the group may hand over a new map meanwhile
+        addrs = [a for node in sorted(servers) for a in servers[node]]
         with self._lock:
             addrs.sort(key=lambda a: not self._idle[a])  # those connected first: telling them costs nothing
         failed: list[tuple[str, int]] = []
@@ -495,7 +496,10 @@ class PeerGroup:
                 self._wake.wait_for(lambda t=told: self._closing or self._finished > t)
                 finished, closing = self._finished, self._closing
             if finished > told:
-                self.client.tell_done(finished, time.monotonic() + self.timeout)
+                try:
+                    self.client.tell_done(finished, time.monotonic() + self.timeout)
+                except Exception:  # noqa: BLE001 - the servers then wait their linger, no more
+                    log.exception("coordl: telling the other nodes that pass %d is done failed", finished)
                 told = finished
             elif closing:
                 return
