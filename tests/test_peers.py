@@ -651,12 +651,12 @@ def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_data
 
 
 def test_nodes_whose_last_epochs_end_out_of_step_keep_serving_each_other(tiny_dataset, tmp_path):
-    """Rank 1 stalls in its last epoch, so node 0 ends its script and closes its loader first,
-    with no barrier before: node 0's server keeps serving until node 1 is done, so node 1 reads
+    """Rank 1 stalls in its last epoch, so node 0 ends its script and closes its loader first
+    (no barrier before): node 0's server keeps serving until node 1 is done, so node 1 reads
     nothing from storage that node 0 holds and warns of no failed peer; both exit 0 and leave
     nothing in /dev/shm."""
     out, left = tmp_path / "out", []
-    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--end-barrier", "0", "--stall", "1,1,1,6"]
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--stall", "1,1,1,6"]
     codes = _run_nodes(tiny_dataset, out, 2, args, leftovers=left)
     logs = _logs(out)
     assert codes == [0, 0], logs
@@ -677,7 +677,7 @@ def test_a_node_waits_at_most_the_linger_for_a_peer_that_never_finishes(tiny_dat
     loader: for a killed peer at once (its connections closed), for a stuck one after the linger
     (3 x peer_timeout = 6 s here) with nothing from it."""
     out = tmp_path / "out"
-    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--end-barrier", "0", "--peer-timeout", "2", *fault]
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--peer-timeout", "2", *fault]
 
     def closed():
         try:
