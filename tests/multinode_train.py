@@ -7,10 +7,11 @@ CoordLoader for ``--epochs`` epochs with a tiny step, and writes what every rank
 ``--die-rank R --die-at E,B`` makes rank R kill itself (SIGKILL) after batch B of epoch E.
 ``--leave-at B`` makes every rank break out of its last epoch after batch B and end the script
 without ``close()`` or ``destroy_process_group()``, as many training scripts end.
-``--stall R,E,B,S`` makes rank R sleep S seconds after batch B of epoch E (its node falls behind).
-No ``barrier()`` comes before ``close()``, so nodes whose last epochs end out of step close
-their loaders at different times, as in most scripts. Every rank adds how long its ``close()``
-took (``close_s``) to its record once it has closed.
+``--stall R,E,B,S`` makes rank R sleep S seconds after batch B of epoch E (its node falls behind);
+``--sleep-before-close R,S`` makes rank R sleep S seconds after its last epoch, before it closes
+its loader (an evaluation, a checkpoint). No ``barrier()`` comes before ``close()``, so nodes
+whose last epochs end out of step close their loaders at different times, as in most scripts.
+Every rank adds how long its ``close()`` took (``close_s``) to its record once it has closed.
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--stop-at", default="")
     p.add_argument("--resume", default="")
     p.add_argument("--stall", default="")
+    p.add_argument("--sleep-before-close", default="")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -109,6 +111,8 @@ def main() -> None:
         save(record, a.out)
         if "state" in record:
             break
+    if a.sleep_before_close and rank == int(a.sleep_before_close.split(",")[0]):
+        time.sleep(float(a.sleep_before_close.split(",")[1]))
     if a.leave_at >= 0:
         return  # no close(): coordl releases what the process holds by itself
     t0 = time.monotonic()

@@ -669,6 +669,19 @@ def test_nodes_whose_last_epochs_end_out_of_step_keep_serving_each_other(tiny_da
     assert recs[0]["close_s"] > 3  # node 0 waited for node 1 (stalled for 6 s) to finish
 
 
+def test_a_node_that_closes_first_waits_only_for_the_others_pass_not_their_script(tiny_dataset, tmp_path):
+    """Rank 1 ends its last epoch, then spends 8 s before it closes its loader (an evaluation, a
+    checkpoint): node 0, which closes at once, stops serving when rank 1's pass is done
+    (``pass_done()`` at the end of every pass), not when its script is."""
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--sleep-before-close", "1,8"]
+    codes = _run_nodes(tiny_dataset, out, 2, args)
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 2)
+    assert [r["epochs"][1]["stats"]["storage_reads"] for r in recs] == [0, 0]
+    assert recs[0]["close_s"] < 4, recs[0]["close_s"]
+
+
 @pytest.mark.parametrize(
     "fault", [["--die-rank", "1", "--die-at", "1,1"], ["--stall", "1,1,1,600"]], ids=["killed", "stuck"]
 )
