@@ -12,6 +12,8 @@ without ``close()`` or ``destroy_process_group()``, as many training scripts end
 its loader (an evaluation, a checkpoint). No ``barrier()`` comes before ``close()``, so nodes
 whose last epochs end out of step close their loaders at different times, as in most scripts.
 Every rank adds how long its ``close()`` took (``close_s``) to its record once it has closed.
+``--sigterm-at-end R`` makes rank R send itself SIGTERM after its last epoch (a preempted job),
+once its record holds its pid and the time (``sigterm_at``).
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -59,6 +61,7 @@ def main() -> None:
     p.add_argument("--resume", default="")
     p.add_argument("--stall", default="")
     p.add_argument("--sleep-before-close", default="")
+    p.add_argument("--sigterm-at-end", type=int, default=-1)
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -113,6 +116,10 @@ def main() -> None:
             break
     if a.sleep_before_close and rank == int(a.sleep_before_close.split(",")[0]):
         time.sleep(float(a.sleep_before_close.split(",")[1]))
+    if rank == a.sigterm_at_end:
+        record.update(pid=os.getpid(), sigterm_at=time.time())
+        save(record, a.out)
+        os.kill(os.getpid(), signal.SIGTERM)  # coordl's handler closes the loader, then the process ends
     if a.leave_at >= 0:
         return  # no close(): coordl releases what the process holds by itself
     t0 = time.monotonic()

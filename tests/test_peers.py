@@ -709,6 +709,27 @@ def test_a_node_waits_at_most_the_linger_for_a_peer_that_never_finishes(tiny_dat
         assert 5 < rec["close_s"] < 12, rec["close_s"]
 
 
+def test_a_node_stopped_by_sigterm_does_not_wait_for_the_others(tiny_dataset, tmp_path):
+    """Rank 1 is stuck in its last epoch (its server still up); rank 0 gets SIGTERM after its own
+    (a preempted job): its loader closes without waiting the linger (30 s here) for rank 1."""
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--stall", "1,1,1,600", "--sigterm-at-end", "0"]
+
+    def ended():
+        try:
+            rec = _records(out, 1)[0]
+        except (OSError, ValueError):  # not written yet
+            return False
+        return "pid" in rec and not os.path.exists(f"/proc/{rec['pid']}")
+
+    codes = _run_nodes(tiny_dataset, out, 2, args, timeout=90, until=ended)
+    assert ended(), _logs(out)
+    took = time.time() - _records(out, 1)[0]["sigterm_at"]
+    assert took < 8, (took, codes)
+    log = (out / "node0.log").read_text()
+    assert "(exitcode: -15)" in log and "src/coordl" not in log, log  # ended by SIGTERM, no traceback of coordl's
+
+
 def _delivered(recs: list[dict], epoch: int) -> Counter:
     """How many times each sample of ``epoch`` was delivered, over every rank."""
     return Counter(i for r in recs for e in r["epochs"] if e["epoch"] == epoch for b in e["batches"] for i in b)

@@ -132,12 +132,12 @@ def _install_sigterm() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    global _terminating
+    _terminating = True
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         # A handler installed after coordl's called it (PyTorch Lightning chains to the handler it
         # replaced): that handler decides how the process ends, and the exit closes the loaders.
         return
-    global _terminating
-    _terminating = True
     close_all()
     # The default action, as if coordl had never handled it: the process ends by SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

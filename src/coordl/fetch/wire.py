@@ -41,6 +41,7 @@ __all__ = [
     "Done",
     "WireError",
     "client_handshake",
+    "client_proof",
     "pack_done",
     "pack_request",
     "read_frame",
