@@ -7,6 +7,13 @@ CoordLoader for ``--epochs`` epochs with a tiny step, and writes what every rank
 ``--die-rank R --die-at E,B`` makes rank R kill itself (SIGKILL) after batch B of epoch E.
 ``--leave-at B`` makes every rank break out of its last epoch after batch B and end the script
 without ``close()`` or ``destroy_process_group()``, as many training scripts end.
+``--stall R,E,B,S`` makes rank R sleep S seconds after batch B of epoch E (its node falls behind);
+``--sleep-before-close R,S`` makes rank R sleep S seconds after its last epoch, before it closes
+its loader (an evaluation, a checkpoint). No ``barrier()`` comes before ``close()``, so nodes
+whose last epochs end out of step close their loaders at different times, as in most scripts.
+Every rank adds how long its ``close()`` took (``close_s``) to its record once it has closed.
+``--sigterm-at-end R`` makes rank R send itself SIGTERM after its last epoch (a preempted job),
+once its record holds its pid and the time (``sigterm_at``).
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -24,6 +31,14 @@ import torch
 import torch.distributed as dist
 
 import coordl
+
+
+def save(record: dict, out: str) -> None:
+    """Writes ``record`` to ``<out>/rank<r>.json`` at once (a reader never sees half of it)."""
+    path = os.path.join(out, f"rank{record['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 def main() -> None:
@@ -44,6 +59,9 @@ def main() -> None:
     p.add_argument("--leave-at", type=int, default=-1)
     p.add_argument("--stop-at", default="")
     p.add_argument("--resume", default="")
+    p.add_argument("--stall", default="")
+    p.add_argument("--sleep-before-close", default="")
+    p.add_argument("--sigterm-at-end", type=int, default=-1)
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -65,6 +83,7 @@ def main() -> None:
     )
     die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
     stop = tuple(int(x) for x in a.stop_at.split(",")) if a.stop_at else None
+    stall = tuple(float(x) for x in a.stall.split(",")) if a.stall else (-1, -1, -1, 0)
     first = 0
     if a.resume:
         with open(a.resume) as f:
@@ -81,6 +100,8 @@ def main() -> None:
             batches.append(ids.tolist())
             if a.step_ms:
                 time.sleep(a.step_ms / 1000)
+            if (rank, epoch, k) == stall[:3]:
+                time.sleep(stall[3])
             if rank == a.die_rank and (epoch, k) == (die_epoch, die_batch):
                 os.kill(os.getpid(), signal.SIGKILL)
             if epoch == a.epochs - 1 and k == a.leave_at:
@@ -91,15 +112,21 @@ def main() -> None:
         record["epochs"].append(
             {"epoch": epoch, "batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0}
         )
-        with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
-            json.dump(record, f)
+        save(record, a.out)
         if "state" in record:
             break
-    if a.die_rank < 0:
-        dist.barrier()  # every node keeps serving its cache until the last one is done
+    if a.sleep_before_close and rank == int(a.sleep_before_close.split(",")[0]):
+        time.sleep(float(a.sleep_before_close.split(",")[1]))
+    if rank == a.sigterm_at_end:
+        record.update(pid=os.getpid(), sigterm_at=time.time())
+        save(record, a.out)
+        os.kill(os.getpid(), signal.SIGTERM)  # coordl's handler closes the loader, then the process ends
     if a.leave_at >= 0:
         return  # no close(): coordl releases what the process holds by itself
+    t0 = time.monotonic()
     loader.close()
+    record["close_s"] = time.monotonic() - t0
+    save(record, a.out)
     dist.destroy_process_group()
 
 

@@ -323,7 +323,7 @@ def test_configuration_documents_every_environment_variable():
 # Figures the docs state that come from constants in the code: (value in the code, expected,
 # a page, the phrase on it). If the code changes, the sentence must change with it.
 def _facts():
-    from coordl.fetch import cache, chunks, peer, wire
+    from coordl.fetch import cache, chunks, peer_server, wire
     from coordl.shm import limits
     from coordl.staging import layout, member
 
@@ -343,7 +343,7 @@ def _facts():
         (layout.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),
         (layout.MAX_MEMBERS, 64, "faq.md", "already has 64 members"),
         (member.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
-        (peer.MAX_CONNECTIONS, 256, "configuration.md", "(at most 256)"),
+        (peer_server.MAX_CONNECTIONS, 256, "configuration.md", "(at most 256)"),
         (wire.HANDSHAKE_TIMEOUT, 5.0, "multinode.md", "within 5 s"),
         (3 * 224 * 224 * 4, 602_112, "configuration.md", "602,112 bytes"),
     ]

@@ -8,11 +8,13 @@ loopback address and shm folder instead.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import coordl
 from coordl import CoordLoader, sampler
 from coordl.errors import CoordlError
 from coordl.fetch import wire
+from coordl.fetch.ahead import FetchAhead
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
@@ -132,13 +136,12 @@ def test_a_client_without_the_secret_gets_nothing(served):
 )
 def test_malformed_frames_close_the_connection_and_the_server_keeps_serving(served, frame, monkeypatch):
     index, server = served
-    import coordl.fetch.peer as peer
+    import coordl.fetch.peer_server as peer_server
 
-    monkeypatch.setattr(peer, "BODY_TIMEOUT", 0.5)
+    monkeypatch.setattr(peer_server, "BODY_TIMEOUT", 0.5)
     s = _raw(server)
     magic, version, nonce = wire.HELLO.unpack(wire.recv_exact(s, wire.HELLO.size))
-    mine = os.urandom(wire.NONCE)
-    s.sendall(wire._mac(SECRET, b"coordl-peer-client", index.fingerprint, nonce, mine) + mine)
+    s.sendall(wire.client_proof(SECRET, index.fingerprint, nonce, 1))
     wire.recv_exact(s, wire.MAC)  # authenticated
     s.sendall(frame)
     assert _drain(s) == b""  # nothing but a closed connection
@@ -193,6 +196,215 @@ def test_a_peer_that_is_gone_fails_fast(tiny_dataset):
     assert time.monotonic() - t0 < 1.0
 
 
+def test_a_peer_left_alone_is_asked_again_once_peer_retry_after_has_passed(served):
+    """A node that failed is left alone for ``retry_after`` seconds, then asked again: a node that
+    was only slow for a while serves again."""
+    index, server = served
+    listener = socket.create_server(("127.0.0.1", 0))  # silent at first
+    addr = listener.getsockname()
+    client = PeerClient({1: [addr]}, SECRET, index.fingerprint, index.sizes, timeout=0.3, retry_after=1.5)
+    try:
+        assert client.fetch(1, np.arange(4)) == {} and not client.alive(1)
+    finally:
+        listener.close()
+    failed_at = time.monotonic()
+    back = PeerServer(server.cache, index.fingerprint, len(index), *addr)  # the node answers again
+    back.set_secret(SECRET)
+    try:
+        assert client.fetch(1, np.arange(4)) == {}  # still left alone: not even asked
+        assert back.counters() == (0, 0) and client.failures == 1
+        time.sleep(max(0.0, failed_at + 1.6 - time.monotonic()))
+        assert client.alive(1)
+        assert sorted(client.fetch(1, np.arange(4))) == [0, 2]  # what it holds
+        assert back.counters()[0] == 2 and client.failures == 1
+    finally:
+        client.close()
+        back.close()
+
+
+def _stalling_server(index, whole: int):
+    """A fake peer on 127.0.0.1 that holds every sample: it answers ``whole`` requests, sends
+    half of the next answer and then nothing, until the returned event is set."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def run():
+        conn, _ = listener.accept()
+        try:
+            wire.server_handshake(conn, SECRET, index.fingerprint)
+            for k in range(whole + 1):
+                ids = wire.read_frame(conn, len(index), 5)
+                lengths = np.array([index.sizes[i] for i in ids], dtype="<i8")
+                body = b"".join(Path(index.paths[i]).read_bytes() for i in ids)
+                answer = wire.HEAD.pack(wire.RESPONSE, len(ids)) + lengths.tobytes() + body
+                conn.sendall(answer if k < whole else answer[: len(answer) // 2])
+            release.wait(30)
+        finally:
+            conn.close()
+            listener.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener.getsockname(), release, thread
+
+
+def test_a_peer_that_answers_part_of_a_request_then_stalls_costs_one_timeout(tiny_dataset, monkeypatch):
+    """The samples of the requests a peer answered are kept; those of the one it left half-sent
+    come from storage, one ``timeout`` later, and the peer is left alone."""
+    import coordl.fetch.peer as peer
+
+    index = Index.scan(tiny_dataset)
+    ids = np.arange(0, 40, dtype=np.int64)
+    monkeypatch.setattr(peer, "MAX_REQUEST_BYTES", int(index.sizes[ids].sum()) // 3)
+    addr, release, thread = _stalling_server(index, whole=1)
+
+    class Peers:  # the holder map of a job whose node 1 holds everything
+        def remote(self, misses):
+            return np.ones(len(misses), dtype=np.int64)
+
+    peers = Peers()
+    peers.client = PeerClient({1: [addr]}, SECRET, index.fingerprint, index.sizes, timeout=0.5, retry_after=30)
+    first = next(peers.client._requests(ids))
+    fetcher = Fetcher(index, None, drop_page_cache=False)
+    with cf.ThreadPoolExecutor(2) as pool:
+        ahead = FetchAhead(
+            fetcher,
+            [ids],
+            index.labels,
+            pool,
+            threads=2,
+            depth=1,
+            on_error="raise",
+            stop=threading.Event(),
+            peers=peers,
+            peer_pool=pool,
+        )
+        t0 = time.monotonic()
+        batch = ahead.collect(ids)
+        took = time.monotonic() - t0
+    release.set()
+    thread.join(5)
+    peers.client.close()
+    assert [d.tobytes() for d in batch.data] == [Path(index.paths[i]).read_bytes() for i in ids]
+    c = fetcher.counters
+    assert (c.peer_reads, c.storage_reads) == (len(first), len(ids) - len(first))
+    assert 0.4 < took < 2.0, took
+    assert not peers.client.alive(1)
+
+
+# -- lingering -----------------------------------------------------------------------------------
+def _linger(server, passes: int, bound: float):
+    """Runs ``server.linger`` in a thread; the result: (ranks it stopped waiting for, seconds)."""
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        out["waiting"] = server.linger(passes, bound)
+        out["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _rank(server, index, rank: int) -> PeerClient:
+    return PeerClient(
+        {1: [server.address]}, SECRET, index.fingerprint, index.sizes, timeout=2, retry_after=30, rank=rank
+    )
+
+
+def test_a_closing_server_serves_until_every_rank_of_the_other_nodes_has_finished_the_pass(served):
+    index, server = served
+    server.expect([1, 2], 1)
+    one, two = _rank(server, index, 1), _rank(server, index, 2)
+    assert sorted(two.fetch(1, np.arange(6))) == [0, 2, 4]  # rank 2 keeps that connection
+    thread, out = _linger(server, 1, 30)
+    assert one.tell_done(1, time.monotonic() + 2) == []  # on a connection of its own, closed after
+    time.sleep(0.3)
+    assert thread.is_alive() and server.pending(1) == [2]  # rank 2 is still in its pass...
+    assert sorted(two.fetch(1, np.arange(6, 12))) == [6, 8, 10]  # ...and served
+    assert two.tell_done(1, time.monotonic() + 2) == []
+    thread.join(5)
+    assert out["waiting"] == [] and out["took"] < 2
+    assert len(two._idle[server.address]) == 1 and not one._idle[server.address]
+    server.expect([1, 2], 2)  # the next pass: both are waited for again
+    assert server.pending(2) == [1, 2]
+    one.close()
+    two.close()
+
+
+def test_a_rank_whose_connections_close_in_its_pass_is_not_waited_for(served):
+    """A rank killed in its pass: the kernel closes its connections, and the server stops waiting."""
+    index, server = served
+    server.expect([1], 1)
+    client = _rank(server, index, 1)
+    assert len(client.fetch(1, np.arange(4))) == 2
+    thread, out = _linger(server, 1, 30)
+    time.sleep(0.3)
+    assert thread.is_alive() and server.pending(1) == [1]
+    client.close()  # as the kernel does for a killed process
+    thread.join(5)
+    assert out["waiting"] == [] and out["took"] < 2
+
+
+def test_a_silent_rank_costs_at_most_the_linger_counted_from_the_last_frame(served):
+    """A rank that is stuck (connected, but never done) or that never connected is waited for
+    ``bound`` seconds after the last frame the server received, then the server stops waiting."""
+    index, server = served
+    server.expect([1, 2], 1)  # rank 2 never connects
+    client = _rank(server, index, 1)
+    thread, out = _linger(server, 1, 1.0)
+    for _ in range(3):  # a rank still fetching keeps the server serving past the bound
+        time.sleep(0.5)
+        assert len(client.fetch(1, np.arange(2))) == 1
+    last = time.monotonic()
+    thread.join(10)
+    assert out["waiting"] == [1, 2]
+    assert 1.4 < out["took"] < 3.5 and 0.8 < time.monotonic() - last < 2.0, out
+    client.close()
+
+
+def test_a_server_that_turns_connections_away_is_told_again(served, monkeypatch):
+    """Every rank tells every server at the end of a pass: one with too many connections at that
+    moment closes some at once, and those ranks tell it again; a server that is gone is not."""
+    import coordl.fetch.peer_server as peer_server
+
+    index, server = served
+    server.expect([1], 1)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    gone = s.getsockname()
+    s.close()  # nothing listens there now
+    monkeypatch.setattr(peer_server, "MAX_CONNECTIONS", 0)
+    threading.Timer(0.3, monkeypatch.setattr, (peer_server, "MAX_CONNECTIONS", 256)).start()
+    client = PeerClient(
+        {1: [server.address], 2: [gone]}, SECRET, index.fingerprint, index.sizes, timeout=2, retry_after=30, rank=1
+    )
+    t0 = time.monotonic()
+    assert client.tell_done(1, time.monotonic() + 3) == [gone]
+    assert 0.25 < time.monotonic() - t0 < 2
+    thread, out = _linger(server, 1, 5)  # returns once the server has read it
+    thread.join(5)
+    assert out["waiting"] == [] and out["took"] < 1
+    client.close()
+
+
+def test_the_linger_is_validated():
+    assert coordl.Peers(timeout=4).linger is None and coordl.Peers(linger=0).linger == 0
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match=r"Peers\(linger\) must be non-negative"):
+            coordl.Peers(linger=bad)
+
+
+def test_only_the_ranks_of_other_nodes_are_served(served):
+    index, server = served
+    server.expect([1], 1)
+    stranger = _rank(server, index, 7)
+    assert stranger.fetch(1, np.arange(4)) == {}
+    assert server.rejected == 1 and server.counters() == (0, 0)
+    stranger.close()
+
+
 # -- addresses ---------------------------------------------------------------------------------
 def test_the_advertised_address_follows_the_configuration(monkeypatch):
     for var in ("COORDL_PEER_ADDR", "COORDL_PEER_IFNAME", "GLOO_SOCKET_IFNAME", "MASTER_ADDR"):
@@ -243,7 +455,8 @@ def _run_nodes(
 ) -> list:
     """Runs multinode_train.py on ``nodes`` nodes; returns each torchrun's exit code (-9: killed
     at ``timeout``, or once ``until()`` is true). ``loopback`` runs the nodes on loopback addresses
-    with a shm folder each, whose contents after the run go into ``leftovers``."""
+    with a shm folder each. What the nodes leave in their /dev/shm (their shm folder) after the
+    run goes into ``leftovers``."""
     _port[0] += 1
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
@@ -269,19 +482,34 @@ def _run_nodes(
         ]
 
     if NS_REASON is None and not loopback:
+
+        def listing(k: int, argv: list[str]) -> list[str]:
+            """``argv``, then what it left in the node's own /dev/shm, listed into a file."""
+            if leftovers is None:
+                return argv
+            shm = out / f"node{k}.shm"
+            return ["sh", "-c", f'"$@"; rc=$?; ls -A /dev/shm > {shm}; exit $rc', "sh", *argv]
+
         with netns.Cluster(nodes, shm_bytes=256 << 20) as c:  # 64 MiB of it stay free (headroom)
             env["GLOO_SOCKET_IFNAME"] = "eth0"
             procs = [
                 c.popen(
                     k,
-                    torchrun(k, c.address(0)),
+                    listing(k, torchrun(k, c.address(0))),
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=open(out / f"node{k}.log", "w"),
                 )
                 for k in range(nodes)
             ]
-            return _wait_all(procs, timeout, until)
+            try:
+                return _wait_all(procs, timeout, until)
+            finally:
+                for k in range(nodes):
+                    shm = out / f"node{k}.shm"
+                    if leftovers is not None:
+                        names = shm.read_text().split() if shm.exists() else ["(not listed: the node was killed)"]
+                        leftovers += [f"node {k}: {name}" for name in names]
     procs = []
     for k in range(nodes):
         shm = Path(f"/dev/shm/coordl-test-node{os.getpid()}-{k}")
@@ -428,6 +656,86 @@ def test_a_killed_peer_costs_a_timeout_and_the_others_finish_the_epoch(tiny_data
     assert sorted(ids) == sorted(order[0::2].tolist())  # its whole shard, each sample once
     assert last["stats"]["storage_reads"] > 0  # what the dead node held came from storage
     assert "reading its samples from storage" in _logs(out)
+
+
+def test_nodes_whose_last_epochs_end_out_of_step_keep_serving_each_other(tiny_dataset, tmp_path):
+    """Rank 1 stalls in its last epoch, so node 0 ends its script and closes its loader first
+    (no barrier before): node 0's server keeps serving until node 1 is done, so node 1 reads
+    nothing from storage that node 0 holds and warns of no failed peer; both exit 0 and leave
+    nothing in /dev/shm."""
+    out, left = tmp_path / "out", []
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--stall", "1,1,1,6"]
+    codes = _run_nodes(tiny_dataset, out, 2, args, leftovers=left)
+    logs = _logs(out)
+    assert codes == [0, 0], logs
+    assert "coordl: peer node" not in logs and "Traceback" not in logs, logs  # no peer failed
+    assert left == [], f"left in shared memory: {left}"
+    recs = _records(out, 2)
+    last = [r["epochs"][1]["stats"] for r in recs]
+    assert [s["storage_reads"] for s in last] == [0, 0], last  # the two caches hold it all
+    assert last[1]["peer_reads"] > 0  # node 1 still read from node 0 after node 0 had closed
+    assert recs[0]["close_s"] > 3  # node 0 waited for node 1 (stalled for 6 s) to finish
+
+
+def test_a_node_that_closes_first_waits_only_for_the_others_pass_not_their_script(tiny_dataset, tmp_path):
+    """Rank 1 ends its last epoch, then spends 8 s before it closes its loader (an evaluation, a
+    checkpoint): node 0, which closes at once, stops serving when rank 1's pass is done
+    (``pass_done()`` at the end of every pass), not when its script is."""
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--sleep-before-close", "1,8"]
+    codes = _run_nodes(tiny_dataset, out, 2, args)
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 2)
+    assert [r["epochs"][1]["stats"]["storage_reads"] for r in recs] == [0, 0]
+    assert recs[0]["close_s"] < 4, recs[0]["close_s"]
+
+
+@pytest.mark.parametrize(
+    "fault", [["--die-rank", "1", "--die-at", "1,1"], ["--stall", "1,1,1,600"]], ids=["killed", "stuck"]
+)
+def test_a_node_waits_at_most_the_linger_for_a_peer_that_never_finishes(tiny_dataset, tmp_path, fault):
+    """Rank 1 is killed, or stuck for good, in its last epoch. Node 0 ends its epoch and closes its
+    loader: for a killed peer at once (its connections closed), for a stuck one after the linger
+    (3 x Peers(timeout) = 6 s here) with nothing from it."""
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--peer-timeout", "2", *fault]
+
+    def closed():
+        try:
+            return "close_s" in _records(out, 1)[0]
+        except (OSError, ValueError):  # not written yet
+            return False
+
+    codes = _run_nodes(tiny_dataset, out, 2, args, timeout=90, until=closed)
+    assert closed(), _logs(out)
+    assert codes[1] != 0  # killed, or stopped by the test
+    rec = _records(out, 1)[0]
+    assert [e["epoch"] for e in rec["epochs"]] == [0, 1] and "Traceback" not in (out / "node0.log").read_text()
+    if fault[0] == "--die-rank":
+        assert rec["close_s"] < 3, rec["close_s"]
+    else:
+        assert 5 < rec["close_s"] < 12, rec["close_s"]
+
+
+def test_a_node_stopped_by_sigterm_does_not_wait_for_the_others(tiny_dataset, tmp_path):
+    """Rank 1 is stuck in its last epoch (its server still up); rank 0 gets SIGTERM after its own
+    (a preempted job): its loader closes without waiting the linger (30 s here) for rank 1."""
+    out = tmp_path / "out"
+    args = ["--epochs", "2", "--cache", "0.6", "--locality", "0", "--stall", "1,1,1,600", "--sigterm-at-end", "0"]
+
+    def ended():
+        try:
+            rec = _records(out, 1)[0]
+        except (OSError, ValueError):  # not written yet
+            return False
+        return "pid" in rec and not os.path.exists(f"/proc/{rec['pid']}")
+
+    codes = _run_nodes(tiny_dataset, out, 2, args, timeout=90, until=ended)
+    assert ended(), _logs(out)
+    took = time.time() - _records(out, 1)[0]["sigterm_at"]
+    assert took < 8, (took, codes)
+    log = (out / "node0.log").read_text()
+    assert "(exitcode: -15)" in log and "src/coordl" not in log, log  # ended by SIGTERM, no traceback of coordl's
 
 
 def _delivered(recs: list[dict], epoch: int) -> Counter:

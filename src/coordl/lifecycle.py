@@ -26,12 +26,13 @@ import signal
 import threading
 import weakref
 
-__all__ = ["before_dali_exit", "close_all", "on_fork_child", "quiet_thread", "track"]
+__all__ = ["before_dali_exit", "close_all", "on_fork_child", "quiet_thread", "terminating", "track"]
 
 log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _installed = False
+_terminating = False
 
 
 def track(loader) -> None:
@@ -54,6 +55,12 @@ def quiet_thread() -> None:
     sleeping, or blocked on a lock), so the handler would run late. Threads started by these
     threads (DALI's, the pools') inherit the mask."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def terminating() -> bool:
+    """Whether this process is closing its loaders because of SIGTERM (then nothing waits for
+    other processes: a preempted job has seconds to end)."""
+    return _terminating
 
 
 def before_dali_exit() -> None:
@@ -125,6 +132,8 @@ def _install_sigterm() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    global _terminating
+    _terminating = True
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         # A handler installed after coordl's called it (PyTorch Lightning chains to the handler it
         # replaced): that handler decides how the process ends, and the exit closes the loaders.

@@ -55,9 +55,9 @@ def _positive_int(value, name: str) -> None:
 
 
 def _seconds(value, name: str, *, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if value < 0 or (value == 0 and not zero):
+    if math.isnan(value) or value < 0 or (value == 0 and not zero):
         raise ValueError(f"{name} must be {'non-negative' if zero else 'positive'}, got {value!r}")
 
 
@@ -117,8 +117,10 @@ class Peers:
         timeout: seconds a request to another node may take before its samples are read from
             storage instead.
         retry_after: seconds a node that failed is then left alone.
-        linger: seconds a node's server keeps serving, when its loader closes, for nodes that have
-            not finished their pass yet.
+        linger: when this node's loader closes, its server keeps serving the ranks of other nodes
+            that have not finished their pass (each tells every server when it has); a rank that
+            sends nothing for ``linger`` seconds is not waited for (None: ``3 * timeout``; 0: stop
+            at once). On SIGTERM nothing waits.
         interface: the network interface whose address this node's server binds to and
             advertises (default ``$COORDL_PEER_IFNAME``, else ``$GLOO_SOCKET_IFNAME``, else the
             one that routes to ``MASTER_ADDR``).
@@ -129,7 +131,7 @@ class Peers:
     locality_aware: bool = True
     timeout: float = 10.0
     retry_after: float = 60.0
-    linger: float = 60.0
+    linger: float | None = None
     interface: str | None = None
     port: int | None = None
 
@@ -140,7 +142,8 @@ class Peers:
         object.__setattr__(self, "enabled", enabled)
         _seconds(self.timeout, "Peers(timeout)")
         _seconds(self.retry_after, "Peers(retry_after)", zero=True)
-        _seconds(self.linger, "Peers(linger)", zero=True)
+        if self.linger is not None:
+            _seconds(self.linger, "Peers(linger)", zero=True)
         if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int)):
             raise TypeError(f"Peers(port) must be an int, got {self.port!r}")
         if self.port is not None and not 0 <= self.port < 65536:

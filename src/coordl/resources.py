@@ -159,13 +159,15 @@ class Resources:
             if self.cache is not None:
                 self.cache.close()
             return
-        for pool in (self.peer_pool, self.pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-        if self.peers is not None:
-            self.peers.close()
-        if self.prep is not None:
-            self.prep.close()
+        try:
+            for pool in (self.peer_pool, self.pool):
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+            if self.peers is not None:
+                self.peers.close()  # may linger, serving the other nodes (Peers(linger)): Ctrl-C stops it
+        finally:
+            if self.prep is not None:
+                self.prep.close()
 
 
 def _peer_group(options, world, index: Index, cache: NodeCache | None):
@@ -179,6 +181,7 @@ def _peer_group(options, world, index: Index, cache: NodeCache | None):
         cache,
         timeout=options.timeout,
         retry_after=options.retry_after,
+        linger=options.linger,
         interface=options.interface,
         port=port,
     )

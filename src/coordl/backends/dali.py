@@ -116,6 +116,8 @@ class DaliPass(Pass):
 
     def _shutdown(self) -> None:
         self.stop_event.set()
+        if self._res.peers is not None:  # after the requests in flight, the other nodes hear it is done
+            self._res.peers.pass_done()
         if threading.current_thread() is self._thread:  # collected in its own thread: it is ending
             return
         while self._thread.is_alive():

@@ -1,7 +1,7 @@
 """The partitioned cache: every node's MinIO cache serves the other nodes' misses over TCP.
 
-Every rank of a multi-node job runs a :class:`PeerServer` on its node's cache, bound to the
-one address the other nodes reach it at (:func:`advertised_address`). At the start of every
+Every rank of a multi-node job runs a :class:`~coordl.fetch.peer_server.PeerServer` on its
+node's cache, bound to the one address the other nodes reach it at (:func:`advertised_address`). At the start of every
 pass, :meth:`PeerGroup.sync` is one ``all_gather`` on a gloo group of ``torch.distributed``:
 each rank contributes its server's address, and the first rank of each node its node's
 cache bitmap (which samples are cached there); rank 0 adds the job's secret. Every rank then
@@ -9,12 +9,15 @@ knows the same holder map, so the locality-aware plan (:mod:`coordl.placement`) 
 everywhere without further messages. A local miss held by another node is fetched from it by
 :class:`PeerClient` in one request per batch and node (see :mod:`coordl.fetch.wire`); anything
 a peer does not deliver within ``timeout`` comes from storage, and that peer is skipped for
-``retry_after`` seconds.
+``retry_after`` seconds. When a rank finishes a pass it tells every server of the other nodes
+(:meth:`PeerGroup.pass_done`); a closing rank's server serves on until the other nodes' ranks
+have finished theirs, or ``linger`` seconds of silence (:meth:`PeerGroup.close`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import secrets
 import socket
@@ -27,14 +30,13 @@ import numpy as np
 from coordl import env, lifecycle, placement
 from coordl.errors import CoordlError
 from coordl.fetch import wire
+from coordl.fetch.peer_server import PeerServer
 
 __all__ = ["PeerClient", "PeerGroup", "PeerServer", "advertised_address"]
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 8 << 20  # bytes one request may ask for: what a connection has in flight
-MAX_CONNECTIONS = 256
-BODY_TIMEOUT = 10.0
 
 
 # -- addresses ----------------------------------------------------------------------------
@@ -89,129 +91,6 @@ def advertised_address(interface: str | None = None) -> str:
     return mine
 
 
-# -- server -------------------------------------------------------------------------------
-class PeerServer:
-    """Serves this node's cached samples to authenticated peers, one thread per connection.
-
-    Args:
-        cache: the node's MinIO cache.
-        dataset: the index fingerprint (part of the handshake: peers of another dataset fail it).
-        num_items: samples in the dataset (requests for others are malformed).
-        host: the address to bind (and only that one).
-        port: the port, 0 for any free one.
-    """
-
-    def __init__(self, cache, dataset: str, num_items: int, host: str, port: int = 0):
-        self.cache = cache
-        self.dataset = dataset
-        self._n = num_items
-        self._secret: bytes | None = None
-        self._ready = threading.Event()
-        self._lock = threading.Lock()
-        self.served_reads = 0
-        self.served_bytes = 0
-        self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
-        self._conns: set[socket.socket] = set()
-        self._closed = False
-        self._sock = socket.create_server((host, port), family=socket.AF_INET, backlog=64)
-        self.address = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept, name="coordl-peer-server", daemon=True)
-        self._thread.start()
-
-    def set_secret(self, secret: bytes) -> None:
-        """Starts answering: connections wait (at most the handshake timeout) until this is known."""
-        self._secret = secret
-        self._ready.set()
-
-    def counters(self) -> tuple[int, int]:
-        with self._lock:
-            return self.served_reads, self.served_bytes
-
-    def _accept(self) -> None:
-        lifecycle.quiet_thread()  # and the connection threads it starts
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.01)
-                continue
-            with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="coordl-peer-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            if not self._ready.wait(wire.HANDSHAKE_TIMEOUT):
-                raise wire.WireError("not ready: the job's secret is not known yet")
-            wire.server_handshake(conn, self._secret, self.dataset)
-            while not self._closed:
-                ids = wire.read_request(conn, self._n, BODY_TIMEOUT)
-                if ids is None:
-                    return
-                self._answer(conn, ids)
-        except (OSError, wire.WireError, TimeoutError, ValueError) as e:
-            with self._lock:
-                self.rejected += 1
-            log.debug("coordl: peer connection closed: %s", e)
-        except Exception:  # noqa: BLE001 - a connection must never take the server down
-            log.exception("coordl: peer connection failed")
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _answer(self, conn: socket.socket, ids: np.ndarray) -> None:
-        lengths = np.full(len(ids), -1, dtype="<i8")
-        parts = []
-        for k, i in enumerate(ids.tolist()):
-            data = self.cache.get(i)
-            if data is not None:
-                lengths[k] = len(data)
-                parts.append(data)
-        conn.settimeout(BODY_TIMEOUT)
-        reads, nbytes = len(parts), int(lengths[lengths > 0].sum())
-        # Counted before sending, so that a peer that has the answer sees it counted; taken back
-        # if the send fails.
-        with self._lock:
-            self.served_reads += reads
-            self.served_bytes += nbytes
-        try:
-            conn.sendall(b"".join([wire.HEAD.pack(wire.RESPONSE, len(ids)), lengths.tobytes(), *parts]))
-        except BaseException:
-            with self._lock:
-                self.served_reads -= reads
-                self.served_bytes -= nbytes
-            raise
-
-    def close(self) -> None:
-        """Stops accepting and closes every connection."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout=5)
-
-
 # -- client -------------------------------------------------------------------------------
 class PeerClient:
     """Fetches samples from other nodes' servers, reusing connections.
@@ -224,6 +103,7 @@ class PeerClient:
         timeout: seconds a request (connecting included) may take before its samples come
             from storage.
         retry_after: seconds a node that failed is left alone.
+        rank: this rank (the servers know each connection by it).
         prefer: which of a node's servers to use (this rank's number, to spread the load).
     """
 
@@ -236,6 +116,7 @@ class PeerClient:
         *,
         timeout: float,
         retry_after: float,
+        rank: int = 0,
         prefer: int = 0,
     ):
         self.servers = servers
@@ -244,10 +125,14 @@ class PeerClient:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.timeout = timeout
         self.retry_after = retry_after
+        self.rank = rank
         self.prefer = prefer
         self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
         self._down_until: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # no fetch in flight
+        self._inflight = 0
+        self._closed = False
         self.failures = 0
 
     def alive(self, node: int) -> bool:
@@ -261,6 +146,16 @@ class PeerClient:
         A server that refuses the connection (its rank has left) is skipped for another of the
         node's servers; any other failure (a timeout, a broken frame) leaves the whole node alone.
         """
+        with self._lock:
+            self._inflight += 1
+        try:
+            return self._fetch(node, ids)
+        finally:
+            with self._quiet:
+                self._inflight -= 1
+                self._quiet.notify_all()
+
+    def _fetch(self, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
         got: dict[int, np.ndarray] = {}
         addrs = self.servers.get(node, [])
         for k in range(len(addrs)):
@@ -290,6 +185,65 @@ class PeerClient:
                     break
         return got
 
+    def tell_done(self, passes: int, deadline: float) -> list[tuple[str, int]]:
+        """Tells every server of the other nodes that this rank has finished pass ``passes``, once
+        the requests it still has in flight are answered. A server it has no connection to gets a
+        connection of its own for this, closed at once; one that turns the connection away (too
+        many at once, as every rank tells at the end of a pass) is asked again until ``deadline``;
+        one that is gone (refused) or silent (until ``deadline``) is not.
+
+        Returns:
+            the servers it could not tell.
+        """
+        with self._quiet:
+            self._quiet.wait_for(lambda: self._inflight == 0, max(0.0, deadline - time.monotonic()))
+        frame = wire.pack_done(passes)
+        servers = self.servers  # the group may hand over a new map meanwhile
+        addrs = [a for node in sorted(servers) for a in servers[node]]
+        with self._lock:
+            addrs.sort(key=lambda a: not self._idle[a])  # those connected first: telling them costs nothing
+        failed: list[tuple[str, int]] = []
+        for attempt in itertools.count():
+            again = []
+            for addr in addrs:
+                try:
+                    self._send(addr, frame, deadline)
+                except (OSError, wire.WireError, TimeoutError) as e:
+                    log.debug("coordl: could not tell peer %s:%d (%s)", addr[0], addr[1], e or type(e).__name__)
+                    gone = isinstance(e, (ConnectionRefusedError, TimeoutError))
+                    (failed if gone else again).append(addr)
+            addrs = again
+            pause = min(0.05 * 2**attempt, 1.0)
+            if not addrs or time.monotonic() + pause >= deadline:
+                return failed + addrs
+            time.sleep(pause)
+
+    def _send(self, addr: tuple[str, int], frame: bytes, deadline: float) -> None:
+        """Sends ``frame`` to ``addr`` on a kept connection, else on a new one closed after it."""
+        with self._lock:
+            sock = self._idle[addr].pop() if self._idle[addr] else None
+        if sock is not None:
+            try:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                sock.sendall(frame)
+            except OSError:
+                sock.close()  # stale: the server went away since (a new one is tried below)
+            else:
+                self._keep(addr, sock)
+                return
+        if time.monotonic() >= deadline:
+            raise TimeoutError("peer too slow")
+        with self._checkout(addr, deadline, fresh=True) as sock:
+            sock.sendall(frame)
+
+    def _keep(self, addr: tuple[str, int], sock: socket.socket) -> None:
+        """Puts a connection back for the next request (closes it once the client is closed)."""
+        with self._lock:
+            if not self._closed:
+                self._idle[addr].append(sock)
+                return
+        sock.close()
+
     def _fetch_from(self, addr: tuple[str, int], ids: np.ndarray, got: dict) -> None:
         sock = None
         try:
@@ -304,8 +258,7 @@ class PeerClient:
                 sock.close()
             raise
         if sock is not None:
-            with self._lock:
-                self._idle[addr].append(sock)
+            self._keep(addr, sock)
 
     def _requests(self, ids: np.ndarray):
         """Cuts ``ids`` into requests of at most :data:`MAX_REQUEST_BYTES` and :data:`wire.MAX_IDS` ids."""
@@ -319,14 +272,14 @@ class PeerClient:
         if start < len(ids):
             yield ids[start:]
 
-    def _checkout(self, addr: tuple[str, int], deadline: float) -> socket.socket:
+    def _checkout(self, addr: tuple[str, int], deadline: float, *, fresh: bool = False) -> socket.socket:
         with self._lock:
-            if self._idle[addr]:
+            if self._idle[addr] and not fresh:
                 return self._idle[addr].pop()
         sock = socket.create_connection(addr, timeout=max(0.01, deadline - time.monotonic()))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.client_handshake(sock, self.secret, self.dataset, deadline)
+            wire.client_handshake(sock, self.secret, self.dataset, deadline, self.rank)
         except BaseException:
             sock.close()
             raise
@@ -348,7 +301,9 @@ class PeerClient:
             offset += n
 
     def close(self) -> None:
+        """Closes the kept connections (the servers see this rank leave)."""
         with self._lock:
+            self._closed = True
             for conns in self._idle.values():
                 for s in conns:
                     s.close()
@@ -412,6 +367,14 @@ def enabled(world) -> bool:
 class PeerGroup:
     """One loader's part in the partitioned cache: its server, the holder map, a client.
 
+    The end of a job: nodes rarely end their last pass together, and a node whose script ends
+    first must not take its cache away from the others. So each rank tells every server of the
+    other nodes when it has finished a pass (:meth:`pass_done`, and :meth:`close`), from a
+    thread of its own that never holds up training; and :meth:`close` keeps this rank's server
+    serving until every rank of the other nodes has finished the current pass (or closed its
+    connections: it is gone), or no frame has come from them for ``linger`` seconds (a rank
+    that is stuck, or that cannot reach this node).
+
     Args:
         world: this rank's place in the job.
         index: the dataset.
@@ -419,6 +382,8 @@ class PeerGroup:
         timeout, retry_after: see :class:`PeerClient`.
         interface: see :func:`advertised_address`.
         port: the server's port (0: any free one).
+        linger: the most seconds :meth:`close` waits for silent ranks of other nodes to finish
+            their pass (None: ``3 * timeout``).
     """
 
     def __init__(
@@ -431,18 +396,26 @@ class PeerGroup:
         retry_after: float,
         interface: str | None,
         port: int,
+        linger: float | None = None,
     ):
         self.world = world
         self.index = index
         self.cache = cache
         self.timeout = timeout
         self.retry_after = retry_after
+        self.linger = 3 * timeout if linger is None else linger
         self.group = _group()
         self.server: PeerServer | None = None
         self.client: PeerClient | None = None
         self.holder = np.full(len(index), -1, dtype=np.int64)
         self.rank_nodes = np.zeros(world.world_size, dtype=np.int64)
         self.node = 0
+        self.passes = 0  # passes started (every rank starts as many: each starts with a collective)
+        self._finished = 0  # the last pass this rank has finished
+        self._wake = threading.Condition()  # for the herald: a pass ended, or the group closes
+        self._herald: threading.Thread | None = None
+        self._closing = False
+        self._closed = False
         self._secret = secrets.token_bytes(32) if world.rank == 0 else None
         if cache is not None:
             try:
@@ -489,6 +462,7 @@ class PeerGroup:
         self.holder = placement.holders(bitmaps)
         secret = next(e["secret"] for e in everyone if e["rank"] == 0)
         if self.server is not None:
+            self.server.expect((e["rank"] for e in everyone if dense[e["node"]] != self.node), self.passes + 1)
             self.server.set_secret(secret)
         if self.client is None:
             self.client = PeerClient(
@@ -498,10 +472,40 @@ class PeerGroup:
                 self.index.sizes,
                 timeout=self.timeout,
                 retry_after=self.retry_after,
+                rank=w.rank,
                 prefer=w.rank,
             )
+            self._herald = threading.Thread(target=self._tell, name="coordl-peer-herald", daemon=True)
+            self._herald.start()
         else:
             self.client.servers = dict(servers)
+        with self._wake:
+            self.passes += 1
+
+    def pass_done(self) -> None:
+        """Says that this rank has finished its current pass, or abandoned it: it asks other nodes
+        nothing more until the next one. Never blocks (the herald thread tells them); idempotent.
+        The loader calls it when a pass ends and when one is closed early."""
+        with self._wake:
+            self._finished = self.passes
+            self._wake.notify()
+
+    def _tell(self) -> None:
+        """The herald thread: tells the servers of the other nodes each pass this rank finishes."""
+        lifecycle.quiet_thread()
+        told = 0
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda t=told: self._closing or self._finished > t)
+                finished, closing = self._finished, self._closing
+            if finished > told:
+                try:
+                    self.client.tell_done(finished, time.monotonic() + self.timeout)
+                except Exception:  # noqa: BLE001 - the servers then wait their linger, no more
+                    log.exception("coordl: telling the other nodes that pass %d is done failed", finished)
+                told = finished
+            elif closing:
+                return
 
     def remote(self, ids: np.ndarray) -> np.ndarray:
         """The node to ask for each of ``ids`` (-1: none, this node, or a node left alone)."""
@@ -520,7 +524,38 @@ class PeerGroup:
         return self.server.counters() if self.server is not None else (0, 0)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.client is not None:
-            self.client.close()
+        """Tells the other nodes this rank is done, serves them until they are (at most ``linger``
+        seconds of silence), and stops. Idempotent.
+
+        On SIGTERM (the job is being stopped), it does not wait for them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        ending = lifecycle.terminating()
+        try:
+            if self._herald is not None:
+                with self._wake:
+                    self._finished, self._closing = self.passes, True
+                    self._wake.notify()
+                # It may be telling them about the previous pass first: two timeouts at most. On
+                # SIGTERM, what it has told them in a moment.
+                self._herald.join(1.0 if ending else 2 * self.timeout + 1)
+            if self.client is not None:
+                self.client.close()  # its connections close: this rank is gone, whatever it could tell
+            if self.server is not None and self.passes and not ending:
+                t0 = time.monotonic()
+                waiting = self.server.linger(self.passes, self.linger)
+                if waiting:
+                    log.info(
+                        "coordl: stopped serving this node's cache after %.0f s; ranks %s of other nodes had "
+                        "not finished their pass and had sent nothing for %.0f s (Peers(linger))",
+                        time.monotonic() - t0,
+                        ",".join(map(str, waiting)),
+                        self.linger,
+                    )
+        finally:
+            if self.server is not None:
+                self.server.close()
+            if self.client is not None:
+                self.client.close()
