@@ -5,8 +5,8 @@ its link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup of th
 ``read_bps_device`` throttles the dataset's device. One torchrun per node, one rank per node,
 ``init_process_group("gloo")``, and a CoordLoader per rank: this file's ``worker`` mode, the
 loop of ``tests/multinode_train.py`` plus per-epoch device counters, the nodes' cache contents,
-and a barrier before ``close()`` (the multi-node guide's advice; ``--close-first`` keeps the
-test script's order, where nodes that finish first stop serving the others' last epoch).
+and a barrier before ``close()`` (``--close-first`` closes first, as the test script does: a node
+that finishes first then serves on until the others have finished their pass, ``Peers(linger)``).
 
 For every node count and aggregate cache size (the sum of the nodes' budgets: 50% and 100% of
 the dataset, the latter with a ``--margin`` so that shards of uneven byte sizes still fit),
@@ -148,8 +148,8 @@ def worker(argv: list[str]) -> None:
         )
         with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
-    # The multi-node guide's advice: a barrier before closing, so that no node stops serving
-    # its cache while another is still in its last epoch.
+    # The nodes end together here; with --close-first a node closes first, and its server serves on
+    # until the others have finished their pass (Peers(linger)).
     if a.close_first:
         loader.close()
     dist.barrier()
@@ -550,8 +550,8 @@ def main() -> int:
     p.add_argument(
         "--close-first",
         action="store_true",
-        help="close each loader before the final barrier, as tests/multinode_train.py does (nodes that "
-        "finish first then stop serving the others' last epoch)",
+        help="close each loader before the final barrier, as tests/multinode_train.py does (a node that "
+        "finishes first serves on until the others have finished their pass: Peers(linger))",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
     p.add_argument("--out", help="JSON path; the .md goes next to it (default benchmarks/results/multinode.json)")
