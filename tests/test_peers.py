@@ -29,7 +29,9 @@ from coordl.fetch import wire
 from coordl.fetch.ahead import FetchAhead
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.fetcher import Fetcher
-from coordl.fetch.peer import PeerClient, PeerServer, advertised_address
+from coordl.fetch.peer import advertised_address
+from coordl.fetch.peer_client import PeerClient
+from coordl.fetch.peer_server import PeerServer
 from coordl.index import Index
 from coordl_testing import netns
 
@@ -95,7 +97,7 @@ def test_an_authenticated_peer_gets_exactly_the_cached_bytes_in_one_request(serv
 
 def test_a_request_larger_than_the_bound_is_split(served, monkeypatch):
     index, server = served
-    import coordl.fetch.peer as peer
+    import coordl.fetch.peer_client as peer
 
     monkeypatch.setattr(peer, "MAX_REQUEST_BYTES", int(index.sizes.max()) * 3)
     client = _client(index, server)
@@ -251,7 +253,7 @@ def _stalling_server(index, whole: int):
 def test_a_peer_that_answers_part_of_a_request_then_stalls_costs_one_timeout(tiny_dataset, monkeypatch):
     """The samples of the requests a peer answered are kept; those of the one it left half-sent
     come from storage, one ``timeout`` later, and the peer is left alone."""
-    import coordl.fetch.peer as peer
+    import coordl.fetch.peer_client as peer
 
     index = Index.scan(tiny_dataset)
     ids = np.arange(0, 40, dtype=np.int64)

@@ -228,7 +228,7 @@ class Fetcher:
         return self._pace.ratio()
 
     def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer.PeerClient`)."""
+        """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer_client.PeerClient`)."""
         t0 = time.perf_counter_ns()
         got = client.fetch(node, ids)
         dt = time.perf_counter_ns() - t0
