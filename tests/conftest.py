@@ -50,6 +50,18 @@ def make_tree(root: Path, classes: int, per_class: int, seed: int = 0, varied: b
     return root
 
 
+def remove_cgroup(path: Path) -> None:
+    """Removes a cgroup folder once its processes have left (their exit can lag their wait)."""
+    deadline = time.monotonic() + 10
+    while path.exists():
+        try:
+            path.rmdir()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.fixture
 def procs():
     """Starts spawned processes (``procs(target, *args)``); every one is killed if still

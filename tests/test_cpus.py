@@ -13,13 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import remove_cgroup
 from coordl import cpus
 from coordl.shm import cgroups
 
@@ -243,18 +243,6 @@ def cpu_cgroup_parent() -> tuple[int, Path]:
         if mount.version == 2 and control.exists() and "cpu" in control.read_text().split():
             return 2, point
     pytest.skip("no cpu controller for a child cgroup: no v1 cpu hierarchy, and v2's root does not enable cpu")
-
-
-def remove_cgroup(path: Path) -> None:
-    """Removes a cgroup folder once its processes have left (their exit can lag their wait)."""
-    deadline = time.monotonic() + 10
-    while path.exists():
-        try:
-            path.rmdir()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_real_cgroup_with_a_one_cpu_quota():

@@ -14,13 +14,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import remove_cgroup
 from coordl.shm import limits
 from coordl.shm.limits import Level, Mount
 
@@ -309,18 +309,6 @@ def v1_memory_cgroup() -> tuple[str, Path]:
     if not dirs or not Path(dirs[0][1], "memory.limit_in_bytes").exists():
         pytest.skip("no v1 memory cgroup on this machine (cgroup v2 only, or no memory controller)")
     return dirs[0][0], Path(dirs[0][1])
-
-
-def remove_cgroup(path: Path) -> None:
-    """Removes a cgroup folder once its processes have left (their exit can lag their wait)."""
-    deadline = time.monotonic() + 10
-    while path.exists():
-        try:
-            path.rmdir()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 READ_IN_CGROUP = r"""
