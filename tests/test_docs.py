@@ -366,7 +366,7 @@ NOT_FOR_USERS = [
     ("shm/group.py", "already joined"),  # a programming error inside coordl
     ("shm/names.py", ""),  # segment names are made by coordl itself
     ("backends/torch.py", "fetches whole batches"),  # DataLoader always calls __getitems__
-    ("backends/torch.py", "_failure("),  # re-raises a worker's SampleError, listed in faq.md
+    ("backends/torch.py", "failure_error("),  # re-raises a worker's SampleError, listed in faq.md
     ("staging/member.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
     ("backends/torch.py", "DatasetChangedError(message)"),  # a worker's failure again, listed in faq.md
     ("backends/torch.py", "SampleError(message, path=path, index=i)"),  # likewise

@@ -20,7 +20,7 @@ from coordl.errors import (
 )
 from coordl.index import Index
 from coordl.loader import CoordLoader
-from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, Shard
+from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, RayPrep, Shard
 from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
 
 __version__ = "0.1.0"
@@ -49,6 +49,7 @@ __all__ = [
     "Peers",
     "Prep",
     "PrepContext",
+    "RayPrep",
     "SampleError",
     "Shard",
     "SharedMemoryError",

@@ -167,6 +167,10 @@ class CoordLoader(DataLoaderAttributes):
         self._peers_refusal = peer.refusal(self.options.peers, self.backend, self.options.hp_group is not None)
         if self._peers_refusal is not None and self.options.peers.enabled is True:
             raise ValueError(f"peers=True, but the partitioned cache cannot run: {self._peers_refusal}")
+        if sources.is_remote(self.options.prep):
+            from coordl.remote.cluster import connect
+
+            connect(self.options.prep.address)  # no cluster there: an error now, not at the first pass
         if self.backend == "dali":
             import coordl.prep.dali  # noqa: F401 - DALI's import takes seconds: now, not in the first pass
 
@@ -311,6 +315,24 @@ class CoordLoader(DataLoaderAttributes):
         epoch = self.position.epoch if epoch is None else epoch
         order_epoch = epoch if order_epoch is None else order_epoch
         hooks.setdefault("owner", self)
+        if res.remote is not None:
+            from coordl.remote.passes import RayPass
+
+            if self.backend == "torch" and self._own_generator:
+                from coordl.backends.torch import seed_for
+
+                self.generator.manual_seed(seed_for(self.seed, epoch, self._world.rank))
+            return RayPass(
+                res,
+                self.config,
+                batches,
+                backend=self.backend,
+                persistent=self.persistent_workers,
+                epoch=epoch,
+                order_epoch=order_epoch,
+                start=start,
+                **hooks,
+            )
         if self.backend == "torch":
             from coordl.backends.torch import TorchPass, seed_for
 
@@ -377,6 +399,10 @@ class CoordLoader(DataLoaderAttributes):
         prep = dict(recipe=self.recipe, batch_size=self.batch_size, num_threads=self.num_threads)
         prep.update(device_id=self.device_id, seed=self.seed, on_error=self.on_error)
         dataloader = dict(dataset=self.dataset, on_error=self.on_error, options=self.torch_options)
+        remote = None
+        if sources.is_remote(o.prep):
+            remote = dict(options=o.prep, backend=self.backend, config=self.config, cache=o.cache, recipe=self.recipe)
+            remote.update(collate_fn=self.torch_options.collate_fn, device_id=self.device_id)
         return Resources.open(
             self.index,
             self.cache,
@@ -387,6 +413,7 @@ class CoordLoader(DataLoaderAttributes):
             peers=o.peers if why is None else None,
             prep=prep if dali else None,
             dataloader=None if dali else dict(dataloader, generator=self.generator),
+            remote=remote,
         )
 
     def _group_member(self):

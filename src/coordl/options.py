@@ -10,7 +10,8 @@ argument      option object                                shorthand
 ``peers``     :class:`Peers` (the partitioned cache)       ``"auto"``, ``True``, ``False``
 ``hp_group``  :class:`HPGroup` (coordinated prep)          the group's name: ``"sweep"``
 ``shard``     :class:`Shard` (rank, world size, tail)      none: the job's rank and world size
-``prep``      :class:`Prep` (DALI's threads)               a thread count: ``4``
+``prep``      :class:`Prep` (DALI's threads), or             a thread count: ``4``
+              :class:`RayPrep` (prep on a Ray cluster)
 ``fetch``     :class:`Fetch` (reads from storage)          none
 ============  ===========================================  ==========================================
 
@@ -27,7 +28,19 @@ from dataclasses import dataclass
 
 from coordl.units import parse_bytes
 
-__all__ = ["AUTO", "RENAMED", "Cache", "Fetch", "HPGroup", "Options", "Peers", "Prep", "Shard", "refuse_renamed"]
+__all__ = [
+    "AUTO",
+    "RENAMED",
+    "Cache",
+    "Fetch",
+    "HPGroup",
+    "Options",
+    "Peers",
+    "Prep",
+    "RayPrep",
+    "Shard",
+    "refuse_renamed",
+]
 
 AUTO = "auto"
 
@@ -254,14 +267,90 @@ class Prep:
 
     @classmethod
     def of(cls, value) -> Prep:
-        """``prep=`` as given: a :class:`Prep`, a thread count, or None (the defaults)."""
+        """``prep=`` as given: a :class:`Prep`, a thread count, None (the defaults), or a
+        :class:`RayPrep` (returned as it is)."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             return cls(threads=value)
-        raise TypeError(f"prep must be a coordl.Prep or a number of threads, got {value!r}")
+        if isinstance(value, RayPrep):
+            return value
+        raise TypeError(f"prep must be a coordl.Prep, a coordl.RayPrep or a number of threads, got {value!r}")
+
+
+READS = ("auto", "node", "trainer")  # RayPrep(reads)
+OUTPUTS = ("pipeline", "uint8")  # RayPrep(output)
+
+
+@dataclass(frozen=True)
+class RayPrep:
+    """Batches prepared by Ray actors on the machines of a Ray cluster, and by the local pipeline
+    while ``local`` is True (``CoordLoader(prep=coordl.RayPrep(...))``; see docs/remote-prep.md).
+
+    The trainer keeps the order, the sharding, exactly-once, resume and ``stats()``; a unit of
+    work is one batch: ``(epoch, batch number, sample ids, seed)``, which every actor turns into the
+    same tensors the local pipeline would (bit for bit on the CPU).
+
+    Attributes:
+        address: the Ray cluster: ``"auto"`` (``RAY_ADDRESS``, else the cluster this machine
+            runs), ``"host:port"`` of its head. Used as it is when the script has called
+            ``ray.init`` itself.
+        workers: Ray actors preparing batches, each with ``cpus_per_worker`` CPUs; ``"auto"``
+            grows the pool while the training loop waits for batches and the cluster has free
+            CPUs, and shrinks it while prepared batches wait for the loop.
+        local: this machine's pipeline (DALI's threads, or the torch backend's workers) takes
+            units too; the split follows the measured rates, as each takes the next unit when free.
+        threads: the local DALI pipeline's threads (as ``Prep(threads)``); None: the default.
+        cpus_per_worker: Ray CPUs each actor reserves, and its DALI threads.
+        reads: where actors get the samples' bytes: ``"node"`` (they read the dataset where it
+            lives, through their node's cache: the same path on a shared file system, or
+            ``s3://``), ``"trainer"`` (the trainer reads them and ships the encoded bytes), or
+            ``"auto"`` (``"node"`` for an actor that can read the dataset, else ``"trainer"``).
+        output: what actors send back: ``"pipeline"`` (the pipeline's output), or ``"uint8"`` (the
+            built-in recipes' pixels before normalisation, a quarter of the bytes, normalised on
+            the trainer's device).
+        in_flight: units of work handed to actors and not yet taken by the training loop, at
+            most (None: two per actor, plus two). Bounds the memory prepared batches hold in
+            Ray's object store.
+        max_workers: the most actors ``workers="auto"`` starts (None: as many as the cluster's
+            free CPUs allow).
+    """
+
+    address: str = AUTO
+    workers: int | str = AUTO
+    local: bool = True
+    threads: int | None = None
+    cpus_per_worker: int = 1
+    reads: str = AUTO
+    output: str = "pipeline"
+    in_flight: int | None = None
+    max_workers: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.address, str) or not self.address.strip():
+            raise TypeError(f"RayPrep(address) must be 'auto' or 'host:port', got {self.address!r}")
+        if _auto(self.workers):
+            object.__setattr__(self, "workers", AUTO)
+        else:
+            if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+                raise ValueError(f"RayPrep(workers) must be 'auto' or an int >= 0, got {self.workers!r}")
+        if not isinstance(self.local, bool):
+            raise TypeError(f"RayPrep(local) must be True or False, got {self.local!r}")
+        if self.workers == 0 and not self.local:
+            raise ValueError("RayPrep(workers=0, local=False) leaves nobody to prepare batches")
+        if self.threads is not None:
+            _positive_int(self.threads, "RayPrep(threads)")
+        _positive_int(self.cpus_per_worker, "RayPrep(cpus_per_worker)")
+        if self.reads not in READS:
+            raise ValueError(f"RayPrep(reads) must be one of {', '.join(map(repr, READS))}, got {self.reads!r}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"RayPrep(output) must be one of {', '.join(map(repr, OUTPUTS))}, got {self.output!r}")
+        if self.in_flight is not None:
+            _positive_int(self.in_flight, "RayPrep(in_flight)")
+        if self.max_workers is not None:
+            _positive_int(self.max_workers, "RayPrep(max_workers)")
 
 
 @dataclass(frozen=True)
@@ -341,7 +430,7 @@ class Options:
     peers: Peers
     hp_group: HPGroup | None
     shard: Shard
-    prep: Prep
+    prep: Prep | RayPrep
     fetch: Fetch
 
     @classmethod

@@ -56,6 +56,7 @@ class Resources:
     peer_pool: DaemonPool | None = None
     prep: object = None
     dataloader: object = None
+    remote: object = None  # the actors of remote prep (coordl.remote.prep.RemotePrep), or None
     borrowed: bool = False  # made by with_cache: closing stops only its cache and its own workers
 
     @classmethod
@@ -71,6 +72,7 @@ class Resources:
         peers=None,
         prep: dict | None = None,
         dataloader: dict | None = None,
+        remote: dict | None = None,
     ) -> Resources:
         """Makes every collaborator, in one place; if one fails, those made already are stopped.
 
@@ -83,11 +85,14 @@ class Resources:
                 None: the torch backend).
             dataloader: the torch backend's ``dataset``, ``on_error``, ``options`` (its
                 :class:`~coordl.config.TorchOptions`) and ``generator`` (None: DALI).
+            remote: the arguments of :meth:`RemotePrep.for_loader
+                <coordl.remote.prep.RemotePrep.for_loader>` but ``index`` and ``items`` (None: no
+                remote prep); its actors start now.
         """
         made = []  # what needs stopping if a later part fails
         try:
             fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded)
-            pool = peer_pool = group = runner = loader = None
+            pool = peer_pool = group = runner = loader = actors = None
             if io_threads:
                 pool = thread_pool(io_threads, "coordl-io")
                 made.append(pool.shutdown)
@@ -108,6 +113,12 @@ class Resources:
                 d = dataloader
                 items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"])
                 loader = tb.make_dataloader(items, tb.EpochBatches(), d["options"], d["generator"])
+            if remote is not None:
+                from coordl.remote.prep import RemotePrep
+
+                items = loader.dataset if loader is not None else None
+                actors = RemotePrep.for_loader(index=index, items=items, **remote)
+                made.append(actors.close)
             return cls(
                 index=index,
                 cache=cache,
@@ -120,6 +131,7 @@ class Resources:
                 peer_pool=peer_pool,
                 prep=runner,
                 dataloader=loader,
+                remote=actors,
             )
         except BaseException:
             for stop in reversed(made):
@@ -146,6 +158,7 @@ class Resources:
             fetcher=fetcher,
             peers=None,
             dataloader=dataloader,
+            remote=None,
             borrowed=True,
         )
 
@@ -160,6 +173,8 @@ class Resources:
                 self.cache.close()
             return
         try:
+            if self.remote is not None:
+                self.remote.close()  # its actors end now
             for pool in (self.peer_pool, self.pool):
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=True)

@@ -70,6 +70,18 @@ def open_source(data, pipeline, device_id, torch_options: TorchOptions, options:
             raise ValueError(PIPELINE_NEEDED)
         index = make_index(data)
         source = Source("dali", index, index, resolve_recipe(pipeline), resolve_device(device_id))
+        remote = options.prep if is_remote(options.prep) else None
+        if remote is not None and remote.output == "uint8" and not uint8_able(source.recipe):
+            raise ValueError(
+                "RayPrep(output='uint8') sends the pixels of 'imagenet-train' or 'imagenet-val' (a float32 "
+                "ImageNetTrain or ImageNetVal) before normalisation; this pipeline has no such step: use "
+                "output='pipeline'"
+            )
+        if remote is not None and options.cache.decoded != 0:
+            raise ValueError(
+                "Cache(decoded=...) and RayPrep: the decoded tier saves this machine's CPUs, remote prep adds "
+                "others'; use one of them (Cache(decoded=0) with RayPrep)"
+            )
     else:
         if pipeline is not None:
             raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
@@ -83,9 +95,15 @@ def open_source(data, pipeline, device_id, torch_options: TorchOptions, options:
                 "device_id= is where DALI decodes and delivers; on the torch backend the batches are collate_fn's, "
                 "on the CPU: move them with .to(device) (pin_memory=True pins them for that)"
             )
-        if options.prep != Prep():
+        if options.prep != Prep() and not is_remote(options.prep):
             raise ValueError(
-                "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes"
+                "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes "
+                "(or on a Ray cluster: prep=coordl.RayPrep(...))"
+            )
+        if is_remote(options.prep) and (options.prep.output != "pipeline" or options.prep.threads is not None):
+            raise ValueError(
+                "RayPrep(output='uint8') and RayPrep(threads) are for DALI's pipelines; on the torch backend the "
+                "actors send collate_fn's batches and the local part runs in num_workers DataLoader processes"
             )
         if options.fetch != Fetch():
             raise ValueError(
@@ -96,6 +114,20 @@ def open_source(data, pipeline, device_id, torch_options: TorchOptions, options:
     if len(source.index) == 0:
         raise ValueError("the dataset has no samples")
     return source
+
+
+def is_remote(prep) -> bool:
+    """Whether ``prep`` (a loader's option) is remote prep (:class:`~coordl.RayPrep`)."""
+    from coordl.options import RayPrep
+
+    return isinstance(prep, RayPrep)
+
+
+def uint8_able(recipe) -> bool:
+    """Whether the recipe's pixels can travel as uint8 and be normalised after (the built-in ones)."""
+    from coordl.prep.recipes import ImageNetTrain, ImageNetVal
+
+    return isinstance(recipe, (ImageNetTrain, ImageNetVal)) and recipe.dtype == "float32"
 
 
 def as_dataset(data):

@@ -55,7 +55,9 @@ __all__ = [
     "TorchPass",
     "make_dataloader",
     "over_cache",
+    "failure_error",
     "seed_for",
+    "with_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,19 +169,24 @@ class Items(torch.utils.data.Dataset):
     def __getitems__(self, batch: Batch | list[int]) -> Fetched:
         """Fetches, decodes and transforms a batch: a :class:`Batch` (its samples' random draws
         keyed by ``(seed, epoch, sample)``) or a list of ids (the generators left as they are)."""
-        with SampleDraws(batch) as sample_draws:
-            return self._fetch(batch.ids if isinstance(batch, Batch) else batch, sample_draws)
+        return self.prepare(batch)
 
-    def _fetch(self, ids: list[int], sample_draws: SampleDraws) -> Fetched:
-        fetcher = self.fetcher()
+    def prepare(self, batch: Batch | list[int], data: list | None = None, errors: dict | None = None) -> Fetched:
+        """:meth:`__getitems__`, or (``data``) the same on bytes read elsewhere: the encoded bytes
+        of each sample (None where reading failed, with the :class:`SampleError` in ``errors``)."""
+        with SampleDraws(batch) as sample_draws:
+            return self._fetch(batch.ids if isinstance(batch, Batch) else batch, sample_draws, data, errors)
+
+    def _fetch(self, ids: list[int], sample_draws: SampleDraws, data=None, errors=None) -> Fetched:
         ds, paths = self.dataset, self.index.paths
         out = Fetched(items=[])
         t0 = time.perf_counter()
-        try:
-            data, errors = fetcher.gather(np.asarray(ids, dtype=np.int64))
-        except DatasetChangedError as e:
-            out.failure = ("changed", str(e), "", -1, traceback.format_exc())
-            data = []
+        if data is None:
+            try:
+                data, errors = self.fetcher().gather(np.asarray(ids, dtype=np.int64))
+            except DatasetChangedError as e:
+                out.failure = ("changed", str(e), "", -1, traceback.format_exc())
+                data = []
         t_read, t_prep = time.perf_counter() - t0, 0.0
         for k, (i, raw) in enumerate(zip(ids, data)):
             if raw is None:
@@ -200,7 +207,7 @@ class Items(torch.utils.data.Dataset):
             out.items.append(ds.item(sample, i))  # a transform's error is the user's: it propagates
             out.ids.append(int(i))
             t_prep += time.perf_counter() - t1
-        out.counters = fetcher.reset_counters().as_dict()
+        out.counters = self.fetcher().reset_counters().as_dict()
         out.read_s, out.prep_s = t_read, t_prep
         return out
 
@@ -338,7 +345,7 @@ class TorchPass(Pass):
             self._account(fetched)
             read, prep = read + fetched.read_s, prep + fetched.prep_s
             if fetched.failure is not None:
-                raise _failure(fetched.failure)
+                raise failure_error(fetched.failure)
             if fetched.batch is not None:
                 break  # else every sample of the batch was skipped: on to the next
             if self._on_batch is not None:
@@ -347,7 +354,7 @@ class TorchPass(Pass):
         wait = time.perf_counter() - t0
         out = fetched.batch
         if self._return_index:
-            out = _with_ids(out, torch.tensor(fetched.ids, dtype=torch.int64))
+            out = with_ids(out, torch.tensor(fetched.ids, dtype=torch.int64))
         fetch = wait * read / (read + prep) if read + prep > 0 else 0.0
         return Step(out, len(fetched.ids), self.start + self._k, fetch=fetch)
 
@@ -384,7 +391,7 @@ def seed_for(seed: int, epoch: int, rank: int) -> int:
     return draws.mix(seed, epoch, rank) >> 1
 
 
-def _with_ids(batch, ids: torch.Tensor):
+def with_ids(batch, ids: torch.Tensor):
     """A batch with the samples' index positions appended (``return_index=True``)."""
     if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
         return (*batch, ids)
@@ -393,7 +400,7 @@ def _with_ids(batch, ids: torch.Tensor):
     return batch, ids
 
 
-def _failure(f: tuple[str, str, str, int, str]) -> CoordlError:
+def failure_error(f: tuple[str, str, str, int, str]) -> CoordlError:
     kind, message, path, i, worker_tb = f
     e = DatasetChangedError(message) if kind == "changed" else SampleError(message, path=path, index=i)
     note = f"In the worker that read it:\n{worker_tb.rstrip()}"

@@ -107,9 +107,9 @@ class FetchAhead:
         try:
             for _ in range(len(self.batches)):
                 while nxt < len(self.batches) and len(inflight) <= self.depth:
-                    inflight.append(self._submit(self.batches[nxt], nxt))
+                    inflight.append(self.submit(self.batches[nxt], nxt))
                     nxt += 1
-                batch = self._collect(inflight.popleft())
+                batch = self.receive(inflight.popleft())
                 if self.stop.is_set():
                     return
                 yield batch
@@ -120,9 +120,10 @@ class FetchAhead:
 
     def collect(self, ids: np.ndarray, number: int = -1) -> RawBatch:
         """Fetches one batch now (misses in parallel on the pool), outside the look-ahead."""
-        return self._collect(self._submit(ids, number))
+        return self.receive(self.submit(ids, number))
 
-    def _submit(self, ids: np.ndarray, number: int) -> _Pending:
+    def submit(self, ids: np.ndarray, number: int) -> _Pending:
+        """Starts fetching one batch (hits now, misses on the pools); :meth:`receive` waits for it."""
         fetcher = self.fetcher
         kind = None
         decoded = np.zeros(len(ids), dtype=bool)
@@ -176,7 +177,9 @@ class FetchAhead:
                 data[k] = v
         return data, errors
 
-    def _collect(self, pending: _Pending) -> RawBatch:
+    def receive(self, pending: _Pending) -> RawBatch:
+        """The batch :meth:`submit` started, once its reads are done (skipping or raising as
+        ``on_error`` says for samples that cannot be read)."""
         ids, hit = pending.ids, pending.hit
         got: dict[int, np.ndarray | None] = {}
         errors: dict[int, SampleError] = {}

@@ -1,0 +1,195 @@
+"""The Ray side: connecting to the cluster, and the pool of actors that run a loader's units.
+
+Ray is imported here only, and only when a loader is made with :class:`~coordl.RayPrep`. The
+actors are the driver's (not detached): Ray ends them when the script ends however it ends, and
+:meth:`WorkerPool.close` ends them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from coordl.errors import CoordlError
+
+__all__ = ["WorkerPool", "connect", "ray_module"]
+
+log = logging.getLogger(__name__)
+
+_connected_by_coordl = False
+
+
+def ray_module():
+    """Ray, or a clear error when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "prep=coordl.RayPrep(...) needs Ray: pip install 'coordl[ray]' (on every machine of the cluster)"
+        ) from None
+    return ray
+
+
+def connect(address: str) -> None:
+    """Connects this process to the Ray cluster at ``address`` (once; a script's own
+    ``ray.init`` is used as it is).
+
+    Raises:
+        CoordlError: no Ray cluster answers at ``address``.
+    """
+    global _connected_by_coordl
+    ray = ray_module()
+    if ray.is_initialized():
+        return
+    target = address  # "auto": Ray reads RAY_ADDRESS, else finds the cluster this machine runs
+    hint = (
+        "start one with `ray start --head` on this machine (and `ray start --address=<head>:6379` on the "
+        "others), or pass RayPrep(address='<head>:6379'); see docs/remote-prep.md"
+    )
+    if target not in ("auto", "local") and not target.startswith("ray://"):
+        host, _, port = target.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise CoordlError(
+                f"coordl: no Ray cluster at RayPrep(address={address!r}) ({target}: {e}); {hint}"
+            ) from None
+    try:
+        ray.init(address=target, logging_level=logging.WARNING, log_to_driver=True, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise CoordlError(f"coordl: no Ray cluster at RayPrep(address={address!r}): {e}; {hint}") from None
+    _connected_by_coordl = True
+
+
+def actor_env() -> dict:
+    """The trainer's settings that an actor's coordl reads (``COORDL_*``, and ``AWS_*`` for
+    ``s3://``), for the actor's process."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("COORDL_", "AWS_"))}
+
+
+class WorkerPool:
+    """The actors preparing one loader's units.
+
+    Args:
+        job: what they prepare (:class:`~coordl.remote.worker.Job`).
+        workers: actors to start now.
+        cpus: Ray CPUs per actor.
+    """
+
+    def __init__(self, job, workers: int, cpus: int):
+        ray = ray_module()
+        from coordl.remote.worker import PrepWorker
+
+        self._ray = ray
+        self._cpus = cpus
+        self._job_ref = ray.put(job)
+        self._cls = ray.remote(num_cpus=cpus, max_restarts=0, max_concurrency=1)(PrepWorker)
+        self.ready: dict[object, dict] = {}  # actor -> what it said when ready
+        self._starting: dict[object, object] = {}  # ready() ref -> actor
+        self._actors: list = []
+        self.retiring: set = set()  # ready actors that take no new units, ended once idle
+        self.started = 0
+        self.died = 0
+        self.closed = False
+        for _ in range(workers):
+            self.add()
+
+    def add(self) -> None:
+        """Starts one more actor; it takes units once it is ready."""
+        actor = self._cls.options(runtime_env={"env_vars": actor_env()} if actor_env() else None).remote(self._job_ref)
+        self._actors.append(actor)
+        self._starting[actor.ready.remote()] = actor
+        self.started += 1
+
+    def remove(self, actor) -> None:
+        """Ends ``actor`` (its units in flight fail and are run again)."""
+        if actor in self._actors:
+            self._actors.remove(actor)
+        self.ready.pop(actor, None)
+        self.retiring.discard(actor)
+        for ref, a in list(self._starting.items()):
+            if a is actor:
+                del self._starting[ref]
+        try:
+            self._ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def retire(self, actor) -> None:
+        """``actor`` takes no new units; :meth:`reap` ends it once it holds none."""
+        self.ready.pop(actor, None)
+        self.retiring.add(actor)
+
+    def reap(self, holding) -> None:
+        """Ends the retiring actors that hold no unit (``holding(actor)``: units it holds)."""
+        for actor in list(self.retiring):
+            if not holding(actor):
+                self.retiring.discard(actor)
+                self.remove(actor)
+
+    def died_now(self, actor) -> None:
+        """``actor`` died: forgotten."""
+        if actor in self._actors:
+            self.died += 1
+        self.remove(actor)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Moves actors that finished starting to :attr:`ready`; an actor that failed to start is
+        dropped, and its error raised when no actor is left at all."""
+        if not self._starting:
+            return
+        done, _ = self._ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout)
+        for ref in done:
+            actor = self._starting.pop(ref)
+            try:
+                self.ready[actor] = self._ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the actor could not start
+                self.died_now(actor)
+                if not self._actors:
+                    raise CoordlError(f"coordl: RayPrep's actors cannot start: {cause(e)}") from None
+                log.warning("coordl: a RayPrep actor could not start: %s", cause(e))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until at least one actor is ready (or none is starting), at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self._starting and not self.ready and time.monotonic() < deadline:
+            self.poll(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    @property
+    def size(self) -> int:
+        """Actors started and not ended (ready or starting)."""
+        return len(self._actors)
+
+    def free_cpus(self) -> float:
+        try:
+            return float(self._ray.available_resources().get("CPU", 0.0))
+        except Exception:  # noqa: BLE001 - the cluster is going away
+            return 0.0
+
+    @property
+    def cpus(self) -> int:
+        return self._cpus
+
+    def close(self) -> None:
+        """Ends every actor now. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for actor in list(self._actors):
+            self.remove(actor)
+
+
+def cause(error: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's wrapper when Ray could carry it."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def disconnect() -> None:
+    """Disconnects from Ray when coordl connected (at the last loader's close)."""
+    global _connected_by_coordl
+    if _connected_by_coordl:
+        _connected_by_coordl = False
+        ray_module().shutdown()

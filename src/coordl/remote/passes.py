@@ -1,0 +1,416 @@
+"""The pass of a loader with remote prep: units of work to Ray actors and to the local pipeline,
+batches to the training loop in order.
+
+Three threads share a :class:`~coordl.remote.units.Units`: the *remote* thread hands units to the
+ready actors (two each, so none idles between units), collects their results, and runs again
+the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
+the loader's own pipeline (DALI, or the torch backend's ``DataLoader``), taking the next one
+whenever it has room; the consumer takes results in order. Neither thread holds the pass or the
+loader, so a pass the consumer drops is collected and closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from coordl import compat, lifecycle
+from coordl.errors import CoordlError
+from coordl.fetch.ahead import FetchAhead, Stopped
+from coordl.fetch.fetcher import FetchCounters
+from coordl.passes import Pass, Step
+from coordl.remote.cluster import cause, ray_module
+from coordl.remote.prep import DEPTH, START_TIMEOUT_S, RemotePrep
+from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
+from coordl.remote.worker import Done, Unit
+
+__all__ = ["RayPass"]
+
+log = logging.getLogger(__name__)
+
+
+class Tally:
+    """What the runners did in one pass, beside the trainer's own fetcher's counters."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counters = FetchCounters()  # actors' reads, and the local torch workers'
+        self.read_s = 0.0
+        self.prep_s = 0.0
+        self.remote_units = 0
+        self.local_units = 0
+        self.lost_s = 0.0  # actor time lost to actors that died
+        self.died = 0
+        self.result_bytes = 0  # prepared batches that came over from actors
+        self.shipped_bytes = 0  # encoded bytes the trainer sent to actors
+        self.skipped: list[tuple[int, str, str]] = []
+        self.workers: set[str] = set()
+
+    def add(self, counters: dict, read_s: float, prep_s: float, skipped) -> None:
+        with self.lock:
+            c = self.counters
+            for key, value in (counters or {}).items():
+                setattr(c, key, getattr(c, key) + value)
+            self.read_s += read_s
+            self.prep_s += prep_s
+            self.skipped += list(skipped)
+
+
+class RayPass(Pass):
+    """One pass whose units run on Ray actors and (``local``) the loader's pipeline.
+
+    Args:
+        resources: the loader's collaborators; ``resources.remote`` is the
+            :class:`~coordl.remote.prep.RemotePrep`, ``resources.prep`` / ``resources.dataloader``
+            the local pipeline.
+        config: the loader's settings.
+        batches: sample ids of each batch, in delivery order.
+        backend: ``"dali"`` or ``"torch"``.
+        order_epoch: the epoch whose order ``batches`` follow (it keys the draws).
+        **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
+    """
+
+    def __init__(
+        self,
+        resources,
+        config,
+        batches: list[np.ndarray],
+        *,
+        backend: str,
+        order_epoch: int,
+        persistent: bool = False,
+        **hooks,
+    ):
+        super().__init__(length=len(batches), cache=resources.cache, **hooks)
+        self._res = resources
+        self._backend = backend
+        self._return_index = config.return_index
+        self._remote: RemotePrep = resources.remote
+        self._n = 0
+        self._tally = Tally()
+        self._rate = Rate()
+        resources.fetcher.reset_counters()
+        self._prep0 = resources.prep.waiting.total() if resources.prep is not None else 0.0
+        self._units = Units(len(batches), self._remote.bound, self.stop_event)
+        self._ahead = None
+        if backend == "dali":
+            self._ahead = FetchAhead(
+                resources.fetcher,
+                [],
+                resources.index.labels,
+                resources.pool,
+                threads=resources.io_threads,
+                depth=config.batches_ahead,
+                on_error=config.on_error,
+                stop=self.stop_event,
+            )
+        local = self._remote.options.local
+        args = (self._units, batches, order_epoch, self.stop_event, self._tally)
+        self._threads = [
+            threading.Thread(
+                target=_drive_remote,
+                args=(self._remote, self._ahead, resources.fetcher, local, self._rate, *args),
+                name="coordl-ray",
+                daemon=True,
+            )
+        ]
+        if local and backend == "dali":
+            target, extra = _drive_local_dali, (resources.prep, self._ahead, resources.index.paths)
+        elif local:
+            target, extra = _drive_local_torch, (resources.dataloader, config.seed, persistent)
+        if local:
+            self._threads.append(threading.Thread(target=target, args=(*extra, *args), name="coordl-prep", daemon=True))
+        # started by the first batch asked for
+
+    def _alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def _step(self) -> Step | None:
+        if self._threads[0].ident is None:
+            for t in self._threads:
+                t.start()
+        t0 = time.perf_counter()
+        while self._n < self.length:
+            result = self._units.take(self._n, self._alive)
+            self._n += 1
+            step = self._to_step(result)
+            if step is not None:
+                self._rate.add(time.perf_counter() - t0)
+                return step
+            if self._on_batch is not None:  # every sample skipped: received, as a DataLoader skips nothing
+                self._on_batch(self.start + self._n)
+        self._rate.add(time.perf_counter() - t0)
+        return None
+
+    def _to_step(self, result) -> Step | None:
+        position = self.start + self._n
+        if result is EMPTY:
+            return None
+        if isinstance(result, Done):
+            if result.fetched is not None:
+                return self._torch_step(result.fetched, position)
+            if result.images is None:
+                return None
+            images = self._from_actor(result.images)
+            labels, ids = torch.from_numpy(np.array(result.labels)), torch.from_numpy(np.array(result.ids))
+        elif self._backend == "torch":
+            return self._torch_step(result, position)
+        else:
+            images, labels, ids = result
+        out = (images, labels, ids) if self._return_index else (images, labels)
+        return Step(out, len(labels), position)
+
+    def _torch_step(self, fetched, position: int) -> Step | None:
+        from coordl.backends.torch import failure_error, with_ids
+
+        if fetched.failure is not None:
+            raise failure_error(fetched.failure)
+        if fetched.batch is None:
+            return None
+        out = fetched.batch
+        if self._return_index:
+            out = with_ids(out, torch.tensor(fetched.ids, dtype=torch.int64))
+        return Step(out, len(fetched.ids), position)
+
+    def _from_actor(self, images: np.ndarray) -> torch.Tensor:
+        """An actor's images as the local pipeline gives them: a tensor of its own (Ray's array is
+        a read-only view of the object store), on the trainer's device, normalised if sent as uint8."""
+        t = torch.from_numpy(np.array(images))
+        remote = self._remote
+        if remote.device_id is not None:
+            t = t.to(f"cuda:{remote.device_id}", non_blocking=True)
+        if remote.normalize is not None:
+            mean, std = remote.normalize
+            t = (t.float() - mean.to(t.device)) / std.to(t.device)
+        return t
+
+    def _counters(self) -> FetchCounters:
+        mine, theirs = self._res.fetcher.counters, self._tally.counters
+        out = FetchCounters()
+        for key in FetchCounters.__dataclass_fields__:
+            setattr(out, key, getattr(mine, key) + getattr(theirs, key))
+        return out
+
+    def _figures(self) -> dict:
+        t, remote, prep = self._tally, self._remote, self._res.prep
+        skipped = list(t.skipped)
+        prep_s = t.prep_s
+        if self._ahead is not None:
+            skipped += self._ahead.skipped
+        if prep is not None:
+            prep_s += prep.waiting.total() - self._prep0
+        return {
+            "fetch_wait_s": self._ahead.wait_s if self._ahead is not None else 0.0,
+            "read_s": self._res.fetcher.counters.storage_ns / 1e9 + t.read_s,
+            "prep_s": prep_s,
+            "skipped_paths": [p for _, p, _ in skipped],
+            "extra": {
+                "remote_units": t.remote_units,
+                "local_units": t.local_units,
+                "remote_workers": len(remote.pool.ready),
+                "remote_retried": self._units.retried,
+                "remote_lost_s": t.lost_s,
+                "remote_result_bytes": t.result_bytes,
+                "remote_shipped_bytes": t.shipped_bytes,
+            },
+        }
+
+    def _shutdown(self) -> None:
+        self.stop_event.set()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me and t.ident is not None:
+                t.join()
+
+
+def _drive_remote(
+    remote: RemotePrep, ahead, fetcher, local: bool, rate: Rate, units: Units, batches, order_epoch, stop, tally: Tally
+) -> None:
+    """The remote thread: units to ready actors, results back, re-runs after a death."""
+    lifecycle.quiet_thread()
+    ray = ray_module()
+    pool = remote.pool
+    held: dict = {}  # ref -> (actor, unit number, when handed out)
+    holding: collections.Counter = collections.Counter()
+    since = time.monotonic()  # when the pool last had a ready actor
+    try:
+        while not units.finished():
+            pool.poll()
+            remote.scale(rate, units.ready())
+            pool.reap(lambda a: holding[a])
+            if pool.ready:
+                since = time.monotonic()
+            elif not local and time.monotonic() - since > START_TIMEOUT_S:
+                raise CoordlError(
+                    f"coordl: no RayPrep actor has been ready for {START_TIMEOUT_S:.0f} s and RayPrep(local=False): "
+                    "the cluster has no free CPUs for them (see `ray status`)"
+                )
+            for actor, info in list(pool.ready.items()):
+                while holding[actor] < DEPTH:
+                    n = units.claim(REMOTE, block=False)
+                    if n is None:
+                        break
+                    unit = Unit(n, batches[n], order_epoch)
+                    if info["reads"] == "trainer":
+                        _ship(unit, ahead, fetcher, tally)
+                    held[actor.run.remote(unit)] = (actor, n, time.perf_counter())
+                    holding[actor] += 1
+            if not held:
+                units.wait(0.05)
+                continue
+            ready, _ = ray.wait(list(held), num_returns=1, timeout=0.05)
+            for ref in ready:
+                actor, n, t0 = held.pop(ref)
+                holding[actor] -= 1
+                try:
+                    done: Done = ray.get(ref)
+                except (
+                    ray.exceptions.RayActorError,
+                    ray.exceptions.ObjectLostError,
+                    ray.exceptions.WorkerCrashedError,
+                ) as e:
+                    _died(remote, actor, n, t0, units, tally, e)
+                    continue
+                except ray.exceptions.RayTaskError as e:
+                    raise cause(e) from None
+                if units.put(n, done):
+                    with tally.lock:
+                        tally.remote_units += 1
+                        tally.workers.add(done.worker)
+                        tally.result_bytes += done.images.nbytes if done.images is not None else 0
+                    tally.add(done.counters, done.read_s, done.prep_s, done.skipped)
+    except Stopped:
+        return
+    except BaseException as e:  # noqa: BLE001 - the consumer raises it
+        if not stop.is_set():
+            units.fail(e)
+    finally:
+        for ref in held:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - the actor is gone
+                pass
+
+
+def _died(remote: RemotePrep, actor, n: int, t0: float, units: Units, tally: Tally, error) -> None:
+    lost = time.perf_counter() - t0
+    first = actor in remote.pool.ready or actor in remote.pool.retiring
+    with tally.lock:
+        tally.lost_s += lost
+        tally.died += first
+    units.retry(n)
+    if first:
+        log.warning(
+            "coordl: a RayPrep actor died (%s); its units run again elsewhere (%.2f s of its work lost)",
+            type(error).__name__,
+            lost,
+        )
+        remote.pool.died_now(actor)
+        remote.replace()
+
+
+def _ship(unit: Unit, ahead, fetcher, tally: Tally) -> None:
+    """The trainer reads the unit's bytes (through its cache) for an actor that cannot."""
+    if ahead is not None:  # DALI: skipped or raised as on_error says, here
+        raw = ahead.receive(ahead.submit(unit.ids, unit.number))
+        unit.ids, unit.data = raw.ids, raw.data
+    else:
+        unit.data, unit.errors = fetcher.gather(np.asarray(unit.ids, dtype=np.int64))
+    with tally.lock:
+        tally.shipped_bytes += sum(len(x) for x in unit.data if x is not None)
+
+
+def _drive_local_dali(prep, ahead: FetchAhead, paths, units: Units, batches, order_epoch, stop, tally: Tally) -> None:
+    """The local thread (DALI): runs of the pipeline over the units it takes, each run ending
+    when no unit is free now (so that DALI hands back what it holds)."""
+    lifecycle.quiet_thread()
+    try:
+        while not stop.is_set():
+            first = units.claim(LOCAL, block=True)
+            if first is None:
+                return
+            fed: collections.deque[int] = collections.deque()
+            feed = _local_feed(first, units, ahead, batches, order_epoch, fed, stop)
+            for images, labels, ids, number in prep.epoch(feed, paths.__getitem__, order_epoch):
+                while fed and fed[0] != number:  # fed before it and not returned: every sample skipped
+                    units.put(fed.popleft(), EMPTY)
+                if fed:
+                    fed.popleft()
+                if units.put(number, (images, labels, ids)):
+                    with tally.lock:
+                        tally.local_units += 1
+            while fed:
+                units.put(fed.popleft(), EMPTY)
+    except Stopped:
+        return
+    except BaseException as e:  # noqa: BLE001 - the consumer raises it
+        if not stop.is_set():
+            units.fail(e)
+
+
+def _local_feed(first: int, units: Units, ahead: FetchAhead, batches, order_epoch: int, fed, stop):
+    pending = collections.deque([ahead.submit(batches[first], first)])
+    while pending and not stop.is_set():
+        while len(pending) <= ahead.depth:
+            n = units.claim(LOCAL, block=False)
+            if n is None:
+                break
+            pending.append(ahead.submit(batches[n], n))
+        raw = ahead.receive(pending.popleft())
+        raw.epoch = order_epoch
+        fed.append(raw.number)
+        yield raw
+
+
+class _Run:
+    """The local DataLoader's batches for one run: the units the local thread takes while it can."""
+
+    def __init__(self, first: int, units: Units, batches, seed: int, order_epoch: int, numbers, stop):
+        self._args = (first, units, batches, seed, order_epoch, numbers, stop)
+
+    def __len__(self) -> int:
+        units = self._args[1]
+        return units.count
+
+    def __iter__(self):
+        from coordl.backends.torch import Batch
+
+        n, units, batches, seed, order_epoch, numbers, stop = self._args
+        while n is not None and not stop.is_set():
+            numbers.append(n)
+            yield Batch(batches[n].tolist(), seed, order_epoch)
+            n = units.claim(LOCAL, block=False)
+
+
+def _drive_local_torch(
+    dataloader, seed: int, persistent: bool, units: Units, batches, order_epoch, stop, tally: Tally
+) -> None:
+    """The local thread (torch backend): runs of the loader's DataLoader over the units it takes."""
+    lifecycle.quiet_thread()
+    try:
+        while not stop.is_set():
+            first = units.claim(LOCAL, block=True)
+            if first is None:
+                return
+            numbers: collections.deque[int] = collections.deque()
+            dataloader.batch_sampler.batches = _Run(first, units, batches, seed, order_epoch, numbers, stop)
+            it = iter(dataloader)
+            try:
+                for fetched in it:
+                    tally.add(fetched.counters, fetched.read_s, fetched.prep_s, fetched.skipped)
+                    if units.put(numbers.popleft(), fetched):
+                        with tally.lock:
+                            tally.local_units += 1
+                    if stop.is_set():
+                        return
+            finally:
+                if not persistent:
+                    compat.shutdown_iterator_workers(it)
+    except BaseException as e:  # noqa: BLE001 - the consumer raises it
+        if not stop.is_set():
+            units.fail(e)

@@ -1,0 +1,144 @@
+"""A loader's remote prep: its pool of actors, how many units they may hold, and how the pool
+follows the measured stalls (``RayPrep(workers="auto")``).
+
+Made once per loader when its first pass starts (:class:`~coordl.resources.Resources`) and
+closed with it; passes share it, as they share the local pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from coordl.options import RayPrep
+from coordl.remote.cluster import WorkerPool
+from coordl.remote.worker import Job
+
+__all__ = ["RemotePrep", "scale_step"]
+
+log = logging.getLogger(__name__)
+
+DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
+SCALE_EVERY_S = 1.0  # how often workers="auto" looks at the stalls
+GROW_ABOVE = 0.05  # the loop waited more than this share of the time: one more actor
+SHRINK_BELOW = 0.01  # less than this share, with prepared batches waiting: one fewer
+START_TIMEOUT_S = 120.0  # a pass with no local prep waits this long for a first actor
+
+
+def scale_step(
+    *, waited: float, elapsed: float, ready: int, actors: int, free_cpus: float, cpus: int, most: int, least: int
+) -> int:
+    """``workers="auto"``: +1, -1 or 0 actors, from the last interval's figures.
+
+    The training loop waited for batches more than :data:`GROW_ABOVE` of the time, and the cluster
+    has the CPUs for another actor (and the pool is under ``most``): one more. It waited less
+    than :data:`SHRINK_BELOW`, and prepared batches are waiting for it (more than there are
+    actors, so the actors are ahead, not merely in step): one fewer, down to ``least``.
+    """
+    if elapsed <= 0:
+        return 0
+    share = waited / elapsed
+    if share > GROW_ABOVE and actors < most and free_cpus >= cpus:
+        return 1
+    if share < SHRINK_BELOW and ready > actors and actors > least:
+        return -1
+    return 0
+
+
+class RemotePrep:
+    """The actors of one loader (see the module's docstring).
+
+    Args:
+        options: the loader's :class:`~coordl.RayPrep`.
+        job: what the actors prepare.
+        device_id: the trainer's GPU (None: the CPU): batches from actors are moved there.
+        normalize: ``(mean, std)`` of the recipe (x255, NCHW), when actors send uint8 pixels.
+    """
+
+    def __init__(self, options: RayPrep, job: Job, device_id, normalize=None):
+        self.options = options
+        self.job = job
+        self.device_id = device_id
+        self.normalize = normalize
+        auto = options.workers == "auto"
+        self.pool = WorkerPool(job, 1 if auto else options.workers, options.cpus_per_worker)
+        self._last_scale = time.monotonic()
+        self.least = 0 if options.local else 1
+        self.waited_total = 0.0
+
+    @classmethod
+    def for_loader(cls, options: RayPrep, *, backend: str, index, config, cache, recipe, items, collate_fn, device_id):
+        """The remote prep of a loader's settings (its actors start now)."""
+        normalize = None
+        if backend == "dali" and options.output == "uint8":
+            mean = torch.tensor([m * 255 for m in recipe.mean]).view(1, 3, 1, 1)
+            std = torch.tensor([s * 255 for s in recipe.std]).view(1, 3, 1, 1)
+            normalize = (mean, std)
+            recipe = dataclasses.replace(recipe, dtype="uint8")
+        from coordl.remote.cluster import actor_env
+
+        job = Job(
+            backend=backend,
+            index=index,
+            seed=config.seed,
+            batch_size=config.batch_size,
+            on_error=config.on_error,
+            cache=cache,
+            reads=options.reads,
+            threads=options.cpus_per_worker,
+            recipe=recipe if backend == "dali" else None,
+            items=items,
+            collate_fn=collate_fn,
+            env=actor_env(),
+        )
+        return cls(options, job, device_id, normalize)
+
+    def bound(self) -> int:
+        """Units the actors may hold that the training loop has not taken (``RayPrep(in_flight)``)."""
+        if self.options.in_flight is not None:
+            return self.options.in_flight
+        return DEPTH * max(1, len(self.pool.ready)) + 2
+
+    def most(self) -> int:
+        o = self.options
+        return o.max_workers if o.max_workers is not None else 1 << 20
+
+    def scale(self, rate, ready: int) -> None:
+        """Grows or shrinks the pool (``workers="auto"``), at most once per :data:`SCALE_EVERY_S`."""
+        if self.options.workers != "auto" or time.monotonic() - self._last_scale < SCALE_EVERY_S:
+            return
+        self._last_scale = time.monotonic()
+        waited, elapsed = rate.take()
+        pool = self.pool
+        step = scale_step(
+            waited=waited,
+            elapsed=elapsed,
+            ready=ready,
+            actors=pool.size,
+            free_cpus=pool.free_cpus() if waited > GROW_ABOVE * elapsed else 0.0,
+            cpus=pool.cpus,
+            most=self.most(),
+            least=self.least,
+        )
+        if step > 0:
+            log.info(
+                "coordl: RayPrep: the loop waited %.0f%% of the time: starting actor %d",
+                100 * waited / elapsed,
+                pool.size + 1,
+            )
+            pool.add()
+        elif step < 0 and pool.ready:
+            log.info("coordl: RayPrep: prepared batches are waiting: ending one of %d actors", pool.size)
+            pool.retire(next(reversed(list(pool.ready))))
+
+    def replace(self) -> None:
+        """After an actor died: a new one in its place (a fixed number of workers), on whichever
+        machine has the CPUs."""
+        if self.options.workers != "auto" and self.pool.size < self.options.workers and not self.pool.closed:
+            self.pool.add()
+
+    def close(self) -> None:
+        self.pool.close()
