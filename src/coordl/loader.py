@@ -418,7 +418,14 @@ class CoordLoader(DataLoaderAttributes):
 
     def _group_member(self):
         if self._member is None:
-            from coordl.staging.member import GroupMember
+            from coordl.staging.member import GroupMember, Producer
+
+            producers = (Producer,)
+            remote = self.resources.remote
+            if remote is not None:  # its Ray actors make group batches too, or alone (local=False)
+                from coordl.remote.staging import RemoteProducer
+
+                producers = (Producer, RemoteProducer) if remote.options.local else (RemoteProducer,)
 
             self._member = GroupMember(
                 options=self.options.hp_group,
@@ -431,6 +438,7 @@ class CoordLoader(DataLoaderAttributes):
                 num_threads=self.num_threads,
                 identity=self.identity(),
                 epoch=self.position.epoch,
+                producers=producers,
             )
         return self._member
 

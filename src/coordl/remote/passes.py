@@ -255,7 +255,7 @@ def _drive_remote(
                     n = units.claim(REMOTE, block=False)
                     if n is None:
                         break
-                    unit = Unit(n, batches[n], order_epoch)
+                    unit = Unit(n, batches[n], order_epoch, pixels=remote.normalize is not None)
                     if info["reads"] == "trainer":
                         _ship(unit, ahead, fetcher, tally)
                     held[actor.run.remote(unit)] = (actor, n, time.perf_counter())

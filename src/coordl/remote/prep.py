@@ -7,7 +7,6 @@ closed with it; passes share it, as they share the local pipeline.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -55,7 +54,8 @@ class RemotePrep:
         options: the loader's :class:`~coordl.RayPrep`.
         job: what the actors prepare.
         device_id: the trainer's GPU (None: the CPU): batches from actors are moved there.
-        normalize: ``(mean, std)`` of the recipe (x255, NCHW), when actors send uint8 pixels.
+        normalize: ``(mean, std)`` of the recipe (x255, NCHW), when actors send uint8 pixels
+            (``RayPrep(output="uint8")``: units ask for the recipe's pixels).
     """
 
     def __init__(self, options: RayPrep, job: Job, device_id, normalize=None):
@@ -77,7 +77,6 @@ class RemotePrep:
             mean = torch.tensor([m * 255 for m in recipe.mean]).view(1, 3, 1, 1)
             std = torch.tensor([s * 255 for s in recipe.std]).view(1, 3, 1, 1)
             normalize = (mean, std)
-            recipe = dataclasses.replace(recipe, dtype="uint8")
         from coordl.remote.cluster import actor_env
 
         job = Job(

@@ -34,6 +34,7 @@ class Unit:
     data: list | None = None  # encoded bytes per sample (the trainer read them), None: read here
     errors: dict | None = None  # the trainer's read failures (torch backend), by sample id
     skipped: list = field(default_factory=list)  # samples the trainer skipped reading (DALI backend)
+    pixels: bool = False  # DALI: the recipe's uint8 pixels, before normalisation
 
 
 @dataclass
@@ -108,17 +109,12 @@ class PrepWorker:
         self.fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         if job.backend == "dali":
-            from coordl.prep.dali import DaliPrep
             from coordl.threads import DaemonPool
 
             lifecycle.before_dali_exit()
-            self.prep = DaliPrep(
-                job.recipe,
-                batch_size=job.batch_size,
-                num_threads=job.threads,
-                device_id=None,
-                seed=job.seed,
-                on_error=job.on_error,
+            self._preps: dict = {}  # pixels -> DaliPrep
+            self._prep_args = dict(
+                batch_size=job.batch_size, num_threads=job.threads, device_id=None, seed=job.seed, on_error=job.on_error
             )
             self.pool = DaemonPool(4, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
         else:
@@ -127,6 +123,15 @@ class PrepWorker:
             items = job.items
             self.items = Items(items.dataset, self.fetcher, self.spec, items.on_error)
             self.collate = Collate(job.collate_fn)
+
+    def _prep(self, pixels: bool):
+        """The pipeline of the recipe, or (``pixels``) of its uint8 variant, made on first use."""
+        if pixels not in self._preps:
+            from coordl.prep.dali import DaliPrep
+
+            recipe = dataclasses.replace(self.job.recipe, dtype="uint8") if pixels else self.job.recipe
+            self._preps[pixels] = DaliPrep(recipe, **self._prep_args)
+        return self._preps[pixels]
 
     def _cache_spec(self):
         from coordl.tiers import plan as tiers
@@ -172,10 +177,11 @@ class PrepWorker:
         raw.epoch = unit.epoch
         done.read_s = time.perf_counter() - t0
         done.counters = self.fetcher.reset_counters().as_dict()
-        skipped0 = len(self.prep.skipped)
-        for images, lab, ids, _ in self.prep.epoch(iter([raw]), self.index.paths.__getitem__, unit.epoch):
+        prep = self._prep(unit.pixels)
+        skipped0 = len(prep.skipped)
+        for images, lab, ids, _ in prep.epoch(iter([raw]), self.index.paths.__getitem__, unit.epoch):
             done.images, done.labels, done.ids = images.numpy(), lab.numpy(), ids.numpy()
-        done.skipped += self.prep.skipped[skipped0:]
+        done.skipped += prep.skipped[skipped0:]
         return done
 
     def _run_torch(self, unit: Unit) -> Done:

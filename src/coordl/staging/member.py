@@ -29,7 +29,7 @@ from coordl.schedule import Schedule
 from coordl.shm import names
 from coordl.staging.area import Claim, StagingArea
 
-__all__ = ["EMPTY_GROUP_STATS", "GroupMember", "GroupPass"]
+__all__ = ["EMPTY_GROUP_STATS", "GroupMember", "GroupPass", "Producer"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class GroupMember:
         num_threads: DALI threads of a pipeline made for staging.
         identity: the loader's :func:`~coordl.config.identity`, which every member must share.
         epoch: the loader's epoch when it joins.
+        producers: what makes this member's share of the group's batches, each a class taking
+            ``(member, stop, channel)`` (default: a :class:`Producer` on the member's pipeline;
+            with remote prep, also or only a :class:`~coordl.remote.staging.RemoteProducer`).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class GroupMember:
         num_threads: int,
         identity: dict,
         epoch: int,
+        producers: tuple = (),
     ):
         self.options = options
         self.resources = resources
@@ -85,7 +89,8 @@ class GroupMember:
         self.produced = 0  # group batches this member's producers made
         self.produced_mark = 0  # ... when the last pass's statistics were taken
         self._staging_prep = None
-        self.producer: _Producer | None = None  # the last pass's
+        self.make = producers or (Producer,)
+        self.producers: list[Producer] = []  # the last pass's
         shape, dtype = self._staged_format(num_threads)
         from coordl.fetch.spec import reap_once
 
@@ -161,11 +166,11 @@ class GroupMember:
         return GroupPass(self, epoch, **hooks)
 
     def join_producer(self) -> None:
-        """Waits for the last pass's producer to stop (it drains what DALI has in flight first)."""
-        p = self.producer
-        if p is not None and threading.current_thread() is not p.thread:
-            p.stop.set()
-            p.thread.join()
+        """Waits for the last pass's producers to stop (they drain what they have in flight first)."""
+        for p in self.producers:
+            if threading.current_thread() is not p.thread:
+                p.stop.set()
+                p.thread.join()
 
     def close(self) -> None:
         self.join_producer()
@@ -174,7 +179,7 @@ class GroupMember:
             self._staging_prep.close()
 
 
-class _Producer:
+class Producer:
     """Makes group batches on this member's DALI pipeline until stopped.
 
     Its thread holds the member's collaborators, never the pass or the loader.
@@ -228,7 +233,7 @@ class _Producer:
             while self._inflight:
                 self.area.unclaim(self._inflight.popleft()[0])
 
-    def _ids(self, q: int) -> np.ndarray:
+    def ids_of(self, q: int) -> np.ndarray:
         key = self.area.order_key(q)
         if key not in self._batches:
             w = self.member.world
@@ -237,7 +242,7 @@ class _Producer:
 
     def _feed(self, c: Claim | None):
         while c is not None:
-            ids = self._ids(c.q)
+            ids = self.ids_of(c.q)
             try:
                 raw = self.fetch.collect(ids, number=c.q)  # the claim's number travels with the batch
             except SampleError as e:
@@ -258,7 +263,7 @@ class _Producer:
             for images, labels, ids, q in self.prep.epoch(
                 self._feed(first), self._paths.__getitem__, 0, keep, all_decoded=whole
             ):
-                self._write(self._claim_of(q), images, labels, ids)
+                self.write(self._claim_of(q), images, labels, ids)
         except SampleError as e:
             bad = next((c for c, ids in self._inflight if e.index in ids), None)
             if bad is None:
@@ -282,7 +287,7 @@ class _Producer:
             self.area.publish(c, 0)
         raise CoordlError(f"coordl: internal error: DALI returned batch {q}, which nobody fed")
 
-    def _write(self, c: Claim, images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> None:
+    def write(self, c: Claim, images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> None:
         n = len(labels)
         if tuple(images.shape[1:]) != self._shape or images.dtype != self._dtype:
             self.area.publish_error(
@@ -337,8 +342,8 @@ class GroupPass(Pass):
                 nb,
             )
         self._channel = Channel(1, self.stop_event)
-        member.join_producer()  # the previous pass's producer may still drain its batches
-        self.producer = member.producer = _Producer(member, self.stop_event, self._channel)
+        member.join_producer()  # the previous pass's producers may still drain their batches
+        self.producers = member.producers = [p(member, self.stop_event, self._channel) for p in member.make]
 
     def _step(self) -> Step | None:
         area = self.area
@@ -435,8 +440,8 @@ class GroupPass(Pass):
         if self.area.attached:
             extra.update(self.area.stats())
         return {
-            "fetch_wait_s": self.producer.fetch.wait_s,
-            "prep_s": self.producer.prep_s,
+            "fetch_wait_s": sum(p.fetch.wait_s for p in self.producers),
+            "prep_s": sum(p.prep_s for p in self.producers),
             "skipped_paths": [p for _, p in self._skipped],
             "extra": extra,
         }

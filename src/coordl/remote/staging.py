@@ -1,0 +1,109 @@
+"""An HP group member's Ray actors making group batches: one remote stream feeds every trial.
+
+:class:`RemoteProducer` claims the batches the group needs next from the staging area, as the
+member's own producer does, and hands each to a ready actor of the member's
+:class:`~coordl.remote.prep.RemotePrep` as a unit of work (the batch's order epoch, ids and
+the loader's seed: the same images every member would make). Results are written into their
+slots and published; the claims of an actor that died are given back to the group, which has
+them made again by whoever claims next. Staged batches in uint8 come from the recipe's
+uint8 variant (``Unit.pixels``), normalised by each consumer as the local ones are.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from coordl import lifecycle
+from coordl.errors import SampleError
+from coordl.remote.cluster import cause, ray_module
+from coordl.remote.prep import DEPTH
+from coordl.remote.worker import Done, Unit
+from coordl.staging.member import Producer
+
+__all__ = ["RemoteProducer"]
+
+log = logging.getLogger(__name__)
+
+
+class RemoteProducer(Producer):
+    """Makes group batches on this member's Ray actors until stopped (see the module's docstring)."""
+
+    def __init__(self, member, stop: threading.Event, channel):
+        self.remote = member.resources.remote
+        self.pixels = member.normalize is not None  # staged as uint8 pixels, normalised by consumers
+        self._remote_prep_s = 0.0
+        super().__init__(member, stop, channel)
+
+    @property
+    def prep_s(self) -> float:
+        """Seconds the actors spent on this producer's batches."""
+        return self._remote_prep_s
+
+    def _run(self) -> None:
+        lifecycle.quiet_thread()
+        ray = ray_module()
+        pool, area = self.remote.pool, self.area
+        held: dict = {}  # ref -> (actor, claim, when handed out)
+        holding: collections.Counter = collections.Counter()
+        try:
+            while not self.stop.is_set():
+                pool.poll()
+                pool.reap(lambda a: holding[a])
+                for actor, info in list(pool.ready.items()):
+                    while holding[actor] < DEPTH:
+                        c = area.claim(block=False)
+                        if c is None:
+                            break
+                        unit = Unit(c.q, self.ids_of(c.q), area.order_key(c.q), pixels=self.pixels)
+                        if info["reads"] == "trainer":
+                            raw = self.fetch.collect(unit.ids, c.q)
+                            unit.ids, unit.data, unit.skipped = raw.ids, raw.data, list(self.fetch.skipped)
+                        held[actor.run.remote(unit)] = (actor, c, time.perf_counter())
+                        holding[actor] += 1
+                if not held:
+                    time.sleep(0.01)
+                    continue
+                ready, _ = ray.wait(list(held), num_returns=1, timeout=0.05)
+                for ref in ready:
+                    actor, c, t0 = held.pop(ref)
+                    holding[actor] -= 1
+                    self._collect(ray, ref, actor, c, t0)
+        except BaseException as e:  # noqa: BLE001 - the consumer raises it
+            if not self.stop.is_set():
+                self.channel.fail(e)
+        finally:
+            for _, c, _ in held.values():
+                area.unclaim(c)  # made by another producer of the group
+
+    def _collect(self, ray, ref, actor, c, t0: float) -> None:
+        area = self.area
+        try:
+            done: Done = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError):
+            area.unclaim(c)
+            if actor in self.remote.pool.ready:
+                log.warning(
+                    "coordl: a RayPrep actor died; its group batches are made again (%.2f s of its work lost)",
+                    time.perf_counter() - t0,
+                )
+                self.remote.pool.died_now(actor)
+                self.remote.replace()
+            return
+        except ray.exceptions.RayTaskError as e:
+            error = cause(e)
+            if isinstance(error, SampleError):
+                area.publish_error(c, str(error), error.path)
+                return
+            raise error from None
+        self._remote_prep_s += done.prep_s
+        if done.images is None:  # every sample skipped
+            area.publish(c, 0)
+            return
+        images = torch.from_numpy(np.array(done.images))  # Ray's array is a read-only view
+        self.write(c, images, torch.from_numpy(np.array(done.labels)), torch.from_numpy(np.array(done.ids)))
