@@ -57,6 +57,13 @@ class SampleError(CoordlError):
         self.path = path
         self.index = index
 
+    def __reduce__(self):  # pickled with its keyword arguments: it crosses processes (Ray's actors)
+        return _sample_error, (type(self), str(self), self.path, self.index), self.__dict__
+
+
+def _sample_error(cls, message: str, path: str, index: int) -> SampleError:
+    return cls(message, path=path, index=index)
+
 
 class GroupConfigError(CoordlError, ValueError):
     """A job tried to join an ``hp_group`` whose members load differently (the message names

@@ -18,8 +18,6 @@ __all__ = ["WorkerPool", "connect", "ray_module"]
 
 log = logging.getLogger(__name__)
 
-_connected_by_coordl = False
-
 
 def ray_module():
     """Ray, or a clear error when it is not installed."""
@@ -39,7 +37,6 @@ def connect(address: str) -> None:
     Raises:
         CoordlError: no Ray cluster answers at ``address``.
     """
-    global _connected_by_coordl
     ray = ray_module()
     if ray.is_initialized():
         return
@@ -60,7 +57,6 @@ def connect(address: str) -> None:
         ray.init(address=target, logging_level=logging.WARNING, log_to_driver=True, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise CoordlError(f"coordl: no Ray cluster at RayPrep(address={address!r}): {e}; {hint}") from None
-    _connected_by_coordl = True
 
 
 def actor_env() -> dict:
@@ -185,11 +181,3 @@ def cause(error: BaseException) -> BaseException:
     """The exception an actor raised, out of Ray's wrapper when Ray could carry it."""
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else error
-
-
-def disconnect() -> None:
-    """Disconnects from Ray when coordl connected (at the last loader's close)."""
-    global _connected_by_coordl
-    if _connected_by_coordl:
-        _connected_by_coordl = False
-        ray_module().shutdown()
