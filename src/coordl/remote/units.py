@@ -8,10 +8,11 @@ any number of times (:meth:`Units.put`): the first is kept, later ones are dropp
 consumer takes them in order (:meth:`Units.take`), so every unit is delivered once.
 
 Remote claims are bounded: a remote runner gets a unit only while fewer than ``bound`` units
-are claimed and not yet taken, so that prepared batches never pile up in the object store
-while the training loop is busy. The local pipeline is bounded by its own queue instead, and is
-never kept waiting: it holds units while it waits for the next one, which a wait for the
-window could deadlock.
+claimed by remote runners are not yet taken, so that prepared batches never pile up in the
+object store while the training loop is busy. The local pipeline is bounded by its own queue
+instead (and so never waits for the window: it holds units while it waits for the next one,
+which a wait for the window could deadlock). Units in flight are thus at most ``bound`` plus the
+local pipeline's queue.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Units:
         self._done: dict[int, object] = {}  # results not yet taken
         self._finished: set[int] = set()  # units with a result (taken or not)
         self._taken = 0  # units the consumer has taken
+        self._remote: set[int] = set()  # units remote runners claimed that the consumer has not taken
         self._failure: BaseException | None = None
         self.claimed = {LOCAL: 0, REMOTE: 0}  # units each kind of runner claimed (re-runs too)
         self.retried = 0
@@ -58,6 +60,8 @@ class Units:
                 n = self._free(who)
                 if n is not None:
                     self.claimed[who] += 1
+                    if who == REMOTE:
+                        self._remote.add(n)
                     return n
                 if not block or self._over():
                     return None
@@ -70,7 +74,7 @@ class Units:
                 return n
         if self._next >= self.count:
             return None
-        if who == REMOTE and self._next - self._taken >= self._bound():
+        if who == REMOTE and len(self._remote) >= self._bound():
             return None
         self._next += 1
         return self._next - 1
@@ -92,6 +96,7 @@ class Units:
     def retry(self, n: int) -> None:
         """Unit ``n``'s runner died: it is handed out again, before any new unit."""
         with self._cond:
+            self._remote.discard(n)
             if n not in self._finished and n not in self._retry:
                 self._retry.appendleft(n)
                 self.retried += 1
@@ -129,6 +134,7 @@ class Units:
                     raise CoordlError(f"coordl: nobody is left to prepare batch {n} (the prep threads stopped)")
                 self._cond.wait(0.1)
             self._taken = n + 1
+            self._remote.discard(n)
             self._cond.notify_all()
             return self._done.pop(n)
 
@@ -136,6 +142,11 @@ class Units:
         """Units claimed and not yet taken."""
         with self._cond:
             return self._next - self._taken
+
+    def remote_in_flight(self) -> int:
+        """Units remote runners claimed and the consumer has not taken (at most the bound)."""
+        with self._cond:
+            return len(self._remote)
 
     def ready(self) -> int:
         """Results waiting for the consumer."""
