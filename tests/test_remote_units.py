@@ -1,0 +1,204 @@
+"""coordl.remote.units: units handed out in order, re-run after a death, delivered once, in order,
+with the remote runners' share bounded. Pure threading: no Ray."""
+
+import random
+import threading
+
+import pytest
+
+from coordl.errors import CoordlError
+from coordl.remote.prep import GROW_ABOVE, SHRINK_BELOW, scale_step
+from coordl.remote.units import EMPTY, LOCAL, REMOTE, Units
+
+
+def units(count, bound=4):
+    stop = threading.Event()
+    return Units(count, lambda: bound, stop), stop
+
+
+def test_units_are_handed_out_in_order_and_taken_in_order():
+    u, _ = units(5)
+    got = [u.claim(LOCAL, block=False) for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4]
+    assert u.claim(LOCAL, block=False) is None
+    for n in reversed(got):
+        assert u.put(n, f"r{n}")
+    assert [u.take(n) for n in range(5)] == [f"r{n}" for n in range(5)]
+    assert u.finished()
+
+
+def test_a_second_result_for_a_unit_is_dropped():
+    u, _ = units(2)
+    assert u.claim(REMOTE, block=False) == 0
+    assert u.put(0, "first")
+    assert not u.put(0, "second")
+    assert u.take(0) == "first"
+    assert not u.put(0, "late")  # after it was taken, too
+
+
+def test_remote_claims_stop_at_the_bound_and_local_ones_do_not():
+    u, _ = units(20, bound=3)
+    assert [u.claim(REMOTE, block=False) for _ in range(4)] == [0, 1, 2, None]
+    assert u.remote_in_flight() == 3
+    assert [u.claim(LOCAL, block=False) for _ in range(5)] == [3, 4, 5, 6, 7]  # local: its own queue bounds it
+    u.put(0, "a")
+    assert u.claim(REMOTE, block=False) is None  # a result not yet taken still counts
+    u.take(0)
+    assert u.claim(REMOTE, block=False) == 8
+    assert u.in_flight() == 8  # 1..8 claimed, none taken
+    assert u.remote_in_flight() == 3  # 1, 2, 8
+
+
+def test_a_retried_unit_goes_first_and_is_delivered_once():
+    u, _ = units(4)
+    assert [u.claim(REMOTE, block=False) for _ in range(2)] == [0, 1]
+    u.retry(0)  # its runner died
+    u.retry(0)  # reported twice: still one re-run
+    assert u.retried == 1
+    assert u.claim(LOCAL, block=False) == 0  # before the new units
+    assert u.claim(LOCAL, block=False) == 2
+    u.put(0, "again")
+    u.retry(0)  # a death reported after the unit had its result: nothing to re-run
+    assert u.claim(LOCAL, block=False) == 3
+    assert u.claim(LOCAL, block=False) is None
+    assert u.take(0) == "again"
+
+
+def test_a_blocking_claim_waits_for_a_retry_and_ends_when_every_unit_has_a_result():
+    u, _ = units(2)
+    assert u.claim(REMOTE, block=False) == 0
+    assert u.claim(REMOTE, block=False) == 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(u.claim(LOCAL, block=True)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # nothing free, but not every unit has a result: it waits
+    u.retry(1)
+    t.join(5)
+    assert got == [1]
+    t = threading.Thread(target=lambda: got.append(u.claim(LOCAL, block=True)))
+    t.start()
+    u.put(0, "a")
+    u.put(1, "b")
+    t.join(5)
+    assert got == [1, None]
+
+
+def test_a_runners_failure_and_a_stop_reach_the_consumer():
+    u, stop = units(3)
+    u.fail(ValueError("the recipe failed"))
+    with pytest.raises(ValueError, match="the recipe failed"):
+        u.take(0)
+    u, stop = units(3)
+    stop.set()
+    with pytest.raises(CoordlError, match="closed"):
+        u.take(0)
+    u, stop = units(3)
+    with pytest.raises(CoordlError, match="nobody is left"):
+        u.take(0, alive=lambda: False)
+
+
+def test_empty_units_are_results_like_any_other():
+    u, _ = units(1)
+    u.claim(LOCAL, block=False)
+    u.put(0, EMPTY)
+    assert u.take(0) is EMPTY
+
+
+def test_random_runners_with_deaths_deliver_every_unit_once_in_order():
+    rng = random.Random(7)
+    n = 300
+    u, stop = units(n, bound=5)
+
+    def runner(who, seed):
+        r = random.Random(seed)
+        while True:
+            k = u.claim(who, block=True)
+            if k is None:
+                return
+            if who == REMOTE and r.random() < 0.1:
+                u.retry(k)  # died
+                continue
+            u.put(k, k)
+            if r.random() < 0.05:
+                u.put(k, -1)  # a duplicate, as after a retry whose first run also finished
+
+    threads = [threading.Thread(target=runner, args=(w, rng.random())) for w in (LOCAL, REMOTE, REMOTE)]
+    for t in threads:
+        t.start()
+    assert [u.take(k) for k in range(n)] == list(range(n))
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_workers_auto_grows_on_stalls_with_free_cpus_and_shrinks_when_batches_wait():
+    base = dict(elapsed=1.0, ready=0, actors=2, free_cpus=4, cpus=1, most=8, least=1)
+    assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5)) == 1
+    assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5, free_cpus=0.5)) == 0  # no CPUs for another
+    assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5, most=2)) == 0  # max_workers
+    assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=3)) == -1
+    assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=2)) == 0  # actors only in step
+    assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=3, actors=1)) == 0  # least
+    assert scale_step(**dict(base, waited=0.03)) == 0  # between the two
+
+
+# -- the option object and what a loader refuses with it (before it connects to Ray) ---------------
+
+
+def test_rayprep_validates_its_fields():
+    import coordl
+
+    assert coordl.RayPrep().workers == "auto"
+    assert coordl.RayPrep(workers=" AUTO ").workers == "auto"
+    for bad, match in [
+        (dict(workers=-1), "workers"),
+        (dict(workers=True), "workers"),
+        (dict(workers=0, local=False), "nobody"),
+        (dict(reads="s3"), "reads"),
+        (dict(output="float16"), "output"),
+        (dict(in_flight=0), "in_flight"),
+        (dict(cpus_per_worker=0), "cpus_per_worker"),
+        (dict(threads=0), "threads"),
+        (dict(max_workers=0), "max_workers"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            coordl.RayPrep(**bad)
+    with pytest.raises(TypeError, match="address"):
+        coordl.RayPrep(address="")
+    with pytest.raises(TypeError, match="local"):
+        coordl.RayPrep(local="yes")
+
+
+def test_prep_takes_a_rayprep(tiny_dataset):
+    import coordl
+    from coordl.options import Options
+
+    o = Options.of(cache=0, peers=False, hp_group=None, shard=None, prep=coordl.RayPrep(workers=2), fetch=None)
+    assert o.prep == coordl.RayPrep(workers=2)
+    with pytest.raises(TypeError, match="coordl.RayPrep"):
+        Options.of(cache=0, peers=False, hp_group=None, shard=None, prep="ray", fetch=None)
+
+
+def test_a_loader_refuses_what_remote_prep_cannot_do(tiny_dataset):
+    import coordl
+
+    with pytest.raises(ValueError, match="decoded tier"):
+        coordl.CoordLoader(
+            tiny_dataset, pipeline="imagenet-train", cache=coordl.Cache(decoded="1MB"), prep=coordl.RayPrep()
+        )
+    with pytest.raises(ValueError, match="output='pipeline'"):
+        coordl.CoordLoader(tiny_dataset, pipeline=lambda x, ctx: x, prep=coordl.RayPrep(output="uint8"))
+    ds = coordl.datasets.ImageFolder(tiny_dataset)
+    with pytest.raises(ValueError, match="DALI's pipelines"):
+        coordl.CoordLoader(ds, prep=coordl.RayPrep(output="uint8"))
+
+
+def test_without_ray_installed_the_error_says_how_to_install_it(tiny_dataset, monkeypatch):
+    import sys
+
+    import coordl
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"coordl\[ray\]"):
+        coordl.CoordLoader(tiny_dataset, pipeline="imagenet-train", prep=coordl.RayPrep())
