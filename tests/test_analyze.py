@@ -246,6 +246,76 @@ def test_what_if_nodes_and_hp_jobs_are_ordered():
     assert h["independent_per_job"] <= m.throughput(m.cache_fraction()) / 4 + 1e-9
 
 
+def test_what_if_remote_cpus_is_local_prep_plus_remote_capped_by_the_network():
+    # Prep and compute overlap (R = min(P, G), calibration 1) and storage is fast: training runs
+    # at R(P + min(N * p, nodes * L / B)), p = P / prep CPUs = 300 / 2, B = 500 kB, L = 100 MB/s.
+    r = rates(G=1000.0, P=300.0, R=300.0, S=1e9, prep_threads=2, output_sample_bytes=5e5)
+    m = Model(r)
+    assert m.sharing == "overlapped" and m.remote_cpu_rate() == 150.0
+    exact = lambda v: pytest.approx(v, rel=1e-12)  # noqa: E731
+    one = m.with_remote_cpus(1, 1e8)  # 150 samples/s from the CPU, the link carries 200
+    assert one["remote_samples_per_s"] == exact(150.0) and one["network_samples_per_s"] == exact(200.0)
+    assert not one["network_bound"] and one["P"] == exact(450.0)
+    assert one["predicted_samples_per_s"] == exact(450.0) and one["bound"] == "prep"
+    four = m.with_remote_cpus(4, 1e8)  # 600 from the CPUs, capped at 200 by the link
+    assert four["network_bound"] and four["P"] == exact(500.0) and four["predicted_samples_per_s"] == exact(500.0)
+    # the trainer ships the encoded bytes too: B = 500 kB + 100 kB, the link carries 1e8 / 6e5
+    shipped = Model(rates(G=1000.0, P=300.0, R=300.0, S=1e9, output_sample_bytes=5e5, ships_encoded=True))
+    assert shipped.with_remote_cpus(4, 1e8)["P"] == exact(300.0 + 1e8 / 6e5)
+    # uint8 results (125 kB) on two nodes' links: 1600 samples/s; 16 CPUs give 2400; G caps training at 1000
+    u8 = Model(rates(G=1000.0, P=300.0, R=300.0, S=1e9, output_sample_bytes=5e5, result_sample_bytes=1.25e5, nodes=2))
+    w = u8.with_remote_cpus(16, 1e8)
+    assert w["network_samples_per_s"] == exact(1600.0) and w["P"] == exact(1900.0)
+    assert w["predicted_samples_per_s"] == exact(1000.0) and w["bound"] == "compute"
+    # the rank had one CPU for its two threads: one remote CPU is worth phase P's whole rate
+    assert Model(rates(P=300.0, prep_threads=2, prep_cpus=1.0)).remote_cpu_rate() == 300.0
+    # fetch still bounds: storage at 100 samples/s and no cache
+    slow = Model(rates(G=1000.0, P=300.0, R=300.0, S=1e7, cache_bytes=0, output_sample_bytes=5e5))
+    assert slow.with_remote_cpus(4, 1e8)["predicted_samples_per_s"] == exact(100.0)
+    # the output not measured: no network cap
+    free = Model(rates(G=1000.0, P=300.0, R=300.0, S=1e9)).with_remote_cpus(4, 1e8)
+    assert free["network_samples_per_s"] is None and free["P"] == exact(300.0 + 4 * 150.0)
+
+
+def test_rates_from_takes_cpus_output_bytes_and_the_loaders_ray_prep():
+    facts = dict(world_size=2, local_world_size=2, dataset_samples=10, dataset_bytes=1000, cache_budget=0)
+    rank = dict(facts, prep_threads=4, samples_per_s=1.0, S_bytes_per_s=1.0)
+    p = dict(rank, P_samples_per_s=100.0, R_samples_per_s=90.0, C_bytes_per_s=1.0)
+    measured = dict(output_sample_bytes=400.0, output_uint8_sample_bytes=100.0)
+    ray = dict(remote_output="uint8", remote_reads="trainer")
+    phases = {k: [dict(rank, rank=0), dict(rank, rank=1)] for k in "GSF"}
+    phases["P"] = [dict(p, rank=0, cpus=2, **measured, **ray), dict(p, rank=1, cpus=8)]
+    r = rep.rates_from(phases)
+    assert r.prep_cpus == 2 + 4  # each rank's threads, at most its CPUs
+    assert r.output_sample_bytes == 400.0 and r.result_sample_bytes == 100.0 and r.ships_encoded
+    assert Model(r).remote_sample_bytes() == 100.0 + 100.0  # uint8 pixels back, the encoded 100 B out
+    phases["P"][0].update(remote_output="pipeline", remote_reads="auto")
+    r = rep.rates_from(phases)
+    assert r.result_sample_bytes == 400.0 and not r.ships_encoded
+
+
+def test_batch_bytes_counts_every_tensor_and_floats_at_a_byte_for_uint8():
+    import torch
+
+    from coordl.analyze.probe import batch_bytes
+
+    images, labels = torch.zeros(8, 3, 4, 4), torch.zeros(8, dtype=torch.int64)
+    assert batch_bytes((images, labels)) == (8 * 48 * 4 + 64, 8 * 48 + 64)
+    assert batch_bytes({"x": np.zeros((2, 5), np.float64), "y": [np.zeros(2, np.int32), "a path"]}) == (88, 18)
+
+
+def test_report_shows_the_remote_cpus_rows():
+    r = rep.build(rates(G=1000.0, P=300.0, R=300.0, S=1e9, output_sample_bytes=5e5), network_bytes_per_s=1e8)
+    rows = json.loads(json.dumps(r))["what_if_remote_cpus"]
+    assert [w["remote_cpus"] for w in rows] == [2, 4, 8]  # 1, 2 and 4 times the job's 2 prep CPUs
+    assert [round(w["predicted_samples_per_s"]) for w in rows] == [500, 500, 500]
+    assert r["remote_prep"]["per_cpu_samples_per_s"] == 150.0 and r["remote_prep"]["network_sample_bytes"] == 5e5
+    text = rep.table(rep.build(rates(output_sample_bytes=5e5), network_bytes_per_s=1e8, remote_cpus=[1, 3]))
+    assert "prep also on remote CPUs (RayPrep), each at the local rate per CPU, 150 samples/s" in text
+    assert "500 kB a sample over 100.0 MB/s per node" in text
+    assert "    1 remote CPU: 200 samples/s (fetch-bound)" in text
+
+
 def test_report_json_table_and_plot(tmp_path):
     r = rep.build(rates(), command=["python", "train.py"])
     data = json.loads(json.dumps(r))  # JSON-able
@@ -333,6 +403,11 @@ def test_analyze_end_to_end(tiny_dataset, tmp_path, isolated):
     for phase in "GPSF":
         assert (out / f"phase-{phase}-rank0.json").exists()
         assert "the script finished" not in (out / f"phase-{phase}.log").read_text()
+    p = r["phases"]["P"][0]  # ImageNetVal(size=32): 3 x 32 x 32 float32 pixels and a label
+    assert 3 * 32 * 32 * 4 < p["output_sample_bytes"] <= 3 * 32 * 32 * 4 + 8
+    assert r["remote_prep"]["per_cpu_samples_per_s"] == pytest.approx(rt["P"])  # prep=1: one thread
+    assert [w["remote_cpus"] for w in r["what_if_remote_cpus"]] == [1, 2, 4]
+    assert "remote CPUs: " in proc.stdout
     preds = {w["cache_fraction"]: w["predicted_samples_per_s"] for w in r["what_if"]}
     assert preds[0.0] < preds[0.5] < preds[1.0] <= rt["R"] + 1e-6
     assert not math.isinf(r["cache_to_remove_fetch_stalls"]["fraction"])
@@ -469,5 +544,6 @@ def test_analyze_a_torch_backend_script(tiny_dataset, tmp_path, isolated):
     assert r["rates"]["G"] == pytest.approx(400, rel=0.15)
     assert r["phases"]["P"][0]["backend"] == "torch"
     assert r["phases"]["P"][0]["P_cache_hit_fraction"] == 1.0  # the workers read the private, filled cache
+    assert r["phases"]["P"][0]["output_sample_bytes"] == 16 * 16 * 3 * 4 + 8  # float32 pixels, an int64 label
     for phase in "GPSF":
         assert "the script finished" not in (out / f"phase-{phase}.log").read_text()

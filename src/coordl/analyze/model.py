@@ -19,6 +19,15 @@ and training runs at ``min(F, R)``. The paper uses ``min(F, P, G)``; ``R`` is at
 trains while CPUs prepare). When both run on the CPU they share its cores and
 ``R`` is close to ``1 / (1/P + 1/G)``; measuring ``R`` covers both cases, and the what-if
 for cores uses whichever of the two explains the measured ``R``.
+
+Remote CPUs (:class:`coordl.RayPrep`) run the same pipeline, so each prepares at phase P's rate
+per local CPU, ``p = P / prep CPUs``. Only their share crosses the network, ``B`` bytes a sample
+(the pipeline's output, plus the encoded bytes when the trainer ships them), over a link of
+``L`` bytes/s per node::
+
+    P(N) = P + min(N * p, nodes * L / B)
+
+and training runs at ``min(F(x), R(P(N)))``, ``R`` following ``P`` as in the cores' what-if.
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class Rates:
     decoded_speedup: float = 0.0  # prep from decoded images (mixed batches) over P, encoded bytes alone (0: unknown)
     decoded_sample_bytes: float = 0.0  # mean bytes of a decoded image
     decoded_only_speedup: float = 0.0  # prep when the tier holds every sample, over P (0: as decoded_speedup)
+    prep_cpus: float = 0.0  # CPUs phase P's prep used, whole job (0: ranks x prep_threads)
+    output_sample_bytes: float = 0.0  # the pipeline's output per sample (0: not measured)
+    result_sample_bytes: float = 0.0  # what an actor sends back per sample (0: output_sample_bytes)
+    ships_encoded: bool = False  # the trainer ships actors the encoded bytes (RayPrep(reads="trainer"))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -243,6 +256,46 @@ class Model:
             "no_peers": rate(x, 0.0),
             "partitioned": rate(agg / n, agg * (n - 1) / n),
             "locality_aware": rate(agg, 0.0),
+        }
+
+    # -- remote CPUs (RayPrep) -------------------------------------------------------------
+    def local_prep_cpus(self) -> float:
+        """CPUs the job's prep ran on in phase P (each rank's threads, at most its CPUs)."""
+        return self.r.prep_cpus or self.r.ranks * max(1, self.r.prep_threads)
+
+    def remote_cpu_rate(self) -> float:
+        """Samples/s one remote CPU prepares: phase P's rate per local prep CPU (same pipeline)."""
+        return self.r.P / self.local_prep_cpus()
+
+    def remote_sample_bytes(self) -> float:
+        """Bytes one remotely prepared sample puts on the network (0: not measured)."""
+        r = self.r
+        back = r.result_sample_bytes or r.output_sample_bytes
+        if not back:
+            return 0.0
+        return back + (r.sample_bytes if r.ships_encoded else 0.0)
+
+    def with_remote_cpus(self, n: int, network_bytes_per_s: float) -> dict:
+        """Prep on ``n`` remote CPUs besides this job's own: ``P + min(n * p, nodes * L / B)``.
+
+        ``network_samples_per_s`` is None when the output's bytes were not measured (no cap).
+        """
+        cpus = n * self.remote_cpu_rate()
+        b = self.remote_sample_bytes()
+        link = self.r.nodes * network_bytes_per_s / b if b else math.inf
+        remote = min(cpus, link)
+        P = self.r.P + remote
+        R = self.R_with_prep(P)
+        predicted = self.throughput(self.cache_fraction(), R=R)
+        return {
+            "remote_cpus": n,
+            "remote_samples_per_s": remote,
+            "network_samples_per_s": None if math.isinf(link) else link,
+            "network_bound": cpus > link,
+            "P": P,
+            "R": R,
+            "predicted_samples_per_s": predicted,
+            "bound": bottleneck(stall_split(predicted, self.G, R)),
         }
 
     # -- HP jobs with coordinated prep ------------------------------------------------------

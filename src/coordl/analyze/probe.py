@@ -36,14 +36,14 @@ from typing import Protocol
 import numpy as np
 
 import coordl
-from coordl import sampler
+from coordl import cpus, sampler, sources
 from coordl.fetch import samples
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.spec import CacheSpec
 from coordl.loader import CoordLoader
 from coordl.passes import Pass, Step
 
-__all__ = ["ENV", "AnalyzedLoader", "Target", "claim", "install", "spec"]
+__all__ = ["ENV", "AnalyzedLoader", "Target", "batch_bytes", "claim", "install", "spec"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class Target(Protocol):
     """What a phase uses of the loader it measures (``CoordLoader`` provides it)."""
 
     backend: str
+    options: object  # coordl.options.Options
     schedule: object  # coordl.schedule.Schedule
     position: object  # coordl.position.Position
     resources: object  # coordl.resources.Resources
@@ -183,6 +184,7 @@ class _Phase(Pass):
             "backend": ld.backend,
             "device": "cpu" if ld.device_id is None else f"cuda:{ld.device_id}",
             "prep_threads": ld.num_workers if ld.backend == "torch" else ld.num_threads,
+            "cpus": cpus.available(),
             "io_threads": res.io_threads or max(1, ld.num_workers),
             "dataset_samples": len(res.index),
             "dataset_bytes": int(res.index.total_bytes),
@@ -278,7 +280,10 @@ class PrepPass(_Timed):
         # 2. P: the loader alone on cached data
         times = [time.perf_counter()]
         p = self._real_pass(cycle())
-        for _ in p:
+        out = out_uint8 = 0
+        for batch in p:
+            if len(times) == 1:  # what one sample of the pipeline's output weighs, for the remote CPUs' what-if
+                out, out_uint8 = batch_bytes(batch)
             times.append(time.perf_counter())
             if len(times) > self.warmup + self.steps:
                 break
@@ -288,6 +293,11 @@ class PrepPass(_Timed):
         self.result["P_cache_hit_fraction"] = stats["cache_hits"] / max(1, stats["cache_hits"] + stats["storage_reads"])
         self.result["subset_samples"] = int(len(order))
         self.result["subset_bytes"] = int(index.sizes[order].sum())
+        self.result["output_sample_bytes"] = out / self.bs
+        self.result["output_uint8_sample_bytes"] = out_uint8 / self.bs
+        remote = sources.is_remote(ld.options.prep)
+        self.result["remote_output"] = ld.options.prep.output if remote else None
+        self.result["remote_reads"] = ld.options.prep.reads if remote else None
         self.result.update(_decoded_rates(ld))
         # 3. R: the script's step on cached data (the pass below)
         self._drive(cycle())
@@ -375,6 +385,23 @@ class StoragePass(_Phase):
             "seconds": dt,
         }
         self._finish_phase()
+
+
+def batch_bytes(batch) -> tuple[int, int]:
+    """Bytes of a batch's arrays and tensors (in tuples, lists and dicts), as they are and with
+    floating-point ones at one byte an element (``RayPrep(output="uint8")``'s pixels)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        parts = [batch_bytes(b) for b in batch]
+        return sum(a for a, _ in parts), sum(u for _, u in parts)
+    nbytes = getattr(batch, "nbytes", None)
+    if nbytes is None:  # not an array: a path, an id, None
+        return 0, 0
+    dtype = batch.dtype
+    floating = dtype.is_floating_point if hasattr(dtype, "is_floating_point") else np.dtype(dtype).kind == "f"
+    elements = batch.numel() if hasattr(batch, "numel") else batch.size
+    return int(nbytes), int(elements if floating else nbytes)
 
 
 def _decoded_rates(ld) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from coordl.analyze.model import Model, Rates, bottleneck, describe_bottleneck, stall_split
@@ -16,6 +17,9 @@ def rates_from(phases: dict[str, list[dict]]) -> Rates:
     """Job-wide rates from the per-rank results of phases G, P, S and F (ranks run together)."""
     total = lambda phase, key: sum(r[key] for r in phases[phase])  # noqa: E731
     any_rank = phases["F"][0]
+    p = phases["P"][0]
+    # RayPrep(output="uint8") sends the pixels before normalisation: one byte an element.
+    uint8 = p.get("remote_output") == "uint8"
     world, local = any_rank["world_size"], any_rank["local_world_size"]
     return Rates(
         G=total("G", "samples_per_s"),
@@ -31,9 +35,14 @@ def rates_from(phases: dict[str, list[dict]]) -> Rates:
         prep_threads=any_rank["prep_threads"],
         ranks=world,
         nodes=max(1, world // max(1, local)),
-        decoded_speedup=phases["P"][0].get("decoded_speedup", 0.0),
-        decoded_sample_bytes=phases["P"][0].get("decoded_sample_bytes", 0.0),
-        decoded_only_speedup=phases["P"][0].get("decoded_only_speedup", 0.0),
+        decoded_speedup=p.get("decoded_speedup", 0.0),
+        decoded_sample_bytes=p.get("decoded_sample_bytes", 0.0),
+        decoded_only_speedup=p.get("decoded_only_speedup", 0.0),
+        # Each rank's prep threads, at most the CPUs it may use (files from before "cpus": the threads).
+        prep_cpus=sum(min(max(1, r["prep_threads"]), r.get("cpus", math.inf)) for r in phases["P"]),
+        output_sample_bytes=p.get("output_sample_bytes", 0.0),
+        result_sample_bytes=p.get("output_uint8_sample_bytes" if uint8 else "output_sample_bytes", 0.0),
+        ships_encoded=p.get("remote_reads") == "trainer",
     )
 
 
@@ -48,9 +57,16 @@ def build(
     nodes=(2, 4),
     hp_jobs=(2, 4),
     network_bytes_per_s: float = 1.25e9,
+    remote_cpus=None,
 ) -> dict:
-    """The report as a JSON-able dict (see the DS-Analyzer guide for every key)."""
+    """The report as a JSON-able dict (see the DS-Analyzer guide for every key).
+
+    ``remote_cpus``: the what-if's numbers of remote CPUs (None: 1, 2 and 4 times the job's own
+    prep CPUs); ``network_bytes_per_s``: each node's link, for the nodes' and remote CPUs' what-ifs.
+    """
     m = Model(rates)
+    if remote_cpus is None:
+        remote_cpus = [k * max(1, round(m.local_prep_cpus())) for k in (1, 2, 4)]
     x = m.cache_fraction()
     measured = stall_split(rates.F, m.G, m.R)
     steady = m.steady_split(x)
@@ -98,6 +114,14 @@ def build(
         "what_if_nodes": [m.with_nodes(n, network_bytes_per_s) for n in nodes],
         "network_bytes_per_s": network_bytes_per_s,
         "what_if_hp_jobs": [m.with_hp_jobs(n) for n in hp_jobs],
+        "remote_prep": {
+            "local_prep_cpus": m.local_prep_cpus(),
+            "per_cpu_samples_per_s": m.remote_cpu_rate(),
+            "output_sample_bytes": rates.output_sample_bytes,
+            "network_sample_bytes": m.remote_sample_bytes(),
+            "ships_encoded": rates.ships_encoded,
+        },
+        "what_if_remote_cpus": [m.with_remote_cpus(n, network_bytes_per_s) for n in remote_cpus],
         "what_if_decoded": m.decoded_split(),
     }
     if phases is not None:
@@ -175,6 +199,7 @@ def table(r: dict) -> str:
             f"{_rate(w['no_peers'])}, partitioned cache {_rate(w['partitioned'])}, locality-aware "
             f"{_rate(w['locality_aware'])}"
         )
+    lines += _remote_lines(r)
     for w in r["what_if_hp_jobs"]:
         lines.append(
             f"  {w['jobs']} HP-search jobs: {_rate(w['independent_per_job'])} each alone, "
@@ -198,6 +223,24 @@ def table(r: dict) -> str:
         f"measured {_rate(mc['cold_measured_samples_per_s'])}.",
     ]
     return "\n".join(lines)
+
+
+def _remote_lines(r: dict) -> list[str]:
+    rp = r["remote_prep"]
+    b = rp["network_sample_bytes"]
+    link = "no network cap (output bytes not measured)"
+    if b:
+        link = f"{b / 1e3:,.0f} kB a sample over {_bw(r['network_bytes_per_s'])} per node"
+    lines = [
+        f"  prep also on remote CPUs (RayPrep), each at the local rate per CPU, "
+        f"{rp['per_cpu_samples_per_s']:,.0f} samples/s; {link}:"
+    ]
+    for w in r["what_if_remote_cpus"]:
+        cap = f", the network caps them at {_rate(w['network_samples_per_s'])}" if w["network_bound"] else ""
+        pred = _rate(w["predicted_samples_per_s"])
+        n = w["remote_cpus"]
+        lines.append(f"    {n} remote CPU{'' if n == 1 else 's'}: {pred} ({w['bound']}-bound{cap})")
+    return lines
 
 
 def save_json(r: dict, path: str) -> None:
