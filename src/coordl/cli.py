@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--network-bandwidth",
         type=_byte_size,
         default=1_250_000_000,
-        help="bytes/s between nodes for the multi-node what-if (default 1.25GB, i.e. 10 Gbit/s)",
+        help="bytes/s between nodes for the multi-node and remote-CPU what-ifs (default 1.25GB, i.e. 10 Gbit/s)",
     )
     a.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     a.set_defaults(func=_analyze)
