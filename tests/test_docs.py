@@ -263,7 +263,9 @@ def test_configuration_documents_every_recipe_field_with_its_default(cls):
     _check_defaults(_fields_table("Recipes", cls), _field_defaults(cls), cls.__name__)
 
 
-OPTIONS = [coordl.Cache, coordl.Peers, coordl.HPGroup, coordl.Shard, coordl.Prep, coordl.Fetch]
+OPTIONS = [coordl.Cache, coordl.Peers, coordl.HPGroup, coordl.Shard, coordl.Prep, coordl.RayPrep, coordl.Fetch]
+#: The option objects one argument takes besides its own (``prep`` takes a Prep or a RayPrep).
+ALSO = {coordl.RayPrep: "prep"}
 
 
 @pytest.mark.parametrize("cls", OPTIONS, ids=lambda c: c.__name__)
@@ -276,7 +278,8 @@ def test_every_option_object_is_documented():
     from coordl.options import Options
 
     held = {f.name for f in dataclasses.fields(Options)}
-    documented = {cls.__name__.lower() if cls is not coordl.HPGroup else "hp_group" for cls in OPTIONS}
+    named = {coordl.HPGroup: "hp_group", **ALSO}
+    documented = {named.get(cls, cls.__name__.lower()) for cls in OPTIONS}
     assert held == documented, (sorted(held), sorted(documented))
 
 

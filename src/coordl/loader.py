@@ -322,12 +322,14 @@ class CoordLoader(DataLoaderAttributes):
                 from coordl.backends.torch import seed_for
 
                 self.generator.manual_seed(seed_for(self.seed, epoch, self._world.rank))
+            pin = self.torch_options.pin_memory_device if self.torch_options.pin_memory else None
             return RayPass(
                 res,
                 self.config,
                 batches,
                 backend=self.backend,
                 persistent=self.persistent_workers,
+                pin_memory=pin if self.backend == "torch" else None,
                 epoch=epoch,
                 order_epoch=order_epoch,
                 start=start,
@@ -402,7 +404,7 @@ class CoordLoader(DataLoaderAttributes):
         remote = None
         if sources.is_remote(o.prep):
             remote = dict(options=o.prep, backend=self.backend, config=self.config, cache=o.cache, recipe=self.recipe)
-            remote.update(collate_fn=self.torch_options.collate_fn, device_id=self.device_id)
+            remote.update(torch_options=self.torch_options, device_id=self.device_id)
         return Resources.open(
             self.index,
             self.cache,
@@ -509,6 +511,10 @@ class CoordLoader(DataLoaderAttributes):
             from coordl.staging.member import EMPTY_GROUP_STATS
 
             s.extra.update(EMPTY_GROUP_STATS)
+        if sources.is_remote(self.options.prep):
+            from coordl.remote.passes import EMPTY_REMOTE_STATS
+
+            s.extra.update(EMPTY_REMOTE_STATS)
         return s.as_dict()
 
     # -- lifetime ---------------------------------------------------------------------------------------

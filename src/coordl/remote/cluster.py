@@ -18,6 +18,8 @@ __all__ = ["WorkerPool", "connect", "ray_module"]
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 2.0  # for actors to leave their nodes' caches when the loader closes
+
 
 def ray_module():
     """Ray, or a clear error when it is not installed."""
@@ -86,6 +88,7 @@ class WorkerPool:
         self._starting: dict[object, object] = {}  # ready() ref -> actor
         self._actors: list = []
         self.retiring: set = set()  # ready actors that take no new units, ended once idle
+        self._leaving: dict = {}  # close() ref -> a retired actor leaving its node's cache
         self.started = 0
         self.died = 0
         self.closed = False
@@ -94,13 +97,14 @@ class WorkerPool:
 
     def add(self) -> None:
         """Starts one more actor; it takes units once it is ready."""
-        actor = self._cls.options(runtime_env={"env_vars": actor_env()} if actor_env() else None).remote(self._job_ref)
+        env = actor_env()
+        actor = self._cls.options(runtime_env={"env_vars": env} if env else None).remote(self._job_ref, self.started)
         self._actors.append(actor)
         self._starting[actor.ready.remote()] = actor
         self.started += 1
 
     def remove(self, actor) -> None:
-        """Ends ``actor`` (its units in flight fail and are run again)."""
+        """Ends ``actor`` now (its units in flight fail and are run again)."""
         if actor in self._actors:
             self._actors.remove(actor)
         self.ready.pop(actor, None)
@@ -119,11 +123,16 @@ class WorkerPool:
         self.retiring.add(actor)
 
     def reap(self, holding) -> None:
-        """Ends the retiring actors that hold no unit (``holding(actor)``: units it holds)."""
+        """Ends the retiring actors that hold no unit (``holding(actor)``: units it holds), once
+        each has left its node's cache."""
         for actor in list(self.retiring):
             if not holding(actor):
                 self.retiring.discard(actor)
-                self.remove(actor)
+                self._leaving[actor.close.remote()] = actor
+        if self._leaving:
+            done, _ = self._ray.wait(list(self._leaving), num_returns=len(self._leaving), timeout=0)
+            for ref in done:
+                self.remove(self._leaving.pop(ref))
 
     def died_now(self, actor) -> None:
         """``actor`` died: forgotten."""
@@ -168,11 +177,19 @@ class WorkerPool:
     def cpus(self) -> int:
         return self._cpus
 
-    def close(self) -> None:
-        """Ends every actor now. Idempotent."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ends every actor: each first leaves its node's cache (at most ``timeout`` seconds for
+        all), then is killed. Idempotent."""
         if self.closed:
             return
         self.closed = True
+        ready = list(self.ready)
+        if ready:
+            try:
+                refs = [a.close.remote() for a in ready]
+                self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            except Exception:  # noqa: BLE001 - the cluster is going away: they end anyway
+                pass
         for actor in list(self._actors):
             self.remove(actor)
 

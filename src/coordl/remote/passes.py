@@ -29,7 +29,18 @@ from coordl.remote.prep import DEPTH, START_TIMEOUT_S, RemotePrep
 from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
 from coordl.remote.worker import Done, Unit
 
-__all__ = ["RayPass"]
+__all__ = ["EMPTY_REMOTE_STATS", "RayPass"]
+
+#: A remote pass's own figures (``stats()`` has them, zero, before the first pass).
+EMPTY_REMOTE_STATS = {
+    "remote_units": 0,
+    "local_units": 0,
+    "remote_workers": 0,
+    "remote_retried": 0,
+    "remote_lost_s": 0.0,
+    "remote_result_bytes": 0,
+    "remote_shipped_bytes": 0,
+}
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +56,9 @@ class Tally:
         self.remote_units = 0
         self.local_units = 0
         self.lost_s = 0.0  # actor time lost to actors that died
-        self.died = 0
         self.result_bytes = 0  # prepared batches that came over from actors
         self.shipped_bytes = 0  # encoded bytes the trainer sent to actors
         self.skipped: list[tuple[int, str, str]] = []
-        self.workers: set[str] = set()
 
     def add(self, counters: dict, read_s: float, prep_s: float, skipped) -> None:
         with self.lock:
@@ -72,6 +81,9 @@ class RayPass(Pass):
         batches: sample ids of each batch, in delivery order.
         backend: ``"dali"`` or ``"torch"``.
         order_epoch: the epoch whose order ``batches`` follow (it keys the draws).
+        persistent: the torch backend's local workers outlive the pass.
+        pin_memory: the torch backend's ``pin_memory_device`` when ``pin_memory=True`` (``""``: the
+            current one): batches from actors are pinned as the local workers' are. None: not pinned.
         **hooks: ``epoch``, ``start``, ``owner``, ``on_batch``, ``on_end``, ``on_stop`` (see :class:`Pass`).
     """
 
@@ -84,12 +96,14 @@ class RayPass(Pass):
         backend: str,
         order_epoch: int,
         persistent: bool = False,
+        pin_memory: str | None = None,
         **hooks,
     ):
         super().__init__(length=len(batches), cache=resources.cache, **hooks)
         self._res = resources
         self._backend = backend
         self._return_index = config.return_index
+        self._pin = pin_memory
         self._remote: RemotePrep = resources.remote
         self._n = 0
         self._tally = Tally()
@@ -108,6 +122,8 @@ class RayPass(Pass):
                 depth=config.batches_ahead,
                 on_error=config.on_error,
                 stop=self.stop_event,
+                peers=resources.peers,
+                peer_pool=resources.peer_pool,
             )
         local = self._remote.options.local
         args = (self._units, batches, order_epoch, self.stop_event, self._tally)
@@ -153,6 +169,8 @@ class RayPass(Pass):
             return None
         if isinstance(result, Done):
             if result.fetched is not None:
+                if self._pin is not None and result.fetched.batch is not None:
+                    result.fetched.pin_memory(self._pin or None)
                 return self._torch_step(result.fetched, position)
             if result.images is None:
                 return None
@@ -222,6 +240,8 @@ class RayPass(Pass):
 
     def _shutdown(self) -> None:
         self.stop_event.set()
+        if self._res.peers is not None:  # after the requests in flight, the other nodes hear it is done
+            self._res.peers.pass_done()
         me = threading.current_thread()
         for t in self._threads:
             if t is not me and t.ident is not None:
@@ -281,8 +301,7 @@ def _drive_remote(
                 if units.put(n, done):
                     with tally.lock:
                         tally.remote_units += 1
-                        tally.workers.add(done.worker)
-                        tally.result_bytes += done.images.nbytes if done.images is not None else 0
+                        tally.result_bytes += _nbytes(done.images if done.fetched is None else done.fetched.batch)
                     tally.add(done.counters, done.read_s, done.prep_s, done.skipped)
     except Stopped:
         return
@@ -299,19 +318,10 @@ def _drive_remote(
 
 def _died(remote: RemotePrep, actor, n: int, t0: float, units: Units, tally: Tally, error) -> None:
     lost = time.perf_counter() - t0
-    first = actor in remote.pool.ready or actor in remote.pool.retiring
     with tally.lock:
         tally.lost_s += lost
-        tally.died += first
     units.retry(n)
-    if first:
-        log.warning(
-            "coordl: a RayPrep actor died (%s); its units run again elsewhere (%.2f s of its work lost)",
-            type(error).__name__,
-            lost,
-        )
-        remote.pool.died_now(actor)
-        remote.replace()
+    remote.died(actor, error, lost)
 
 
 def _ship(unit: Unit, ahead, fetcher, tally: Tally) -> None:
@@ -414,3 +424,14 @@ def _drive_local_torch(
     except BaseException as e:  # noqa: BLE001 - the consumer raises it
         if not stop.is_set():
             units.fail(e)
+
+
+def _nbytes(batch) -> int:
+    """Bytes of the arrays and tensors in a batch (nested in tuples, lists and dicts)."""
+    if isinstance(batch, (np.ndarray, torch.Tensor)):
+        return int(batch.nbytes)
+    if isinstance(batch, dict):
+        return sum(_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_nbytes(v) for v in batch)
+    return 0

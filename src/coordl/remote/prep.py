@@ -70,7 +70,9 @@ class RemotePrep:
         self.waited_total = 0.0
 
     @classmethod
-    def for_loader(cls, options: RayPrep, *, backend: str, index, config, cache, recipe, items, collate_fn, device_id):
+    def for_loader(
+        cls, options: RayPrep, *, backend: str, index, config, cache, recipe, items, torch_options, device_id
+    ):
         """The remote prep of a loader's settings (its actors start now)."""
         normalize = None
         if backend == "dali" and options.output == "uint8":
@@ -90,7 +92,9 @@ class RemotePrep:
             threads=options.cpus_per_worker,
             recipe=recipe if backend == "dali" else None,
             items=items,
-            collate_fn=collate_fn,
+            collate_fn=torch_options.collate_fn,
+            worker_init_fn=torch_options.worker_init_fn,
+            first_worker_id=torch_options.num_workers if options.local else 0,
             env=actor_env(),
         )
         return cls(options, job, device_id, normalize)
@@ -132,6 +136,22 @@ class RemotePrep:
         elif step < 0 and pool.ready:
             log.info("coordl: RayPrep: prepared batches are waiting: ending one of %d actors", pool.size)
             pool.retire(next(reversed(list(pool.ready))))
+
+    def died(self, actor, error: BaseException, lost: float) -> bool:
+        """``actor``'s unit failed because it died (``lost``: seconds since the unit was handed
+        to it): the first report of its death logs it, ends it and starts its replacement. True
+        for that first report."""
+        pool = self.pool
+        if actor not in pool.ready and actor not in pool.retiring:
+            return False
+        log.warning(
+            "coordl: a RayPrep actor died (%s); its units run again elsewhere (%.2f s of its work lost)",
+            type(error).__name__,
+            lost,
+        )
+        pool.died_now(actor)
+        self.replace()
+        return True
 
     def replace(self) -> None:
         """After an actor died: a new one in its place (a fixed number of workers), on whichever

@@ -85,15 +85,9 @@ class RemoteProducer(Producer):
         area = self.area
         try:
             done: Done = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError):
-            area.unclaim(c)
-            if actor in self.remote.pool.ready:
-                log.warning(
-                    "coordl: a RayPrep actor died; its group batches are made again (%.2f s of its work lost)",
-                    time.perf_counter() - t0,
-                )
-                self.remote.pool.died_now(actor)
-                self.remote.replace()
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError) as e:
+            area.unclaim(c)  # the group's next claim makes it again
+            self.remote.died(actor, e, time.perf_counter() - t0)
             return
         except ray.exceptions.RayTaskError as e:
             error = cause(e)

@@ -68,6 +68,8 @@ class Job:
     recipe: object = None  # DALI
     items: object = None  # torch: the loader's Items (its dataset), and its collate_fn
     collate_fn: object = None
+    worker_init_fn: object = None  # torch: called in each actor with its worker id, as in a DataLoader worker
+    first_worker_id: int = 0  # the first actor's worker id (after the local DataLoader's workers)
     env: dict = field(default_factory=dict)  # COORDL_* and AWS_* of the trainer
 
 
@@ -88,9 +90,9 @@ def can_read(index, samples: int = 3) -> bool:
 
 
 class PrepWorker:
-    """One actor's prep (see the module's docstring)."""
+    """One actor's prep (see the module's docstring); ``number``: which of the pool's actors it is."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, number: int = 0):
         from coordl import lifecycle
         from coordl.fetch.fetcher import Fetcher
 
@@ -123,6 +125,8 @@ class PrepWorker:
             items = job.items
             self.items = Items(items.dataset, self.fetcher, self.spec, items.on_error)
             self.collate = Collate(job.collate_fn)
+            if job.worker_init_fn is not None:
+                job.worker_init_fn(job.first_worker_id + number)
 
     def _prep(self, pixels: bool):
         """The pipeline of the recipe, or (``pixels``) of its uint8 variant, made on first use."""
@@ -138,6 +142,15 @@ class PrepWorker:
 
         cache = dataclasses.replace(self.job.cache, decoded=0)
         return tiers.plan(self.index, cache, why_not="remote prep", measure=lambda: None).encoded
+
+    def close(self) -> None:
+        """Leaves the node's cache (the last user removes it) and drops the pipelines: the trainer
+        asks this before it ends the actor, which runs no exit handlers."""
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+        for prep in getattr(self, "_preps", {}).values():
+            prep.close()
 
     def ready(self) -> dict:
         """Where this actor runs and how it reads (the trainer waits for it before handing units)."""
