@@ -579,3 +579,18 @@ def test_the_checker_resolves_imports_cycles_and_private_uses(tmp_path):
     assert [i.target for i in mods["pkg.sub.b"].imports if not i.internal] == ["numpy"]
     names, _ = _all_of(mods["pkg"].tree)
     assert [n for n in names if n not in _defined_names(mods["pkg"].tree)] == ["B"]
+
+
+def test_only_the_cluster_module_imports_ray(modules):
+    """Ray is an extra (``coordl[ray]``), imported when a loader is made with ``RayPrep`` only:
+    by coordl.remote.cluster, and by nothing else, deferred imports included."""
+    offenders = [
+        f"{m.where}:{imp.line}: imports {imp.target}"
+        for m in modules.values()
+        if m.name != "coordl.remote.cluster"
+        for imp in m.imports
+        if not imp.internal and imp.target.split(".")[0] == "ray"
+    ]
+    _fail_if(sorted(offenders), "Ray is imported outside coordl.remote.cluster (ask it for Ray: ray_module()):")
+    cluster = modules["coordl.remote.cluster"]
+    assert any(imp.target == "ray" for imp in cluster.imports)  # the check sees its import
