@@ -202,3 +202,31 @@ def test_without_ray_installed_the_error_says_how_to_install_it(tiny_dataset, mo
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"coordl\[ray\]"):
         coordl.CoordLoader(tiny_dataset, pipeline="imagenet-train", prep=coordl.RayPrep())
+
+
+def test_a_torch_backend_batch_travels_as_arrays_and_comes_back_as_the_same_tensors():
+    import collections
+
+    import numpy as np
+    import torch
+
+    from coordl.remote.worker import Arrays, as_arrays, as_tensors
+
+    pair = collections.namedtuple("pair", "image label")
+    batch = {
+        "x": torch.rand(2, 3, 4),
+        "y": [torch.tensor([1, 2]), "a name"],
+        "p": pair(torch.ones(2, dtype=torch.float16), 3),
+        "mask": torch.ones(2, dtype=torch.bool),  # no NumPy twin: pickled as it is
+        "n": np.arange(3),  # the user's own array stays an array
+    }
+    sent = as_arrays(batch)
+    assert isinstance(sent["x"], Arrays) and isinstance(sent["y"][0], Arrays) and isinstance(sent["p"].image, Arrays)
+    assert isinstance(sent["mask"], torch.Tensor) and isinstance(sent["n"], np.ndarray)
+    sent["x"].array.flags.writeable = False  # as Ray hands it over
+    back = as_tensors(sent)
+    assert torch.equal(back["x"], batch["x"]) and back["x"].data_ptr() != batch["x"].data_ptr()
+    back["x"][0, 0, 0] = 5.0  # a tensor of its own: writable
+    assert torch.equal(back["y"][0], batch["y"][0]) and back["y"][1] == "a name"
+    assert type(back["p"]) is pair and back["p"].image.dtype == torch.float16 and back["p"].label == 3
+    assert torch.equal(back["mask"], batch["mask"]) and isinstance(back["n"], np.ndarray)

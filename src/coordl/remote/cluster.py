@@ -58,7 +58,11 @@ def connect(address: str) -> None:
     try:
         ray.init(address=target, logging_level=logging.WARNING, log_to_driver=True, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise CoordlError(f"coordl: no Ray cluster at RayPrep(address={address!r}): {e}; {hint}") from None
+        raise CoordlError(
+            f"coordl: cannot join the Ray cluster at RayPrep(address={address!r}): {type(e).__name__}: {e} (if a "
+            "cluster runs there: its token, RAY_AUTH_TOKEN / ~/.ray/auth_token, or its Ray version differs from "
+            f"this machine's); {hint}"
+        ) from None
 
 
 def actor_env() -> dict:

@@ -27,7 +27,7 @@ from coordl.passes import Pass, Step
 from coordl.remote.cluster import cause, ray_module
 from coordl.remote.prep import DEPTH, START_TIMEOUT_S, RemotePrep
 from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
-from coordl.remote.worker import Done, Unit
+from coordl.remote.worker import Done, Unit, as_tensors
 
 __all__ = ["EMPTY_REMOTE_STATS", "RayPass"]
 
@@ -169,6 +169,7 @@ class RayPass(Pass):
             return None
         if isinstance(result, Done):
             if result.fetched is not None:
+                result.fetched.batch = as_tensors(result.fetched.batch)
                 if self._pin is not None and result.fetched.batch is not None:
                     result.fetched.pin_memory(self._pin or None)
                 return self._torch_step(result.fetched, position)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Done", "Job", "PrepWorker", "Unit", "can_read"]
+__all__ = ["Arrays", "Done", "Job", "PrepWorker", "Unit", "as_arrays", "as_tensors", "can_read"]
 
 
 @dataclass
@@ -71,6 +71,57 @@ class Job:
     worker_init_fn: object = None  # torch: called in each actor with its worker id, as in a DataLoader worker
     first_worker_id: int = 0  # the first actor's worker id (after the local DataLoader's workers)
     env: dict = field(default_factory=dict)  # COORDL_* and AWS_* of the trainer
+
+
+class Arrays:
+    """A torch tensor of a batch on its way from an actor, as a NumPy array: Ray sends arrays from
+    its object store without pickling their bytes, where it would pickle a tensor whole (a copy on
+    each side)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def as_arrays(batch):
+    """``batch`` with its CPU tensors as :class:`Arrays` (in tuples, lists, dicts and namedtuples)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        if batch.device.type != "cpu" or batch.requires_grad or batch.dtype not in _numpy_dtypes():
+            return batch  # pickled as it is
+        return Arrays(batch.numpy())
+    return _map(batch, as_arrays)
+
+
+def as_tensors(batch):
+    """:func:`as_arrays` undone: tensors of their own (Ray's arrays are read-only views of its store)."""
+    import torch
+
+    if isinstance(batch, Arrays):
+        return torch.from_numpy(np.array(batch.array))
+    return _map(batch, as_tensors)
+
+
+def _map(batch, f):
+    if isinstance(batch, dict):
+        items = {k: f(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # a mapping type that is not made from a dict: as default_collate, a dict
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(f(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(f(v) for v in batch)
+    return batch
+
+
+def _numpy_dtypes() -> set:
+    import torch
+
+    return {torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
 def can_read(index, samples: int = 3) -> bool:
@@ -202,6 +253,7 @@ class PrepWorker:
 
         batch = Batch(unit.ids.tolist(), self.job.seed, unit.epoch)
         fetched = self.collate(self.items.prepare(batch, unit.data, unit.errors))
+        fetched.batch = as_arrays(fetched.batch)
         return Done(
             unit.number,
             fetched=fetched,
