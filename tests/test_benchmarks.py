@@ -248,6 +248,42 @@ def test_torch_backend_quick(tmp_path):
     assert _bench_cgroups() == before
 
 
+@pytest.mark.slow
+def test_ray_prep_quick(tmp_path):
+    """benchmarks.ray_prep --quick: every configuration of both backends runs on a one-core Ray node in a private
+    network namespace, the steady epoch's units go where the configuration says, the actor's batches weigh what a
+    batch weighs, and no process of the node is left."""
+    pytest.importorskip("ray")
+    from benchmarks import ray_prep
+
+    why = ray_prep.cannot_run()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "ray_prep.json"
+    command = [sys.executable, "-m", "benchmarks.ray_prep", "--quick", "--data", str(tmp_path / "data")]
+    proc = subprocess.run(command + ["--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ray_processes_left"] == []
+    assert result["object_store"]["cumulative spill requests"] == 0  # 4 batches of 19 MB in flight at most
+    assert {(r["backend"], r["config"]) for r in result["runs"]} == {
+        (b, c) for b in ("dali", "torch") for c in ("local", "remote", "both")
+    }
+    for r in result["runs"]:
+        assert [e["samples"] for e in r["epochs"]] == [64, 64] and r["steady_samples_per_s"] > 0
+        (steady,) = r["epochs"][1:]
+        split = (steady["stats"].get("remote_units", 0), steady["stats"].get("local_units", 0))
+        assert sum(split) == (0 if r["config"] == "local" else 2)
+        if r["config"] == "remote":
+            assert split == (2, 0) and r["actor_s_per_unit"] > 0 and r["actor_pids"]
+            assert r["steady_cpu_s_per_sample"]["actor"] > 0
+        if r["config"] != "local" and r["backend"] == "dali" and split[0]:
+            assert r["remote_result_bytes_per_sample"] == r["image_bytes"] == 3 * 224 * 224 * 4
+    assert set(result["summary"]) == {"dali", "torch"}
+    assert all(s["ratio"]["both"] > 0 and s["ratio"]["remote"] > 0 for s in result["summary"].values())
+    assert "| dali | both |" in proc.stdout and "remote/local" in proc.stdout
+
+
 def test_multinode_quick(tmp_path):
     """benchmarks.multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
     from coordl_testing import netns
