@@ -60,6 +60,10 @@ class Tally:
         self.shipped_bytes = 0  # encoded bytes the trainer sent to actors
         self.skipped: list[tuple[int, str, str]] = []
 
+    def ratio(self) -> float:
+        """Units the actors made per unit the local pipeline made, so far."""
+        return self.remote_units / max(1, self.local_units)
+
     def add(self, counters: dict, read_s: float, prep_s: float, skipped) -> None:
         with self.lock:
             c = self.counters
@@ -110,7 +114,16 @@ class RayPass(Pass):
         self._rate = Rate()
         resources.fetcher.reset_counters()
         self._prep0 = resources.prep.waiting.total() if resources.prep is not None else 0.0
-        self._units = Units(len(batches), self._remote.bound, self.stop_event)
+        remote, tally, local_depth = self._remote, self._tally, 0
+        if remote.options.local:  # units the local pipeline holds: its reads ahead and DALI's queue
+            if backend == "dali":
+                from coordl.prep.dali import QUEUE_DEPTH
+
+                local_depth = config.batches_ahead + 1 + QUEUE_DEPTH
+            else:
+                local_depth = _torch_depth(resources)
+        # (the threads hold the units, and so this callable: it must not hold the pass)
+        self._units = Units(len(batches), lambda: remote.bound(local_depth, tally.ratio()), self.stop_event)
         self._ahead = None
         if backend == "dali":
             self._ahead = FetchAhead(
@@ -425,6 +438,12 @@ def _drive_local_torch(
     except BaseException as e:  # noqa: BLE001 - the consumer raises it
         if not stop.is_set():
             units.fail(e)
+
+
+def _torch_depth(resources) -> int:
+    """Batches the torch backend's local DataLoader holds ahead: ``prefetch_factor`` per worker."""
+    d = resources.dataloader
+    return max(1, d.num_workers) * (d.prefetch_factor or 2) if d.num_workers else 1
 
 
 def _nbytes(batch) -> int:

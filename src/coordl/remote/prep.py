@@ -8,6 +8,7 @@ closed with it; passes share it, as they share the local pipeline.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -25,6 +26,7 @@ SCALE_EVERY_S = 1.0  # how often workers="auto" looks at the stalls
 GROW_ABOVE = 0.05  # the loop waited more than this share of the time: one more actor
 SHRINK_BELOW = 0.01  # less than this share, with prepared batches waiting: one fewer
 START_TIMEOUT_S = 120.0  # a pass with no local prep waits this long for a first actor
+MAX_RATIO = 16.0  # the actors' rate over the local pipeline's that the default bound follows, at most
 
 
 def scale_step(
@@ -99,11 +101,18 @@ class RemotePrep:
         )
         return cls(options, job, device_id, normalize)
 
-    def bound(self) -> int:
-        """Units the actors may hold that the training loop has not taken (``RayPrep(in_flight)``)."""
+    def bound(self, local_depth: int = 0, ratio: float = 1.0) -> int:
+        """Units the actors may hold that the training loop has not taken (``RayPrep(in_flight)``).
+
+        By default: two per ready actor (one running, one waiting), two more, and what the actors
+        make while the loop waits for a unit of the local pipeline, which holds ``local_depth``
+        units (its queue): ``local_depth`` times ``ratio``, the actors' rate over the local one.
+        Batches are delivered in order, so with less the actors would wait for the local queue.
+        """
         if self.options.in_flight is not None:
             return self.options.in_flight
-        return DEPTH * max(1, len(self.pool.ready)) + 2
+        local = math.ceil(local_depth * min(max(ratio, 1.0), MAX_RATIO)) if local_depth else 0
+        return DEPTH * max(1, len(self.pool.ready)) + 2 + local
 
     def most(self) -> int:
         o = self.options
