@@ -312,8 +312,9 @@ class RayPrep:
             built-in recipes' pixels before normalisation, a quarter of the bytes, normalised on
             the trainer's device).
         in_flight: units of work handed to actors and not yet taken by the training loop, at
-            most (None: two per actor, plus two). Bounds the memory prepared batches hold in
-            Ray's object store.
+            most (None: two per ready actor, plus two, plus with ``local`` the local pipeline's
+            queue times the actors' rate over its rate, 1 to 16). Bounds the memory prepared
+            batches hold in Ray's object store.
         max_workers: the most actors ``workers="auto"`` starts (None: as many as the cluster's
             free CPUs allow).
     """
