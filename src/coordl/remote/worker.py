@@ -257,6 +257,7 @@ class PrepWorker:
         return Done(
             unit.number,
             fetched=fetched,
+            skipped=list(fetched.skipped),
             counters=fetched.counters or {},
             read_s=fetched.read_s,
             prep_s=fetched.prep_s,
