@@ -36,6 +36,27 @@ def test_a_second_result_for_a_unit_is_dropped():
     assert not u.put(0, "late")  # after it was taken, too
 
 
+def test_local_claims_stop_at_the_local_depth_and_the_two_bounds_add_up():
+    stop = threading.Event()
+    u = Units(20, lambda: 3, stop, local_depth=2)
+    assert [u.claim(LOCAL, block=False) for _ in range(3)] == [0, 1, None]
+    assert [u.claim(REMOTE, block=False) for _ in range(4)] == [2, 3, 4, None]
+    u.put(0, "a")
+    u.put(1, "b")
+    assert u.claim(LOCAL, block=False) is None  # results not yet taken still count: they wait in memory
+    assert u.in_flight() == 5  # at most bound + local_depth
+    u.take(0)
+    assert u.claim(LOCAL, block=False) == 5
+    claimed = []
+    waiter = threading.Thread(target=lambda: claimed.append(u.claim(LOCAL, block=True)))
+    waiter.start()  # between runs, holding no unit unfinished, the local pipeline waits for room
+    waiter.join(0.3)
+    assert claimed == []
+    u.take(1)
+    waiter.join(5)
+    assert claimed == [6]
+
+
 def test_remote_claims_stop_at_the_bound_and_local_ones_do_not():
     u, _ = units(20, bound=3)
     assert [u.claim(REMOTE, block=False) for _ in range(4)] == [0, 1, 2, None]

@@ -114,16 +114,17 @@ class RayPass(Pass):
         self._rate = Rate()
         resources.fetcher.reset_counters()
         self._prep0 = resources.prep.waiting.total() if resources.prep is not None else 0.0
-        remote, tally, local_depth = self._remote, self._tally, 0
-        if remote.options.local:  # units the local pipeline holds: its reads ahead and DALI's queue
-            if backend == "dali":
-                from coordl.prep.dali import QUEUE_DEPTH
-
-                local_depth = config.batches_ahead + 1 + QUEUE_DEPTH
-            else:
-                local_depth = _torch_depth(resources)
-        # (the threads hold the units, and so this callable: it must not hold the pass)
-        self._units = Units(len(batches), lambda: remote.bound(local_depth, tally.ratio()), self.stop_event)
+        remote, tally, local = self._remote, self._tally, self._remote.options.local
+        depth = _local_depth(backend, config, resources.dataloader) if local else 0
+        # The local pipeline may also hold the results the loop has not taken while it waits for
+        # an actor's unit (in order): two per actor's, as the actors hold two each.
+        # (The threads hold the units, and so the bound's callable: it must not hold the pass.)
+        self._units = Units(
+            len(batches),
+            lambda: remote.bound(depth, tally.ratio()),
+            self.stop_event,
+            local_depth=depth + DEPTH + 2 if depth else None,
+        )
         self._ahead = None
         if backend == "dali":
             self._ahead = FetchAhead(
@@ -138,7 +139,6 @@ class RayPass(Pass):
                 peers=resources.peers,
                 peer_pool=resources.peer_pool,
             )
-        local = self._remote.options.local
         args = (self._units, batches, order_epoch, self.stop_event, self._tally)
         self._threads = [
             threading.Thread(
@@ -260,6 +260,17 @@ class RayPass(Pass):
         for t in self._threads:
             if t is not me and t.ident is not None:
                 t.join()
+
+
+def _local_depth(backend: str, config, dataloader) -> int:
+    """Units the local pipeline holds to keep busy: its fetches ahead and DALI's queue, or the
+    DataLoader's prefetch."""
+    if backend == "dali":
+        from coordl.prep.dali import QUEUE_DEPTH
+
+        return config.batches_ahead + 1 + QUEUE_DEPTH
+    workers = dataloader.num_workers
+    return workers * (dataloader.prefetch_factor or 2) if workers else 1
 
 
 def _drive_remote(
@@ -438,12 +449,6 @@ def _drive_local_torch(
     except BaseException as e:  # noqa: BLE001 - the consumer raises it
         if not stop.is_set():
             units.fail(e)
-
-
-def _torch_depth(resources) -> int:
-    """Batches the torch backend's local DataLoader holds ahead: ``prefetch_factor`` per worker."""
-    d = resources.dataloader
-    return max(1, d.num_workers) * (d.prefetch_factor or 2) if d.num_workers else 1
 
 
 def _nbytes(batch) -> int:

@@ -9,10 +9,13 @@ consumer takes them in order (:meth:`Units.take`), so every unit is delivered on
 
 Remote claims are bounded: a remote runner gets a unit only while fewer than ``bound`` units
 claimed by remote runners are not yet taken, so that prepared batches never pile up in the
-object store while the training loop is busy. The local pipeline is bounded by its own queue
-instead (and so never waits for the window: it holds units while it waits for the next one,
-which a wait for the window could deadlock). Units in flight are thus at most ``bound`` plus the
-local pipeline's queue.
+object store while the training loop is busy. Local claims have a bound of their own,
+``local_depth`` (the units the local pipeline holds to keep busy), so that the local pipeline,
+whose results wait in memory too, never prepares the rest of the epoch ahead of a slow loop.
+Units in flight are thus at most ``bound + local_depth``. The local pipeline never waits for
+room while it holds units (the consumer may be waiting for one of them, a deadlock): a run of it
+claims without waiting and ends when none is free, handing back what it holds, and only then
+waits (``claim(block=True)``).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ class Units:
         count: units in the pass.
         bound: a callable giving the most units claimed and not yet taken, for remote claims.
         stop: set when the pass stops: every wait ends.
+        local_depth: the most units claimed and not yet taken, for local claims (None: no bound).
     """
 
-    def __init__(self, count: int, bound, stop: threading.Event):
+    def __init__(self, count: int, bound, stop: threading.Event, local_depth: int | None = None):
         self.count = count
+        self.local_depth = local_depth
         self._bound = bound
         self._stop = stop
         self._cond = threading.Condition()
@@ -47,6 +52,7 @@ class Units:
         self._finished: set[int] = set()  # units with a result (taken or not)
         self._taken = 0  # units the consumer has taken
         self._remote: set[int] = set()  # units remote runners claimed that the consumer has not taken
+        self._local: set[int] = set()  # units the local pipeline claimed that the consumer has not taken
         self._failure: BaseException | None = None
         self.claimed = {LOCAL: 0, REMOTE: 0}  # units each kind of runner claimed (re-runs too)
         self.retried = 0
@@ -60,8 +66,7 @@ class Units:
                 n = self._free(who)
                 if n is not None:
                     self.claimed[who] += 1
-                    if who == REMOTE:
-                        self._remote.add(n)
+                    (self._remote if who == REMOTE else self._local).add(n)
                     return n
                 if not block or self._over():
                     return None
@@ -75,6 +80,8 @@ class Units:
         if self._next >= self.count:
             return None
         if who == REMOTE and len(self._remote) >= self._bound():
+            return None
+        if who == LOCAL and self.local_depth is not None and len(self._local) >= self.local_depth:
             return None
         self._next += 1
         return self._next - 1
@@ -135,6 +142,7 @@ class Units:
                 self._cond.wait(0.1)
             self._taken = n + 1
             self._remote.discard(n)
+            self._local.discard(n)
             self._cond.notify_all()
             return self._done.pop(n)
 
