@@ -27,7 +27,7 @@ from coordl.passes import Pass, Step
 from coordl.remote.cluster import cause, ray_module
 from coordl.remote.prep import DEPTH, START_TIMEOUT_S, RemotePrep
 from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
-from coordl.remote.worker import Done, Unit, as_tensors
+from coordl.remote.worker import Arrays, Done, Unit, as_tensors
 
 __all__ = ["EMPTY_REMOTE_STATS", "RayPass"]
 
@@ -455,6 +455,8 @@ def _nbytes(batch) -> int:
     """Bytes of the arrays and tensors in a batch (nested in tuples, lists and dicts)."""
     if isinstance(batch, (np.ndarray, torch.Tensor)):
         return int(batch.nbytes)
+    if isinstance(batch, Arrays):  # a tensor on its way
+        return int(batch.array.nbytes)
     if isinstance(batch, dict):
         return sum(_nbytes(v) for v in batch.values())
     if isinstance(batch, (list, tuple)):
