@@ -1,0 +1,262 @@
+"""A real Ray cluster on loopback, in a network namespace of its own, for the tests of RayPrep.
+
+Ray replaces 127.0.0.1 with the machine's interface address, so the cluster and every driver run
+in a private network namespace with only loopback up: nothing outside it can join, and it sees
+no other cluster on the machine. :class:`RayCluster` starts ``python -m coordl_testing.raycluster``
+under ``unshare -n``; that process starts ``ray.cluster_utils.Cluster`` (a head and more nodes, each
+with its own raylet and object store), prints one JSON line (address, session folder, the pids of
+the processes Ray started), and shuts the cluster down when its stdin closes. Drivers join the
+namespace with ``nsenter -t <pid> -n`` (:meth:`RayCluster.popen`).
+
+:meth:`RayCluster.close` closes that stdin, waits, then SIGKILLs what survived: the processes
+started under the cluster's process (seen before it exits) and every process still in its network
+namespace (drivers included), each checked by its start time, so that a recycled pid is left
+alone. Nothing else on the machine is touched: other sessions may run Ray too (never ``ray stop``).
+
+Needs root, ``unshare``, ``nsenter`` and ``ip``, and Ray; :func:`unavailable` says why not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["RayCluster", "unavailable"]
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: coordl_testing imports from it
+QUIET = {  # Ray's settings for a cluster of 1-CPU nodes on a shared machine
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_enable_worker_prestart": "0",  # no idle workers: actors of coordl get workers of their own
+    "RAY_prestart_worker_first_driver": "0",
+}
+
+
+def unavailable() -> str | None:
+    """Why a cluster cannot start here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (a network namespace per cluster: unshare -n)"
+    missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (util-linux, iproute2)"
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "needs Ray: pip install 'coordl[ray]'"
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare -n is refused here: {probe.stderr.strip()}"
+    return None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in ticks) of a live process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def descendants(root: int) -> dict[int, int]:
+    """The live descendants of ``root``: pid -> start time."""
+    parent, start = {}, {}
+    for pid in _pids():
+        s = _stat(pid)
+        if s is not None:
+            parent[pid], start[pid] = s
+    out, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in out}
+        out.update({pid: start[pid] for pid in frontier})
+    return out
+
+
+class RayCluster:
+    """A Ray cluster on loopback in a network namespace of its own (see the module's docstring).
+
+    Args:
+        nodes: Ray nodes (the head and ``nodes - 1`` more).
+        cpus: Ray CPUs per node.
+        object_store_mb: each node's object store.
+        env: the cluster's environment (Ray's workers inherit it: put the coordl under test on
+            its ``PYTHONPATH``).
+        timeout: seconds to wait for the cluster to start.
+    """
+
+    def __init__(self, nodes: int = 2, cpus: int = 1, object_store_mb: int = 128, env=None, timeout: float = 60.0):
+        self._stderr = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+        log = os.environ.get("COORDL_RAY_CLUSTER_LOG")  # where Ray's own complaints go, to debug a start
+        if log:
+            self._stderr = open(log, "a")  # noqa: SIM115
+        script = 'ip link set lo up && exec "$0" -m coordl_testing.raycluster "$@"'
+        self.temp_dir = tempfile.mkdtemp(prefix="coordl-ray-")  # Ray's sessions: not in /tmp/ray, which others use
+        args = [str(nodes), str(cpus), str(object_store_mb), self.temp_dir]
+        self.process = subprocess.Popen(
+            ["unshare", "-n", "sh", "-c", script, sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env={**(env if env is not None else os.environ), **QUIET},
+            cwd=ROOT,
+        )
+        self.pid = self.process.pid
+        self._seen: dict[int, int] = {}  # pid -> start time: every process seen under the cluster's
+        self.info: dict = {}
+        self.netns = None
+        try:
+            self.info = self._read_info(timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.netns = _netns(self.pid)
+        self.address: str = self.info["address"]
+        self.session_dir: str = self.info["session_dir"]
+        self.watch()
+
+    def _read_info(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.process.poll() is not None:
+                how = f"exited with status {self.process.returncode}" if left > 0 else f"timed out ({timeout:.0f} s)"
+                raise RuntimeError(
+                    f"the Ray cluster's process {how} before it printed its address; "
+                    "set COORDL_RAY_CLUSTER_LOG=<file> to keep its stderr"
+                )
+            ready, _, _ = select.select([self.process.stdout], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(self.process.stdout.fileno(), 4096)
+                if not chunk:
+                    continue
+                line += chunk
+        return json.loads(line)
+
+    def watch(self) -> None:
+        """Records the processes now under the cluster's process (call it while drivers run: a
+        worker whose raylet is gone would no longer be found under it)."""
+        for pid in self.info.get("pids", []):
+            s = _stat(pid)
+            if s is not None:
+                self._seen.setdefault(pid, s[1])
+        self._seen.update(descendants(self.pid))
+
+    def env(self, **extra) -> dict:
+        """A driver's environment: this cluster's address in ``RAY_ADDRESS``, and ``extra``."""
+        return {**os.environ, "RAY_ADDRESS": self.address, **{k: str(v) for k, v in extra.items()}}
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Runs ``argv`` in the cluster's network namespace (``nsenter -n``, which execs it: the
+        process's pid is the command's)."""
+        return subprocess.Popen(["nsenter", "-t", str(self.pid), "-n", *argv], **kwargs)
+
+    def members(self) -> dict[int, int]:
+        """The live processes of this cluster: seen under its process, or in its network namespace
+        (pid -> start time); never this process or its parents."""
+        mine = {os.getpid(), os.getppid(), 1}
+        out = {}
+        for pid, start in self._seen.items():
+            s = _stat(pid)
+            if s is not None and s[1] == start:
+                out[pid] = start
+        if self.netns is not None and self.netns != _netns(os.getpid()):
+            for pid in _pids():
+                if _netns(pid) == self.netns:
+                    s = _stat(pid)
+                    if s is not None:
+                        out[pid] = s[1]
+        return {pid: start for pid, start in out.items() if pid not in mine}
+
+    def close(self, timeout: float = 30.0) -> list[int]:
+        """Shuts the cluster down, then SIGKILLs every process of it that survived. Returns the
+        pids that had to be killed. Idempotent."""
+        if self.process.returncode is None:
+            self.watch()
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        killed = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = self.members()
+            if not left:
+                break
+            for pid, start in left.items():
+                s = _stat(pid)
+                if s is not None and s[1] == start:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.1)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self._stderr.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return sorted(set(killed))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The cluster's process (in its network namespace): starts the nodes, prints their address,
+    and shuts them down when stdin closes."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("nodes", type=int)
+    parser.add_argument("cpus", type=int)
+    parser.add_argument("object_store_mb", type=int)
+    parser.add_argument("temp_dir")
+    args = parser.parse_args(argv)
+    from ray.cluster_utils import Cluster
+
+    store = args.object_store_mb << 20
+    node = {"num_cpus": args.cpus, "object_store_memory": store}
+    head = {**node, "include_dashboard": False, "temp_dir": args.temp_dir}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for _ in range(args.nodes - 1):
+            cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        nodes = [cluster.head_node, *cluster.worker_nodes]
+        pids = [info.process.pid for n in nodes for infos in n.all_processes.values() for info in infos]
+        info = {"address": cluster.address, "session_dir": cluster.head_node.get_session_dir_path(), "pids": pids}
+        sys.stdout.write(json.dumps(info) + "\n")
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C of the test run reaches the tests, which close this
+        sys.stdin.buffer.read()  # until the tests close it (or die)
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Scripts that tests/test_ray.py runs as Ray drivers, in the test cluster's network namespace.
+
+``python tests/ray_driver.py SCENARIO ROOT OUT [ARG]``: connects to the cluster at
+``RAY_ADDRESS`` (through ``CoordLoader(prep=coordl.RayPrep(...))``), runs one scenario over the
+dataset at ROOT and writes what it saw to OUT as JSON (Ray redirects a driver's stdout). A
+scenario checks several things at once, because every driver pays seconds to connect and to
+start its actors; the tests assert on the JSON.
+
+The reference of every comparison is the same loader with local prep, made in the same script.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+import coordl
+from coordl import CoordLoader, ImageNetTrain
+
+RECIPE = ImageNetTrain(size=16)
+BS = 8
+
+
+def write(out: str, result: dict) -> None:
+    """Writes ``result`` to ``out`` (atomically: a reader never sees half of it)."""
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(out + ".tmp", out)
+
+
+def dali(root: str, prep, **kw) -> CoordLoader:
+    kw = {"batch_size": BS, "shuffle": True, **kw}
+    return CoordLoader(root, pipeline=RECIPE, device_id=None, seed=7, return_index=True, prep=prep, **kw)
+
+
+def epochs(loader, n: int, images: dict | None = None) -> list[dict]:
+    """``n`` epochs of ``loader``: per epoch, the samples in delivery order and their labels;
+    images by ``(epoch, sample)`` into ``images``."""
+    out = []
+    for epoch in range(n):
+        loader.set_epoch(epoch)
+        ids, labels = [], []
+        for x, y, i in loader:
+            ids += i.tolist()
+            labels += y.tolist()
+            if images is not None:
+                for image, sample in zip(x, i.tolist()):
+                    images[(epoch, sample)] = image.clone()
+        out.append({"ids": ids, "labels": labels})
+    return out
+
+
+def compare(images: dict, reference: dict) -> dict:
+    """Samples whose image differs from the reference's (bit for bit), and the largest difference."""
+    bad = [f"{e}:{i}" for (e, i), x in images.items() if not torch.equal(x, reference[(e, i)])]
+    diff = max(((x.float() - reference[k].float()).abs().max().item() for k, x in images.items()), default=0.0)
+    return {"bad": bad[:20], "bad_count": len(bad), "max_diff": diff, "compared": len(images)}
+
+
+def wait_actors(loader, n: int, timeout: float = 30.0) -> None:
+    """Waits until ``n`` actors of ``loader`` are ready (before its first pass: then nothing else polls)."""
+    pool = loader.resources.remote.pool
+    deadline = time.monotonic() + timeout
+    while len(pool.ready) < n and time.monotonic() < deadline:
+        pool.poll(0.1)
+
+
+def actor_pids(loader) -> list[int]:
+    return [int(info["worker"].rsplit(":", 1)[1]) for info in loader.resources.remote.pool.ready.values()]
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+def equal_dali(root: str, out: str) -> None:
+    """Remote-only, both, reads="trainer", output="uint8" against local prep, two epochs each."""
+    ref_images: dict = {}
+    with dali(root, 1) as loader:
+        result = {"reference": epochs(loader, 2, ref_images), "labels": loader.index.labels.tolist()}
+    runs = {
+        "remote": coordl.RayPrep(workers=2, local=False),
+        "both": coordl.RayPrep(workers=2, local=True, threads=1),
+        "trainer": coordl.RayPrep(workers=2, local=False, reads="trainer"),
+        "uint8": coordl.RayPrep(workers=2, local=False, output="uint8"),
+    }
+    for name, prep in runs.items():
+        images: dict = {}
+        with dali(root, prep) as loader:
+            wait_actors(loader, 2)  # else the local pipeline, which needs no start, may do every unit
+            result[name] = {"epochs": epochs(loader, 2, images), "stats": loader.stats()}
+            result[name]["reads"] = sorted({v["reads"] for v in loader.resources.remote.pool.ready.values()})
+        result[name].update(compare(images, ref_images))
+    write(out, result)
+
+
+def transform(image):
+    """A random crop and flip from Python's and torch's global generators (coordl seeds them per sample)."""
+    from PIL import Image
+
+    w, h = image.size
+    x, y = random.randint(0, w - 24), random.randint(0, h - 24)
+    image = image.crop((x, y, x + 24, y + 24))
+    if torch.rand(()).item() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+def equal_torch(root: str, out: str) -> None:
+    """The torch backend's ImageFolder with a random transform: remote-only and both against local."""
+
+    def make(prep=None):
+        data = coordl.datasets.ImageFolder(root, transform=transform)
+        kw = {} if prep is None else {"prep": prep}
+        return CoordLoader(data, batch_size=BS, shuffle=True, num_workers=0, seed=7, return_index=True, **kw)
+
+    ref_images: dict = {}
+    with make() as loader:
+        result = {"reference": epochs(loader, 2, ref_images)}
+    for name, prep in {
+        "remote": coordl.RayPrep(workers=2, local=False),
+        "both": coordl.RayPrep(workers=2, local=True),
+    }.items():
+        images: dict = {}
+        with make(prep) as loader:
+            wait_actors(loader, 2)
+            result[name] = {"epochs": epochs(loader, 2, images), "stats": loader.stats()}
+        result[name].update(compare(images, ref_images))
+    write(out, result)
+
+
+def resume(root: str, out: str, cut: str) -> None:
+    """tests/test_resume.py's resumed run, 2 ranks -> 3, with RayPrep: ranks of 2 take ``cut``
+    batches of epoch 0, rank 0's state resumes 3 ranks, which finish epoch 0 and run epoch 1."""
+    ref_images: dict = {}
+    with dali(root, 1) as loader:
+        epochs(loader, 2, ref_images)
+    prep = coordl.RayPrep(workers=2, local=False)
+    images: dict = {}
+    before, states = [], []
+    for rank in range(2):
+        with dali(root, prep, shard=coordl.Shard(rank=rank, world_size=2)) as loader:
+            for k, (x, _, ids) in enumerate(loader):
+                before += ids.tolist()
+                images.update({(0, i): image.clone() for image, i in zip(x, ids.tolist())})
+                if k + 1 == int(cut):
+                    break
+            states.append(json.loads(json.dumps(loader.state_dict())))
+    after: dict = {0: [], 1: []}
+    for rank in range(3):
+        with dali(root, prep, shard=coordl.Shard(rank=rank, world_size=3)) as loader:
+            loader.load_state_dict(states[0])
+            for epoch in (0, 1):
+                loader.set_epoch(epoch)
+                for x, _, ids in loader:
+                    after[epoch] += ids.tolist()
+                    images.update({(epoch, i): image.clone() for image, i in zip(x, ids.tolist())})
+    result = {"states_equal": states[0] == states[1], "state": states[0], "before": before, "after": after}
+    result.update(compare(images, ref_images))
+    write(out, result)
+
+
+def kill(root: str, out: str) -> None:
+    """kill -9 of an actor mid-epoch (workers=2, local=False); then one more epoch."""
+    with dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4) as loader:
+        wait_actors(loader, 2)
+        ids, killed = [], None
+        for k, (_, _, i) in enumerate(loader):
+            ids += i.tolist()
+            if k == 3:
+                killed = actor_pids(loader)[0]
+                os.kill(killed, signal.SIGKILL)
+        stats = loader.stats()
+        second = epochs(loader, 1)[0]["ids"]
+        write(out, {"killed": killed, "ids": ids, "stats": stats, "second": second, "after": loader.stats()})
+
+
+def life(root: str, out: str, mode: str) -> None:
+    """A user's script that ends as ``mode`` says, mid-epoch: break (then close), raise
+    SystemExit(3), SIGINT, SIGKILL, or a whole epoch and no close()."""
+    if mode == "plain":  # Ray without coordl, for the exit status of a KeyboardInterrupt
+        import ray
+
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        write(out, {"pids": []})
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+    loader = dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4)
+    result: dict = {}
+    for k, _ in enumerate(loader):
+        if k == 0:
+            deadline = time.monotonic() + 20
+            while len(loader.resources.remote.pool.ready) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            result["pids"] = actor_pids(loader)
+            write(out, result)
+        if k == 2 and mode != "noclose":
+            if mode == "break":
+                break
+            if mode == "raise":
+                raise SystemExit(3)
+            os.kill(os.getpid(), signal.SIGINT if mode == "interrupt" else signal.SIGKILL)
+            time.sleep(10)
+    if mode == "break":  # close() ends the actors at once, while the script goes on
+        t0 = time.monotonic()
+        loader.close()
+        while any(os.path.exists(f"/proc/{pid}") for pid in result["pids"]) and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        result["ended_s"] = time.monotonic() - t0
+    result["end"] = mode
+    write(out, result)
+
+
+def auto(root: str, out: str) -> None:
+    """workers="auto" on a prep-bound loader: the pool grows within the cluster's CPUs."""
+    result = {}
+    for name, prep in {
+        "remote": coordl.RayPrep(workers="auto", local=False),
+        "both": coordl.RayPrep(workers="auto", local=True, threads=1),
+    }.items():
+        samples = []
+        with dali(root, prep, batch_size=4) as loader:
+            pool = loader.resources.remote.pool
+            t0 = time.monotonic()
+            epoch = 0
+            while time.monotonic() - t0 < 30 and not (samples and max(r for _, r, _ in samples) >= 2):
+                loader.set_epoch(epoch)
+                for _ in loader:
+                    samples.append((round(time.monotonic() - t0, 2), len(pool.ready), pool.size))
+                epoch += 1
+            result[name] = {"samples": samples, "stats": loader.stats(), "epochs": epoch}
+    write(out, result)
+
+
+def in_flight(root: str, out: str) -> None:
+    """RayPrep(in_flight=3) and a slow consumer: units claimed and not taken (all, and by actors),
+    sampled every 2 ms."""
+    result = {}
+    for name, prep in {
+        "remote": coordl.RayPrep(workers=2, local=False, in_flight=3),
+        "both": coordl.RayPrep(workers=2, local=True, threads=1, in_flight=3),
+    }.items():
+        with dali(root, prep, batch_size=4) as loader:
+            wait_actors(loader, 2)
+            seen, remote, stop = collections.Counter(), collections.Counter(), threading.Event()
+            depth = [None]
+
+            def sample(loader=loader, seen=seen, remote=remote, stop=stop, depth=depth):
+                while not stop.is_set():
+                    p = loader._pass_ref() if loader._pass_ref is not None else None
+                    if p is not None:
+                        seen[p._units.in_flight()] += 1
+                        remote[p._units.remote_in_flight()] += 1
+                        depth[0] = getattr(p._units, "local_depth", None)
+                    time.sleep(0.002)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            ids = []
+            for k, (_, _, i) in enumerate(loader):
+                ids += i.tolist()
+                time.sleep(0.1 if k < 12 else 0.0)
+            stop.set()
+            sampler.join()
+            result[name] = {"in_flight": dict(seen), "remote_in_flight": dict(remote), "local_depth": depth[0]}
+            result[name].update(ids=ids, stats=loader.stats())
+    write(out, result)
+
+
+def errors(root: str, out: str) -> None:
+    """A dataset with a corrupt JPEG, prepared by actors: on_error="raise" raises SampleError naming it;
+    "skip" skips it and counts it."""
+    result = {}
+    prep = coordl.RayPrep(workers=1, local=False)
+    for backend in ("dali", "torch"):
+
+        def make(on_error, backend=backend):
+            if backend == "dali":
+                return dali(root, prep, on_error=on_error, shuffle=False)
+            data = coordl.datasets.ImageFolder(root, transform=transform)
+            return CoordLoader(data, batch_size=BS, seed=7, return_index=True, prep=prep, on_error=on_error)
+
+        with make("raise") as loader:
+            try:
+                for _ in loader:
+                    pass
+                result[f"{backend}_raise"] = {"raised": None}
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                result[f"{backend}_raise"] = {
+                    "raised": type(e).__name__,
+                    "mro": [c.__name__ for c in type(e).__mro__],
+                    "message": str(e),
+                    "path": getattr(e, "path", None),
+                }
+        with make("skip") as loader:
+            ids = [i for _, _, batch in loader for i in batch.tolist()]
+            result[f"{backend}_skip"] = {"ids": ids, "stats": loader.stats()}
+    write(out, result)
+
+
+SCENARIOS = {f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors)}
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    SCENARIOS[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,307 @@
+"""RayPrep against a real Ray cluster: two nodes of one CPU each on loopback, no mocks.
+
+One cluster serves the module (:class:`coordl_testing.raycluster.RayCluster`, in a network
+namespace of its own). Each test runs a user's script, ``tests/ray_driver.py``, as a Ray driver
+in that namespace, and checks its exit status, its stderr, what it wrote as JSON (Ray redirects a
+driver's stdout), the actor processes it leaves, and its shm folder (the ``isolated`` fixture's
+``COORDL_SHM_DIR``, which the actors get too). A script checks several things, because every
+driver pays seconds to connect and to start its actors. Comparisons are bit for bit against the
+same loader with local prep, made in the same script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import coordl
+from coordl.shm import reaper
+from coordl_testing import raycluster
+
+N = 120  # samples in tiny_dataset
+BATCHES = 15  # of 8 samples
+DRIVER = Path(__file__).with_name("ray_driver.py")
+REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETNS") else raycluster.unavailable()
+CODE = str(
+    Path(coordl.__file__).resolve().parents[1]
+)  # the coordl under test: the cluster's workers and drivers import it
+
+
+def needs_cluster(test):
+    """A test on the module's cluster: slow (seconds per script), and skipped where no cluster can start."""
+    return pytest.mark.slow(pytest.mark.skipif(REASON is not None, reason=f"a Ray cluster on loopback {REASON}")(test))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The module's Ray cluster; its workers import the coordl under test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_")}
+    env["PYTHONPATH"] = _path(CODE, str(raycluster.ROOT))
+    c = raycluster.RayCluster(nodes=2, cpus=1, env=env)
+    yield c
+    killed = c.close()
+    if killed:
+        pytest.fail(f"processes of the Ray cluster outlived its shutdown and were killed: {killed}")
+
+
+def _path(*first: str) -> str:
+    return os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH", "")) if p)
+
+
+@dataclass
+class Run:
+    rc: int
+    stderr: str
+    result: dict | None
+    seconds: float
+
+
+def drive(cluster, tmp_path, scenario: str, root, *args: str, shm: Path | None = None, timeout: float = 240) -> Run:
+    """Runs ``ray_driver.py scenario root out *args`` in the cluster (its shm folder: ``shm``)."""
+    out = tmp_path / f"{scenario}-{'-'.join(args)}.json"
+    env = cluster.env(PYTHONPATH=_path(CODE))
+    if shm is not None:
+        env["COORDL_SHM_DIR"] = str(shm)
+    argv = [sys.executable, str(DRIVER), scenario, str(root), str(out), *args]
+    t0 = time.monotonic()
+    p = cluster.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        cluster.watch()
+    result = json.loads(out.read_text()) if out.exists() else None
+    return Run(p.returncode, err, result, time.monotonic() - t0)
+
+
+def ok(run: Run) -> dict:
+    """The script's result, once it exited 0 without a traceback."""
+    assert run.rc == 0 and "Traceback" not in run.stderr, f"exit status {run.rc}:\n{run.stderr[-4000:]}"
+    assert run.result is not None, "the script wrote no result"
+    return run.result
+
+
+def gone(pids, timeout: float = 15.0) -> list[int]:
+    """The pids still alive after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def segments(shm: Path, timeout: float = 10.0) -> list[str]:
+    """The coordl segments left in ``shm`` after ``timeout`` seconds (killed actors leave late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sorted(os.listdir(shm))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def exactly_once(ids) -> None:
+    counts = Counter(ids)
+    assert set(counts) == set(range(N)), f"samples never delivered: {sorted(set(range(N)) - set(counts))}"
+    assert max(counts.values()) == 1, f"samples delivered twice: {sorted(i for i, c in counts.items() if c > 1)}"
+
+
+def same_as_reference(run: dict, reference: list[dict], labels=None) -> None:
+    """Every epoch of ``run`` delivered the reference's samples in its order, with its labels and
+    (``bad``) bit-equal images."""
+    for epoch, (got, want) in enumerate(zip(run["epochs"], reference, strict=True)):
+        exactly_once(got["ids"])
+        assert got["ids"] == want["ids"], f"epoch {epoch}: another order than local prep's"
+        assert got["labels"] == want["labels"], f"epoch {epoch}: other labels than local prep's"
+        if labels is not None:
+            assert got["labels"] == [labels[i] for i in got["ids"]], f"epoch {epoch}: labels not the index's"
+    assert run["compared"] == N * len(reference)
+    assert run["bad_count"] == 0, (
+        f"{run['bad_count']} images differ from local prep's, e.g. (epoch:sample) {run['bad']}"
+    )
+
+
+# -- the tests -------------------------------------------------------------------------------------
+def test_sample_error_pickles():
+    """An actor's SampleError reaches the trainer pickled (through Ray's RayTaskError)."""
+    e = pickle.loads(pickle.dumps(coordl.SampleError("cannot decode sample 3 (a.jpg)", path="a.jpg", index=3)))
+    assert (type(e), str(e), e.path, e.index) == (coordl.SampleError, "cannot decode sample 3 (a.jpg)", "a.jpg", 3)
+
+
+def test_no_cluster_at_the_address_is_an_error_at_construction(tiny_dataset):
+    pytest.importorskip("ray")
+    t0 = time.monotonic()
+    with pytest.raises(coordl.CoordlError, match=r"no Ray cluster at RayPrep\(address='127.0.0.1:1'\)"):
+        coordl.CoordLoader(
+            str(tiny_dataset), batch_size=8, pipeline="imagenet-val", prep=coordl.RayPrep(address="127.0.0.1:1")
+        )
+    assert time.monotonic() - t0 < 10
+
+
+@needs_cluster
+def test_dali_remote_and_both_give_local_prep_s_tensors(cluster, tiny_dataset, isolated, tmp_path):
+    r = ok(drive(cluster, tmp_path, "equal_dali", tiny_dataset))
+    reference, labels = r["reference"], r["labels"]
+    for epoch in reference:
+        exactly_once(epoch["ids"])
+    for name in ("remote", "both", "trainer"):
+        same_as_reference(r[name], reference, labels)
+    remote, both, trainer = r["remote"]["stats"], r["both"]["stats"], r["trainer"]["stats"]
+    assert remote["remote_units"] == BATCHES and remote["local_units"] == 0
+    assert both["remote_units"] > 0 and both["local_units"] > 0, (
+        "RayPrep(local=True): actors and the trainer take units"
+    )
+    assert both["remote_units"] + both["local_units"] == BATCHES
+    assert r["remote"]["reads"] == ["node"] and remote["remote_shipped_bytes"] == 0
+    assert r["trainer"]["reads"] == ["trainer"] and trainer["remote_shipped_bytes"] > 0
+    # output="uint8": normalised on the trainer, by other float operations than DALI's (measured: 2.4e-7)
+    uint8 = r["uint8"]
+    for got, want in zip(uint8["epochs"], reference, strict=True):
+        assert (got["ids"], got["labels"]) == (want["ids"], want["labels"])
+    assert uint8["compared"] == 2 * N and uint8["max_diff"] <= 1e-5, f"max difference {uint8['max_diff']}"
+    assert uint8["stats"]["remote_result_bytes"] * 4 == remote["remote_result_bytes"]
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_torch_backend_remote_gives_local_tensors(cluster, tiny_dataset, isolated, tmp_path):
+    """ImageFolder with a random crop and flip drawn from Python's and torch's global generators."""
+    r = ok(drive(cluster, tmp_path, "equal_torch", tiny_dataset))
+    for name in ("remote", "both"):
+        same_as_reference(r[name], r["reference"])
+    assert r["remote"]["stats"]["remote_units"] == BATCHES
+    both = r["both"]["stats"]
+    assert both["remote_units"] > 0 and both["local_units"] > 0
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_state_resumes_at_another_world_size_with_ray_prep(cluster, tiny_dataset, isolated, tmp_path):
+    """tests/test_resume.py's resumed run, 2 ranks -> 3, every loader with RayPrep: the interrupted
+    epoch is delivered exactly once in all, with the uninterrupted run's tensors."""
+    r = ok(drive(cluster, tmp_path, "resume", tiny_dataset, "3"))
+    assert r["states_equal"], "ranks that received as many batches have one state"
+    assert (r["state"]["world_size"], r["state"]["epoch"], r["state"]["batches"]) == (2, 0, 3)
+    assert len(r["before"]) == 2 * 3 * 8
+    exactly_once(r["before"] + r["after"]["0"])
+    exactly_once(r["after"]["1"])  # the next epoch, at the new world size, is whole
+    assert r["compared"] == 2 * N and r["bad_count"] == 0, f"images differ from the reference: {r['bad']}"
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_killed_actor_s_units_run_again(cluster, tiny_dataset, isolated, tmp_path):
+    run = drive(cluster, tmp_path, "kill", tiny_dataset)
+    r = ok(run)
+    exactly_once(r["ids"])
+    exactly_once(r["second"])  # the pool goes on with the actor left, and its replacement
+    stats = r["stats"]
+    assert stats["remote_retried"] >= 1 and stats["remote_lost_s"] > 0
+    assert "coordl: a RayPrep actor died" in run.stderr
+    assert gone([r["killed"]]) == []
+    assert segments(isolated) == []
+
+
+@pytest.fixture(scope="module")
+def plain_interrupt_status(cluster, tiny_dataset, tmp_path_factory):
+    """The exit status of a script that calls ray.init and gets SIGINT, without coordl."""
+    run = drive(cluster, tmp_path_factory.mktemp("plain"), "life", tiny_dataset, "plain")
+    assert run.stderr.rstrip().endswith("KeyboardInterrupt"), run.stderr[-2000:]
+    return run.rc
+
+
+@needs_cluster
+@pytest.mark.parametrize("mode,status", [("break", 0), ("raise", 3), ("interrupt", None), ("kill", -9), ("noclose", 0)])
+def test_a_script_s_end_ends_its_actors_and_leaves_no_segment(
+    cluster, tiny_dataset, isolated, tmp_path, mode, status, request
+):
+    """A script that breaks out of its loop and closes, raises SystemExit(3), gets SIGINT, is
+    SIGKILLed, or never calls close(): it exits with its own status, its actors end, and its shm
+    folder is empty (after a SIGKILL: left to the reaper, which finds nobody attached)."""
+    if mode == "interrupt":  # Ray's driver exits 1 on an uncaught KeyboardInterrupt (Python alone: -2)
+        status = request.getfixturevalue("plain_interrupt_status")
+    run = drive(cluster, tmp_path, "life", tiny_dataset, mode)
+    assert run.rc == status, f"exit status {run.rc}, not {status}:\n{run.stderr[-4000:]}"
+    traceback = "Traceback" in run.stderr
+    assert traceback == (mode == "interrupt"), run.stderr[-4000:]
+    if mode == "interrupt":
+        assert run.stderr.rstrip().endswith("KeyboardInterrupt"), run.stderr[-4000:]
+    assert run.result is not None and len(run.result["pids"]) == 2
+    assert gone(run.result["pids"]) == [], "actors outlived their script"
+    if mode == "break":
+        assert run.result["end"] == "break" and run.result["ended_s"] < 5, "close() ends the actors at once"
+    if mode == "kill":
+        left = segments(isolated, timeout=1.0)
+        assert all(not g.in_use for g in reaper.list_groups(str(isolated))), "a dead script's cache is in use"
+        reaper.reap(str(isolated))
+        assert segments(isolated, timeout=0) == [], left
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_workers_auto_grows_the_pool_within_the_cluster(cluster, tiny_dataset, isolated, tmp_path):
+    """A prep-bound loader (actors only; or actors and one local DALI thread) with workers="auto":
+    a second actor once the loop waits, none beyond the cluster's 2 CPUs."""
+    r = ok(drive(cluster, tmp_path, "auto", tiny_dataset))
+    for name in ("remote", "both"):
+        samples = r[name]["samples"]  # (seconds, actors ready, actors started) after each batch
+        assert max(ready for _, ready, _ in samples) == 2, f"{name}: the pool never grew: {samples[-5:]}"
+        assert max(size for _, _, size in samples) <= 2, f"{name}: more actors than the cluster's CPUs"
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_in_flight_bounds_the_units_ahead_of_a_slow_loop(cluster, tiny_dataset, isolated, tmp_path):
+    """RayPrep(in_flight=3), a loop sleeping 0.1 s a batch: units claimed by actors and not taken
+    stay within 3, and with local=True all units within 3 plus the local pipeline's depth (its
+    results wait in memory); Ray's object store spills nothing."""
+    run = drive(cluster, tmp_path, "in_flight", tiny_dataset)
+    r = ok(run)
+    for name in ("remote", "both"):
+        exactly_once(r[name]["ids"])
+    sampled = {name: {k: sorted(int(n) for n in r[name][k]) for k in ("in_flight", "remote_in_flight")} for name in r}
+    assert max(sampled["remote"]["in_flight"]) == 3, f"actors only: {sampled['remote']}"
+    assert max(sampled["both"]["remote_in_flight"]) <= 3, f"local=True: {sampled['both']}"
+    depth = r["both"]["local_depth"]
+    assert depth == 2 + 1 + 2, "the local pipeline's depth: Fetch(batches_ahead), one more, DALI's queue"
+    assert max(sampled["both"]["in_flight"]) <= 3 + depth, f"local=True: {sampled['both']}"
+    logs = Path(cluster.session_dir, "logs")
+    spilled = [line for f in logs.glob("raylet*.out") for line in f.read_text().splitlines() if "Spilled" in line]
+    assert spilled == [] and "Spilled" not in run.stderr, spilled
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_corrupt_jpeg_raises_sample_error_or_is_skipped(cluster, dataset_copy, isolated, tmp_path):
+    """Actors preparing a corrupt JPEG: on_error="raise" raises SampleError naming it (DALI and torch
+    backends); on_error="skip" skips it and counts it."""
+    bad = sorted(dataset_copy.rglob("*.jpg"))[35]
+    bad.write_bytes(b"\xff\xd8" + b"x" * (bad.stat().st_size - 2))  # the index's size: read, then not decoded
+    r = ok(drive(cluster, tmp_path, "errors", dataset_copy))
+    for backend in ("dali", "torch"):
+        raised = r[f"{backend}_raise"]
+        assert raised["raised"] == "SampleError", f"{backend}: {raised}"
+        assert raised["path"] == str(bad) and str(bad) in raised["message"]
+        skipped = r[f"{backend}_skip"]
+        assert sorted(skipped["ids"]) == [i for i in range(N) if i != 35]
+        assert skipped["stats"]["skipped"] == 1 and skipped["stats"]["skipped_paths"] == [str(bad)]
+    assert segments(isolated) == []
