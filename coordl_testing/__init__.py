@@ -5,6 +5,8 @@
 - :mod:`coordl_testing.netns` runs several "nodes" on one machine, each in a network namespace
   with a private ``/dev/shm`` (``examples/multinode/simulate.py``, the multi-node tests and
   benchmark).
+- :mod:`coordl_testing.raycluster` runs a real Ray cluster of several nodes on loopback, in a
+  network namespace of its own, and drivers in it (``tests/test_ray.py``).
 - :mod:`coordl_testing.traffic` counts the entries a split of a global batch moves between nodes,
   the measure ``tests/test_placement.py`` and ``benchmarks/multinode.py`` hold plans to.
 

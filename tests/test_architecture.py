@@ -56,7 +56,7 @@ SHM = "coordl.shm"
 # Test support lives outside the package, at the repository root (coordl_testing/, tests/,
 # benchmarks/), which pip does not install: no module of the package is one of the fixtures, and
 # none imports the test support or what only the fixtures need (moto).
-FIXTURES = ["s3server", "netns"]
+FIXTURES = ["s3server", "netns", "raycluster"]
 TEST_SUPPORT = ["coordl_testing", "tests", "benchmarks", "moto"]
 
 
