@@ -305,7 +305,18 @@ def errors(root: str, out: str) -> None:
     write(out, result)
 
 
-SCENARIOS = {f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors)}
+def no_cluster(root: str, out: str, address: str) -> None:
+    """A loader whose RayPrep(address) has no cluster: the error, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        dali(root, coordl.RayPrep(address=address)).close()
+        result = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        result = {"raised": type(e).__name__, "coordl": isinstance(e, coordl.CoordlError), "message": str(e)}
+    write(out, {**result, "seconds": time.monotonic() - t0})
+
+
+SCENARIOS = {f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster)}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
