@@ -9,9 +9,11 @@ the processes Ray started), and shuts the cluster down when its stdin closes. Dr
 namespace with ``nsenter -t <pid> -n`` (:meth:`RayCluster.popen`).
 
 :meth:`RayCluster.close` closes that stdin, waits, then SIGKILLs what survived: the processes
-started under the cluster's process (seen before it exits) and every process still in its network
-namespace (drivers included), each checked by its start time, so that a recycled pid is left
-alone. Nothing else on the machine is touched: other sessions may run Ray too (never ``ray stop``).
+started under the cluster's process (seen before it exits), every process still in its network
+namespace (drivers included), and every process whose command line names the cluster's own
+temporary folder (Ray's session folder is in it: raylets, the GCS), each checked by its start
+time, so that a recycled pid is left alone. Nothing else on the machine is touched: other
+sessions may run Ray too (never ``ray stop``).
 
 Needs root, ``unshare``, ``nsenter`` and ``ip``, and Ray; :func:`unavailable` says why not.
 """
@@ -72,6 +74,14 @@ def _netns(pid: int) -> str | None:
         return os.readlink(f"/proc/{pid}/ns/net")
     except OSError:
         return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _pids() -> list[int]:
@@ -172,20 +182,21 @@ class RayCluster:
         return subprocess.Popen(["nsenter", "-t", str(self.pid), "-n", *argv], **kwargs)
 
     def members(self) -> dict[int, int]:
-        """The live processes of this cluster: seen under its process, or in its network namespace
-        (pid -> start time); never this process or its parents."""
+        """The live processes of this cluster: seen under its process, in its network namespace, or
+        naming its temporary folder (Ray's session folder is in it) on their command line (pid ->
+        start time); never this process or its parents."""
         mine = {os.getpid(), os.getppid(), 1}
         out = {}
         for pid, start in self._seen.items():
             s = _stat(pid)
             if s is not None and s[1] == start:
                 out[pid] = start
-        if self.netns is not None and self.netns != _netns(os.getpid()):
-            for pid in _pids():
-                if _netns(pid) == self.netns:
-                    s = _stat(pid)
-                    if s is not None:
-                        out[pid] = s[1]
+        ours = self.netns is not None and self.netns != _netns(os.getpid())
+        for pid in _pids():
+            if (ours and _netns(pid) == self.netns) or self.temp_dir.encode() in _cmdline(pid):
+                s = _stat(pid)
+                if s is not None:
+                    out[pid] = s[1]
         return {pid: start for pid, start in out.items() if pid not in mine}
 
     def close(self, timeout: float = 30.0) -> list[int]:
