@@ -290,8 +290,10 @@ def test_in_flight_bounds_the_units_ahead_of_a_slow_loop(cluster, tiny_dataset, 
     sampled = {name: {k: sorted(int(n) for n in r[name][k]) for k in ("in_flight", "remote_in_flight")} for name in r}
     assert max(sampled["remote"]["in_flight"]) == 3, f"actors only: {sampled['remote']}"
     assert max(sampled["both"]["remote_in_flight"]) <= 3, f"local=True: {sampled['both']}"
+    # the local pipeline's own bound: its queue (Fetch(batches_ahead) + 1 + DALI's 2), and the results
+    # it holds while the loop waits for an actor's unit (2 + 2): a few units, not the epoch's 30
     depth = r["both"]["local_depth"]
-    assert depth == 2 + 1 + 2, "the local pipeline's depth: Fetch(batches_ahead), one more, DALI's queue"
+    assert depth is not None and depth <= 2 + 1 + 2 + 4, f"the local pipeline may hold {depth} units"
     assert max(sampled["both"]["in_flight"]) <= 3 + depth, f"local=True: {sampled['both']}"
     logs = Path(cluster.session_dir, "logs")
     spilled = [line for f in logs.glob("raylet*.out") for line in f.read_text().splitlines() if "Spilled" in line]
