@@ -65,12 +65,11 @@ class Run:
     seconds: float
 
 
-def drive(cluster, tmp_path, scenario: str, root, *args: str, shm: Path | None = None, timeout: float = 240) -> Run:
-    """Runs ``ray_driver.py scenario root out *args`` in the cluster (its shm folder: ``shm``)."""
+def drive(cluster, tmp_path, scenario: str, root, *args: str, timeout: float = 240) -> Run:
+    """Runs ``ray_driver.py scenario root out *args`` in the cluster, with the test's environment
+    (its ``COORDL_SHM_DIR``, which the actors get too)."""
     out = tmp_path / f"{scenario}-{'-'.join(args)}.json"
     env = cluster.env(PYTHONPATH=_path(CODE))
-    if shm is not None:
-        env["COORDL_SHM_DIR"] = str(shm)
     argv = [sys.executable, str(DRIVER), scenario, str(root), str(out), *args]
     t0 = time.monotonic()
     p = cluster.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
