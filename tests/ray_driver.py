@@ -316,7 +316,36 @@ def no_cluster(root: str, out: str, address: str) -> None:
     write(out, {**result, "seconds": time.monotonic() - t0})
 
 
-SCENARIOS = {f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster)}
+def gpu(root: str, out: str) -> None:
+    """A trainer on GPU 0: actors' batches (CPU pipelines) arrive on the GPU, equal to local CPU prep;
+    uint8 ones are normalised there; with local=True the trainer's share is decoded on the GPU."""
+    ref_images: dict = {}
+    with dali(root, 1) as loader:
+        result = {"reference": epochs(loader, 1, ref_images)}
+    runs = {
+        "remote": coordl.RayPrep(workers=2, local=False),
+        "uint8": coordl.RayPrep(workers=2, local=False, output="uint8"),
+        "both": coordl.RayPrep(workers=2, local=True, threads=1),
+    }
+    for name, prep in runs.items():
+        images: dict = {}
+        with dali(root, prep, device_id=0) as loader:
+            wait_actors(loader, 2)
+            devices = set()
+            ids = []
+            for x, _, i in loader:
+                devices.add(str(x.device))
+                ids += i.tolist()
+                for image, sample in zip(x, i.tolist()):
+                    images[(0, sample)] = image.cpu()
+            result[name] = {"devices": sorted(devices), "ids": ids, "stats": loader.stats()}
+        result[name].update(compare(images, ref_images))
+    write(out, result)
+
+
+SCENARIOS = {
+    f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster, gpu)
+}
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

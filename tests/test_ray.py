@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import coordl
 from coordl.shm import reaper
@@ -314,4 +315,24 @@ def test_a_corrupt_jpeg_raises_sample_error_or_is_skipped(cluster, dataset_copy,
         skipped = r[f"{backend}_skip"]
         assert sorted(skipped["ids"]) == [i for i in range(N) if i != 35]
         assert skipped["stats"]["skipped"] == 1 and skipped["stats"]["skipped_paths"] == [str(bad)]
+    assert segments(isolated) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@needs_cluster
+def test_a_gpu_trainer_gets_the_actors_batches_on_its_gpu(cluster, tiny_dataset, isolated, tmp_path):
+    """The GPU path: CPU actors' batches moved to the trainer's GPU (bit-equal to CPU prep), uint8
+    ones normalised there, and the trainer's own share decoded on the GPU beside them."""
+    r = ok(drive(cluster, tmp_path, "gpu", tiny_dataset))
+    reference = r["reference"][0]["ids"]
+    for name in ("remote", "uint8", "both"):
+        assert r[name]["devices"] == ["cuda:0"], (name, r[name]["devices"])
+        exactly_once(r[name]["ids"])
+        assert r[name]["ids"] == reference
+    assert r["remote"]["bad_count"] == 0, r["remote"]["bad"]
+    assert r["uint8"]["max_diff"] <= 1e-5
+    both = r["both"]["stats"]
+    assert both["remote_units"] + both["local_units"] == BATCHES
+    assert r["both"]["max_diff"] < 0.5  # the GPU decoder's pixels differ from the CPU's by a few levels
     assert segments(isolated) == []
