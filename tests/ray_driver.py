@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -117,9 +118,7 @@ def equal_torch(root: str, out: str) -> None:
     """The torch backend's ImageFolder with a random transform: remote-only and both against local."""
 
     def make(prep=None):
-        data = coordl.datasets.ImageFolder(root, transform=transform)
-        kw = {} if prep is None else {"prep": prep}
-        return CoordLoader(data, batch_size=BS, shuffle=True, num_workers=0, seed=7, return_index=True, **kw)
+        return torch_loader(root, prep)
 
     ref_images: dict = {}
     with make() as loader:
@@ -136,17 +135,25 @@ def equal_torch(root: str, out: str) -> None:
     write(out, result)
 
 
-def resume(root: str, out: str, cut: str) -> None:
+def torch_loader(root: str, prep=None, **kw) -> CoordLoader:
+    data = coordl.datasets.ImageFolder(root, transform=transform)
+    kw = {"batch_size": BS, "shuffle": True, **kw} | ({} if prep is None else {"prep": prep})
+    return CoordLoader(data, num_workers=0, seed=7, return_index=True, **kw)
+
+
+def resume(root: str, out: str, cut: str, backend: str = "dali") -> None:
     """tests/test_resume.py's resumed run, 2 ranks -> 3, with RayPrep: ranks of 2 take ``cut``
-    batches of epoch 0, rank 0's state resumes 3 ranks, which finish epoch 0 and run epoch 1."""
+    batches of epoch 0, rank 0's state resumes 3 ranks, which finish epoch 0 and run epoch 1
+    (``backend``: ``"dali"``, or ``"torch"``: the ImageFolder of :func:`equal_torch`)."""
+    make = dali if backend == "dali" else torch_loader
     ref_images: dict = {}
-    with dali(root, 1) as loader:
+    with make(root, 1 if backend == "dali" else None) as loader:
         epochs(loader, 2, ref_images)
     prep = coordl.RayPrep(workers=2, local=False)
     images: dict = {}
     before, states = [], []
     for rank in range(2):
-        with dali(root, prep, shard=coordl.Shard(rank=rank, world_size=2)) as loader:
+        with make(root, prep, shard=coordl.Shard(rank=rank, world_size=2)) as loader:
             for k, (x, _, ids) in enumerate(loader):
                 before += ids.tolist()
                 images.update({(0, i): image.clone() for image, i in zip(x, ids.tolist())})
@@ -155,7 +162,7 @@ def resume(root: str, out: str, cut: str) -> None:
             states.append(json.loads(json.dumps(loader.state_dict())))
     after: dict = {0: [], 1: []}
     for rank in range(3):
-        with dali(root, prep, shard=coordl.Shard(rank=rank, world_size=3)) as loader:
+        with make(root, prep, shard=coordl.Shard(rank=rank, world_size=3)) as loader:
             loader.load_state_dict(states[0])
             for epoch in (0, 1):
                 loader.set_epoch(epoch)
@@ -343,8 +350,45 @@ def gpu(root: str, out: str) -> None:
     write(out, result)
 
 
+def hp_member(root: str, out: str) -> None:
+    """One trial of an HP group whose batches its Ray actors make (RayPrep(local=False))."""
+    images: dict = {}
+    result: dict = {"epochs": []}
+    with dali(root, coordl.RayPrep(workers=1, local=False), hp_group="sweep") as loader:
+        wait_actors(loader, 1)
+        for _ in range(2):
+            batches = [(x.clone(), i.tolist()) for x, _, i in loader]
+            stats = loader.stats()
+            order = stats["order_epoch"]  # the group's epoch this pass followed (a late joiner's may differ)
+            images.update({(order, s): image for x, ids in batches for image, s in zip(x, ids)})
+            result["epochs"].append({"ids": [s for _, ids in batches for s in ids], "order_epoch": order})
+        result["stats"] = stats
+    torch.save({f"{e}:{i}": x for (e, i), x in images.items()}, out + ".pt")
+    write(out, result)
+
+
+def hp(root: str, out: str) -> None:
+    """Two trials of one HP group, each a process with one actor making group batches, against a
+    loader alone with local prep."""
+    ref_images: dict = {}
+    with dali(root, 1) as loader:
+        result = {"reference": epochs(loader, 3, ref_images)}
+    outs = [f"{out}.member{k}" for k in range(2)]
+    members = [subprocess.Popen([sys.executable, __file__, "hp_member", root, o]) for o in outs]
+    result["rcs"] = [m.wait(timeout=180) for m in members]
+    result["members"] = []
+    for o in outs:
+        with open(o) as f:
+            member = json.load(f)
+        images = {tuple(map(int, k.split(":"))): x for k, x in torch.load(o + ".pt").items()}
+        member.update(compare(images, ref_images))
+        result["members"].append(member)
+    write(out, result)
+
+
 SCENARIOS = {
-    f.__name__: f for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster, gpu)
+    f.__name__: f
+    for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster, gpu, hp_member, hp)
 }
 
 if __name__ == "__main__":

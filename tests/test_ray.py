@@ -204,10 +204,11 @@ def test_torch_backend_remote_gives_local_tensors(cluster, tiny_dataset, isolate
 
 
 @needs_cluster
-def test_a_state_resumes_at_another_world_size_with_ray_prep(cluster, tiny_dataset, isolated, tmp_path):
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+def test_a_state_resumes_at_another_world_size_with_ray_prep(cluster, tiny_dataset, isolated, tmp_path, backend):
     """tests/test_resume.py's resumed run, 2 ranks -> 3, every loader with RayPrep: the interrupted
     epoch is delivered exactly once in all, with the uninterrupted run's tensors."""
-    r = ok(drive(cluster, tmp_path, "resume", tiny_dataset, "3"))
+    r = ok(drive(cluster, tmp_path, "resume", tiny_dataset, "3", backend))
     assert r["states_equal"], "ranks that received as many batches have one state"
     assert (r["state"]["world_size"], r["state"]["epoch"], r["state"]["batches"]) == (2, 0, 3)
     assert len(r["before"]) == 2 * 3 * 8
@@ -315,6 +316,24 @@ def test_a_corrupt_jpeg_raises_sample_error_or_is_skipped(cluster, dataset_copy,
         skipped = r[f"{backend}_skip"]
         assert sorted(skipped["ids"]) == [i for i in range(N) if i != 35]
         assert skipped["stats"]["skipped"] == 1 and skipped["stats"]["skipped_paths"] == [str(bad)]
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_an_hp_group_s_batches_come_from_its_members_actors(cluster, tiny_dataset, isolated, tmp_path):
+    """Two trials of one HP group, each with RayPrep(local=False): the group's batches are made once,
+    by the members' actors, and each trial gets every sample once an epoch, with the tensors of a
+    loader alone."""
+    r = ok(drive(cluster, tmp_path, "hp", tiny_dataset))
+    assert r["rcs"] == [0, 0]
+    produced = 0
+    for member in r["members"]:
+        for got in member["epochs"]:
+            exactly_once(got["ids"])
+            assert sorted(got["ids"]) == list(range(N))
+        assert member["compared"] == 2 * N and member["bad_count"] == 0, member["bad"]
+        produced += member["stats"]["produced"]
+    assert produced >= BATCHES  # the last epoch's batches, each made by one of the two
     assert segments(isolated) == []
 
 
