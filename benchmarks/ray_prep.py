@@ -32,7 +32,8 @@ and per round. With them, the figures that explain them: the split of units (``r
 takes in the actor (its ``read_s + prep_s``, remote-only) beside the trainer's seconds per batch,
 the CPU seconds per sample of the trainer, the actor and the rest of the Ray node (``/proc``),
 and whether Ray's object store spilled (the raylet's cumulative spill and restore requests).
-``--in-flight N`` passes ``RayPrep(in_flight=N)``.
+``--in-flight N`` passes ``RayPrep(in_flight=N)``, ``--output uint8`` ``RayPrep(output="uint8")``
+to DALI's remote and both runs (pixels sent, normalised on the trainer).
 
 Everything runs in a network namespace of its own with only loopback up (``unshare -n``), so
 Ray's traffic stays on loopback (Ray would otherwise use the machine's address). The node gets
@@ -117,6 +118,8 @@ def make_loader(args):
     remote = {"remote": {"local": False}, "both": {"local": True}}.get(config)
     if remote is not None:
         remote["in_flight"] = args.in_flight
+        if backend == "dali":
+            remote["output"] = args.output
     common_kw = {"batch_size": args.batch_size, "shuffle": True, "seed": args.seed, "cache": 0}
     if backend == "dali":
         prep = coordl.Prep(threads=1) if remote is None else coordl.RayPrep(workers=1, threads=1, **remote)
@@ -267,6 +270,7 @@ def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
     cmd += ["--data", args.data, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
     cmd += ["--seed", str(args.seed), "--skip", str(args.skip), "--out", str(out)]
     cmd += ["--in-flight", str(args.in_flight)] if args.in_flight else []
+    cmd += ["--output", args.output]
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(logfile, "w") as f:
@@ -368,7 +372,7 @@ def report(result: dict) -> str:
     lines = [
         f"Dataset: {common.describe(d)}; batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node "
         f"(1 CPU) on core {RAY_CORE}; {a['rounds']} rounds, {a['epochs']} epochs per run, the first "
-        f"{a['skip']} left out; RayPrep(in_flight={a['in_flight']}).",
+        f"{a['skip']} left out; RayPrep(in_flight={a['in_flight']}, output={a.get('output', 'pipeline')!r}) on DALI.",
         "",
         "| backend | config | samples/s, median [min-max] | / local | per round | mid-epoch samples/s | / local | "
         "remote share | result KB/sample | actor s/unit | trainer s/batch | CPU ms/sample: trainer, actor, ray |",
@@ -451,6 +455,12 @@ def main() -> int:
     p.add_argument("--backends", default="dali,torch", help="dali, torch or both (default: dali,torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-flight", type=int, help="RayPrep(in_flight) of remote and both (default: RayPrep's own)")
+    p.add_argument(
+        "--output",
+        choices=["pipeline", "uint8"],
+        default="pipeline",
+        help="RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer",
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds a trainer may run (default 600)")
     p.add_argument("--quick", action="store_true", help="a smoke run for the tests: 64 images, 1 round, 2 epochs")
     p.add_argument("--out", help="the JSON file (default: results/ray_prep.json; --quick: ray_prep_quick.json)")
