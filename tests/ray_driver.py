@@ -361,7 +361,14 @@ def hp_member(root: str, out: str) -> None:
             stats = loader.stats()
             order = stats["order_epoch"]  # the group's epoch this pass followed (a late joiner's may differ)
             images.update({(order, s): image for x, ids in batches for image, s in zip(x, ids)})
-            result["epochs"].append({"ids": [s for _, ids in batches for s in ids], "order_epoch": order})
+            result["epochs"].append(
+                {
+                    "ids": [s for _, ids in batches for s in ids],
+                    "order_epoch": order,
+                    "produced": stats["produced"],
+                    "shared": stats["consumed_shared"],
+                }
+            )
         result["stats"] = stats
     torch.save({f"{e}:{i}": x for (e, i), x in images.items()}, out + ".pt")
     write(out, result)
