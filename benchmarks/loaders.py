@@ -108,7 +108,7 @@ class TrainAugment:
         im = im.resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
         if random.random() < 0.5:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        t = torch.from_numpy(np.asarray(im, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
+        t = torch.from_numpy(np.array(im, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
         return t.sub_(torch.tensor(MEAN).view(3, 1, 1)).div_(torch.tensor(STD).view(3, 1, 1))
 
 

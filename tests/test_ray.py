@@ -181,6 +181,9 @@ def test_dali_remote_and_both_give_local_prep_s_tensors(cluster, tiny_dataset, i
     )
     assert both["remote_units"] + both["local_units"] == BATCHES
     assert r["remote"]["reads"] == ["node"] and remote["remote_shipped_bytes"] == 0
+    # The actors read through the node's cache (the reference run filled it): every sample a hit,
+    # counted from their reads, none from storage.
+    assert (remote["cache_hits"], remote["storage_reads"]) == (N, 0), remote
     assert r["trainer"]["reads"] == ["trainer"] and trainer["remote_shipped_bytes"] > 0
     # output="uint8": normalised on the trainer, by other float operations than DALI's (measured: 2.4e-7)
     uint8 = r["uint8"]
