@@ -14,11 +14,12 @@ import time
 
 from coordl.errors import CoordlError
 
-__all__ = ["WorkerPool", "connect", "ray_module"]
+__all__ = ["DEPTH", "Dispatch", "WorkerPool", "cause", "connect", "ray_module"]
 
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0  # for actors to leave their nodes' caches when the loader closes
+DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
 
 
 def ray_module():
@@ -196,6 +197,76 @@ class WorkerPool:
                 pass
         for actor in list(self._actors):
             self.remove(actor)
+
+
+class Dispatch:
+    """Units in flight on a pool's ready actors: up to :data:`DEPTH` each, and their results as
+    they come (the pass's remote thread and an HP group member's remote producer use one each).
+
+    Args:
+        pool: the actors.
+    """
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self._ray = ray_module()
+        self._held: dict = {}  # ref -> (actor, the caller's key, when handed out)
+        self._holding: dict = {}  # actor -> units it holds
+
+    def fill(self, next_unit) -> None:
+        """Starts actors that finished starting, ends idle retired ones, and gives each ready actor
+        units until it holds :data:`DEPTH`: ``next_unit(info)`` returns ``(unit, key)`` for an actor
+        that reads as ``info`` says, or None when there is none now."""
+        pool = self.pool
+        pool.poll()
+        pool.reap(lambda a: self._holding.get(a, 0))
+        for actor, info in list(pool.ready.items()):
+            while self._holding.get(actor, 0) < DEPTH:
+                got = next_unit(info)
+                if got is None:
+                    return
+                unit, key = got
+                self._held[actor.run.remote(unit)] = (actor, key, time.perf_counter())
+                self._holding[actor] = self._holding.get(actor, 0) + 1
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def keys(self) -> list:
+        """The keys of the units in flight."""
+        return [key for _, key, _ in self._held.values()]
+
+    def results(self, timeout: float):
+        """Yields ``(actor, key, seconds since handed out, outcome, died)`` for units that finished
+        within ``timeout``: ``outcome`` is the actor's :class:`~coordl.remote.worker.Done`, or the
+        exception it raised (out of Ray's wrapper), or (``died``) the error of its death."""
+        ray = self._ray
+        ready, _ = ray.wait(list(self._held), num_returns=1, timeout=timeout)
+        for ref in ready:
+            actor, key, t0 = self._held.pop(ref)
+            self._holding[actor] -= 1
+            try:
+                outcome, died = ray.get(ref), False
+            except died_errors(ray) as e:
+                outcome, died = e, True
+            except ray.exceptions.RayTaskError as e:
+                outcome, died = cause(e), False
+            yield actor, key, time.perf_counter() - t0, outcome, died
+
+    def cancel(self) -> None:
+        """Gives up the units in flight (an actor finishes the one it runs; its result is dropped)."""
+        for ref in list(self._held):
+            try:
+                self._ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - the actor is gone
+                pass
+        self._held.clear()
+
+
+def died_errors(ray) -> tuple:
+    """Ray's errors for a unit whose actor, worker or result is gone: the unit runs again."""
+    e = ray.exceptions
+    return (e.RayActorError, e.ObjectLostError, e.WorkerCrashedError)
 
 
 def cause(error: BaseException) -> BaseException:

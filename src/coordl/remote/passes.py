@@ -24,8 +24,8 @@ from coordl.errors import CoordlError
 from coordl.fetch.ahead import FetchAhead, Stopped
 from coordl.fetch.fetcher import FetchCounters
 from coordl.passes import Pass, Step
-from coordl.remote.cluster import cause, ray_module
-from coordl.remote.prep import DEPTH, START_TIMEOUT_S, RemotePrep
+from coordl.remote.cluster import DEPTH, Dispatch
+from coordl.remote.prep import START_TIMEOUT_S, RemotePrep
 from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
 from coordl.remote.worker import Arrays, Done, Unit, as_tensors
 
@@ -278,16 +278,24 @@ def _drive_remote(
 ) -> None:
     """The remote thread: units to ready actors, results back, re-runs after a death."""
     lifecycle.quiet_thread()
-    ray = ray_module()
     pool = remote.pool
-    held: dict = {}  # ref -> (actor, unit number, when handed out)
-    holding: collections.Counter = collections.Counter()
+    dispatch = Dispatch(pool)
+    pixels = remote.normalize is not None
     since = time.monotonic()  # when the pool last had a ready actor
+
+    def next_unit(info):
+        n = units.claim(REMOTE, block=False)
+        if n is None:
+            return None
+        unit = Unit(n, batches[n], order_epoch, pixels=pixels)
+        if info["reads"] == "trainer":
+            _ship(unit, ahead, fetcher, tally)
+        return unit, n
+
     try:
         while not units.finished():
-            pool.poll()
             remote.scale(rate, units.ready())
-            pool.reap(lambda a: holding[a])
+            dispatch.fill(next_unit)
             if pool.ready:
                 since = time.monotonic()
             elif not local and time.monotonic() - since > START_TIMEOUT_S:
@@ -295,34 +303,18 @@ def _drive_remote(
                     f"coordl: no RayPrep actor has been ready for {START_TIMEOUT_S:.0f} s and RayPrep(local=False): "
                     "the cluster has no free CPUs for them (see `ray status`)"
                 )
-            for actor, info in list(pool.ready.items()):
-                while holding[actor] < DEPTH:
-                    n = units.claim(REMOTE, block=False)
-                    if n is None:
-                        break
-                    unit = Unit(n, batches[n], order_epoch, pixels=remote.normalize is not None)
-                    if info["reads"] == "trainer":
-                        _ship(unit, ahead, fetcher, tally)
-                    held[actor.run.remote(unit)] = (actor, n, time.perf_counter())
-                    holding[actor] += 1
-            if not held:
+            if not dispatch:
                 units.wait(0.05)
                 continue
-            ready, _ = ray.wait(list(held), num_returns=1, timeout=0.05)
-            for ref in ready:
-                actor, n, t0 = held.pop(ref)
-                holding[actor] -= 1
-                try:
-                    done: Done = ray.get(ref)
-                except (
-                    ray.exceptions.RayActorError,
-                    ray.exceptions.ObjectLostError,
-                    ray.exceptions.WorkerCrashedError,
-                ) as e:
-                    _died(remote, actor, n, t0, units, tally, e)
+            for actor, n, lost, done, died in dispatch.results(timeout=0.05):
+                if died:
+                    with tally.lock:
+                        tally.lost_s += lost
+                    units.retry(n)
+                    remote.died(actor, done, lost)
                     continue
-                except ray.exceptions.RayTaskError as e:
-                    raise cause(e) from None
+                if isinstance(done, BaseException):
+                    raise done
                 if units.put(n, done):
                     with tally.lock:
                         tally.remote_units += 1
@@ -334,19 +326,7 @@ def _drive_remote(
         if not stop.is_set():
             units.fail(e)
     finally:
-        for ref in held:
-            try:
-                ray.cancel(ref)
-            except Exception:  # noqa: BLE001 - the actor is gone
-                pass
-
-
-def _died(remote: RemotePrep, actor, n: int, t0: float, units: Units, tally: Tally, error) -> None:
-    lost = time.perf_counter() - t0
-    with tally.lock:
-        tally.lost_s += lost
-    units.retry(n)
-    remote.died(actor, error, lost)
+        dispatch.cancel()
 
 
 def _ship(unit: Unit, ahead, fetcher, tally: Tally) -> None:

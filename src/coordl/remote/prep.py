@@ -14,14 +14,13 @@ import time
 import torch
 
 from coordl.options import RayPrep
-from coordl.remote.cluster import WorkerPool
+from coordl.remote.cluster import DEPTH, WorkerPool
 from coordl.remote.worker import Job
 
-__all__ = ["RemotePrep", "scale_step"]
+__all__ = ["DEPTH", "RemotePrep", "scale_step"]
 
 log = logging.getLogger(__name__)
 
-DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
 SCALE_EVERY_S = 1.0  # how often workers="auto" looks at the stalls
 GROW_ABOVE = 0.05  # the loop waited more than this share of the time: one more actor
 SHRINK_BELOW = 0.01  # less than this share, with prepared batches waiting: one fewer

@@ -11,7 +11,6 @@ uint8 variant (``Unit.pixels``), normalised by each consumer as the local ones a
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -21,9 +20,8 @@ import torch
 
 from coordl import lifecycle
 from coordl.errors import SampleError
-from coordl.remote.cluster import cause, ray_module
-from coordl.remote.prep import DEPTH
-from coordl.remote.worker import Done, Unit
+from coordl.remote.cluster import Dispatch
+from coordl.remote.worker import Unit
 from coordl.staging.member import Producer
 
 __all__ = ["RemoteProducer"]
@@ -47,54 +45,46 @@ class RemoteProducer(Producer):
 
     def _run(self) -> None:
         lifecycle.quiet_thread()
-        ray = ray_module()
-        pool, area = self.remote.pool, self.area
-        held: dict = {}  # ref -> (actor, claim, when handed out)
-        holding: collections.Counter = collections.Counter()
+        area = self.area
+        dispatch = Dispatch(self.remote.pool)
+
+        def next_unit(info):
+            c = area.claim(block=False)
+            if c is None:
+                return None
+            unit = Unit(c.q, self.ids_of(c.q), area.order_key(c.q), pixels=self.pixels)
+            if info["reads"] == "trainer":
+                raw = self.fetch.collect(unit.ids, c.q)
+                unit.ids, unit.data, unit.skipped = raw.ids, raw.data, list(self.fetch.skipped)
+            return unit, c
+
         try:
             while not self.stop.is_set():
-                pool.poll()
-                pool.reap(lambda a: holding[a])
-                for actor, info in list(pool.ready.items()):
-                    while holding[actor] < DEPTH:
-                        c = area.claim(block=False)
-                        if c is None:
-                            break
-                        unit = Unit(c.q, self.ids_of(c.q), area.order_key(c.q), pixels=self.pixels)
-                        if info["reads"] == "trainer":
-                            raw = self.fetch.collect(unit.ids, c.q)
-                            unit.ids, unit.data, unit.skipped = raw.ids, raw.data, list(self.fetch.skipped)
-                        held[actor.run.remote(unit)] = (actor, c, time.perf_counter())
-                        holding[actor] += 1
-                if not held:
+                dispatch.fill(next_unit)
+                if not dispatch:
                     time.sleep(0.01)
                     continue
-                ready, _ = ray.wait(list(held), num_returns=1, timeout=0.05)
-                for ref in ready:
-                    actor, c, t0 = held.pop(ref)
-                    holding[actor] -= 1
-                    self._collect(ray, ref, actor, c, t0)
+                for actor, c, lost, done, died in dispatch.results(timeout=0.05):
+                    self._collect(actor, c, lost, done, died)
         except BaseException as e:  # noqa: BLE001 - the consumer raises it
             if not self.stop.is_set():
                 self.channel.fail(e)
         finally:
-            for _, c, _ in held.values():
+            for c in dispatch.keys():
                 area.unclaim(c)  # made by another producer of the group
+            dispatch.cancel()
 
-    def _collect(self, ray, ref, actor, c, t0: float) -> None:
+    def _collect(self, actor, c, lost: float, done, died: bool) -> None:
         area = self.area
-        try:
-            done: Done = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError) as e:
+        if died:
             area.unclaim(c)  # the group's next claim makes it again
-            self.remote.died(actor, e, time.perf_counter() - t0)
+            self.remote.died(actor, done, lost)
             return
-        except ray.exceptions.RayTaskError as e:
-            error = cause(e)
-            if isinstance(error, SampleError):
-                area.publish_error(c, str(error), error.path)
-                return
-            raise error from None
+        if isinstance(done, SampleError):
+            area.publish_error(c, str(done), done.path)
+            return
+        if isinstance(done, BaseException):
+            raise done
         self._remote_prep_s += done.prep_s
         if done.images is None:  # every sample skipped
             area.publish(c, 0)

@@ -332,6 +332,7 @@ class GroupPass(Pass):
         # Batches this member made since the previous pass's statistics (a producer drains the
         # batches it has in flight after its pass ends; they count in the next pass).
         self._produced_from = member.produced_mark
+        self._produced_to: int | None = None  # the count when the pass ended
         released, _ = area.position()
         if not continues and released < start:
             log.info(
@@ -425,15 +426,18 @@ class GroupPass(Pass):
 
     def _finish(self) -> None:
         self.area.finish_pass()
+        # One reading of the producers' count ends this pass's share and starts the next's: a
+        # batch made while the statistics are taken counts in one of them, not in neither.
+        self._produced_to = self.member.produced_mark = self.member.produced
         super()._finish()
-        self.member.produced_mark = self.member.produced
 
     def _counters(self) -> FetchCounters:
         return self.member.resources.fetcher.counters
 
     def _figures(self) -> dict:
         extra = {
-            "produced": self.member.produced - self._produced_from,
+            "produced": (self.member.produced if self._produced_to is None else self._produced_to)
+            - self._produced_from,
             "consumed_shared": self._shared,
             "order_epoch": self.order_epoch,
         }
