@@ -382,7 +382,6 @@ NOT_FOR_USERS = [
     ("s3/reads.py", "_changed_size("),  # storage.py's message for a changed size, listed in faq.md
     ("threads.py", ""),  # thread primitives used by coordl only: a pool misused is a bug in coordl
     ("remote/passes.py", "failure_error("),  # an actor's SampleError again, listed in faq.md
-    ("remote/passes.py", "cause(e)"),  # re-raises what an actor raised (a SampleError, a recipe's error), listed
 ]
 LOG_LEVELS = {"warning", "error", "exception", "critical"}
 COORDL_ERRORS = set(coordl.errors.__all__) | {"CompatError"}  # coordl.compat's, a CoordlError
