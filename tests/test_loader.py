@@ -184,6 +184,42 @@ def test_resume_refuses_a_different_configuration(tiny_dataset):
             c.load_state_dict(bad)
 
 
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"drop_last": True}, "drop_last"),
+        ({"shuffle": False}, "shuffle"),
+        ({"shard": coordl.Shard(rank=0, world_size=1, drop_last=True)}, "shard_drop_last"),
+        ({"pipeline": coordl.ImageNetVal(size=32, resize=36)}, "config"),  # another recipe: the fingerprint
+    ],
+)
+def test_a_state_of_another_drop_last_shuffle_or_pipeline_is_refused(tiny_dataset, change, field):
+    """docs/guarantees.md: a state resumes only a loader of the same configuration; the message names
+    what differs."""
+    with make(tiny_dataset, cache=0, shard=coordl.Shard(rank=0, world_size=1)) as a:
+        state = a.state_dict()
+    kw = {"cache": 0, "shard": coordl.Shard(rank=0, world_size=1), **change}
+    with make(tiny_dataset, **kw) as b:
+        with pytest.raises(ValueError, match=rf"cannot resume: state has {field}=.* but this loader has {field}="):
+            b.load_state_dict(state)
+        assert b.state_dict()["epoch"] == 0  # nothing was changed by the refused state
+
+
+def test_every_coordl_error_is_a_coordl_error_and_a_runtime_error():
+    """docs: ``except coordl.CoordlError`` catches all of coordl's own failures, which are RuntimeErrors
+    (GroupConfigError is a ValueError too: a configuration that does not match)."""
+    import inspect
+
+    import coordl.errors
+
+    classes = [c for _, c in inspect.getmembers(coordl.errors, inspect.isclass) if issubclass(c, BaseException)]
+    assert {c.__name__ for c in classes} >= {"CoordlError", "SampleError", "StoreError", "DatasetChangedError"}
+    for c in classes:
+        assert issubclass(c, coordl.CoordlError) and issubclass(c, RuntimeError), c
+        assert getattr(coordl, c.__name__) is c  # exported where users catch it
+    assert issubclass(coordl.GroupConfigError, ValueError)
+
+
 def test_augmentation_is_fresh_every_epoch_and_val_is_deterministic(tiny_dataset):
     def by_id(loader):
         out = {}
