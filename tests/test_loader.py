@@ -339,6 +339,29 @@ def test_missing_or_changed_file(dataset_copy):
         assert sorted(flat(epoch_ids(fresh))) == list(range(119))
 
 
+def test_a_changed_size_alone_deletes_the_saved_file_list(dataset_copy):
+    """A file rewritten in place (same name, other size) changes no folder's modification time, so
+    the saved file list would still be reused: the DatasetChangedError must delete it, and the
+    next start scans again and sees the new size (docs/guarantees.md, "A changed file")."""
+    with make(dataset_copy, cache=0) as loader:
+        saved, victim = loader.index.saved_path, loader.index.paths[7]
+        old_size = int(loader.index.sizes[7])
+        assert saved and os.path.exists(saved)
+        folders = [os.path.dirname(victim), str(dataset_copy)]
+        times = [os.stat(d).st_mtime_ns for d in folders]
+        with open(victim, "r+b") as f:  # the same file, rewritten in place and longer
+            f.seek(0, os.SEEK_END)
+            f.write(b"\0" * 10)
+        for d, t in zip(folders, times):
+            os.utime(d, ns=(t, t))
+        assert [os.stat(d).st_mtime_ns for d in folders] == times
+        with pytest.raises(coordl.DatasetChangedError, match=f"{victim} is .* changed after it was indexed"):
+            epoch_ids(loader)
+    assert not os.path.exists(saved)
+    again = coordl.Index.scan(dataset_copy)
+    assert int(again.sizes[again.paths.index(victim)]) == old_size + 10
+
+
 def test_breaking_out_and_closing_leaves_nothing_running(tiny_dataset):
     loader = make(tiny_dataset, cache=0.5)
     for k, _ in enumerate(loader):
