@@ -537,6 +537,39 @@ def test_kill9_mid_write_is_reclaimed_by_the_next_lone_attach(tiny_dataset, isol
     assert os.listdir(isolated) == []
 
 
+def _attached_then_killed(root, q):
+    def body():
+        from coordl.fetch.spec import CacheSpec
+
+        index = Index.scan(root)
+        spec = CacheSpec.for_dataset(index, index.total_bytes)
+        cache = spec.open(index.sizes)
+        fetcher = Fetcher(index, cache, drop_page_cache=False)
+        for j in range(5):
+            fetcher.fetch(j)
+        return spec.fingerprint
+
+    report(q, body)
+    time.sleep(3 * WAIT)  # killed here, the cache still attached
+
+
+def test_a_later_loader_of_another_dataset_removes_a_dead_cache(tiny_dataset, dataset_copy, isolated, procs):
+    """docs/guarantees.md, SIGKILL: a killed process's segments stay until the next loader on the
+    machine opens a cache, which removes every cache no live process uses, not only its own."""
+    q = CTX.Queue()
+    p = procs(_attached_then_killed, str(tiny_dataset), q)
+    dead = result(q)
+    kill9(p)
+    assert {names.parse_name(e)[1] for e in group_entries(isolated, dead)} >= {"table", "chunk"}
+    loader = coordl.CoordLoader(dataset_copy, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache=0.5)
+    try:
+        assert loader.cache is not None and loader.cache.fingerprint != dead
+        assert group_entries(isolated, dead) == []  # dataset A's dead cache, reclaimed
+        assert group_entries(isolated, loader.cache.fingerprint)  # dataset B's own, in use
+    finally:
+        loader.close()
+
+
 # -- 6. a budget larger than the shared memory there is ---------------------------------------
 @contextlib.contextmanager
 def small_tmpfs(size: int):
