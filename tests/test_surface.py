@@ -153,6 +153,66 @@ PINNED_HEAD = [398980, 549947, 707343, 606752, 293811]
 PINNED_LAST = 115920
 
 
+#: ``draws.uniforms(seed, epoch, ids, count)`` as multiples of 2**-24 (each draw is one, exactly).
+PINNED_UNIFORMS = [
+    ((0, 0, [0, 1, 2], 3), [[15640811, 10480725, 10779627], [12400422, 12347705, 3815142], [25916, 169765, 13557098]]),
+    ((7, 3, [5, 119, 0], 2), [[3515452, 4716831], [16413560, 10620531], [5468391, 9603692]]),
+    (
+        (2**63 + 5, 12, [1_000_002, 17], 4),
+        [[2277782, 12254748, 10648313, 4566373], [3722842, 7549966, 6259569, 1069505]],
+    ),
+    ((-1, 1, [3], 3), [[4037239, 841542, 15703700]]),
+]
+PINNED_SEEDS = [
+    ((0, 0, [0, 1, 2]), [387799389155498907, 6183000471980860322, 4780009980873452742]),
+    ((7, 3, [5, 119, 0]), [433663975062295115, 6766241625871569150, 3106819152094812665]),
+    ((2**63 + 5, 12, [1_000_002, 17]), [4875228163150923561, 3469933670699401354]),
+    ((-1, 1, [3]), [8478865193121018411]),
+]
+
+
+@pytest.mark.parametrize(("key", "want"), PINNED_UNIFORMS)
+def test_the_augmentation_draws_are_pinned(key, want):
+    """The golden values of ``coordl.draws.uniforms``: every crop window and flip of every sample
+    comes from these numbers, so a change of them changes every augmentation of every epoch
+    (and makes a resumed run's images differ from the run it resumes). Such a change is a new
+    version of the draws and needs a bump like ``sampler.ORDER_VERSION``'s, never a new literal
+    pasted here. Exact equality: each draw is a multiple of 2**-24, exact in float32."""
+    got = coordl.draws.uniforms(*key)
+    assert got.dtype == np.float32 and got.shape == (len(key[2]), key[3])
+    assert np.array_equal(got, np.array(want, dtype=np.float64) * 2.0**-24)
+
+
+@pytest.mark.parametrize(("key", "want"), PINNED_SEEDS)
+def test_the_sample_seeds_are_pinned(key, want):
+    """The golden values of ``coordl.draws.sample_seeds`` (the seed of a torch-backend transform's
+    generator): a change of them changes every such augmentation and needs a version bump like
+    ``sampler.ORDER_VERSION``'s, not new literals."""
+    got = coordl.draws.sample_seeds(*key)
+    assert got.dtype == np.uint64 and np.array_equal(got, np.array(want, dtype=np.uint64))
+
+
+def test_the_generator_seeds_are_pinned():
+    """``coordl.draws.mix``, which seeds the generators coordl seeds: pinned likewise."""
+    assert coordl.draws.mix(0) == 16294208416658607535
+    assert coordl.draws.mix(1, 2, 3) == 15020427595393229491
+    assert coordl.draws.mix(-1, 2**64 - 1) == 7136257342804621622  # a negative int is its two's complement
+
+
+@pytest.mark.parametrize(
+    ("n", "seed", "epoch", "want"),
+    [
+        (12, 7, 5, [2, 11, 10, 0, 6, 1, 4, 7, 9, 5, 8, 3]),
+        (20, 123456789, 2**40, [17, 1, 12, 19, 2, 0, 5, 14, 15, 13, 7, 10, 18, 3, 6, 11, 16, 9, 8, 4]),
+    ],
+)
+def test_the_epoch_order_is_pinned_for_more_seeds_and_epochs(n, seed, epoch, want):
+    """More golden orders of version 1 (:data:`coordl.sampler.ORDER_VERSION`), at other lengths,
+    seeds and a large epoch: a change needs a new ORDER_VERSION."""
+    assert sampler.ORDER_VERSION == 1
+    assert np.array_equal(sampler.epoch_order(n, seed, epoch), np.array(want))
+
+
 def test_the_state_names_the_order_version(tiny_dataset):
     with _loader(tiny_dataset, batch_size=8, shuffle=True) as loader:
         next(iter(loader))
