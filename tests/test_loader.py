@@ -446,3 +446,45 @@ def test_gpu_path_outputs_on_the_device(tiny_dataset):
                 ids += idx.tolist()
             assert sorted(ids) == list(range(120))
         assert loader.stats()["cache_hits"] == loader.stats()["cache_items"] > 0
+
+
+class RecipeBroke(ValueError):
+    """A custom recipe's own error (a subclass, so that a wrapped or re-typed one is noticed)."""
+
+
+def test_a_custom_recipes_error_is_raised_unchanged(tiny_dataset):
+    def broken(encoded, ctx):
+        raise RecipeBroke("the recipe cannot be built: 42")
+
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - its exact type is checked below
+        with make(tiny_dataset, pipeline=broken, cache=0) as loader:
+            next(iter(loader))
+    assert raised.type is RecipeBroke and str(raised.value) == "the recipe cannot be built: 42"
+
+
+def test_a_dali_operators_failure_reaches_the_loop_with_the_driver_threads_traceback(tiny_dataset):
+    import traceback
+
+    from nvidia.dali import fn
+
+    def fails_at_run_time(encoded, ctx):  # builds; no image has 7 elements, so every run fails
+        images = fn.decoders.image(encoded, device=ctx.decoder_device)
+        return fn.reshape(images, shape=[7])
+
+    with make(tiny_dataset, pipeline=fails_at_run_time, cache=0) as loader:
+        with pytest.raises(RuntimeError, match="reshape") as raised:
+            next(iter(loader))
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert "_drive" in frames, f"the driver thread's frames are missing from the traceback: {frames}"
+    assert frames[-1] != "check", "the traceback ends where the loop re-raised it, not where it failed"
+
+
+def test_augmentation_is_fresh_every_epoch_though_the_bytes_come_from_the_cache(tiny_dataset):
+    with make(tiny_dataset, cache="auto") as train:
+        e0 = {i: img for images, _, ids in train for img, i in zip(images, ids.tolist(), strict=True)}
+        e1 = {i: img for images, _, ids in train for img, i in zip(images, ids.tolist(), strict=True)}
+        stats = train.stats()
+    assert sorted(e0) == sorted(e1) == list(range(120))
+    assert stats["epoch"] == 1 and stats["cache_hits"] == 120 and stats["storage_reads"] == 0, stats
+    same = sum(torch.equal(e0[i], e1[i]) for i in e0)
+    assert same < 5, f"{same} of 120 samples were augmented alike in two epochs from the cache"

@@ -289,3 +289,50 @@ def test_a_pass_left_and_started_again_and_a_skipped_file_change_no_other_sample
     assert sorted(got) == [i for i in range(N) if i != 5]
     for key, image in out.items():
         assert torch.equal(image, reference[key]), f"sample {key[1]} differs from the reference"
+
+
+def _distributed_batches(order: list[int], rank: int, world: int, drop_last: bool) -> list[list[int]]:
+    """Rank ``rank``'s batches of ``order`` under ``DataLoader(batch_size=BS, drop_last)`` over
+    ``DistributedSampler(drop_last=True)`` (written from their documented rules): the order's tail
+    is cut to a multiple of ``world``, rank ``r`` gets every ``world``-th sample from ``r``, and
+    with ``drop_last`` its last incomplete batch is dropped."""
+    shard = order[rank : len(order) // world * world : world]
+    count = len(shard) // BS if drop_last else -(-len(shard) // BS)
+    return [shard[k * BS : (k + 1) * BS] for k in range(count)]
+
+
+@pytest.mark.parametrize("drop_last,cut", [(True, 2), (True, 5), (False, 2)])
+def test_an_elastic_resume_with_drop_last_delivers_what_distributed_sampler_would(tiny_dataset, drop_last, cut):
+    # Shard(drop_last=True) always; with DataLoader's drop_last=False too, so that a padded shard
+    # (30 samples on each of 3 ranks after 2 batches on 2, instead of 29) shows in the last batch.
+    root = str(tiny_dataset)
+    with _loader(root, cache=0) as whole:  # one rank, nothing dropped: the epoch's order
+        order = [i for _, _, ids in whole for i in ids.tolist()]
+    assert sorted(order) == list(range(N))
+
+    def ranks(world):
+        shard = [coordl.Shard(rank=r, world_size=world, drop_last=True) for r in range(world)]
+        return [_loader(root, cache=0, drop_last=drop_last, shard=s) for s in shard]
+
+    before, state = ranks(2), None
+    try:
+        for r, loader in enumerate(before):
+            got = [ids.tolist() for _, (_, _, ids) in zip(range(cut), loader, strict=False)]
+            assert got == _distributed_batches(order, r, 2, drop_last)[:cut]
+            state = json.loads(json.dumps(loader.state_dict()))
+    finally:
+        for loader in before:
+            loader.close()
+    rest = order[2 * cut * BS :]  # the samples no rank had received
+    delivered = [i for r in range(2) for b in _distributed_batches(order, r, 2, drop_last)[:cut] for i in b]
+    after = ranks(3)
+    try:
+        for r, loader in enumerate(after):
+            loader.load_state_dict(state)
+            got = [ids.tolist() for _, _, ids in loader]
+            assert got == _distributed_batches(rest, r, 3, drop_last), f"rank {r} of 3 after {cut} batches on 2"
+            delivered += [i for b in got for i in b]
+    finally:
+        for loader in after:
+            loader.close()
+    assert max(Counter(delivered).values()) == 1, "a sample delivered twice with drop_last"

@@ -410,3 +410,41 @@ def test_a_torchvision_imagefolder_is_read_through_coordl(tiny_dataset):
     with CoordLoader(tv, batch_size=8, shuffle=False, num_workers=2, cache=0) as loader:
         images, labels = next(iter(loader))
     assert torch.equal(images, torch.stack([to_tensor(ours[i][0]) for i in range(8)]))
+
+
+class CollateBroke(ValueError):
+    """A ``collate_fn``'s own error (at module level, so that workers can send it back)."""
+
+
+def _broken_collate(items):
+    raise CollateBroke(f"cannot collate {len(items)} items")
+
+
+def _first_error(loader) -> tuple[type, str]:
+    """The type and message of the error ``loader``'s first batch raises; only those are kept, so
+    that the iterator and its workers go when this returns."""
+    error = None
+    try:
+        next(iter(loader))
+    except Exception as e:  # noqa: BLE001 - any: the caller compares it
+        error = type(e), str(e)
+        e.__traceback__ = None  # its frames hold the iterator in a cycle: freed now, not by a gc much later
+    assert error is not None, "the first batch raised nothing"
+    return error
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_fn_error_is_raised_as_dataloader_raises_it(tiny_dataset, num_workers):
+    plain = torch.utils.data.DataLoader(
+        ImageFolder(tiny_dataset, transform=to_tensor),
+        batch_size=8,
+        num_workers=num_workers,
+        collate_fn=_broken_collate,
+    )
+    expected, _ = _first_error(plain)
+    with make(tiny_dataset, num_workers=num_workers, collate_fn=_broken_collate, cache=0) as loader:
+        raised, message = _first_error(loader)
+    assert raised is expected, f"{raised.__name__} where DataLoader raises {expected.__name__}"
+    assert "cannot collate 8 items" in message
+    if num_workers:  # DataLoader names the worker and carries its traceback in the message
+        assert "in DataLoader worker process" in message and "_broken_collate" in message
