@@ -138,6 +138,24 @@ class Resources:
                 stop()
             raise
 
+    def fetch_ahead(self, batches: list, config, stop):
+        """A :class:`~coordl.fetch.ahead.FetchAhead` over ``batches`` with these pools, peers and
+        the loader's ``config`` (its ``batches_ahead`` and ``on_error``), ending when ``stop`` is set."""
+        from coordl.fetch.ahead import FetchAhead
+
+        return FetchAhead(
+            self.fetcher,
+            batches,
+            self.index.labels,
+            self.pool,
+            threads=self.io_threads,
+            depth=config.batches_ahead,
+            on_error=config.on_error,
+            stop=stop,
+            peers=self.peers,
+            peer_pool=self.peer_pool,
+        )
+
     def with_cache(self, spec: CacheSpec | None) -> Resources:
         """These resources over another cache, attached from ``spec`` (DS-Analyzer's cold, private
         one; None: none): the same pools and pipeline, a fetcher of its own, and on the torch

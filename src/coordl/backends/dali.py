@@ -49,18 +49,7 @@ class DaliPass(Pass):
         self._prep0 = prep.waiting.total()
         self._skipped0 = len(prep.skipped)
         resources.fetcher.reset_counters()
-        self._ahead = FetchAhead(
-            resources.fetcher,
-            batches,
-            resources.index.labels,
-            resources.pool,
-            threads=resources.io_threads,
-            depth=config.batches_ahead,
-            on_error=config.on_error,
-            stop=self.stop_event,
-            peers=resources.peers,
-            peer_pool=resources.peer_pool,
-        )
+        self._ahead = resources.fetch_ahead(batches, config, self.stop_event)
         peers = resources.peers
         self._served0 = peers.served() if peers is not None else (0, 0)
         keep = resources.fetcher if resources.decoded is not None else None

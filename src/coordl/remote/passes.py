@@ -127,18 +127,7 @@ class RayPass(Pass):
         )
         self._ahead = None
         if backend == "dali":
-            self._ahead = FetchAhead(
-                resources.fetcher,
-                [],
-                resources.index.labels,
-                resources.pool,
-                threads=resources.io_threads,
-                depth=config.batches_ahead,
-                on_error=config.on_error,
-                stop=self.stop_event,
-                peers=resources.peers,
-                peer_pool=resources.peer_pool,
-            )
+            self._ahead = resources.fetch_ahead([], config, self.stop_event)  # units come as they are claimed
         args = (self._units, batches, order_epoch, self.stop_event, self._tally)
         self._threads = [
             threading.Thread(
