@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -194,6 +196,37 @@ def test_reads_measure_how_many_should_run_at_once(tiny_dataset, isolated):
     assert 0.5 < fetcher.concurrency() < 2, "reads from the page cache should not ask for more threads"
 
 
+@pytest.fixture
+def busy_cores():
+    """One process spinning on each core for the test's duration, as on a training node."""
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    try:
+        for p in spinners:
+            assert p.stdout.readline() == b"spinning\n"
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()
+
+
+def test_a_busy_machine_does_not_change_how_many_reads_should_run_at_once(tiny_dataset, isolated, busy_cores):
+    """Preempted at a system call, a thread waits for a CPU; that wait must count in the wall time
+    and the busy time alike (the kernel adds it to the thread's total only once it runs again)."""
+    index = Index.scan(tiny_dataset)
+    contents(index)
+    for _ in range(10):
+        fetcher = Fetcher(index, None, drop_page_cache=False)
+        for part in np.array_split(np.arange(len(index)), 4):
+            fetcher.read(part)
+        assert 0.5 < fetcher.concurrency() < 2, "reads from the page cache, on busy cores"
+
+
 # -- FetchAhead ---------------------------------------------------------------------------
 class CountingPool(cf.ThreadPoolExecutor):
     def __init__(self, n):
@@ -246,7 +279,10 @@ def test_a_batch_is_read_in_few_tasks_duplicates_once_failures_skipped_in_order(
         pool.shutdown()
 
 
-def test_reads_that_wait_for_the_storage_spread_over_the_pool(tiny_dataset, isolated, monkeypatch):
+@pytest.mark.parametrize("cores", ["idle", "busy"])
+def test_reads_that_wait_for_the_storage_spread_over_the_pool(tiny_dataset, isolated, monkeypatch, request, cores):
+    if cores == "busy":
+        request.getfixturevalue("busy_cores")
     index = Index.scan(tiny_dataset)
     real = storage.read_many
 

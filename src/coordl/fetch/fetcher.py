@@ -69,17 +69,33 @@ class _Pace:
         return self._wall / self._busy if self._busy else None
 
 
-def _busy_ns() -> int:
-    """This thread's time on a CPU (up to date) plus its time spent runnable, waiting for a CPU
-    (``/proc/thread-self/schedstat``'s second field, where there is one). What a read's wall
-    time has beyond it, it spent waiting for the storage (or for the GIL, while another thread
-    holds it)."""
+def _schedstat() -> tuple[int, int]:
+    """This thread's time spent runnable, waiting for a CPU, and how many times it got one
+    (``/proc/thread-self/schedstat``'s second and third fields; zeros where there is none)."""
     try:
         with open("/proc/thread-self/schedstat", "rb") as f:
-            waited = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        waited = 0
-    return time.thread_time_ns() + waited
+            _, waited, runs = f.read().split()[:3]
+        return int(waited), int(runs)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _stamp() -> tuple[int, int]:
+    """The wall clock, and this thread's busy time at the same instant: its time on a CPU plus its
+    time spent runnable, waiting for one. What a read's wall time has beyond its busy time, it
+    spent waiting for the storage (or for the GIL, while another thread holds it).
+
+    The kernel adds a wait to the thread's total only when the thread gets a CPU again, so a
+    thread preempted between reading the total and the clock would count that wait in one and
+    not the other (a busy machine preempts at exactly such system calls): the clock is read
+    between two readings of the total that saw no preemption in between."""
+    for _ in range(4):
+        waited, runs = _schedstat()
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        waited2, runs2 = _schedstat()
+        if runs2 == runs:
+            break
+    return wall, cpu + waited2
 
 
 class Fetcher:
@@ -273,7 +289,7 @@ class Fetcher:
                 data[k] = buffer[a:b]
                 slots[k] = [data[k]]
         paced = len(ids) >= _Pace.MIN_FILES
-        b0 = _busy_ns() if paced else 0
+        w0, b0 = _stamp() if paced else (0, 0)
         t0 = time.perf_counter_ns()
         try:
             failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache, stop=self.closing)
@@ -283,7 +299,8 @@ class Fetcher:
             raise
         dt = time.perf_counter_ns() - t0
         if paced:
-            self._pace.add(dt, _busy_ns() - b0)
+            w1, b1 = _stamp()
+            self._pace.add(w1 - w0, b1 - b0)
         ok = np.ones(len(ids), dtype=bool)
         ok[list(failed)] = False
         admitted = np.flatnonzero(in_cache & ok)
