@@ -25,6 +25,7 @@ from PIL import Image
 from coordl.threads import LOOP_THREAD  # the process's event loop: one for its life, not a leak
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+pytest_plugins = ["coordl_testing.no_skips"]  # COORDL_NO_SKIPS=1 (.ci/run): a skip other than a GPU test's fails
 
 
 def write_jpeg(path: Path, rng: np.random.Generator, size=(48, 40), quality=90) -> None:
