@@ -18,6 +18,15 @@ last, so that no mode pays for building its pipeline. The modes of a repetition 
 that rotates from one repetition to the next, so drift on a shared machine hits all alike.
 
     python -m benchmarks.miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
+
+``--in-flight`` measures instead how many storage reads the loader keeps in flight
+(``Fetch(threads)`` at most, as many as :meth:`Fetcher.concurrency` asks), on idle cores and with
+one busy loop per core, for files in the page cache and for files on a device throttled by a blkio
+cgroup (``--throttle``, page cache dropped first; root and cgroup v1). Each epoch runs in a child
+process in its own cgroup, with ``cache=0``: every sample is read. The two loads alternate. The
+estimate must not depend on the load: a busy node still needs the slow device's reads in flight.
+
+    python -m benchmarks.miss_path --in-flight --data /var/tmp/coordl-bench/inflight --images 4000 --batch-size 64
 """
 
 from __future__ import annotations
@@ -84,6 +93,141 @@ def timed(batches) -> tuple[float, int]:
     return (n - first) / (time.perf_counter() - t0), n
 
 
+# -- reads in flight, idle and busy ---------------------------------------------------------
+def in_flight_epoch(args) -> dict:
+    """One epoch of a loader with ``cache=0`` (run in the child): what the fetcher estimated after
+    each of its reads and how many reads ran at once, as the time-weighted mean while any ran."""
+    import threading
+
+    from coordl.fetch.fetcher import Fetcher
+
+    lock = threading.Lock()
+    state = {"running": 0, "since": time.perf_counter(), "weighted": 0.0, "busy_s": 0.0, "estimates": []}
+    read = Fetcher.read
+
+    def counted(self, ids, admit=None):  # observation only: the read itself is the loader's
+        def step(delta):
+            with lock:
+                now = time.perf_counter()
+                if state["running"]:
+                    state["weighted"] += state["running"] * (now - state["since"])
+                    state["busy_s"] += now - state["since"]
+                state["running"] += delta
+                state["since"] = now
+
+        step(+1)
+        try:
+            return read(self, ids, admit)
+        finally:
+            step(-1)
+            state["estimates"].append(self.concurrency())
+
+    Fetcher.read = counted
+    ld = coordl.CoordLoader(
+        args.data,
+        batch_size=args.batch_size,
+        pipeline=small_recipe(args.resize),
+        device_id=None,
+        cache=0,
+        prep=args.threads,
+        fetch=coordl.Fetch(threads=args.fetch_threads),
+        shuffle=True,
+    )
+    try:
+        for _ in ld:  # the first epoch: the pipeline, DALI's buffers and the estimate's start
+            break
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.readline()  # the parent drops the page cache (or warms it) and starts the spinners
+        rate, got = timed(ld)
+        s = ld.stats()
+    finally:
+        ld.close()
+    late = [e for e in state["estimates"][len(state["estimates"]) // 2 :] if e is not None]
+    return {
+        "samples_per_s": round(rate, 1),
+        "samples": got,
+        "storage_mb_per_s": round(s["storage_bytes"] / 1e6 / (got / rate), 2) if rate else None,
+        "reads_in_flight": round(state["weighted"] / state["busy_s"], 2) if state["busy_s"] else None,
+        "estimate": round(statistics.median(late), 2) if late else None,
+        "read_calls": len(state["estimates"]),
+    }
+
+
+def in_flight(args, dataset) -> int:
+    import subprocess
+
+    from benchmarks import limits
+
+    caps = limits.probe()
+    if args.throttle and not (caps["blkio"] and caps["drop_caches"]):
+        print("--throttle needs root and a v1 blkio cgroup: " + "; ".join(caps["notes"]), file=sys.stderr)
+        return 2
+    device = common.device_of(args.data)
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(args.data) for f in fs]
+    storages = ["page-cache"] + (["throttled"] if args.throttle else [])
+    loads = ["idle", "busy"]
+    child = common.module_command("miss_path", "--in-flight-child", *sys.argv[1:])
+    runs: dict[str, list] = {f"{s}/{c}": [] for s in storages for c in loads}
+    for rep in range(args.reps):
+        for storage in storages:
+            for load in loads if rep % 2 == 0 else loads[::-1]:
+                lim = limits.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled")
+                spinners = []
+                try:
+                    proc = subprocess.Popen(
+                        child, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=lim.join
+                    )
+                    assert json.loads(proc.stdout.readline()) == {"ready": True}
+                    if storage == "throttled":
+                        common.drop_page_cache()
+                        lim.throttle(device, args.throttle)
+                    else:
+                        warm_page_cache(paths)
+                    if load == "busy":
+                        spin = "print('spinning', flush=True)\nwhile True: pass"
+                        for _ in range(len(os.sched_getaffinity(0))):
+                            spinners.append(subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE))
+                        for s in spinners:
+                            s.stdout.readline()
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    result = json.loads(proc.stdout.readline())
+                    assert proc.wait(timeout=600) == 0, f"the child failed ({proc.returncode})"
+                finally:
+                    for s in spinners:
+                        s.kill()
+                        s.wait()
+                    lim.remove()
+                runs[f"{storage}/{load}"].append(result)
+                print(f"rep {rep} {storage:10s} {load:4s} {result}", flush=True)
+
+    def med(key, k):
+        values = [r[k] for r in runs[key] if r[k] is not None]
+        return statistics.median(values) if values else None
+
+    summary = {
+        key: {k: med(key, k) for k in ("estimate", "reads_in_flight", "samples_per_s", "storage_mb_per_s")}
+        for key in runs
+    }
+    result = {
+        "benchmark": "miss_path --in-flight",
+        "args": vars(args),
+        "dataset": dataset,
+        "machine": common.machine(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "coordl": str(Path(coordl.__file__).parent),
+        "runs": runs,
+        "median": summary,
+    }
+    out = args.out.replace("miss_path.json", "miss_path_in_flight.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    for key, m in summary.items():
+        print(f"{key:22s} estimate {m['estimate']}, reads in flight {m['reads_in_flight']}, ", end="")
+        print(f"{m['samples_per_s']} samples/s, {m['storage_mb_per_s']} MB/s from storage")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.miss_path", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,9 +245,23 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "miss_path.json"))
+    p.add_argument("--in-flight", action="store_true", help="measure the reads in flight, idle and busy (see above)")
+    p.add_argument("--fetch-threads", type=int, default=16, help="Fetch(threads) of --in-flight (default: 16)")
+    p.add_argument(
+        "--throttle",
+        type=common._byte_size,
+        default=20 * 10**6,
+        help="--in-flight's device throttle in bytes per second (default: 20MB); 0: page cache only",
+    )
+    p.add_argument("--in-flight-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
 
+    if args.in_flight_child:
+        print(json.dumps(in_flight_epoch(args)), flush=True)
+        return 0
     dataset = common.dataset_from_args(args)
+    if args.in_flight:
+        return in_flight(args, dataset)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes: {', '.join(sorted(unknown))}")

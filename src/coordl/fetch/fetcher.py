@@ -47,7 +47,8 @@ class FetchCounters:
 
 
 class _Pace:
-    """Storage reads' time against their thread's busy time, averaged over recent calls."""
+    """Storage reads' time, less their thread's waits for a CPU, against the thread's time on a CPU,
+    averaged over recent calls: how long a read takes, on idle cores, per CPU second it costs."""
 
     MIN_FILES = 16  # a call of fewer files is not measured (it would cost more than it tells)
     WEIGHT = 0.2  # of the latest call in the running averages
@@ -57,6 +58,7 @@ class _Pace:
         self._lock = threading.Lock()
 
     def add(self, wall_ns: int, busy_ns: int) -> None:
+        """``wall_ns``: a call's time less its waits for a CPU; ``busy_ns``: its time on a CPU."""
         with self._lock:
             if self._busy == 0:
                 self._wall, self._busy = float(wall_ns), float(max(busy_ns, 1))
@@ -80,10 +82,10 @@ def _schedstat() -> tuple[int, int]:
         return 0, 0
 
 
-def _stamp() -> tuple[int, int]:
-    """The wall clock, and this thread's busy time at the same instant: its time on a CPU plus its
-    time spent runnable, waiting for one. What a read's wall time has beyond its busy time, it
-    spent waiting for the storage (or for the GIL, while another thread holds it).
+def _stamp() -> tuple[int, int, int]:
+    """The wall clock, and at the same instant this thread's time on a CPU and its time spent
+    runnable, waiting for one. What a read's wall time has beyond the two, it spent waiting for
+    the storage (or for the GIL, while another thread holds it).
 
     The kernel adds a wait to the thread's total only when the thread gets a CPU again, so a
     thread preempted between reading the total and the clock would count that wait in one and
@@ -95,7 +97,7 @@ def _stamp() -> tuple[int, int]:
         waited2, runs2 = _schedstat()
         if runs2 == runs:
             break
-    return wall, cpu + waited2
+    return wall, cpu, waited2
 
 
 class Fetcher:
@@ -238,9 +240,10 @@ class Fetcher:
 
     def concurrency(self) -> float | None:
         """How many storage reads to run at once to keep the CPU busy while the storage answers:
-        the ratio of recent reads' time to the time their thread was on a CPU or waiting for one
-        (1 for the page cache; ~10 for NVMe's latency; more for network storage). None until
-        there are reads to judge by."""
+        the ratio of recent reads' time to the time their thread was on a CPU (1 for the page
+        cache; ~10 for NVMe's latency; more for network storage). Their time leaves out their
+        thread's waits for a CPU, so busy cores do not change the answer: the storage's latency is
+        what it was. None until there are reads to judge by."""
         return self._pace.ratio()
 
     def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
@@ -289,7 +292,7 @@ class Fetcher:
                 data[k] = buffer[a:b]
                 slots[k] = [data[k]]
         paced = len(ids) >= _Pace.MIN_FILES
-        w0, b0 = _stamp() if paced else (0, 0)
+        w0, c0, q0 = _stamp() if paced else (0, 0, 0)
         t0 = time.perf_counter_ns()
         try:
             failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache, stop=self.closing)
@@ -299,8 +302,8 @@ class Fetcher:
             raise
         dt = time.perf_counter_ns() - t0
         if paced:
-            w1, b1 = _stamp()
-            self._pace.add(w1 - w0, b1 - b0)
+            w1, c1, q1 = _stamp()
+            self._pace.add((w1 - w0) - (q1 - q0), c1 - c0)
         ok = np.ones(len(ids), dtype=bool)
         ok[list(failed)] = False
         admitted = np.flatnonzero(in_cache & ok)
