@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import coordl
-from coordl import CoordLoader, SampleError
+from coordl import CoordLoader, SampleError, sampler
 
 SMALL = coordl.ImageNetTrain(size=32)
 
@@ -488,3 +488,43 @@ def test_augmentation_is_fresh_every_epoch_though_the_bytes_come_from_the_cache(
     assert stats["epoch"] == 1 and stats["cache_hits"] == 120 and stats["storage_reads"] == 0, stats
     same = sum(torch.equal(e0[i], e1[i]) for i in e0)
     assert same < 5, f"{same} of 120 samples were augmented alike in two epochs from the cache"
+
+
+def test_cut_shards_are_distributed_samplers_and_leave_out_other_samples_every_epoch(tiny_dataset):
+    """docs/guarantees.md, Exactly once: with ``Shard(drop_last=True)`` and ``shuffle=True`` every
+    rank delivers ``DistributedSampler(drop_last=True)``'s shard of the epoch's order, ``order[r::4]``
+    of the order cut to a multiple of 4, and the ``123 % 4 = 3`` samples left out are other ones
+    every epoch (for this seed: 3 epochs, 3 different sets; test_sampler.py checks the chance of a
+    repeat over hundreds of epochs)."""
+    n, world, epochs = 123, 4, 3
+    index = coordl.Index.scan(tiny_dataset)
+    pairs = list(zip(index.paths, index.labels.tolist(), strict=True))
+    extra = coordl.Index.from_list(pairs + pairs[:3])
+    assert len(extra) == n
+    got = {}  # (epoch, rank) -> the ids rank delivered in epoch
+    for rank in range(world):
+        shard = coordl.Shard(rank=rank, world_size=world, drop_last=True)
+        with make(extra, batch_size=8, cache=0, shard=shard) as loader:
+            assert len(loader) == 4  # 30 samples a rank: 3 batches of 8 and one of 6
+            for epoch in range(epochs):
+                loader.set_epoch(epoch)
+                got[epoch, rank] = flat(epoch_ids(loader))
+            seed = loader.seed
+    left_out = []
+    for epoch in range(epochs):
+        order = sampler.epoch_order(n, seed, epoch)
+        dealt = set()
+        for rank in range(world):
+            ref = list(
+                torch.utils.data.DistributedSampler(
+                    range(n), num_replicas=world, rank=rank, shuffle=False, drop_last=True
+                )
+            )
+            assert got[epoch, rank] == order[ref].tolist() == order[: 30 * world][rank::world].tolist()
+            dealt.update(ref)
+        seen = flat(got[epoch, r] for r in range(world))
+        assert len(seen) == len(set(seen)) == 30 * world  # none twice
+        left_out.append(set(range(n)) - set(seen))
+        assert left_out[-1] == set(order[sorted(set(range(n)) - dealt)].tolist())  # the reference's cut
+        assert len(left_out[-1]) == n - len(dealt) == 3
+    assert len({frozenset(s) for s in left_out}) == epochs, f"epochs left out the same samples: {left_out}"
