@@ -2,7 +2,9 @@
 resume, statistics and the corrupt-sample policy."""
 
 import json
+import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -528,3 +530,62 @@ def test_cut_shards_are_distributed_samplers_and_leave_out_other_samples_every_e
         assert left_out[-1] == set(order[sorted(set(range(n)) - dealt)].tolist())  # the reference's cut
         assert len(left_out[-1]) == n - len(dealt) == 3
     assert len({frozenset(s) for s in left_out}) == epochs, f"epochs left out the same samples: {left_out}"
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_an_undecodable_sample_raises_with_its_path_and_its_position_in_the_index(dataset_copy, how):
+    """docs/guarantees.md, Corrupt files: on the DALI path an undecodable file (truncated, or not an
+    image) raises ``SampleError: cannot decode sample 5 (/path): ...`` with ``.path`` and ``.index``,
+    its position in ``loader.index``."""
+    bad = corrupt(dataset_copy, how)
+    with make(dataset_copy, cache=0) as loader:
+        with pytest.raises(SampleError) as info:
+            epoch_ids(loader)
+        err = info.value
+        assert err.path in bad, err.path
+        assert isinstance(err.index, int) and loader.index.paths[err.index] == err.path, (err.index, err.path)
+    message = str(err)
+    assert message.startswith(f"cannot decode sample {err.index} ({err.path}): "), message
+    assert "Pass on_error='skip'" in message, message
+
+
+def skip_warnings(caplog) -> list[tuple[int, str]]:
+    """(sample, path) of every ``coordl: skipping sample ...`` warning captured, in order."""
+    out = []
+    for record in caplog.records:
+        match = re.match(r"coordl: skipping sample (\d+) \((.*?)\): ", record.getMessage())
+        if match and record.name.startswith("coordl") and record.levelno == logging.WARNING:
+            out.append((int(match[1]), match[2]))
+    return out
+
+
+def test_skipped_samples_are_logged_counted_and_tried_again_every_epoch(dataset_copy, caplog):
+    """docs/guarantees.md, Corrupt files: with ``on_error="skip"`` on the DALI path, an undecodable
+    sample is left out, a warning ``coordl: skipping sample ...`` is logged, it is counted in
+    ``stats()["skipped"]`` and ``["skipped_paths"]``, and it is tried, and skipped, again every
+    epoch: a file mended between epochs (same size, so the index still holds) is delivered again."""
+    victims = sorted((dataset_copy / "class_02").iterdir())[:2]
+    truncated, garbled = str(victims[0]), str(victims[1])
+    original = victims[1].read_bytes()
+    data = victims[0].read_bytes()
+    victims[0].write_bytes(data[: len(data) // 3])
+    victims[1].write_bytes((b"this is not an image" * len(original))[: len(original)])
+    caplog.set_level(logging.WARNING, logger="coordl")
+    with make(dataset_copy, on_error="skip", cache=0) as loader:
+        ids_of = {p: loader.index.paths.index(p) for p in (truncated, garbled)}
+        for epoch in range(2):
+            caplog.clear()
+            ids = flat(epoch_ids(loader))
+            assert sorted(ids) == sorted(set(range(120)) - set(ids_of.values())), f"epoch {epoch}"
+            assert sorted(skip_warnings(caplog)) == sorted((i, p) for p, i in ids_of.items()), f"epoch {epoch}"
+            s = loader.stats()
+            assert s["epoch"] == epoch and s["skipped"] == 2, s
+            assert sorted(s["skipped_paths"]) == sorted(ids_of), s
+            assert s["samples"] == 118, s
+        victims[1].write_bytes(original)  # mended: tried again, it is delivered
+        caplog.clear()
+        ids = flat(epoch_ids(loader))
+        assert sorted(ids) == sorted(set(range(120)) - {ids_of[truncated]})
+        assert skip_warnings(caplog) == [(ids_of[truncated], truncated)]
+        s = loader.stats()
+        assert s["skipped"] == 1 and s["skipped_paths"] == [truncated], s
