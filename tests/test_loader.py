@@ -1,10 +1,14 @@
 """CoordLoader's guarantees on the DALI CPU path: exactly-once, reshuffling, sharding,
 resume, statistics and the corrupt-sample policy."""
 
+import gc
+import itertools
 import json
 import logging
 import os
 import re
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -589,3 +593,87 @@ def test_skipped_samples_are_logged_counted_and_tried_again_every_epoch(dataset_
         assert skip_warnings(caplog) == [(ids_of[truncated], truncated)]
         s = loader.stats()
         assert s["skipped"] == 1 and s["skipped_paths"] == [truncated], s
+
+
+PASS_THREAD = (
+    "coordl-prep"  # a DALI pass's driver thread (backends/dali.py); the loader's I/O pool lives with the loader
+)
+
+
+def pass_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == PASS_THREAD}
+
+
+def test_a_pass_the_script_holds_keeps_its_loader_alive(tiny_dataset):
+    """docs/guarantees.md, When a script ends: "While the script still holds the pass, the pass keeps
+    its loader alive, as a DataLoader iterator keeps its DataLoader": ``it = iter(CoordLoader(...))``
+    with no other reference to the loader delivers the whole epoch exactly once, after a garbage
+    collection; once the pass is dropped too, the loader is collected (and closed: the fixture
+    checks that nothing is left)."""
+    loader = make(tiny_dataset, cache=0)
+    seed, held = loader.seed, weakref.ref(loader)
+    it = iter(loader)
+    del loader
+    gc.collect()
+    assert held() is not None, "the loader was collected while its pass is held"
+    ids = [i for _, _, batch in it for i in batch.tolist()]
+    assert ids == sampler.epoch_order(120, seed, 0).tolist()  # the whole epoch, once, in its order
+    del it
+    gc.collect()
+    assert held() is None, "the loader outlived its pass"
+
+
+def leave_early(loader, idiom: str) -> tuple[list[list[int]], set[threading.Thread]]:
+    """Leaves a pass of ``loader`` after a few batches as a script does; returns the batches
+    received and the pass threads seen running while it was held."""
+    got, seen = [], set()
+    if idiom == "break":
+        for k, (_, _, ids) in enumerate(loader):
+            got.append(ids.tolist())
+            seen |= pass_threads()
+            if k == 2:
+                break
+    elif idiom == "islice":
+        for _, _, ids in itertools.islice(loader, 4):
+            got.append(ids.tolist())
+            seen |= pass_threads()
+    elif idiom == "zip":
+        for _, (_, _, ids) in zip(range(5), loader):
+            got.append(ids.tolist())
+            seen |= pass_threads()
+    elif idiom == "dropped_generator":
+        g = (ids.tolist() for _, _, ids in loader)
+        got.append(next(g))
+        got.append(next(g))
+        seen |= pass_threads()
+        del g
+    elif idiom == "del_it":
+        it = iter(loader)
+        got.append(next(it)[2].tolist())
+        seen |= pass_threads()
+        held = weakref.ref(it)
+        del it
+        gc.collect()
+        assert held() is None, "the pass outlived every reference to it"
+    return got, seen
+
+
+@pytest.mark.parametrize("idiom", ["break", "islice", "zip", "dropped_generator", "del_it"])
+def test_a_pass_left_early_is_closed_and_the_next_pass_starts_the_epoch_again(tiny_dataset, idiom):
+    """docs/guarantees.md, When a script ends: a pass left early (``break``, ``itertools.islice``,
+    ``zip`` with something shorter, a generator over the loader that is dropped, ``del it``) is
+    closed once nothing refers to it: after a garbage collection its thread has stopped. The loader
+    stays usable: its next ``iter()`` starts the epoch again from its first batch."""
+    with make(tiny_dataset, cache=0) as loader:
+        loader.set_epoch(3)
+        order = sampler.epoch_order(120, loader.seed, 3).tolist()
+        got, seen = leave_early(loader, idiom)
+        gc.collect()
+        assert seen, f"no {PASS_THREAD} thread ran during the pass"
+        alive = [t for t in seen if t.is_alive()]
+        assert not alive, f"the pass left with {idiom} still runs {alive}"
+        assert got and flat(got) == order[: len(flat(got))]
+        assert loader.epoch == 3
+        again = flat(epoch_ids(loader))
+        assert again == order, "the next pass did not deliver epoch 3 from its first batch"
+        assert loader.epoch == 4
