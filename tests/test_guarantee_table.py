@@ -96,8 +96,8 @@ def test_every_row_names_a_test_or_says_none_yet_and_links_its_section():
             problems.append(f"{len(row)} cells, not 3: {row}")
             continue
         guarantee, checked, _ = row
-        if not CITATION.search(checked) and "none yet" not in checked.lower():
-            problems.append(f"names no test and does not say 'none yet': {guarantee}")
+        if not CITATION.search(checked) and not re.match(r"none yet|a cost, measured", checked.lower()):
+            problems.append(f"names no test and says neither 'none yet' nor 'a cost, measured': {guarantee}")
         links = re.findall(r"\]\(#([^)]+)\)", guarantee)
         if not links or not set(links) <= anchors:
             problems.append(f"links no section of the page that makes promises ({links}): {guarantee}")
