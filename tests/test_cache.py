@@ -13,6 +13,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -371,7 +372,10 @@ def test_reader_never_sees_half_written_item(isolated, procs, closing, cache_lay
     assert reader.resident_items == 1 and reader.resident_bytes == sizes[i]
 
 
-def _racing_writer(directory, sizes, budget, chunk, k, start, q):
+PAUSE_EVERY = 10  # every 10th item a writer reserves, it stops half-written until the reader has looked
+
+
+def _racing_writer(directory, sizes, budget, chunk, k, start, mid, looked, q):
     def body():
         cache_module.DEFAULT_CHUNK_BYTES = chunk  # a spawned process: the parent's cache_layout does not reach it
         cache = NodeCache(FP, sizes, budget, directory=directory)
@@ -385,9 +389,11 @@ def _racing_writer(directory, sizes, budget, chunk, k, start, q):
                     continue
                 data = pattern(int(i), sizes[i])
                 step = max(1, len(data) // 8)
-                for lo in range(0, len(data), step):  # slowly, so the reader looks in mid-write
+                for lo in range(0, len(data), step):  # in pieces, while the reader reads
                     write_range(views, data, lo, lo + step)
-                    time.sleep(0.0002)
+                    if lo == 0 and len(written) % PAUSE_EVERY == 0:
+                        mid.put((k, int(i)))  # the reader looks at it now, in mid-write
+                        assert looked.get(timeout=WAIT) == int(i)
                 cache.publish_many([int(i)])
                 written.append(int(i))
             return written
@@ -404,29 +410,35 @@ def test_concurrent_writers_and_a_reader_never_see_partial_items(isolated, procs
     cache_layout(chunk)
     reader = closing(NodeCache(FP, sizes, budget, directory=str(isolated)))
     expected = [pattern(i, s) for i, s in enumerate(sizes)]
-    start, q = CTX.Barrier(3), CTX.Queue()
-    ps = [procs(_racing_writer, str(isolated), sizes, budget, chunk, k, start, q) for k in range(2)]
+    start, mid, q = CTX.Barrier(3), CTX.Queue(), CTX.Queue()
+    looked = [CTX.Queue() for _ in range(2)]
+    ps = [procs(_racing_writer, str(isolated), sizes, budget, chunk, k, start, mid, looked[k], q) for k in range(2)]
     start.wait(WAIT)
-    checked, misses_then_hits, seen_missing = 0, 0, set()
-    deadline = time.monotonic() + WAIT
+    checked, seen_mid = 0, set()
+    deadline = time.monotonic() + WAIT  # a hang guard
     while any(p.is_alive() for p in ps) and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            while True:  # the items a writer holds partly written for us
+                k, i = mid.get_nowait()
+                assert reader.get(i) is None, f"item {i} readable while partly written"
+                assert not reader.ready_mask(np.array([i]))[0]
+                seen_mid.add(i)
+                looked[k].put(i)
         for i in rng.permutation(len(sizes)):
             got = reader.get(int(i))
             if got is None:
-                seen_missing.add(int(i))
                 continue
             assert np.array_equal(got, expected[i]), f"item {i} was readable before it was complete"
             checked += 1
-            if int(i) in seen_missing:
-                seen_missing.discard(int(i))
-                misses_then_hits += 1
     written = [result(q) for _ in ps]
     for p in ps:
         p.join(WAIT)
         assert p.exitcode == 0
-    assert misses_then_hits > 0, "the reader never observed an item while it was being written"
     both = written[0] + written[1]
     assert len(both) == len(set(both)), "an item was admitted twice"
+    # Each writer's 1st, 11th, 21st, ... item was seen missing in mid-write, and is complete now.
+    assert seen_mid == {i for w in written for i in w[::PAUSE_EVERY]} and len(seen_mid) >= 2
+    assert checked > 0
     assert reader.resident_items == len(both) and reader.resident_bytes == int(sizes[both].sum()) <= budget
     for i in range(len(sizes)):
         got = reader.get(i)
