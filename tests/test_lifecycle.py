@@ -140,8 +140,7 @@ class Scenario:
 FORK = """
 loader = make()
 it = iter(loader)
-for _ in range(3):
-    next(it)
+kept = [next(it) for _ in range(3)]  # alive in the child too (in an hp_group: mappings of staged batches)
 before = sorted(os.listdir(SHM))
 sys.stdout.flush()
 sys.stderr.flush()
@@ -363,8 +362,12 @@ SUBSET = [
     "sigterm",
     "sigterm_handled_by_the_script",
 ]
+# An HP group member's children made by fork: they must not leave the parent's group.
+HP_FORKS = ["fork_child_os_exit", "fork_child_sys_exit", "multiprocessing_fork"]
 CASES = (
-    [("dali", name) for name in SCENARIOS] + [("torch", name) for name in SUBSET] + [("hp", name) for name in SUBSET]
+    [("dali", name) for name in SCENARIOS]
+    + [("torch", name) for name in SUBSET]
+    + [("hp", name) for name in SUBSET + HP_FORKS]
 )
 
 # -- running them -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ neither, so dropping both lets the garbage collector close them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -225,6 +226,7 @@ class Pass:
         self._t0 = time.perf_counter()
         self._elapsed: float | None = None
         self._closed = False
+        self._pid = os.getpid()  # a forked child's copy is the parent's: it never closes it
 
     # -- what a kind of pass provides ----------------------------------------------------------
     def _step(self) -> Step | None:
@@ -299,11 +301,20 @@ class Pass:
         )
 
     # -- lifetime --------------------------------------------------------------------------------
+    @property
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy of the pass (whose threads and memberships are the parent's)."""
+        return os.getpid() != self._pid
+
     def close(self) -> None:
-        """Abandons the pass: stops its background work; idempotent."""
+        """Abandons the pass: stops its background work; idempotent. Nothing in a forked child,
+        whose copy (collected at its exit) is the parent's pass: in an ``hp_group`` its shutdown
+        would leave the group's pass in the parent's name."""
         if self._closed:
             return
         self._closed = True
+        if self.forked:
+            return
         was_active, self.active = self.active, False
         self.stop_event.set()
         self._shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import os
 import weakref
 from collections.abc import Callable
 
@@ -48,6 +49,7 @@ class Holds:
         self._mutex = mutex
         self._held: dict[int, tuple[int, weakref.ref | None]] = {}  # slot -> (q, weakref to the mapping)
         self._freed: collections.deque = collections.deque()  # (slot, q) whose mappings were freed
+        self._pid = os.getpid()
 
     def hold(self, slot: int, q: int) -> None:
         """Batch ``q``, in ``slot``, was taken: the slot stays until it is released."""
@@ -66,6 +68,10 @@ class Holds:
     def _on_freed(self, slot: int, q: int) -> None:
         # Runs wherever the last reference died (maybe inside our own locked code): queue
         # the release and apply it now only if no thread of this process is in the mutex.
+        # Not in a forked child, at its exit: the holds are the parent's (and the mutex's
+        # flock, the same open file, would be released under the parent).
+        if os.getpid() != self._pid:
+            return
         self._freed.append((slot, q))
         if self._ring is None or not self._mutex.try_enter():
             return

@@ -456,7 +456,11 @@ class GroupPass(Pass):
         self.stop_event.set()
 
     def close(self) -> None:
-        """Leaves the pass unfinished: this member stops consuming (the group goes on); idempotent."""
+        """Leaves the pass unfinished: this member stops consuming (the group goes on); idempotent.
+        Nothing in a forked child, whose copy is the parent's: it must not leave in the parent's name."""
+        if self.forked:
+            self._closed = True
+            return
         if not self._closed and self.active:
             self.area.abandon()
         super().close()
