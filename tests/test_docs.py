@@ -9,6 +9,10 @@ Conventions in the Markdown (docs/*.md and README.md):
 - A ```diff block preceded by ``<!-- doctest: run-diff args="{data} ..." -->`` holds a whole
   script before and after a change: both sides must compile, and the "after" side is run as
   ``__main__`` with those command-line arguments (``{data}``: the tiny dataset).
+- An executed block checks what it claims: with its own ``assert`` where one reads naturally in a
+  user's code; a ``print(...)  # text`` line must print that text; and ``CLAIMS`` below checks
+  the rest of what the page says the block does, from what it printed, the names it left and the
+  batches its loops received.
 - docs/configuration.md has a table row per ``CoordLoader`` argument, option object field
   (``coordl.Cache``, ``Peers``, ...), recipe field and environment variable, with the default as
   a Python literal in backticks (``required`` for a field without one).
@@ -21,18 +25,25 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gc
+import hashlib
 import importlib
 import inspect
+import json
+import math
 import re
 import shlex
 import subprocess
 import sys
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import coordl
 import coordl.errors
+from coordl.passes import Pass
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -179,6 +190,90 @@ def test_the_key_snippets_are_executed():
         assert counts.get(page, 0) >= at_least, f"{page}: {counts.get(page, 0)} executed blocks, want {at_least}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One batch a training loop received: its epoch, its images' shape, dtype, device and digest, and its
+    labels."""
+
+    epoch: int
+    shape: tuple
+    dtype: torch.dtype
+    device: str
+    digest: str
+    labels: tuple
+
+
+class Received:
+    """Every ``CoordLoader`` a block makes (its arguments) and the batches its loops receive from it, taken
+    where the loop receives them (``Pass.__next__``). The loaders are coordl's own; this only records."""
+
+    def __init__(self, monkeypatch):
+        self.loaders: list[tuple[tuple, dict, list[Batch]]] = []  # (args, kwargs, batches) per loader made
+        made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        init, iterate, step = coordl.CoordLoader.__init__, coordl.CoordLoader.__iter__, Pass.__next__
+
+        def __init__(loader, *args, **kwargs):
+            init(loader, *args, **kwargs)
+            made[loader] = []
+            self.loaders.append((args, kwargs, made[loader]))
+
+        def __iter__(loader):
+            p = iterate(loader)
+            p._received_by_doc = made.get(loader)
+            return p
+
+        def __next__(p):
+            out = step(p)
+            if getattr(p, "_received_by_doc", None) is not None:
+                p._received_by_doc.append(batch_of(p.epoch, out))
+            return out
+
+        monkeypatch.setattr(coordl.CoordLoader, "__init__", __init__)
+        monkeypatch.setattr(coordl.CoordLoader, "__iter__", __iter__)
+        monkeypatch.setattr(Pass, "__next__", __next__)
+
+
+def batch_of(epoch: int, out) -> Batch:
+    images, labels = out[0], out[1]
+    digest = hashlib.sha1(images.cpu().contiguous().numpy().tobytes()).hexdigest()
+    return Batch(epoch, tuple(images.shape), images.dtype, images.device.type, digest, tuple(labels.tolist()))
+
+
+@dataclasses.dataclass
+class Run:
+    """What an executed block did: its lines of output by the line of the ``print`` that wrote them, the
+    names it left, the loaders it made and what they delivered, the dataset and the folder it ran in."""
+
+    printed: list[tuple[int, str]]
+    names: dict
+    received: Received
+    data: Path
+    folder: Path
+
+    def lines(self) -> list[str]:
+        return [text for _, text in self.printed]
+
+
+def printing(printed: list[tuple[int, str]]):
+    """A ``print`` for a block's globals: prints, and records each line with the block's line that wrote it."""
+
+    def print_(*args, sep=" ", end="\n", **kwargs):
+        text = sep.join(map(str, args))
+        printed.append((sys._getframe(1).f_lineno, text))
+        print(text, end=end, **kwargs)
+
+    return print_
+
+
+def expected_prints(code: str) -> dict[int, str]:
+    """``{line: text}`` for each one-line ``print(...)  # text`` of a block."""
+    return {
+        n: m.group(1)
+        for n, line in enumerate(code.splitlines(), 1)
+        if (m := re.fullmatch(r"\s*print\(.*\)\s*#\s*(.+?)\s*", line))
+    }
+
+
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
 def test_runnable_blocks_run(block, tiny_dataset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -193,12 +288,157 @@ def test_runnable_blocks_run(block, tiny_dataset, tmp_path, monkeypatch):
         code, name = block.code, "__doc_block__"
     for path in DATA_PATHS:
         code = code.replace(path, data)
-    namespace = {"__name__": name}
+    printed: list[tuple[int, str]] = []
+    namespace = {"__name__": name, "print": printing(printed)}
+    received = Received(monkeypatch)
     try:
         exec(compile(code, block.id, "exec"), namespace)
+        for line, text in expected_prints(code).items():
+            got = [out for n, out in printed if n == line]
+            assert got == [text], f"{block.id}: line {line} of the block printed {got}, its comment says {text!r}"
+        check = claims_of(block)
+        if check is not None:
+            check(Run(printed, namespace, received, tiny_dataset, tmp_path))
     finally:
         namespace.clear()
         gc.collect()  # loaders a block did not close are closed here, before the leak check
+
+
+# -- what the executed blocks claim --------------------------------------------------------
+def _dataset_bytes(data: Path) -> int:
+    return sum(p.stat().st_size for p in data.rglob("*.jpg"))
+
+
+def _samples(run: Run) -> int:
+    return len(list(run.data.rglob("*.jpg")))
+
+
+def _loader_options(run: Run) -> None:
+    # configuration.md: the option objects and shorthands; rank 0 of 2 gets half of each epoch.
+    loader, images = run.names["loader"], run.names["images"]
+    assert len(loader) == math.ceil(math.ceil(len(loader.index) / 2) / 16), "not one shard of 2"
+    assert tuple(images.shape) == (16, 3, 224, 224) and images.dtype == torch.float32
+
+
+def _decoded_tier(run: Run) -> None:
+    # decoded-tier.md: a DecodedRecipe's epoch decodes the images into the tier (all: 64 MB hold them).
+    (line,) = run.lines()
+    assert line == f"{_samples(run)} images decoded into the tier", line
+
+
+def _resume(run: Run) -> None:
+    # guarantees.md: after a state saved when the loop had received batches 0, 1 and 2, the resumed loader
+    # delivers batch 3 onwards of epoch 0, then whole epochs: the batches the uninterrupted run delivers.
+    (args, kwargs, before), (args2, kwargs2, after) = run.received.loaders
+    assert (args, kwargs) == (args2, kwargs2), "the example resumes the same loader"
+    state = json.loads((run.folder / "loader-state.json").read_text())
+    assert (state["epoch"], state["batches"]) == (0, 3), state
+    with coordl.CoordLoader(*args, **kwargs) as loader:  # the uninterrupted run
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+    whole = run.received.loaders[2][2]
+    assert [b.epoch for b in whole] == [e for e in range(3) for _ in range(len(loader))]
+    assert before == whole[:3], "the first 3 batches differ from the uninterrupted run's"
+    assert after == whole[3:], (
+        f"the resumed run delivered {len(after)} batches, the uninterrupted run {len(whole) - 3} from batch 3 on; "
+        f"first difference at {next((k for k, (a, b) in enumerate(zip(after, whole[3:])) if a != b), None)}"
+    )
+
+
+def _migration(run: Run) -> None:
+    # migration.md: the new script trains 1 epoch, says how long it waited, saves a checkpoint; the batches
+    # have the shapes and types of torchvision's: (B, 3, 224, 224) float32 images, int64 labels.
+    (line,) = run.lines()
+    assert re.fullmatch(r"epoch 0: waited \d+\.\d s for data", line), line
+    checkpoint = torch.load(run.folder / "checkpoint.pt", map_location="cpu")
+    assert checkpoint["epoch"] == 1 and checkpoint["model"] and checkpoint["optimizer"]
+    ((_, _, batches),) = run.received.loaders
+    assert sum(len(b.labels) for b in batches) == _samples(run) and all(b.epoch == 0 for b in batches)
+    assert all(b.shape[1:] == (3, 224, 224) and b.dtype == torch.float32 for b in batches)
+
+
+STATS_LINE = (
+    r"epoch (\d+): (\d+) samples in [\d.]+ s, waited [\d.]+ s \(fetch [\d.]+ s, prep [\d.]+ s\); "
+    r"(\d+) cache hits, (\d+) storage reads, (\d+) samples cached"
+)
+
+
+def _half_cached(run: Run, hits: list[int], reads: list[int], cached: int) -> None:
+    """Epoch 0 reads every sample from storage and admits half the bytes; epoch 1 hits the cached samples
+    and reads only the rest (a steady epoch: storage_bytes == dataset bytes - cache_bytes)."""
+    n, total, s = _samples(run), _dataset_bytes(run.data), run.names["s"]
+    assert (hits[0], reads[0]) == (0, n), (hits, reads)
+    assert hits[1] == cached > 0 and reads[1] == n - cached, (hits, reads, cached)
+    assert s["cache_budget"] == total // 2 and s["cache_bytes"] <= s["cache_budget"], s
+    assert s["storage_bytes"] == total - s["cache_bytes"], s
+    biggest = max(p.stat().st_size for p in run.data.rglob("*.jpg"))
+    assert s["cache_bytes"] > s["cache_budget"] - biggest, "the cache was not filled up to its budget"
+
+
+def _statistics(run: Run) -> None:
+    # user-guide.md: the statistics of two epochs with cache=0.5.
+    got = [re.fullmatch(STATS_LINE, line) for line in run.lines()]
+    assert len(got) == 2 and all(got), run.lines()
+    epochs, samples, hits, reads, cached = ([int(m.group(k)) for m in got] for k in range(1, 6))
+    assert epochs == [0, 1] and samples == [_samples(run)] * 2, (epochs, samples)
+    _half_cached(run, hits, reads, cached[1])
+
+
+def _quickstart(run: Run) -> None:
+    # quickstart.md: two epochs of (64, 3, 112, 112) float32 batches on the device, reshuffled; cache=0.5
+    # keeps half of the bytes, so the second epoch reads only the rest from storage.
+    ((_, _, batches),) = run.received.loaders
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = _samples(run)
+    sizes = [64] * (n // 64) + [n % 64] * (n % 64 > 0)
+    assert [(b.epoch, b.shape[0]) for b in batches] == [(e, size) for e in (0, 1) for size in sizes]
+    assert all(b.shape[1:] == (3, 112, 112) and b.dtype == torch.float32 and b.device == device for b in batches)
+    orders = [[label for b in batches if b.epoch == e for label in b.labels] for e in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1], "epoch 1 is not reshuffled"
+    line = r"epoch (\d): loss \d+\.\d\d, \d+ samples/s, (\d+) cache hits, (\d+) storage reads"
+    got = [re.fullmatch(line, text) for text in run.lines()]
+    assert len(got) == 2 and all(got), run.lines()
+    hits, reads = [int(m.group(2)) for m in got], [int(m.group(3)) for m in got]
+    _half_cached(run, hits, reads, run.names["s"]["cache_items"])
+
+
+def _custom_recipe(run: Run) -> None:
+    # user-guide.md: torch.Size([16, 3, 128, 128]) float32 in [-1, 1]
+    images = run.names["images"]
+    assert tuple(images.shape) == (16, 3, 128, 128) and images.dtype == torch.float32
+    assert -1.0 <= images.min() and images.max() <= 1.0 and images.min() < 0 < images.max()
+
+
+# (page, a phrase of the block) -> what the page says the block does. A block that asserts its claims
+# itself, or whose only claim is what a commented print prints, needs no entry.
+CLAIMS: dict[tuple[str, str], Callable[[Run], None]] = {
+    ("configuration.md", "fetch=coordl.Fetch(batches_ahead=4)"): _loader_options,
+    ("decoded-tier.md", "images decoded into the tier"): _decoded_tier,
+    ("guarantees.md", "loader.load_state_dict("): _resume,
+    ("migration.md", "waited {loader.stats()"): _migration,
+    ("user-guide.md", "samples cached"): _statistics,
+    ("quickstart.md", "optimizer.step()"): _quickstart,
+    ("user-guide.md", "def flip_and_crop"): _custom_recipe,
+}
+
+
+def claims_of(block: Block) -> Callable[[Run], None] | None:
+    found = [check for (page, phrase), check in CLAIMS.items() if page == block.path.name and phrase in block.code]
+    assert len(found) <= 1, f"{block.id}: {len(found)} CLAIMS entries"
+    return found[0] if found else None
+
+
+def test_every_executed_block_checks_what_it_claims():
+    unchecked = [
+        b.id
+        for b in RUN
+        if claims_of(b) is None and not expected_prints(b.code) and not re.search(r"^\s*assert ", b.code, re.M)
+    ]
+    assert not unchecked, f"executed blocks that check nothing (add an assert, a print comment, CLAIMS): {unchecked}"
+    for page, phrase in CLAIMS:
+        assert sum(b.path.name == page and phrase in b.code for b in RUN) == 1, (page, phrase)
 
 
 # -- configuration.md ----------------------------------------------------------------------
