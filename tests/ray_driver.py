@@ -80,6 +80,22 @@ def actor_pids(loader) -> list[int]:
     return [int(info["worker"].rsplit(":", 1)[1]) for info in loader.resources.remote.pool.ready.values()]
 
 
+def actor_procs(loader) -> list[list[int]]:
+    """``[pid, start time]`` of each ready actor's process: the machine starts tens of processes a
+    second and pids wrap at 32768, so a pid alone may name another process a minute later."""
+    return [[pid, started(pid)] for pid in actor_pids(loader)]
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); None: no such process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 # -- scenarios ------------------------------------------------------------------------------------
 def equal_dali(root: str, out: str) -> None:
     """Remote-only, both, reads="trainer", output="uint8" against local prep, two epochs each."""
@@ -281,8 +297,8 @@ def kill(root: str, out: str) -> None:
         for k, (_, _, i) in enumerate(loader):
             ids += i.tolist()
             if k == 3:
-                killed = actor_pids(loader)[0]
-                os.kill(killed, signal.SIGKILL)
+                killed = actor_procs(loader)[0]
+                os.kill(killed[0], signal.SIGKILL)
         stats = loader.stats()
         second = epochs(loader, 1)[0]["ids"]
         write(out, {"killed": killed, "ids": ids, "stats": stats, "second": second, "after": loader.stats()})
@@ -296,7 +312,7 @@ def life(root: str, out: str, mode: str) -> None:
         import ray
 
         ray.init(address=os.environ["RAY_ADDRESS"])
-        write(out, {"pids": []})
+        write(out, {"procs": []})
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10)
     if mode == "collect":
@@ -305,7 +321,7 @@ def life(root: str, out: str, mode: str) -> None:
     result: dict = {}
     for k, _ in enumerate(loader):
         if k == 0:
-            result["pids"] = ready_pids(loader)
+            result["procs"] = ready_procs(loader)
             write(out, result)
         if k == 2 and mode != "noclose":
             if mode == "break":
@@ -319,22 +335,23 @@ def life(root: str, out: str, mode: str) -> None:
     if mode == "break":  # close() ends the actors at once, while the script goes on
         t0 = time.monotonic()
         loader.close()
-        result["ended_s"] = until_gone(result["pids"], t0)
+        result["ended_s"] = until_gone(result["procs"], t0)
     result["end"] = mode
     write(out, result)
 
 
-def ready_pids(loader) -> list[int]:
-    """The pids of ``loader``'s two actors, once both are ready (at most 20 s)."""
+def ready_procs(loader) -> list[list[int]]:
+    """:func:`actor_procs` of ``loader``'s two actors, once both are ready (at most 20 s)."""
     deadline = time.monotonic() + 20
     while len(loader.resources.remote.pool.ready) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    return actor_pids(loader)
+    return actor_procs(loader)
 
 
-def until_gone(pids, t0: float, timeout: float = 20.0) -> float:
-    """Seconds from ``t0`` until every process of ``pids`` is gone (at most ``timeout``)."""
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() - t0 < timeout:
+def until_gone(procs, t0: float, timeout: float = 20.0) -> float:
+    """Seconds from ``t0`` until every process of ``procs`` (:func:`actor_procs`) is gone (at most
+    ``timeout``)."""
+    while time.monotonic() - t0 < timeout and any(s is not None and started(pid) == s for pid, s in procs):
         time.sleep(0.01)
     return time.monotonic() - t0
 
@@ -348,7 +365,7 @@ def collect(root: str, out: str) -> None:
     loader = dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4)
     it = iter(loader)
     next(it)
-    result = {"pids": ready_pids(loader)}
+    result = {"procs": ready_procs(loader)}
     write(out, result)
     next(it), next(it)
     collected = weakref.ref(loader)
@@ -356,7 +373,7 @@ def collect(root: str, out: str) -> None:
     del loader, it
     gc.collect()
     result["collected"] = collected() is None
-    result["ended_s"] = until_gone(result["pids"], t0)
+    result["ended_s"] = until_gone(result["procs"], t0)
     result["end"] = "collect"
     write(out, result)
 

@@ -103,21 +103,32 @@ def ok(run: Run) -> dict:
     return run.result
 
 
-def gone(pids, timeout: float = 15.0) -> list[int]:
-    """The pids still alive after ``timeout`` seconds."""
+def gone(procs, timeout: float = 15.0) -> list[int]:
+    """The pids of ``procs`` (``[pid, start time]`` pairs, as the driver saw them) still alive after
+    ``timeout`` seconds: a pid whose process started at another time is another process's (the
+    machine starts tens of processes a second, and pids wrap at 32768)."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+        alive = [pid for pid, start in procs if start is not None and _started(pid) == start]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
 
 
-def _state(pid: int) -> str:
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); None: no such process, or a zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return "Z"
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid}: gone"
 
 
 def segments(shm: Path, timeout: float = 10.0) -> list[str]:
@@ -316,8 +327,10 @@ def test_a_script_s_end_ends_its_actors_and_leaves_no_segment(
     else:
         noise = [line for line in run.stderr.splitlines() if any(word in line for word in NOISE)]
         assert noise == [], run.stderr[-4000:]
-    assert run.result is not None and len(run.result["pids"]) == 2
-    assert gone(run.result["pids"]) == [], "actors outlived their script"
+    assert run.result is not None and len(run.result["procs"]) == 2
+    assert all(start is not None for _, start in run.result["procs"]), run.result["procs"]
+    left = gone(run.result["procs"])
+    assert left == [], f"actors outlived their script: {[_cmdline(pid) for pid in left]}"
     if mode in ("break", "collect"):  # while the script goes on
         assert run.result["end"] == mode and run.result["ended_s"] < CLOSED_S, "closing ends the actors at once"
     if mode == "collect":
