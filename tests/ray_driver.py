@@ -40,8 +40,8 @@ def write(out: str, result: dict) -> None:
 
 
 def dali(root: str, prep, **kw) -> CoordLoader:
-    kw = {"batch_size": BS, "shuffle": True, **kw}
-    return CoordLoader(root, pipeline=RECIPE, device_id=None, seed=7, return_index=True, prep=prep, **kw)
+    kw = {"batch_size": BS, "shuffle": True, "pipeline": RECIPE, **kw}
+    return CoordLoader(root, device_id=None, seed=7, return_index=True, prep=prep, **kw)
 
 
 def epochs(loader, n: int, images: dict | None = None) -> list[dict]:
@@ -78,6 +78,22 @@ def wait_actors(loader, n: int, timeout: float = 30.0) -> None:
 
 def actor_pids(loader) -> list[int]:
     return [int(info["worker"].rsplit(":", 1)[1]) for info in loader.resources.remote.pool.ready.values()]
+
+
+def actor_procs(loader) -> list[list[int]]:
+    """``[pid, start time]`` of each ready actor's process: the machine starts tens of processes a
+    second and pids wrap at 32768, so a pid alone may name another process a minute later."""
+    return [[pid, started(pid)] for pid in actor_pids(loader)]
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); None: no such process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 # -- scenarios ------------------------------------------------------------------------------------
@@ -174,6 +190,105 @@ def resume(root: str, out: str, cut: str, backend: str = "dali") -> None:
     write(out, result)
 
 
+def custom_recipe(encoded, ctx):
+    """A custom recipe whose every random choice comes from ``ctx.random``: a RandomResizedCrop
+    window decoded alone, a brightness and a flip."""
+    from nvidia.dali import fn, types
+
+    anchor, size = ctx.random.crop_window(fn.peek_image_shape(encoded), scale=(0.25, 1.0))
+    images = fn.decoders.image_slice(
+        encoded,
+        anchor,
+        size,
+        device=ctx.decoder_device,
+        output_type=types.RGB,
+        axis_names="WH",
+        normalized_anchor=False,
+        normalized_shape=False,
+    )
+    images = fn.resize(images, device=ctx.device, resize_x=16, resize_y=16)
+    images = fn.brightness(images, device=ctx.device, brightness=ctx.random.uniform((0.7, 1.3)))
+    return fn.crop_mirror_normalize(
+        images,
+        device=ctx.device,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mirror=ctx.random.coin_flip(0.5),
+        mean=[127.5] * 3,
+        std=[127.5] * 3,
+    )
+
+
+def custom(root: str, out: str) -> None:
+    """:func:`custom_recipe` prepared by actors only, against local prep, two epochs."""
+    ref_images: dict = {}
+    with dali(root, 1, pipeline=custom_recipe) as loader:
+        result = {"reference": epochs(loader, 2, ref_images)}
+    # The recipe's draws change its tensors: epoch 1's differ from epoch 0's, sample for sample.
+    result["fresh"] = sum(not torch.equal(ref_images[(0, i)], ref_images[(1, i)]) for i in range(len(ref_images) // 2))
+    images: dict = {}
+    with dali(root, coordl.RayPrep(workers=2, local=False), pipeline=custom_recipe) as loader:
+        result["remote"] = {"epochs": epochs(loader, 2, images), "stats": loader.stats()}
+    result["remote"].update(compare(images, ref_images))
+    write(out, result)
+
+
+def resume_plain(root: str, out: str, cut: str) -> None:
+    """A state saved after ``cut`` batches of a pass with RayPrep(local=False), resumed by a loader
+    without RayPrep, which finishes the epoch and runs the next; the reference is that loader
+    uninterrupted."""
+    ref_images: dict = {}
+    with dali(root, 1) as loader:
+        result = {"reference": epochs(loader, 2, ref_images)}
+    images: dict = {}
+    before = []
+    with dali(root, coordl.RayPrep(workers=2, local=False)) as loader:
+        for x, _, ids in loader:
+            before += ids.tolist()
+            images.update({(0, i): image.clone() for image, i in zip(x, ids.tolist())})
+            if len(before) == int(cut) * BS:
+                state = json.loads(json.dumps(loader.state_dict()))  # during the pass, as a checkpoint is
+                break
+        result["remote_units"] = loader.stats()["remote_units"]
+    with dali(root, 1) as loader:
+        loader.load_state_dict(state)
+        result["after"] = epochs(loader, 2, images)
+    result.update(state=state, before=before, **compare(images, ref_images))
+    write(out, result)
+
+
+def start_timeout(root: str, out: str, seconds: str) -> None:
+    """RayPrep(local=False) whose actor asks for more CPUs than any node has: the pass fails with
+    CoordlError after START_TIMEOUT_S (here ``seconds``), and close() ends the actor Ray never placed."""
+    import ray
+    from ray._private import state as ray_state
+
+    from coordl.remote import passes
+
+    passes.START_TIMEOUT_S = float(seconds)  # the pass's own name for it (imported from coordl.remote.prep)
+    loader = dali(root, coordl.RayPrep(workers=1, local=False, cpus_per_worker=4))
+    actors = [a._actor_id.hex() for a in loader.resources.remote.pool._actors]  # requested now
+    it = iter(loader)
+    t0 = time.monotonic()
+    try:
+        next(it)
+        result = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        result = {"raised": type(e).__name__, "coordl": isinstance(e, coordl.CoordlError), "message": str(e)}
+    result["seconds"] = time.monotonic() - t0
+    result["before"] = {a: ray_state.actors(a)["State"] for a in actors}
+    del it
+    loader.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        result["after"] = {a: ray_state.actors(a)["State"] for a in actors}
+        if all(s == "DEAD" for s in result["after"].values()):
+            break
+        time.sleep(0.05)
+    result["cluster_cpus"] = ray.cluster_resources().get("CPU")
+    write(out, result)
+
+
 def kill(root: str, out: str) -> None:
     """kill -9 of an actor mid-epoch (workers=2, local=False); then one more epoch."""
     with dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4) as loader:
@@ -182,8 +297,8 @@ def kill(root: str, out: str) -> None:
         for k, (_, _, i) in enumerate(loader):
             ids += i.tolist()
             if k == 3:
-                killed = actor_pids(loader)[0]
-                os.kill(killed, signal.SIGKILL)
+                killed = actor_procs(loader)[0]
+                os.kill(killed[0], signal.SIGKILL)
         stats = loader.stats()
         second = epochs(loader, 1)[0]["ids"]
         write(out, {"killed": killed, "ids": ids, "stats": stats, "second": second, "after": loader.stats()})
@@ -191,37 +306,75 @@ def kill(root: str, out: str) -> None:
 
 def life(root: str, out: str, mode: str) -> None:
     """A user's script that ends as ``mode`` says, mid-epoch: break (then close), raise
-    SystemExit(3), SIGINT, SIGKILL, or a whole epoch and no close()."""
+    SystemExit(3), SIGINT, SIGTERM, SIGKILL, a whole epoch and no close(), or (collect) the loader
+    and its pass dropped and collected while the script goes on."""
     if mode == "plain":  # Ray without coordl, for the exit status of a KeyboardInterrupt
         import ray
 
         ray.init(address=os.environ["RAY_ADDRESS"])
-        write(out, {"pids": []})
+        write(out, {"procs": []})
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10)
+    if mode == "collect":
+        return collect(root, out)
     loader = dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4)
     result: dict = {}
     for k, _ in enumerate(loader):
         if k == 0:
-            deadline = time.monotonic() + 20
-            while len(loader.resources.remote.pool.ready) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            result["pids"] = actor_pids(loader)
+            result["procs"] = ready_procs(loader)
             write(out, result)
         if k == 2 and mode != "noclose":
             if mode == "break":
                 break
             if mode == "raise":
                 raise SystemExit(3)
-            os.kill(os.getpid(), signal.SIGINT if mode == "interrupt" else signal.SIGKILL)
+            signum = {"interrupt": signal.SIGINT, "term": signal.SIGTERM}.get(mode, signal.SIGKILL)
+            write(out, {**result, "signalled_at": time.time()})
+            os.kill(os.getpid(), signum)
             time.sleep(10)
     if mode == "break":  # close() ends the actors at once, while the script goes on
         t0 = time.monotonic()
         loader.close()
-        while any(os.path.exists(f"/proc/{pid}") for pid in result["pids"]) and time.monotonic() - t0 < 20:
-            time.sleep(0.05)
-        result["ended_s"] = time.monotonic() - t0
+        result["ended_s"] = until_gone(result["procs"], t0)
     result["end"] = mode
+    write(out, result)
+
+
+def ready_procs(loader) -> list[list[int]]:
+    """:func:`actor_procs` of ``loader``'s two actors, once both are ready (at most 20 s)."""
+    deadline = time.monotonic() + 20
+    while len(loader.resources.remote.pool.ready) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return actor_procs(loader)
+
+
+def until_gone(procs, t0: float, timeout: float = 20.0) -> float:
+    """Seconds from ``t0`` until every process of ``procs`` (:func:`actor_procs`) is gone (at most
+    ``timeout``)."""
+    while time.monotonic() - t0 < timeout and any(s is not None and started(pid) == s for pid, s in procs):
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def collect(root: str, out: str) -> None:
+    """A loader dropped mid-pass (``del loader, it``) and collected (``gc.collect()``): it closes,
+    and its actors end, while the script goes on."""
+    import gc
+    import weakref
+
+    loader = dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4)
+    it = iter(loader)
+    next(it)
+    result = {"procs": ready_procs(loader)}
+    write(out, result)
+    next(it), next(it)
+    collected = weakref.ref(loader)
+    t0 = time.monotonic()
+    del loader, it
+    gc.collect()
+    result["collected"] = collected() is None
+    result["ended_s"] = until_gone(result["procs"], t0)
+    result["end"] = "collect"
     write(out, result)
 
 
@@ -395,7 +548,23 @@ def hp(root: str, out: str) -> None:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (equal_dali, equal_torch, resume, kill, life, auto, in_flight, errors, no_cluster, gpu, hp_member, hp)
+    for f in (
+        equal_dali,
+        equal_torch,
+        custom,
+        resume,
+        resume_plain,
+        kill,
+        life,
+        auto,
+        in_flight,
+        errors,
+        start_timeout,
+        no_cluster,
+        gpu,
+        hp_member,
+        hp,
+    )
 }
 
 if __name__ == "__main__":

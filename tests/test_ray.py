@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -29,8 +30,13 @@ from coordl.shm import reaper
 from coordl_testing import raycluster
 
 N = 120  # samples in tiny_dataset
-BATCHES = 15  # of 8 samples
+BS = 8  # samples a batch (ray_driver.BS)
+BATCHES = N // BS
 DRIVER = Path(__file__).with_name("ray_driver.py")
+CLOSED_S = 5.0  # a closed or collected loader's actors are gone within this (guarantees.md: "under 5 s")
+GRACE_S = 30.0  # Slurm's KillWait and Kubernetes' grace period: a SIGTERMed script is gone well before
+START_S = 3.0  # coordl.remote.passes.START_TIMEOUT_S in the start_timeout script (120 s in coordl)
+LATE_S = 2.0  # a guard: the pass fails this soon after START_S (its thread looks every 0.05 s)
 REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETNS") else raycluster.unavailable()
 CODE = str(
     Path(coordl.__file__).resolve().parents[1]
@@ -64,6 +70,7 @@ class Run:
     stderr: str
     result: dict | None
     seconds: float
+    ended_at: float  # time.time() once the driver had exited
 
 
 def drive(cluster, tmp_path, scenario: str, root, *args: str, timeout: float = 240) -> Run:
@@ -86,7 +93,7 @@ def drive(cluster, tmp_path, scenario: str, root, *args: str, timeout: float = 2
             p.wait()
         cluster.watch()
     result = json.loads(out.read_text()) if out.exists() else None
-    return Run(p.returncode, err, result, time.monotonic() - t0)
+    return Run(p.returncode, err, result, time.monotonic() - t0, time.time())
 
 
 def ok(run: Run) -> dict:
@@ -96,21 +103,32 @@ def ok(run: Run) -> dict:
     return run.result
 
 
-def gone(pids, timeout: float = 15.0) -> list[int]:
-    """The pids still alive after ``timeout`` seconds."""
+def gone(procs, timeout: float = 15.0) -> list[int]:
+    """The pids of ``procs`` (``[pid, start time]`` pairs, as the driver saw them) still alive after
+    ``timeout`` seconds: a pid whose process started at another time is another process's (the
+    machine starts tens of processes a second, and pids wrap at 32768)."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+        alive = [pid for pid, start in procs if start is not None and _started(pid) == start]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
 
 
-def _state(pid: int) -> str:
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); None: no such process, or a zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return "Z"
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return f"{pid}: gone"
 
 
 def segments(shm: Path, timeout: float = 10.0) -> list[str]:
@@ -207,6 +225,21 @@ def test_torch_backend_remote_gives_local_tensors(cluster, tiny_dataset, isolate
 
 
 @needs_cluster
+def test_a_custom_recipe_drawing_from_ctx_random_gives_local_prep_s_tensors(cluster, tiny_dataset, isolated, tmp_path):
+    """A callable recipe whose crop window, brightness and flip come from ctx.random, prepared by
+    actors only: bit for bit the tensors of local prep, two epochs."""
+    r = ok(drive(cluster, tmp_path, "custom", tiny_dataset))
+    for epoch in r["reference"]:
+        exactly_once(epoch["ids"])
+    # The draws decide the tensors: a sample's differ from one epoch to the next (all but chance ones).
+    assert r["fresh"] >= N - 5, f"only {r['fresh']} of {N} samples changed between epochs"
+    same_as_reference(r["remote"], r["reference"])
+    stats = r["remote"]["stats"]
+    assert stats["remote_units"] == BATCHES and stats["local_units"] == 0
+    assert segments(isolated) == []
+
+
+@needs_cluster
 @pytest.mark.parametrize("backend", ["dali", "torch"])
 def test_a_state_resumes_at_another_world_size_with_ray_prep(cluster, tiny_dataset, isolated, tmp_path, backend):
     """tests/test_resume.py's resumed run, 2 ranks -> 3, every loader with RayPrep: the interrupted
@@ -217,6 +250,24 @@ def test_a_state_resumes_at_another_world_size_with_ray_prep(cluster, tiny_datas
     assert len(r["before"]) == 2 * 3 * 8
     exactly_once(r["before"] + r["after"]["0"])
     exactly_once(r["after"]["1"])  # the next epoch, at the new world size, is whole
+    assert r["compared"] == 2 * N and r["bad_count"] == 0, f"images differ from the reference: {r['bad']}"
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_state_saved_with_ray_prep_resumes_without_it(cluster, tiny_dataset, isolated, tmp_path):
+    """A state saved during a pass whose batches came from actors (RayPrep(local=False)), loaded by
+    the same loader without RayPrep: it delivers exactly the rest of the epoch, in the
+    uninterrupted run's order and with its tensors, then the next epoch whole."""
+    cut = 4
+    r = ok(drive(cluster, tmp_path, "resume_plain", tiny_dataset, str(cut)))
+    reference = r["reference"]
+    assert r["remote_units"] >= cut, "the actors made the batches before the state"
+    assert (r["state"]["epoch"], r["state"]["batches"]) == (0, cut)
+    assert r["before"] == reference[0]["ids"][: cut * BS]
+    assert r["after"][0]["ids"] == reference[0]["ids"][cut * BS :], "not the rest of the epoch, in its order"
+    assert r["after"][1]["ids"] == reference[1]["ids"]
+    exactly_once(r["before"] + r["after"][0]["ids"])
     assert r["compared"] == 2 * N and r["bad_count"] == 0, f"images differ from the reference: {r['bad']}"
     assert segments(isolated) == []
 
@@ -242,31 +293,80 @@ def plain_interrupt_status(cluster, tiny_dataset, tmp_path_factory):
     return run.rc
 
 
+#: What a clean stderr never holds: a traceback, an ignored exception, an abort (Ray's C++ handler
+#: prints "*** SIGTERM received" and aborts a driver that has not exited 3 s after a SIGTERM).
+NOISE = ("Traceback", "Exception ignored", "terminate called", "*** SIG", "Aborted", "Fatal Python error")
+
+
 @needs_cluster
-@pytest.mark.parametrize("mode,status", [("break", 0), ("raise", 3), ("interrupt", None), ("kill", -9), ("noclose", 0)])
+@pytest.mark.parametrize(
+    "mode,status",
+    [
+        ("break", 0),
+        ("raise", 3),
+        ("interrupt", None),
+        ("term", -signal.SIGTERM),
+        ("kill", -9),
+        ("noclose", 0),
+        ("collect", 0),
+    ],
+)
 def test_a_script_s_end_ends_its_actors_and_leaves_no_segment(
     cluster, tiny_dataset, isolated, tmp_path, mode, status, request
 ):
-    """A script that breaks out of its loop and closes, raises SystemExit(3), gets SIGINT, is
-    SIGKILLed, or never calls close(): it exits with its own status, its actors end, and its shm
-    folder is empty (after a SIGKILL: left to the reaper, which finds nobody attached)."""
+    """A script that breaks out of its loop and closes, raises SystemExit(3), gets SIGINT, gets
+    SIGTERM, is SIGKILLed, never calls close(), or drops its loader and pass mid-epoch and collects
+    them: it exits with its own status (SIGTERM: death by it, as without Ray), its actors end, and
+    its shm folder is empty (after a SIGKILL: left to the reaper, which finds nobody attached)."""
     if mode == "interrupt":  # Ray's driver exits 1 on an uncaught KeyboardInterrupt (Python alone: -2)
         status = request.getfixturevalue("plain_interrupt_status")
     run = drive(cluster, tmp_path, "life", tiny_dataset, mode)
     assert run.rc == status, f"exit status {run.rc}, not {status}:\n{run.stderr[-4000:]}"
-    traceback = "Traceback" in run.stderr
-    assert traceback == (mode == "interrupt"), run.stderr[-4000:]
     if mode == "interrupt":
         assert run.stderr.rstrip().endswith("KeyboardInterrupt"), run.stderr[-4000:]
-    assert run.result is not None and len(run.result["pids"]) == 2
-    assert gone(run.result["pids"]) == [], "actors outlived their script"
-    if mode == "break":
-        assert run.result["end"] == "break" and run.result["ended_s"] < 5, "close() ends the actors at once"
+    else:
+        noise = [line for line in run.stderr.splitlines() if any(word in line for word in NOISE)]
+        assert noise == [], run.stderr[-4000:]
+    assert run.result is not None and len(run.result["procs"]) == 2
+    assert all(start is not None for _, start in run.result["procs"]), run.result["procs"]
+    left = gone(run.result["procs"])
+    assert left == [], f"actors outlived their script: {[_cmdline(pid) for pid in left]}"
+    if mode in ("break", "collect"):  # while the script goes on
+        assert run.result["end"] == mode and run.result["ended_s"] < CLOSED_S, "closing ends the actors at once"
+    if mode == "collect":
+        assert run.result["collected"], "the dropped loader was not collected"
+    if mode == "term":  # coordl closed the loader, then SIGTERM ended the process: well within a grace period
+        assert run.ended_at - run.result["signalled_at"] < GRACE_S
     if mode == "kill":
         left = segments(isolated, timeout=1.0)
         assert all(not g.in_use for g in reaper.list_groups(str(isolated))), "a dead script's cache is in use"
         reaper.reap(str(isolated))
         assert segments(isolated, timeout=0) == [], left
+    assert segments(isolated) == []
+
+
+def test_the_start_timeout_is_coordl_s_documented_120_s():
+    """guarantees.md: a pass of RayPrep(local=False) whose actors cannot start fails after 120 s."""
+    from coordl.remote import passes, prep
+
+    assert prep.START_TIMEOUT_S == passes.START_TIMEOUT_S == 120.0
+
+
+@needs_cluster
+def test_actors_that_cannot_start_fail_the_pass_after_the_start_timeout(cluster, tiny_dataset, isolated, tmp_path):
+    """RayPrep(local=False, cpus_per_worker=4) on nodes of one CPU: Ray never places the actor, and
+    the first batch raises CoordlError once no actor has been ready for START_TIMEOUT_S (START_S
+    here), not before and not much later; close() ends the actor Ray never placed."""
+    r = ok(drive(cluster, tmp_path, "start_timeout", tiny_dataset, str(START_S), timeout=60))  # 60: a guard
+    assert r["cluster_cpus"] == 2.0
+    assert (r["raised"], r["coordl"]) == ("CoordlError", True), r
+    assert r["message"] == (
+        f"coordl: no RayPrep actor has been ready for {START_S:.0f} s and RayPrep(local=False): "
+        "the cluster has no free CPUs for them (see `ray status`)"
+    )
+    assert START_S <= r["seconds"] < START_S + LATE_S, f"failed after {r['seconds']:.2f} s"
+    assert list(r["before"].values()) == ["PENDING_CREATION"], r["before"]
+    assert list(r["after"].values()) == ["DEAD"], r["after"]
     assert segments(isolated) == []
 
 

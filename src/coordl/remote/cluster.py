@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 
 from coordl.errors import CoordlError
@@ -56,6 +58,8 @@ def connect(address: str) -> None:
             raise CoordlError(
                 f"coordl: no Ray cluster at RayPrep(address={address!r}) ({target}: {e}); {hint}"
             ) from None
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     try:
         ray.init(address=target, logging_level=logging.WARNING, log_to_driver=True, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -64,6 +68,12 @@ def connect(address: str) -> None:
             "cluster runs there: its token, RAY_AUTH_TOKEN / ~/.ray/auth_token, or its Ray version differs from "
             f"this machine's); {hint}"
         ) from None
+    finally:
+        # ray.init replaces the script's SIGTERM handling with sys.exit(15), under a C handler of
+        # Ray's that aborts the process (-6) when it has not exited 3 s later: the script's own
+        # handling is put back (the default action: coordl's, which closes the loaders first).
+        if sigterm is not None and signal.getsignal(signal.SIGTERM) is not sigterm:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def actor_env() -> dict:
