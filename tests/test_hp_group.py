@@ -21,6 +21,7 @@ from coordl import CoordLoader, GroupConfigError, ImageNetTrain, ImageNetVal
 from coordl.index import Index
 from coordl.shm import names
 from coordl.staging.area import StagingArea
+from coordl.staging.layout import slot_stride
 
 CTX = multiprocessing.get_context("spawn")
 RECIPE = ImageNetTrain(size=16)
@@ -94,6 +95,33 @@ def test_group_of_one_delivers_what_a_plain_loader_delivers(tiny_dataset, isolat
     assert stats["hp_members"] == 1 and stats["consumed_shared"] == 0
     assert 0 < stats["staging_peak_bytes"] <= stats["staging_bound"]
     assert os.listdir(isolated) == []  # closing the last member removed the area
+
+
+def test_a_finished_pass_freed_after_the_next_began_leaves_the_next_ones_producers(tiny_dataset, isolated, procs):
+    # A training loop that writes ``it = iter(loader)`` each epoch frees the previous pass only after
+    # the next one began; closing that finished pass once stopped the new pass's producers, and a
+    # group with nobody left producing waited forever.
+    q = CTX.Queue()
+    procs(_iter_each_epoch, str(tiny_dataset), q)
+    epochs = result(q, 120)  # a guard: without producers the second epoch never ends
+    assert [sorted(_flat(ids)) for ids in epochs] == [list(range(N))] * 2
+
+
+def _iter_each_epoch(root, q):
+    def body():
+        stride = slot_stride(8, (3, 16, 16), "float32")
+        group = coordl.HPGroup("iter", staging=4 * stride)  # 4 slots: the ring cannot hold a pass ahead
+        got = []
+        with _loader(root, hp_group=group) as loader:
+            old = iter(loader)
+            got.append([i.tolist() for _, _, i in old])
+            loader.set_epoch(1)
+            new = iter(loader)
+            old.close()  # as its freeing does, after the next pass began
+            got.append([i.tolist() for _, _, i in new])
+        return got
+
+    report(q, body)
 
 
 # -- 2 to 4 members ------------------------------------------------------------------------

@@ -165,9 +165,10 @@ class GroupMember:
         """This member's pass over ``epoch`` (or over the group's pass it joins)."""
         return GroupPass(self, epoch, **hooks)
 
-    def join_producer(self) -> None:
-        """Waits for the last pass's producers to stop (they drain what they have in flight first)."""
-        for p in self.producers:
+    def join_producer(self, producers=None) -> None:
+        """Waits for ``producers`` (default: the last pass's) to stop (they drain what they have in
+        flight first)."""
+        for p in self.producers if producers is None else producers:
             if threading.current_thread() is not p.thread:
                 p.stop.set()
                 p.thread.join()
@@ -456,8 +457,12 @@ class GroupPass(Pass):
         self.stop_event.set()
 
     def close(self) -> None:
-        """Leaves the pass unfinished: this member stops consuming (the group goes on); idempotent."""
+        """Leaves the pass unfinished: this member stops consuming (the group goes on); idempotent.
+
+        Stops this pass's producers only: a pass closed, or freed, after the next one started (a
+        training loop's ``it = iter(loader)`` frees the previous pass after the next one began)
+        must not stop the next one's, or the group loses this member's production."""
         if not self._closed and self.active:
             self.area.abandon()
         super().close()
-        self.member.join_producer()
+        self.member.join_producer(getattr(self, "producers", ()))
