@@ -27,7 +27,7 @@ from coordl.passes import Channel, Pass, Step
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal
 from coordl.schedule import Schedule
 from coordl.shm import names
-from coordl.staging.area import Claim, StagingArea
+from coordl.staging.area import HEALTH_EVERY_S, Claim, StagingArea
 
 __all__ = ["EMPTY_GROUP_STATS", "GroupMember", "GroupPass", "Producer"]
 
@@ -389,7 +389,7 @@ class GroupPass(Pass):
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
             now = time.monotonic()
-            if now - last_health > 0.25:
+            if now - last_health >= HEALTH_EVERY_S:  # a member that died is noticed within 0.25 s
                 area.health()
                 last_health = now
             if now > next_note:
