@@ -21,7 +21,8 @@ from coordl import CoordLoader, GroupConfigError, ImageNetTrain, ImageNetVal
 from coordl.index import Index
 from coordl.shm import names
 from coordl.staging.area import StagingArea
-from coordl.staging.layout import slot_stride
+from coordl.staging.layout import CLAIMED, slot_stride
+from hptrials import GUARD_S, Opens, Records, Trials, exclusive_flocks, trial
 
 CTX = multiprocessing.get_context("spawn")
 RECIPE = ImageNetTrain(size=16)
@@ -103,7 +104,7 @@ def test_a_finished_pass_freed_after_the_next_began_leaves_the_next_ones_produce
     # group with nobody left producing waited forever.
     q = CTX.Queue()
     procs(_iter_each_epoch, str(tiny_dataset), q)
-    epochs = result(q, 120)  # a guard: without producers the second epoch never ends
+    epochs = result(q, GUARD_S)  # a guard: without producers the second epoch never ends
     assert [sorted(_flat(ids)) for ids in epochs] == [list(range(N))] * 2
 
 
@@ -169,6 +170,144 @@ def test_a_member_killed_mid_epoch_does_not_stop_the_others(tiny_dataset, isolat
         _check_epochs(out)
         assert out["max_gap"] < 5.0, f"a survivor waited {out['max_gap']:.1f} s for a batch"
     assert outs[0]["ids"] == outs[1]["ids"]
+
+
+# The bound docs/guarantees.md ("A trial of an hp_group dies") and docs/hp-search.md ("Dying") state: the
+# others notice a dead trial within 0.25 s of waiting for it.
+NOTICE_S = 0.25
+# How many times the others look at a stopped trial's lock (and find it alive) before it continues.
+LOOKS = 8
+EPOCHS = 2
+NB = N // 8  # batches per pass at _loader's batch size
+
+
+def _trials(procs, root, group, n, epochs=EPOCHS):
+    """Starts ``n`` trials of ``group`` (:func:`hptrials.trial`); returns their pipes once each has had
+    a batch (so each is a member of the group)."""
+    start, trials, ps = CTX.Barrier(n), Trials(), []
+    for _ in range(n):
+        r, w = CTX.Pipe(duplex=False)
+        ps.append(procs(trial, w, root, group, epochs, start, _loader))
+        w.close()
+        trials.add(ps[-1].pid, r)
+    trials.until(lambda: all(trials.kinds(p.pid, "got") for p in ps), "every trial's first batch")
+    return trials, ps
+
+
+def _stop_while_making_a_batch(trials, rec, victim, last_q):
+    """SIGSTOPs ``victim`` at a moment it is making a batch before ``last_q`` and holds no exclusive
+    lock but its member file's (the group's mutex or the cache's would stop everyone, not just its
+    batch). Tries again after each batch it gets; returns the first batch it is making and its claim token."""
+    members = {os.stat(os.path.join(rec.directory, e)).st_ino for e in os.listdir(rec.directory) if ".member." in e}
+    tries = len(trials.kinds(victim.pid, "got"))
+    while True:
+        assert tries < EPOCHS * NB, "guard: the victim never held a claim when stopped"
+        os.kill(victim.pid, signal.SIGSTOP)
+        _, status = os.waitpid(victim.pid, os.WUNTRACED)  # returns once all its threads stopped
+        assert os.WIFSTOPPED(status), f"the victim ended: status {status}"
+        if exclusive_flocks(victim.pid) <= members:
+            with rec.locked():
+                claims = rec.claims(rec.member(victim.pid))
+            if claims and min(claims) < last_q:
+                q = min(claims)
+                return q, claims[q]
+        os.kill(victim.pid, signal.SIGCONT)
+        trials.until(lambda n=tries: len(trials.kinds(victim.pid, "got")) > n, "the victim's next batch")
+        tries = len(trials.kinds(victim.pid, "got"))
+
+
+def _waiting_for(trials, rec, others, q):
+    """Whether each of ``others`` has had every batch it took (its ``consumed`` record counts them),
+    asked for the next one (not for one past its epoch's end: that ask ends the epoch), and that is
+    batch ``q``."""
+    if not all(trials.last(p.pid) == "ask" and trials.events[p.pid][-1][2] < NB for p in others):
+        return False
+    with rec.locked():
+        ms = [rec.m[rec.member(p.pid)] for p in others]
+        return all(
+            int(m["cursor"]) == q and int(m["consumed"]) == len(trials.kinds(p.pid, "got"))
+            for m, p in zip(ms, others, strict=True)
+        )
+
+
+def _gaps(start: float, times: list[float]) -> list[float]:
+    return [b - a for a, b in zip([start, *times], times, strict=False)]
+
+
+def test_a_killed_trial_is_noticed_within_0_25_s_of_waiting_for_it(tiny_dataset, isolated, procs):
+    trials, (victim, other) = _trials(procs, str(tiny_dataset), "noticed", 2)
+    rec = Records(str(isolated), "noticed")
+    looks = None
+    try:
+        # Stopped first, so that it dies for certain while making a batch the other waits for.
+        q, token = _stop_while_making_a_batch(trials, rec, victim, EPOCHS * NB)
+        looks = Opens(rec.member_file(rec.member(victim.pid)))
+        trials.until(lambda: _waiting_for(trials, rec, [other], q), f"the other to wait for batch {q}")
+        waiting = trials.kinds(other.pid, "ask")[-1]
+        looks.wait_for(4, waiting, "the other to look at the stopped trial's lock")
+        killed = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        trials.until(lambda: trials.kinds(victim.pid, "eof"), "the victim's end")
+        dead = trials.kinds(victim.pid, "eof")[0]  # the kernel had dropped its locks by then
+        trials.until(lambda: trials.kinds(other.pid, "gone"), "the other to notice the death")
+        with rec.locked():
+            assert all(int(rec.m[k]["pid"]) != victim.pid for k in range(len(rec.m)) if int(rec.m[k]["state"]))
+            slot = rec.s[q % int(rec.h["slots"])]
+            mine = int(slot["state"]) == CLAIMED and int(slot["q"]) == q and int(slot["token"]) == token
+            assert not mine  # its claim was given back (and maybe made again by now)
+        trials.until(lambda: other.pid in trials.results, "the other's result")
+    finally:
+        if looks is not None:
+            looks.close()
+        rec.close()
+        trials.close()
+    (noticed,) = trials.kinds(other.pid, "gone")  # found dead once
+    remade = min(t for t in trials.kinds(other.pid, "got") if t > killed)
+    gaps = _gaps(waiting, [t for t in looks.times if waiting < t < killed])
+    timing = (
+        f"while waiting, looked at its lock after {[round(g, 3) for g in gaps]} s; "
+        f"killed -> ended by the kernel {dead - killed:.3f} s -> noticed {noticed - dead:+.3f} s "
+        f"-> its batch remade and delivered {remade - noticed:+.3f} s"
+    )
+    print(timing)
+    # While it waits, the other looks at least every 0.25 s: a trial dying at any moment is noticed
+    # within 0.25 s. And the one that died was.
+    assert max(gaps) <= NOTICE_S, timing
+    assert noticed - dead <= NOTICE_S, timing
+    _check_epochs(trials.results[other.pid])  # nothing lost, nothing twice
+
+
+def test_a_trial_stopped_with_sigstop_is_alive_and_the_others_wait_for_it(tiny_dataset, isolated, procs):
+    trials, ps = _trials(procs, str(tiny_dataset), "stopped", 3)
+    victim, others = ps[0], ps[1:]
+    rec = Records(str(isolated), "stopped")
+    looks = None
+    try:
+        q, token = _stop_while_making_a_batch(trials, rec, victim, EPOCHS * NB)
+        looks = Opens(rec.member_file(rec.member(victim.pid)))
+        trials.until(lambda: _waiting_for(trials, rec, others, q), f"the others to wait for batch {q}")
+        waiting = max(trials.kinds(p.pid, "ask")[-1] for p in others)
+        looks.wait_for(LOOKS, waiting, "the others to look at the stopped trial's lock")
+        came = [m for m in trials.drain() if m[0] != victim.pid]  # (it may have sent some before it stopped)
+        assert came == [], f"while a trial was stopped the others went on or dropped it: {came}"
+        with rec.locked():
+            assert rec.claims(rec.member(victim.pid)).get(q) == token  # still a member, still making batch q
+            assert all(int(rec.m[rec.member(p.pid)]["cursor"]) == q for p in others)
+        os.kill(victim.pid, signal.SIGCONT)
+        trials.until(lambda: len(trials.results) == len(ps), "every trial's results")
+    finally:
+        if looks is not None:
+            looks.close()
+        rec.close()
+        trials.close()
+    assert not any(trials.kinds(p.pid, "gone") for p in ps)
+    outs = [trials.results[p.pid] for p in ps]
+    for out in outs:
+        _check_epochs(out)  # nothing lost, nothing twice, the stopped trial's included
+    for out in outs[1:]:  # the stopped trial got exactly the others' batches
+        assert out["ids"] == outs[0]["ids"]
+        np.testing.assert_allclose(out["sums"], outs[0]["sums"], rtol=1e-6)
+    assert {s["order_epoch"] for o in outs for s in o["stats"]} == set(range(EPOCHS))
 
 
 def test_the_claim_of_a_dead_producer_is_made_by_another(isolated, procs):
