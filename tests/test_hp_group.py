@@ -36,22 +36,25 @@ def _loader(root, **kw):
     return CoordLoader(root, return_index=True, **kw, prep=1, fetch=coordl.Fetch(threads=2))
 
 
-def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, stop_after=None, ready=None):
-    """Runs ``epochs`` epochs in the group; reports ids, image sums and stats per epoch."""
+def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, stop_after=None, enrolled=None):
+    """Runs ``epochs`` epochs in the group, ``per_batch_s`` of training per batch; reports ids, image
+    sums and stats per epoch. Sets ``progress`` after ``stop_after`` batches and waits there to be
+    killed; sets ``enrolled`` once its first pass has joined the group's."""
 
     def body():
         out = {"ids": [], "sums": [], "stats": [], "max_gap": 0.0, "pid": os.getpid()}
         with _loader(root, hp_group=group, **kw) as loader:
             if start is not None:
                 start.wait(WAIT)
-            if ready is not None:
-                ready.set()
             taken = 0
             for e in range(epochs):
                 loader.set_epoch(e)
                 ids, sums = [], []
+                it = iter(loader)  # joins the group's pass
+                if enrolled is not None:
+                    enrolled.set()
                 last = time.monotonic()
-                for x, _, i in loader:
+                for x, _, i in it:
                     out["max_gap"] = max(out["max_gap"], time.monotonic() - last)
                     ids.append(i.tolist())
                     sums.append(float(x.double().sum()))
@@ -59,8 +62,8 @@ def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, s
                     taken += 1
                     if progress is not None and taken == stop_after:
                         progress.set()
-                        time.sleep(3600)  # killed here
-                    time.sleep(per_batch_s)
+                        _wait_to_be_killed()
+                    time.sleep(per_batch_s)  # the training step
                     last = time.monotonic()
                 out["ids"].append(ids)
                 out["sums"].append(sums)
@@ -68,6 +71,11 @@ def _member(root, group, epochs, kw, start, q, per_batch_s=0.0, progress=None, s
         return out
 
     report(q, body)
+
+
+def _wait_to_be_killed():
+    while True:
+        signal.pause()
 
 
 def _flat(batches):
@@ -168,6 +176,8 @@ def test_a_member_killed_mid_epoch_does_not_stop_the_others(tiny_dataset, isolat
     outs = [result(q, 120) for _ in range(2)]
     for out in outs:
         _check_epochs(out)
+        # A guard against a survivor stuck on the dead member's batches, not the bound (0.25 s to notice
+        # the death): test_a_killed_trial_is_noticed_within_0_25_s_of_waiting_for_it checks that.
         assert out["max_gap"] < 5.0, f"a survivor waited {out['max_gap']:.1f} s for a batch"
     assert outs[0]["ids"] == outs[1]["ids"]
 
@@ -332,7 +342,7 @@ def _claim_and_hang(directory, claimed, q):
     area = _area("dead-claim")
     assert area.claim(block=False).q == 0
     claimed.set()
-    time.sleep(3600)
+    _wait_to_be_killed()
 
 
 def _area(name, **kw):
@@ -372,19 +382,26 @@ def test_the_ring_never_holds_more_than_the_bound(isolated):
 
 
 def test_a_member_idle_between_epochs_is_dropped_after_the_timeout(isolated):
-    busy, idle = _area("idle", idle_timeout=0.3), _area("idle", idle_timeout=0.3)
+    timeout = 1.0  # HPGroup(idle_timeout): the longest an idle member holds the others up
+    busy, idle = _area("idle", idle_timeout=timeout), _area("idle", idle_timeout=timeout)
     try:
         busy.enroll(0, may_rebase=False)
         idle.enroll(0, may_rebase=False)
-        idle.finish_pass()  # enrolled for batch 0 on, but not iterating
+        before = time.monotonic()
+        idle.finish_pass()  # enrolled for batch 0 on, but not iterating: idle from now
+        after = time.monotonic()
         claims = [busy.claim(block=False) for _ in range(4)]
         for c in claims:
             busy.publish(c, 2)
         for q in range(4):
             busy.release(busy.take(q))
-        assert busy.claim(block=False) is None  # the idle member still needs batch 0
-        time.sleep(0.4)
-        assert busy.claim(block=False).q == 4  # dropped: the ring moves on
+        c = busy.claim(block=False)
+        if time.monotonic() < before + timeout:  # (a machine too busy to get here in time cannot tell)
+            assert c is None  # its time is not up: the idle member still holds batch 0
+        if c is None:
+            time.sleep(max(0.0, after + timeout - time.monotonic()))  # until its time is up, at the latest
+            c = busy.claim(block=False)
+        assert c is not None and c.q == 4  # dropped: the ring moves on
         start, continues = idle.enroll(1, may_rebase=False)
         assert not continues and start == 10  # it rejoins at the next pass
     finally:
@@ -393,13 +410,16 @@ def test_a_member_idle_between_epochs_is_dropped_after_the_timeout(isolated):
 
 
 # -- joining -------------------------------------------------------------------------------
+STEP_S = 0.03  # member A's training step in the joining test
+
+
 def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tiny_dataset, isolated, procs):
-    q_a, q_b, progress, ready = CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
+    q_a, q_b, progress, enrolled = CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
     group = coordl.HPGroup("join", staging=4 * 4 * 3 * 16 * 16 * 4 + 4 * 4096)  # 4-5 slots, 30 batches a pass
     kw = {"batch_size": 4}
-    procs(_member_signalling, str(tiny_dataset), group, 3, kw, q_a, progress, ready)
-    assert progress.wait(WAIT)  # A is in the middle of its first epoch, and waits for B to start
-    procs(_member, str(tiny_dataset), group, 2, kw, None, q_b, 0.0, None, None, ready)
+    procs(_member_signalling, str(tiny_dataset), group, 3, kw, q_a, progress, enrolled)
+    assert progress.wait(WAIT)  # A is in the middle of its first epoch, and waits for B to join
+    procs(_member, str(tiny_dataset), group, 2, kw, None, q_b, 0.0, None, None, enrolled)
     a, b = result(q_a, 120), result(q_b, 120)
     _check_epochs(a)
     _check_epochs(b)
@@ -411,7 +431,10 @@ def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tin
     assert a["ids"][shared] == b["ids"][0]
 
 
-def _member_signalling(root, group, epochs, kw, q, progress, ready):
+def _member_signalling(root, group, epochs, kw, q, progress, enrolled):
+    """Member A: stops in the middle of its first epoch until B has joined the group's passes, and
+    trains slowly (STEP_S a batch), so that B shares batches A's producer made."""
+
     def body():
         out = {"ids": [], "stats": []}
         with _loader(root, hp_group=group, **kw) as loader:
@@ -422,9 +445,8 @@ def _member_signalling(root, group, epochs, kw, q, progress, ready):
                     ids.append(i.tolist())
                     if e == 0 and k == 10:
                         progress.set()
-                        assert ready.wait(WAIT)  # B is about to iterate
-                        time.sleep(0.5)
-                    time.sleep(0.03)
+                        assert enrolled.wait(WAIT)  # B has joined, in the middle of A's epoch
+                    time.sleep(STEP_S)  # the training step
                 out["ids"].append(ids)
                 out["stats"].append(loader.stats())
         return out
