@@ -45,9 +45,12 @@ from coordl.staging.layout import CLAIMED, ERROR, MAX_MEMBERS, READY, TODO, grou
 from coordl.staging.liveness import MemberLock, drop_idle, lock_path, reap_dead
 from coordl.staging.ring import Claim, Mutex, Ring, Taken
 
-__all__ = ["Claim", "StagingArea", "group_fingerprint"]
+__all__ = ["HEALTH_EVERY_S", "Claim", "StagingArea", "group_fingerprint"]
 
-HEALTH_EVERY_S = 0.2  # how often a producer looks for dead members while it claims
+# How often a member looks for dead members while its producer claims or its consumer waits for a
+# batch: the others notice a death within 0.25 s (docs/guarantees.md), 0.05 s left for the poll's
+# sleep and a busy machine's scheduling.
+HEALTH_EVERY_S = 0.2
 
 
 class StagingArea:

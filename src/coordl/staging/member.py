@@ -27,7 +27,7 @@ from coordl.passes import Channel, Pass, Step
 from coordl.prep.recipes import ImageNetTrain, ImageNetVal
 from coordl.schedule import Schedule
 from coordl.shm import names
-from coordl.staging.area import Claim, StagingArea
+from coordl.staging.area import HEALTH_EVERY_S, Claim, StagingArea
 
 __all__ = ["EMPTY_GROUP_STATS", "GroupMember", "GroupPass", "Producer"]
 
@@ -165,9 +165,10 @@ class GroupMember:
         """This member's pass over ``epoch`` (or over the group's pass it joins)."""
         return GroupPass(self, epoch, **hooks)
 
-    def join_producer(self) -> None:
-        """Waits for the last pass's producers to stop (they drain what they have in flight first)."""
-        for p in self.producers:
+    def join_producer(self, producers=None) -> None:
+        """Waits for ``producers`` (default: the last pass's) to stop (they drain what they have in
+        flight first)."""
+        for p in self.producers if producers is None else producers:
             if threading.current_thread() is not p.thread:
                 p.stop.set()
                 p.thread.join()
@@ -388,7 +389,7 @@ class GroupPass(Pass):
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
             now = time.monotonic()
-            if now - last_health > 0.25:
+            if now - last_health >= HEALTH_EVERY_S:  # a member that died is noticed within 0.25 s
                 area.health()
                 last_health = now
             if now > next_note:
@@ -457,11 +458,15 @@ class GroupPass(Pass):
 
     def close(self) -> None:
         """Leaves the pass unfinished: this member stops consuming (the group goes on); idempotent.
-        Nothing in a forked child, whose copy is the parent's: it must not leave in the parent's name."""
+
+        Stops this pass's producers only: a pass closed, or freed, after the next one started (a
+        training loop's ``it = iter(loader)`` frees the previous pass after the next one began)
+        must not stop the next one's, or the group loses this member's production. Nothing in a
+        forked child, whose copy is the parent's: it must not leave in the parent's name."""
         if self.forked:
             self._closed = True
             return
         if not self._closed and self.active:
             self.area.abandon()
         super().close()
-        self.member.join_producer()
+        self.member.join_producer(getattr(self, "producers", ()))
