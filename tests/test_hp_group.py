@@ -182,6 +182,55 @@ def test_a_member_killed_mid_epoch_does_not_stop_the_others(tiny_dataset, isolat
     assert outs[0]["ids"] == outs[1]["ids"]
 
 
+# -- leaving -------------------------------------------------------------------------------
+def test_a_member_that_breaks_out_of_a_pass_leaves_it_and_the_others_go_on(tiny_dataset, isolated, procs):
+    """docs/hp-search.md ("Leaving"): breaking out of an epoch leaves that pass. The breaker keeps
+    its loader open without iterating; the others, in a staging area of a few slots, finish the
+    epoch without waiting for it (its share of each staged batch is dropped at once, not after
+    HPGroup(idle_timeout)), and its next epoch is a whole one."""
+    group = coordl.HPGroup("leave", staging=4 * 8 * 3 * 16 * 16 * 4 + 4 * 4096, idle_timeout=60.0)  # 4-5 slots
+    start, q, q_breaker, broke, go_on = CTX.Barrier(3), CTX.Queue(), CTX.Queue(), CTX.Event(), CTX.Event()
+    procs(_member_breaking, str(tiny_dataset), group, start, q_breaker, broke, go_on)
+    for _ in range(2):
+        procs(_member, str(tiny_dataset), group, 1, {}, start, q, 0.02)
+    assert broke.wait(WAIT)
+    outs = [result(q, 120) for _ in range(2)]
+    for out in outs:
+        _check_epochs(out)
+        assert out["stats"][0]["consumed_shared"] > 0  # they shared with each other
+        # Held by the breaker, they would wait idle_timeout (60 s) once the 4-5 slots were full.
+        assert out["max_gap"] < 5.0, f"a member waited {out['max_gap']:.1f} s for a batch"
+    assert outs[0]["ids"] == outs[1]["ids"]
+    go_on.set()
+    b = result(q_breaker, 120)
+    assert len(_flat(b["ids"][0])) == 3 * 8  # the pass it left
+    _check_epochs({"ids": b["ids"][1:]})  # a whole epoch after it
+
+
+def _member_breaking(root, group, start, q, broke, go_on):
+    """Breaks out of its first epoch after 3 batches, keeps its loader open without iterating until
+    ``go_on``, then runs a whole epoch."""
+
+    def body():
+        out = {"ids": []}
+        with _loader(root, hp_group=group) as loader:
+            start.wait(WAIT)
+            for e in range(2):
+                loader.set_epoch(e)
+                ids = []
+                for k, (_, _, i) in enumerate(loader):
+                    ids.append(i.tolist())
+                    if e == 0 and k == 2:
+                        break
+                out["ids"].append(ids)
+                if e == 0:
+                    broke.set()
+                    assert go_on.wait(WAIT)
+        return out
+
+    report(q, body)
+
+
 # The bound docs/guarantees.md ("A trial of an hp_group dies") and docs/hp-search.md ("Dying") state: the
 # others notice a dead trial within 0.25 s of waiting for it.
 NOTICE_S = 0.25

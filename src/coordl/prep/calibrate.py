@@ -5,7 +5,10 @@ of a decoded image, and the storage's read rate; and, when asked, how many DALI 
 It runs the job's own recipe in the DALI pipelines the loader runs (encoded bytes alone, batches
 that mix encoded bytes and decoded images, decoded images alone), fed without a break as the
 loader feeds them (a pipeline started and drained every few batches runs at half its steady
-rate), so the rates are the ones the loader will see (about a second of work per rate).
+rate), so the rates are the ones the loader will see. The three rates are taken in turn, in
+:data:`ROUNDS` rounds, and each is the median of its rounds: the cores' load drifts by more than 10%
+over a few seconds (other processes, the machine's own work), and rates taken one after the other
+would each see a different load, which can order them wrongly.
 
 The thread count is Lobster's rule (Liu et al., ATC'22): the fewest threads whose prep rate is
 within :data:`THREADS_WITHIN` of the best measured; the cores left over are the storage's.
@@ -28,7 +31,9 @@ __all__ = ["PrepRates", "measure"]
 
 log = logging.getLogger(__name__)
 
-MIN_SECONDS = 1.0  # of timed work per rate: a pipeline's rate over 0.3 s varies by +-15% here
+MIN_SECONDS = 0.4  # of timed work per round of a rate
+ROUNDS = 3  # rounds per rate, taken in turn with the other rates; the rate is their median
+THREAD_SECONDS = 1.0  # of timed work per thread count tried: a rate over 0.3 s varies by +-15% here
 WARM_BATCHES = 2  # batches run before the clock starts (the pipeline's queue filling)
 BATCH = 64  # samples per batch fed to the pipeline, by default
 MAX_BATCH = 256
@@ -119,7 +124,7 @@ def measure(
         for t in counts:
             prep = _prep(recipe, batch, t, seed, tiered=False)
             try:
-                thread_rates[t] = _rate(prep, encoded_batches, index)
+                thread_rates[t] = _rate(prep, encoded_batches, index, seconds=THREAD_SECONDS)
             finally:
                 prep.close()
         best = max(thread_rates.values())
@@ -129,24 +134,27 @@ def measure(
             num_threads,
             ", ".join(f"{t}: {r:.0f}" for t, r in thread_rates.items()),
         )
-    if thread_rates is not None:
-        encoded = thread_rates[num_threads]
-    else:
-        prep = _prep(recipe, batch, num_threads, seed, tiered=False)
-        try:
-            encoded = _rate(prep, encoded_batches, index)
-        finally:
-            prep.close()
-    prep = _prep(recipe, batch, num_threads, seed)
+    plain = _prep(recipe, batch, num_threads, seed, tiered=False)
+    prep = None
     try:
+        prep = _prep(recipe, batch, num_threads, seed)
         collect = _Collect()
         _run(prep, _batches(ids, data, labels, DECODE_KEEP, batch), index, collect)  # each decoded whole once
         images = [collect.images[i] for i in ids.tolist()]
         decoded_batches = _batches(ids, images, labels, DECODED, batch)
-        decoded = _rate(prep, decoded_batches, index)
-        decoded_only = _rate(prep, decoded_batches, index, all_decoded=True)
+        rounds = [
+            (
+                _rate(plain, encoded_batches, index),
+                _rate(prep, decoded_batches, index),
+                _rate(prep, decoded_batches, index, all_decoded=True),
+            )
+            for _ in range(ROUNDS)
+        ]
+        encoded, decoded, decoded_only = (float(x) for x in np.median(np.array(rounds), axis=0))
     finally:
-        prep.close()
+        plain.close()
+        if prep is not None:
+            prep.close()
     rates = PrepRates(
         encoded=encoded,
         decoded=decoded,
@@ -213,8 +221,11 @@ def _run(prep, batches: list[RawBatch], index: Index, keep=None) -> int:
     return n
 
 
-def _rate(prep, batches: list[RawBatch], index: Index, *, all_decoded: bool = False) -> float:
-    """Samples/s of ``prep`` fed ``batches`` over and over without a break, once its queue is full."""
+def _rate(
+    prep, batches: list[RawBatch], index: Index, *, all_decoded: bool = False, seconds: float = MIN_SECONDS
+) -> float:
+    """Samples/s of ``prep`` fed ``batches`` over and over without a break for ``seconds``, once its
+    queue is full."""
 
     def forever():
         while True:
@@ -229,7 +240,7 @@ def _rate(prep, batches: list[RawBatch], index: Index, *, all_decoded: bool = Fa
                 continue
             done += len(labels)
             elapsed = time.perf_counter() - t0
-            if elapsed >= MIN_SECONDS:
+            if elapsed >= seconds:
                 break
     finally:
         outputs.close()  # the pipeline, stopped mid-epoch, is rebuilt by the next run
