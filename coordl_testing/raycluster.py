@@ -39,6 +39,10 @@ QUIET = {  # Ray's settings for a cluster of 1-CPU nodes on a shared machine
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_enable_worker_prestart": "0",  # no idle workers: actors of coordl get workers of their own
     "RAY_prestart_worker_first_driver": "0",
+    # Ray starts its workers at nice 15: against a busy loop at nice 0 on the same core (the suite runs
+    # with one per core, as a training node's cores are busy), an actor gets about 3% of a core and
+    # takes minutes to start. The cluster here shares the test's cores; docs/remote-prep.md says the same.
+    "RAY_worker_niceness": "0",
 }
 
 
