@@ -41,7 +41,23 @@ def read_many(
         urls = [index.paths[i] for i in order]
         etags = [index.etags[i] for i in order]
         return reads.read_many(urls, sizes, etags, buffers, stop=stop)
+    if index.shards is not None:
+        sh = index.shards
+        files = sh.files.encoded(sh.of[ids])
+        return storage.read_ranges(
+            files, sh.offsets[ids].tolist(), sizes, buffers, drop_page_cache=drop_page_cache, names=_Names(index, ids)
+        )
     return storage.read_many(index.paths.encoded(ids), sizes, buffers, drop_page_cache=drop_page_cache)
+
+
+class _Names:
+    """The paths of a call's samples, decoded only for a message."""
+
+    def __init__(self, index: Index, ids: np.ndarray):
+        self.index, self.ids = index, ids
+
+    def __getitem__(self, k: int) -> str:
+        return self.index.paths[int(self.ids[k])]
 
 
 def read(index: Index, i: int, *, drop_page_cache: bool = False) -> np.ndarray:
