@@ -148,8 +148,8 @@ def _epochs(loader, epochs):
     out = []
     for e in range(epochs):
         loader.set_epoch(e)
-        ids, images, stats = [], [], None
-        for x, y, i in loader:
+        ids, images = [], []
+        for x, _, i in loader:
             ids += i.tolist()
             images.append(x.clone())
         stats = loader.stats()
@@ -164,7 +164,7 @@ def test_a_loader_over_the_shards_delivers_what_it_delivers_over_the_folder(tiny
         total = a.index.total_bytes
     with CoordLoader(str(tiny_dataset), cache=0, **kw) as b:
         want = _epochs(b, 2)
-    for (ids, x, stats), (ids_f, x_f, _) in zip(got, want):
+    for (ids, x, _), (ids_f, x_f, _) in zip(got, want):
         assert sorted(ids) == list(range(120)) and ids == ids_f  # exactly once, in the same order
         assert torch.equal(x, x_f)  # bit-equal: the same bytes, the same draws
     # The cache holds every sample: the first epoch reads each image's bytes once, the next nothing.
@@ -260,3 +260,41 @@ def test_a_shard_cut_after_indexing_fails_the_sample_that_lies_past_its_end(fold
     assert list(failed) == [1] and isinstance(failed[1], coordl.DatasetChangedError)
     assert "ends inside member s000049.jpg" in str(failed[1])
     assert buffers[0][0].tobytes() == Path(folder.paths[0]).read_bytes()
+
+
+# -- the torch backend ------------------------------------------------------------------------------
+def test_the_torch_backend_s_dataset_of_the_shards_gives_the_folder_s_items(tiny_dataset, shards, isolated):
+    from coordl.datasets import ImageFolder, TarDataset
+    from test_torch_backend import to_tensor
+
+    ds = TarDataset(shards, transform=to_tensor, target_transform=lambda t: t + 10)
+    ref = ImageFolder(str(tiny_dataset), transform=to_tensor, target_transform=lambda t: t + 10)
+    assert len(ds) == len(ref) and ds.targets == ref.targets
+    for i in (0, 77, 119):
+        assert torch.equal(ds[i][0], ref[i][0]) and ds[i][1] == ref[i][1]
+    kw = dict(batch_size=8, num_workers=2, shuffle=True, seed=5, return_index=True)
+    with CoordLoader(ds, cache="64MB", **kw) as a, CoordLoader(ref, cache=0, **kw) as b:
+        for e in range(2):
+            a.set_epoch(e)
+            b.set_epoch(e)
+            got, want = list(a), list(b)
+            assert sorted(int(i) for *_, ids in got for i in ids) == list(range(120))
+            for (x, y, i), (xr, yr, ir) in zip(got, want, strict=True):
+                assert torch.equal(i, ir) and torch.equal(y, yr) and torch.equal(x, xr)
+        assert a.stats()["storage_bytes"] == 0  # the second epoch: every image in the cache
+
+
+def test_shards_written_by_webdataset_s_shardwriter(folder, tmp_path, isolated):
+    wds = pytest.importorskip("webdataset")
+    out = tmp_path / "wds"
+    out.mkdir()
+    with wds.ShardWriter(str(out / "train-%06d.tar"), maxcount=45, verbose=0) as sink:
+        for i in range(len(folder)):
+            sink.write({"__key__": f"{i:06d}", "jpg": Path(folder.paths[i]).read_bytes(), "cls": int(folder.labels[i])})
+    index = Index.from_tars(str(out / "train-{000000..000002}.tar"), index_dir="")
+    assert len(index) == len(folder) and index.labels.tolist() == folder.labels.tolist()
+    with CoordLoader(str(out), batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, cache=0) as a:
+        ids = [i for *_, b in a for i in b.tolist()]
+    assert ids == list(range(len(folder)))
+    for i in (0, 44, 45, 119):
+        assert samples.read(index, i).tobytes() == Path(folder.paths[i]).read_bytes()

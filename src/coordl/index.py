@@ -92,6 +92,14 @@ class Index:
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
 
+    def location(self, i: int) -> tuple[str, int, int]:
+        """The file (or object) sample ``i`` lies in, where it starts there and its size: its own
+        file from 0, or its tar shard from its member's offset."""
+        if self.shards is not None:
+            sh = self.shards
+            return sh.files[int(sh.of[i])], int(sh.offsets[i]), int(self.sizes[i])
+        return self.paths[i], 0, int(self.sizes[i])
+
     @property
     def class_to_idx(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.classes)}
