@@ -298,3 +298,23 @@ def test_shards_written_by_webdataset_s_shardwriter(folder, tmp_path, isolated):
     assert ids == list(range(len(folder)))
     for i in (0, 44, 45, 119):
         assert samples.read(index, i).tobytes() == Path(folder.paths[i]).read_bytes()
+
+
+def test_worker_processes_index_what_this_process_indexes_and_report_bad_shards(folder, tmp_path, monkeypatch):
+    from coordl.tars import scan
+
+    pattern = write_tars(folder, tmp_path / "many", 10)  # 12 shards
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 2)
+    monkeypatch.setattr(scan.os, "sched_getaffinity", lambda _: set(range(4)))  # 4 workers, whatever the CPUs
+    parallel = Index.from_tars(pattern, index_dir="")
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 100)
+    here = Index.from_tars(pattern, index_dir="")
+    assert parallel.fingerprint == here.fingerprint and len(parallel) == len(folder)
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 2)
+    bad = tars.expand(pattern)[7]
+    os.truncate(bad, 700)
+    with pytest.raises(ShardError, match=r"shard-000007.tar ends inside member s000070.jpg"):
+        Index.from_tars(pattern, index_dir="")
+    os.unlink(bad)
+    with pytest.raises(FileNotFoundError, match=r"shard .*shard-000007.tar does not exist"):
+        Index.from_tars(pattern, index_dir="")
