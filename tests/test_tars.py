@@ -21,6 +21,7 @@ import coordl
 from coordl import CoordLoader, Index, ShardError, tars
 from coordl.fetch import samples
 from coordl.fetch.storage import read_ranges
+from coordl.tars.format import S3_WINDOW
 
 RECIPE = coordl.ImageNetTrain(size=16)
 PER_SHARD = 50  # samples per shard: 120 samples make shards of 50, 50 and 20
@@ -318,3 +319,89 @@ def test_worker_processes_index_what_this_process_indexes_and_report_bad_shards(
     os.unlink(bad)
     with pytest.raises(FileNotFoundError, match=r"shard .*shard-000007.tar does not exist"):
         Index.from_tars(pattern, index_dir="")
+
+
+# -- s3:// shards, against a real S3-compatible server on localhost ---------------------------------
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("moto")
+    pytest.importorskip("obstore")
+    from coordl_testing.s3server import S3Server
+
+    with S3Server() as s:
+        s.create_bucket("coordl-tars")
+        yield s
+
+
+_uploads = [0]
+
+
+@pytest.fixture
+def s3shards(server, shards, monkeypatch) -> str:
+    """The shards in a fresh prefix of the server; the brace pattern of their URLs."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    _uploads[0] += 1
+    prefix = f"u{_uploads[0]}"
+    for f in tars.expand(shards):
+        server.put("coordl-tars", f"{prefix}/{os.path.basename(f)}", Path(f).read_bytes())
+    server.reset()
+    return f"s3://coordl-tars/{prefix}/shard-{{000000..000002}}.tar"
+
+
+def test_s3_shards_are_indexed_as_local_ones_by_range_gets_or_one_stream_each(s3shards, shards, server, tmp_path):
+    local = Index.from_tars(shards, index_dir="")
+    by_range = Index.from_tars(s3shards, index_dir="")
+    range_gets, range_bytes = server.count("GET"), server.bytes_sent("GET")
+    server.reset()
+    streamed = Index.from_tars(s3shards, index_dir="", stream=True)
+    stream_gets, stream_bytes = server.count("GET"), server.bytes_sent("GET")
+    for ix in (by_range, streamed):
+        assert ix.in_store and ix.shards.etags is not None
+        np.testing.assert_array_equal(ix.labels, local.labels)
+        np.testing.assert_array_equal(ix.sizes, local.sizes)
+        np.testing.assert_array_equal(ix.shards.offsets, local.shards.offsets)
+        np.testing.assert_array_equal(ix.shards.of, local.shards.of)
+        assert ix.paths[0] == s3shards.replace("{000000..000002}", "000000") + ":s000000.jpg"
+    total = sum(os.path.getsize(f) for f in tars.expand(shards))
+    assert stream_gets == 3 and stream_bytes == total  # one GET a shard, every byte
+    # A GET of at most a window after each member larger than it (the test's images are smaller than a
+    # window: with these, streaming moves fewer bytes; benchmarks/tars.py measures photographs).
+    assert len(local) <= range_gets < 2 * len(local) and range_bytes <= range_gets * S3_WINDOW
+    # The prefix of the shards names them too; a second start reuses the saved index after one listing.
+    prefix = s3shards.rsplit("/", 1)[0] + "/"
+    assert tars.is_tar_data(s3shards) and not tars.is_tar_data(prefix)  # a prefix is an ImageFolder's root
+    ix = str(tmp_path / "ix")
+    first = Index.from_tars(prefix, index_dir=ix)
+    server.reset()
+    again = Index.from_tars(prefix, index_dir=ix)
+    assert again.fingerprint == first.fingerprint == by_range.fingerprint
+    assert server.count("GET") == 0 and again.in_store
+
+
+def test_an_s3_shard_loader_delivers_the_local_one_s_tensors_with_merged_range_gets(s3shards, shards, server, isolated):
+    kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
+    with CoordLoader(shards, cache=0, **kw) as a:
+        want = _epochs(a, 1)
+    index = Index.from_tars(s3shards, index_dir="")
+    server.reset()
+    with CoordLoader(index, cache="64MB", **kw) as b:
+        got = _epochs(b, 2)
+        total = b.index.total_bytes
+    assert got[0][0] == want[0][0] and torch.equal(got[0][1], want[0][1])
+    assert got[0][2]["storage_bytes"] == total and got[1][2]["storage_bytes"] == 0
+    gets = server.count("GET")
+    assert 0 < gets < len(index)  # members of a shard that lie close together: one range GET
+    # What lies between merged members, at most MERGE_GAP bytes per merge, and nothing else.
+    assert total <= server.bytes_sent("GET") <= total + (len(index) - gets) * samples.MERGE_GAP
+
+
+def test_a_replaced_s3_shard_fails_its_samples_reads(s3shards, server):
+    index = Index.from_tars(s3shards, index_dir="")
+    key = s3shards.split("coordl-tars/")[1].replace("{000000..000002}", "000001")
+    data = bytearray(server.client().get_object(Bucket="coordl-tars", Key=key)["Body"].read())
+    data[-600] ^= 1  # same size, another ETag
+    server.put("coordl-tars", key, bytes(data))
+    buffers = [[np.empty(int(index.sizes[i]), np.uint8)] for i in (0, 60)]
+    failed = samples.read_many(index, np.array([0, 60]), buffers, drop_page_cache=False)
+    assert list(failed) == [1] and isinstance(failed[1], coordl.DatasetChangedError), failed

@@ -107,8 +107,8 @@ class Index:
     # -- building --------------------------------------------------------------------
     @property
     def in_store(self) -> bool:
-        """Whether the samples are objects in an object store (``s3://``), not files."""
-        return self.etags is not None
+        """Whether the samples are objects in an object store (``s3://``), or in its objects, not files."""
+        return self.etags is not None or (self.shards is not None and self.shards.etags is not None)
 
     @classmethod
     def build(
@@ -141,6 +141,8 @@ class Index:
             h.update(shards.files.blob)
             h.update(np.ascontiguousarray(shards.of, dtype="<i8"))
             h.update(np.ascontiguousarray(shards.offsets, dtype="<i8"))
+            if shards.etags is not None:
+                h.update(shards.etags.blob)
         return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags, shards=shards)
 
     @classmethod
@@ -189,19 +191,24 @@ class Index:
         index_dir: str | None = None,
         rebuild: bool = False,
         skip: bool = False,
+        stream: bool = False,
     ) -> Index:
         """The index of a dataset in tar shards (WebDataset's format, :mod:`coordl.tars`), loaded
-        from the index directory while every shard keeps its size and modification time.
+        from the index directory while every shard keeps its size and modification time (an
+        ``s3://`` shard: its size and ETag).
 
         Args:
             data: a brace pattern (``/data/train-{000000..000146}.tar``), a folder of ``.tar``
-                files, a tar file, or a list of them.
+                files, a tar file, or a list of them; or the same as ``s3://`` URLs (a prefix for a
+                folder).
             image: the extensions of a sample's image member, in the order one is chosen.
             label: a function of a sample's other members (``{extension: bytes}``) that returns its
                 label; default: the integer in its ``.cls`` member. (An index made with a function
                 is not saved: nothing names the function.)
             index_dir, rebuild: as :meth:`scan`.
             skip: leave out (and log) a sample without an image member or label, instead of raising.
+            stream: index ``s3://`` shards by reading each whole, in one GET, rather than its
+                headers by range GETs (fewer requests, more bytes).
 
         Raises:
             FileNotFoundError: no shard, or a shard is missing.
@@ -214,15 +221,20 @@ class Index:
         root = os.fspath(data) if isinstance(data, (str, os.PathLike)) else None
         image = tuple(e.lower().lstrip(".") for e in image)
         index_dir = default_index_dir() if index_dir is None else index_dir
+        stamps = tars.stamps(files)
         saved = None
         if index_dir and label is None:
             key = ["tars", files, list(image), skip]
+            if s3url.is_url(files[0]):
+                key.append({"store": _store_name()})
             saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
             opened = _open(saved)
-            if opened is not None and opened[0].shards is not None and tars.fresh(files, opened[1]):
+            if opened is not None and opened[0].shards is not None and opened[1] == stamps:
                 return dataclasses.replace(opened[0], saved_path=saved)
-        index, stamps = tars.index(files, root=root, image=image, label=label, skip=skip)
+            if opened is not None:
+                log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
+        index = tars.index(files, stamps, root=root, image=image, label=label, skip=skip, stream=stream)
         if saved:
             try:
                 _save(index, stamps, saved)
@@ -409,9 +421,18 @@ def _open(path: str) -> tuple[Index, list] | None:
         root=root,
         fingerprint=saved.fingerprint,
         etags=saved.etags,
-        shards=Shards(*saved.shards) if saved.shards is not None else None,
+        shards=_shards(saved.shards, dirs),
     )
     return index, dirs
+
+
+def _shards(saved, stamps) -> Shards | None:
+    """The shards of a saved index, with the ETags of ``s3://`` shards from their stamps."""
+    if saved is None:
+        return None
+    files, of, offsets = saved
+    etags = PathTable.from_strings([str(s[1]) for s in stamps]) if len(files) and s3url.is_url(files[0]) else None
+    return Shards(files, of, offsets, etags)
 
 
 def _load_if_fresh(path: str, root: str) -> Index | None:

@@ -32,36 +32,38 @@ class Member:
     name: str
     offset: int  # of its data in the shard
     size: int
+    data: bytes | None = None  # its bytes, when kept while reading the headers (a label's member)
 
 
 class _Window:
     """Positioned reads of a shard through a window of :data:`WINDOW` bytes."""
 
-    def __init__(self, read: Callable[[int, int], bytes], size: int):
-        self.read, self.size = read, size
+    def __init__(self, read: Callable[[int, int], bytes], size: int, window: int = WINDOW):
+        self.read, self.size, self.window = read, size, window
         self.at, self.buf = 0, b""
         self.reads = 0
 
     def get(self, pos: int, n: int) -> bytes:
         if not (self.at <= pos and pos + n <= self.at + len(self.buf)):
-            self.buf, self.at = self.read(pos, max(n, WINDOW)), pos
+            self.buf, self.at = self.read(pos, max(n, self.window)), pos
             self.reads += 1
         return self.buf[pos - self.at : pos - self.at + n]
 
 
-def members(path: str, w: _Window) -> list[Member]:
-    """The regular members of the tar file ``path``, read through ``w``.
+def members(path: str, w: _Window, keep: Callable[[str, int], bool] | None = None) -> list[Member]:
+    """The regular members of the tar file ``path``, read through ``w`` in one pass forward; the
+    bytes of those ``keep(name, size)`` is true of are read too (:attr:`Member.data`).
 
     Raises:
         ShardError: it is not a tar file, a header is damaged, or it ends inside a member.
     """
-    size, read = w.size, w.read
+    size, read, window = w.size, w.read, w.window
     out: list[Member] = []
     pos, long_name, pax_name = 0, None, None
     buf, at = b"", 0  # the window, inline: this loop runs once per member of the dataset
     while True:
         if not (at <= pos and pos + BLOCK <= at + len(buf)):
-            buf, at = read(pos, WINDOW), pos
+            buf, at = read(pos, window), pos
         head = buf[pos - at : pos - at + BLOCK]
         if len(head) < BLOCK:
             if len(head) == 0 and pos > 0:
@@ -95,7 +97,7 @@ def members(path: str, w: _Window) -> list[Member]:
                 "the shard is truncated"
             )
         if kind in _REGULAR:
-            out.append(Member(name, data, n))
+            out.append(Member(name, data, n, w.get(data, n) if keep is not None and keep(name, n) else None))
             long_name = pax_name = None
         elif kind == 76:  # L: the next member's long name
             long_name = w.get(data, n).rstrip(b"\0").decode("utf-8", "surrogateescape")
@@ -228,7 +230,19 @@ def _sample(path, key, group, read, image, label) -> Sample:
 def _content(path: str, m: Member, read) -> bytes:
     if m.size > LABEL_MAX:
         raise ShardError(f"{path}: member {m.name} is {m.size} bytes, more than a label is made of ({LABEL_MAX})")
-    return read(m.offset, m.size)
+    return m.data if m.data is not None else read(m.offset, m.size)
+
+
+def _keeper(image, label) -> Callable[[str, int], bool]:
+    """Which members' bytes a label is made of: ``.cls`` ones, or (a label function) every member
+    that is not an image, up to :data:`LABEL_MAX` bytes."""
+    images = set(image)
+
+    def keep(name: str, size: int) -> bool:
+        ext = name.rpartition("/")[2].partition(".")[2].lower()
+        return ext == "cls" if label is None else (ext not in images and size <= LABEL_MAX)
+
+    return keep
 
 
 def scan_shard(
@@ -248,7 +262,87 @@ def scan_shard(
             return os.pread(fd, n, offset)
 
         w = _Window(read, st.st_size)
-        found = members(path, w)
+        found = members(path, w, _keeper(image, label))
         return samples_of(path, found, w.get, image=image, label=label, skip=skip), (st.st_size, st.st_mtime_ns)
     finally:
         os.close(fd)
+
+
+S3_WINDOW = 4096  # bytes per range GET while indexing s3:// shards: a .cls member and the next header
+
+
+def scan_object(
+    url: str, size: int, etag: str, *, stream: bool = False, image=IMAGE_EXTENSIONS, label=None, skip: bool = False
+) -> tuple[list[Sample], int]:
+    """The samples of the ``s3://`` tar object ``url`` (``size`` bytes, ETag ``etag``), read by range
+    GETs of its headers (:data:`S3_WINDOW` bytes each), or with ``stream`` by one GET of the whole
+    object; and how many bytes that moved. Each GET carries ``If-Match: etag``.
+
+    Raises:
+        ShardError: see :func:`members` and :func:`samples_of`.
+        DatasetChangedError: the object was replaced while it was read.
+        OSError, StoreError: as reading a sample (:mod:`coordl.s3.client`).
+    """
+    from coordl.s3 import client
+    from coordl.s3 import url as s3url
+
+    s3 = client.boto3_client()
+    bucket, key = s3url.split(url)
+    moved = [0]
+
+    def get(**kw):
+        try:
+            answer = s3.get_object(Bucket=bucket, Key=key, IfMatch=etag, **kw)
+        except Exception as e:  # noqa: BLE001 - explained with the store's answer
+            raise client.explain(e, url) from e
+        return answer["Body"]
+
+    if stream:
+        body = get()
+        reader = _Forward(body, moved)
+        read = reader.read
+    else:
+
+        def read(offset: int, n: int) -> bytes:
+            end = min(offset + n, size)
+            if end <= offset:
+                return b""
+            data = get(Range=f"bytes={offset}-{end - 1}").read()
+            moved[0] += len(data)
+            return data
+
+    try:
+        w = _Window(read, size, S3_WINDOW)
+        found = members(url, w, _keeper(image, label))
+        return samples_of(url, found, w.get, image=image, label=label, skip=skip), moved[0]
+    finally:
+        if stream:
+            body.close()
+
+
+class _Forward:
+    """``read(offset, n)`` of one streaming GET: offsets only move forward (the bytes before one are
+    dropped), except back into the last bytes read."""
+
+    def __init__(self, body, moved: list):
+        self.body, self.moved = body, moved
+        self.start, self.buf = 0, b""
+
+    def read(self, offset: int, n: int) -> bytes:
+        if offset < self.start:
+            raise ValueError(f"a streaming read went back from byte {self.start} to {offset}")
+        drop = min(offset - self.start, len(self.buf))
+        self.buf, self.start = self.buf[drop:], self.start + drop
+        while self.start < offset:  # beyond what was read: skip the stream forward
+            chunk = self.body.read(min(offset - self.start, 1 << 20))
+            if not chunk:
+                return b""
+            self.moved[0] += len(chunk)
+            self.start += len(chunk)
+        while len(self.buf) < n:
+            chunk = self.body.read(max(n - len(self.buf), 1 << 16))
+            if not chunk:
+                break
+            self.moved[0] += len(chunk)
+            self.buf += chunk
+        return self.buf[:n]

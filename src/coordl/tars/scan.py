@@ -1,13 +1,16 @@
 """The index of a dataset's shards: every shard's samples, in order, and whether a saved one is fresh.
 
-Shards are indexed in parallel by worker processes (one per CPU this process may use, each a new
+Local shards are indexed in parallel by worker processes (one per CPU this process may use, each a new
 interpreter that imports only coordl, never the user's script) when there are at least
 :data:`PARALLEL_SHARDS` of them per worker and no label function (a function may not survive the trip
-to another interpreter). Reading the headers costs little I/O; parsing them is Python's.
+to another interpreter). Reading the headers costs little I/O; parsing them is Python's. ``s3://``
+shards are indexed by :data:`S3_SHARDS` threads at once, each reading one shard's headers by range
+GETs (or the whole shard, streamed).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import os
@@ -18,54 +21,89 @@ import time
 
 import numpy as np
 
-from coordl.errors import ShardError
+from coordl.errors import DatasetChangedError, ShardError
 from coordl.paths import PathTable
-from coordl.tars.format import IMAGE_EXTENSIONS, scan_shard
+from coordl.s3 import url as s3url
+from coordl.tars.format import IMAGE_EXTENSIONS, scan_object, scan_shard
 from coordl.tars.shards import Shards
 
-__all__ = ["fresh", "index"]
+__all__ = ["index", "stamps"]
 
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 5.0  # seconds between progress lines while indexing in this process
 PARALLEL_SHARDS = 16  # shards per worker process, at least, for the work to be split
+S3_SHARDS = 32  # s3:// shards indexed at once
 
 
-def index(files: list[str], *, root, image=IMAGE_EXTENSIONS, label=None, skip: bool = False):
-    """The :class:`~coordl.index.Index` of the samples of ``files``, in order, and each shard's
-    ``[size, mtime_ns]`` (see :meth:`Index.from_tars <coordl.index.Index.from_tars>`).
+def stamps(files: list[str]) -> list[list]:
+    """What says that a shard is unchanged: ``[size, mtime_ns]`` of a file, ``[size, ETag]`` of an
+    ``s3://`` object (one listing request per thousand shards of a prefix).
+
+    Raises:
+        FileNotFoundError: a shard is missing.
+        StoreError: the store refused the credentials, or there is no such bucket.
+    """
+    if files and s3url.is_url(files[0]):
+        from coordl.s3 import listing
+
+        try:
+            sizes, etags = listing.stat_many(files)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(str(e).replace("sample ", "shard ", 1)) from None
+        return [[s, e] for s, e in zip(sizes, etags)]
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard {f} does not exist") from None
+        out.append([st.st_size, st.st_mtime_ns])
+    return out
+
+
+def index(files: list[str], stamped: list[list], *, root, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=False):
+    """The :class:`~coordl.index.Index` of the samples of ``files``, in order, whose :func:`stamps`
+    are ``stamped`` (see :meth:`Index.from_tars <coordl.index.Index.from_tars>`); ``stream``: read
+    each ``s3://`` shard whole rather than its headers.
 
     Raises:
         FileNotFoundError: a shard is missing, or the shards hold no sample.
         ShardError: see :func:`~coordl.tars.format.samples_of`.
+        DatasetChangedError: a shard changed while it was indexed.
     """
     from coordl.index import Index
 
     t0 = time.monotonic()
-    workers = min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
-    if label is None and workers > 1:
+    in_store = bool(files) and s3url.is_url(files[0])
+    workers = 0 if in_store or label is not None else min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
+    if in_store:
+        scanned = _from_store(files, stamped, image, label, skip, stream)
+    elif workers > 1:
         scanned = _in_workers(files, list(image), skip, workers)
     else:
         scanned = _here(files, image, label, skip)
-    paths, labels, sizes, of, offsets, stamps = [], [], [], [], [], []
+    paths, labels, sizes, of, offsets, moved = [], [], [], [], [], 0
     for k, (f, (names, lab, size, offset, stamp)) in enumerate(zip(files, scanned, strict=True)):
         paths += [f"{f}:{name}" for name in names]
         labels += lab
         sizes += size
         offsets += offset
         of += [k] * len(names)
-        stamps.append(list(stamp))
+        moved += stamp if in_store else 0
+        if not in_store and list(stamp) != list(stamped[k]):
+            raise DatasetChangedError(f"{f} changed while it was indexed; index it again")
     if not paths:
         raise FileNotFoundError(f"the {len(files)} shards ({files[0]}, ...) hold no sample")
-    shards = Shards(PathTable.from_strings(files), np.array(of, dtype=np.int64), np.array(offsets, dtype=np.int64))
-    log.info(
-        "coordl: indexed %d samples in %d shards in %.1f s%s",
-        len(paths),
-        len(files),
-        time.monotonic() - t0,
-        f" ({workers} processes)" if label is None and workers > 1 else "",
+    etags = PathTable.from_strings([str(s[1]) for s in stamped]) if in_store else None
+    shards = Shards(
+        PathTable.from_strings(files), np.array(of, dtype=np.int64), np.array(offsets, dtype=np.int64), etags
     )
-    return Index.build(paths, labels, sizes, (), root, shards=shards), stamps
+    how = f" ({workers} processes)" if workers > 1 else ""
+    if in_store:
+        how = f" ({moved / 1e6:.1f} MB read, {'streamed' if stream else 'headers by range GETs'})"
+    log.info("coordl: indexed %d samples in %d shards in %.1f s%s", len(paths), len(files), time.monotonic() - t0, how)
+    return Index.build(paths, labels, sizes, (), root, shards=shards)
 
 
 def _one(f: str, image, label, skip: bool):
@@ -74,13 +112,30 @@ def _one(f: str, image, label, skip: bool):
         found, stamp = scan_shard(f, image=image, label=label, skip=skip)
     except FileNotFoundError:
         raise FileNotFoundError(f"shard {f} does not exist") from None
+    return _columns(found, stamp)
+
+
+def _columns(found, extra):
     return (
         [s.image.name for s in found],
         [s.label for s in found],
         [s.image.size for s in found],
         [s.image.offset for s in found],
-        stamp,
+        extra,
     )
+
+
+def _from_store(files, stamped, image, label, skip, stream):
+    """:func:`_one` of every ``s3://`` shard (with the bytes it moved in place of its stamp)."""
+
+    def one(k):
+        found, moved = scan_object(
+            files[k], int(stamped[k][0]), str(stamped[k][1]), stream=stream, image=image, label=label, skip=skip
+        )
+        return _columns(found, moved)
+
+    with cf.ThreadPoolExecutor(min(S3_SHARDS, len(files)), thread_name_prefix="coordl-tar-index") as pool:
+        return list(pool.map(one, range(len(files))))
 
 
 def _here(files, image, label, skip):
@@ -143,18 +198,3 @@ def worker() -> None:
             out.append((type(e).__name__, str(e)))
             break
     sys.stdout.buffer.write(pickle.dumps(out))
-
-
-def fresh(files: list[str], stamps) -> bool:
-    """Whether every shard of ``files`` still has the ``[size, mtime_ns]`` of ``stamps``."""
-    if len(stamps) != len(files):
-        return False
-    for f, (size, mtime) in zip(files, stamps):
-        try:
-            st = os.stat(f)
-        except OSError:
-            return False
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            log.info("coordl: %s changed since the index was saved; indexing again", f)
-            return False
-    return True

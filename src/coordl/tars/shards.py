@@ -26,20 +26,27 @@ class Shards:
         files: the shards' paths (or ``s3://`` URLs), in the dataset's order.
         of: the shard of every sample (int64, a position in ``files``).
         offsets: where every sample's image starts in its shard (int64, bytes).
+        etags: each shard's ETag, for ``s3://`` shards (None: local files).
     """
 
     files: PathTable
     of: np.ndarray
     offsets: np.ndarray
+    etags: PathTable | None = None
 
 
 def expand(spec: str | os.PathLike) -> list[str]:
     """The shards ``spec`` names: a brace pattern (``train-{000000..000146}.tar``, ``{a,b}``; as
     WebDataset's ``braceexpand``, zero-padded ranges keep their width), a folder (its ``.tar`` files,
-    sorted), or one tar file. Local paths are made absolute."""
+    sorted), or one tar file; or the same as ``s3://`` URLs (a prefix: its ``.tar`` objects, listed).
+    Local paths are made absolute."""
     spec = os.fspath(spec)
     out = _braces(spec)
     if s3url.is_url(spec):
+        if len(out) == 1 and not out[0].endswith(".tar"):
+            from coordl.s3 import listing
+
+            return listing.tars(out[0])
         return out
     if len(out) == 1 and os.path.isdir(out[0]):
         return sorted(os.path.abspath(p) for p in glob.glob(os.path.join(glob.escape(out[0]), "*.tar")))
@@ -63,13 +70,15 @@ def _braces(spec: str) -> list[str]:
 
 
 def is_tar_data(data) -> bool:
-    """Whether a loader's ``data`` names tar shards: a path or pattern ending in ``.tar``, a folder
-    that holds ``.tar`` files and no sub-folder, or a list of such paths (not of pairs)."""
+    """Whether a loader's ``data`` names tar shards: a path, URL or pattern ending in ``.tar``, a
+    folder that holds ``.tar`` files and no sub-folder, or a list of such paths (not of pairs). (An
+    ``s3://`` prefix of shards is named by :meth:`Index.from_tars <coordl.index.Index.from_tars>`:
+    as a loader's data, a prefix is an ImageFolder's root.)"""
     if isinstance(data, (str, os.PathLike)):
         spec = os.fspath(data)
-        if spec.endswith(".tar") or (_BRACE.search(spec) and spec.rstrip("/").endswith(".tar")):
+        if spec.endswith(".tar"):
             return True
-        if s3url.is_url(spec) or not os.path.isdir(spec):
+        if s3url.is_url(spec) or not os.path.isdir(spec):  # an s3:// prefix is an ImageFolder's root
             return False
         entries = list(os.scandir(spec))
         return any(e.name.endswith(".tar") for e in entries) and not any(e.is_dir() for e in entries)
