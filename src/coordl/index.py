@@ -234,7 +234,8 @@ class Index:
                 return dataclasses.replace(opened[0], saved_path=saved)
             if opened is not None:
                 log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
-        index = tars.index(files, stamps, root=root, image=image, label=label, skip=skip, stream=stream)
+        paths, labels, sizes, shards = tars.index(files, stamps, image=image, label=label, skip=skip, stream=stream)
+        index = cls.build(paths, labels, sizes, (), root, shards=shards)
         if saved:
             try:
                 _save(index, stamps, saved)

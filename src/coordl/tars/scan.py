@@ -62,18 +62,17 @@ def stamps(files: list[str]) -> list[list]:
     return out
 
 
-def index(files: list[str], stamped: list[list], *, root, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=False):
-    """The :class:`~coordl.index.Index` of the samples of ``files``, in order, whose :func:`stamps`
-    are ``stamped`` (see :meth:`Index.from_tars <coordl.index.Index.from_tars>`); ``stream``: read
-    each ``s3://`` shard whole rather than its headers.
+def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=False):
+    """The samples of ``files``, in order, whose :func:`stamps` are ``stamped``: their paths
+    (``<shard>:<member>``), labels, sizes and :class:`Shards`, what :meth:`Index.from_tars
+    <coordl.index.Index.from_tars>` builds an index of; ``stream``: read each ``s3://`` shard whole
+    rather than its headers.
 
     Raises:
         FileNotFoundError: a shard is missing, or the shards hold no sample.
         ShardError: see :func:`~coordl.tars.format.samples_of`.
         DatasetChangedError: a shard changed while it was indexed.
     """
-    from coordl.index import Index
-
     t0 = time.monotonic()
     in_store = bool(files) and s3url.is_url(files[0])
     workers = 0 if in_store or label is not None else min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
@@ -103,7 +102,7 @@ def index(files: list[str], stamped: list[list], *, root, image=IMAGE_EXTENSIONS
     if in_store:
         how = f" ({moved / 1e6:.1f} MB read, {'streamed' if stream else 'headers by range GETs'})"
     log.info("coordl: indexed %d samples in %d shards in %.1f s%s", len(paths), len(files), time.monotonic() - t0, how)
-    return Index.build(paths, labels, sizes, (), root, shards=shards)
+    return paths, labels, sizes, shards
 
 
 def _one(f: str, image, label, skip: bool):
