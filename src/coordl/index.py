@@ -240,7 +240,7 @@ class Index:
             try:
                 _save(index, stamps, saved)
             except OSError as e:
-                log.warning("coordl: could not save the index to %s (%s); it will be made again next time", saved, e)
+                log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
                 return index
             index = dataclasses.replace(index, saved_path=saved)
         return index
