@@ -8,6 +8,7 @@ the shards and one over the folder deliver the same samples in the same order, b
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 import time
@@ -405,3 +406,62 @@ def test_a_replaced_s3_shard_fails_its_samples_reads(s3shards, server):
     buffers = [[np.empty(int(index.sizes[i]), np.uint8)] for i in (0, 60)]
     failed = samples.read_many(index, np.array([0, 60]), buffers, drop_page_cache=False)
     assert list(failed) == [1] and isinstance(failed[1], coordl.DatasetChangedError), failed
+
+
+def test_a_run_over_shards_resumed_at_another_world_size_gives_the_folder_run_s_images(tiny_dataset, shards, isolated):
+    """2 ranks over the shards stop after 3 batches; 3 ranks resume from rank 0's state: the epoch's
+    samples are delivered once beyond padding, each the image a single-rank run over the folder
+    gives, and the next epoch is whole."""
+    from collections import Counter
+
+    from recording import take
+
+    def loader(data, **kw):
+        return CoordLoader(data, batch_size=8, pipeline=RECIPE, device_id=None, shuffle=True, seed=7, return_index=True,
+                           prep=1, cache="16MB", **kw)  # fmt: skip
+
+    reference: dict = {}
+    with loader(str(tiny_dataset)) as whole:
+        for e in (0, 1):
+            whole.set_epoch(e)
+            take(whole, reference, e)
+    out: dict = {}
+    before = [loader(shards, shard=coordl.Shard(rank=r, world_size=2)) for r in range(2)]
+    try:
+        first = [i for ld in before for i in take(ld, out, 0, limit=3)]
+        state = json.loads(json.dumps(before[0].state_dict()))
+    finally:
+        for ld in before:
+            ld.close()
+    after = [loader(shards, shard=coordl.Shard(rank=r, world_size=3)) for r in range(3)]
+    rest, nxt = [], []
+    try:
+        for ld in after:
+            ld.load_state_dict(state)
+            ld.set_epoch(0)
+            rest += take(ld, out, 0)
+            ld.set_epoch(1)
+            nxt += take(ld, out, 1)
+    finally:
+        for ld in after:
+            ld.close()
+    counts = Counter(first + rest)
+    assert set(counts) == set(range(120)) and sum(counts.values()) - 120 < 4 + 3
+    assert set(nxt) == set(range(120))
+    for key, image in out.items():
+        assert torch.equal(image, reference[key]), f"sample {key[1]} of epoch {key[0]} differs from the folder's"
+
+
+def test_hp_group_members_over_shards_share_one_prep_and_get_the_same_images(shards, isolated, procs):
+    from childproc import result
+    from test_hp_group import CTX, _check_epochs, _member
+
+    start, q = CTX.Barrier(2), CTX.Queue()
+    for _ in range(2):
+        procs(_member, shards, "tars", 2, {}, start, q, 0.01)
+    outs = [result(q, 120) for _ in range(2)]
+    for out in outs:
+        _check_epochs(out)
+    assert sum(s["consumed_shared"] for o in outs for s in o["stats"]) >= 2 * 15
+    assert outs[0]["ids"] == outs[1]["ids"]
+    np.testing.assert_allclose(outs[0]["sums"], outs[1]["sums"], rtol=1e-6)
