@@ -367,6 +367,19 @@ def test_index_scale_small(tmp_path):
     assert proc.returncode != 0 and "not made by this benchmark" in proc.stderr and (data / "train").is_dir()
 
 
+def test_tars_index_small(tmp_path):
+    """benchmarks.tars index on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
+    data, out = tmp_path / "data", tmp_path / "tars_index.json"
+    command = [sys.executable, "-m", "benchmarks.tars", "index", "--data", str(data), "--out", str(out)]
+    small = ["--shards", "4", "--per-shard", "10", "--reps", "1", "--index-dir", str(tmp_path / "ix")]
+    proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["processes"].split()[-1] for r in rows} == {"one", "workers"}
+    assert all(r["samples"] == 40 and r["index_s"] > 0 and r["load_saved_s"] > 0 for r in rows)
+    assert os.path.getsize(data / "shard-000000.tar") > 10 * 60_000  # the images' bytes are holes, not missing
+
+
 def test_miss_path_small(tmp_path):
     """benchmarks.miss_path on 600 tiny JPEGs: every mode runs, reads what it should, and is compared."""
     data, out = tmp_path / "tiny", tmp_path / "miss_path.json"

@@ -36,7 +36,15 @@ except ImportError:  # pragma: no cover - coordl depends on torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IMG_EXTENSIONS", "DatasetFolder", "FileDataset", "ImageFolder", "from_torchvision", "pil_decode"]
+__all__ = [
+    "IMG_EXTENSIONS",
+    "DatasetFolder",
+    "FileDataset",
+    "ImageFolder",
+    "TarDataset",
+    "from_torchvision",
+    "pil_decode",
+]
 
 
 def pil_decode(f) -> Any:
@@ -245,6 +253,47 @@ class ImageFolder(DatasetFolder):
             allow_empty=allow_empty,
             index_dir=index_dir,
         )
+
+
+class TarDataset(FileDataset):
+    """Tar shards in WebDataset's format (:meth:`Index.from_tars <coordl.index.Index.from_tars>`),
+    with coordl reading each sample's image member.
+
+    Items are ``(transform(decode(image)), target_transform(label))``: ``decode`` gets the image
+    member as a binary file object named ``<shard>:<member>`` (default :func:`pil_decode`, an RGB
+    ``PIL.Image``); the label is the integer of the sample's ``.cls`` member, or what ``label``
+    computes from its other members.
+
+    Args:
+        shards: a brace pattern (``/data/train-{000000..000146}.tar``), a folder of ``.tar`` files,
+            a tar file, or a list of them.
+        transform, target_transform: as :class:`ImageFolder`'s.
+        decode: turns the image member into a sample.
+        image: the extensions of a sample's image member, in the order one is chosen.
+        label: a function of a sample's other members (``{extension: bytes}``) that returns its label.
+        skip: leave out (and log) a sample without an image member or a label, instead of raising
+            :class:`~coordl.errors.ShardError`.
+    """
+
+    def __init__(
+        self,
+        shards,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        *,
+        decode: Callable[[io.BytesIO], Any] | None = None,
+        image: Sequence[str] | None = None,
+        label: Callable[[dict[str, bytes]], int] | None = None,
+        skip: bool = False,
+        index_dir: str | None = None,
+    ):
+        from coordl import tars
+
+        index = Index.from_tars(
+            shards, image=image or tars.IMAGE_EXTENSIONS, label=label, skip=skip, index_dir=index_dir
+        )
+        self._init(index, decode or pil_decode, transform, target_transform)
+        self.root = os.fspath(shards) if isinstance(shards, (str, os.PathLike)) else None
 
 
 def as_file(data, path: str) -> io.BytesIO:

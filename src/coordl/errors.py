@@ -16,6 +16,7 @@ __all__ = [
     "DatasetChangedError",
     "GroupConfigError",
     "SampleError",
+    "ShardError",
     "SharedMemoryError",
     "StaleStateError",
     "StoreError",
@@ -42,6 +43,11 @@ class DatasetChangedError(CoordlError):
 class StoreError(CoordlError):
     """The object store refused the job's credentials, or the dataset's bucket is gone: no sample
     of an ``s3://`` dataset can be read (raised whatever ``on_error`` says)."""
+
+
+class ShardError(CoordlError, ValueError):
+    """A tar shard is not a dataset's shard: not a tar file, truncated, a sample without an image
+    member or a label, a key that repeats (the message names the shard and the member)."""
 
 
 class SampleError(CoordlError):

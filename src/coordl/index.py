@@ -35,6 +35,8 @@ import numpy as np
 from coordl import env, indexfile
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
+from coordl.tars import IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS
+from coordl.tars import Shards
 
 __all__ = ["IMG_EXTENSIONS", "Index", "default_index_dir"]
 
@@ -69,6 +71,8 @@ class Index:
             the same fingerprint in every process.
         etags: the ETag of every sample of an ``s3://`` dataset (a
             :class:`~coordl.paths.PathTable` of strings), or None for files.
+        shards: where the samples of a dataset of tar shards lie (:class:`~coordl.tars.Shards`), or
+            None. Then ``paths[i]`` is ``<shard>:<member>``, and ``sizes[i]`` the image member's size.
     """
 
     paths: PathTable
@@ -79,6 +83,7 @@ class Index:
     fingerprint: str
     saved_path: str | None = None  # where this index is saved, if it is
     etags: PathTable | None = None
+    shards: Shards | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -87,6 +92,14 @@ class Index:
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
 
+    def location(self, i: int) -> tuple[str, int, int]:
+        """The file (or object) sample ``i`` lies in, where it starts there and its size: its own
+        file from 0, or its tar shard from its member's offset."""
+        if self.shards is not None:
+            sh = self.shards
+            return sh.files[int(sh.of[i])], int(sh.offsets[i]), int(self.sizes[i])
+        return self.paths[i], 0, int(self.sizes[i])
+
     @property
     def class_to_idx(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.classes)}
@@ -94,12 +107,15 @@ class Index:
     # -- building --------------------------------------------------------------------
     @property
     def in_store(self) -> bool:
-        """Whether the samples are objects in an object store (``s3://``), not files."""
-        return self.etags is not None
+        """Whether the samples are objects in an object store (``s3://``), or in its objects, not files."""
+        return self.etags is not None or (self.shards is not None and self.shards.etags is not None)
 
     @classmethod
-    def build(cls, paths: Sequence[str] | PathTable, labels, sizes, classes=(), root=None, etags=None) -> Index:
-        """An index from parallel sequences, with its fingerprint computed.
+    def build(
+        cls, paths: Sequence[str] | PathTable, labels, sizes, classes=(), root=None, etags=None, shards=None
+    ) -> Index:
+        """An index from parallel sequences, with its fingerprint computed (and, for tar shards, the
+        shards' paths, each sample's shard and offset).
 
         Raises:
             ValueError: the three sequences differ in length, or a path contains a NUL.
@@ -121,7 +137,13 @@ class Index:
             if len(etags) != len(table):
                 raise ValueError(f"Index.build got {len(etags)} ETags for {len(table)} samples")
             h.update(etags.blob)
-        return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags)
+        if shards is not None:
+            h.update(shards.files.blob)
+            h.update(np.ascontiguousarray(shards.of, dtype="<i8"))
+            h.update(np.ascontiguousarray(shards.offsets, dtype="<i8"))
+            if shards.etags is not None:
+                h.update(shards.etags.blob)
+        return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags, shards=shards)
 
     @classmethod
     def from_list(cls, samples: Iterable[tuple[str | os.PathLike, int]], classes: Sequence[str] = ()) -> Index:
@@ -158,6 +180,70 @@ class Index:
 
         sizes, etags = listing.stat_many(paths)
         return cls.build(paths, labels, sizes, classes, etags=etags)
+
+    @classmethod
+    def from_tars(
+        cls,
+        data,
+        *,
+        image: Sequence[str] = TAR_IMAGE_EXTENSIONS,
+        label: Callable[[dict[str, bytes]], int] | None = None,
+        index_dir: str | None = None,
+        rebuild: bool = False,
+        skip: bool = False,
+        stream: bool = False,
+    ) -> Index:
+        """The index of a dataset in tar shards (WebDataset's format, :mod:`coordl.tars`), loaded
+        from the index directory while every shard keeps its size and modification time (an
+        ``s3://`` shard: its size and ETag).
+
+        Args:
+            data: a brace pattern (``/data/train-{000000..000146}.tar``), a folder of ``.tar``
+                files, a tar file, or a list of them; or the same as ``s3://`` URLs (a prefix for a
+                folder).
+            image: the extensions of a sample's image member, in the order one is chosen.
+            label: a function of a sample's other members (``{extension: bytes}``) that returns its
+                label; default: the integer in its ``.cls`` member. (An index made with a function
+                is not saved: nothing names the function.)
+            index_dir, rebuild: as :meth:`scan`.
+            skip: leave out (and log) a sample without an image member or label, instead of raising.
+            stream: index ``s3://`` shards by reading each whole, in one GET, rather than its
+                headers by range GETs (fewer requests, more bytes).
+
+        Raises:
+            FileNotFoundError: no shard, or a shard is missing.
+            ShardError: a shard is not a tar file, is truncated, or holds a sample without an image
+                member or a label, or a key twice (the message names the shard and member).
+        """
+        from coordl import tars
+
+        files = tars.shard_list(data)
+        root = os.fspath(data) if isinstance(data, (str, os.PathLike)) else None
+        image = tuple(e.lower().lstrip(".") for e in image)
+        index_dir = default_index_dir() if index_dir is None else index_dir
+        stamps = tars.stamps(files)
+        saved = None
+        if index_dir and label is None:
+            key = ["tars", files, list(image), skip]
+            if s3url.is_url(files[0]):
+                key.append({"store": _store_name()})
+            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+        if saved and not (rebuild or env.flag("COORDL_REINDEX")):
+            opened = _open(saved)
+            if opened is not None and opened[0].shards is not None and opened[1] == stamps:
+                return dataclasses.replace(opened[0], saved_path=saved)
+            if opened is not None:
+                log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
+        paths, labels, sizes, shards = tars.index(files, stamps, image=image, label=label, skip=skip, stream=stream)
+        index = cls.build(paths, labels, sizes, (), root, shards=shards)
+        if saved:
+            try:
+                _save(index, stamps, saved)
+            except OSError as e:
+                log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
+                return index
+            index = dataclasses.replace(index, saved_path=saved)
+        return index
 
     @classmethod
     def scan(
@@ -298,13 +384,19 @@ def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_em
     key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
     if s3url.is_url(root):
         key.append({"store": _store_name()})
-    key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-    return os.path.join(index_dir, f"index-{key}{indexfile.SUFFIX}")
+    return os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
 
 
-def _save(index: Index, dirs: list[tuple[str, int]], path: str) -> None:
+def _key(key) -> str:
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def _save(index: Index, dirs: list, path: str) -> None:
+    """Saves ``index`` with ``dirs``: its folders' times, or its shards' ``[size, mtime_ns]``."""
     meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
-    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags)
+    sh = index.shards
+    shards = (sh.files, sh.of, sh.offsets) if sh is not None else None
+    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags, shards)
     with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
         os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
 
@@ -330,8 +422,18 @@ def _open(path: str) -> tuple[Index, list] | None:
         root=root,
         fingerprint=saved.fingerprint,
         etags=saved.etags,
+        shards=_shards(saved.shards, dirs),
     )
     return index, dirs
+
+
+def _shards(saved, stamps) -> Shards | None:
+    """The shards of a saved index, with the ETags of ``s3://`` shards from their stamps."""
+    if saved is None:
+        return None
+    files, of, offsets = saved
+    etags = PathTable.from_strings([str(s[1]) for s in stamps]) if len(files) and s3url.is_url(files[0]) else None
+    return Shards(files, of, offsets, etags)
 
 
 def _load_if_fresh(path: str, root: str) -> Index | None:
@@ -339,7 +441,7 @@ def _load_if_fresh(path: str, root: str) -> Index | None:
     if opened is None:
         return None
     index, dirs = opened
-    if index.root != root:
+    if index.root != root or index.shards is not None:
         return None
     if s3url.is_url(root):
         from coordl.s3 import listing

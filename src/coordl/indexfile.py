@@ -6,7 +6,10 @@ each starting at a multiple of :data:`ALIGN` bytes: ``offsets`` (int64, count + 
 ``labels`` (int64, count), ``sizes`` (int64, count), ``blob`` (uint8, the paths' bytes,
 see :mod:`coordl.paths`), ``meta`` (UTF-8 JSON), and the objects' ETags of an ``s3://``
 index as a second table of strings, ``etag_offsets`` (int64, count + 1) and ``etag_blob``
-(both empty for local files). The arrays are stored as they are in
+(both empty for local files), and for a dataset of tar shards (:mod:`coordl.tars`) each sample's
+shard, ``shard_of`` (int64, count), where its bytes start in it, ``data_offsets`` (int64, count), and
+the shards' paths as a third table, ``shard_offsets`` (int64, shards + 1) and ``shard_blob`` (all
+four empty for files and objects). The arrays are stored as they are in
 memory, so reading the file is mapping it: no sample is read at load, and the processes
 of a machine share one copy of its pages in the page cache.
 
@@ -15,7 +18,8 @@ temporary name, fsynced and renamed over the old one; a process that mapped the 
 keeps it (a local filesystem keeps a replaced file's pages while they are mapped). On a
 network filesystem, where a replacement by another machine can pull the pages from under
 a mapping (SIGBUS), the file is read into memory instead (:func:`is_local`). Version 1
-was an ``.npz`` of another name, which is not read; version 2, without ETags, is rescanned.
+was an ``.npz`` of another name, which is not read; versions 2 (without ETags) and 3 (without
+shards) are rescanned.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from coordl.paths import PathTable
 __all__ = ["FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
 
 MAGIC = b"coordlix"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ALIGN = 64
 HEADER = np.dtype(
     [
@@ -47,6 +51,8 @@ HEADER = np.dtype(
         ("meta_bytes", "<u8"),
         ("fingerprint", "S16"),  # Index.fingerprint, as computed when the index was built
         ("etag_bytes", "<u8"),  # the ETags' blob and one (0: no ETags, local files)
+        ("shard_count", "<u8"),  # tar shards (0: samples are files or objects)
+        ("shard_bytes", "<u8"),  # the shards' paths' blob and one (0: no shards)
     ]
 )
 SUFFIX = ".idx"
@@ -64,6 +70,7 @@ class Saved:
     fingerprint: str
     meta: dict
     etags: PathTable | None = None
+    shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None  # files, of, offsets (coordl.tars.Shards)
 
 
 def write(
@@ -74,6 +81,7 @@ def write(
     fingerprint: str,
     meta: dict,
     etags: PathTable | None = None,
+    shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """Publishes a saved index at ``path``: complete, or not at all.
 
@@ -90,13 +98,21 @@ def write(
         "meta": np.frombuffer(meta_bytes, dtype=np.uint8),
         "etag_offsets": etags.offsets if etags is not None else np.zeros(0, np.int64),
         "etag_blob": etags.blob if etags is not None else np.zeros(0, np.uint8),
+        "shard_of": shards[1] if shards is not None else np.zeros(0, np.int64),
+        "data_offsets": shards[2] if shards is not None else np.zeros(0, np.int64),
+        "shard_offsets": shards[0].offsets if shards is not None else np.zeros(0, np.int64),
+        "shard_blob": shards[0].blob if shards is not None else np.zeros(0, np.uint8),
     }
     head = np.zeros((), HEADER)
     head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
     head["count"], head["blob_bytes"], head["meta_bytes"] = len(paths), len(paths.blob), len(meta_bytes)
     head["fingerprint"] = fingerprint.encode()
     head["etag_bytes"] = len(etags.blob) + 1 if etags is not None else 0
-    sections, total = _sections(len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]))
+    if shards is not None:
+        head["shard_count"], head["shard_bytes"] = len(shards[0]), len(shards[0].blob) + 1
+    sections, total = _sections(
+        len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]), *_shard_sizes(head)
+    )
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique also in an index folder shared by nodes
     try:
         with open(tmp, "wb") as f:
@@ -130,7 +146,11 @@ def read(path: str) -> Saved | str | None:
         return why
     head = np.frombuffer(buf, HEADER, count=1)[0]
     sections, _ = _sections(
-        int(head["count"]), int(head["blob_bytes"]), int(head["meta_bytes"]), int(head["etag_bytes"])
+        int(head["count"]),
+        int(head["blob_bytes"]),
+        int(head["meta_bytes"]),
+        int(head["etag_bytes"]),
+        *_shard_sizes(head),
     )
     a = {name: np.frombuffer(buf, dtype, items, offset) for name, dtype, items, offset in sections}
     try:
@@ -141,6 +161,9 @@ def read(path: str) -> Saved | str | None:
         return "metadata: not an object"
     paths = PathTable(a["blob"], a["offsets"])
     etags = PathTable(a["etag_blob"], a["etag_offsets"]) if head["etag_bytes"] else None
+    shards = None
+    if head["shard_bytes"]:
+        shards = (PathTable(a["shard_blob"], a["shard_offsets"]), a["shard_of"], a["data_offsets"])
     return Saved(
         paths=paths,
         labels=a["labels"],
@@ -148,7 +171,12 @@ def read(path: str) -> Saved | str | None:
         fingerprint=head["fingerprint"].decode(),
         meta=meta,
         etags=etags,
+        shards=shards,
     )
+
+
+def _shard_sizes(head) -> tuple[int, int]:
+    return int(head["shard_count"]), int(head["shard_bytes"])
 
 
 def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
@@ -178,10 +206,10 @@ def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
 
 
 def _sections(
-    count: int, blob_bytes: int, meta_bytes: int, etag_bytes: int = 0
+    count: int, blob_bytes: int, meta_bytes: int, etag_bytes: int = 0, shard_count: int = 0, shard_bytes: int = 0
 ) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
     """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size
-    (``etag_bytes``: the header's, 0 for no ETags)."""
+    (``etag_bytes``, ``shard_bytes``: the header's, 0 for no ETags or shards)."""
     out, at = [], HEADER.itemsize
     for name, dtype, items in (
         ("offsets", np.dtype("<i8"), count + 1),
@@ -191,6 +219,10 @@ def _sections(
         ("meta", np.dtype(np.uint8), meta_bytes),
         ("etag_offsets", np.dtype("<i8"), count + 1 if etag_bytes else 0),
         ("etag_blob", np.dtype(np.uint8), max(etag_bytes - 1, 0)),
+        ("shard_of", np.dtype("<i8"), count if shard_bytes else 0),
+        ("data_offsets", np.dtype("<i8"), count if shard_bytes else 0),
+        ("shard_offsets", np.dtype("<i8"), shard_count + 1 if shard_bytes else 0),
+        ("shard_blob", np.dtype(np.uint8), max(shard_bytes - 1, 0)),
     ):
         if items:  # an empty section takes no room: a file without ETags ends with its metadata
             at = -(-at // ALIGN) * ALIGN
@@ -210,7 +242,7 @@ def _unusable(buf) -> str | None:
     if head["version"] != FORMAT_VERSION:
         return f"format version {head['version']}, this coordl reads {FORMAT_VERSION}"
     count, blob_bytes, etag_bytes = int(head["count"]), int(head["blob_bytes"]), int(head["etag_bytes"])
-    sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes)
+    sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes, *_shard_sizes(head))
     if len(buf) != total:
         return f"{len(buf)} bytes, the header says {total}"
     offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
@@ -222,4 +254,10 @@ def _unusable(buf) -> str | None:
         first, last = np.frombuffer(buf, "<i8", 1, at), np.frombuffer(buf, "<i8", 1, at + 8 * count)
         if first[0] != 0 or last[0] != (etag_bytes if count else 0):
             return "its ETag offsets do not match its ETags"
+    if head["shard_bytes"]:
+        at = next(offset for name, _, _, offset in sections if name == "shard_offsets")
+        n = int(head["shard_count"])
+        first, last = np.frombuffer(buf, "<i8", 1, at), np.frombuffer(buf, "<i8", 1, at + 8 * n)
+        if first[0] != 0 or last[0] != (int(head["shard_bytes"]) if n else 0):
+            return "its shard offsets do not match its shards"
     return None

@@ -159,7 +159,7 @@ class CoordLoader(DataLoaderAttributes):
             persistent_workers=bool(persistent_workers),
             pin_memory_device=pin_memory_device,
         )
-        source = sources.open_source(data, pipeline, device_id, self.torch_options, self.options)
+        source = sources.open_source(data, pipeline, device_id, self.torch_options, self.options, on_error)
         self.backend, self.index, self.dataset = source.backend, source.index, source.dataset
         self.recipe, self.device_id = source.recipe, source.device_id
         # What the loader is decides whether the partitioned cache can serve it; where it runs, at

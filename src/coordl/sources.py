@@ -44,9 +44,12 @@ class Source:
     device_id: int | None
 
 
-def open_source(data, pipeline, device_id, torch_options: TorchOptions, options: Options) -> Source:
+def open_source(
+    data, pipeline, device_id, torch_options: TorchOptions, options: Options, on_error: str = "raise"
+) -> Source:
     """The backend for ``data`` with the loader's arguments checked (``ValueError`` names what a
-    backend refuses), and the samples indexed.
+    backend refuses), and the samples indexed (``on_error="skip"``: a tar shard's sample without an
+    image member or a label is left out, and logged).
 
     Raises:
         ValueError: an argument the backend does not take, a missing ``pipeline``, or no samples.
@@ -68,7 +71,7 @@ def open_source(data, pipeline, device_id, torch_options: TorchOptions, options:
             )
         if pipeline is None:
             raise ValueError(PIPELINE_NEEDED)
-        index = make_index(data)
+        index = make_index(data, skip=on_error == "skip")
         source = Source("dali", index, index, resolve_recipe(pipeline), resolve_device(device_id))
         remote = options.prep if is_remote(options.prep) else None
         if remote is not None and remote.output == "uint8" and not uint8_able(source.recipe):
@@ -152,16 +155,23 @@ def as_dataset(data):
     return None
 
 
-def make_index(data) -> Index:
-    """The index of a folder (scanned with the defaults of :meth:`Index.scan`), a list of
+def make_index(data, *, skip: bool = False) -> Index:
+    """The index of a folder (scanned with the defaults of :meth:`Index.scan`), tar shards (a
+    pattern, a folder of ``.tar`` files or a list of them: :meth:`Index.from_tars`), a list of
     ``(path, label)`` pairs, or an index."""
+    from coordl import tars
+
     if isinstance(data, Index):
         return data
+    if tars.is_tar_data(data):
+        return Index.from_tars(data, skip=skip)
     if isinstance(data, (str, os.PathLike)):
         return Index.scan(data)
     if isinstance(data, Sequence):
         return Index.from_list(data)
-    raise TypeError(f"data must be a folder, a list of (path, label) pairs or an Index, got {type(data).__name__}")
+    raise TypeError(
+        f"data must be a folder, tar shards, a list of (path, label) pairs or an Index, got {type(data).__name__}"
+    )
 
 
 def resolve_device(device_id) -> int | None:

@@ -444,17 +444,17 @@ def _cache_read_rate(cache: NodeCache | None, ids: np.ndarray, min_seconds: floa
 
 
 def _drop_pages(index, ids) -> None:
-    """Evicts the files of ``ids`` from the OS page cache, so that reading them hits the device
-    (objects in a store have no pages here)."""
+    """Evicts the files of ``ids`` (their members' bytes, in tar shards) from the OS page cache, so
+    that reading them hits the device (objects in a store have no pages here)."""
     if index.in_store:
         return
-    paths = index.paths
     for i in np.unique(ids).tolist():
+        path, offset, size = index.location(i)
         try:
-            fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, offset, size if index.shards is not None else 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

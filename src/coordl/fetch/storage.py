@@ -82,3 +82,76 @@ def _rest(fd: int, path: str, size: int, views: list, done: int) -> None:
         if n == 0:
             raise DatasetChangedError(f"{path} ended early, after {done} bytes of {size}")
         done += n
+
+
+def read_ranges(
+    paths: Sequence[str | bytes],
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    buffers: Sequence[list],
+    *,
+    drop_page_cache: bool,
+    names: Sequence[str] | None = None,
+) -> dict[int, Exception]:
+    """Reads ``sizes[k]`` bytes at ``offsets[k]`` of file ``paths[k]`` (a tar shard's member) into
+    ``buffers[k]``, for every ``k``: one ``preadv`` each, in the order of their files and offsets,
+    each file opened once; with ``drop_page_cache``, the range read is dropped from the page cache.
+
+    Returns:
+        the ranges that could not be read, by position: an ``OSError`` or a
+        :class:`~coordl.errors.DatasetChangedError` (the file ends before the range does; ``names[k]``
+        names the member in the message).
+    """
+    failed: dict[int, Exception] = {}
+    order = sorted(range(len(paths)), key=lambda k: (paths[k], offsets[k]))
+    fd, opened, why = -1, None, None
+    preadv, fadvise = os.preadv, os.posix_fadvise
+    try:
+        for k in order:
+            path = paths[k]
+            if path != opened:
+                if fd >= 0:
+                    os.close(fd)
+                fd, opened, why = -1, path, None
+                try:
+                    fd = os.open(path, _FLAGS)
+                except OSError as e:
+                    why = e
+            if why is not None:
+                failed[k] = why
+                continue
+            try:
+                offset, size = int(offsets[k]), int(sizes[k])
+                n = preadv(fd, buffers[k], offset)
+                if n != size:
+                    _rest_range(fd, os.fsdecode(path), offset, size, buffers[k], n, names[k] if names else None)
+                if drop_page_cache:
+                    fadvise(fd, offset, size, _DONTNEED)
+            except (OSError, DatasetChangedError) as e:
+                failed[k] = e
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return failed
+
+
+def _rest_range(fd: int, path: str, offset: int, size: int, views: list, done: int, name: str | None) -> None:
+    """After a ``preadv`` of ``done`` bytes, not ``size``: the rest, unless the file ends first."""
+    flat = [memoryview(v).cast("B") for v in views]
+    while done < size:
+        skip, rest = done, []
+        for v in flat:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + done)
+        if n == 0:
+            actual = os.fstat(fd).st_size
+            what = f"member {name}" if name else f"{size} bytes at byte {offset}"
+            raise DatasetChangedError(
+                f"{path} is {actual} bytes and ends inside {what}: the shard changed after it was indexed; "
+                "restart so that it is indexed again"
+            )
+        done += n

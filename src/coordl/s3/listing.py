@@ -130,6 +130,23 @@ def scan(
     return Listing(urls=urls, labels=labels, sizes=sizes, etags=etags, classes=classes, requests=requests)
 
 
+def tars(prefix: str) -> list[str]:
+    """The URLs of the ``.tar`` objects directly under ``prefix`` (an ``s3://`` "folder"), sorted.
+
+    Raises:
+        StoreError: credentials refused, or no such bucket.
+    """
+    root = prefix.rstrip("/")
+    bucket, key = url.split(root + "/")
+    found = [
+        url.join(bucket, obj["Key"])
+        for page in _pages(bucket, key, "/", root)
+        for obj in page.get("Contents", [])
+        if obj["Key"].endswith(".tar")
+    ]
+    return sorted(found)
+
+
 def stat_many(urls: Sequence[str]) -> tuple[list[int], list[str]]:
     """The sizes and ETags of ``urls``: one listing per "folder" when the URLs share folders (a
     request per thousand keys), else one ``HeadObject`` per URL.

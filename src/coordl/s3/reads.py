@@ -62,10 +62,13 @@ def read_many(
     buffers: Sequence[list],
     *,
     stop: threads.Signal | None = None,
+    offsets: Sequence[int] | None = None,
 ) -> dict[int, Exception]:
     """Reads object ``k`` of ``urls`` (``sizes[k]`` bytes, ETag ``etags[k]``) into ``buffers[k]``,
-    a list of buffers that hold ``sizes[k]`` bytes in all, for every ``k``. Once ``stop`` is set
-    (the loader closes), the requests still in flight are abandoned (failures, ``ECANCELED``).
+    a list of buffers that hold ``sizes[k]`` bytes in all, for every ``k``; with ``offsets``, the
+    ``sizes[k]`` bytes from ``offsets[k]`` of it (a range GET, still ``If-Match`` its ETag: a tar
+    shard's members). Once ``stop`` is set (the loader closes), the requests still in flight are
+    abandoned (failures, ``ECANCELED``).
 
     Returns:
         the objects that could not be read, by position: an ``OSError`` (missing, forbidden,
@@ -85,7 +88,12 @@ def read_many(
     else:
         reader = _Boto3(client.boto3_client(), s)
     call = _Call(threads.event_loop())
-    reads = [_read_one(reader, *where[k], etags[k], sizes[k], buffers[k], urls[k], s) for k in range(len(urls))]
+    reads = [
+        _read_one(
+            reader, *where[k], etags[k], sizes[k], buffers[k], urls[k], s, None if offsets is None else offsets[k]
+        )
+        for k in range(len(urls))
+    ]
     handle = stop.add(call.cancel) if stop is not None else None
     try:
         future = asyncio.run_coroutine_threadsafe(call.run(reads, s), call.loop)
@@ -141,7 +149,9 @@ class _Call:
         return await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _read_one(reader, bucket: str, key: str, etag, size: int, views: list, where: str, s: client.Settings):
+async def _read_one(
+    reader, bucket: str, key: str, etag, size: int, views: list, where: str, s: client.Settings, offset: int | None
+):
     """Reads one object into ``views``, trying again what may succeed if tried again.
 
     Returns:
@@ -153,7 +163,7 @@ async def _read_one(reader, bucket: str, key: str, etag, size: int, views: list,
             if n:
                 await asyncio.sleep(random.uniform(0.0, min(MAX_BACKOFF_S, INIT_BACKOFF_S * 2 ** (n - 1))))
             try:
-                data = await reader.get(bucket, key, etag, size, where)
+                data = await reader.get(bucket, key, etag, size, where, offset)
                 _scatter(data, views, size, where)
                 return None
             except reader.retried as e:
@@ -176,19 +186,23 @@ class _Obstore:
         # which carries every failure without a variant of its own (see coordl.s3.client).
         self.retried = (TimeoutError, GenericError)
 
-    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str, offset: int | None):
         try:
-            return await asyncio.wait_for(self._get(bucket, key, etag, size, where), self.timeout_s)
+            return await asyncio.wait_for(self._get(bucket, key, etag, size, where, offset), self.timeout_s)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise TimeoutError from None  # classify() says it, with the tries
 
-    async def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+    async def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str, offset: int | None):
         import obstore
 
-        answer = await obstore.get_async(self.stores[bucket], key, options={"if_match": etag} if etag else None)
-        actual = int(answer.meta["size"])
-        if actual != size:
-            raise _changed_size(where, actual, size)
+        options = {"if_match": etag} if etag else {}
+        if offset is not None:
+            options["range"] = (offset, offset + size)  # the end is exclusive
+        answer = await obstore.get_async(self.stores[bucket], key, options=options or None)
+        if offset is None and int(answer.meta["size"]) != size:
+            raise _changed_size(where, int(answer.meta["size"]), size)
+        if offset is not None and tuple(answer.range) != (offset, offset + size):
+            raise _short_range(where, offset, size, int(answer.meta["size"]))
         return await answer.bytes_async()
 
 
@@ -207,14 +221,19 @@ class _Boto3:
             )
         self.pool = _boto3_pool
 
-    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str):
+    async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str, offset: int | None):
         # The bytes come back to the loop, which copies them: a request abandoned on its thread writes nothing.
-        return await asyncio.wrap_future(self.pool.submit(self._get, bucket, key, etag, size, where))
+        return await asyncio.wrap_future(self.pool.submit(self._get, bucket, key, etag, size, where, offset))
 
-    def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str) -> bytes:
-        answer = self.s3.get_object(Bucket=bucket, Key=key, **({"IfMatch": etag} if etag else {}))
+    def _get(self, bucket: str, key: str, etag: str | None, size: int, where: str, offset: int | None) -> bytes:
+        kw = {"IfMatch": etag} if etag else {}
+        if offset is not None:
+            kw["Range"] = f"bytes={offset}-{offset + size - 1}"
+        answer = self.s3.get_object(Bucket=bucket, Key=key, **kw)
         try:
             if int(answer["ContentLength"]) != size:
+                if offset is not None:
+                    raise _short_range(where, offset, size, int(answer["ContentLength"]) + offset)
                 raise _changed_size(where, int(answer["ContentLength"]), size)
             return answer["Body"].read()
         finally:
@@ -248,6 +267,13 @@ def _scatter(data, views: list, size: int, where: str) -> None:
         dst = memoryview(v).cast("B")
         dst[:] = src[at : at + len(dst)]
         at += len(dst)
+
+
+def _short_range(where: str, offset: int, size: int, actual: int) -> DatasetChangedError:
+    return DatasetChangedError(
+        f"{where} ends at byte {actual}, inside the {size} bytes from byte {offset} the index says are there: the "
+        "dataset changed after it was indexed; restart so that it is indexed again"
+    )
 
 
 def _changed_size(where: str, actual: int, size: int) -> DatasetChangedError:

@@ -1,0 +1,467 @@
+"""Datasets in tar shards (WebDataset's format): the index, reads, the loader on top, bad shards.
+
+Shards are real tars written by Python's ``tarfile`` and by the ``webdataset`` package's
+``ShardWriter``, holding the JPEGs of ``tiny_dataset`` in its index's order, so that a loader over
+the shards and one over the folder deliver the same samples in the same order, bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import coordl
+from coordl import CoordLoader, Index, ShardError, tars
+from coordl.fetch import samples
+from coordl.fetch.storage import read_ranges
+from coordl.tars.format import S3_WINDOW
+
+RECIPE = coordl.ImageNetTrain(size=16)
+PER_SHARD = 50  # samples per shard: 120 samples make shards of 50, 50 and 20
+
+
+def _members(index: Index, i: int, key: str) -> list[tuple[str, bytes]]:
+    data = Path(index.paths[i]).read_bytes()
+    return [(f"{key}.jpg", data), (f"{key}.cls", str(int(index.labels[i])).encode())]
+
+
+def write_tars(folder: Index, out: Path, per_shard: int = PER_SHARD, members=_members, fmt=tarfile.GNU_FORMAT):
+    """Shards ``shard-000000.tar``, ... in ``out`` of ``folder``'s samples, in its order (keys
+    ``s000000``, ...), written by ``tarfile``; returns their brace pattern."""
+    out.mkdir(parents=True, exist_ok=True)
+    n = -(-len(folder) // per_shard)
+    for s in range(n):
+        with tarfile.open(out / f"shard-{s:06d}.tar", "w", format=fmt) as tf:
+            for i in range(s * per_shard, min(len(folder), (s + 1) * per_shard)):
+                for name, data in members(folder, i, f"s{i:06d}"):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime = len(data), 1_700_000_000
+                    tf.addfile(info, io.BytesIO(data))
+    return str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_dataset) -> Index:
+    return Index.scan(tiny_dataset, index_dir="")
+
+
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory) -> str:
+    return write_tars(folder, tmp_path_factory.mktemp("tars"))
+
+
+# -- which shards -----------------------------------------------------------------------------
+def test_patterns_folders_and_lists_name_the_shards(shards, tmp_path):
+    d = os.path.dirname(shards)
+    names = [f"{d}/shard-{s:06d}.tar" for s in range(3)]
+    assert tars.expand(shards) == names
+    assert tars.expand(d) == names  # a folder: its .tar files, sorted
+    assert tars.expand("/x/a-{08..11}.tar") == ["/x/a-08.tar", "/x/a-09.tar", "/x/a-10.tar", "/x/a-11.tar"]
+    assert tars.expand("/x/{a,b}-{1..2}.tar") == ["/x/a-1.tar", "/x/a-2.tar", "/x/b-1.tar", "/x/b-2.tar"]
+    assert tars.is_tar_data(shards) and tars.is_tar_data(d) and tars.is_tar_data(names)
+    assert not tars.is_tar_data([(names[0], 0)])  # (path, label) pairs are files
+    (tmp_path / "c0").mkdir()
+    (tmp_path / "x.tar").write_bytes(b"")
+    assert not tars.is_tar_data(str(tmp_path))  # a folder with class folders is an ImageFolder
+    with pytest.raises(FileNotFoundError, match="no .tar shard found"):
+        Index.from_tars(str(tmp_path / "c0"), index_dir="")
+
+
+# -- the index ----------------------------------------------------------------------------------
+def test_the_index_holds_each_sample_s_image_label_and_place(folder, shards):
+    index = Index.from_tars(shards, index_dir="")
+    assert len(index) == len(folder) and index.shards is not None
+    np.testing.assert_array_equal(index.labels, folder.labels)
+    np.testing.assert_array_equal(index.sizes, folder.sizes)
+    d = os.path.dirname(shards)
+    assert index.paths[0] == f"{d}/shard-000000.tar:s000000.jpg"
+    assert index.paths[119] == f"{d}/shard-000002.tar:s000119.jpg"
+    assert list(index.shards.files) == tars.expand(shards)
+    assert index.shards.of.tolist() == [i // PER_SHARD for i in range(len(folder))]
+    for i in (0, 49, 50, 119):  # the image's bytes are where the index says
+        assert samples.read(index, i).tobytes() == Path(folder.paths[i]).read_bytes()
+    # The same shards give the same fingerprint; another order of them, another one.
+    assert Index.from_tars(shards, index_dir="").fingerprint == index.fingerprint
+    assert Index.from_tars(tars.expand(shards)[::-1], index_dir="").fingerprint != index.fingerprint
+
+
+def test_long_names_pax_and_ustar_shards_are_read_as_tarfile_reads_them(folder, tmp_path):
+    def long(index, i, key):
+        return [(f"{'d' * 120}/{key}.jpg", Path(index.paths[i]).read_bytes()), (f"{'d' * 120}/{key}.cls", b"7\n")]
+
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        pattern = write_tars(folder, tmp_path / str(fmt), 40, long, fmt)
+        index = Index.from_tars(pattern, index_dir="")
+        assert len(index) == len(folder) and set(index.labels.tolist()) == {7}
+        with tarfile.open(tars.expand(pattern)[0]) as tf:
+            expect = [(m.name, m.offset_data, m.size) for m in tf.getmembers() if m.name.endswith(".jpg")]
+        got = [(index.paths[i].split(":", 1)[1], int(index.shards.offsets[i]), int(index.sizes[i])) for i in range(40)]
+        assert got == expect
+
+
+def test_a_label_function_gets_the_other_members(folder, tmp_path):
+    def members(index, i, key):
+        return [(f"{key}.jpg", Path(index.paths[i]).read_bytes()), (f"{key}.json", b'{"y": %d}' % (i % 5))]
+
+    pattern = write_tars(folder, tmp_path / "json", 60, members)
+    import json
+
+    index = Index.from_tars(pattern, label=lambda m: json.loads(m["json"])["y"], index_dir=str(tmp_path / "ix"))
+    assert index.labels.tolist() == [i % 5 for i in range(len(folder))]
+    assert index.saved_path is None  # nothing names the function
+
+
+def test_the_saved_index_is_reused_until_a_shard_changes(shards, tmp_path, caplog):
+    d = tmp_path / "copy"
+    d.mkdir()
+    for f in tars.expand(shards):
+        (d / os.path.basename(f)).write_bytes(Path(f).read_bytes())
+    ix = str(tmp_path / "ix")
+    first = Index.from_tars(str(d), index_dir=ix)
+    assert first.saved_path and os.path.exists(first.saved_path)
+    again = Index.from_tars(str(d), index_dir=ix)
+    assert again.fingerprint == first.fingerprint and not again.labels.flags.writeable  # mapped from the file
+    np.testing.assert_array_equal(again.shards.offsets, first.shards.offsets)
+    last = d / "shard-000002.tar"
+    with tarfile.open(last, "a") as tf:  # a sample more: its size and time change
+        info = tarfile.TarInfo("s999999.jpg")
+        data = Path(tars.expand(shards)[0]).read_bytes()[512:1024]
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo("s999999.cls")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"1"))
+    os.utime(last, ns=(time.time_ns(), time.time_ns()))
+    with caplog.at_level("INFO", logger="coordl"):
+        changed = Index.from_tars(str(d), index_dir=ix)
+    assert len(changed) == len(first) + 1 and "changed since the index was saved" in caplog.text
+
+
+# -- the loader on top ----------------------------------------------------------------------------
+def _epochs(loader, epochs):
+    out = []
+    for e in range(epochs):
+        loader.set_epoch(e)
+        ids, images = [], []
+        for x, _, i in loader:
+            ids += i.tolist()
+            images.append(x.clone())
+        stats = loader.stats()
+        out.append((ids, torch.cat(images), stats))
+    return out
+
+
+def test_a_loader_over_the_shards_delivers_what_it_delivers_over_the_folder(tiny_dataset, shards, isolated):
+    kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
+    with CoordLoader(shards, cache="64MB", **kw) as a:
+        got = _epochs(a, 2)
+        total = a.index.total_bytes
+    with CoordLoader(str(tiny_dataset), cache=0, **kw) as b:
+        want = _epochs(b, 2)
+    for (ids, x, _), (ids_f, x_f, _) in zip(got, want):
+        assert sorted(ids) == list(range(120)) and ids == ids_f  # exactly once, in the same order
+        assert torch.equal(x, x_f)  # bit-equal: the same bytes, the same draws
+    # The cache holds every sample: the first epoch reads each image's bytes once, the next nothing.
+    assert got[0][2]["storage_bytes"] == total and got[0][2]["cache_bytes"] == total
+    assert got[1][2]["storage_bytes"] == 0 and got[1][2]["cache_hit_bytes"] == total
+
+
+def test_each_later_epoch_reads_exactly_the_uncached_samples_bytes(shards, isolated):
+    with CoordLoader(shards, batch_size=16, pipeline=RECIPE, device_id=None, cache="20KB", prep=1) as loader:
+        loader.set_epoch(0)
+        for _ in loader:
+            pass
+        first = loader.stats()["storage_bytes"]
+        cached = loader.stats()["cache_bytes"]
+        loader.set_epoch(1)
+        for _ in loader:
+            pass
+        second = loader.stats()["storage_bytes"]
+        assert first == loader.index.total_bytes and 0 < cached < first
+        assert second == first - cached and loader.stats()["cache_hit_bytes"] == cached
+
+
+# -- bad shards -------------------------------------------------------------------------------------
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_bad_shards_are_named_with_their_member(folder, tmp_path):
+    jpg = Path(folder.paths[0]).read_bytes()
+    good = [("a.jpg", jpg), ("a.cls", b"1"), ("b.jpg", jpg), ("b.cls", b"2")]
+    truncated = _tar(tmp_path / "truncated.tar", good)
+    os.truncate(truncated, 512 + len(jpg) // 2)
+    with pytest.raises(ShardError, match=r"truncated.tar ends inside member a.jpg .* truncated"):
+        Index.from_tars(str(truncated), index_dir="")
+    no_image = _tar(tmp_path / "noimage.tar", [("a.jpg", jpg), ("a.cls", b"1"), ("b.txt", b"x"), ("b.cls", b"2")])
+    with pytest.raises(ShardError, match=r"noimage.tar: sample b has no image member \(b.txt, b.cls\)"):
+        Index.from_tars(str(no_image), index_dir="")
+    repeats = _tar(
+        tmp_path / "repeats.tar", [("a.jpg", jpg), ("a.cls", b"1"), ("b.jpg", jpg), ("b.cls", b"2"), ("a.txt", b"x")]
+    )
+    with pytest.raises(ShardError, match=r"repeats.tar: key a repeats at member a.txt"):
+        Index.from_tars(str(repeats), index_dir="")
+    no_label = _tar(tmp_path / "nolabel.tar", [("a.jpg", jpg)])
+    with pytest.raises(ShardError, match=r"nolabel.tar: sample a has no .cls member"):
+        Index.from_tars(str(no_label), index_dir="")
+    bad_label = _tar(tmp_path / "badlabel.tar", [("a.jpg", jpg), ("a.cls", b"cat")])
+    with pytest.raises(ShardError, match=r"badlabel.tar: member a.cls is not an integer label"):
+        Index.from_tars(str(bad_label), index_dir="")
+    not_tar = tmp_path / "jpeg.tar"
+    not_tar.write_bytes(jpg)
+    with pytest.raises(ShardError, match=r"jpeg.tar is not a tar file"):
+        Index.from_tars(str(not_tar), index_dir="")
+    assert issubclass(ShardError, coordl.CoordlError) and issubclass(ShardError, ValueError)
+
+
+def test_skip_leaves_out_a_sample_without_an_image_or_label(folder, tmp_path, isolated, caplog):
+    jpg = Path(folder.paths[0]).read_bytes()
+    shard = _tar(
+        tmp_path / "mixed.tar",
+        [("a.jpg", jpg), ("a.cls", b"1"), ("b.txt", b"x"), ("b.cls", b"2"), ("c.jpg", jpg), ("c.cls", b"3")],
+    )
+    with caplog.at_level("WARNING", logger="coordl"):
+        loader = CoordLoader(str(shard), batch_size=2, pipeline=RECIPE, device_id=None, on_error="skip", cache=0)
+    with loader:
+        assert [p.split(":")[1] for p in loader.index.paths] == ["a.jpg", "c.jpg"]
+        assert loader.index.labels.tolist() == [1, 3]
+        assert sum(len(y) for _, y in loader) == 2
+    assert "mixed.tar: sample b has no image member" in caplog.text
+
+
+def test_a_shard_cut_after_indexing_fails_the_sample_that_lies_past_its_end(folder, shards, tmp_path):
+    d = tmp_path / "cut"
+    d.mkdir()
+    for f in tars.expand(shards):
+        (d / os.path.basename(f)).write_bytes(Path(f).read_bytes())
+    index = Index.from_tars(str(d), index_dir="")
+    os.truncate(d / "shard-000000.tar", int(index.shards.offsets[49]) + 10)
+    buffers = [[np.empty(int(index.sizes[i]), np.uint8)] for i in (0, 49)]
+    files = index.shards.files.encoded(index.shards.of[[0, 49]])
+    failed = read_ranges(
+        files,
+        index.shards.offsets[[0, 49]].tolist(),
+        index.sizes[[0, 49]].tolist(),
+        buffers,
+        drop_page_cache=False,
+        names=["s000000.jpg", "s000049.jpg"],
+    )
+    assert list(failed) == [1] and isinstance(failed[1], coordl.DatasetChangedError)
+    assert "ends inside member s000049.jpg" in str(failed[1])
+    assert buffers[0][0].tobytes() == Path(folder.paths[0]).read_bytes()
+
+
+# -- the torch backend ------------------------------------------------------------------------------
+def test_the_torch_backend_s_dataset_of_the_shards_gives_the_folder_s_items(tiny_dataset, shards, isolated):
+    from coordl.datasets import ImageFolder, TarDataset
+    from test_torch_backend import to_tensor
+
+    ds = TarDataset(shards, transform=to_tensor, target_transform=lambda t: t + 10)
+    ref = ImageFolder(str(tiny_dataset), transform=to_tensor, target_transform=lambda t: t + 10)
+    assert len(ds) == len(ref) and ds.targets == ref.targets
+    for i in (0, 77, 119):
+        assert torch.equal(ds[i][0], ref[i][0]) and ds[i][1] == ref[i][1]
+    kw = dict(batch_size=8, num_workers=2, shuffle=True, seed=5, return_index=True)
+    with CoordLoader(ds, cache="64MB", **kw) as a, CoordLoader(ref, cache=0, **kw) as b:
+        for e in range(2):
+            a.set_epoch(e)
+            b.set_epoch(e)
+            got, want = list(a), list(b)
+            assert sorted(int(i) for *_, ids in got for i in ids) == list(range(120))
+            for (x, y, i), (xr, yr, ir) in zip(got, want, strict=True):
+                assert torch.equal(i, ir) and torch.equal(y, yr) and torch.equal(x, xr)
+        assert a.stats()["storage_bytes"] == 0  # the second epoch: every image in the cache
+
+
+def test_shards_written_by_webdataset_s_shardwriter(folder, tmp_path, isolated):
+    wds = pytest.importorskip("webdataset")
+    out = tmp_path / "wds"
+    out.mkdir()
+    with wds.ShardWriter(str(out / "train-%06d.tar"), maxcount=45, verbose=0) as sink:
+        for i in range(len(folder)):
+            sink.write({"__key__": f"{i:06d}", "jpg": Path(folder.paths[i]).read_bytes(), "cls": int(folder.labels[i])})
+    index = Index.from_tars(str(out / "train-{000000..000002}.tar"), index_dir="")
+    assert len(index) == len(folder) and index.labels.tolist() == folder.labels.tolist()
+    with CoordLoader(str(out), batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, cache=0) as a:
+        ids = [i for *_, b in a for i in b.tolist()]
+    assert ids == list(range(len(folder)))
+    for i in (0, 44, 45, 119):
+        assert samples.read(index, i).tobytes() == Path(folder.paths[i]).read_bytes()
+
+
+def test_worker_processes_index_what_this_process_indexes_and_report_bad_shards(folder, tmp_path, monkeypatch):
+    from coordl.tars import scan
+
+    pattern = write_tars(folder, tmp_path / "many", 10)  # 12 shards
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 2)
+    monkeypatch.setattr(scan.os, "sched_getaffinity", lambda _: set(range(4)))  # 4 workers, whatever the CPUs
+    parallel = Index.from_tars(pattern, index_dir="")
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 100)
+    here = Index.from_tars(pattern, index_dir="")
+    assert parallel.fingerprint == here.fingerprint and len(parallel) == len(folder)
+    monkeypatch.setattr(scan, "PARALLEL_SHARDS", 2)
+    bad = tars.expand(pattern)[7]
+    os.truncate(bad, 700)
+    with pytest.raises(ShardError, match=r"shard-000007.tar ends inside member s000070.jpg"):
+        Index.from_tars(pattern, index_dir="")
+    os.unlink(bad)
+    with pytest.raises(FileNotFoundError, match=r"shard .*shard-000007.tar does not exist"):
+        Index.from_tars(pattern, index_dir="")
+
+
+# -- s3:// shards, against a real S3-compatible server on localhost ---------------------------------
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("moto")
+    pytest.importorskip("obstore")
+    from coordl_testing.s3server import S3Server
+
+    with S3Server() as s:
+        s.create_bucket("coordl-tars")
+        yield s
+
+
+_uploads = [0]
+
+
+@pytest.fixture
+def s3shards(server, shards, monkeypatch) -> str:
+    """The shards in a fresh prefix of the server; the brace pattern of their URLs."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    _uploads[0] += 1
+    prefix = f"u{_uploads[0]}"
+    for f in tars.expand(shards):
+        server.put("coordl-tars", f"{prefix}/{os.path.basename(f)}", Path(f).read_bytes())
+    server.reset()
+    return f"s3://coordl-tars/{prefix}/shard-{{000000..000002}}.tar"
+
+
+def test_s3_shards_are_indexed_as_local_ones_by_range_gets_or_one_stream_each(s3shards, shards, server, tmp_path):
+    local = Index.from_tars(shards, index_dir="")
+    by_range = Index.from_tars(s3shards, index_dir="")
+    range_gets, range_bytes = server.count("GET"), server.bytes_sent("GET")
+    server.reset()
+    streamed = Index.from_tars(s3shards, index_dir="", stream=True)
+    stream_gets, stream_bytes = server.count("GET"), server.bytes_sent("GET")
+    for ix in (by_range, streamed):
+        assert ix.in_store and ix.shards.etags is not None
+        np.testing.assert_array_equal(ix.labels, local.labels)
+        np.testing.assert_array_equal(ix.sizes, local.sizes)
+        np.testing.assert_array_equal(ix.shards.offsets, local.shards.offsets)
+        np.testing.assert_array_equal(ix.shards.of, local.shards.of)
+        assert ix.paths[0] == s3shards.replace("{000000..000002}", "000000") + ":s000000.jpg"
+    total = sum(os.path.getsize(f) for f in tars.expand(shards))
+    assert stream_gets == 3 and stream_bytes == total  # one GET a shard, every byte
+    # A GET of at most a window after each member larger than it (the test's images are smaller than a
+    # window: with these, streaming moves fewer bytes; benchmarks/tars.py measures photographs).
+    assert len(local) <= range_gets < 2 * len(local) and range_bytes <= range_gets * S3_WINDOW
+    # The prefix of the shards names them too; a second start reuses the saved index after one listing.
+    prefix = s3shards.rsplit("/", 1)[0] + "/"
+    assert tars.is_tar_data(s3shards) and not tars.is_tar_data(prefix)  # a prefix is an ImageFolder's root
+    ix = str(tmp_path / "ix")
+    first = Index.from_tars(prefix, index_dir=ix)
+    server.reset()
+    again = Index.from_tars(prefix, index_dir=ix)
+    assert again.fingerprint == first.fingerprint == by_range.fingerprint
+    assert server.count("GET") == 0 and again.in_store
+
+
+def test_an_s3_shard_loader_delivers_the_local_one_s_tensors_with_merged_range_gets(s3shards, shards, server, isolated):
+    kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
+    with CoordLoader(shards, cache=0, **kw) as a:
+        want = _epochs(a, 1)
+    index = Index.from_tars(s3shards, index_dir="")
+    server.reset()
+    with CoordLoader(index, cache="64MB", **kw) as b:
+        got = _epochs(b, 2)
+        total = b.index.total_bytes
+    assert got[0][0] == want[0][0] and torch.equal(got[0][1], want[0][1])
+    assert got[0][2]["storage_bytes"] == total and got[1][2]["storage_bytes"] == 0
+    gets = server.count("GET")
+    assert 0 < gets < len(index)  # members of a shard that lie close together: one range GET
+    # What lies between merged members, at most MERGE_GAP bytes per merge, and nothing else.
+    assert total <= server.bytes_sent("GET") <= total + (len(index) - gets) * samples.MERGE_GAP
+
+
+def test_a_replaced_s3_shard_fails_its_samples_reads(s3shards, server):
+    index = Index.from_tars(s3shards, index_dir="")
+    key = s3shards.split("coordl-tars/")[1].replace("{000000..000002}", "000001")
+    data = bytearray(server.client().get_object(Bucket="coordl-tars", Key=key)["Body"].read())
+    data[-600] ^= 1  # same size, another ETag
+    server.put("coordl-tars", key, bytes(data))
+    buffers = [[np.empty(int(index.sizes[i]), np.uint8)] for i in (0, 60)]
+    failed = samples.read_many(index, np.array([0, 60]), buffers, drop_page_cache=False)
+    assert list(failed) == [1] and isinstance(failed[1], coordl.DatasetChangedError), failed
+
+
+def test_a_run_over_shards_resumed_at_another_world_size_gives_the_folder_run_s_images(tiny_dataset, shards, isolated):
+    """2 ranks over the shards stop after 3 batches; 3 ranks resume from rank 0's state: the epoch's
+    samples are delivered once beyond padding, each the image a single-rank run over the folder
+    gives, and the next epoch is whole."""
+    from collections import Counter
+
+    from recording import take
+
+    def loader(data, **kw):
+        return CoordLoader(data, batch_size=8, pipeline=RECIPE, device_id=None, shuffle=True, seed=7, return_index=True,
+                           prep=1, cache="16MB", **kw)  # fmt: skip
+
+    reference: dict = {}
+    with loader(str(tiny_dataset)) as whole:
+        for e in (0, 1):
+            whole.set_epoch(e)
+            take(whole, reference, e)
+    out: dict = {}
+    before = [loader(shards, shard=coordl.Shard(rank=r, world_size=2)) for r in range(2)]
+    try:
+        first = [i for ld in before for i in take(ld, out, 0, limit=3)]
+        state = json.loads(json.dumps(before[0].state_dict()))
+    finally:
+        for ld in before:
+            ld.close()
+    after = [loader(shards, shard=coordl.Shard(rank=r, world_size=3)) for r in range(3)]
+    rest, nxt = [], []
+    try:
+        for ld in after:
+            ld.load_state_dict(state)
+            ld.set_epoch(0)
+            rest += take(ld, out, 0)
+            ld.set_epoch(1)
+            nxt += take(ld, out, 1)
+    finally:
+        for ld in after:
+            ld.close()
+    counts = Counter(first + rest)
+    assert set(counts) == set(range(120)) and sum(counts.values()) - 120 < 4 + 3
+    assert set(nxt) == set(range(120))
+    for key, image in out.items():
+        assert torch.equal(image, reference[key]), f"sample {key[1]} of epoch {key[0]} differs from the folder's"
+
+
+def test_hp_group_members_over_shards_share_one_prep_and_get_the_same_images(shards, isolated, procs):
+    from childproc import result
+    from test_hp_group import CTX, _check_epochs, _member
+
+    start, q = CTX.Barrier(2), CTX.Queue()
+    for _ in range(2):
+        procs(_member, shards, "tars", 2, {}, start, q, 0.01)
+    outs = [result(q, 120) for _ in range(2)]
+    for out in outs:
+        _check_epochs(out)
+    assert sum(s["consumed_shared"] for o in outs for s in o["stats"]) >= 2 * 15
+    assert outs[0]["ids"] == outs[1]["ids"]
+    np.testing.assert_allclose(outs[0]["sums"], outs[1]["sums"], rtol=1e-6)
