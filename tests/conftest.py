@@ -160,3 +160,18 @@ def isolated(monkeypatch, tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
     if leaks:
         pytest.fail("; ".join(leaks))
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The session's S3-compatible server on localhost, for every test that reads ``s3://`` in this
+    process: coordl resolves the store's endpoint once per process (``coordl.s3.client.settings``),
+    so a second server started by another module would never be asked. Each module makes a bucket
+    of its own."""
+    pytest.importorskip("moto")
+    pytest.importorskip("obstore")
+    pytest.importorskip("boto3")
+    from coordl_testing.s3server import S3Server
+
+    with S3Server() as s:
+        yield s

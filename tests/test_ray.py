@@ -374,7 +374,7 @@ def test_actors_that_cannot_start_fail_the_pass_after_the_start_timeout(cluster,
 def test_workers_auto_grows_the_pool_within_the_cluster(cluster, tiny_dataset, isolated, tmp_path):
     """A prep-bound loader (actors only; or actors and one local DALI thread) with workers="auto":
     a second actor once the loop waits, none beyond the cluster's 2 CPUs."""
-    r = ok(drive(cluster, tmp_path, "auto", tiny_dataset))
+    r = ok(drive(cluster, tmp_path, "auto", tiny_dataset, timeout=600))  # a guard: each case waits at most 120 s
     for name in ("remote", "both"):
         samples = r[name]["samples"]  # (seconds, actors ready, actors started) after each batch
         assert max(ready for _, ready, _ in samples) == 2, f"{name}: the pool never grew: {samples[-5:]}"

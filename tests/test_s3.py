@@ -50,10 +50,9 @@ _prefixes = [0]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with S3Server() as s:
-        s.create_bucket(BUCKET)
-        yield s
+def server(s3_server):
+    s3_server.create_bucket(BUCKET)
+    return s3_server
 
 
 @pytest.fixture

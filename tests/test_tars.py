@@ -324,14 +324,9 @@ def test_worker_processes_index_what_this_process_indexes_and_report_bad_shards(
 
 # -- s3:// shards, against a real S3-compatible server on localhost ---------------------------------
 @pytest.fixture(scope="module")
-def server():
-    pytest.importorskip("moto")
-    pytest.importorskip("obstore")
-    from coordl_testing.s3server import S3Server
-
-    with S3Server() as s:
-        s.create_bucket("coordl-tars")
-        yield s
+def server(s3_server):
+    s3_server.create_bucket("coordl-tars")
+    return s3_server
 
 
 _uploads = [0]
