@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PROGRESS_S = 5.0  # seconds between progress lines while indexing in this process
 PARALLEL_SHARDS = 16  # shards per worker process, at least, for the work to be split
 S3_SHARDS = 32  # s3:// shards indexed at once
+IO_THREADS = 16  # local shards indexed at once by a process (their reads overlap; the parsing holds the GIL)
 
 
 def stamps(files: list[str]) -> list[list]:
@@ -138,13 +139,28 @@ def _from_store(files, stamped, image, label, skip, stream):
 
 
 def _here(files, image, label, skip):
+    """:func:`_one` of every shard, :data:`IO_THREADS` shards at once."""
     out, last, t0 = [], time.monotonic(), time.monotonic()
-    for k, f in enumerate(files):
-        out.append(_one(f, image, label, skip))
+    for k, scanned in enumerate(_threaded(files, lambda f: _one(f, image, label, skip))):
+        out.append(scanned)
         if time.monotonic() - last >= PROGRESS_S:
             last = time.monotonic()
             log.info("coordl: indexed %d of %d shards (%.0f s)", k + 1, len(files), last - t0)
     return out
+
+
+def _threaded(files, scan):
+    """``scan(f)`` of every shard, in order, :data:`IO_THREADS` at once: a shard's headers are read
+    one after the other, each wherever the last member ended, so with a cold page cache a shard's
+    scan waits for the device at every member; shards scanned together keep it busy."""
+    if len(files) == 1:
+        yield scan(files[0])
+        return
+    pool = cf.ThreadPoolExecutor(min(IO_THREADS, len(files)), thread_name_prefix="coordl-tar-index")
+    try:
+        yield from pool.map(scan, files)
+    finally:  # a bad shard: the shards not begun are not scanned
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _in_workers(files, image, skip, workers):
@@ -189,11 +205,16 @@ def worker() -> None:
     (pickled), up to the first error, which it writes in their place."""
     job = json.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # skipped samples, on stderr
-    out = []
-    for f in job["files"]:
+
+    def scan(f):
         try:
-            out.append(("ok", _one(f, tuple(job["image"]), None, job["skip"])))
+            return "ok", _one(f, tuple(job["image"]), None, job["skip"])
         except (ShardError, OSError) as e:
-            out.append((type(e).__name__, str(e)))
+            return type(e).__name__, str(e)
+
+    out = []
+    for kind, value in _threaded(job["files"], scan):
+        out.append((kind, value))
+        if kind != "ok":
             break
     sys.stdout.buffer.write(pickle.dumps(out))
