@@ -460,3 +460,19 @@ def test_hp_group_members_over_shards_share_one_prep_and_get_the_same_images(sha
     assert sum(s["consumed_shared"] for o in outs for s in o["stats"]) >= 2 * 15
     assert outs[0]["ids"] == outs[1]["ids"]
     np.testing.assert_allclose(outs[0]["sums"], outs[1]["sums"], rtol=1e-6)
+
+
+def test_a_short_positioned_read_is_finished(tmp_path):
+    from coordl.fetch import storage
+
+    path = tmp_path / "f"
+    payload = os.urandom(20_000)
+    path.write_bytes(payload)
+    views = [np.zeros(4000, np.uint8), np.zeros(6000, np.uint8)]  # the 10,000 bytes from byte 5,000
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = os.preadv(fd, [memoryview(views[0])[:2500]], 5000)  # a read that stopped early
+        storage._rest_range(fd, str(path), 5000, 10_000, views, done, "m.jpg")
+    finally:
+        os.close(fd)
+    assert bytes(np.concatenate(views)) == payload[5000:15000]

@@ -71,14 +71,7 @@ def _rest(fd: int, path: str, size: int, views: list, done: int) -> None:
         )
     flat = [memoryview(v).cast("B") for v in views]
     while done < size:
-        skip, rest = done, []
-        for v in flat:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        n = os.readv(fd, rest)
+        n = os.readv(fd, _after(flat, done))
         if n == 0:
             raise DatasetChangedError(f"{path} ended early, after {done} bytes of {size}")
         done += n
@@ -139,14 +132,7 @@ def _rest_range(fd: int, path: str, offset: int, size: int, views: list, done: i
     """After a ``preadv`` of ``done`` bytes, not ``size``: the rest, unless the file ends first."""
     flat = [memoryview(v).cast("B") for v in views]
     while done < size:
-        skip, rest = done, []
-        for v in flat:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        n = os.preadv(fd, rest, offset + done)
+        n = os.preadv(fd, _after(flat, done), offset + done)
         if n == 0:
             actual = os.fstat(fd).st_size
             what = f"member {name}" if name else f"{size} bytes at byte {offset}"
@@ -155,3 +141,15 @@ def _rest_range(fd: int, path: str, offset: int, size: int, views: list, done: i
                 "restart so that it is indexed again"
             )
         done += n
+
+
+def _after(flat: list[memoryview], done: int) -> list[memoryview]:
+    """The parts of the buffers ``flat`` (bytes) after their first ``done`` bytes."""
+    rest = []
+    for v in flat:
+        if done >= len(v):
+            done -= len(v)
+            continue
+        rest.append(v[done:])
+        done = 0
+    return rest
