@@ -173,7 +173,7 @@ def epochs_child(args) -> dict:
         sys.stdin.readline()
         before, t0, n = common.sectors_read(dev), time.perf_counter(), 0
         for batch in make(e):
-            n += len(batch[1]) if args.loader != "dali" else int(batch[0]["label"].shape[0])
+            n += len(batch[1]) if args.loader != "dali" else int(batch[0]["data"].shape[0])
         seconds = time.perf_counter() - t0
         print(
             json.dumps(
@@ -224,11 +224,14 @@ def _dali(args):
 
     @pipeline_def(batch_size=args.batch_size, num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
-        jpg, cls = fn.readers.webdataset(paths=urls, ext=["jpg", "cls"], random_shuffle=True, name="reader")
+        # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
+        jpg, cls = fn.readers.webdataset(
+            paths=urls, ext=["jpg", "cls"], random_shuffle=True, dont_use_mmap=True, name="reader"
+        )
         images = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)
         images = fn.resize(images, size=(224, 224))
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, mirror=fn.random.coin_flip())
-        return images, cls
+        return images, fn.pad(cls, axes=(0,), shape=(8,))  # the label's text, padded: a uniform tensor
 
     p = pipe()
     p.build()
