@@ -236,14 +236,7 @@ class Index:
                 log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
         paths, labels, sizes, shards = tars.index(files, stamps, image=image, label=label, skip=skip, stream=stream)
         index = cls.build(paths, labels, sizes, (), root, shards=shards)
-        if saved:
-            try:
-                _save(index, stamps, saved)
-            except OSError as e:
-                log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
-                return index
-            index = dataclasses.replace(index, saved_path=saved)
-        return index
+        return _publish(index, stamps, saved) if saved else index
 
     @classmethod
     def scan(
@@ -294,20 +287,7 @@ class Index:
             index, dirs = _scan_store(root, extensions, is_valid_file, allow_empty), []
         else:
             index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
-        if saved:
-            try:
-                _save(index, dirs, saved)
-            except OSError as e:
-                log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
-                return index
-            # The saved copy, mapped: this process then shares it with the node's others and
-            # frees the scanned arrays (on a network filesystem, a copy of it in memory). A concurrent
-            # scan may have replaced the file with another tree's index: then the scanned one is kept.
-            opened = _open(saved)
-            if opened is not None and opened[0].fingerprint == index.fingerprint:
-                index = opened[0]
-            index = dataclasses.replace(index, saved_path=saved)
-        return index
+        return _publish(index, dirs, saved) if saved else index
 
     def forget_saved(self) -> None:
         """Deletes the saved copy of this index, so that the next start scans the tree again."""
@@ -385,6 +365,22 @@ def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_em
     if s3url.is_url(root):
         key.append({"store": _store_name()})
     return os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+
+
+def _publish(index: Index, dirs: list, saved: str) -> Index:
+    """Saves ``index`` at ``saved`` (:func:`_save`) and returns the saved copy, mapped: this process
+    then shares it with the node's others and frees the built arrays (on a network filesystem, a
+    copy of it in memory). A concurrent start may have replaced the file with another dataset's
+    index: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
+    try:
+        _save(index, dirs, saved)
+    except OSError as e:
+        log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
+        return index
+    opened = _open(saved)
+    if opened is not None and opened[0].fingerprint == index.fingerprint:
+        index = opened[0]
+    return dataclasses.replace(index, saved_path=saved)
 
 
 def _key(key) -> str:
