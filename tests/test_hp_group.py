@@ -87,6 +87,19 @@ def _check_epochs(out, n=N):
         assert sorted(_flat(ids)) == list(range(n)), "an epoch missed or repeated a sample"
 
 
+def two_members(procs, root, group: str, epochs: int, timeout: float = 120) -> list[dict]:
+    """Two members of ``group`` over ``root`` started together (:func:`_member`, 0.01 s a batch):
+    what each reported, once each epoch of each was exactly once and both got the same batches."""
+    start, q = CTX.Barrier(2), CTX.Queue()
+    for _ in range(2):
+        procs(_member, root, group, epochs, {}, start, q, 0.01)
+    outs = [result(q, timeout) for _ in range(2)]
+    for out in outs:
+        _check_epochs(out)
+    assert outs[0]["ids"] == outs[1]["ids"]
+    return outs
+
+
 # -- a group of one ------------------------------------------------------------------------
 def test_group_of_one_delivers_what_a_plain_loader_delivers(tiny_dataset, isolated):
     def epochs(**kw):

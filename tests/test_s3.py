@@ -848,19 +848,9 @@ def test_two_nodes_read_the_store_once_per_run(root, s3env, tmp_path):
 
 
 def test_an_hp_group_on_s3_gets_each_object_once_for_all_its_members(root, s3env, procs):
-    import multiprocessing
+    from test_hp_group import two_members
 
-    from childproc import result
-    from test_hp_group import _check_epochs, _member
-
-    ctx = multiprocessing.get_context("spawn")
-    start, q = ctx.Barrier(2), ctx.Queue()
-    for _ in range(2):
-        procs(_member, root, "s3-sweep", 2, {}, start, q, 0.01)
-    outs = [result(q, 180) for _ in range(2)]
-    for out in outs:
-        _check_epochs(out)
-    assert outs[0]["ids"] == outs[1]["ids"]
+    outs = two_members(procs, root, "s3-sweep", 2, timeout=180)
     gets = s3env.count("GET")
     assert gets == sum(s["storage_reads"] for o in outs for s in o["stats"])
     # Once for the group (the cache holds the dataset), as with files: not once per member and epoch.
