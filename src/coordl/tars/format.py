@@ -42,12 +42,10 @@ class _Window:
     def __init__(self, read: Callable[[int, int], bytes], size: int, window: int = WINDOW):
         self.read, self.size, self.window = read, size, window
         self.at, self.buf = 0, b""
-        self.reads = 0
 
     def get(self, pos: int, n: int) -> bytes:
         if not (self.at <= pos and pos + n <= self.at + len(self.buf)):
             self.buf, self.at = self.read(pos, max(n, self.window)), pos
-            self.reads += 1
         return self.buf[pos - self.at : pos - self.at + n]
 
 
