@@ -9,27 +9,43 @@ processes, and the load of the saved index.
 
     python -m benchmarks.tars index
 
+Then, with the page cache dropped, the same reads alone (no parsing, as many in flight as the
+worker processes keep): the device's floor for any indexer that walks the headers; and, with the
+headers in the page cache, indexing again: the parsing alone.
+
 ``epochs``: a photo dataset (``--images``) written as shards of ``--per-shard`` samples, then
-``--epochs`` epochs of each loader in a child process (the page cache dropped before each, the
-dataset's device throttled to ``--throttle`` in a blkio cgroup when given): coordl with the cache at
-each fraction of ``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow
-decoding and a random resized crop in ``--workers`` DataLoader workers), and DALI's
-``readers.webdataset`` (random shuffle, DALI's decoder and crop). Steady samples/s is the median
-of the epochs after the first; bytes per epoch come from ``/proc/diskstats``.
+``--epochs`` epochs of each loader in a child process: coordl with the cache at each fraction of
+``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow decoding and a
+random resized crop in ``--workers`` DataLoader workers), and DALI's ``readers.webdataset``
+(random shuffle, DALI's decoder and crop). Steady samples/s is the median of the epochs after the
+first.
+
+- ``--store local``: the shards on a file system of their own (a loop device over an image file,
+  made and removed by the run), so that ``/proc/diskstats`` counts their reads alone; the page cache
+  dropped before each epoch, the device throttled to ``--throttle`` in a blkio cgroup when given.
+  coordl's own count of the bytes it read (``storage_bytes``) is beside the device's.
+- ``--store s3``: the shards uploaded to a local S3 server (moto behind
+  ``coordl_testing.s3server``'s counting proxy) that adds ``--latency`` to each request; per epoch,
+  the object GETs and bytes it served. WebDataset reads each shard with ``curl``, its way to read a
+  URL; DALI's reader with its AWS SDK.
 
     python -m benchmarks.tars epochs --images 2000 --throttle 20MB
+    python -m benchmarks.tars epochs --images 2000 --store s3 --latency 0.02
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,16 +88,53 @@ def write_sparse_shards(root: Path, shards: int, per_shard: int, seed: int = 0) 
 
 
 def index_child(args) -> dict:
-    """In a fresh Python: one ``Index.from_tars`` (``--processes 1``: in this process only)."""
+    """In a fresh Python: one ``Index.from_tars`` (``--processes 1``: in this process only), or with
+    ``--reads-only`` the reads alone of a saved index's shards (:func:`header_reads`)."""
     from coordl import Index
     from coordl.tars import scan
 
     if args.processes == 1:
         scan.PARALLEL_SHARDS = 1 << 40
+    if args.io_threads:
+        scan.IO_THREADS = args.io_threads
     pattern = f"{args.data}/shard-{{000000..{args.shards - 1:06d}}}.tar"
+    if args.reads_only:
+        index = Index.from_tars(pattern, index_dir=args.index_dir)
+        t0 = time.perf_counter()
+        reads = header_reads(index, args.reads_only)
+        return {"seconds": round(time.perf_counter() - t0, 3), "samples": len(index), "reads": reads}
     t0 = time.perf_counter()
-    index = Index.from_tars(pattern, index_dir=args.index_dir)
+    index = Index.from_tars(pattern, index_dir=args.index_dir, stream=args.stream)
     return {"seconds": round(time.perf_counter() - t0, 3), "samples": len(index), "saved": bool(index.saved_path)}
+
+
+def header_reads(index, in_flight: int) -> int:
+    """The reads indexing makes, without the parsing: in each shard, one after the other, 4 KB at
+    its start and at the header after each image (where the indexer's window moves to), with
+    ``in_flight`` shards read at once; how many reads that was. Its time is the device's floor for
+    any indexer that walks the headers with that many reads in flight."""
+    import concurrent.futures as cf
+
+    from coordl.tars.format import BLOCK, WINDOW
+
+    sh = index.shards
+    ends = (sh.offsets + index.sizes + BLOCK - 1) // BLOCK * BLOCK
+    bounds = np.flatnonzero(np.diff(sh.of)) + 1
+
+    def one(part):
+        k, at = part
+        fd = os.open(sh.files[k], os.O_RDONLY)
+        try:
+            os.pread(fd, WINDOW, 0)
+            for pos in at.tolist():
+                os.pread(fd, WINDOW, pos)
+        finally:
+            os.close(fd)
+        return len(at) + 1
+
+    parts = [(int(sh.of[i]), e) for i, e in zip(np.concatenate([[0], bounds]), np.split(ends, bounds))]
+    with cf.ThreadPoolExecutor(in_flight) as pool:
+        return sum(pool.map(one, parts))
 
 
 def run_index(args) -> int:
@@ -90,41 +143,64 @@ def run_index(args) -> int:
     print(
         f"shards: {args.shards} x {args.per_shard} in {data} (written in {wrote:.0f} s)" if wrote else f"shards: {data}"
     )
+    index_dir = Path(args.index_dir or "/var/tmp/coordl-bench/tars-index-dir")
+    from coordl.tars import scan
+
+    in_flight = len(os.sched_getaffinity(0)) * (args.io_threads or scan.IO_THREADS)  # as many as the workers keep
     rows = []
     for rep in range(args.reps):
         for processes in (1, 0) if rep % 2 == 0 else (0, 1):
-            index_dir = Path(args.index_dir or "/var/tmp/coordl-bench/tars-index-dir")
+            how = ["--processes", str(processes), "--index-dir", str(index_dir)]
+            how += ["--io-threads", str(args.io_threads)] if args.io_threads else []
             for f in index_dir.glob("index-*"):
                 f.unlink()
             note = common.drop_page_cache()
-            made = _child(args, "--processes", str(processes), "--index-dir", str(index_dir))
-            loaded = _child(args, "--processes", str(processes), "--index-dir", str(index_dir))
+            made = _child(args, *how)
+            loaded = _child(args, *how)
+            for f in index_dir.glob("index-*"):
+                f.unlink()
+            warm = _child(args, *how)  # the shards' headers are in the page cache now: the parsing alone
             row = {
                 "rep": rep,
                 "processes": "one" if processes == 1 else f"{len(os.sched_getaffinity(0))} workers",
                 "index_s": made["seconds"],
                 "samples": made["samples"],
                 "samples_per_s": round(made["samples"] / made["seconds"]),
+                "warm_index_s": warm["seconds"],
                 "load_saved_s": loaded["seconds"],
                 "page_cache": "dropped" if note is None else f"not dropped ({note})",
             }
+            if processes == 0:
+                common.drop_page_cache()
+                reads = _child(args, *how, "--reads-only", str(in_flight))
+                row.update(reads_alone_s=reads["seconds"], reads=reads["reads"], reads_in_flight=in_flight)
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = {"benchmark": "tars index", "args": vars(args), "machine": common.machine(), "rows": rows}
     path = Path(args.out or RESULTS / "tars_index.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
-    for kind in {r["processes"] for r in rows}:
-        med = statistics.median(r["index_s"] for r in rows if r["processes"] == kind)
-        load = statistics.median(r["load_saved_s"] for r in rows if r["processes"] == kind)
+    for kind in dict.fromkeys(r["processes"] for r in rows):
+        mine = [r for r in rows if r["processes"] == kind]
+        med = statistics.median(r["index_s"] for r in mine)
+        warm = statistics.median(r["warm_index_s"] for r in mine)
+        load = statistics.median(r["load_saved_s"] for r in mine)
         rate = rows[0]["samples"] / med
-        print(f"{kind:12s} index {med:.1f} s ({rate:,.0f} samples/s), saved index loaded in {load:.3f} s")
+        print(
+            f"{kind:12s} index {med:.1f} s ({rate:,.0f} samples/s) cold, {warm:.1f} s warm; "
+            f"saved index loaded in {load:.3f} s"
+        )
+        if "reads_alone_s" in mine[0]:
+            alone = statistics.median(r["reads_alone_s"] for r in mine)
+            n = mine[0]["reads"]
+            print(f"{'':12s} its {n:,} reads alone, {in_flight} in flight, cold: {alone:.1f} s ({n / alone:,.0f}/s)")
+    shutil.rmtree(index_dir, ignore_errors=True)
     return 0
 
 
-def _child(args, *extra) -> dict:
+def _child(args, *extra, env=None) -> dict:
     command = common.module_command("tars", "index-child", "--data", args.data, "--shards", str(args.shards), *extra)
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -154,8 +230,9 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
 
 def epochs_child(args) -> dict:
     """In the child (in the cgroup): ``--epochs`` epochs of ``--loader``, one line of JSON per epoch
-    after the parent says go (it drops the page cache between them)."""
+    after the parent says go (it drops the page cache or resets the store's counts between them)."""
     pattern, bs = args.pattern, args.batch_size
+    stats = None
     if args.loader == "coordl":
         import coordl
 
@@ -163,30 +240,31 @@ def epochs_child(args) -> dict:
             pattern, batch_size=bs, shuffle=True, pipeline="imagenet-train", device_id=None, cache=args.cache_fraction
         )
         make = lambda e: (loader.set_epoch(e), iter(loader))[1]  # noqa: E731
+        stats = loader.stats
     elif args.loader == "webdataset":
         make = _webdataset(args)
     else:
         make = _dali(args)
-    dev = common.device_of(os.path.dirname(pattern))
+    dev = None if pattern.startswith("s3://") else common.device_of(os.path.dirname(pattern))
     print(json.dumps({"ready": True}), flush=True)
     for e in range(args.epochs):
         sys.stdin.readline()
-        before, t0, n = common.sectors_read(dev), time.perf_counter(), 0
+        before, t0, n = common.sectors_read(dev) if dev else 0, time.perf_counter(), 0
         for batch in make(e):
             n += len(batch[1]) if args.loader != "dali" else int(batch[0]["data"].shape[0])
-        seconds = time.perf_counter() - t0
-        print(
-            json.dumps(
-                {
-                    "epoch": e,
-                    "samples": n,
-                    "seconds": round(seconds, 3),
-                    "disk_bytes": common.sectors_read(dev) - before,
-                }
-            ),
-            flush=True,
-        )
+        row = {"epoch": e, "samples": n, "seconds": round(time.perf_counter() - t0, 3)}
+        if dev:
+            row["disk_bytes"] = common.sectors_read(dev) - before
+        if stats:
+            s = stats()
+            row.update(storage_bytes=s["storage_bytes"], cache_bytes=s["cache_bytes"])
+        print(json.dumps(row), flush=True)
     return {}
+
+
+def _shards(args) -> list[str]:
+    """The shards, as the loaders other than coordl name them: local paths, or ``s3://`` URLs."""
+    return json.loads(Path(args.shard_list).read_text())
 
 
 def _webdataset(args):
@@ -203,7 +281,18 @@ def _webdataset(args):
         out = im.crop((x, y, x + cw, y + ch)).resize((224, 224), Image.BILINEAR)
         return torch.from_numpy(np.asarray(out, dtype=np.float32) / 255.0).permute(2, 0, 1)
 
-    urls = [str(p) for p in sorted(Path(os.path.dirname(args.pattern)).glob("*.tar"))]
+    urls = _shards(args)
+    if urls[0].startswith("s3://"):  # WebDataset's way to read a URL: curl, here of a presigned GET
+        import boto3
+        from botocore.config import Config
+
+        s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # the AWS_* variables
+        urls = [
+            "pipe:curl -s -f '{}'".format(
+                s3.generate_presigned_url("get_object", Params=dict(zip(("Bucket", "Key"), u[5:].split("/", 1))))
+            )
+            for u in urls
+        ]
     ds = (
         wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
         .shuffle(1000)
@@ -220,7 +309,7 @@ def _dali(args):
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-    urls = [str(p) for p in sorted(Path(os.path.dirname(args.pattern)).glob("*.tar"))]
+    urls = _shards(args)
 
     @pipeline_def(batch_size=args.batch_size, num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
@@ -239,69 +328,174 @@ def _dali(args):
     return lambda e: iter(it)
 
 
-def run_epochs(args) -> int:
-    from benchmarks import limits
-
-    dataset = common.dataset_from_args(args)
-    pattern = write_photo_shards(args.data, Path(args.shards_dir), args.per_shard)
-    caps = limits.probe()
-    device = common.device_of(os.path.dirname(pattern))
-    throttle = args.throttle if caps["blkio"] else None
-    configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
-    rows = []
-    for rep in range(args.reps):
-        for loader, cache in configs if rep % 2 == 0 else configs[::-1]:
-            lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
-            extra = ["--cache-fraction", str(cache)] if cache is not None else []
-            command = common.module_command(
-                "tars", "epochs-child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),
-                "--batch-size", str(args.batch_size), "--workers", str(args.workers), *extra,
-            )  # fmt: skip
+@contextlib.contextmanager
+def own_device(folder: Path, size: int):
+    """``folder`` as the mount of an ext4 file system of its own, on a loop device (direct I/O) over
+    an image file beside it: the device's read counter then sees the shards' reads alone, not the
+    libraries a loader's process pages in again after the page cache is dropped. All removed after."""
+    image = folder.with_name(folder.name + ".img")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(size)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        loop = subprocess.run(
+            ["losetup", "--find", "--show", "--direct-io=on", str(image)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        try:
+            subprocess.run(["mount", loop, str(folder)], check=True)
             try:
-                proc = subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=lim.join
-                )
-                assert json.loads(proc.stdout.readline()) == {"ready": True}
-                if throttle:
-                    lim.throttle(device, throttle)
-                epochs = []
-                for _ in range(args.epochs):
-                    common.drop_page_cache()
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                    epochs.append(json.loads(proc.stdout.readline()))
-                proc.stdin.close()
-                assert proc.wait(timeout=600) == 0
+                yield loop
             finally:
-                lim.remove()
-            steady = [e["samples"] / e["seconds"] for e in epochs[1:]] or [epochs[0]["samples"] / epochs[0]["seconds"]]
-            row = {
-                "rep": rep,
-                "loader": loader if cache is None else f"coordl cache {cache:g}",
-                "steady_samples_per_s": round(statistics.median(steady), 1),
-                "first_epoch_s": epochs[0]["seconds"],
-                "disk_bytes_per_epoch": [e["disk_bytes"] for e in epochs],
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                subprocess.run(["umount", str(folder)], check=True)
+        finally:
+            subprocess.run(["losetup", "-d", loop], check=True)
+    finally:
+        image.unlink()
+
+
+def run_epochs(args) -> int:
+    dataset = common.dataset_from_args(args)
+    with contextlib.ExitStack() as stack:
+        if args.store == "s3":
+            pattern, shards, server = _in_store(args, stack)
+            where = {"store": "s3", "latency_s": args.latency, "index": _store_index(args, server, len(shards))}
+        else:
+            server, out = None, Path(args.shards_dir)
+            loop = stack.enter_context(own_device(out, 2 * dataset["total_bytes"] + (64 << 20)))
+            pattern = write_photo_shards(args.data, out, args.per_shard)
+            shards = [str(p) for p in sorted(out.glob("*.tar"))]
+            where = {"store": "local", "device": loop}
+        rows = _epoch_rows(args, dataset, pattern, shards, server, where)
     out = {
         "benchmark": "tars epochs",
         "args": vars(args),
         "dataset": dataset,
-        "throttle": throttle,
-        "notes": caps["notes"],
+        **where,
         "machine": common.machine(),
         "rows": rows,
     }
-    path = Path(args.out or RESULTS / "tars_epochs.json")
+    path = Path(args.out or RESULTS / f"tars_epochs_{args.store}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
+    moved = "store_bytes" if args.store == "s3" else "disk_bytes"
     for name in dict.fromkeys(r["loader"] for r in rows):
         mine = [r for r in rows if r["loader"] == name]
         rate = statistics.median(r["steady_samples_per_s"] for r in mine)
-        disk = statistics.median(r["disk_bytes_per_epoch"][-1] for r in mine)
-        print(f"{name:18s} steady {rate:7.1f} samples/s, last epoch read {disk / 1e6:8.1f} MB")
+        last = statistics.median(r["epochs"][-1][moved] for r in mine)
+        print(f"{name:18s} steady {rate:7.1f} samples/s, last epoch read {last / 1e6:8.1f} MB")
     return 0
+
+
+def _in_store(args, stack):
+    """The shards uploaded to a local S3 server behind ``--latency``: their pattern, URLs and the server."""
+    from coordl_testing.s3server import S3Server
+
+    pattern = write_photo_shards(args.data, Path(args.shards_dir), args.per_shard)
+    server = stack.enter_context(S3Server(latency_s=args.latency))
+    server.create_bucket("tars")
+    keys = server.upload_tree(args.shards_dir, "tars", "shards")
+    shards = [f"s3://tars/{k}" for k in keys if k.endswith(".tar")]
+    return f"s3://tars/shards/{os.path.basename(pattern)}", shards, server
+
+
+def _store_index(args, server, n: int) -> list[dict]:
+    """``Index.from_tars`` of the ``s3://`` shards by range GETs of their headers and by one
+    streaming GET each, in fresh processes, ``--reps`` times: seconds, GETs and bytes moved."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="coordl-tars-index-") as index_dir:
+        env = {**os.environ, **server.env()}
+        ns = argparse.Namespace(data="s3://tars/shards", shards=n)
+        for rep in range(args.reps):
+            for stream in (False, True) if rep % 2 == 0 else (True, False):
+                for f in Path(index_dir).glob("index-*"):
+                    f.unlink()
+                server.reset()
+                how = ["--index-dir", index_dir] + (["--stream"] if stream else [])
+                made = _child(ns, *how, env=env)
+                row = {
+                    "rep": rep,
+                    "how": "one GET per shard, streamed" if stream else "range GETs of the headers",
+                    "index_s": made["seconds"],
+                    "samples": made["samples"],
+                    "gets": server.count(),
+                    "bytes": server.bytes_sent(),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    server.reset()
+    return rows
+
+
+def _epoch_rows(args, dataset, pattern, shards, server, where) -> list[dict]:
+    from benchmarks import limits
+
+    caps = limits.probe()
+    local = server is None
+    device = common.device_of(os.path.dirname(pattern)) if local else None
+    throttle = args.throttle if local and caps["blkio"] else None
+    where.update(throttle=throttle, notes=caps["notes"])
+    configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
+    scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
+    shard_list = scratch / "shards.json"
+    shard_list.write_text(json.dumps(shards))
+    env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
+    rows = []
+    try:
+        for rep in range(args.reps):
+            for loader, cache in configs if rep % 2 == 0 else configs[::-1]:
+                lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
+                extra = ["--cache-fraction", str(cache)] if cache is not None else []
+                command = common.module_command(
+                    "tars", "epochs-child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),
+                    "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+                    "--shard-list", str(shard_list), *extra,
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                try:
+                    proc = subprocess.Popen(
+                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=lim.join
+                    )
+                    assert json.loads(proc.stdout.readline()) == {"ready": True}
+                    made_s = time.perf_counter() - t0
+                    made = {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
+                    if throttle:
+                        lim.throttle(device, throttle)
+                    epochs = []
+                    for _ in range(args.epochs):
+                        if local:
+                            common.drop_page_cache()
+                        else:
+                            server.reset()
+                        proc.stdin.write("go\n")
+                        proc.stdin.flush()
+                        epoch = json.loads(proc.stdout.readline())
+                        if server:
+                            epoch.update(gets=server.count(), store_bytes=server.bytes_sent())
+                        epochs.append(epoch)
+                    proc.stdin.close()
+                    assert proc.wait(timeout=600) == 0
+                finally:
+                    lim.remove()
+                    shutil.rmtree(scratch / "index", ignore_errors=True)
+                    if server:
+                        server.reset()
+                steady = [e["samples"] / e["seconds"] for e in epochs[1:] or epochs]
+                row = {
+                    "rep": rep,
+                    "loader": loader if cache is None else f"coordl cache {cache:g}",
+                    "steady_samples_per_s": round(statistics.median(steady), 1),
+                    "made_s": round(made_s, 2),
+                    "made": made,
+                    "epochs": epochs,
+                }
+                if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
+                    row["least_bytes"] = dataset["total_bytes"] - epochs[-1]["cache_bytes"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
 
 
 def main() -> int:
@@ -315,12 +509,16 @@ def main() -> int:
     ix.add_argument("--per-shard", type=int, default=1281)
     ix.add_argument("--reps", type=int, default=3)
     ix.add_argument("--index-dir", default=None)
+    ix.add_argument("--io-threads", type=int, default=0, help="shards a process indexes at once (default: coordl's)")
     ix.add_argument("--out", default=None)
     child = sub.add_parser("index-child")
     child.add_argument("--data")
     child.add_argument("--shards", type=int)
     child.add_argument("--processes", type=int, default=0)
     child.add_argument("--index-dir")
+    child.add_argument("--io-threads", type=int, default=0)
+    child.add_argument("--stream", action="store_true", help="s3:// shards: read each whole")
+    child.add_argument("--reads-only", type=int, default=0, help="the reads alone, this many in flight")
     ep = sub.add_parser("epochs", help="steady epochs against webdataset and DALI's reader")
     common.add_dataset_options(ep, data="/var/tmp/coordl-bench/tars-photos")
     ep.add_argument("--shards-dir", default="/var/tmp/coordl-bench/tars-photos-shards")
@@ -331,6 +529,8 @@ def main() -> int:
     ep.add_argument("--batch-size", type=int, default=64)
     ep.add_argument("--workers", type=int, default=2, help="webdataset's DataLoader workers")
     ep.add_argument("--reps", type=int, default=1)
+    ep.add_argument("--store", choices=("local", "s3"), default="local", help="local files or a local S3 server")
+    ep.add_argument("--latency", type=float, default=0.02, help="seconds the S3 server adds to each request")
     ep.add_argument("--out", default=None)
     ec = sub.add_parser("epochs-child")
     ec.add_argument("--pattern")
@@ -339,6 +539,7 @@ def main() -> int:
     ec.add_argument("--batch-size", type=int)
     ec.add_argument("--workers", type=int)
     ec.add_argument("--cache-fraction", type=float, default=0.0)
+    ec.add_argument("--shard-list")
     args = p.parse_args()
     if args.what == "index":
         return run_index(args)

@@ -376,8 +376,45 @@ def test_tars_index_small(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["processes"].split()[-1] for r in rows} == {"one", "workers"}
-    assert all(r["samples"] == 40 and r["index_s"] > 0 and r["load_saved_s"] > 0 for r in rows)
+    assert all(
+        r["samples"] == 40 and r["index_s"] > 0 and r["load_saved_s"] > 0 and r["warm_index_s"] > 0 for r in rows
+    )
+    (alone,) = [r for r in rows if "reads" in r]
+    assert alone["reads"] == 4 * (10 + 1)  # a shard's start, then after each image: where the window moves
     assert os.path.getsize(data / "shard-000000.tar") > 10 * 60_000  # the images' bytes are holes, not missing
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_tars_epochs_small(tmp_path, store):
+    """benchmarks.tars epochs on 48 photos in 4 shards: every loader runs every epoch whole, coordl's
+    later epochs read exactly the uncached samples' bytes (its count; on s3 the store's too), and on
+    s3 both ways of indexing are measured."""
+    if store == "local" and os.geteuid() != 0:
+        pytest.skip("the shards' own file system (a loop device) needs root")
+    out = tmp_path / "epochs.json"
+    command = [sys.executable, "-m", "benchmarks.tars", "epochs", "--data", str(tmp_path / "photos")]
+    command += ["--images", "48", "--classes", "4", "--width", "160", "--height", "120", "--per-shard", "12"]
+    command += ["--shards-dir", str(tmp_path / "shards"), "--epochs", "2", "--batch-size", "16", "--workers", "1"]
+    command += ["--cache", "0,1", "--store", store, "--latency", "0.005", "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["loader"]: r for r in result["rows"]}
+    assert set(rows) == {"coordl cache 0", "coordl cache 1", "webdataset", "dali"}
+    assert all(e["samples"] == 48 for r in rows.values() for e in r["epochs"]), rows
+    total = result["dataset"]["total_bytes"]
+    assert rows["coordl cache 0"]["least_bytes"] == total and rows["coordl cache 1"]["least_bytes"] == 0
+    for r in (rows["coordl cache 0"], rows["coordl cache 1"]):
+        assert [e["storage_bytes"] for e in r["epochs"]] == [total, r["least_bytes"]]
+    if store == "s3":
+        assert rows["coordl cache 1"]["epochs"][1]["gets"] == 0
+        assert rows["coordl cache 0"]["epochs"][1]["store_bytes"] >= total  # merged reads carry the headers too
+        assert {r["how"] for r in result["index"]} == {"range GETs of the headers", "one GET per shard, streamed"}
+        assert all(r["samples"] == 48 for r in result["index"])
+    else:
+        assert result["device"].startswith("/dev/loop")
+        assert not Path(result["device"]).exists() or result["device"] not in Path("/proc/mounts").read_text()
+    assert not list(tmp_path.glob("*.img"))  # the file system's image is removed
 
 
 def test_miss_path_small(tmp_path):

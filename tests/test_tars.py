@@ -224,6 +224,16 @@ def test_bad_shards_are_named_with_their_member(folder, tmp_path):
     not_tar.write_bytes(jpg)
     with pytest.raises(ShardError, match=r"jpeg.tar is not a tar file"):
         Index.from_tars(str(not_tar), index_dir="")
+    second = 512 + -(-len(jpg) // 512) * 512  # where a.cls's header is
+    for field, value in ((0, b"x"), (124, b"7777777")):  # its name, then its size (now past the end)
+        bad = _tar(tmp_path / f"damaged{field}.tar", good)
+        with open(bad, "r+b") as f:
+            f.seek(second + field)
+            f.write(value)
+        with pytest.raises(
+            ShardError, match=rf"damaged{field}.tar has a damaged tar header at byte {second} \(after member a.jpg\)"
+        ):
+            Index.from_tars(str(bad), index_dir="")
     assert issubclass(ShardError, coordl.CoordlError) and issubclass(ShardError, ValueError)
 
 
