@@ -130,6 +130,37 @@ def transform(image):
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
+SLOW_S = 1.0  # an actor's time per sample in :func:`slow_close`
+
+
+def slow_transform(image):
+    """:func:`transform`, :data:`SLOW_S` slower in an actor."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        time.sleep(SLOW_S)
+    return transform(image)
+
+
+def slow_close(root: str, out: str) -> None:
+    """A loader closed while its actors (reading through their node's cache) are in the middle
+    of units that take longer than they have to leave: how long the close took, and the actors."""
+    data = coordl.datasets.ImageFolder(root, transform=slow_transform)
+    with CoordLoader(
+        data, batch_size=BS, num_workers=0, prep=coordl.RayPrep(workers=2, local=True)
+    ) as loader:
+        wait_actors(loader, 2, timeout=120)
+        caches = [info["cache"] for info in loader.resources.remote.pool.ready.values()]
+        procs = actor_procs(loader)
+        it = iter(loader)
+        next(it)
+        time.sleep(SLOW_S)  # the actors have begun their units: BS x SLOW_S seconds each
+        t0 = time.monotonic()
+        loader.close()
+        closed_s = time.monotonic() - t0
+    write(out, {"closed_s": closed_s, "caches": caches, "procs": procs})
+
+
 def equal_torch(root: str, out: str) -> None:
     """The torch backend's ImageFolder with a random transform: remote-only and both against local."""
 
@@ -559,6 +590,7 @@ SCENARIOS = {
         kill,
         life,
         auto,
+        slow_close,
         in_flight,
         errors,
         start_timeout,

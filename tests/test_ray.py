@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import coordl
+from coordl.remote import cluster as cluster_mod
 from coordl.shm import reaper
 from coordl_testing import raycluster
 
@@ -368,6 +369,17 @@ def test_actors_that_cannot_start_fail_the_pass_after_the_start_timeout(cluster,
     assert list(r["before"].values()) == ["PENDING_CREATION"], r["before"]
     assert list(r["after"].values()) == ["DEAD"], r["after"]
     assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_loader_closed_while_its_actors_are_busy_leaves_no_cache_behind(cluster, tiny_dataset, isolated, tmp_path):
+    """Actors in the middle of units longer than the 2 s they have to leave their node's cache are
+    killed with it open: the loader removes the cache once they are gone, as the next loader would."""
+    r = ok(drive(cluster, tmp_path, "slow_close", tiny_dataset))
+    assert all(c > 0 for c in r["caches"]), f"the actors read through no cache: {r['caches']}"
+    assert r["closed_s"] < cluster_mod.CLOSE_TIMEOUT_S + cluster_mod.EXIT_TIMEOUT_S, r
+    assert gone(r["procs"]) == [], "the actors outlived their loader"
+    assert segments(isolated, timeout=0) == []
 
 
 @needs_cluster

@@ -21,6 +21,7 @@ __all__ = ["DEPTH", "Dispatch", "WorkerPool", "cause", "connect", "ray_module"]
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0  # for actors to leave their nodes' caches when the loader closes
+EXIT_TIMEOUT_S = 10.0  # for the actors that did not leave in time to be gone, once killed
 DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
 
 
@@ -104,19 +105,26 @@ class WorkerPool:
         self._actors: list = []
         self.retiring: set = set()  # ready actors that take no new units, ended once idle
         self._leaving: dict = {}  # close() ref -> a retired actor leaving its node's cache
+        self._where: dict = {}  # actor -> what it said when ready (kept after it retires)
         self.started = 0
         self.died = 0
         self.closed = False
+        self._closing = threading.Lock()  # add() and close() one at a time
         for _ in range(workers):
             self.add()
 
     def add(self) -> None:
-        """Starts one more actor; it takes units once it is ready."""
-        env = actor_env()
-        actor = self._cls.options(runtime_env={"env_vars": env} if env else None).remote(self._job_ref, self.started)
-        self._actors.append(actor)
-        self._starting[actor.ready.remote()] = actor
-        self.started += 1
+        """Starts one more actor; it takes units once it is ready. Nothing once closed (a pass's
+        thread may replace a dead actor while the loader closes)."""
+        with self._closing:
+            if self.closed:
+                return
+            env = actor_env()
+            options = {"runtime_env": {"env_vars": env}} if env else {}
+            actor = self._cls.options(**options).remote(self._job_ref, self.started)
+            self._actors.append(actor)
+            self._starting[actor.ready.remote()] = actor
+            self.started += 1
 
     def remove(self, actor) -> None:
         """Ends ``actor`` now (its units in flight fail and are run again)."""
@@ -164,7 +172,7 @@ class WorkerPool:
         for ref in done:
             actor = self._starting.pop(ref)
             try:
-                self.ready[actor] = self._ray.get(ref)
+                self.ready[actor] = self._where[actor] = self._ray.get(ref)
             except Exception as e:  # noqa: BLE001 - the actor could not start
                 self.died_now(actor)
                 if not self._actors:
@@ -194,19 +202,66 @@ class WorkerPool:
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Ends every actor: each first leaves its node's cache (at most ``timeout`` seconds for
-        all), then is killed. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        ready = list(self.ready)
-        if ready:
-            try:
-                refs = [a.close.remote() for a in ready]
-                self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            except Exception:  # noqa: BLE001 - the cluster is going away: they end anyway
-                pass
+        all), then is killed. An actor that had not left by then (on busy cores it may still be
+        running its units, or starting) leaves its node's cache behind it: once such actors are
+        gone (at most :data:`EXIT_TIMEOUT_S`), the caches in this node's shm folder that no live
+        process uses are removed, as the next loader would. Idempotent."""
+        with self._closing:
+            if self.closed:
+                return
+            self.closed = True
+        asked = dict(self._leaving)  # close() ref -> actor
+        try:
+            for actor in [*self.ready, *self.retiring]:
+                asked[actor.close.remote()] = actor
+            done, _ = self._ray.wait(list(asked), num_returns=len(asked), timeout=timeout) if asked else ([], [])
+        except Exception:  # noqa: BLE001 - the cluster is going away: they end anyway
+            done = list(asked)
+        late = [asked[ref] for ref in asked if ref not in done]
+        starting = list(self._starting)
         for actor in list(self._actors):
             self.remove(actor)
+        if late or starting:
+            self._reap_after(late, starting)
+
+    def _reap_after(self, late, starting) -> None:
+        """Once the killed actors ``late`` (ready, on this machine) and ``starting`` (their ready()
+        refs) are gone, at most :data:`EXIT_TIMEOUT_S`, removes the caches in this machine's shm
+        folder that no live process uses (an actor on another machine leaves its cache to the next
+        loader there)."""
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        here = socket.gethostname()
+        pids = [
+            int(w.rsplit(":", 1)[1])
+            for a in late
+            for w in [self._where.get(a, {}).get("worker", "")]
+            if w.startswith(here + ":")
+        ]
+        try:
+            if starting:  # they fail once Ray has seen the actor die
+                self._ray.wait(starting, num_returns=len(starting), timeout=EXIT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the cluster is going away
+            pass
+        while pids and time.monotonic() < deadline:  # Ray reports a killed actor dead before its process is gone
+            pids = [pid for pid in pids if _alive(pid)]
+            time.sleep(0.02)
+        from coordl.shm import reaper
+
+        for g in reaper.reap():
+            log.info("coordl: removed the cache %s that a RayPrep actor ended before leaving it", g.fingerprint)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` may still hold files: it runs, or it is a zombie whose other threads
+    are still exiting (the first thread of a killed process turns zombie before the others are
+    gone, and the files they share are closed, and their locks released, by the last)."""
+    try:
+        if len(os.listdir(f"/proc/{pid}/task")) > 1:
+            return True
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Dispatch:
