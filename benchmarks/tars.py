@@ -310,12 +310,13 @@ def _dali(args):
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
     urls = _shards(args)
+    index = json.loads(Path(args.dali_index).read_text()) if args.dali_index else None
 
     @pipeline_def(batch_size=args.batch_size, num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
         # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
         jpg, cls = fn.readers.webdataset(
-            paths=urls, ext=["jpg", "cls"], random_shuffle=True, dont_use_mmap=True, name="reader"
+            paths=urls, index_paths=index, ext=["jpg", "cls"], random_shuffle=True, dont_use_mmap=True, name="reader"
         )
         images = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)
         images = fn.resize(images, size=(224, 224))
@@ -439,6 +440,16 @@ def _epoch_rows(args, dataset, pattern, shards, server, where) -> list[dict]:
     scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
     shard_list = scratch / "shards.json"
     shard_list.write_text(json.dumps(shards))
+    dali_index = []
+    if not local:  # without index files, DALI's reader infers them by reading every s3:// shard's headers
+        for f in sorted(Path(args.shards_dir).glob("*.tar")):
+            dali_index.append(str(scratch / f"{f.stem}.idx"))
+            subprocess.run(
+                [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]],
+                check=True,
+                capture_output=True,
+            )
+        (scratch / "dali_index.json").write_text(json.dumps(dali_index))
     env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
     rows = []
     try:
@@ -450,6 +461,7 @@ def _epoch_rows(args, dataset, pattern, shards, server, where) -> list[dict]:
                     "tars", "epochs-child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),
                     "--batch-size", str(args.batch_size), "--workers", str(args.workers),
                     "--shard-list", str(shard_list), *extra,
+                    *(["--dali-index", str(scratch / "dali_index.json")] if dali_index else []),
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 try:
@@ -540,6 +552,7 @@ def main() -> int:
     ec.add_argument("--workers", type=int)
     ec.add_argument("--cache-fraction", type=float, default=0.0)
     ec.add_argument("--shard-list")
+    ec.add_argument("--dali-index", default=None, help="a JSON list of DALI's index files of the shards")
     args = p.parse_args()
     if args.what == "index":
         return run_index(args)

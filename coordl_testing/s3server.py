@@ -41,7 +41,9 @@ _HOP = frozenset(
 
 # Query parameters that still address one object (GET /b/k?versionId=..., boto3's ?x-id=GetObject, multipart
 # parts); anything else (list-type, tagging, acl, uploads...) is not an object request for :meth:`S3Server.count`.
-_OBJECT_PARAMS = frozenset({"x-id", "versionid", "partnumber", "uploadid"})
+_OBJECT_PARAMS = frozenset(
+    {"x-id", "versionid", "partnumber", "uploadid", "awsaccesskeyid", "signature", "expires"}  # and x-amz-*: presigned
+)
 
 _ERRORS = {
     400: ("BadRequest", "Bad Request"),
@@ -74,7 +76,7 @@ def _is_object(path: str) -> bool:
     if not key:
         return False
     names = {p.partition("=")[0].lower() for p in query.split("&") if p}
-    return all(n in _OBJECT_PARAMS or n.startswith("response-") for n in names)
+    return all(n in _OBJECT_PARAMS or n.startswith(("response-", "x-amz-")) for n in names)
 
 
 def _error_body(status: int, key: str) -> bytes:

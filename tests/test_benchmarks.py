@@ -408,6 +408,7 @@ def test_tars_epochs_small(tmp_path, store):
         assert [e["storage_bytes"] for e in r["epochs"]] == [total, r["least_bytes"]]
     if store == "s3":
         assert rows["coordl cache 1"]["epochs"][1]["gets"] == 0
+        assert all(e["gets"] == 4 and e["store_bytes"] > total for e in rows["webdataset"]["epochs"])  # whole shards
         assert rows["coordl cache 0"]["epochs"][1]["store_bytes"] >= total  # merged reads carry the headers too
         assert {r["how"] for r in result["index"]} == {"range GETs of the headers", "one GET per shard, streamed"}
         assert all(r["samples"] == 48 for r in result["index"])
