@@ -146,9 +146,7 @@ def slow_close(root: str, out: str) -> None:
     """A loader closed while its actors (reading through their node's cache) are in the middle
     of units that take longer than they have to leave: how long the close took, and the actors."""
     data = coordl.datasets.ImageFolder(root, transform=slow_transform)
-    with CoordLoader(
-        data, batch_size=BS, num_workers=0, prep=coordl.RayPrep(workers=2, local=True)
-    ) as loader:
+    with CoordLoader(data, batch_size=BS, num_workers=0, prep=coordl.RayPrep(workers=2, local=True)) as loader:
         wait_actors(loader, 2, timeout=120)
         caches = [info["cache"] for info in loader.resources.remote.pool.ready.values()]
         procs = actor_procs(loader)
