@@ -28,7 +28,7 @@ _REGULAR = (48, 0, 55)  # 0, NUL, 7: a regular file
 _ZERO = bytes(BLOCK)
 
 
-class Member(NamedTuple):  # a tuple: made once per member of a dataset, it costs a third of a dataclass
+class Member(NamedTuple):  # made once per member of a dataset: a tuple is cheaper to make than a frozen dataclass
     name: str
     offset: int  # of its data in the shard
     size: int
@@ -58,7 +58,8 @@ def members(path: str, w: _Window, keep: Callable[[str, int], bool] | None = Non
     size, read, window = w.size, w.read, w.window
     out: list[Member] = []
     # every header and where it is: their checksums are checked at once, at the end or at the first
-    # sign of trouble (one at a time, they cost more than the rest of the parsing)
+    # sign of trouble (one at a time in Python, each summing 512 bytes, they were the parse's largest
+    # cost under the profiler)
     heads: list[bytes] = []
     heads_at: list[int] = []
     pos, long_name, pax_name = 0, None, None
@@ -133,9 +134,9 @@ def members(path: str, w: _Window, keep: Callable[[str, int], bool] | None = Non
 
 
 def _first_damaged(heads: list[bytes]) -> int | None:
-    """The position in ``heads`` of the first of ``heads`` whose checksum is wrong, or None: all at once, as
-    ``"%06o\\0 "`` of their unsigned sums (what tarfile, GNU tar and bsdtar write), then one by one
-    (:func:`_checksum_ok`) those written otherwise."""
+    """Where in ``heads`` the first header with a wrong checksum is, or None. All are checked at
+    once against ``"%06o\\0 "`` of their unsigned sums (what tarfile, GNU tar and bsdtar write);
+    those whose field is written otherwise are checked one by one (:func:`_checksum_ok`)."""
     if not heads:
         return None
     blocks = np.frombuffer(b"".join(heads), dtype=np.uint8).reshape(len(heads), BLOCK)
