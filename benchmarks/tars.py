@@ -13,6 +13,13 @@ Then, with the page cache dropped, the same reads alone (no parsing, as many in 
 worker processes keep): the device's floor for any indexer that walks the headers; and, with the
 headers in the page cache, indexing again: the parsing alone.
 
+``s3-index``: for each size of image member in ``--members``, ``--shards`` shards of
+``--per-shard`` samples (random bytes: indexing reads headers, it decodes nothing) on a local S3
+server adding ``--latency`` to each request, indexed by range GETs, streamed, and left to choose
+(the default), in fresh processes: seconds, GETs and bytes moved.
+
+    python -m benchmarks.tars s3-index
+
 ``epochs``: a photo dataset (``--images``) written as shards of ``--per-shard`` samples, then
 ``--epochs`` epochs of each loader in a child process: coordl with the cache at each fraction of
 ``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow decoding and a
@@ -104,7 +111,8 @@ def index_child(args) -> dict:
         reads = header_reads(index, args.reads_only)
         return {"seconds": round(time.perf_counter() - t0, 3), "samples": len(index), "reads": reads}
     t0 = time.perf_counter()
-    index = Index.from_tars(pattern, index_dir=args.index_dir, stream=args.stream)
+    stream = {"range": False, "stream": True, "auto": None}[args.stream]
+    index = Index.from_tars(pattern, index_dir=args.index_dir, stream=stream)
     return {"seconds": round(time.perf_counter() - t0, 3), "samples": len(index), "saved": bool(index.saved_path)}
 
 
@@ -360,7 +368,7 @@ def run_epochs(args) -> int:
     with contextlib.ExitStack() as stack:
         if args.store == "s3":
             pattern, shards, server = _in_store(args, stack)
-            where = {"store": "s3", "latency_s": args.latency, "index": _store_index(args, server, len(shards))}
+            where = {"store": "s3", "latency_s": args.latency}
         else:
             server, out = None, Path(args.shards_dir)
             loop = stack.enter_context(own_device(out, 2 * dataset["total_bytes"] + (64 << 20)))
@@ -400,23 +408,29 @@ def _in_store(args, stack):
     return f"s3://tars/shards/{os.path.basename(pattern)}", shards, server
 
 
-def _store_index(args, server, n: int) -> list[dict]:
-    """``Index.from_tars`` of the ``s3://`` shards by range GETs of their headers and by one
-    streaming GET each, in fresh processes, ``--reps`` times: seconds, GETs and bytes moved."""
+WAYS = {
+    "range": "range GETs of the headers",
+    "stream": "one GET per shard, streamed",
+    "auto": "left to choose (the default)",
+}
+
+
+def _store_index(args, server, n: int, prefix: str = "s3://tars/shards") -> list[dict]:
+    """``Index.from_tars`` of the ``s3://`` shards each way (:data:`WAYS`), in fresh processes,
+    ``--reps`` times: seconds, GETs and bytes moved."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="coordl-tars-index-") as index_dir:
         env = {**os.environ, **server.env()}
-        ns = argparse.Namespace(data="s3://tars/shards", shards=n)
+        ns = argparse.Namespace(data=prefix, shards=n)
         for rep in range(args.reps):
-            for stream in (False, True) if rep % 2 == 0 else (True, False):
+            for way in list(WAYS) if rep % 2 == 0 else list(WAYS)[::-1]:
                 for f in Path(index_dir).glob("index-*"):
                     f.unlink()
                 server.reset()
-                how = ["--index-dir", index_dir] + (["--stream"] if stream else [])
-                made = _child(ns, *how, env=env)
+                made = _child(ns, "--index-dir", index_dir, "--stream", way, env=env)
                 row = {
                     "rep": rep,
-                    "how": "one GET per shard, streamed" if stream else "range GETs of the headers",
+                    "how": WAYS[way],
                     "index_s": made["seconds"],
                     "samples": made["samples"],
                     "gets": server.count(),
@@ -426,6 +440,51 @@ def _store_index(args, server, n: int) -> list[dict]:
                 print(json.dumps(row), flush=True)
     server.reset()
     return rows
+
+
+def write_member_shards(root: Path, shards: int, per_shard: int, low: int, high: int, seed: int = 0) -> None:
+    """Shards of samples whose ``.jpg`` member is ``low``-``high`` random bytes, and a ``.cls``."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        with tarfile.open(root / f"shard-{s:06d}.tar", "w", format=tarfile.GNU_FORMAT) as tf:
+            for i in range(per_shard):
+                key = f"{s * per_shard + i:09d}"
+                for ext, data in (("jpg", rng.bytes(int(rng.integers(low, high + 1)))), ("cls", str(i % 10).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+
+
+def run_s3_index(args) -> int:
+    from coordl_testing.s3server import S3Server
+
+    rows = []
+    with S3Server(latency_s=args.latency) as server, tempfile.TemporaryDirectory(prefix="coordl-tars-s3ix-") as tmp:
+        server.create_bucket("tars")
+        for spec in args.members.split(","):
+            low, high = (parse_bytes(x) for x in spec.split("-"))
+            folder = Path(tmp) / spec
+            write_member_shards(folder, args.shards, args.per_shard, low, high)
+            server.upload_tree(str(folder), "tars", spec)
+            total = sum(f.stat().st_size for f in folder.glob("*.tar"))
+            shutil.rmtree(folder)
+            print(f"members of {spec}: {args.shards} shards, {total / 1e6:.1f} MB", flush=True)
+            for row in _store_index(args, server, args.shards, f"s3://tars/{spec}"):
+                rows.append({"members": spec, "shard_bytes": total, **row})
+    out = {"benchmark": "tars s3 index", "args": vars(args), "machine": common.machine(), "rows": rows}
+    path = Path(args.out or RESULTS / "tars_s3_index.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    for spec in dict.fromkeys(r["members"] for r in rows):
+        for how in WAYS.values():
+            mine = [r for r in rows if r["members"] == spec and r["how"] == how]
+            med = statistics.median(r["index_s"] for r in mine)
+            print(
+                f"{spec:12s} {how:30s} {med:6.2f} s, {statistics.median(r['gets'] for r in mine):6.0f} GETs, "
+                f"{statistics.median(r['bytes'] for r in mine) / 1e6:7.1f} MB"
+            )
+    return 0
 
 
 def _epoch_rows(args, dataset, pattern, shards, server, where) -> list[dict]:
@@ -529,8 +588,15 @@ def main() -> int:
     child.add_argument("--processes", type=int, default=0)
     child.add_argument("--index-dir")
     child.add_argument("--io-threads", type=int, default=0)
-    child.add_argument("--stream", action="store_true", help="s3:// shards: read each whole")
+    child.add_argument("--stream", choices=("auto", "range", "stream"), default="auto", help="s3:// shards' reads")
     child.add_argument("--reads-only", type=int, default=0, help="the reads alone, this many in flight")
+    s3 = sub.add_parser("s3-index", help="index s3:// shards by range GETs, streamed, and left to choose")
+    s3.add_argument("--members", default="2KB-4KB,60KB-160KB", help="the image members' sizes, low-high, each")
+    s3.add_argument("--shards", type=int, default=10)
+    s3.add_argument("--per-shard", type=int, default=200)
+    s3.add_argument("--latency", type=float, default=0.02, help="seconds the S3 server adds to each request")
+    s3.add_argument("--reps", type=int, default=3)
+    s3.add_argument("--out", default=None)
     ep = sub.add_parser("epochs", help="steady epochs against webdataset and DALI's reader")
     common.add_dataset_options(ep, data="/var/tmp/coordl-bench/tars-photos")
     ep.add_argument("--shards-dir", default="/var/tmp/coordl-bench/tars-photos-shards")
@@ -561,6 +627,8 @@ def main() -> int:
         return 0
     if args.what == "epochs":
         return run_epochs(args)
+    if args.what == "s3-index":
+        return run_s3_index(args)
     epochs_child(args)
     return 0
 

@@ -22,7 +22,7 @@ import coordl
 from coordl import CoordLoader, Index, ShardError, tars
 from coordl.fetch import samples
 from coordl.fetch.storage import read_ranges
-from coordl.tars.format import S3_WINDOW
+from coordl.tars.format import S3_WINDOW, STREAM_AFTER
 
 RECIPE = coordl.ImageNetTrain(size=16)
 PER_SHARD = 50  # samples per shard: 120 samples make shards of 50, 50 and 20
@@ -357,12 +357,14 @@ def s3shards(server, shards, monkeypatch) -> str:
 
 def test_s3_shards_are_indexed_as_local_ones_by_range_gets_or_one_stream_each(s3shards, shards, server, tmp_path):
     local = Index.from_tars(shards, index_dir="")
-    by_range = Index.from_tars(s3shards, index_dir="")
-    range_gets, range_bytes = server.count("GET"), server.bytes_sent("GET")
-    server.reset()
-    streamed = Index.from_tars(s3shards, index_dir="", stream=True)
-    stream_gets, stream_bytes = server.count("GET"), server.bytes_sent("GET")
-    for ix in (by_range, streamed):
+    moved = {}
+    for stream in (False, True, None):
+        server.reset()
+        ix = Index.from_tars(s3shards, index_dir="", stream=stream)
+        moved[stream] = ix, server.count("GET"), server.bytes_sent("GET")
+    (by_range, range_gets, range_bytes), (streamed, stream_gets, stream_bytes) = moved[False], moved[True]
+    chosen, chosen_gets, chosen_bytes = moved[None]
+    for ix in (by_range, streamed, chosen):
         assert ix.in_store and ix.shards.etags is not None
         np.testing.assert_array_equal(ix.labels, local.labels)
         np.testing.assert_array_equal(ix.sizes, local.sizes)
@@ -374,6 +376,10 @@ def test_s3_shards_are_indexed_as_local_ones_by_range_gets_or_one_stream_each(s3
     # A GET of at most a window after each member larger than it (the test's images are smaller than a
     # window: with these, streaming moves fewer bytes; benchmarks/tars.py measures photographs).
     assert len(local) <= range_gets < 2 * len(local) and range_bytes <= range_gets * S3_WINDOW
+    # Left to choose: with members this small, each shard's first STREAM_AFTER range GETs move more
+    # than STREAM_AT of what they go past, so the rest of the shard is streamed by one GET.
+    assert chosen_gets == 3 * (STREAM_AFTER + 1), chosen_gets
+    assert chosen_bytes <= total + 3 * STREAM_AFTER * S3_WINDOW
     # The prefix of the shards names them too; a second start reuses the saved index after one listing.
     prefix = s3shards.rsplit("/", 1)[0] + "/"
     assert tars.is_tar_data(s3shards) and not tars.is_tar_data(prefix)  # a prefix is an ImageFolder's root
@@ -383,6 +389,35 @@ def test_s3_shards_are_indexed_as_local_ones_by_range_gets_or_one_stream_each(s3
     again = Index.from_tars(prefix, index_dir=ix)
     assert again.fingerprint == first.fingerprint == by_range.fingerprint
     assert server.count("GET") == 0 and again.in_store
+
+
+def test_s3_shards_of_large_members_are_indexed_by_range_gets_when_left_to_choose(server, tmp_path, monkeypatch):
+    """Members of 100 KB (as photographs are): the range GETs move a few KB a sample, so the
+    default keeps making them, reading a small part of each shard: one read at a shard's start and
+    one after each image, whose window holds the .cls member and the next header."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    rng = np.random.default_rng(5)
+
+    def members(_, i, key):
+        return [(f"{key}.jpg", rng.bytes(100_000 + 17 * i)), (f"{key}.cls", str(i % 3).encode())]
+
+    pattern = write_tars(list(range(60)), tmp_path / "big", per_shard=30, members=members)
+    for f in tars.expand(pattern):
+        server.put("coordl-tars", f"big/{os.path.basename(f)}", Path(f).read_bytes())
+    server.reset()
+    index = Index.from_tars("s3://coordl-tars/big/shard-{000000..000001}.tar", index_dir="")
+    reads, pread = [], os.pread
+    with monkeypatch.context() as m:
+        m.setattr(os, "pread", lambda fd, n, at: reads.append(at) or pread(fd, n, at))  # counted, still read
+        local = Index.from_tars(pattern, index_dir="")
+    assert len(reads) == 2 + 60, len(reads)  # the same reads on local shards
+    np.testing.assert_array_equal(index.shards.offsets, local.shards.offsets)
+    np.testing.assert_array_equal(index.labels, [i % 3 for i in range(60)])
+    total = sum(os.path.getsize(f) for f in tars.expand(pattern))
+    # a GET at each shard's start and after each image (its .cls member and the next header in it)
+    assert server.count("GET") == 2 + 60, server.count("GET")
+    assert server.bytes_sent("GET") <= 62 * S3_WINDOW < total / 20
 
 
 def test_an_s3_shard_loader_delivers_the_local_one_s_tensors_with_merged_range_gets(s3shards, shards, server, isolated):

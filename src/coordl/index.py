@@ -191,7 +191,7 @@ class Index:
         index_dir: str | None = None,
         rebuild: bool = False,
         skip: bool = False,
-        stream: bool = False,
+        stream: bool | None = None,
     ) -> Index:
         """The index of a dataset in tar shards (WebDataset's format, :mod:`coordl.tars`), loaded
         from the index directory while every shard keeps its size and modification time (an
@@ -207,8 +207,11 @@ class Index:
                 is not saved: nothing names the function.)
             index_dir, rebuild: as :meth:`scan`.
             skip: leave out (and log) a sample without an image member or label, instead of raising.
-            stream: index ``s3://`` shards by reading each whole, in one GET, rather than its
-                headers by range GETs (fewer requests, more bytes).
+            stream: how ``s3://`` shards are indexed: False, by range GETs of their headers (a
+                GET a sample; few bytes where members are large); True, by one GET of each whole
+                shard (every byte, a GET a shard); None (the default), by range GETs in each
+                shard until they move half as many bytes as they go past (members of a few KB),
+                and the rest of that shard by one GET.
 
         Raises:
             FileNotFoundError: no shard, or a shard is missing.

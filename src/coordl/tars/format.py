@@ -118,12 +118,13 @@ def members(path: str, w: _Window, keep: Callable[[str, int], bool] | None = Non
                 "the shard is truncated"
             )
         if kind in _REGULAR:
-            out.append(Member(name, data, n, w.get(data, n) if keep is not None and keep(name, n) else None))
+            kept = _piece(buf, at, w, data, n) if keep is not None and keep(name, n) else None
+            out.append(Member(name, data, n, kept))
             long_name = pax_name = None
         elif kind == 76:  # L: the next member's long name
-            long_name = w.get(data, n).rstrip(b"\0").decode("utf-8", "surrogateescape")
+            long_name = _piece(buf, at, w, data, n).rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif kind == 120:  # x: the next member's pax header
-            pax_name = _pax_path(w.get(data, n)) or pax_name
+            pax_name = _pax_path(_piece(buf, at, w, data, n)) or pax_name
         elif kind not in (75, 103):  # K (a long link name), g (global pax) leave the names
             long_name = pax_name = None
         pos = data + -(-n // BLOCK) * BLOCK
@@ -131,6 +132,12 @@ def members(path: str, w: _Window, keep: Callable[[str, int], bool] | None = Non
     if error is not None:
         raise error
     return out
+
+
+def _piece(buf: bytes, at: int, w: _Window, data: int, n: int) -> bytes:
+    """The shard's bytes ``[data, data + n)``: from the window ``buf`` (the bytes from ``at``) where
+    they lie in it, as a small member after its header does, else read through ``w``."""
+    return buf[data - at : data - at + n] if data + n <= at + len(buf) else w.get(data, n)
 
 
 def _first_damaged(heads: list[bytes]) -> int | None:
@@ -303,14 +310,30 @@ def scan_shard(
 
 
 S3_WINDOW = 4096  # bytes per range GET while indexing s3:// shards: a .cls member and the next header
+# Left to choose (stream=None), a shard's headers are read by range GETs until, after STREAM_AFTER of
+# them, they have moved STREAM_AT or more of the bytes they went past (members of a few KB: a stream
+# would move at most 1/STREAM_AT times their bytes, in one request where they make one per sample);
+# then the rest of the shard is read by one streaming GET.
+STREAM_AFTER = 8
+STREAM_AT = 0.5
 
 
 def scan_object(
-    url: str, size: int, etag: str, *, stream: bool = False, image=IMAGE_EXTENSIONS, label=None, skip: bool = False
+    url: str,
+    size: int,
+    etag: str,
+    *,
+    stream: bool | None = None,
+    image=IMAGE_EXTENSIONS,
+    label=None,
+    skip: bool = False,
 ) -> tuple[list[Sample], int]:
-    """The samples of the ``s3://`` tar object ``url`` (``size`` bytes, ETag ``etag``), read by range
-    GETs of its headers (:data:`S3_WINDOW` bytes each), or with ``stream`` by one GET of the whole
-    object; and how many bytes that moved. Each GET carries ``If-Match: etag``.
+    """The samples of the ``s3://`` tar object ``url`` (``size`` bytes, ETag ``etag``), and how many
+    bytes reading it moved. ``stream``: False reads its headers by range GETs (:data:`S3_WINDOW`
+    bytes each, one after each member larger than that); True reads it whole by one GET; None
+    (the default) makes range GETs while they move fewer than :data:`STREAM_AT` of the bytes they
+    go past, and reads the rest of the object by one GET once they do not (small members). Each
+    GET carries ``If-Match: etag``.
 
     Raises:
         ShardError: see :func:`members` and :func:`samples_of`.
@@ -331,36 +354,39 @@ def scan_object(
             raise client.explain(e, url) from e
         return answer["Body"]
 
-    if stream:
-        body = get()
-        reader = _Forward(body, moved)
-        read = reader.read
-    else:
+    forward = [_Forward(get(), moved) if stream else None]  # the streaming GET, once there is one
+    gets = [0]
 
-        def read(offset: int, n: int) -> bytes:
-            end = min(offset + n, size)
+    def read(offset: int, n: int) -> bytes:
+        end = min(offset + n, size)
+        if forward[0] is None:
             if end <= offset:
                 return b""
-            data = get(Range=f"bytes={offset}-{end - 1}").read()
-            moved[0] += len(data)
-            return data
+            if stream is None and gets[0] >= STREAM_AFTER and moved[0] >= STREAM_AT * offset:
+                forward[0] = _Forward(get(Range=f"bytes={offset}-"), moved, offset)
+        if forward[0] is not None:
+            return forward[0].read(offset, n)
+        data = get(Range=f"bytes={offset}-{end - 1}").read()
+        moved[0] += len(data)
+        gets[0] += 1
+        return data
 
     try:
         w = _Window(read, size, S3_WINDOW)
         found = members(url, w, _keeper(image, label))
         return samples_of(url, found, w.get, image=image, label=label, skip=skip), moved[0]
     finally:
-        if stream:
-            body.close()
+        if forward[0] is not None:
+            forward[0].body.close()
 
 
 class _Forward:
-    """``read(offset, n)`` of one streaming GET: offsets only move forward (the bytes before one are
-    dropped), except back into the last bytes read."""
+    """``read(offset, n)`` of one streaming GET of the object from byte ``start`` on: offsets only
+    move forward (the bytes before one are dropped), except back into the last bytes read."""
 
-    def __init__(self, body, moved: list):
+    def __init__(self, body, moved: list, start: int = 0):
         self.body, self.moved = body, moved
-        self.start, self.buf = 0, b""
+        self.start, self.buf = start, b""
 
     def read(self, offset: int, n: int) -> bytes:
         if offset < self.start:

@@ -5,7 +5,7 @@ interpreter that imports only coordl, never the user's script) when there are at
 :data:`PARALLEL_SHARDS` of them per worker and no label function (a function may not survive the trip
 to another interpreter). Reading the headers costs little I/O; parsing them is Python's. ``s3://``
 shards are indexed by :data:`S3_SHARDS` threads at once, each reading one shard's headers by range
-GETs (or the whole shard, streamed).
+GETs, or the shard streamed where its members are small (:func:`~coordl.tars.format.scan_object`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def stamps(files: list[str]) -> list[list]:
     return out
 
 
-def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=False):
+def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=None):
     """The samples of ``files``, in order, whose :func:`stamps` are ``stamped``: their paths
     (``<shard>:<member>``), labels, sizes and :class:`Shards`, what :meth:`Index.from_tars
-    <coordl.index.Index.from_tars>` builds an index of; ``stream``: read each ``s3://`` shard whole
-    rather than its headers.
+    <coordl.index.Index.from_tars>` builds an index of; ``stream``: how ``s3://`` shards are read
+    (:func:`~coordl.tars.format.scan_object`).
 
     Raises:
         FileNotFoundError: a shard is missing, or the shards hold no sample.
@@ -101,7 +101,9 @@ def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, labe
     )
     how = f" ({workers} processes)" if workers > 1 else ""
     if in_store:
-        how = f" ({moved / 1e6:.1f} MB read, {'streamed' if stream else 'headers by range GETs'})"
+        total = sum(int(s[0]) for s in stamped)
+        way = {True: "streamed", False: "headers by range GETs", None: "range GETs or streamed, per shard"}[stream]
+        how = f" ({moved / 1e6:.1f} MB read of {total / 1e6:.1f} MB, {way})"
     log.info("coordl: indexed %d samples in %d shards in %.1f s%s", len(paths), len(files), time.monotonic() - t0, how)
     return paths, labels, sizes, shards
 
