@@ -514,3 +514,73 @@ def test_a_short_positioned_read_is_finished(tmp_path):
     finally:
         os.close(fd)
     assert bytes(np.concatenate(views)) == payload[5000:15000]
+
+
+# -- the rest of coordl on top: peers, the decoded tier, the analyzer -------------------------------
+def test_two_nodes_over_shards_serve_each_other_and_read_storage_only_in_the_first_epoch(shards, tmp_path):
+    from test_peers import N, _logs, _records, _run_nodes
+
+    out = tmp_path / "out"
+    codes = _run_nodes(Path(shards), out, 2, ["--epochs", "3", "--cache", "0.6"])
+    assert codes == [0, 0], _logs(out)
+    recs = _records(out, 2)
+    for epoch in range(3):
+        seen = [i for r in recs for b in r["epochs"][epoch]["batches"] for i in b]
+        assert sorted(seen) == list(range(N)), f"epoch {epoch} not exactly-once"
+        stats = [r["epochs"][epoch]["stats"] for r in recs]
+        if epoch == 0:
+            assert sum(s["storage_reads"] for s in stats) == N and sum(s["peer_reads"] for s in stats) == 0
+        else:  # each node's cache holds what it read; the other node's samples come from its peer
+            assert [s["storage_reads"] for s in stats] == [0, 0], stats
+            assert sum(s["cache_hits"] + s["peer_reads"] for s in stats) == N
+
+
+def test_the_decoded_tier_over_shards_delivers_the_folder_s_tensors(tiny_dataset, shards, isolated):
+    from test_decoded_loader import assert_same, epochs
+
+    kw = dict(batch_size=16, pipeline=RECIPE, seed=3, device_id=None, prep=2, shuffle=True)
+    with CoordLoader(str(tiny_dataset), **kw, cache=coordl.Cache(decoded=0)) as plain:
+        want, _ = epochs(plain)
+    with CoordLoader(shards, **kw, cache=coordl.Cache(size="1GB", decoded="1GB")) as tiered:
+        got, stats = epochs(tiered)
+    assert_same(want, got)
+    assert stats[0]["decoded_admitted"] == 120 and stats[1]["decoded_hits"] == 120
+    assert stats[1]["storage_reads"] == 0 and stats[1]["cache_hits"] == 0
+
+
+def _resident(path: str, offset: int, size: int) -> list[bool]:
+    """Whether each page of ``path`` that holds a byte of ``[offset, offset + size)`` is in the page
+    cache (mincore(2) of a mapping of the file; a read would bring pages in)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    length = offset + size - start
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
+        vec = (ctypes.c_ubyte * -(-length // page))()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m)) + start
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        out = [bool(v & 1) for v in vec]
+    return out
+
+
+def test_the_analyzer_drops_the_pages_of_the_samples_members_small_ones_too(shards):
+    """The analyzer's cold phase (F) evicts the samples it will read, so that they come from the
+    device: in tar shards, each one's member, even one that lies inside a page or two."""
+    from coordl.analyze.probe import _drop_pages
+
+    index = Index.from_tars(shards, index_dir="")
+    os.sync()  # dirty pages are not dropped
+    for path in index.shards.files:
+        Path(path).read_bytes()
+    where = [index.location(i) for i in range(len(index))]
+    assert all(all(_resident(*w)) for w in where)
+    assert min(w[2] for w in where) < 2 * os.sysconf("SC_PAGE_SIZE")  # members within two pages
+    first = [i for i, w in enumerate(where) if w[0] == where[0][0]]  # the first shard's samples
+    _drop_pages(index, np.array(first))
+    assert not any(any(_resident(*where[i])) for i in first)
+    assert all(all(_resident(*w)) for w in where if w[0] != where[0][0])  # the other shards' stay

@@ -445,9 +445,15 @@ def _cache_read_rate(cache: NodeCache | None, ids: np.ndarray, min_seconds: floa
 
 def _drop_pages(index, ids) -> None:
     """Evicts the files of ``ids`` (their members' bytes, in tar shards) from the OS page cache, so
-    that reading them hits the device (objects in a store have no pages here)."""
+    that reading them hits the device (objects in a store have no pages here).
+
+    A member's range is widened to whole pages: the kernel leaves a page it is asked to drop only
+    in part, so a member of a few KB (inside one or two pages) would stay cached, and a larger one
+    would keep its first and last pages. Its neighbours' bytes in those pages go too.
+    """
     if index.in_store:
         return
+    page = os.sysconf("SC_PAGE_SIZE")
     for i in np.unique(ids).tolist():
         path, offset, size = index.location(i)
         try:
@@ -455,6 +461,10 @@ def _drop_pages(index, ids) -> None:
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, offset, size if index.shards is not None else 0, os.POSIX_FADV_DONTNEED)
+            if index.shards is None:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the whole file
+            else:
+                start = offset - offset % page
+                os.posix_fadvise(fd, start, -(-(offset + size - start) // page) * page, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
