@@ -296,13 +296,21 @@ def test_the_torch_backend_s_dataset_of_the_shards_gives_the_folder_s_items(tiny
         assert a.stats()["storage_bytes"] == 0  # the second epoch: every image in the cache
 
 
-def test_shards_written_by_webdataset_s_shardwriter(folder, tmp_path, isolated):
-    wds = pytest.importorskip("webdataset")
-    out = tmp_path / "wds"
+def shardwriter_shards(folder: Index, out: Path) -> list[Path]:
+    """``folder``'s samples, in its order, as shards of 45 written by webdataset's ``ShardWriter``
+    (``train-000000.tar`` to ``train-000002.tar`` in ``out``)."""
+    import webdataset as wds
+
     out.mkdir()
     with wds.ShardWriter(str(out / "train-%06d.tar"), maxcount=45, verbose=0) as sink:
         for i in range(len(folder)):
             sink.write({"__key__": f"{i:06d}", "jpg": Path(folder.paths[i]).read_bytes(), "cls": int(folder.labels[i])})
+    return sorted(out.glob("train-*.tar"))
+
+
+def test_shards_written_by_webdataset_s_shardwriter(folder, tmp_path, isolated):
+    out = tmp_path / "wds"
+    shardwriter_shards(folder, out)
     index = Index.from_tars(str(out / "train-{000000..000002}.tar"), index_dir="")
     assert len(index) == len(folder) and index.labels.tolist() == folder.labels.tolist()
     with CoordLoader(str(out), batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, cache=0) as a:
@@ -435,6 +443,25 @@ def test_an_s3_shard_loader_delivers_the_local_one_s_tensors_with_merged_range_g
     assert 0 < gets < len(index)  # members of a shard that lie close together: one range GET
     # What lies between merged members, at most MERGE_GAP bytes per merge, and nothing else.
     assert total <= server.bytes_sent("GET") <= total + (len(index) - gets) * samples.MERGE_GAP
+
+
+def test_shardwriter_shards_on_s3_deliver_the_folder_s_tensors(folder, tiny_dataset, server, tmp_path, monkeypatch):
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    for f in shardwriter_shards(folder, tmp_path / "wds"):
+        server.put("coordl-tars", f"wds/{f.name}", f.read_bytes())
+    kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
+    with CoordLoader("s3://coordl-tars/wds/train-{000000..000002}.tar", cache="64MB", **kw) as a:
+        assert a.index.labels.tolist() == folder.labels.tolist()
+        got = _epochs(a, 2)
+        total = a.index.total_bytes
+    with CoordLoader(str(tiny_dataset), cache=0, **kw) as b:
+        want = _epochs(b, 2)
+    for (ids, x, _), (ids_f, x_f, _) in zip(got, want):
+        assert sorted(ids) == list(range(120)) and ids == ids_f  # exactly once, in the same order
+        assert torch.equal(x, x_f)  # bit-equal
+    assert got[0][2]["storage_bytes"] == total and got[1][2]["storage_bytes"] == 0
+    assert got[1][2]["cache_hit_bytes"] == total
 
 
 def test_a_replaced_s3_shard_fails_its_samples_reads(s3shards, server):
