@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("object_store_mb", type=int)
     parser.add_argument("temp_dir")
     args = parser.parse_args(argv)
+    # Cluster writes the head's address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster whatever the
+    # node's temp_dir, and fails where that folder does not exist (a clean machine: no /tmp/ray until
+    # some Ray has made it). Ours is in the cluster's own temp_dir, removed with it.
+    os.environ["RAY_TMPDIR"] = args.temp_dir
+    os.makedirs(os.path.join(args.temp_dir, "ray"), exist_ok=True)
     from ray.cluster_utils import Cluster
 
     store = args.object_store_mb << 20
