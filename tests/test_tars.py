@@ -159,9 +159,13 @@ def _epochs(loader, epochs):
     return out
 
 
-def test_a_loader_over_the_shards_delivers_what_it_delivers_over_the_folder(tiny_dataset, shards, isolated):
+def _against_the_folder(data: str, tiny_dataset, labels=None):
+    """Two epochs of a cached loader over ``data`` checked against a folder loader's, and their stats
+    and the dataset's bytes."""
     kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
-    with CoordLoader(shards, cache="64MB", **kw) as a:
+    with CoordLoader(data, cache="64MB", **kw) as a:
+        if labels is not None:
+            assert a.index.labels.tolist() == labels
         got = _epochs(a, 2)
         total = a.index.total_bytes
     with CoordLoader(str(tiny_dataset), cache=0, **kw) as b:
@@ -169,6 +173,11 @@ def test_a_loader_over_the_shards_delivers_what_it_delivers_over_the_folder(tiny
     for (ids, x, _), (ids_f, x_f, _) in zip(got, want):
         assert sorted(ids) == list(range(120)) and ids == ids_f  # exactly once, in the same order
         assert torch.equal(x, x_f)  # bit-equal: the same bytes, the same draws
+    return got, total
+
+
+def test_a_loader_over_the_shards_delivers_what_it_delivers_over_the_folder(tiny_dataset, shards, isolated):
+    got, total = _against_the_folder(shards, tiny_dataset)
     # The cache holds every sample: the first epoch reads each image's bytes once, the next nothing.
     assert got[0][2]["storage_bytes"] == total and got[0][2]["cache_bytes"] == total
     assert got[1][2]["storage_bytes"] == 0 and got[1][2]["cache_hit_bytes"] == total
@@ -450,16 +459,8 @@ def test_shardwriter_shards_on_s3_deliver_the_folder_s_tensors(folder, tiny_data
         monkeypatch.setenv(k, v)
     for f in shardwriter_shards(folder, tmp_path / "wds"):
         server.put("coordl-tars", f"wds/{f.name}", f.read_bytes())
-    kw = dict(batch_size=16, pipeline=RECIPE, device_id=None, shuffle=True, seed=3, return_index=True, prep=1)
-    with CoordLoader("s3://coordl-tars/wds/train-{000000..000002}.tar", cache="64MB", **kw) as a:
-        assert a.index.labels.tolist() == folder.labels.tolist()
-        got = _epochs(a, 2)
-        total = a.index.total_bytes
-    with CoordLoader(str(tiny_dataset), cache=0, **kw) as b:
-        want = _epochs(b, 2)
-    for (ids, x, _), (ids_f, x_f, _) in zip(got, want):
-        assert sorted(ids) == list(range(120)) and ids == ids_f  # exactly once, in the same order
-        assert torch.equal(x, x_f)  # bit-equal
+    url = "s3://coordl-tars/wds/train-{000000..000002}.tar"
+    got, total = _against_the_folder(url, tiny_dataset, labels=folder.labels.tolist())
     assert got[0][2]["storage_bytes"] == total and got[1][2]["storage_bytes"] == 0
     assert got[1][2]["cache_hit_bytes"] == total
 
