@@ -568,7 +568,7 @@ def test_configuration_documents_every_environment_variable():
 def _facts():
     from coordl.fetch import cache, chunks, peer_server, wire
     from coordl.shm import limits
-    from coordl.staging import layout, member
+    from coordl.staging import grouppass, layout
 
     return [
         (cache.ENTRY.itemsize, 16, "shm.md", "16 bytes per sample"),
@@ -581,11 +581,11 @@ def _facts():
         (cache.DEFAULT_SLICE_BYTES, 8 << 20, "shm.md", "8 MiB at a time"),
         (limits.margin(1 << 30), 256 << 20, "shm.md", "at least 256 MiB"),
         (limits.margin(10 << 30), 1 << 30, "shm.md", "10% of the limit"),
-        (layout.CONTROL_BYTES, 12 << 10, "configuration.md", "a 12 KiB control file"),
+        (layout.CONTROL_BYTES, 16 << 10, "configuration.md", "a 16 KiB control file"),
         (layout.MIN_SLOTS, 4, "configuration.md", "never fewer than 4"),
         (layout.MAX_SLOTS, 64, "configuration.md", "At most 64 slots"),
         (layout.MAX_MEMBERS, 64, "faq.md", "already has 64 members"),
-        (member.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
+        (grouppass.PROGRESS_EVERY_S, 30.0, "faq.md", "Repeated every 30 s"),
         (peer_server.MAX_CONNECTIONS, 256, "configuration.md", "(at most 256)"),
         (wire.HANDSHAKE_TIMEOUT, 5.0, "multinode.md", "within 5 s"),
         (3 * 224 * 224 * 4, 602_112, "configuration.md", "602,112 bytes"),
@@ -610,7 +610,7 @@ NOT_FOR_USERS = [
     ("shm/names.py", ""),  # segment names are made by coordl itself
     ("backends/torch.py", "fetches whole batches"),  # DataLoader always calls __getitems__
     ("backends/torch.py", "failure_error("),  # re-raises a worker's SampleError, listed in faq.md
-    ("staging/member.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
+    ("staging/grouppass.py", "taken.error"),  # re-raises a staged SampleError, listed in faq.md
     ("backends/torch.py", "DatasetChangedError(message)"),  # a worker's failure again, listed in faq.md
     ("backends/torch.py", "SampleError(message, path=path, index=i)"),  # likewise
     ("analyze/probe.py", "SystemExit"),  # ends an analysed script with status 0; no message

@@ -450,7 +450,7 @@ def test_a_member_idle_between_epochs_is_dropped_after_the_timeout(isolated):
         busy.enroll(0, may_rebase=False)
         idle.enroll(0, may_rebase=False)
         before = time.monotonic()
-        idle.finish_pass()  # enrolled for batch 0 on, but not iterating: idle from now
+        idle.finish_pass(0)  # enrolled for batch 0 on, but not iterating: idle from now
         after = time.monotonic()
         claims = [busy.claim(block=False) for _ in range(4)]
         for c in claims:
@@ -521,7 +521,7 @@ def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
     with _loader(str(tiny_dataset), hp_group="cfg") as first:
         next(iter(first))
         for kw, message in (
-            ({"batch_size": 16}, "batch_size: the group has 8, this job has 16"),
+            ({"shuffle": False}, "shuffle: the group has True, this job has False"),
             ({"seed": 3}, "seed"),
         ):
             other = _loader(str(tiny_dataset), hp_group="cfg", **kw)
@@ -530,7 +530,7 @@ def test_a_member_with_another_configuration_is_refused(tiny_dataset, isolated):
                     next(iter(other))
             finally:
                 other.close()
-        ok = _loader(str(tiny_dataset), hp_group="another-name", batch_size=16)
+        ok = _loader(str(tiny_dataset), hp_group="another-name", shuffle=False)
         try:
             next(iter(ok))  # a different name is a different group
         finally:

@@ -271,7 +271,8 @@ class CoordLoader(DataLoaderAttributes):
         w = self._world
         begin = self.position.begin(w.world_size)
         if self.options.hp_group is not None and begin.start == 0 and begin.base == 0:
-            p = self._group_member().open_pass(begin.epoch, self._hooks())
+            alone = functools.partial(self.open_pass, epoch=begin.epoch)  # if the group detaches this job
+            p = self._group_member().open_pass(begin.epoch, self._hooks(), alone)
             self.position.follow_order(p.order_epoch)
         else:
             # Alone: a plain pass, or the rest of an HP group's epoch this job resumes mid-way

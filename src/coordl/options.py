@@ -171,12 +171,17 @@ class Peers:
 @dataclass(frozen=True)
 class HPGroup:
     """Coordinated prep (``CoordLoader(hp_group=...)``): the jobs of a hyper-parameter search on
-    one machine that name the same group fetch and pre-process each batch once, by one of them,
-    and all consume it. Members must load the same dataset with the same batch size, pipeline,
-    seed, shuffling and ``drop_last`` (else :class:`~coordl.GroupConfigError`).
+    one machine that name the same group fetch and pre-process each sample once, by one of them,
+    and all consume it. Members must load the same dataset with the same pipeline, seed and
+    shuffling (else :class:`~coordl.GroupConfigError`); each has its own ``batch_size`` and
+    ``drop_last``, and cuts its batches from the group's staged ones.
 
     Attributes:
         name: the group's name, shared by its members.
+        stage_batch: samples per staged batch. None (default): the first member's ``batch_size``.
+            A member whose batches lie inside staged ones (its batch size divides this one)
+            receives views of them, without a copy; give the largest batch size of the sweep
+            when it is a multiple of the others. The group's first member decides.
         staging: the memory bound of the group's staging area of ready batches: ``"auto"``
             (16 batches, at most 2 GiB, at least 4) or bytes (an ``int`` or a string such as
             ``"1GB"``). The group's first member decides.
@@ -187,6 +192,7 @@ class HPGroup:
     name: str
     staging: int | str = AUTO
     idle_timeout: float = 60.0
+    stage_batch: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -194,6 +200,8 @@ class HPGroup:
         staging = _size(self.staging, "HPGroup(staging)", fraction=False, example="'1GB'", zero=False)
         object.__setattr__(self, "staging", staging)
         _seconds(self.idle_timeout, "HPGroup(idle_timeout)")
+        if self.stage_batch is not None:
+            _positive_int(self.stage_batch, "HPGroup(stage_batch)")
 
     @classmethod
     def of(cls, value) -> HPGroup | None:

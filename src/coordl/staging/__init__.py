@@ -1,8 +1,9 @@
 """Coordinated prep: the staging area an HP group shares, and a member's pass over it.
 
-:mod:`~coordl.staging.member` runs a loader's part in the group (its producer thread and
-its passes) on a :class:`~coordl.staging.area.StagingArea`, this process's attachment to the
-group's shared ring of ready batches. The area is built from five parts, used only
+:mod:`~coordl.staging.member` runs a loader's part in the group (its producer threads) and
+:mod:`~coordl.staging.grouppass` its passes (batches of its own size cut from the staged ones,
+or made alone once the group detached it), on a :class:`~coordl.staging.area.StagingArea`,
+this process's attachment to the group's shared ring of ready batches. The area is built from five parts, used only
 through their public names and imported one way: ``area`` imports them; ``holds`` and
 ``liveness`` import ``ring``; ``ring`` and ``files`` import ``layout``:
 

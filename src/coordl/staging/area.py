@@ -2,10 +2,12 @@
 
 Jobs of a hyper-parameter search on one machine that name the same ``hp_group``
 attach to one staging area (per rank). The group runs one endless sequence of
-batches: batch ``q`` is batch ``q % NB`` of the group's pass ``q // NB`` (``NB``
-batches per pass), and pass ``g``'s order is the sampler's order for epoch
-``epoch_offset + g``. Every member consumes a contiguous run of whole passes, each
-batch once; any member produces any batch.
+staged batches of the group's unit (``batch_size`` samples, the first member's): batch
+``q`` is batch ``q % NB`` of the group's pass ``q // NB`` (``NB`` per pass, the last
+one partial), and pass ``g``'s order is the sampler's order for epoch ``epoch_offset + g``.
+Every member consumes a contiguous run of whole passes, each batch once, and cuts its own
+batches (of its own batch size) from them; any member produces any batch. A member that
+falls a whole ring behind is detached: it finishes that pass alone.
 
 Files (all ``coordl.<group fingerprint>.<kind>``, see :mod:`coordl.shm.names`):
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import threading
@@ -47,6 +50,8 @@ from coordl.staging.ring import Claim, Mutex, Ring, Taken
 
 __all__ = ["HEALTH_EVERY_S", "Claim", "StagingArea", "group_fingerprint"]
 
+log = logging.getLogger(__name__)
+
 # How often a member looks for dead members while its producer claims or its consumer waits for a
 # batch: the others notice a death within 0.25 s (docs/guarantees.md), 0.05 s left for the poll's
 # sleep and a busy machine's scheduling.
@@ -61,8 +66,8 @@ class StagingArea:
         rank: this process's rank; each rank of the jobs has its own area.
         config: what every member must agree on (JSON-able); a member whose config
             differs is refused with :class:`~coordl.errors.GroupConfigError`.
-        batch_size: samples per batch.
-        batches_per_pass: batches in one pass (epoch) of this rank.
+        batch_size: samples per staged batch (the group's unit; its first member decides).
+        batches_per_pass: staged batches in one pass (epoch) of this rank, the last one partial.
         sample_shape, dtype: shape and torch dtype name of one staged image.
         epoch: the epoch a new group's first pass has.
         bound: staging memory in bytes (``"auto"``: 16 batches, at most 2 GiB, at
@@ -177,15 +182,29 @@ class StagingArea:
         return self._img_bytes
 
     @property
+    def unit(self) -> int:
+        """Samples per staged batch: the group's, decided by its first member."""
+        return int(self._ring.h["batch_size"])
+
+    @property
     def member(self) -> int:
         return self._me
+
+    def set_pace(self, seconds_per_sample: float) -> None:
+        """Publishes this member's training pace (one aligned 8-byte store: no lock needed)."""
+        self._ring.m[self._me]["pace"] = seconds_per_sample
+
+    @property
+    def detached(self) -> bool:
+        """Whether the group detached this member from its pass (it fell a whole ring behind)."""
+        return int(self._ring.m[self._me]["detached"]) == 1
 
     def order_key(self, q: int) -> int:
         """The sampler epoch whose order batch ``q`` belongs to."""
         return self._ring.order_key(q)
 
     # -- membership of passes --------------------------------------------------------------
-    def enroll(self, epoch: int, *, may_rebase: bool) -> tuple[int, bool]:
+    def enroll(self, epoch: int, *, may_rebase: bool, after: int | None = None) -> tuple[int, bool]:
         """Starts this member's next pass; returns its first batch (it may lie in a coming
         pass) and whether it continues from its previous pass.
 
@@ -194,18 +213,25 @@ class StagingArea:
         current one if the group is still at its start, else the next one. A member alone
         in the group with nothing in flight, whose passes so far all had the order of its own
         epochs (``may_rebase``), gets the order of ``epoch``, as a plain loader would.
+        ``after``: the order (sampler epoch) of this member's last pass, when it did not continue
+        from it: it joins a pass of a later order.
         """
         with self._mutex:
             self._holds.apply_freed()
             self._reap_dead()
-            return self._ring.enroll(self._me, epoch, may_rebase=may_rebase)
+            return self._ring.enroll(self._me, epoch, may_rebase=may_rebase, after=after)
 
-    def finish_pass(self) -> None:
-        """This member consumed its pass; it stays enrolled for the next one."""
+    def finish_pass(self, end: int) -> None:
+        """This member is done with its pass, whose staged batches end before ``end`` (those it
+        did not need, after its ``drop_last``, count as consumed); it stays enrolled for the next
+        one unless it was detached."""
         self.release_all()
         with self._mutex:
             me = self._ring.m[self._me]
+            if int(me["start"]) >= 0:
+                me["cursor"] = max(int(me["cursor"]), end)
             me["iterating"], me["idle_since"] = 0, time.monotonic()
+            self._ring.try_release()
 
     def abandon(self) -> None:
         """This member stops consuming (a pass left unfinished, or closing)."""
@@ -266,12 +292,15 @@ class StagingArea:
         """Whether batch ``q`` is ready (or failed), without locking: for polling."""
         return self._ring.ready(q)
 
-    def take(self, q: int) -> Taken:
+    def take(self, q: int) -> Taken | None:
         """Takes ready batch ``q`` (this member's next): from now on it holds the slot until
-        :meth:`private_images` 's mapping is freed or :meth:`release` is called."""
+        :meth:`private_images` 's mapping is freed or :meth:`release` is called. None: this
+        member was detached (it finishes its pass alone)."""
         s = q % self.slots
         with self._mutex:
             me, slot = self._ring.m[self._me], self._ring.s[s]
+            if int(me["detached"]):
+                return None
             if int(me["cursor"]) != q:
                 raise CoordlError(f"hp_group {self.name!r}: internal error: batch {q} taken out of order")
             if not self.ready(q):
@@ -334,6 +363,28 @@ class StagingArea:
             return
         self._last_health = now
         self._reap_dead()
+
+    def detach_laggards(self, q: int) -> list[int]:
+        """Detaches the members a whole ring behind this one, which waits for batch ``q`` that
+        nobody can claim (:meth:`Ring.laggards <coordl.staging.ring.Ring.laggards>`): they finish
+        their pass alone and rejoin at a later one. Returns their pids."""
+        with self._mutex:
+            self._holds.apply_freed()
+            ring = self._ring
+            pids = []
+            for k in ring.laggards(self._me, q):
+                pids.append(int(ring.m[k]["pid"]))
+                ring.detach(k)
+            if pids:
+                log.info(
+                    "coordl: hp_group %r: member(s) pid %s fell %d staged batches behind; they finish this epoch "
+                    "with their own prep and rejoin the group at a later one",
+                    self.name,
+                    pids,
+                    self.slots,
+                )
+                ring.try_release()
+            return pids
 
     def _reap_dead(self) -> None:
         reap_dead(self._ring, self._me, self._membership, self.name)

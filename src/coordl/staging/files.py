@@ -117,6 +117,6 @@ def _mismatch(name: str, theirs: dict, mine: dict) -> str:
     detail = "; ".join(f"{k}: the group has {theirs.get(k)!r}, this job has {mine.get(k)!r}" for k in diff)
     return (
         f"hp_group {name!r} was started by a job with a different configuration ({detail}). Members of a group "
-        "must load the same dataset with the same batch size, pipeline and seed; use another hp_group name "
+        "must load the same dataset with the same pipeline, shuffling and seed; use another hp_group name "
         "for a different configuration"
     )

@@ -4,8 +4,9 @@ The ``stage`` file is a header (:data:`HEADER`), the group's configuration (JSON
 :data:`CONFIG_BYTES`), :data:`MAX_MEMBERS` member records (:data:`MEMBER`) and
 :data:`MAX_SLOTS` slot records (:data:`SLOT`): :data:`CONTROL_BYTES` in all. The
 ``batches`` file is ``slots`` slots of ``stride`` bytes; a slot holds a batch's images,
-then its labels and its sample ids (``int64``, ``batch_size`` of each). A header is
-complete once its ``magic`` is set, which its creator does last.
+then its labels and its sample ids (``int64``, ``batch_size`` of each): ``batch_size`` is the
+group's staged batch (its unit), which members of any batch size cut their batches from. A
+header is complete once its ``magic`` is set, which its creator does last.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = 0x31474154535A4443  # "CDZSTAG1"
-VERSION = 1
+VERSION = 2  # 2: staged units of the group's batch size, members of any batch size; detached members
 MAX_MEMBERS = 64
 MAX_SLOTS = 64
 MIN_SLOTS = 4
@@ -62,8 +63,8 @@ HEADER = np.dtype(
         ("version", "<i8"),
         ("slots", "<i8"),
         ("stride", "<i8"),  # bytes per slot, a multiple of the page size
-        ("batch_size", "<i8"),
-        ("nb", "<i8"),  # batches per pass
+        ("batch_size", "<i8"),  # samples per staged batch (the group's unit)
+        ("nb", "<i8"),  # staged batches per pass
         ("epoch_offset", "<i8"),
         ("released", "<i8"),
         ("frontier", "<i8"),
@@ -86,6 +87,8 @@ MEMBER = np.dtype(
         ("idle_since", "<f8"),  # CLOCK_MONOTONIC, system-wide
         ("produced", "<i8"),
         ("consumed", "<i8"),
+        ("detached", "<i8"),  # 1: it fell behind by the whole ring; it finishes its pass alone
+        ("pace", "<f8"),  # its training's seconds per sample (median of its recent batches); 0: unknown
     ]
 )
 SLOT = np.dtype(

@@ -21,7 +21,10 @@ import numpy as np
 
 from coordl.staging.layout import CLAIMED, EMPTY, ERROR, MAX_MEMBERS, READY, TODO, records
 
-__all__ = ["Claim", "Mutex", "Ring", "Taken"]
+__all__ = ["SLOWER", "Claim", "Mutex", "Ring", "Taken"]
+
+#: How much slower per sample a member a whole ring behind must train to be detached.
+SLOWER = 1.25
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Ring:
     def add_member(self, k: int) -> None:
         m = self.m[k]
         m["state"], m["pid"], m["start"], m["cursor"] = 1, os.getpid(), -1, -1
-        m["held"], m["iterating"], m["produced"], m["consumed"] = 0, 0, 0, 0
+        m["held"], m["iterating"], m["produced"], m["consumed"], m["detached"], m["pace"] = 0, 0, 0, 0, 0, 0.0
         m["idle_since"] = time.monotonic()
 
     def remove_member(self, k: int) -> int:
@@ -109,14 +112,14 @@ class Ring:
         mine = (self.s["state"][: self.slots] == CLAIMED) & (self.s["producer"][: self.slots] == k)
         self.s["state"][: self.slots][mine] = TODO
         m = self.m[k]
-        m["state"], m["start"], m["cursor"], m["held"], m["iterating"] = 0, -1, -1, 0, 0
+        m["state"], m["start"], m["cursor"], m["held"], m["iterating"], m["detached"] = 0, -1, -1, 0, 0, 0
         return int(np.count_nonzero(mine))
 
     def enrolled(self) -> list[int]:
         m = self.m
         return [k for k in range(MAX_MEMBERS) if m[k]["state"] == 1 and m[k]["start"] >= 0]
 
-    def enroll(self, me: int, epoch: int, *, may_rebase: bool) -> tuple[int, bool]:
+    def enroll(self, me: int, epoch: int, *, may_rebase: bool, after: int | None = None) -> tuple[int, bool]:
         """Starts member ``me``'s next pass: see :meth:`StagingArea.enroll`."""
         nb = self.batches_per_pass
         h, m = self.h, self.m[me]
@@ -126,14 +129,42 @@ class Ring:
             start = int(m["cursor"])
         else:
             start = -(-int(h["released"]) // nb) * nb
+            if after is not None:  # never a pass whose order this member had: its augmentation too
+                start = max(start, (after + 1 - int(h["epoch_offset"])) * nb)
         if may_rebase and not others and self.order_key(start) != epoch and self._idle():
             # Alone and nothing in flight: the group follows this member's epoch, as a
             # plain loader would.
             self.s["state"][: self.slots] = EMPTY
             h["released"] = h["frontier"] = start
             h["epoch_offset"] = epoch - start // nb
-        m["start"], m["cursor"], m["iterating"] = start, start, 1
+        m["start"], m["cursor"], m["iterating"], m["detached"] = start, start, 1, 0
         return start, continues
+
+    def laggards(self, me: int, q: int) -> list[int]:
+        """The members that keep the ring full while member ``me`` waits for batch ``q``, which
+        nobody can claim for want of a slot: iterating members whose next batch, or a batch whose
+        tensor they still hold, is the oldest in the ring (they are a whole ring behind ``me``),
+        and whose training is slower than ``me``'s (:data:`SLOWER` times its pace per sample).
+        A member that lags only for a moment (a pause, a slow first batch) trains at ``me``'s pace
+        and is waited for."""
+        h, S = self.h, self.slots
+        released, frontier = int(h["released"]), int(h["frontier"])
+        pace = float(self.m[me]["pace"])
+        if q < frontier or frontier - released < S or pace <= 0:
+            return []
+        bit = np.uint64(1 << (released % S))
+        out = []
+        for k in self.enrolled():
+            m = self.m[k]
+            behind = int(m["cursor"]) <= released or (m["held"] & bit) != 0
+            if k != me and m["iterating"] and behind and float(m["pace"]) > SLOWER * pace:
+                out.append(k)
+        return out
+
+    def detach(self, k: int) -> None:
+        """Member ``k`` stops holding the group for the rest of its pass (it finishes it alone)."""
+        m = self.m[k]
+        m["detached"], m["start"], m["cursor"] = 1, -1, -1
 
     # -- release ---------------------------------------------------------------------------
     def _idle(self) -> bool:
