@@ -39,9 +39,10 @@ PACE_AFTER = 4
 
 @dataclasses.dataclass
 class _Staged:
-    """A staged batch this member took and still holds: its labels and ids (copies), the position in
+    """A staged batch this member took and still needs: its labels and ids (copies), the position in
     the staged batch of each sample it has (fewer than the unit's where samples were skipped), and
-    the private mapping its views share, once one was made."""
+    the private mapping its views share, once one was made (kept while a later batch of this member
+    needs it; then only the consumer's tensors keep it)."""
 
     taken: object
     labels: np.ndarray
@@ -190,14 +191,15 @@ class GroupPass(Pass):
         labels = np.concatenate([st.labels[sel] for st, sel in parts])
         ids = np.concatenate([st.ids[sel] for st, sel in parts])
         images = self._images(parts, lo, hi, j0) if len(ids) else None
-        # Staged batches no later batch of this member needs are released, unless a view maps them:
-        # those stay until the batch after the one they went into (a consumer may keep one batch).
+        # Staged batches no later batch of this member needs are let go: one copied out is released;
+        # one a view maps stays held while the consumer's tensors map it, and once this member asks
+        # for the batch after next it is unshared (its pages copied into the mapping) and released.
         done = j1 if hi == min((j1 - self.first + 1) * G, len(self._order)) else j1 - 1
-        for j in [j for j in self._staged if j <= done and self._staged[j].mm is None]:
-            self.area.release(self._staged.pop(j).taken)
+        for j in [j for j in self._staged if j <= done]:
+            st = self._staged.pop(j)
+            if st.mm is None:
+                self.area.release(st.taken)
         self.area.release_older(self._prev_first)
-        for j in [j for j in self._staged if j < self._prev_first]:
-            del self._staged[j]
         self._prev_first = j0
         if images is None:
             return None
@@ -221,12 +223,23 @@ class GroupPass(Pass):
         if whole and device.type == "cpu" and normalize is None and area.cow:
             if st.mm is None:
                 st.mm = area.private_images(st.taken)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            return torch.frombuffer(st.mm, dtype=dtype, count=n * per, offset=offset * per * itemsize).view(n, *shape)
+            at = offset * per * dtype.itemsize
+            return torch.frombuffer(st.mm, dtype=dtype, count=n * per, offset=at).view(n, *shape)
         if whole:
             src = self._shared_rows(st)[offset : offset + n]
-        else:
-            src = torch.cat([self._shared_rows(st)[torch.from_numpy(np.flatnonzero(sel))] for st, sel in parts])
+        else:  # one copy of the rows of each staged batch into the batch's own tensor
+            src = torch.empty((sum(int(np.count_nonzero(sel)) for _, sel in parts), *shape), dtype=dtype)
+            r = 0
+            for st, sel in parts:
+                idx = np.flatnonzero(sel)
+                if not len(idx):
+                    continue
+                rows = self._shared_rows(st)
+                if idx[-1] - idx[0] + 1 == len(idx):  # a run of rows: a slice, not a gather
+                    src[r : r + len(idx)].copy_(rows[int(idx[0]) : int(idx[-1]) + 1])
+                else:
+                    torch.index_select(rows, 0, torch.from_numpy(idx), out=src[r : r + len(idx)])
+                r += len(idx)
         if normalize is not None:
             mean, std = normalize
             out = src.to(device).to(torch.float32)
