@@ -22,7 +22,7 @@ import pytest
 import coordl
 from coordl.accounting import BusyClock, StepWaits, epoch_line
 from coordl.analyze import report as rep
-from coordl.analyze.model import Model, Rates, bottleneck, describe_bottleneck, stall_split
+from coordl.analyze.model import DETACHED_WHEN_SLOWER, Model, Rates, bottleneck, describe_bottleneck, stall_split
 from coordl.fetch import storage
 
 # -- a storage of known bandwidth ------------------------------------------------------------
@@ -253,6 +253,23 @@ def test_what_if_nodes_and_hp_jobs_are_ordered():
     h = m.with_hp_jobs(4)
     assert h["coordinated_per_job"] >= h["independent_per_job"]
     assert h["independent_per_job"] <= m.throughput(m.cache_fraction()) / 4 + 1e-9
+
+
+@pytest.mark.parametrize("R", [300.0, 1 / (1 / 300 + 1 / 400)])  # overlapped (a GPU per job), shared (CPU)
+def test_what_if_a_slow_hp_job_follows_the_groups_rules(R):
+    from coordl.staging.ring import SLOWER
+
+    assert DETACHED_WHEN_SLOWER == SLOWER  # the model's rule is the group's
+    m = Model(rates(P=300.0, G=400.0, R=R, S=1e9))
+    near = m.with_hp_slow_job(3, 1.2)  # not slow enough to be detached: the group waits for it
+    assert not near["detached"] and near["coordinated_fast_per_job"] == near["coordinated_slow"]
+    slow = m.with_hp_slow_job(3, 3.0)
+    assert slow["detached"]
+    lockstep = m.with_hp_jobs(3)["coordinated_per_job"]
+    # The fast jobs lose only the slow job's own prep, and beat jobs alone; the slow one is served as alone.
+    assert slow["independent_fast_per_job"] < slow["coordinated_fast_per_job"] < lockstep
+    assert slow["coordinated_slow"] >= slow["independent_slow"] - 1e-9
+    assert slow["coordinated_slow"] < slow["coordinated_fast_per_job"]
 
 
 def test_what_if_remote_cpus_is_local_prep_plus_remote_capped_by_the_network():

@@ -9,6 +9,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -538,3 +539,27 @@ def test_s3_clients_small(tmp_path):
     result = json.loads(out.read_text())
     assert sorted(r["client"] for r in result["rows"]) == ["boto3", "obstore"]
     assert all(r["gets"] == 24 and r["cpu_ms_per_get"] > 0 and r["gets_per_s"] > 0 for r in result["rows"])
+
+
+def test_hp_mix_small(tmp_path):
+    """benchmarks.hp_mix on 128 small photos: every scenario runs and compares what it should, every
+    epoch of every job of every run is exactly once, and the jobs leave nothing in shared memory."""
+    out, shm = tmp_path / "hp_mix.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
+    command = [sys.executable, "-m", "benchmarks.hp_mix", "--data", str(tmp_path / "photos"), "--images", "128"]
+    command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
+    command += ["--result", str(out)]
+    try:
+        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert [row["jobs"] for row in r["same"]] == [2, 4]
+        runs = [run for row in r["same"] for m in ("alone", "group") for run in row[m]]
+        runs += [run for m in ("alone", "group") for run in r["mix"][m]]
+        runs += [run for m in ("pair", "trio", "beside") for run in r["slow_sleep_0"][m]]
+        assert runs and all(run["exactly_once"] for run in runs)
+        assert [len(run["per_job_samples_per_s"]) for run in r["slow_sleep_0"]["trio"]] == [3]
+        assert [(h["batch"], h["staged"]) for h in r["handoff"]] == [(64, 64), (16, 64), (64, 16)]
+        assert os.listdir(shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -37,7 +37,11 @@ from dataclasses import asdict, dataclass
 
 from coordl.tiers.model import TierRates, best_tier_split, tier_sweep, tier_throughput
 
-__all__ = ["Model", "Rates", "bottleneck", "describe_bottleneck", "stall_split"]
+__all__ = ["DETACHED_WHEN_SLOWER", "Model", "Rates", "bottleneck", "describe_bottleneck", "stall_split"]
+
+#: An ``hp_group`` member whose training is this many times slower per sample than the others' falls a
+#: whole staging ring behind and is detached: it prepares its own batches (coordl.staging.ring.SLOWER).
+DETACHED_WHEN_SLOWER = 1.25
 
 
 @dataclass
@@ -305,6 +309,7 @@ class Model:
         Independent jobs each fetch and prepare every sample: storage and prep are shared
         ``n`` ways. With coordinated prep (``hp_group``) each batch is fetched and prepared
         once for all. Compute is shared too when it runs on the CPU (``shared`` sharing).
+        Batch sizes do not matter: members of any batch sizes share one stream of samples.
         """
         x = self.cache_fraction()
         F = self.fetch_rate(x)
@@ -324,4 +329,45 @@ class Model:
             "independent_per_job": independent,
             "coordinated_per_job": coordinated,
             "speedup": coordinated / independent,
+        }
+
+    def with_hp_slow_job(self, n: int, slower: float) -> dict:
+        """``n`` jobs of this kind on this node, one of which trains ``slower`` times slower per
+        sample (a bigger model), alone or in an ``hp_group``.
+
+        In a group, a member at most :data:`DETACHED_WHEN_SLOWER` times slower is waited for: the
+        group moves at its pace. A slower one falls a whole staging ring behind and is detached:
+        it prepares its own batches, taking their share of fetch and prep, and the others go on at
+        theirs. With one accelerator per job, the slow job's own stream takes ``s`` samples/s of
+        the node's fetch and prep and the group has the rest; with compute on the CPU, the cores
+        are shared by the ``n`` processes alike (CFS), ``n - 1`` of them the group's.
+        """
+        x = self.cache_fraction()
+        F = self.fetch_rate(x)
+        P, G, cal = self.r.P, self.G, self._calibration
+        lockstep = slower <= DETACHED_WHEN_SLOWER
+        if self.sharing == "shared":  # per sample: prep 1/P CPU-s, each job's step 1/G (the slow one's slower/G)
+            fast_alone = min(F / n, cal / n / (1 / P + 1 / G))
+            slow_alone = min(F / n, cal / n / (1 / P + slower / G))
+            if lockstep:
+                fast = slow = min(F, cal / (1 / P + (n - 1 + slower) / G))
+            else:
+                slow = min(F / n, cal / n / (1 / P + slower / G))
+                fast = min(F - slow, cal * (n - 1) / n / (1 / P + (n - 1) / G))
+        else:  # one accelerator per job
+            fast_alone = min(F / n, cal * min(P / n, G))
+            slow_alone = min(F / n, cal * min(P / n, G / slower))
+            if lockstep:
+                fast = slow = min(F, cal * min(P, G / slower))
+            else:
+                slow = min(F / 2, cal * min(P / 2, G / slower))
+                fast = min(F - slow, cal * min(P - slow, G))
+        return {
+            "jobs": n,
+            "slower": slower,
+            "detached": not lockstep,
+            "independent_fast_per_job": fast_alone,
+            "independent_slow": slow_alone,
+            "coordinated_fast_per_job": fast,
+            "coordinated_slow": slow,
         }

@@ -114,6 +114,7 @@ def build(
         "what_if_nodes": [m.with_nodes(n, network_bytes_per_s) for n in nodes],
         "network_bytes_per_s": network_bytes_per_s,
         "what_if_hp_jobs": [m.with_hp_jobs(n) for n in hp_jobs],
+        "what_if_hp_slow_job": m.with_hp_slow_job(3, 3.0),
         "remote_prep": {
             "local_prep_cpus": m.local_prep_cpus(),
             "per_cpu_samples_per_s": m.remote_cpu_rate(),
@@ -204,6 +205,15 @@ def table(r: dict) -> str:
         lines.append(
             f"  {w['jobs']} HP-search jobs: {_rate(w['independent_per_job'])} each alone, "
             f"{_rate(w['coordinated_per_job'])} each with hp_group ({w['speedup']:.2f}x)"
+        )
+    w = r.get("what_if_hp_slow_job")
+    if w is not None:
+        lines.append(
+            f"  {w['jobs']} HP-search jobs, one training {w['slower']:g}x slower: alone "
+            f"{_rate(w['independent_fast_per_job'])} each fast one, {_rate(w['independent_slow'])} the slow one; "
+            f"with hp_group "
+            f"{_rate(w['coordinated_fast_per_job'])} and {_rate(w['coordinated_slow'])}"
+            + (" (it is detached and prepares its own batches)" if w["detached"] else "")
         )
     d = r.get("what_if_decoded")
     if d is not None:

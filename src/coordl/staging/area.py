@@ -267,6 +267,7 @@ class StagingArea:
             if not self._ring.valid(c):
                 return  # the group reclaimed it (this member was taken for dead): drop it
             slot = self._ring.s[c.q % self.slots]
+            self._ring.made(c.q, n, time.monotonic())
             slot["n"], slot["state"] = n, READY
             self._ring.m[self._me]["produced"] += 1
 

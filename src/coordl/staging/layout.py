@@ -70,6 +70,7 @@ HEADER = np.dtype(
         ("frontier", "<i8"),
         ("tokens", "<i8"),
         ("live_peak", "<i8"),  # most slots ever live at once
+        ("make_pace", "<f8"),  # seconds the group's producers take per sample (recent average); 0: unknown
         ("config_len", "<i8"),
         ("ndim", "<i8"),
         ("shape", "<i8", (4,)),

@@ -144,22 +144,35 @@ class Ring:
         """The members that keep the ring full while member ``me`` waits for batch ``q``, which
         nobody can claim for want of a slot: iterating members whose next batch, or a batch whose
         tensor they still hold, is the oldest in the ring (they are a whole ring behind ``me``),
-        and whose training is slower than ``me``'s (:data:`SLOWER` times its pace per sample).
-        A member that lags only for a moment (a pause, a slow first batch) trains at ``me``'s pace
-        and is waited for."""
+        and whose training is slower than both ``me``'s (:data:`SLOWER` times its pace per sample)
+        and the group's producers (``make_pace``): they cannot keep up. A member that lags only for
+        a moment (a pause, a slow first batch, a process starved of CPU while the producers are
+        the bottleneck) trains faster than the group makes batches and is waited for."""
         h, S = self.h, self.slots
         released, frontier = int(h["released"]), int(h["frontier"])
         pace = float(self.m[me]["pace"])
         if q < frontier or frontier - released < S or pace <= 0:
             return []
+        floor = max(SLOWER * pace, float(h["make_pace"]))
         bit = np.uint64(1 << (released % S))
         out = []
         for k in self.enrolled():
             m = self.m[k]
             behind = int(m["cursor"]) <= released or (m["held"] & bit) != 0
-            if k != me and m["iterating"] and behind and float(m["pace"]) > SLOWER * pace:
+            if k != me and m["iterating"] and behind and float(m["pace"]) > floor:
                 out.append(k)
         return out
+
+    def made(self, q: int, n: int, now: float) -> None:
+        """Batch ``q`` (``n`` samples) was made: the group's production pace takes it in. A batch
+        took its producer ``now - claimed_at``; the attached members' producers run side by side."""
+        slot = self.s[q % self.slots]
+        producers = max(1, int(np.count_nonzero(self.m["state"] == 1)))
+        if n <= 0:
+            return
+        took = (now - float(slot["claimed_at"])) / (n * producers)
+        h = self.h
+        h["make_pace"] = took if float(h["make_pace"]) <= 0 else 0.8 * float(h["make_pace"]) + 0.2 * took
 
     def detach(self, k: int) -> None:
         """Member ``k`` stops holding the group for the rest of its pass (it finishes it alone)."""
