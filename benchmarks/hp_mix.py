@@ -20,8 +20,8 @@ Scenarios (``--scenarios``):
 - ``slow``: two fast jobs in a group ("pair"); the same two with a third job 3x slower per batch
   in the group ("trio"); the two in a group and the slow job beside them without a group
   ("beside"). Targets: the fast jobs in the trio lose at most 10% against the pair; the slow job
-  in the trio is no slower than beside them. The slow job's sleep makes its batch take 3x a fast
-  job's batch in the pair (measured in the first pair run).
+  in the trio is no slower than beside them. The slow job sleeps 3x the time a fast job's batch
+  takes in the pair (measured in a first pair run), so that it trains at most a third as fast.
 
     python -m benchmarks.hp_mix --data /var/tmp/coordl-bench/train --images 2000
 """
@@ -177,7 +177,7 @@ def compare(args, workdir: Path, modes: dict[str, list[dict]]) -> dict:
 
 def same(args, workdir: Path) -> list[dict]:
     rows = []
-    for n in (2, 4):
+    for n in [int(x) for x in args.jobs.split(",")]:
         print(f"same batch, N={n}")
         alone = [{"batch": 64}] * n
         group = [{"batch": 64, "group": f"same{n}"}] * n
@@ -228,7 +228,7 @@ def slow(args, workdir: Path) -> dict:
     fast = {"batch": 64, "sleep": args.sleep, "group": "fast"}
     first = summary(launch(args, workdir, [fast, fast]))
     per_batch = 64 / mean(first["per_job_samples_per_s"])
-    slow_sleep = 3 * per_batch - (per_batch - args.sleep)  # its batch takes 3x a fast one's
+    slow_sleep = 3 * per_batch  # its training step alone takes 3x a fast job's whole batch
     print(f"slow member: a fast batch takes {per_batch:.3f} s in the pair; the slow one sleeps {slow_sleep:.3f} s")
     s_in = {"batch": 64, "sleep": slow_sleep, "group": "fast"}
     s_out = {"batch": 64, "sleep": slow_sleep}
@@ -269,6 +269,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.0, help="the fast jobs' training step per batch (slow scenario)")
     p.add_argument("--scenarios", default="same,mix,handoff,slow")
+    p.add_argument("--jobs", default="2,4", help="the numbers of jobs of the same scenario")
     p.add_argument("--handoff-key", default="handoff", help="the result's key for the hand-off figures")
     p.add_argument(
         "--stage-batch-unsupported", action="store_true", help="a coordl before HPGroup(stage_batch): batch 64 only"
