@@ -368,7 +368,10 @@ class StagingArea:
     def detach_laggards(self, q: int) -> list[int]:
         """Detaches the members a whole ring behind this one, which waits for batch ``q`` that
         nobody can claim (:meth:`Ring.laggards <coordl.staging.ring.Ring.laggards>`): they finish
-        their pass alone and rejoin at a later one. Returns their pids."""
+        their pass alone and rejoin at a later one. Returns their pids. Takes the lock only when
+        the ring is full: a consumer waiting for a batch being made costs the group nothing."""
+        if not self._ring.full_for(q):
+            return []
         with self._mutex:
             self._holds.apply_freed()
             ring = self._ring

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl.staging.layout import CLAIMED, EMPTY, ERROR, MAX_MEMBERS, READY, TODO, records
+from coordl.staging.layout import CLAIMED, EMPTY, ERROR, READY, TODO, records
 
 __all__ = ["SLOWER", "Claim", "Mutex", "Ring", "Taken"]
 
@@ -117,7 +117,7 @@ class Ring:
 
     def enrolled(self) -> list[int]:
         m = self.m
-        return [k for k in range(MAX_MEMBERS) if m[k]["state"] == 1 and m[k]["start"] >= 0]
+        return np.flatnonzero((m["state"] == 1) & (m["start"] >= 0)).tolist()
 
     def enroll(self, me: int, epoch: int, *, may_rebase: bool, after: int | None = None) -> tuple[int, bool]:
         """Starts member ``me``'s next pass: see :meth:`StagingArea.enroll`."""
@@ -148,11 +148,11 @@ class Ring:
         and the group's producers (``make_pace``): they cannot keep up. A member that lags only for
         a moment (a pause, a slow first batch, a process starved of CPU while the producers are
         the bottleneck) trains faster than the group makes batches and is waited for."""
-        h, S = self.h, self.slots
-        released, frontier = int(h["released"]), int(h["frontier"])
         pace = float(self.m[me]["pace"])
-        if q < frontier or frontier - released < S or pace <= 0:
+        if not self.full_for(q) or pace <= 0:
             return []
+        h, S = self.h, self.slots
+        released = int(h["released"])
         floor = max(SLOWER * pace, float(h["make_pace"]))
         bit = np.uint64(1 << (released % S))
         out = []
@@ -173,6 +173,11 @@ class Ring:
         took = (now - float(slot["claimed_at"])) / (n * producers)
         h = self.h
         h["make_pace"] = took if float(h["make_pace"]) <= 0 else 0.8 * float(h["make_pace"]) + 0.2 * took
+
+    def full_for(self, q: int) -> bool:
+        """Whether nobody can claim batch ``q`` for want of a slot; needs no lock (for polling)."""
+        released, frontier = int(self.h["released"]), int(self.h["frontier"])
+        return q >= frontier and frontier - released >= self.slots
 
     def detach(self, k: int) -> None:
         """Member ``k`` stops holding the group for the rest of its pass (it finishes it alone)."""
