@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from coordl.units import format_bytes, parse_bytes
@@ -160,6 +161,36 @@ def module_command(name: str, *args: str) -> list[str]:
     inherits (the repository root), or on the ``PYTHONPATH`` it inherits.
     """
     return [sys.executable, "-m", f"benchmarks.{name}", *args]
+
+
+# -- jobs started together ------------------------------------------------------------------
+def job_files(workdir: Path, k: int) -> tuple[Path, Path]:
+    """Job ``k``'s output and ready files in ``workdir``, neither left from a run before."""
+    out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
+    out.unlink(missing_ok=True)
+    ready.unlink(missing_ok=True)
+    return out, ready
+
+
+def start_together(commands: list[list[str]], readies: list[Path], go: Path, before_go=None) -> list:
+    """Starts the jobs' ``commands``; once every one has touched its ready file (its loader is made),
+    calls ``before_go`` and touches ``go``, which they all wait for (:func:`wait_for_go`)."""
+    procs = [subprocess.Popen(c) for c in commands]
+    while not all(r.exists() for r in readies):
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise SystemExit("a job failed before starting")
+        time.sleep(0.05)
+    if before_go is not None:
+        before_go()
+    go.touch()
+    return procs
+
+
+def wait_for_go(ready: str, go: str) -> None:
+    """In a job: says it is ready, then waits for the go file of :func:`start_together`."""
+    Path(ready).touch()
+    while not os.path.exists(go):
+        time.sleep(0.01)
 
 
 # -- the machine -----------------------------------------------------------------------------

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,9 +45,7 @@ def job(args) -> None:
         **kw,
         cache=coordl.Cache(size=1.0, keep=True),
     ) as loader:
-        Path(args.ready).touch()
-        while not os.path.exists(args.go):
-            time.sleep(0.01)
+        common.wait_for_go(args.ready, args.go)
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             t0 = time.perf_counter()
@@ -97,11 +93,9 @@ def launch(
     cache just before and counts the bytes the device delivers while they run."""
     go = workdir / "go"
     go.unlink(missing_ok=True)
-    procs, outs = [], []
+    commands, outs = [], []
     for k in range(n):
-        out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
-        out.unlink(missing_ok=True)
-        ready.unlink(missing_ok=True)
+        out, ready = common.job_files(workdir, k)
         cmd = common.module_command(
             "hp_group",
             "--job",
@@ -122,17 +116,16 @@ def launch(
             cmd += ["--group", group]
         if kill_one and k == 0:
             cmd += ["--progress", str(workdir / "progress0")]
-        procs.append(subprocess.Popen(cmd))
+        commands.append(cmd)
         outs.append((out, ready))
-    while not all(r.exists() for _, r in outs):
-        if any(p.poll() not in (None, 0) for p in procs):
-            raise SystemExit("a job failed before starting")
-        time.sleep(0.05)
-    why = None
-    if dev is not None:  # the dataset leaves the page cache (the jobs' libraries stay in it)
-        why = evict(args.data)
-        before = common.sectors_read(dev)
-    go.touch()
+    cold = {}
+
+    def drop_the_dataset():  # the dataset leaves the page cache (the jobs' libraries stay in it)
+        cold["why"] = evict(args.data)
+        cold["before"] = common.sectors_read(dev)
+
+    procs = common.start_together(commands, [r for _, r in outs], go, drop_the_dataset if dev is not None else None)
+    why, before = cold.get("why"), cold.get("before")
     killed_at = None
     if kill_one:
         nb = -(-args.images // args.batch_size)

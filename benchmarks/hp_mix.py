@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,9 +61,7 @@ def job(args) -> None:
         cache=coordl.Cache(size=1.0, keep=True),
         **kw,
     ) as loader:
-        Path(args.ready).touch()
-        while not os.path.exists(args.go):
-            time.sleep(0.01)
+        common.wait_for_go(args.ready, args.go)
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             t0 = time.perf_counter()
@@ -101,11 +98,9 @@ def launch(args, workdir: Path, jobs: list[dict]) -> list[dict]:
     """Runs ``jobs`` (each: batch, sleep, group, stage_batch) together; returns what each wrote."""
     go = workdir / "go"
     go.unlink(missing_ok=True)
-    procs, files = [], []
+    commands, files = [], []
     for k, spec in enumerate(jobs):
-        out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
-        out.unlink(missing_ok=True)
-        ready.unlink(missing_ok=True)
+        out, ready = common.job_files(workdir, k)
         cmd = common.module_command(
             "hp_mix",
             "--job",
@@ -130,13 +125,9 @@ def launch(args, workdir: Path, jobs: list[dict]) -> list[dict]:
         )
         if spec.get("group"):
             cmd += ["--group", spec["group"]]
-        procs.append(subprocess.Popen(cmd))
+        commands.append(cmd)
         files.append((out, ready))
-    while not all(r.exists() for _, r in files):
-        if any(p.poll() not in (None, 0) for p in procs):
-            raise SystemExit("a job failed before starting")
-        time.sleep(0.05)
-    go.touch()
+    procs = common.start_together(commands, [r for _, r in files], go)
     for p in procs:
         p.wait()
     if any(p.returncode for p in procs):

@@ -165,20 +165,21 @@ def _area(name, **kw):
     )
 
 
-def _fill(area, count):
-    for _ in range(count):
-        c = area.claim(block=False)
-        area.publish(c, 2)
+def _full_ring(name):
+    """Two members of a 4-slot ring: the fast one made and consumed batches 0-3, the slow one none."""
+    fast, slow = _area(name), _area(name)
+    fast.enroll(0, may_rebase=False)
+    slow.enroll(0, may_rebase=False)
+    for _ in range(4):
+        fast.publish(fast.claim(block=False), 2)
+    for q in range(4):
+        fast.release(fast.take(q))
+    return fast, slow
 
 
 def test_only_a_member_a_whole_ring_behind_that_trains_slower_is_detached(isolated):
-    fast, slow = _area("lag"), _area("lag")
+    fast, slow = _full_ring("lag")
     try:
-        fast.enroll(0, may_rebase=False)
-        slow.enroll(0, may_rebase=False)
-        _fill(fast, 4)
-        for q in range(4):
-            fast.release(fast.take(q))
         assert fast.claim(block=False) is None  # full: the slow member still needs batch 0
         assert fast.detach_laggards(4) == []  # no pace known yet: it is waited for
         fast.set_pace(0.001)
@@ -198,13 +199,8 @@ def test_only_a_member_a_whole_ring_behind_that_trains_slower_is_detached(isolat
 
 
 def test_a_member_holding_the_oldest_batch_s_tensor_is_behind_too(isolated):
-    fast, slow = _area("held"), _area("held")
+    fast, slow = _full_ring("held")
     try:
-        fast.enroll(0, may_rebase=False)
-        slow.enroll(0, may_rebase=False)
-        _fill(fast, 4)
-        for q in range(4):
-            fast.release(fast.take(q))
         held = slow.take(0)  # its cursor moved on, but its tensor still maps batch 0's slot
         fast.set_pace(0.001)
         slow.set_pace(0.01)
@@ -233,3 +229,22 @@ def test_a_view_is_private_to_the_member_and_outlives_the_slot(tiny_dataset, iso
             kept.append((x, x.clone()))
         for x, copy in kept:
             torch.testing.assert_close(x, copy)
+
+
+@pytest.mark.parametrize("batch_size", [4, 12])  # inside one staged batch; across two
+def test_uint8_staged_batches_cut_and_normalised_by_the_member_match_the_pipeline(
+    tiny_dataset, isolated, monkeypatch, batch_size
+):
+    """The path a member on a GPU takes (uint8 rows, normalised by the member), on the CPU."""
+    val = coordl.ImageNetVal(size=16, resize=20)  # deterministic, so both ways must agree
+    kw = {"pipeline": val, "shuffle": False, "return_index": True, "prep": 1}
+    with CoordLoader(str(tiny_dataset), batch_size=batch_size, **kw) as plain:
+        want = [(x, i) for x, _, i in plain]
+    monkeypatch.setenv("COORDL_HP_STAGE_UINT8", "1")
+    group = coordl.HPGroup("u8-cut", stage_batch=8)
+    with CoordLoader(str(tiny_dataset), batch_size=batch_size, hp_group=group, **kw) as grouped:
+        got = [(x, i) for x, _, i in grouped]
+    assert [i.tolist() for _, i in got] == [i.tolist() for _, i in want]
+    for (g, _), (w, _) in zip(got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-5)
