@@ -213,8 +213,8 @@ class StagingArea:
         current one if the group is still at its start, else the next one. A member alone
         in the group with nothing in flight, whose passes so far all had the order of its own
         epochs (``may_rebase``), gets the order of ``epoch``, as a plain loader would.
-        ``after``: the order (sampler epoch) of this member's last pass, when it did not continue
-        from it: it joins a pass of a later order.
+        ``after``: the order (sampler epoch) of this member's last finished pass, when it does not
+        continue from it (it finished it alone): it joins a pass of a later order.
         """
         with self._mutex:
             self._holds.apply_freed()

@@ -80,7 +80,7 @@ class GroupPass(Pass):
         self.member = member
         self.area = area
         self.first = start
-        self.order_epoch = member.last_order = order_epoch
+        self.order_epoch = order_epoch
         member.in_step &= self.order_epoch == epoch
         self.q, self.end = start, start + area.batches_per_pass  # the next staged batch to take; the pass's end
         self.i = 0  # this member's next batch
@@ -322,6 +322,7 @@ class GroupPass(Pass):
     # -- end, statistics ------------------------------------------------------------------------
     def _finish(self) -> None:
         self.member.went_alone = self._alone_pass is not None
+        self.member.last_order = self.order_epoch  # a pass left unfinished may be joined again, as a plain loader would
         self.area.finish_pass(self.end)
         # One reading of the producers' count ends this pass's share and starts the next's: a
         # batch made while the statistics are taken counts in one of them, not in neither.

@@ -121,7 +121,7 @@ class GroupMember:
         self._units: dict[int, list[np.ndarray]] = {}
         self.paces: collections.deque[float] = collections.deque(maxlen=8)  # s/sample of its recent batches
         self.went_alone = False  # its last pass was finished alone (it was detached)
-        self.last_order: int | None = None  # the order (sampler epoch) of its last pass
+        self.last_order: int | None = None  # the order (sampler epoch) of its last finished pass
 
     def _uint8_staging(self) -> bool:
         r = self.recipe
