@@ -14,6 +14,8 @@ whose last epochs end out of step close their loaders at different times, as in 
 Every rank adds how long its ``close()`` took (``close_s``) to its record once it has closed.
 ``--sigterm-at-end R`` makes rank R send itself SIGTERM after its last epoch (a preempted job),
 once its record holds its pid and the time (``sigterm_at``).
+``--coco ANNOTATIONS`` reads a COCO detection set (``data`` is its images folder) with SSDTrain and
+records every sample's delivered boxes.
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -62,15 +64,19 @@ def main() -> None:
     p.add_argument("--stall", default="")
     p.add_argument("--sleep-before-close", default="")
     p.add_argument("--sigterm-at-end", type=int, default=-1)
+    p.add_argument("--coco", default="", help="a COCO annotations file: data is its images, the recipe SSDTrain")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cache = float(a.cache) if "." in a.cache else int(a.cache)
+    data, recipe = a.data, coordl.ImageNetTrain(size=a.size)
+    if a.coco:
+        data, recipe = coordl.Index.from_coco(a.data, a.coco), coordl.SSDTrain(size=a.size)
     loader = coordl.CoordLoader(
-        a.data,
+        data,
         batch_size=a.batch_size,
-        pipeline=coordl.ImageNetTrain(size=a.size),
+        pipeline=recipe,
         device_id=None,
         return_index=True,
         seed=5,
@@ -94,10 +100,12 @@ def main() -> None:
     for epoch in range(first, a.epochs):
         loader.set_epoch(epoch)
         t0 = time.perf_counter()
-        batches = []
+        batches, boxes = [], {}
         for k, (images, labels, ids) in enumerate(loader):
             assert images.dtype == torch.float32 and len(labels) == len(ids)
             batches.append(ids.tolist())
+            if a.coco:  # the targets: each sample's boxes
+                boxes.update({str(i): t["boxes"].tolist() for i, t in zip(ids.tolist(), labels)})
             if a.step_ms:
                 time.sleep(a.step_ms / 1000)
             if (rank, epoch, k) == stall[:3]:
@@ -112,6 +120,8 @@ def main() -> None:
         record["epochs"].append(
             {"epoch": epoch, "batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0}
         )
+        if a.coco:
+            record["epochs"][-1]["boxes"] = boxes
         save(record, a.out)
         if "state" in record:
             break

@@ -37,6 +37,8 @@ PURE = [
     "coordl.fetch.wire",
     "coordl.analyze.model",
     "coordl.tiers.model",
+    "coordl.detection.boxes",
+    "coordl.detection.crops",
 ]
 PURE_IF_PRESENT = [
     "coordl.draws",

@@ -236,7 +236,11 @@ class Received:
 def batch_of(epoch: int, out) -> Batch:
     images, labels = out[0], out[1]
     digest = hashlib.sha1(images.cpu().contiguous().numpy().tobytes()).hexdigest()
-    return Batch(epoch, tuple(images.shape), images.dtype, images.device.type, digest, tuple(labels.tolist()))
+    if isinstance(labels, list):  # a detection batch's targets: each sample's labels
+        labels = tuple(tuple(t["labels"].tolist()) for t in labels)
+    else:
+        labels = tuple(labels.tolist())
+    return Batch(epoch, tuple(images.shape), images.dtype, images.device.type, digest, labels)
 
 
 @dataclasses.dataclass
@@ -498,7 +502,9 @@ def _field_defaults(cls) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("cls", [coordl.ImageNetTrain, coordl.ImageNetVal], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [coordl.ImageNetTrain, coordl.ImageNetVal, coordl.SSDTrain, coordl.SSDVal], ids=lambda c: c.__name__
+)
 def test_configuration_documents_every_recipe_field_with_its_default(cls):
     _check_defaults(_fields_table("Recipes", cls), _field_defaults(cls), cls.__name__)
 

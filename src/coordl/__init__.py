@@ -3,13 +3,16 @@
 ``CoordLoader`` replaces ``torch.utils.data.DataLoader``: it shards and shuffles like
 ``DistributedSampler``, decodes and augments with NVIDIA DALI, and keeps raw samples in the
 node's cache in shared memory (never evicted: the paper's MinIO policy) so that every epoch
-after the first reads only what the cache cannot hold. Each feature takes one option object
+after the first reads only what the cache cannot hold. Detection datasets (:meth:`Index.from_coco`)
+take the SSD recipes (:class:`SSDTrain`, :class:`SSDVal`) and deliver boxes with their pixels.
+Each feature takes one option object
 (:class:`Cache`, :class:`Peers`, :class:`HPGroup`, :class:`Shard`, :class:`Prep`,
 :class:`Fetch`). Datasets with Python transforms (:mod:`coordl.datasets`, imported on first
 use) run on PyTorch's DataLoader workers with the same cache.
 """
 
 from coordl.errors import (
+    AnnotationError,
     CoordlError,
     DatasetChangedError,
     GroupConfigError,
@@ -22,7 +25,7 @@ from coordl.errors import (
 from coordl.index import Index
 from coordl.loader import CoordLoader
 from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, RayPrep, Shard
-from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext
+from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext, SSDTrain, SSDVal
 
 __version__ = "0.1.0"
 
@@ -36,6 +39,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AnnotationError",
     "Cache",
     "CoordLoader",
     "CoordlError",
@@ -51,6 +55,8 @@ __all__ = [
     "Prep",
     "PrepContext",
     "RayPrep",
+    "SSDTrain",
+    "SSDVal",
     "SampleError",
     "Shard",
     "ShardError",

@@ -12,6 +12,8 @@ callable works (a user's own, torchvision's).
 - :class:`DatasetFolder`: any file type in a class-per-folder tree, with a ``loader``
   that reads a binary file object (audio with ``wave`` or ``soundfile``, NumPy arrays...).
 - :class:`FileDataset`: any list of ``(path, target)`` files with a ``decode`` function.
+- :class:`CocoDetection`: torchvision's ``CocoDetection`` (COCO's ``instances_*.json``), with the
+  targets detection models take (boxes and labels).
 
 Used on their own (``dataset[i]``, or a plain ``DataLoader``) they read files directly.
 """
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "IMG_EXTENSIONS",
+    "CocoDetection",
     "DatasetFolder",
     "FileDataset",
     "ImageFolder",
@@ -294,6 +297,72 @@ class TarDataset(FileDataset):
         )
         self._init(index, decode or pil_decode, transform, target_transform)
         self.root = os.fspath(shards) if isinstance(shards, (str, os.PathLike)) else None
+
+
+class CocoDetection(FileDataset):
+    """torchvision's ``CocoDetection`` with coordl reading the files: the same signature, images
+    and order (by image id), and targets in the form torchvision's detection models take.
+
+    Items are ``transforms(image, target)`` when ``transforms`` is given, else
+    ``(transform(image), target_transform(target))``: ``image`` an RGB ``PIL.Image`` decoded by
+    Pillow, ``target`` a dict ``{"boxes": float32 (N, 4) x1 y1 x2 y2 in pixels, "labels": int64 (N,),
+    "image_id": int}`` (torchvision's own returns the raw list of annotation dicts, which
+    its references then convert to this). Crowd boxes are left out, as torchvision's references
+    leave them; the annotations are checked as :meth:`Index.from_coco
+    <coordl.index.Index.from_coco>` checks them.
+
+    Args:
+        root: the folder of the images (or an ``s3://`` prefix).
+        annFile: the annotations file (``instances_*.json``).
+        transform, target_transform, transforms: as torchvision's.
+        skip_empty, on_error, index_dir: as :meth:`Index.from_coco <coordl.index.Index.from_coco>`'s.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        annFile: str | os.PathLike,  # noqa: N803 - torchvision's name
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        transforms: Callable | None = None,
+        *,
+        skip_empty: bool = False,
+        on_error: str = "raise",
+        index_dir: str | None = None,
+    ):
+        if transforms is not None and (transform is not None or target_transform is not None):
+            raise ValueError("Only transforms or transform/target_transform can be passed as argument")
+        index = Index.from_coco(root, annFile, skip_empty=skip_empty, on_error=on_error, index_dir=index_dir)
+        self._init(index, pil_decode, transform, target_transform)
+        self.transforms = transforms
+        self.root = os.fspath(root)
+        self.ids = index.boxes.image_ids.tolist()
+
+    @property
+    def targets(self) -> list[dict]:
+        """The target of every item (made on each access)."""
+        return [self.target(i) for i in range(len(self))]
+
+    def target(self, i: int) -> dict:
+        """Item ``i``'s target, before ``target_transform``."""
+        import torch
+
+        xyxy, labels = self.index.boxes.of(i)
+        return {
+            "boxes": torch.from_numpy(np.array(xyxy, dtype=np.float32)).reshape(-1, 4),
+            "labels": torch.from_numpy(np.array(labels, dtype=np.int64)),
+            "image_id": int(self.index.boxes.image_ids[i]),
+        }
+
+    def item(self, sample, i: int):
+        target = self.target(i)
+        if self.transforms is not None:
+            return self.transforms(sample, target)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
 
 
 def as_file(data, path: str) -> io.BytesIO:

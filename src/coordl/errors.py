@@ -12,6 +12,7 @@ import sys
 import warnings
 
 __all__ = [
+    "AnnotationError",
     "CoordlError",
     "DatasetChangedError",
     "GroupConfigError",
@@ -69,6 +70,29 @@ class SampleError(CoordlError):
 
 def _sample_error(cls, message: str, path: str, index: int) -> SampleError:
     return cls(message, path=path, index=index)
+
+
+class AnnotationError(CoordlError, ValueError):
+    """A detection dataset's annotations are not usable: a file that is not COCO's JSON, an image
+    listed but missing, a box of no area or outside its image, an annotation of an unknown image
+    or category (the message names the file and the image id).
+
+    Attributes:
+        path: the annotations file (or the image file, or the tar shard's member) at fault.
+        image_id: the image's id in the annotations, or None when the fault is the file's own.
+    """
+
+    def __init__(self, message: str, *, path: str, image_id: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.image_id = image_id
+
+    def __reduce__(self):  # pickled with its keyword arguments, as SampleError
+        return _annotation_error, (type(self), str(self), self.path, self.image_id), self.__dict__
+
+
+def _annotation_error(cls, message: str, path: str, image_id) -> AnnotationError:
+    return cls(message, path=path, image_id=image_id)
 
 
 class GroupConfigError(CoordlError, ValueError):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl import env, indexfile
+from coordl.detection.boxes import Boxes
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
 from coordl.tars import IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS
@@ -73,6 +74,9 @@ class Index:
             :class:`~coordl.paths.PathTable` of strings), or None for files.
         shards: where the samples of a dataset of tar shards lie (:class:`~coordl.tars.Shards`), or
             None. Then ``paths[i]`` is ``<shard>:<member>``, and ``sizes[i]`` the image member's size.
+        boxes: the targets of a detection dataset (:class:`~coordl.detection.boxes.Boxes`: every
+            sample's boxes, their labels, its image's size and id), or None for a dataset of
+            classes. Then every ``labels[i]`` is 0. Part of the fingerprint.
     """
 
     paths: PathTable
@@ -84,6 +88,7 @@ class Index:
     saved_path: str | None = None  # where this index is saved, if it is
     etags: PathTable | None = None
     shards: Shards | None = None
+    boxes: Boxes | None = None
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -112,10 +117,18 @@ class Index:
 
     @classmethod
     def build(
-        cls, paths: Sequence[str] | PathTable, labels, sizes, classes=(), root=None, etags=None, shards=None
+        cls,
+        paths: Sequence[str] | PathTable,
+        labels,
+        sizes,
+        classes=(),
+        root=None,
+        etags=None,
+        shards=None,
+        boxes: Boxes | None = None,
     ) -> Index:
         """An index from parallel sequences, with its fingerprint computed (and, for tar shards, the
-        shards' paths, each sample's shard and offset).
+        shards' paths, each sample's shard and offset; for a detection dataset, its boxes).
 
         Raises:
             ValueError: the three sequences differ in length, or a path contains a NUL.
@@ -143,7 +156,14 @@ class Index:
             h.update(np.ascontiguousarray(shards.offsets, dtype="<i8"))
             if shards.etags is not None:
                 h.update(shards.etags.blob)
-        return cls(table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags, shards=shards)
+        if boxes is not None:
+            if len(boxes) != len(table):
+                raise ValueError(f"Index.build got boxes of {len(boxes)} samples for {len(table)} samples")
+            h.update(b"boxes")
+            boxes.hash_into(h)
+        return cls(
+            table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags, shards=shards, boxes=boxes
+        )
 
     @classmethod
     def from_list(cls, samples: Iterable[tuple[str | os.PathLike, int]], classes: Sequence[str] = ()) -> Index:
@@ -192,6 +212,7 @@ class Index:
         rebuild: bool = False,
         skip: bool = False,
         stream: bool | None = None,
+        boxes: bool = False,
     ) -> Index:
         """The index of a dataset in tar shards (WebDataset's format, :mod:`coordl.tars`), loaded
         from the index directory while every shard keeps its size and modification time (an
@@ -212,6 +233,10 @@ class Index:
                 shard (every byte, a GET a shard); None (the default), by range GETs in each
                 shard until they move half as many bytes as they go past (members of a few KB),
                 and the rest of that shard by one GET.
+            boxes: a detection dataset: each sample's target is its ``.json`` member, COCO's fields
+                for one image (``width``, ``height``, ``annotations`` of ``bbox``, ``category_id``
+                and ``iscrowd``, and optionally ``image_id``), read by the rules of
+                :meth:`from_coco`; with ``skip``, a bad box is left out and counted.
 
         Raises:
             FileNotFoundError: no shard, or a shard is missing.
@@ -220,6 +245,8 @@ class Index:
         """
         from coordl import tars
 
+        if boxes and label is not None:
+            raise ValueError("Index.from_tars takes boxes=True (the .json members) or a label function, not both")
         files = tars.shard_list(data)
         root = os.fspath(data) if isinstance(data, (str, os.PathLike)) else None
         image = tuple(e.lower().lstrip(".") for e in image)
@@ -227,7 +254,7 @@ class Index:
         stamps = tars.stamps(files)
         saved = None
         if index_dir and label is None:
-            key = ["tars", files, list(image), skip]
+            key = ["tars", files, list(image), skip] + (["boxes"] if boxes else [])
             if s3url.is_url(files[0]):
                 key.append({"store": _store_name()})
             saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
@@ -237,8 +264,68 @@ class Index:
                 return dataclasses.replace(opened[0], saved_path=saved)
             if opened is not None:
                 log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
+        label = tars.JSON if boxes else label
         paths, labels, sizes, shards = tars.index(files, stamps, image=image, label=label, skip=skip, stream=stream)
-        index = cls.build(paths, labels, sizes, (), root, shards=shards)
+        table = None
+        if boxes:
+            from coordl.detection import dataset
+
+            table = dataset.boxes_of_members(paths, labels, on_error="skip" if skip else "raise")
+            labels = np.zeros(len(paths), dtype=np.int64)
+        index = cls.build(paths, labels, sizes, (), root, shards=shards, boxes=table)
+        return _publish(index, stamps, saved) if saved else index
+
+    @classmethod
+    def from_coco(
+        cls,
+        images: str | os.PathLike,
+        annotations: str | os.PathLike,
+        *,
+        skip_empty: bool = False,
+        on_error: str = "raise",
+        index_dir: str | None = None,
+        rebuild: bool = False,
+    ) -> Index:
+        """The index of a COCO-format detection dataset: the images of ``annotations``, in the
+        order of their ids (as ``torchvision.datasets.CocoDetection``), each with its boxes
+        (:attr:`boxes`), loaded from the index directory while the annotations file keeps its size
+        and modification time and the images' folder its modification time.
+
+        Args:
+            images: the folder the ``file_name`` of every image is relative to, or an ``s3://`` prefix.
+            annotations: an ``instances_*.json`` file (COCO's instances format).
+            skip_empty: leave out images without a box (crowd boxes do not count); kept by default.
+            on_error: ``"raise"`` an :class:`~coordl.errors.AnnotationError` at a missing image, a
+                box of no area or outside its image, or an annotation of an unknown image or category;
+                ``"skip"`` leaves it out and counts it (``index.boxes.skipped``, ``loader.stats()``).
+            index_dir, rebuild: as :meth:`scan`.
+
+        Raises:
+            FileNotFoundError: no annotations file, or no images folder.
+            AnnotationError: the file is not COCO's JSON, or (``on_error="raise"``) a fault above;
+                the message names the file and the image id.
+        """
+        from coordl.detection import dataset
+
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        images = s3url.normalize(images) if s3url.is_url(images) else os.path.abspath(os.fspath(images))
+        annotations = os.path.abspath(os.fspath(annotations))
+        index_dir = default_index_dir() if index_dir is None else index_dir
+        stamps = dataset.stamps(images, annotations)
+        saved = None
+        if index_dir:
+            key = ["coco", images, annotations, skip_empty, on_error]
+            if s3url.is_url(images):
+                key.append({"store": _store_name()})
+            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+        if saved and not (rebuild or env.flag("COORDL_REINDEX")):
+            opened = _open(saved)
+            if opened is not None and opened[0].boxes is not None and opened[1] == stamps:
+                return dataclasses.replace(opened[0], saved_path=saved)
+        found = dataset.coco_samples(images, annotations, skip_empty=skip_empty, on_error=on_error)
+        labels = np.zeros(len(found.paths), dtype=np.int64)
+        index = cls.build(found.paths, labels, found.sizes, (), images, etags=found.etags, boxes=found.boxes)
         return _publish(index, stamps, saved) if saved else index
 
     @classmethod
@@ -393,9 +480,14 @@ def _key(key) -> str:
 def _save(index: Index, dirs: list, path: str) -> None:
     """Saves ``index`` with ``dirs``: its folders' times, or its shards' ``[size, mtime_ns]``."""
     meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
-    sh = index.shards
+    sh, bx = index.shards, index.boxes
     shards = (sh.files, sh.of, sh.offsets) if sh is not None else None
-    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags, shards)
+    boxes = None
+    if bx is not None:
+        boxes = (bx.offsets, bx.xyxy, bx.labels, bx.image_sizes, bx.image_ids)
+        meta["categories"] = [[int(k), v] for k, v in bx.categories.items()]
+        meta["skipped"] = dict(bx.skipped)
+    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags, shards, boxes)
     with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
         os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
 
@@ -410,7 +502,11 @@ def _open(path: str) -> tuple[Index, list] | None:
         return None
     try:
         classes, root, dirs = tuple(saved.meta["classes"]), saved.meta["root"], list(saved.meta["dirs"])
-    except (KeyError, TypeError) as e:
+        boxes = None
+        if saved.boxes is not None:
+            categories = {int(k): str(v) for k, v in saved.meta["categories"]}
+            boxes = Boxes(*saved.boxes, categories=categories, skipped=dict(saved.meta["skipped"]))
+    except (KeyError, TypeError, ValueError) as e:
         log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
         return None
     index = Index(
@@ -422,6 +518,7 @@ def _open(path: str) -> tuple[Index, list] | None:
         fingerprint=saved.fingerprint,
         etags=saved.etags,
         shards=_shards(saved.shards, dirs),
+        boxes=boxes,
     )
     return index, dirs
 
@@ -440,7 +537,7 @@ def _load_if_fresh(path: str, root: str) -> Index | None:
     if opened is None:
         return None
     index, dirs = opened
-    if index.root != root or index.shards is not None:
+    if index.root != root or index.shards is not None or index.boxes is not None:
         return None
     if s3url.is_url(root):
         from coordl.s3 import listing

@@ -9,7 +9,10 @@ index as a second table of strings, ``etag_offsets`` (int64, count + 1) and ``et
 (both empty for local files), and for a dataset of tar shards (:mod:`coordl.tars`) each sample's
 shard, ``shard_of`` (int64, count), where its bytes start in it, ``data_offsets`` (int64, count), and
 the shards' paths as a third table, ``shard_offsets`` (int64, shards + 1) and ``shard_blob`` (all
-four empty for files and objects). The arrays are stored as they are in
+four empty for files and objects), and for a detection dataset (:mod:`coordl.detection`) its boxes:
+``box_offsets`` (int64, count + 1), ``box_xyxy`` (float32, boxes x 4), ``box_labels`` (int64, boxes),
+``image_sizes`` (int64, count x 2) and ``image_ids`` (int64, count) (all five empty for a dataset of
+classes). The arrays are stored as they are in
 memory, so reading the file is mapping it: no sample is read at load, and the processes
 of a machine share one copy of its pages in the page cache.
 
@@ -18,8 +21,8 @@ temporary name, fsynced and renamed over the old one; a process that mapped the 
 keeps it (a local filesystem keeps a replaced file's pages while they are mapped). On a
 network filesystem, where a replacement by another machine can pull the pages from under
 a mapping (SIGBUS), the file is read into memory instead (:func:`is_local`). Version 1
-was an ``.npz`` of another name, which is not read; versions 2 (without ETags) and 3 (without
-shards) are rescanned.
+was an ``.npz`` of another name, which is not read; versions 2 (without ETags), 3 (without
+shards) and 4 (without boxes) are rescanned.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ import numpy as np
 
 from coordl.paths import PathTable
 
-__all__ = ["FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
+__all__ = ["BOX_SECTIONS", "FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
 
 MAGIC = b"coordlix"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 ALIGN = 64
 HEADER = np.dtype(
     [
@@ -53,6 +56,7 @@ HEADER = np.dtype(
         ("etag_bytes", "<u8"),  # the ETags' blob and one (0: no ETags, local files)
         ("shard_count", "<u8"),  # tar shards (0: samples are files or objects)
         ("shard_bytes", "<u8"),  # the shards' paths' blob and one (0: no shards)
+        ("box_count", "<u8"),  # boxes and one (0: no boxes, a dataset of classes)
     ]
 )
 SUFFIX = ".idx"
@@ -71,6 +75,7 @@ class Saved:
     meta: dict
     etags: PathTable | None = None
     shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None  # files, of, offsets (coordl.tars.Shards)
+    boxes: tuple[np.ndarray, ...] | None = None  # offsets, xyxy, labels, image_sizes, image_ids (Boxes)
 
 
 def write(
@@ -82,6 +87,7 @@ def write(
     meta: dict,
     etags: PathTable | None = None,
     shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None,
+    boxes: tuple[np.ndarray, ...] | None = None,
 ) -> None:
     """Publishes a saved index at ``path``: complete, or not at all.
 
@@ -103,6 +109,8 @@ def write(
         "shard_offsets": shards[0].offsets if shards is not None else np.zeros(0, np.int64),
         "shard_blob": shards[0].blob if shards is not None else np.zeros(0, np.uint8),
     }
+    for name, a in zip(BOX_SECTIONS, boxes if boxes is not None else [np.zeros(0)] * len(BOX_SECTIONS)):
+        arrays[name] = a
     head = np.zeros((), HEADER)
     head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
     head["count"], head["blob_bytes"], head["meta_bytes"] = len(paths), len(paths.blob), len(meta_bytes)
@@ -110,8 +118,10 @@ def write(
     head["etag_bytes"] = len(etags.blob) + 1 if etags is not None else 0
     if shards is not None:
         head["shard_count"], head["shard_bytes"] = len(shards[0]), len(shards[0].blob) + 1
+    if boxes is not None:
+        head["box_count"] = len(boxes[2]) + 1
     sections, total = _sections(
-        len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]), *_shard_sizes(head)
+        len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]), *_tail_sizes(head)
     )
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique also in an index folder shared by nodes
     try:
@@ -150,7 +160,7 @@ def read(path: str) -> Saved | str | None:
         int(head["blob_bytes"]),
         int(head["meta_bytes"]),
         int(head["etag_bytes"]),
-        *_shard_sizes(head),
+        *_tail_sizes(head),
     )
     a = {name: np.frombuffer(buf, dtype, items, offset) for name, dtype, items, offset in sections}
     try:
@@ -164,6 +174,10 @@ def read(path: str) -> Saved | str | None:
     shards = None
     if head["shard_bytes"]:
         shards = (PathTable(a["shard_blob"], a["shard_offsets"]), a["shard_of"], a["data_offsets"])
+    boxes = None
+    if head["box_count"]:
+        boxes = tuple(a[name] for name in BOX_SECTIONS)
+        boxes = (boxes[0], boxes[1].reshape(-1, 4), boxes[2], boxes[3].reshape(-1, 2), boxes[4])
     return Saved(
         paths=paths,
         labels=a["labels"],
@@ -172,11 +186,17 @@ def read(path: str) -> Saved | str | None:
         meta=meta,
         etags=etags,
         shards=shards,
+        boxes=boxes,
     )
 
 
-def _shard_sizes(head) -> tuple[int, int]:
-    return int(head["shard_count"]), int(head["shard_bytes"])
+#: The sections of a detection dataset's boxes, in the order of :attr:`Saved.boxes`.
+BOX_SECTIONS = ("box_offsets", "box_xyxy", "box_labels", "image_sizes", "image_ids")
+
+
+def _tail_sizes(head) -> tuple[int, int, int]:
+    """The header's sizes of the sections after the ETags: shards, and boxes."""
+    return int(head["shard_count"]), int(head["shard_bytes"]), int(head["box_count"])
 
 
 def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
@@ -206,10 +226,17 @@ def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
 
 
 def _sections(
-    count: int, blob_bytes: int, meta_bytes: int, etag_bytes: int = 0, shard_count: int = 0, shard_bytes: int = 0
+    count: int,
+    blob_bytes: int,
+    meta_bytes: int,
+    etag_bytes: int = 0,
+    shard_count: int = 0,
+    shard_bytes: int = 0,
+    box_count: int = 0,
 ) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
     """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size
-    (``etag_bytes``, ``shard_bytes``: the header's, 0 for no ETags or shards)."""
+    (``etag_bytes``, ``shard_bytes``, ``box_count``: the header's, 0 for no ETags, shards or boxes)."""
+    boxes = max(box_count - 1, 0)
     out, at = [], HEADER.itemsize
     for name, dtype, items in (
         ("offsets", np.dtype("<i8"), count + 1),
@@ -223,6 +250,11 @@ def _sections(
         ("data_offsets", np.dtype("<i8"), count if shard_bytes else 0),
         ("shard_offsets", np.dtype("<i8"), shard_count + 1 if shard_bytes else 0),
         ("shard_blob", np.dtype(np.uint8), max(shard_bytes - 1, 0)),
+        ("box_offsets", np.dtype("<i8"), count + 1 if box_count else 0),
+        ("box_xyxy", np.dtype("<f4"), 4 * boxes),
+        ("box_labels", np.dtype("<i8"), boxes),
+        ("image_sizes", np.dtype("<i8"), 2 * count if box_count else 0),
+        ("image_ids", np.dtype("<i8"), count if box_count else 0),
     ):
         if items:  # an empty section takes no room: a file without ETags ends with its metadata
             at = -(-at // ALIGN) * ALIGN
@@ -242,7 +274,7 @@ def _unusable(buf) -> str | None:
     if head["version"] != FORMAT_VERSION:
         return f"format version {head['version']}, this coordl reads {FORMAT_VERSION}"
     count, blob_bytes, etag_bytes = int(head["count"]), int(head["blob_bytes"]), int(head["etag_bytes"])
-    sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes, *_shard_sizes(head))
+    sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes, *_tail_sizes(head))
     if len(buf) != total:
         return f"{len(buf)} bytes, the header says {total}"
     offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
@@ -260,4 +292,9 @@ def _unusable(buf) -> str | None:
         first, last = np.frombuffer(buf, "<i8", 1, at), np.frombuffer(buf, "<i8", 1, at + 8 * n)
         if first[0] != 0 or last[0] != (int(head["shard_bytes"]) if n else 0):
             return "its shard offsets do not match its shards"
+    if head["box_count"]:
+        at = next(offset for name, _, _, offset in sections if name == "box_offsets")
+        first, last = np.frombuffer(buf, "<i8", 1, at), np.frombuffer(buf, "<i8", 1, at + 8 * count)
+        if first[0] != 0 or last[0] != int(head["box_count"]) - 1:
+            return "its box offsets do not match its boxes"
     return None

@@ -402,6 +402,17 @@ class CoordLoader(DataLoaderAttributes):
         prep = dict(recipe=self.recipe, batch_size=self.batch_size, num_threads=self.num_threads)
         prep.update(device_id=self.device_id, seed=self.seed, on_error=self.on_error)
         dataloader = dict(dataset=self.dataset, on_error=self.on_error, options=self.torch_options)
+        delivery = None
+        if dali:
+            from coordl.delivery import Delivery
+
+            delivery = Delivery(
+                self.recipe,
+                self.index.boxes,
+                self.seed,
+                return_index=self.config.return_index,
+                collate_fn=self.torch_options.collate_fn,
+            )
         remote = None
         if sources.is_remote(o.prep):
             remote = dict(options=o.prep, backend=self.backend, config=self.config, cache=o.cache, recipe=self.recipe)
@@ -417,6 +428,7 @@ class CoordLoader(DataLoaderAttributes):
             prep=prep if dali else None,
             dataloader=None if dali else dict(dataloader, generator=self.generator),
             remote=remote,
+            delivery=delivery,
         )
 
     def _group_member(self):
@@ -501,7 +513,15 @@ class CoordLoader(DataLoaderAttributes):
     # -- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of the current epoch, or of the last pass if none is running: where the bytes
-        came from (per tier), where the time went (see :class:`~coordl.passes.PassStats`)."""
+        came from (per tier), where the time went (see :class:`~coordl.passes.PassStats`). A
+        detection dataset's also say what indexing left out (``index_skipped``: images, boxes and
+        annotations, with ``on_error="skip"``)."""
+        out = self._stats()
+        if self.index.boxes is not None:
+            out["index_skipped"] = dict(self.index.boxes.skipped)
+        return out
+
+    def _stats(self) -> dict:
         running = self._running()
         if running is not None:
             return running.stats().as_dict()

@@ -57,6 +57,7 @@ class Resources:
     prep: object = None
     dataloader: object = None
     remote: object = None  # the actors of remote prep (coordl.remote.prep.RemotePrep), or None
+    delivery: object = None  # how the DALI backend's batches reach the loop (coordl.delivery.Delivery)
     borrowed: bool = False  # made by with_cache: closing stops only its cache and its own workers
 
     @classmethod
@@ -73,6 +74,7 @@ class Resources:
         prep: dict | None = None,
         dataloader: dict | None = None,
         remote: dict | None = None,
+        delivery=None,
     ) -> Resources:
         """Makes every collaborator, in one place; if one fails, those made already are stopped.
 
@@ -88,6 +90,7 @@ class Resources:
             remote: the arguments of :meth:`RemotePrep.for_loader
                 <coordl.remote.prep.RemotePrep.for_loader>` but ``index`` and ``items`` (None: no
                 remote prep); its actors start now.
+            delivery: the DALI backend's :class:`~coordl.delivery.Delivery` (None: the torch backend).
         """
         made = []  # what needs stopping if a later part fails
         try:
@@ -104,7 +107,7 @@ class Resources:
             if prep is not None:
                 from coordl.prep.dali import DaliPrep
 
-                runner = DaliPrep(rank=world.rank, tiered=decoded is not None, **prep)
+                runner = DaliPrep(rank=world.rank, tiered=decoded is not None, boxes=index.boxes, **prep)
                 made.append(runner.close)
                 lifecycle.before_dali_exit()
             if dataloader is not None:
@@ -132,6 +135,7 @@ class Resources:
                 prep=runner,
                 dataloader=loader,
                 remote=actors,
+                delivery=delivery,
             )
         except BaseException:
             for stop in reversed(made):

@@ -12,7 +12,7 @@ from coordl import env
 from coordl.config import TorchOptions
 from coordl.index import Index
 from coordl.options import Fetch, Options, Prep
-from coordl.prep.recipes import resolve_recipe
+from coordl.prep.recipes import is_detection, normalised, resolve_recipe
 
 __all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
 
@@ -21,7 +21,7 @@ PIPELINE_NEEDED = (
     "augments them. The two usual choices: pipeline='imagenet-train' (random resized crop and flip, "
     "normalised: for training) or pipeline='imagenet-val' (resize, centre crop, normalised: for "
     "evaluation); or a coordl.ImageNetTrain(...)/ImageNetVal(...) with other sizes, or a recipe of "
-    "your own (docs/user-guide.md#custom-dali-recipes)"
+    "your own (docs/user-guide.md#custom-dali-recipes); for a detection dataset, 'ssd-train' or 'ssd-val'"
 )
 
 
@@ -57,7 +57,7 @@ def open_source(
     """
     dataset = as_dataset(data)
     if dataset is None:
-        given = torch_options.given()
+        given = [k for k in torch_options.given() if k != "collate_fn"]  # DALI's batches may be laid out too
         if torch_options.num_workers:
             raise ValueError(
                 f"num_workers={torch_options.num_workers} starts DataLoader worker processes, which the torch "
@@ -71,8 +71,10 @@ def open_source(
             )
         if pipeline is None:
             raise ValueError(PIPELINE_NEEDED)
-        index = make_index(data, skip=on_error == "skip")
-        source = Source("dali", index, index, resolve_recipe(pipeline), resolve_device(device_id))
+        recipe = resolve_recipe(pipeline)
+        index = make_index(data, skip=on_error == "skip", boxes=is_detection(recipe))
+        _check_targets(recipe, index)
+        source = Source("dali", index, index, recipe, resolve_device(device_id))
         remote = options.prep if is_remote(options.prep) else None
         if remote is not None and remote.output == "uint8" and not uint8_able(source.recipe):
             raise ValueError(
@@ -119,6 +121,22 @@ def open_source(
     return source
 
 
+def _check_targets(recipe, index: Index) -> None:
+    """Refuses a recipe that cannot deliver the index's targets: a detection recipe on a dataset of
+    classes, or another recipe on a detection dataset (it would not move the boxes with the pixels)."""
+    name = getattr(recipe, "name", None) or "a custom recipe"
+    if is_detection(recipe) and index.boxes is None:
+        raise ValueError(
+            f"pipeline {name!r} moves boxes with the pixels, and this dataset has none: give it a detection index, "
+            "coordl.Index.from_coco(images, annotations) (or tar shards whose samples carry a .json member)"
+        )
+    if index.boxes is not None and not is_detection(recipe):
+        raise ValueError(
+            f"this dataset's targets are boxes, which pipeline {name!r} would not move with the pixels: use "
+            "pipeline='ssd-train' or 'ssd-val' (coordl.SSDTrain / coordl.SSDVal)"
+        )
+
+
 def is_remote(prep) -> bool:
     """Whether ``prep`` (a loader's option) is remote prep (:class:`~coordl.RayPrep`)."""
     from coordl.options import RayPrep
@@ -128,9 +146,7 @@ def is_remote(prep) -> bool:
 
 def uint8_able(recipe) -> bool:
     """Whether the recipe's pixels can travel as uint8 and be normalised after (the built-in ones)."""
-    from coordl.prep.recipes import ImageNetTrain, ImageNetVal
-
-    return isinstance(recipe, (ImageNetTrain, ImageNetVal)) and recipe.dtype == "float32"
+    return normalised(recipe)
 
 
 def as_dataset(data):
@@ -155,16 +171,16 @@ def as_dataset(data):
     return None
 
 
-def make_index(data, *, skip: bool = False) -> Index:
+def make_index(data, *, skip: bool = False, boxes: bool = False) -> Index:
     """The index of a folder (scanned with the defaults of :meth:`Index.scan`), tar shards (a
-    pattern, a folder of ``.tar`` files or a list of them: :meth:`Index.from_tars`), a list of
-    ``(path, label)`` pairs, or an index."""
+    pattern, a folder of ``.tar`` files or a list of them: :meth:`Index.from_tars`; ``boxes``: their
+    samples' ``.json`` members), a list of ``(path, label)`` pairs, or an index."""
     from coordl import tars
 
     if isinstance(data, Index):
         return data
     if tars.is_tar_data(data):
-        return Index.from_tars(data, skip=skip)
+        return Index.from_tars(data, skip=skip, boxes=boxes)
     if isinstance(data, (str, os.PathLike)):
         return Index.scan(data)
     if isinstance(data, Sequence):

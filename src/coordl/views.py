@@ -121,11 +121,12 @@ class DataLoaderAttributes:
 
     @property
     def collate_fn(self):
-        """The torch backend's ``collate_fn`` (``default_collate`` when none was given); None with DALI."""
-        if self.backend == "dali":
-            return None
+        """The ``collate_fn`` given; else the torch backend's ``default_collate``, and None with DALI
+        (whose batches are tensors already)."""
         if self.torch_options.collate_fn is not None:
             return self.torch_options.collate_fn
+        if self.backend == "dali":
+            return None
         from torch.utils.data import default_collate
 
         return default_collate

@@ -44,7 +44,7 @@ class DaliPass(Pass):
         super().__init__(length=len(batches), cache=resources.cache, decoded=resources.decoded, **hooks)
         order_epoch = self.epoch if order_epoch is None else order_epoch
         self._res = resources
-        self._return_index = config.return_index
+        self._order_epoch = order_epoch
         prep = resources.prep
         self._prep0 = prep.waiting.total()
         self._skipped0 = len(prep.skipped)
@@ -81,7 +81,7 @@ class DaliPass(Pass):
             self._thread.join()
             return None
         images, labels, ids, number = item
-        out = (images, labels, ids) if self._return_index else (images, labels)
+        out = self._res.delivery(images, labels, ids, self._order_epoch)
         # Batches before it that were skipped whole count as received too.
         return Step(out, len(labels), self.start + number + 1, fetch=fetching.total() - f0)
 

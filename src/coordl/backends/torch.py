@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from coordl import compat, draws
 from coordl.datasets import as_file
+from coordl.delivery import with_ids
 from coordl.errors import CoordlError, DatasetChangedError, SampleError
 from coordl.fetch.fetcher import FetchCounters, Fetcher
 from coordl.fetch.spec import CacheSpec
@@ -57,7 +58,6 @@ __all__ = [
     "over_cache",
     "failure_error",
     "seed_for",
-    "with_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -389,15 +389,6 @@ class TorchPass(Pass):
 def seed_for(seed: int, epoch: int, rank: int) -> int:
     """A 63-bit seed from ``(seed, epoch, rank)`` (:func:`coordl.draws.mix`)."""
     return draws.mix(seed, epoch, rank) >> 1
-
-
-def with_ids(batch, ids: torch.Tensor):
-    """A batch with the samples' index positions appended (``return_index=True``)."""
-    if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
-        return (*batch, ids)
-    if isinstance(batch, list):
-        return [*batch, ids]
-    return batch, ids
 
 
 def failure_error(f: tuple[str, str, str, int, str]) -> CoordlError:

@@ -122,7 +122,7 @@ def measure(
         counts = sorted({min(1 << k, num_threads) for k in range(num_threads.bit_length() + 1)})
         thread_rates = {}
         for t in counts:
-            prep = _prep(recipe, batch, t, seed, tiered=False)
+            prep = _prep(recipe, batch, t, seed, index.boxes, tiered=False)
             try:
                 thread_rates[t] = _rate(prep, encoded_batches, index, seconds=THREAD_SECONDS)
             finally:
@@ -134,10 +134,10 @@ def measure(
             num_threads,
             ", ".join(f"{t}: {r:.0f}" for t, r in thread_rates.items()),
         )
-    plain = _prep(recipe, batch, num_threads, seed, tiered=False)
+    plain = _prep(recipe, batch, num_threads, seed, index.boxes, tiered=False)
     prep = None
     try:
-        prep = _prep(recipe, batch, num_threads, seed)
+        prep = _prep(recipe, batch, num_threads, seed, index.boxes)
         collect = _Collect()
         _run(prep, _batches(ids, data, labels, DECODE_KEEP, batch), index, collect)  # each decoded whole once
         images = [collect.images[i] for i in ids.tolist()]
@@ -180,11 +180,18 @@ def measure(
     return rates
 
 
-def _prep(recipe, batch: int, threads: int, seed: int, *, tiered: bool = True):
+def _prep(recipe, batch: int, threads: int, seed: int, boxes, *, tiered: bool = True):
     from coordl.prep.dali import DaliPrep
 
     return DaliPrep(
-        recipe, batch_size=batch, num_threads=threads, device_id=None, seed=seed, role="calibrate", tiered=tiered
+        recipe,
+        batch_size=batch,
+        num_threads=threads,
+        device_id=None,
+        seed=seed,
+        role="calibrate",
+        tiered=tiered,
+        boxes=boxes,
     )
 
 

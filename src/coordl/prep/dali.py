@@ -26,11 +26,12 @@ from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
 from coordl import compat, draws, lifecycle
 from coordl.accounting import BusyClock
+from coordl.detection import crops
 from coordl.errors import SampleError
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
 from coordl.prep import graph, windows
 from coordl.prep.planned import SampleRandom, uses_dali_random
-from coordl.prep.recipes import ImageNetTrain, PrepContext
+from coordl.prep.recipes import ImageNetTrain, PrepContext, SSDTrain, is_detection
 
 __all__ = ["DaliPrep"]
 
@@ -71,6 +72,9 @@ class DaliPrep:
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
         tiered: build the pipeline for batches that mix encoded bytes and decoded images (the
             decoded tier, :mod:`coordl.prep.graph`); the recipe must take decoded images.
+        boxes: the index's :class:`~coordl.detection.boxes.Boxes`, for a detection recipe (the
+            crop windows it plans, the image sizes it checks each decoded image against); then the
+            decoders keep the stored pixels' orientation, the frame the boxes are in.
     """
 
     def __init__(
@@ -85,8 +89,12 @@ class DaliPrep:
         role: str = "loader",
         on_error: str = "raise",
         tiered: bool = False,
+        boxes=None,
     ):
+        if is_detection(recipe) and boxes is None:
+            raise ValueError(f"the recipe {recipe.name!r} needs an index with boxes (coordl.Index.from_coco)")
         self.recipe = recipe
+        self.boxes = boxes
         self.batch_size = batch_size
         self.num_threads = num_threads
         self.device_id = device_id
@@ -100,7 +108,10 @@ class DaliPrep:
         self._mode: str | None = None  # the built pipeline's: PLAIN, TIERED or DECODED_ONLY
         self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
         gpu = device_id is not None
-        self.ctx = PrepContext("mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id)
+        self.ctx = PrepContext(
+            "mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id, adjust_orientation=boxes is None
+        )
+        self.checks_shapes = is_detection(recipe)  # each image's size against its annotations
         self._pipe = None
         self._probe = None  # decodes one sample at a time, to find the bad ones of a failed batch
         self._builds = 0
@@ -174,6 +185,9 @@ class DaliPrep:
                     images = graph.encoded(self.recipe, data, ctx)
                 if ctx.random.used != columns:
                     raise ValueError("the recipe draws a different number of random numbers every time it is built")
+                if self.checks_shapes:
+                    shape = data.shape() if mode == DECODED_ONLY else graph.image_shape(data, ctx)
+                    return images, labels, ids, shape
                 return images, labels, ids
             encoded, decoded, kind, labels, ids, *uniforms = fn.external_source(
                 source=self._next_raw,
@@ -184,9 +198,11 @@ class DaliPrep:
                 layout=[None, "HWC", None, None, None, None][: inputs + 2],
             )
             ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
-            images, full = graph.tiered(self.recipe, encoded, decoded, kind, ctx)
+            images, full, shape = graph.tiered(self.recipe, encoded, decoded, kind, ctx)
             if ctx.random.used != columns:
                 raise ValueError("the recipe draws a different number of random numbers every time it is built")
+            if self.checks_shapes:
+                return images, labels, ids, full, shape
             return images, labels, ids, full
 
         pipe = pipeline()
@@ -220,8 +236,10 @@ class DaliPrep:
         if not self._columns:
             return out
         epoch = self._epoch if batch.epoch is None else batch.epoch
-        u = draws.uniforms(self.seed, epoch, batch.ids, self._columns)
         recipe = self.recipe
+        if isinstance(recipe, SSDTrain):  # windows, flips and colours planned from the boxes
+            return (*out, crops.plan(recipe, self.boxes, self.seed, epoch, batch.ids).fed())
+        u = draws.uniforms(self.seed, epoch, batch.ids, self._columns)
         if not isinstance(recipe, ImageNetTrain):
             return (*out, u)
         u = windows.shape_free(u, recipe.scale, recipe.ratio)
@@ -283,9 +301,14 @@ class DaliPrep:
                 if mode == TIERED:
                     self._fill(batch, out[3])
                 tensors = self._to_torch(out[:3])
+                wrong = self._wrong_sizes(batch, out[-1]) if self.checks_shapes else None
                 del out
                 self._pipe.release_outputs()
                 self._pipe.schedule_run()
+                if wrong is not None:
+                    tensors = self._drop(tensors, wrong)
+                    if not len(tensors[2]):
+                        continue
                 yield (*tensors, batch.number)
             self._pipe.reset()
         except BaseException:
@@ -304,6 +327,38 @@ class DaliPrep:
             return
         ids, first = np.unique(batch.ids[where], return_index=True)  # a padded batch may repeat one
         self._keep.fill(ids, [np.asarray(full[int(k)]) for k in where[first].tolist()])
+
+    def _wrong_sizes(self, batch: RawBatch, shapes) -> np.ndarray | None:
+        """Positions in the batch of the images whose size is not their annotations' (the boxes
+        would not be where the pixels are): a :class:`~coordl.errors.SampleError`, or with
+        ``on_error="skip"`` their positions (logged and counted). None when every size matches."""
+        hw = np.array([np.asarray(s)[:2] for s in shapes], dtype=np.int64).reshape(-1, 2)
+        expected = self.boxes.image_sizes[batch.ids][:, ::-1]
+        wrong = np.flatnonzero((hw != expected).any(axis=1))
+        if not len(wrong):
+            return None
+        for k in wrong.tolist():
+            i = int(batch.ids[k])
+            reason = (
+                f"the image is {hw[k, 1]}x{hw[k, 0]} pixels, its annotations say {expected[k, 1]}x{expected[k, 0]}: "
+                "its boxes would not be where its pixels are"
+            )
+            if self.on_error == "raise":
+                raise SampleError(
+                    f"sample {i} ({self._paths(i)}): {reason}. Pass on_error='skip' to skip such samples "
+                    "(they are counted in stats()['skipped'])",
+                    path=self._paths(i),
+                    index=i,
+                )
+            log.warning("coordl: skipping sample %d (%s): %s", i, self._paths(i), reason)
+            self.skipped.append((i, self._paths(i), reason))
+        return wrong
+
+    @staticmethod
+    def _drop(tensors: tuple, wrong: np.ndarray) -> tuple:
+        """The batch's tensors without the rows ``wrong`` (a copy of the rest)."""
+        keep = np.setdiff1d(np.arange(len(tensors[2])), wrong)
+        return tuple(t[torch.as_tensor(keep, device=t.device)] for t in tensors)
 
     def _recover(self, error: RuntimeError) -> None:
         """After a failed batch: find the bad samples, apply the policy, rebuild, re-feed."""

@@ -17,16 +17,28 @@ from __future__ import annotations
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
+from coordl.detection.crops import FED
 from coordl.fetch.ahead import DECODE_KEEP, DECODED
-from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext, max_short_side, takes_decoded
+from coordl.prep.recipes import (
+    DecodedRecipe,
+    ImageNetTrain,
+    ImageNetVal,
+    PrepContext,
+    SSDTrain,
+    SSDVal,
+    max_short_side,
+    takes_decoded,
+)
 
-__all__ = ["augment", "decode", "encoded", "planned_train", "tiered"]
+__all__ = ["augment", "decode", "encoded", "image_shape", "planned_train", "tiered"]
 
 
 def decode(data, ctx: PrepContext, recipe=None):
     """The full decode every recipe that takes decoded images starts from (RGB, HWC, uint8),
     its shorter side brought down to the recipe's ``max_short_side`` if it asks for one."""
-    images = fn.decoders.image(data, device=ctx.decoder_device, output_type=types.RGB)
+    images = fn.decoders.image(
+        data, device=ctx.decoder_device, output_type=types.RGB, adjust_orientation=ctx.adjust_orientation
+    )
     cap = max_short_side(recipe)
     if not cap:
         return images
@@ -37,8 +49,16 @@ def decode(data, ctx: PrepContext, recipe=None):
     return fn.resize(images, device=ctx.device, resize_shorter=shorter)
 
 
+def image_shape(data, ctx: PrepContext):
+    """Each encoded image's ``(H, W, C)`` (int64), from its header: what the decoders will make of it."""
+    return fn.peek_image_shape(data, dtype=types.INT64, adjust_orientation=ctx.adjust_orientation)
+
+
 def encoded(recipe, data, ctx: PrepContext):
     """The recipe's output from encoded bytes."""
+    if isinstance(recipe, SSDTrain):
+        anchor, size, mirror, colour = _ssd_fed(ctx, image_shape(data, ctx))
+        return _ssd_tail(recipe, _decode_window(data, anchor, size, ctx), mirror, colour, ctx)
     if isinstance(recipe, ImageNetTrain) and not recipe.max_short_side:
         anchor, size = ctx.random.planned_crop_window(fn.peek_image_shape(data), recipe.ratio)
         return _train_tail(recipe, _decode_window(data, anchor, size, ctx), ctx)
@@ -56,6 +76,12 @@ def augment(recipe, images, ctx: PrepContext):
     if isinstance(recipe, ImageNetVal):
         images = fn.resize(images, device=ctx.device, resize_shorter=recipe.resize)
         return _normalize(images, recipe, ctx, mirror=0, crop=(recipe.size, recipe.size))
+    if isinstance(recipe, SSDTrain):
+        anchor, size, mirror, colour = _ssd_fed(ctx, images.shape())
+        return _ssd_tail(recipe, _slice(images, anchor, size, ctx), mirror, colour, ctx)
+    if isinstance(recipe, SSDVal):
+        images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
+        return _normalize(images, recipe, ctx, mirror=0, crop=None)
     if isinstance(recipe, DecodedRecipe):
         return recipe.augment(images, ctx)
     raise TypeError(f"the recipe {recipe!r} takes encoded bytes, not decoded images")
@@ -75,19 +101,23 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
         kind: int32 per sample.
 
     Returns:
-        ``(outputs, full)``: the recipe's outputs, and the decoded images of the
-        ``DECODE_KEEP`` samples (an empty image for the others).
+        ``(outputs, full, shape)``: the recipe's outputs, the decoded images of the
+        ``DECODE_KEEP`` samples (an empty image for the others), and each sample's image shape
+        ``(H, W, C)`` as it was decoded or as its header says.
 
     Built inside a pipeline with ``enable_conditionals=True``.
     """
-    if isinstance(recipe, ImageNetTrain) and not recipe.max_short_side:
-        # The window from each sample's shape; then the crop, from the tier's image, from a full
-        # decode (kept for the tier) or from decoding the window alone.
+    if isinstance(recipe, SSDTrain) or (isinstance(recipe, ImageNetTrain) and not recipe.max_short_side):
+        # The window (from each sample's shape, or fed); then the crop, from the tier's image,
+        # from a full decode (kept for the tier) or from decoding the window alone.
         if kind == DECODED:
             shape = images.shape()
         else:
-            shape = fn.peek_image_shape(data, dtype=types.INT64)
-        anchor, size = ctx.random.planned_crop_window(shape, recipe.ratio)
+            shape = image_shape(data, ctx)
+        if isinstance(recipe, SSDTrain):
+            anchor, size, mirror, colour = _ssd_fed(ctx, shape)
+        else:
+            anchor, size = ctx.random.planned_crop_window(shape, recipe.ratio)
         if kind == DECODED:
             crop = _slice(images, anchor, size, ctx)
             full = images[0:0]
@@ -98,7 +128,9 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
             else:
                 crop = _decode_window(data, anchor, size, ctx)
                 full = images
-        return _train_tail(recipe, crop, ctx), full
+        if isinstance(recipe, SSDTrain):
+            return _ssd_tail(recipe, crop, mirror, colour, ctx), full, shape
+        return _train_tail(recipe, crop, ctx), full, shape
     if kind == DECODED:
         decoded = images
         full = images[0:0]
@@ -108,7 +140,7 @@ def tiered(recipe, data, images, kind, ctx: PrepContext):
             full = decoded
         else:
             full = images
-    return augment(recipe, decoded, ctx), full
+    return augment(recipe, decoded, ctx), full, decoded.shape()
 
 
 def planned_train(recipe: ImageNetTrain, images, anchor, size, mirror, ctx: PrepContext):
@@ -125,6 +157,7 @@ def _decode_window(data, anchor, size, ctx: PrepContext):
         size,
         device=ctx.decoder_device,
         output_type=types.RGB,
+        adjust_orientation=ctx.adjust_orientation,
         axis_names="WH",
         normalized_anchor=False,
         normalized_shape=False,
@@ -142,6 +175,39 @@ def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext, mirror=None):
     images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
     if mirror is None:
         mirror = ctx.random.coin_flip(recipe.flip)
+    return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
+
+
+def _ssd_fed(ctx: PrepContext, shape):
+    """SSDTrain's per-sample plan as fed (:func:`coordl.detection.crops.Plan.fed`): the window's
+    anchor and size (pixels), the flip and the colour twist (brightness, contrast, saturation, hue).
+
+    The window was planned on the image's size as its annotations give it; it is kept inside the
+    image's real ``shape`` (HWC), so that an image of another size decodes (and is then refused by
+    the size check, :meth:`coordl.prep.dali.DaliPrep.epoch`) instead of failing the pipeline."""
+    p = ctx.random.fed(FED)
+    shape = fn.cast(shape, dtype=types.FLOAT)
+    height, width = shape[0], shape[1]
+    x, y = dmath.min(p[0], width - 1.0), dmath.min(p[1], height - 1.0)
+    w, h = dmath.min(p[2], width - x), dmath.min(p[3], height - y)
+    return fn.stack(x, y), fn.stack(w, h), fn.cast(p[4], dtype=types.INT32), (p[5], p[6], p[7], p[8])
+
+
+def _ssd_tail(recipe: SSDTrain, images, mirror, colour, ctx: PrepContext):
+    """Resize, colour twist (as NVIDIA's SSD300 pipeline: hue and saturation in float, then
+    brightness and contrast around 128 back to uint8), flip and normalise."""
+    images = fn.resize(images, device=ctx.device, resize_x=recipe.size, resize_y=recipe.size)
+    if recipe.twists_colour:
+        brightness, contrast, saturation, hue = colour
+        images = fn.hsv(images, device=ctx.device, hue=hue, saturation=saturation, dtype=types.FLOAT)
+        images = fn.brightness_contrast(
+            images,
+            device=ctx.device,
+            brightness=brightness,
+            contrast=contrast,
+            contrast_center=128.0,
+            dtype=types.UINT8,
+        )
     return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
 
 

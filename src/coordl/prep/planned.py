@@ -39,6 +39,11 @@ class SampleRandom:
         start, self.used = self.used, self.used + count
         return self._draws[start] if count == 1 else self._draws[start : start + count]
 
+    def fed(self, count: int):
+        """The sample's next ``count`` numbers as they were fed, untransformed: a built-in recipe's
+        plan computed outside the pipeline (:meth:`coordl.detection.crops.Plan.fed`)."""
+        return self._take(count)
+
     def uniform(self, range=(0.0, 1.0)):  # DALI's name for it
         """A float32 uniform in ``[range[0], range[1])`` per sample (as ``fn.random.uniform``)."""
         lo, hi = float(range[0]), float(range[1])

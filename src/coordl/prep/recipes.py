@@ -12,7 +12,11 @@ __all__ = [
     "ImageNetTrain",
     "ImageNetVal",
     "PrepContext",
+    "SSDTrain",
+    "SSDVal",
+    "is_detection",
     "max_short_side",
+    "normalised",
     "resolve_recipe",
     "takes_decoded",
 ]
@@ -33,12 +37,15 @@ class PrepContext:
             (:class:`coordl.prep.planned.SampleRandom`: ``uniform``, ``coin_flip``, ``randint``,
             ``normal``, ``crop_window``); draw from it rather than from ``fn.random.*`` so that a
             sample's augmentation is the same whichever rank, batch or resume delivers it.
+        adjust_orientation: for the decoders' argument of that name: False on a detection
+            dataset (its boxes are in the frame of the pixels as stored, as Pillow reads them).
     """
 
     decoder_device: str
     device: str
     device_id: int | None
     random: object = None
+    adjust_orientation: bool = True  # False on a detection dataset: its boxes are in the stored pixels' frame
 
 
 def _check_common(size, mean, std, dtype):
@@ -144,9 +151,109 @@ class DecodedRecipe:
         return f"decoded:{getattr(self.augment, '__qualname__', 'custom')}"
 
 
-_NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal}
+def _check_range(name: str, bounds, lo: float | None = None) -> None:
+    ok = isinstance(bounds, tuple) and len(bounds) == 2 and all(isinstance(v, (int, float)) for v in bounds)
+    if not ok or bounds[0] > bounds[1] or (lo is not None and bounds[0] < lo):
+        floor = f", from {lo}" if lo is not None else ""
+        raise ValueError(f"{name} must be a (min, max) tuple with min <= max{floor}, got {bounds!r}")
 
-Recipe = ImageNetTrain | ImageNetVal | DecodedRecipe | Callable
+
+@dataclass(frozen=True)
+class SSDTrain:
+    """SSD300 v1.1's training recipe for object detection (an index with boxes:
+    :meth:`coordl.Index.from_coco`).
+
+    The IoU-constrained random crop (each try picks "no crop", a minimum IoU of ``thresholds`` or
+    "any window"; a window of ``scaling`` of each side with ``w / h`` in ``aspect``, taken when every
+    box overlaps it by more than the minimum and a box's centre lies inside it; ``tries`` tries,
+    then the whole image), boxes kept when their centre lies in the crop and clipped to it, resize to
+    ``size`` x ``size``, horizontal flip of pixels and boxes with probability ``flip``, the colour
+    twist (hue in degrees and saturation, then brightness and contrast around 128, each drawn from
+    its range), normalise with ``mean``/``std`` (fractions of 255), CHW; ``dtype="uint8"`` skips the
+    normalisation. Every choice is a function of ``(seed, epoch, sample)``
+    (:mod:`coordl.detection.crops`). Batches are ``(images, targets)``, ``targets`` a list of
+    ``{"boxes": float32 (N, 4) x1 y1 x2 y2 in pixels of the output, "labels": int64 (N,),
+    "image_id": int}``.
+    """
+
+    size: int = 300
+    thresholds: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    scaling: tuple[float, float] = (0.3, 1.0)
+    aspect: tuple[float, float] = (0.5, 2.0)
+    tries: int = 50
+    flip: float = 0.5
+    brightness: tuple[float, float] = (0.875, 1.125)
+    contrast: tuple[float, float] = (0.5, 1.5)
+    saturation: tuple[float, float] = (0.5, 1.5)
+    hue: tuple[float, float] = (-18.0, 18.0)
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    dtype: str = "float32"
+    name: str = field(default="ssd-train", init=False)
+
+    def __post_init__(self):
+        _check_common(self.size, self.mean, self.std, self.dtype)
+        if not isinstance(self.thresholds, tuple) or not all(
+            isinstance(t, (int, float)) and 0 <= t < 1 for t in self.thresholds
+        ):
+            raise ValueError(f"thresholds must be a tuple of minimum IoUs in [0, 1), got {self.thresholds!r}")
+        _check_range("scaling", self.scaling, 0)
+        if not 0 < self.scaling[0] <= self.scaling[1] <= 1:
+            raise ValueError(f"scaling must satisfy 0 < min <= max <= 1, got {self.scaling}")
+        _check_range("aspect", self.aspect, 0)
+        if self.aspect[0] <= 0:
+            raise ValueError(f"aspect must be positive, got {self.aspect}")
+        if isinstance(self.tries, bool) or not isinstance(self.tries, int) or self.tries < 1:
+            raise ValueError(f"tries must be a positive int, got {self.tries!r}")
+        if not 0 <= self.flip <= 1:
+            raise ValueError(f"flip is a probability in [0, 1], got {self.flip}")
+        for name in ("brightness", "contrast", "saturation"):
+            _check_range(name, getattr(self, name), 0)
+        _check_range("hue", self.hue)
+
+    @property
+    def twists_colour(self) -> bool:
+        """Whether the colour twist changes anything (all ranges ``(1, 1)`` and hue ``(0, 0)``: not)."""
+        unit = (1, 1)
+        same = self.brightness == unit and self.contrast == unit and self.saturation == unit
+        return not (same and self.hue == (0, 0))
+
+
+@dataclass(frozen=True)
+class SSDVal:
+    """SSD300's evaluation recipe: resize the whole image to ``size`` x ``size``, normalise, CHW;
+    boxes scaled exactly with it (``x * size / width``, ``y * size / height``). Batches as
+    :class:`SSDTrain`'s."""
+
+    size: int = 300
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    dtype: str = "float32"
+    name: str = field(default="ssd-val", init=False)
+
+    def __post_init__(self):
+        _check_common(self.size, self.mean, self.std, self.dtype)
+
+
+_NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal, "ssd-train": SSDTrain, "ssd-val": SSDVal}
+
+#: The built-in recipes: coordl knows their output's shape, and can stage or send their pixels as
+#: uint8 and normalise them after (:func:`normalised`).
+BUILT_IN = (ImageNetTrain, ImageNetVal, SSDTrain, SSDVal)
+
+Recipe = ImageNetTrain | ImageNetVal | SSDTrain | SSDVal | DecodedRecipe | Callable
+
+
+def is_detection(recipe) -> bool:
+    """Whether a recipe takes a detection index and delivers boxes (:class:`SSDTrain`, :class:`SSDVal`)."""
+    return isinstance(recipe, (SSDTrain, SSDVal))
+
+
+def normalised(recipe) -> bool:
+    """Whether a recipe's output is a built-in recipe's normalised float32: its pixels can travel as
+    uint8 (``dataclasses.replace(recipe, dtype="uint8")``) and be normalised after, with its
+    ``mean`` and ``std``."""
+    return isinstance(recipe, BUILT_IN) and recipe.dtype == "float32"
 
 
 def max_short_side(recipe) -> int | None:
@@ -157,15 +264,16 @@ def max_short_side(recipe) -> int | None:
 def takes_decoded(recipe) -> bool:
     """Whether a recipe starts from decoded images (and can use the decoded tier): the built-in
     recipes and :class:`DecodedRecipe` do; a plain callable on encoded bytes does not."""
-    return isinstance(recipe, (ImageNetTrain, ImageNetVal, DecodedRecipe))
+    return isinstance(recipe, (*BUILT_IN, DecodedRecipe))
 
 
 def resolve_recipe(pipeline) -> Recipe:
     """A recipe from what the user passed as ``pipeline=``.
 
     Args:
-        pipeline: ``"imagenet-train"``, ``"imagenet-val"``, an :class:`ImageNetTrain` /
-            :class:`ImageNetVal`, a :class:`DecodedRecipe` (a function of the decoded images), or a
+        pipeline: ``"imagenet-train"``, ``"imagenet-val"``, ``"ssd-train"``, ``"ssd-val"``, an
+            :class:`ImageNetTrain` / :class:`ImageNetVal` / :class:`SSDTrain` / :class:`SSDVal`, a
+            :class:`DecodedRecipe` (a function of the decoded images), or a
             callable ``f(encoded, ctx) -> images`` that builds DALI ops from the encoded-bytes
             ``DataNode`` and a :class:`PrepContext`.
     """
@@ -173,13 +281,15 @@ def resolve_recipe(pipeline) -> Recipe:
         if pipeline not in _NAMED:
             raise ValueError(f"unknown pipeline {pipeline!r}; expected one of {sorted(_NAMED)} or a callable")
         return _NAMED[pipeline]()
-    if isinstance(pipeline, (ImageNetTrain, ImageNetVal, DecodedRecipe)) or callable(pipeline):
+    if isinstance(pipeline, (*BUILT_IN, DecodedRecipe)) or callable(pipeline):
         return pipeline
     raise TypeError(f"pipeline must be a recipe name, a recipe or a callable, got {type(pipeline).__name__}")
 
 
 def recipe_key(recipe) -> str:
     """A stable description of a recipe, for config fingerprints."""
+    if isinstance(recipe, (SSDTrain, SSDVal)):
+        return repr(recipe)
     if isinstance(recipe, (ImageNetTrain, ImageNetVal)):
         if recipe.max_short_side is None:  # the key from before the field: older checkpoints still resume
             return repr(recipe).replace(", max_short_side=None", "")

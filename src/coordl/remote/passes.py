@@ -107,6 +107,7 @@ class RayPass(Pass):
         self._res = resources
         self._backend = backend
         self._return_index = config.return_index
+        self._order_epoch = order_epoch
         self._pin = pin_memory
         self._remote: RemotePrep = resources.remote
         self._n = 0
@@ -183,11 +184,11 @@ class RayPass(Pass):
             return self._torch_step(result, position)
         else:
             images, labels, ids = result
-        out = (images, labels, ids) if self._return_index else (images, labels)
-        return Step(out, len(labels), position)
+        return Step(self._res.delivery(images, labels, ids, self._order_epoch), len(labels), position)
 
     def _torch_step(self, fetched, position: int) -> Step | None:
-        from coordl.backends.torch import failure_error, with_ids
+        from coordl.backends.torch import failure_error
+        from coordl.delivery import with_ids
 
         if fetched.failure is not None:
             raise failure_error(fetched.failure)

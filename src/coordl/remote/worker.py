@@ -170,7 +170,12 @@ class PrepWorker:
             lifecycle.before_dali_exit()
             self._preps: dict = {}  # pixels -> DaliPrep
             self._prep_args = dict(
-                batch_size=job.batch_size, num_threads=job.threads, device_id=None, seed=job.seed, on_error=job.on_error
+                batch_size=job.batch_size,
+                num_threads=job.threads,
+                device_id=None,
+                seed=job.seed,
+                on_error=job.on_error,
+                boxes=self.index.boxes,
             )
             self.pool = DaemonPool(4, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
         else:

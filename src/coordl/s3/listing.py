@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from coordl.s3 import client, url
 
-__all__ = ["Listing", "class_names", "scan", "stat_many"]
+__all__ = ["Listing", "class_names", "scan", "stat_known", "stat_many"]
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,27 @@ def tars(prefix: str) -> list[str]:
 
 
 def stat_many(urls: Sequence[str]) -> tuple[list[int], list[str]]:
-    """The sizes and ETags of ``urls``: one listing per "folder" when the URLs share folders (a
-    request per thousand keys), else one ``HeadObject`` per URL.
+    """The sizes and ETags of ``urls`` (see :func:`stat_known`).
 
     Raises:
         FileNotFoundError: a URL names no object (the message names it).
+        StoreError: credentials refused, or no such bucket.
+    """
+    known = stat_known(urls)
+    sizes, etags = [], []
+    for u in urls:
+        if u not in known:
+            raise FileNotFoundError(f"sample {u} does not exist")
+        sizes.append(known[u][0])
+        etags.append(known[u][1])
+    return sizes, etags
+
+
+def stat_known(urls: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """``url -> (size, ETag)`` of the ``urls`` that name an object: one listing per "folder" when
+    the URLs share folders (a request per thousand keys), else one ``HeadObject`` per URL.
+
+    Raises:
         StoreError: credentials refused, or no such bucket.
     """
     folders = sorted({u.rpartition("/")[0] for u in urls})
@@ -183,10 +199,4 @@ def stat_many(urls: Sequence[str]) -> tuple[list[int], list[str]]:
             for u, got in zip(urls, pool.map(head, urls)):
                 if got is not None:
                     known[u] = got
-    sizes, etags = [], []
-    for u in urls:
-        if u not in known:
-            raise FileNotFoundError(f"sample {u} does not exist")
-        sizes.append(known[u][0])
-        etags.append(known[u][1])
-    return sizes, etags
+    return {u: known[u] for u in urls if u in known}

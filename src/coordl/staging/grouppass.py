@@ -204,7 +204,7 @@ class GroupPass(Pass):
         if images is None:
             return None
         labels_t, ids_t = torch.from_numpy(labels), torch.from_numpy(ids)
-        out = (images, labels_t, ids_t) if self.member.config.return_index else (images, labels_t)
+        out = self.member.resources.delivery(images, labels_t, ids_t, self.order_epoch)
         return Step(out, len(ids), self.i + 1, fetch=None)  # made by the group: the wait is not split
 
     def _images(self, parts, lo: int, hi: int, j0: int) -> torch.Tensor:

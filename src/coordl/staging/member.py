@@ -22,7 +22,7 @@ from coordl import env, lifecycle, sampler
 from coordl.errors import CoordlError, GroupConfigError, SampleError
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.passes import Channel
-from coordl.prep.recipes import ImageNetTrain, ImageNetVal
+from coordl.prep.recipes import BUILT_IN, normalised
 from coordl.schedule import Schedule
 from coordl.shm import names
 from coordl.staging.area import Claim, StagingArea
@@ -124,18 +124,13 @@ class GroupMember:
         self.last_order: int | None = None  # the order (sampler epoch) of its last finished pass
 
     def _uint8_staging(self) -> bool:
-        r = self.recipe
-        return (
-            isinstance(r, (ImageNetTrain, ImageNetVal))
-            and r.dtype == "float32"
-            and (self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8"))
-        )
+        return normalised(self.recipe) and (self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8"))
 
     def _staged_format(self) -> tuple[tuple[int, ...], str]:
         """Shape and dtype of one staged image: the recipe's output, or uint8 pixels that the
         consumer normalises (on a GPU, or when ``COORDL_HP_STAGE_UINT8=1``)."""
         r = self.recipe
-        if isinstance(r, (ImageNetTrain, ImageNetVal)):
+        if isinstance(r, BUILT_IN):
             return (3, r.size, r.size), "uint8" if self._uint8_staging() else r.dtype
         # A custom recipe: run it on one sample to learn its output.
         res = self.resources
@@ -167,7 +162,7 @@ class GroupMember:
         """A DALI pipeline for the group's staged batches, where the loader's own cannot make them:
         uint8 pixels, or a staged batch larger than the loader's. None: the loader's pipeline."""
         r, c = self.recipe, self.config
-        uint8 = self.area.dtype == "uint8" and isinstance(r, (ImageNetTrain, ImageNetVal)) and r.dtype == "float32"
+        uint8 = self.area.dtype == "uint8" and normalised(r)
         if not uint8 and self.unit <= c.batch_size:
             return None
         from coordl.prep.dali import DaliPrep
@@ -182,6 +177,7 @@ class GroupMember:
             role="staging",
             on_error=c.on_error,
             tiered=self.resources.decoded is not None,
+            boxes=self.resources.index.boxes,
         )
 
     def units(self, key: int) -> list[np.ndarray]:
@@ -198,7 +194,7 @@ class GroupMember:
     def _normalizer(self):
         """``(mean, std)`` (x255, shaped for NCHW) when staged pixels still need normalising."""
         r = self.recipe
-        if self.area.dtype == "uint8" and isinstance(r, (ImageNetTrain, ImageNetVal)) and r.dtype == "float32":
+        if self.area.dtype == "uint8" and normalised(r):
             mean = torch.tensor([m * 255 for m in r.mean]).view(1, 3, 1, 1)
             std = torch.tensor([s * 255 for s in r.std]).view(1, 3, 1, 1)
             return mean, std

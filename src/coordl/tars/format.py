@@ -188,7 +188,12 @@ def _pax_path(records: bytes) -> str | None:
 class Sample(NamedTuple):
     key: str
     image: Member
-    label: int
+    label: int | bytes  # bytes: the raw .json member of a detection sample (label=JSON)
+
+
+#: ``label=JSON``: a sample's target is its ``.json`` member (COCO's fields for one image: its size
+#: and boxes), kept as bytes for :mod:`coordl.detection.coco`, instead of a class.
+JSON = "json"
 
 
 def samples_of(
@@ -246,6 +251,11 @@ def _sample(path, key, group, read, image, label) -> Sample:
     if picked is None:
         names = ", ".join(m.name for m in group.values())
         raise ShardError(f"{path}: sample {key} has no image member ({names}); image members end in {', '.join(image)}")
+    if label == JSON:  # a detection sample's boxes: the member's bytes, parsed by the index
+        member = lowered.get("json")
+        if member is None:
+            raise ShardError(f"{path}: sample {key} has no .json member with its image's size and boxes")
+        return Sample(key, picked, _content(path, member, read))
     if label is None:
         cls = lowered.get("cls")
         if cls is None:
@@ -281,7 +291,9 @@ def _keeper(image, label) -> Callable[[str, int], bool]:
 
     def keep(name: str, size: int) -> bool:
         ext = name.rpartition("/")[2].partition(".")[2].lower()
-        return ext == "cls" if label is None else (ext not in images and size <= LABEL_MAX)
+        if label is None or label == JSON:
+            return ext == ("cls" if label is None else "json")
+        return ext not in images and size <= LABEL_MAX
 
     return keep
 

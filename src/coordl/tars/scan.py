@@ -24,7 +24,7 @@ import numpy as np
 from coordl.errors import DatasetChangedError, ShardError
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
-from coordl.tars.format import IMAGE_EXTENSIONS, scan_object, scan_shard
+from coordl.tars.format import IMAGE_EXTENSIONS, JSON, scan_object, scan_shard
 from coordl.tars.shards import Shards
 
 __all__ = ["index", "stamps"]
@@ -76,11 +76,12 @@ def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, labe
     """
     t0 = time.monotonic()
     in_store = bool(files) and s3url.is_url(files[0])
-    workers = 0 if in_store or label is not None else min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
+    by_name = label is None or label == JSON  # a label function may not survive the trip to a worker
+    workers = 0 if in_store or not by_name else min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
     if in_store:
         scanned = _from_store(files, stamped, image, label, skip, stream)
     elif workers > 1:
-        scanned = _in_workers(files, list(image), skip, workers)
+        scanned = _in_workers(files, list(image), skip, workers, label)
     else:
         scanned = _here(files, image, label, skip)
     paths, labels, sizes, of, offsets, moved = [], [], [], [], [], 0
@@ -165,7 +166,7 @@ def _threaded(files, scan):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _in_workers(files, image, skip, workers):
+def _in_workers(files, image, skip, workers, label=None):
     """:func:`_one` of every shard, in ``workers`` processes of contiguous parts of ``files``."""
     parts = np.array_split(np.arange(len(files)), workers)
     env = dict(os.environ)
@@ -180,7 +181,8 @@ def _in_workers(files, image, skip, workers):
                 stdout=subprocess.PIPE,
                 env=env,
             )
-            p.stdin.write(json.dumps({"files": [files[k] for k in part], "image": image, "skip": skip}).encode())
+            job = {"files": [files[k] for k in part], "image": image, "skip": skip, "label": label}
+            p.stdin.write(json.dumps(job).encode())
             p.stdin.close()
             procs.append(p)
         out = []
@@ -210,7 +212,7 @@ def worker() -> None:
 
     def scan(f):
         try:
-            return "ok", _one(f, tuple(job["image"]), None, job["skip"])
+            return "ok", _one(f, tuple(job["image"]), job.get("label"), job["skip"])
         except (ShardError, OSError) as e:
             return type(e).__name__, str(e)
 

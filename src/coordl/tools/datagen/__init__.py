@@ -48,6 +48,7 @@ files already there; :mod:`.job` says what image ``i`` is and writes it atomical
 images in a pool of processes. Imports point one way: :mod:`.dataset` uses the other four,
 :mod:`.scan` and :mod:`.workers` use :mod:`.job` and :mod:`.images`, and :mod:`.job` uses
 :mod:`.images`.
+:mod:`.coco`, imported on its own, writes small COCO detection sets of coloured boxes (with :mod:`.images`).
 """
 
 from coordl.tools.datagen.dataset import DatasetSummary, make_dataset

@@ -1,0 +1,139 @@
+"""A COCO-sized detection index: how long ``Index.from_coco`` takes cold and from its saved file,
+and what its boxes cost in memory.
+
+Writes an annotations file shaped like COCO's ``instances_train2017.json`` (``--images``
+118,287 images and about ``--boxes-per-image`` 7.3 boxes each, 1% of them crowd, category ids
+1..90 with gaps as COCO's, random widths and heights around 640x480) and an empty file per image
+in ``--data`` (``from_coco`` reads sizes, not pixels), then, each in a fresh Python:
+
+- ``cold``: ``Index.from_coco`` with no saved index: parse the JSON, check every field, stat every
+  image, save the index;
+- ``load``: the same call finding the saved index (``--loads`` times, median).
+
+Deletes the files at the end unless ``--keep``.
+
+    python -m benchmarks.coco_index
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import common
+
+HERE = Path(__file__).parent
+CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
+
+STEP = """
+import json, os, sys, time
+import coordl
+images, annotations, index_dir = sys.argv[1:4]
+t0 = time.perf_counter()
+index = coordl.Index.from_coco(images, annotations, index_dir=index_dir)
+seconds = time.perf_counter() - t0
+b = index.boxes
+arrays = sum(a.nbytes for a in (b.offsets, b.xyxy, b.labels, b.image_sizes, b.image_ids))
+print(json.dumps({"seconds": seconds, "images": len(index), "boxes": int(len(b.labels)), "box_bytes": arrays,
+                  "file_bytes": os.path.getsize(index.saved_path)}))
+"""
+
+
+def make(data: Path, images: int, per_image: float, seed: int) -> tuple[Path, Path, float]:
+    """The images folder and the annotations file (made unless already there), and seconds it took."""
+    folder, ann = data / "train2017", data / "annotations" / f"instances_train_{images}.json"
+    if ann.exists():
+        return folder, ann, 0.0
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    ann.parent.mkdir(parents=True, exist_ok=True)
+    widths, heights = rng.integers(320, 641, images), rng.integers(240, 481, images)
+    counts = rng.poisson(per_image, images)
+    doc = {"images": [], "annotations": [], "categories": [{"id": c, "name": f"c{c}"} for c in CATEGORIES]}
+    ann_id = 0
+    for i in range(images):
+        name = f"{i + 1:012d}.jpg"
+        (folder / name).write_bytes(b"x")
+        w, h = int(widths[i]), int(heights[i])
+        doc["images"].append({"id": i + 1, "file_name": name, "width": w, "height": h})
+        for _ in range(int(counts[i])):
+            bw, bh = float(rng.uniform(2, w / 2)), float(rng.uniform(2, h / 2))
+            x, y = float(rng.uniform(0, w - bw)), float(rng.uniform(0, h - bh))
+            ann_id += 1
+            doc["annotations"].append(
+                {
+                    "id": ann_id,
+                    "image_id": i + 1,
+                    "category_id": int(rng.choice(CATEGORIES)),
+                    "bbox": [round(x, 2), round(y, 2), round(bw, 2), round(bh, 2)],
+                    "area": bw * bh,
+                    "iscrowd": int(rng.random() < 0.01),
+                }
+            )
+    ann.write_text(json.dumps(doc))
+    return folder, ann, time.perf_counter() - t0
+
+
+def step(folder: Path, ann: Path, index_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(
+        [sys.executable, "-c", STEP, str(folder), str(ann), str(index_dir)], capture_output=True, text=True, env=env
+    )
+    if p.returncode != 0:
+        raise SystemExit(p.stderr)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("/var/tmp/coordl-bench/coco-index"))
+    p.add_argument("--images", type=int, default=118_287)
+    p.add_argument("--boxes-per-image", type=float, default=7.3)
+    p.add_argument("--loads", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "coco_index.json")
+    a = p.parse_args(argv)
+    folder, ann, made_s = make(a.data, a.images, a.boxes_per_image, a.seed)
+    index_dir = a.data / "index"
+    shutil.rmtree(index_dir, ignore_errors=True)
+    try:
+        cold = step(folder, ann, index_dir)
+        loads = [step(folder, ann, index_dir) for _ in range(a.loads)]
+    finally:
+        shutil.rmtree(index_dir, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(a.data, ignore_errors=True)
+    result = {
+        "command": "python -m benchmarks.coco_index " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": common.machine(),
+        "annotations_bytes": None if not ann.exists() else ann.stat().st_size,
+        "made_s": made_s,
+        "images": cold["images"],
+        "boxes": cold["boxes"],
+        "cold_s": cold["seconds"],
+        "load_s": statistics.median(r["seconds"] for r in loads),
+        "loads_s": [r["seconds"] for r in loads],
+        "box_bytes": cold["box_bytes"],
+        "index_file_bytes": cold["file_bytes"],
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['images']:,} images, {result['boxes']:,} boxes")
+    print(f"cold (parse, check, stat, save): {result['cold_s']:.1f} s")
+    print(f"from the saved index: {result['load_s'] * 1e3:.0f} ms")
+    print(f"boxes in memory: {result['box_bytes'] / 1e6:.1f} MB; index file {result['index_file_bytes'] / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Where a detection dataset's samples are: the image files of a COCO annotations file (a folder
+or an ``s3://`` prefix), their sizes and the stamps that say a saved index is still the dataset's;
+and the boxes of tar shards' ``.json`` members."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordl.detection import coco
+from coordl.detection.boxes import Boxes
+from coordl.errors import AnnotationError
+from coordl.s3 import url as s3url
+
+__all__ = ["Found", "boxes_of_members", "coco_samples", "stamps"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A COCO dataset's samples: image paths (or URLs), their sizes in bytes, their ETags
+    (``s3://``; else None) and their boxes."""
+
+    paths: list[str]
+    sizes: list[int]
+    etags: list[str] | None
+    boxes: Boxes
+
+
+def stamps(images: str, annotations: str) -> list:
+    """What a saved index of the dataset was made from: the annotations file's size and
+    modification time, and (a folder) the images folder's modification time, which changes when
+    a file is added or removed.
+
+    Raises:
+        FileNotFoundError: no annotations file, or no images folder.
+    """
+    try:
+        st = os.stat(annotations)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"annotations file {annotations} does not exist") from None
+    out = [annotations, st.st_size, st.st_mtime_ns]
+    if not s3url.is_url(images):
+        if not os.path.isdir(images):
+            raise FileNotFoundError(f"images folder {images} does not exist or is not a folder")
+        out += [images, os.stat(images).st_mtime_ns]
+    return out
+
+
+def coco_samples(images: str, annotations: str, *, skip_empty: bool, on_error: str) -> Found:
+    """The samples of a COCO annotations file whose images are in ``images``.
+
+    Raises:
+        AnnotationError: see :mod:`coordl.detection.coco`; an image listed but missing (unless
+            ``on_error="skip"``, which leaves it out and counts it).
+    """
+    parsed = coco.parse(coco.load(annotations), annotations, skip_empty=skip_empty, on_error=on_error)
+    boxes = parsed.boxes
+    paths = [_join(images, name) for name in parsed.file_names]
+    if s3url.is_url(images):
+        from coordl.s3 import listing
+
+        known = listing.stat_known(paths)
+        found = [known.get(p) for p in paths]
+    else:
+        found = [_stat(p) for p in paths]
+    missing = [k for k, f in enumerate(found) if f is None]
+    if missing:
+        k = missing[0]
+        image_id = int(boxes.image_ids[k])
+        if on_error != "skip":
+            raise AnnotationError(
+                f"{annotations}: image {image_id} is {parsed.file_names[k]}, which is not in {images} "
+                f"({len(missing)} listed images are missing); pass on_error='skip' to leave them out",
+                path=paths[k],
+                image_id=image_id,
+            )
+        log.warning("coordl: %d images of %s are missing from %s; left out", len(missing), annotations, images)
+        keep = np.setdiff1d(np.arange(len(paths)), missing)
+        boxes = boxes.subset(keep)
+        boxes.skipped["images"] += len(missing)
+        paths, found = [paths[k] for k in keep], [found[k] for k in keep]
+    sizes = [f[0] for f in found]
+    etags = [f[1] for f in found] if s3url.is_url(images) else None
+    log.info(
+        "coordl: indexed %d images and %d boxes of %s", len(paths), len(boxes.labels), os.path.basename(annotations)
+    )
+    return Found(paths, sizes, etags, boxes)
+
+
+def boxes_of_members(paths, members: list[bytes], *, on_error: str) -> Boxes:
+    """The boxes of tar samples from their ``.json`` members (:func:`coco.parse_sample`), the
+    sample at ``paths[i]`` (``<shard>:<member>``) an image of id its member's ``image_id``, else ``i``."""
+    skipped = {"images": 0, "boxes": 0, "annotations": 0}
+    boxes, labels, sizes, ids = [], [], [], []
+    for i, (path, raw) in enumerate(zip(paths, members, strict=True)):
+        where = path.rsplit(".", 1)[0] + ".json"
+        width, height, image_id, xyxy, labs = coco.parse_sample(raw, where, on_error, skipped)
+        boxes.append(xyxy)
+        labels.append(labs)
+        sizes.append((width, height))
+        ids.append(i if image_id is None else image_id)
+    return Boxes.from_lists(boxes, labels, sizes, ids, {}, skipped)
+
+
+def _join(images: str, name: str) -> str:
+    if s3url.is_url(images):
+        return images.rstrip("/") + "/" + name
+    return os.path.join(images, name)
+
+
+def _stat(path: str) -> tuple[int, None] | None:
+    try:
+        return os.stat(path).st_size, None
+    except FileNotFoundError:
+        return None
