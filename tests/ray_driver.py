@@ -577,9 +577,42 @@ def hp(root: str, out: str) -> None:
     write(out, result)
 
 
+def detection(images: str, out: str) -> None:
+    """A COCO set with SSDTrain (``make_coco``'s layout: ``images`` is ``<root>/train``): actors
+    only (node reads, and uint8 pixels) against local prep, two epochs; each sample's pixels and boxes."""
+    annotations = os.path.join(os.path.dirname(images), "annotations", "instances_train.json")
+    index = coordl.Index.from_coco(images, annotations)
+    recipe = coordl.SSDTrain(size=32)
+    result = {}
+    runs = {"reference": 1, "remote": coordl.RayPrep(workers=2, local=False)}
+    runs["uint8"] = coordl.RayPrep(workers=2, local=False, output="uint8")
+    seen = {}
+    for name, prep in runs.items():
+        got = {}
+        with CoordLoader(index, BS, True, pipeline=recipe, device_id=None, seed=7, return_index=True, prep=prep) as ld:
+            if name != "reference":
+                wait_actors(ld, 2)
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                for x, targets, i in ld:
+                    for image, t, sample in zip(x, targets, i.tolist()):
+                        got[(epoch, sample)] = (image.clone(), t["boxes"].tolist(), t["labels"].tolist())
+            stats = ld.stats()
+        seen[name] = got
+        ref = seen["reference"]
+        result[name] = {
+            "samples": sorted(f"{e}:{i}" for e, i in got),
+            "boxes_differ": sum(got[k][1:] != ref[k][1:] for k in got),
+            "max_diff": max((got[k][0].float() - ref[k][0].float()).abs().max().item() for k in got),
+            "remote_units": stats.get("remote_units", 0),
+        }
+    write(out, result)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
+        detection,
         equal_dali,
         equal_torch,
         custom,

@@ -590,3 +590,26 @@ def test_a_json_member_with_a_bad_box_is_named_or_skipped(small, tmp_path):
     assert "shard-000000.tar:" in str(e.value)
     index = coordl.Index.from_tars(str(broken), boxes=True, skip=True)
     assert index.boxes.skipped["boxes"] == 1 and len(index) == 6
+
+
+def test_coco_images_in_s3_deliver_the_local_folder_s_images_and_boxes(coco, s3_server, monkeypatch):
+    s3_server.create_bucket("coordl-coco")
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    s3_server.upload_tree(coco.images, "coordl-coco", "train")
+    remote = coordl.Index.from_coco("s3://coordl-coco/train", coco.annotations)
+    assert remote.etags is not None and list(remote.sizes) == list(_index(coco).sizes)
+    local, store = {}, {}
+    for data, out in ((_index(coco), local), (remote, store)):
+        with _loader(data, SSDTrain(size=SIZE), cache=1.0) as loader:
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                _record(loader, out, epoch)
+            reads = loader.stats()["storage_reads"]
+        assert reads == 0  # the second epoch came from the node's cache
+    for key, item in local.items():
+        assert all(torch.equal(a, b) for a, b in zip(item, store[key])), f"{key} differs from s3://"
+    doc = json.loads(Path(coco.annotations).read_text())
+    doc["images"][0]["file_name"] = "missing.png"
+    with pytest.raises(AnnotationError, match="which is not in s3://coordl-coco/train"):
+        coordl.Index.from_coco("s3://coordl-coco/train", _write(doc, Path(coco.root) / "missing.json"))

@@ -214,6 +214,23 @@ def test_dali_remote_and_both_give_local_prep_s_tensors(cluster, tiny_dataset, i
 
 
 @needs_cluster
+def test_a_detection_dataset_s_actors_deliver_local_prep_s_pixels_and_boxes(cluster, isolated, tmp_path):
+    """SSDTrain on a COCO set prepared by actors only: the same pixels (bit for bit; as uint8,
+    normalised on the trainer, within float rounding) and the same boxes, computed by the trainer
+    from the sample ids."""
+    from coordl.tools.datagen.coco import make_coco
+
+    coco = make_coco(tmp_path / "coco", 40, seed=2, width=(64, 96), height=(48, 80))
+    r = ok(drive(cluster, tmp_path, "detection", coco.images))
+    everything = sorted(f"{e}:{i}" for e in range(2) for i in range(40))
+    assert r["reference"]["samples"] == everything
+    for name, bound in (("remote", 0.0), ("uint8", 1e-5)):
+        assert r[name]["samples"] == everything and r[name]["boxes_differ"] == 0, r[name]
+        assert r[name]["max_diff"] <= bound and r[name]["remote_units"] == 5, r[name]  # the last epoch's units
+    assert segments(isolated) == []
+
+
+@needs_cluster
 def test_torch_backend_remote_gives_local_tensors(cluster, tiny_dataset, isolated, tmp_path):
     """ImageFolder with a random crop and flip drawn from Python's and torch's global generators."""
     r = ok(drive(cluster, tmp_path, "equal_torch", tiny_dataset))
