@@ -613,3 +613,26 @@ def test_coco_images_in_s3_deliver_the_local_folder_s_images_and_boxes(coco, s3_
     doc["images"][0]["file_name"] = "missing.png"
     with pytest.raises(AnnotationError, match="which is not in s3://coordl-coco/train"):
         coordl.Index.from_coco("s3://coordl-coco/train", _write(doc, Path(coco.root) / "missing.json"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_images_and_boxes_arrive_on_the_device_with_the_cpu_path_s_boxes(coco):
+    """The GPU path (nvJPEG's decoder, DALI's GPU operators): the images and targets on the device,
+    the same boxes as the CPU path's (they are planned outside the pipeline), pixels close to its."""
+    index = _index(coco)
+    got = {}
+    for device in (None, 0):
+        out = {}
+        with CoordLoader(index, batch_size=BS, pipeline=SSDTrain(size=SIZE), device_id=device, return_index=True) as ld:
+            for images, targets, ids in ld:
+                if device is not None:
+                    assert images.is_cuda and all(t["boxes"].is_cuda for t in targets)
+                for image, t, i in zip(images, targets, ids.tolist()):
+                    out[i] = (image.cpu(), t["boxes"].cpu(), t["labels"].cpu())
+        got[device] = out
+    assert got[None].keys() == got[0].keys() == set(range(N))
+    for i, (image, boxes, labels) in got[None].items():
+        assert torch.equal(boxes, got[0][i][1]) and torch.equal(labels, got[0][i][2])
+        # Another decoder and other resize kernels: the same picture, not the same bits.
+        assert (image - got[0][i][0]).abs().mean() < 0.1, f"sample {i}: the GPU's pixels are not the CPU's"
