@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "coco_index.json")
     a = p.parse_args(argv)
     folder, ann, made_s = make(a.data, a.images, a.boxes_per_image, a.seed)
+    annotations_bytes = ann.stat().st_size
     index_dir = a.data / "index"
     shutil.rmtree(index_dir, ignore_errors=True)
     try:
@@ -115,9 +116,9 @@ def main(argv=None) -> None:
         if not a.keep:
             shutil.rmtree(a.data, ignore_errors=True)
     result = {
-        "command": "python -m benchmarks.coco_index " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks.coco_index", *(argv if argv is not None else sys.argv[1:])]),
         "machine": common.machine(),
-        "annotations_bytes": None if not ann.exists() else ann.stat().st_size,
+        "annotations_bytes": annotations_bytes,
         "made_s": made_s,
         "images": cold["images"],
         "boxes": cold["boxes"],

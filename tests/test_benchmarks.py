@@ -563,3 +563,55 @@ def test_hp_mix_small(tmp_path):
         assert os.listdir(shm) == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_detection_smoke(tmp_path):
+    """benchmarks.detection --smoke on 40 small photo JPEGs: every loader of the prep scenario and both
+    modes of the HP group run every epoch whole, the JSON holds the figures the docs quote, and the
+    jobs leave nothing in shared memory."""
+    out, shm = tmp_path / "detection.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
+    command = [sys.executable, "-m", "benchmarks.detection", "--smoke", "--data", str(tmp_path / "coco")]
+    command += ["--out", str(out)]
+    try:
+        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert r["dataset"]["files"] == 40 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["boxes"] > 0
+        assert r["command"].startswith("python -m benchmarks.detection --smoke") and r["machine"]["cpus"] > 0
+        assert r["python_per_batch"]["plan_ms"] > 0 and r["python_per_batch"]["targets_ms"] > 0
+        prep = r["prep"]
+        assert set(prep["runs"]) == set(prep["median"]) == {"coordl", "dali", "torch"}
+        assert set(prep["ratios"]) == {"coordl/dali", "coordl/torch"}
+        for runs in prep["runs"].values():
+            (run,) = runs
+            assert [(e["warmup"], e["samples"]) for e in run["epochs"]] == [(True, 40), (False, 40)]
+            assert run["samples_per_s"] > 0 and run["cpu_s_per_sample"] > 0
+        (coordl_run,) = prep["runs"]["coordl"]
+        assert coordl_run["epochs"][1]["stats"]["storage_reads"] == 0  # the measured epoch from the cache
+        hp = r["hp"]
+        assert len(hp["speedups"]) == 1 and hp["speedups"][0] > 0
+        for mode in ("separate", "group"):
+            (run,) = hp[mode]
+            assert len(run["per_trial_samples_per_s"]) == 2
+            assert all(e["samples"] == 40 for j in run["jobs"] for e in j["epochs"])
+        assert all(e["stats"]["produced"] is not None for j in hp["group"][0]["jobs"] for e in j["epochs"])
+        assert "coordl/dali" in proc.stdout and "hp per-trial speedup" in proc.stdout
+        assert os.listdir(shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_coco_index_small(tmp_path):
+    """benchmarks.coco_index on 300 images: cold and saved-index times measured, every box indexed, the
+    files removed after."""
+    data, out = tmp_path / "data", tmp_path / "coco_index.json"
+    command = [sys.executable, "-m", "benchmarks.coco_index", "--images", "300", "--loads", "2"]
+    command += ["--data", str(data), "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["images"] == 300 and r["boxes"] > 1000 and r["annotations_bytes"] > 0
+    assert r["cold_s"] > 0 and len(r["loads_s"]) == 2 and r["load_s"] > 0
+    assert r["box_bytes"] > 24 * r["boxes"] and r["index_file_bytes"] > r["box_bytes"]
+    assert not data.exists()
