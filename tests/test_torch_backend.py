@@ -377,8 +377,12 @@ def test_argument_errors(tiny_dataset):
     ds = ImageFolder(tiny_dataset, transform=to_tensor)
     with pytest.raises(ValueError, match="decides the order"):
         CoordLoader(ds, batch_size=2, sampler=[0, 1], shuffle=True)
-    with pytest.raises(ValueError, match="collate_fn apply to the torch backend"):
-        CoordLoader(tiny_dataset, batch_size=2, collate_fn=list, cache=0, shuffle=True)
+    with pytest.raises(ValueError, match="worker_init_fn apply to the torch backend"):
+        CoordLoader(tiny_dataset, batch_size=2, worker_init_fn=print, cache=0, shuffle=True)
+    # collate_fn lays out DALI's batches too (tests/test_detection.py checks what it receives).
+    with CoordLoader(tiny_dataset, batch_size=2, collate_fn=list, cache=0, pipeline="imagenet-val") as loader:
+        batch = next(iter(loader))
+    assert isinstance(batch, list) and len(batch) == 2 and batch[0][0].shape == (3, 224, 224)
     with pytest.raises(ValueError, match="hp_group"):
         CoordLoader(ds, batch_size=2, hp_group="g", shuffle=True)
     with pytest.raises(ValueError, match="pipeline"):
