@@ -141,8 +141,9 @@ def val_targets(recipe, boxes: Boxes, ids) -> tuple[np.ndarray, np.ndarray, np.n
     ``(xyxy, labels, counts)``."""
     xyxy, labels, counts = boxes.gather(np.asarray(ids, dtype=np.int64))
     size = np.repeat(boxes.image_sizes[np.asarray(ids, dtype=np.int64)], counts, axis=0).astype(np.float64)
-    scale = recipe.size / np.column_stack([size[:, 0], size[:, 1], size[:, 0], size[:, 1]])
-    return (xyxy.astype(np.float64) * scale).astype(np.float32), labels, counts
+    sides = np.column_stack([size[:, 0], size[:, 1], size[:, 0], size[:, 1]])
+    scaled = xyxy.astype(np.float64) * recipe.size / sides  # an edge on the image's edge lands on ``size``
+    return np.clip(scaled, 0.0, recipe.size).astype(np.float32), labels, counts
 
 
 def _moved(xyxy, of, windows, flips, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -150,11 +151,12 @@ def _moved(xyxy, of, windows, flips, size: int) -> tuple[np.ndarray, np.ndarray]
     wx, wy, ww, wh = (windows[of, k : k + 1] for k in range(4))
     cx, cy = (xyxy[:, 0:1] + xyxy[:, 2:3]) / 2, (xyxy[:, 1:2] + xyxy[:, 3:4]) / 2
     keep = ((cx > wx) & (cx < wx + ww) & (cy > wy) & (cy < wy + wh))[:, 0]
-    x = (np.clip(xyxy[:, [0, 2]], wx, wx + ww) - wx) * (size / ww)
-    y = (np.clip(xyxy[:, [1, 3]], wy, wy + wh) - wy) * (size / wh)
+    # Multiplied, then divided: a box edge on the window's edge lands on 0 or ``size`` exactly.
+    x = (np.clip(xyxy[:, [0, 2]], wx, wx + ww) - wx) * size / ww
+    y = (np.clip(xyxy[:, [1, 3]], wy, wy + wh) - wy) * size / wh
     mirrored = flips[of]
     x = np.where(mirrored[:, None], size - x[:, ::-1], x)
-    return np.column_stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]]), keep
+    return np.clip(np.column_stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]]), 0.0, size), keep
 
 
 def _per_sample(flags: np.ndarray, counts: np.ndarray) -> np.ndarray:
