@@ -609,9 +609,36 @@ def detection(images: str, out: str) -> None:
     write(out, result)
 
 
+def audio(root: str, out: str) -> None:
+    """A folder of audio clips with AudioTrain (a gain too): actors only against local prep, two
+    epochs; each clip's window."""
+    recipe = coordl.AudioTrain(sample_rate=8000, samples=4000, gain=(-3.0, 3.0))
+    result, seen = {}, {}
+    for name, prep in (("reference", 1), ("remote", coordl.RayPrep(workers=2, local=False))):
+        got = {}
+        with CoordLoader(root, BS, True, pipeline=recipe, device_id=None, seed=7, return_index=True, prep=prep) as ld:
+            if name != "reference":
+                wait_actors(ld, 2)
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                for x, y, i in ld:
+                    for w, label, sample in zip(x, y.tolist(), i.tolist()):
+                        got[(epoch, sample)] = (w.clone(), label)
+            stats = ld.stats()
+        seen[name] = got
+        ref = seen["reference"]
+        result[name] = {
+            "samples": sorted(f"{e}:{i}" for e, i in got),
+            "differ": sum(not torch.equal(got[k][0], ref[k][0]) or got[k][1] != ref[k][1] for k in got),
+            "remote_units": stats.get("remote_units", 0),
+        }
+    write(out, result)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
+        audio,
         detection,
         equal_dali,
         equal_torch,

@@ -231,6 +231,19 @@ def test_a_detection_dataset_s_actors_deliver_local_prep_s_pixels_and_boxes(clus
 
 
 @needs_cluster
+def test_audio_clips_prepared_by_actors_are_local_prep_s_windows(cluster, isolated, tmp_path):
+    """AudioTrain (decode, resample, window, gain) by actors only: bit for bit local prep's windows."""
+    from coordl.tools.datagen.audio import make_tones
+
+    tones = make_tones(tmp_path / "tones", classes=2, per_class=8, seconds=(0.3, 1.2), seed=4)
+    r = ok(drive(cluster, tmp_path, "audio", tones.root))
+    everything = sorted(f"{e}:{i}" for e in range(2) for i in range(16))
+    assert r["reference"]["samples"] == r["remote"]["samples"] == everything
+    assert r["remote"]["differ"] == 0 and r["remote"]["remote_units"] == 2, r["remote"]
+    assert segments(isolated) == []
+
+
+@needs_cluster
 def test_torch_backend_remote_gives_local_tensors(cluster, tiny_dataset, isolated, tmp_path):
     """ImageFolder with a random crop and flip drawn from Python's and torch's global generators."""
     r = ok(drive(cluster, tmp_path, "equal_torch", tiny_dataset))

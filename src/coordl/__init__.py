@@ -4,7 +4,8 @@
 ``DistributedSampler``, decodes and augments with NVIDIA DALI, and keeps raw samples in the
 node's cache in shared memory (never evicted: the paper's MinIO policy) so that every epoch
 after the first reads only what the cache cannot hold. Detection datasets (:meth:`Index.from_coco`)
-take the SSD recipes (:class:`SSDTrain`, :class:`SSDVal`) and deliver boxes with their pixels.
+take the SSD recipes (:class:`SSDTrain`, :class:`SSDVal`) and deliver boxes with their pixels;
+folders of audio clips take :class:`AudioTrain` and :class:`AudioVal` (decode, resample, a window).
 Each feature takes one option object
 (:class:`Cache`, :class:`Peers`, :class:`HPGroup`, :class:`Shard`, :class:`Prep`,
 :class:`Fetch`). Datasets with Python transforms (:mod:`coordl.datasets`, imported on first
@@ -25,7 +26,16 @@ from coordl.errors import (
 from coordl.index import Index
 from coordl.loader import CoordLoader
 from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, RayPrep, Shard
-from coordl.prep.recipes import DecodedRecipe, ImageNetTrain, ImageNetVal, PrepContext, SSDTrain, SSDVal
+from coordl.prep.recipes import (
+    AudioTrain,
+    AudioVal,
+    DecodedRecipe,
+    ImageNetTrain,
+    ImageNetVal,
+    PrepContext,
+    SSDTrain,
+    SSDVal,
+)
 
 __version__ = "0.1.0"
 
@@ -40,6 +50,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "AnnotationError",
+    "AudioTrain",
+    "AudioVal",
     "Cache",
     "CoordLoader",
     "CoordlError",

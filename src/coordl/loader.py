@@ -26,7 +26,7 @@ from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Sh
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
-from coordl.prep.recipes import max_short_side, recipe_key
+from coordl.prep.recipes import decoded_form, recipe_key
 from coordl.resources import Resources
 from coordl.sampler import ORDER_VERSION
 from coordl.schedule import Locality, Schedule
@@ -220,7 +220,7 @@ class CoordLoader(DataLoaderAttributes):
             self.options.cache,
             why_not=why_not,
             measure=measure,
-            max_short_side=max_short_side(self.recipe) if self.recipe is not None else None,
+            form=decoded_form(self.recipe) if self.recipe is not None else None,
         )
 
     # -- where the job is ------------------------------------------------------------------------

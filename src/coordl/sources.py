@@ -12,7 +12,7 @@ from coordl import env
 from coordl.config import TorchOptions
 from coordl.index import Index
 from coordl.options import Fetch, Options, Prep
-from coordl.prep.recipes import is_detection, normalised, resolve_recipe
+from coordl.prep.recipes import is_audio, is_detection, normalised, resolve_recipe
 
 __all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
 
@@ -72,7 +72,7 @@ def open_source(
         if pipeline is None:
             raise ValueError(PIPELINE_NEEDED)
         recipe = resolve_recipe(pipeline)
-        index = make_index(data, skip=on_error == "skip", boxes=is_detection(recipe))
+        index = make_index(data, skip=on_error == "skip", boxes=is_detection(recipe), audio=is_audio(recipe))
         _check_targets(recipe, index)
         source = Source("dali", index, index, recipe, resolve_device(device_id))
         remote = options.prep if is_remote(options.prep) else None
@@ -171,18 +171,22 @@ def as_dataset(data):
     return None
 
 
-def make_index(data, *, skip: bool = False, boxes: bool = False) -> Index:
-    """The index of a folder (scanned with the defaults of :meth:`Index.scan`), tar shards (a
-    pattern, a folder of ``.tar`` files or a list of them: :meth:`Index.from_tars`; ``boxes``: their
-    samples' ``.json`` members), a list of ``(path, label)`` pairs, or an index."""
+def make_index(data, *, skip: bool = False, boxes: bool = False, audio: bool = False) -> Index:
+    """The index of a folder (scanned with the defaults of :meth:`Index.scan`; ``audio``: of audio
+    files, :data:`~coordl.audio.formats.AUDIO_EXTENSIONS`), tar shards (a pattern, a folder of
+    ``.tar`` files or a list of them: :meth:`Index.from_tars`; ``boxes``: their samples' ``.json``
+    members; ``audio``: their audio members), a list of ``(path, label)`` pairs, or an index."""
     from coordl import tars
+    from coordl.audio.formats import AUDIO_EXTENSIONS
 
     if isinstance(data, Index):
         return data
     if tars.is_tar_data(data):
+        if audio:
+            return Index.from_tars(data, skip=skip, image=tuple(e.lstrip(".") for e in AUDIO_EXTENSIONS))
         return Index.from_tars(data, skip=skip, boxes=boxes)
     if isinstance(data, (str, os.PathLike)):
-        return Index.scan(data)
+        return Index.scan(data, extensions=AUDIO_EXTENSIONS) if audio else Index.scan(data)
     if isinstance(data, Sequence):
         return Index.from_list(data)
     raise TypeError(

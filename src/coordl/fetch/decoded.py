@@ -3,11 +3,12 @@ of the node, under the MinIO cache's guarantees.
 
 It is a :class:`~coordl.fetch.cache.NodeCache` of its own (its own group of segments, its own
 budget taken out of ``Cache(size)``) whose items are RGB ``uint8`` images, ``(H, W, 3)``, the
-decoder's output at the file's resolution. An image's size is known only once it is decoded,
-so an entry is first *claimed* (``EMPTY -> WRITING``, no bytes yet) by the process that will
-decode it, and given bytes when it is filled; every other process sees a miss until it is
-published, and then the same immutable pixels. A claim left by a killed process is reclaimed
-like a half-written item: by the next process that attaches alone.
+decoder's output at the file's resolution, or (a tier of audio clips, ``item="waveform"``) float32
+waveforms, ``(samples,)``, each clip downmixed and resampled at the recipe's rate. An image's
+size is known only once it is decoded, so an entry is first *claimed* (``EMPTY -> WRITING``, no
+bytes yet) by the process that will decode it, and given bytes when it is filled; every other
+process sees a miss until it is published, and then the same immutable pixels. A claim left by a
+killed process is reclaimed like a half-written item: by the next process that attaches alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 
 DECODED_ENTRY = np.dtype([("offset", "<u8"), ("length", "<u4"), ("state", "<u4"), ("height", "<u4"), ("width", "<u4")])
 CHANNELS = 3
+#: What a tier's items are: their dtype and channels (an image is ``(height, width, 3)`` uint8; a
+#: waveform ``(height,)`` float32, its width 1).
+ITEMS = {"image": (np.dtype(np.uint8), CHANNELS), "waveform": (np.dtype(np.float32), 1)}
 
 
 class DecodedTier(NodeCache):
@@ -42,7 +46,11 @@ class DecodedTier(NodeCache):
     MAGIC = b"COORDLD1"
     ENTRY_DTYPE = DECODED_ENTRY
 
-    def __init__(self, fingerprint: str, num_items: int, budget: int, *, min_size: int = 1, **kwargs):
+    def __init__(
+        self, fingerprint: str, num_items: int, budget: int, *, min_size: int = 1, item: str = "image", **kwargs
+    ):
+        self.item = item
+        self._dtype, self._channels = ITEMS[item]
         self._claims: set[int] = set()  # ids this attachment claimed and has not filled or given up
         self._claims_lock = threading.Lock()
         super().__init__(fingerprint, np.zeros(num_items, dtype=np.uint64), budget, min_size=min_size, **kwargs)
@@ -53,11 +61,14 @@ class DecodedTier(NodeCache):
         return bool(self._header["full"]) if self._header is not None else True
 
     def images(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Read-only ``(H, W, 3)`` uint8 images of ``ids``, which must all be published
-        (:meth:`ready_mask`): views of shared memory (a copy for one spanning two chunks)."""
+        """Read-only ``(H, W, 3)`` uint8 images (or ``(samples,)`` float32 waveforms) of ``ids``,
+        which must all be published (:meth:`ready_mask`): views of shared memory (a copy for one
+        spanning two chunks)."""
         ids = np.asarray(ids, dtype=np.int64)
         heights = self._entries["height"][ids].tolist()
         widths = self._entries["width"][ids].tolist()
+        if self.item == "waveform":
+            return [v.view(self._dtype) for v in self.views(ids)]
         return [v.reshape(h, w, CHANNELS) for v, h, w in zip(self.views(ids), heights, widths, strict=True)]
 
     def claim_many(self, ids: np.ndarray) -> np.ndarray:
@@ -91,9 +102,10 @@ class DecodedTier(NodeCache):
         done = np.zeros(len(mine), dtype=bool)
         if not len(ids):
             return done
-        shapes = np.array([im.shape[:2] for im in images], dtype=np.int64).reshape(-1, 2)
-        lengths = shapes[:, 0] * shapes[:, 1] * CHANNELS
-        ok = np.array([im.ndim == 3 and im.shape[2] == CHANNELS and im.dtype == np.uint8 for im in images])
+        wave = self.item == "waveform"
+        shapes = np.array([(im.shape[0], 1) if wave else im.shape[:2] for im in images], dtype=np.int64).reshape(-1, 2)
+        lengths = shapes[:, 0] * shapes[:, 1] * self._channels * self._dtype.itemsize
+        ok = np.array([self._fits(im) for im in images], dtype=bool)
         with self._locked():
             owns = self._offset[ids] != NO_OFFSET
             e = self._entries
@@ -122,13 +134,19 @@ class DecodedTier(NodeCache):
             offsets = self._offset[ids[granted]].tolist()
         for k, offset in zip(granted.tolist(), offsets, strict=True):
             pos = 0
-            flat = np.ascontiguousarray(images[k]).reshape(-1)
+            flat = np.ascontiguousarray(images[k]).reshape(-1).view(np.uint8)
             for part in self._data.writable(offset, int(lengths[k])):
                 part[:] = flat[pos : pos + len(part)]
                 pos += len(part)
         self.publish_many(np.sort(ids[granted]))
         done[np.flatnonzero(mine)[granted]] = True
         return done
+
+    def _fits(self, item: np.ndarray) -> bool:
+        """Whether ``item`` is one of this tier's: an ``(H, W, 3)`` uint8 image, or a 1-D float32 waveform."""
+        if item.dtype != self._dtype:
+            return False
+        return item.ndim == 1 if self.item == "waveform" else item.ndim == 3 and item.shape[2] == CHANNELS
 
     def abort_claims(self, ids: np.ndarray) -> None:
         """Gives up this process's claims among ``ids`` (bytes they own stay theirs)."""

@@ -44,6 +44,7 @@ class CacheSpec:
     directory: str
     dataset: str
     tier: str = "encoded"  # or "decoded": the node's decoded images (a group of its own)
+    item: str = "image"  # a decoded tier's items: "image" or "waveform" (coordl.fetch.decoded.ITEMS)
 
     @classmethod
     def for_dataset(
@@ -55,16 +56,20 @@ class CacheSpec:
         private: str = "",
         tier: str = "encoded",
         max_short_side: int | None = None,
+        waveform: str | None = None,
     ) -> CacheSpec:
         """The cache of ``index`` for this user (segments are 0600, so two users get one each);
         ``private`` names a cache of its own (DS-Analyzer's cold runs); ``tier="decoded"`` the
         decoded tier beside it, of images capped at ``max_short_side`` when given (another tier:
-        other pixels)."""
+        other pixels), or of ``waveform`` s (audio clips resampled as that key says: another rate
+        or resampler is another tier)."""
         key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
         key += ":decoded" if tier == "decoded" else ""
         key += f":max_short_side={max_short_side}" if tier == "decoded" and max_short_side else ""
+        key += f":waveform={waveform}" if tier == "decoded" and waveform else ""
         group = hashlib.sha256(key.encode()).hexdigest()[:16]
-        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier)
+        item = "waveform" if waveform else "image"
+        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier, item)
 
     def open(self, sizes: np.ndarray) -> NodeCache:
         """Attaches to the cache (creating it if this is its first user)."""
@@ -78,6 +83,7 @@ class CacheSpec:
                 directory=self.directory,
                 dataset=self.dataset,
                 min_size=int(sizes.min()) if len(sizes) else 1,
+                item=self.item,
             )
         return NodeCache(
             self.fingerprint, sizes, self.budget, keep=self.keep, directory=self.directory, dataset=self.dataset

@@ -29,9 +29,9 @@ from coordl.accounting import BusyClock
 from coordl.detection import crops
 from coordl.errors import SampleError
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
-from coordl.prep import graph, windows
+from coordl.prep import checks, graph, windows
 from coordl.prep.planned import SampleRandom, uses_dali_random
-from coordl.prep.recipes import ImageNetTrain, PrepContext, SSDTrain, is_detection
+from coordl.prep.recipes import ImageNetTrain, PrepContext, SSDTrain, is_audio, is_detection
 
 __all__ = ["DaliPrep"]
 
@@ -111,7 +111,11 @@ class DaliPrep:
         self.ctx = PrepContext(
             "mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id, adjust_orientation=boxes is None
         )
-        self.checks_shapes = is_detection(recipe)  # each image's size against its annotations
+        self.checks_before = checks.checks_before(recipe)  # an audio clip's header
+        self.checks_shapes = checks.checks_after(recipe)  # an image's size against its annotations; a clip's length
+        audio = is_audio(recipe)
+        self._decoded_type = (types.FLOAT, None) if audio else (types.UINT8, "HWC")  # the decoded tier's items
+        self._empty_decoded = _EMPTY_WAVEFORM if audio else _EMPTY_IMAGE
         self._pipe = None
         self._probe = None  # decodes one sample at a time, to find the bad ones of a failed batch
         self._builds = 0
@@ -170,23 +174,23 @@ class DaliPrep:
                 )
                 return graph.planned_train(self.recipe, images, anchor, size, mirror, self.ctx), labels, ids
             if mode != TIERED:
+                decoded_type, decoded_layout = self._decoded_type if mode == DECODED_ONLY else (types.UINT8, None)
                 data, labels, ids, *uniforms = fn.external_source(
                     source=self._next_raw,
                     num_outputs=inputs,
                     batch=True,
                     no_copy=True,
-                    dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT][:inputs],
-                    layout=["HWC" if mode == DECODED_ONLY else None, None, None, None][:inputs],
+                    dtype=[decoded_type, types.INT64, types.INT64, types.FLOAT][:inputs],
+                    layout=[decoded_layout, None, None, None][:inputs],
                 )
                 ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
                 if mode == DECODED_ONLY:
-                    images = graph.augment(self.recipe, data, ctx)
+                    images, shape = graph.augment(self.recipe, data, ctx), data.shape()
                 else:
-                    images = graph.encoded(self.recipe, data, ctx)
+                    images, shape = graph.encoded_checked(self.recipe, data, ctx)
                 if ctx.random.used != columns:
                     raise ValueError("the recipe draws a different number of random numbers every time it is built")
                 if self.checks_shapes:
-                    shape = data.shape() if mode == DECODED_ONLY else graph.image_shape(data, ctx)
                     return images, labels, ids, shape
                 return images, labels, ids
             encoded, decoded, kind, labels, ids, *uniforms = fn.external_source(
@@ -194,8 +198,10 @@ class DaliPrep:
                 num_outputs=inputs + 2,
                 batch=True,
                 no_copy=True,
-                dtype=[types.UINT8, types.UINT8, types.INT32, types.INT64, types.INT64, types.FLOAT][: inputs + 2],
-                layout=[None, "HWC", None, None, None, None][: inputs + 2],
+                dtype=[types.UINT8, self._decoded_type[0], types.INT32, types.INT64, types.INT64, types.FLOAT][
+                    : inputs + 2
+                ],
+                layout=[None, self._decoded_type[1], None, None, None, None][: inputs + 2],
             )
             ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
             images, full, shape = graph.tiered(self.recipe, encoded, decoded, kind, ctx)
@@ -221,7 +227,12 @@ class DaliPrep:
         return pipe
 
     def _next_raw(self):
-        batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
+        while True:
+            batch = self._pending.popleft() if self._pending else next(self._source)  # StopIteration ends the epoch
+            if self.checks_before:
+                batch = self._checked(batch)
+            if batch is not None:
+                break
         self._inflight.append(batch)
         if self._mode == DECODED_ONLY and not (batch.kinds() == DECODED).all():
             raise RuntimeError("coordl: a batch of an epoch served from the decoded tier alone holds encoded bytes")
@@ -229,7 +240,7 @@ class DaliPrep:
             kind = batch.kinds()
             decoded = kind == DECODED
             encoded = [_EMPTY_BYTES if d else x for x, d in zip(batch.data, decoded.tolist(), strict=True)]
-            images = [x if d else _EMPTY_IMAGE for x, d in zip(batch.data, decoded.tolist(), strict=True)]
+            images = [x if d else self._empty_decoded for x, d in zip(batch.data, decoded.tolist(), strict=True)]
             out = (encoded, images, kind.astype(np.int32), batch.labels, batch.ids)
         else:
             out = (batch.data, batch.labels, batch.ids)
@@ -301,12 +312,15 @@ class DaliPrep:
                 if mode == TIERED:
                     self._fill(batch, out[3])
                 tensors = self._to_torch(out[:3])
-                wrong = self._wrong_sizes(batch, out[-1]) if self.checks_shapes else None
+                faults = {}
+                if self.checks_shapes:
+                    faults = checks.after_decoding(self.recipe, self.boxes, batch.ids, out[-1])
                 del out
                 self._pipe.release_outputs()
                 self._pipe.schedule_run()
-                if wrong is not None:
-                    tensors = self._drop(tensors, wrong)
+                if faults:
+                    self._apply_policy(batch.ids, faults)
+                    tensors = self._drop(tensors, np.array(sorted(faults), dtype=np.int64))
                     if not len(tensors[2]):
                         continue
                 yield (*tensors, batch.number)
@@ -328,21 +342,25 @@ class DaliPrep:
         ids, first = np.unique(batch.ids[where], return_index=True)  # a padded batch may repeat one
         self._keep.fill(ids, [np.asarray(full[int(k)]) for k in where[first].tolist()])
 
-    def _wrong_sizes(self, batch: RawBatch, shapes) -> np.ndarray | None:
-        """Positions in the batch of the images whose size is not their annotations' (the boxes
-        would not be where the pixels are): a :class:`~coordl.errors.SampleError`, or with
-        ``on_error="skip"`` their positions (logged and counted). None when every size matches."""
-        hw = np.array([np.asarray(s)[:2] for s in shapes], dtype=np.int64).reshape(-1, 2)
-        expected = self.boxes.image_sizes[batch.ids][:, ::-1]
-        wrong = np.flatnonzero((hw != expected).any(axis=1))
-        if not len(wrong):
-            return None
-        for k in wrong.tolist():
-            i = int(batch.ids[k])
-            reason = (
-                f"the image is {hw[k, 1]}x{hw[k, 0]} pixels, its annotations say {expected[k, 1]}x{expected[k, 0]}: "
-                "its boxes would not be where its pixels are"
-            )
+    def _checked(self, batch: RawBatch) -> RawBatch | None:
+        """The batch without the samples whose bytes show a fault before decoding (raised, or with
+        ``on_error="skip"`` left out and counted; None when none is left). A left-out sample the
+        decoded tier was to keep is given up there."""
+        faults = checks.before_decoding(self.recipe, batch)
+        if not faults:
+            return batch
+        self._apply_policy(batch.ids, faults)
+        gone = batch.ids[sorted(faults)]
+        if self._keep is not None:
+            self._keep.abort(np.unique(gone))
+        keep = [k for k in range(len(batch.ids)) if k not in faults]
+        return batch.subset(keep) if keep else None
+
+    def _apply_policy(self, ids: np.ndarray, faults: dict[int, str]) -> None:
+        """Raises a :class:`~coordl.errors.SampleError` for the first of ``faults`` (positions in a
+        batch of ``ids``: why), or with ``on_error="skip"`` logs and counts them all."""
+        for k, reason in sorted(faults.items()):
+            i = int(ids[k])
             if self.on_error == "raise":
                 raise SampleError(
                     f"sample {i} ({self._paths(i)}): {reason}. Pass on_error='skip' to skip such samples "
@@ -352,7 +370,6 @@ class DaliPrep:
                 )
             log.warning("coordl: skipping sample %d (%s): %s", i, self._paths(i), reason)
             self.skipped.append((i, self._paths(i), reason))
-        return wrong
 
     @staticmethod
     def _drop(tensors: tuple, wrong: np.ndarray) -> tuple:
@@ -402,7 +419,7 @@ class DaliPrep:
             if kind == DECODED:
                 continue  # decoded before: it decodes
             if self._probe is None:
-                self._probe = _probe_pipeline(self.ctx.decoder_device, self.device_id)
+                self._probe = _probe_pipeline(self.recipe, self.ctx, self.device_id)
             try:
                 self._probe.feed_input("x", [data])
                 self._probe.run()
@@ -467,6 +484,8 @@ PLAIN, TIERED, DECODED_ONLY = "plain", "tiered", "decoded"
 
 _EMPTY_BYTES = np.zeros(0, dtype=np.uint8)  # the encoded bytes of a sample that comes decoded
 _EMPTY_IMAGE = np.zeros((0, 0, 3), dtype=np.uint8)  # the decoded image of one that comes encoded
+_EMPTY_WAVEFORM = np.zeros(0, dtype=np.float32)  # the same for an audio clip
+_EMPTY_WAVEFORM.flags.writeable = False
 _EMPTY_BYTES.flags.writeable = False
 _EMPTY_IMAGE.flags.writeable = False
 
@@ -477,13 +496,17 @@ def _non_empty(source: Iterator[RawBatch]) -> Iterator[RawBatch]:
             yield batch
 
 
-def _probe_pipeline(decoder_device: str, device_id: int | None):
+def _probe_pipeline(recipe, ctx: PrepContext, device_id: int | None):
+    """A pipeline that decodes one sample as the recipe's decoder does (an image, or an audio clip)."""
+
     @pipeline_def(
         batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1, exec_async=False, exec_pipelined=False
     )
     def probe():
         x = fn.external_source(name="x", dtype=types.UINT8, ndim=1)
-        return fn.decoders.image(x, device=decoder_device, output_type=types.RGB)
+        if is_audio(recipe):
+            return graph.decode(x, ctx, recipe)
+        return fn.decoders.image(x, device=ctx.decoder_device, output_type=types.RGB)
 
     pipe = probe()
     pipe.build()
@@ -491,6 +514,12 @@ def _probe_pipeline(decoder_device: str, device_id: int | None):
 
 
 def _short(message: str) -> str:
+    """The decoder's own words in a DALI error: the line after ``encountered:`` when there is one."""
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if "encountered:" in lines:
+        after = lines[lines.index("encountered:") + 1 :]
+        said = [ln for ln in after if not ln.startswith(("C++ context", "Current pipeline"))]
+        if said:
+            return said[0][:300]
     useful = [ln for ln in lines if "decode" in ln.lower() or "failure" in ln.lower() or "error" in ln.lower()]
     return (useful[-1] if useful else lines[-1] if lines else "decoding failed")[:300]

@@ -20,22 +20,34 @@ from nvidia.dali import math as dmath
 from coordl.detection.crops import FED
 from coordl.fetch.ahead import DECODE_KEEP, DECODED
 from coordl.prep.recipes import (
+    AudioTrain,
     DecodedRecipe,
     ImageNetTrain,
     ImageNetVal,
     PrepContext,
     SSDTrain,
     SSDVal,
+    is_audio,
     max_short_side,
     takes_decoded,
 )
 
-__all__ = ["augment", "decode", "encoded", "image_shape", "planned_train", "tiered"]
+__all__ = ["augment", "decode", "encoded", "encoded_checked", "image_shape", "planned_train", "tiered"]
 
 
 def decode(data, ctx: PrepContext, recipe=None):
     """The full decode every recipe that takes decoded images starts from (RGB, HWC, uint8),
-    its shorter side brought down to the recipe's ``max_short_side`` if it asks for one."""
+    its shorter side brought down to the recipe's ``max_short_side`` if it asks for one; an audio
+    recipe's, the whole clip downmixed and resampled (float32, 1-D)."""
+    if is_audio(recipe):
+        waveform, _ = fn.decoders.audio(
+            data,
+            sample_rate=float(recipe.sample_rate),
+            downmix=True,
+            dtype=types.FLOAT,
+            quality=float(recipe.quality),
+        )
+        return waveform
     images = fn.decoders.image(
         data, device=ctx.decoder_device, output_type=types.RGB, adjust_orientation=ctx.adjust_orientation
     )
@@ -54,8 +66,21 @@ def image_shape(data, ctx: PrepContext):
     return fn.peek_image_shape(data, dtype=types.INT64, adjust_orientation=ctx.adjust_orientation)
 
 
+def encoded_checked(recipe, data, ctx: PrepContext):
+    """The recipe's output from encoded bytes, and the shape of each decoded sample that
+    :mod:`coordl.prep.checks` checks (a detection image's, from its header; an audio clip's, once
+    resampled), or None for other recipes."""
+    if is_audio(recipe):
+        waveform = decode(data, ctx, recipe)
+        return _audio_window(recipe, waveform, ctx), waveform.shape()
+    shape = image_shape(data, ctx) if isinstance(recipe, (SSDTrain, SSDVal)) else None
+    return encoded(recipe, data, ctx), shape
+
+
 def encoded(recipe, data, ctx: PrepContext):
     """The recipe's output from encoded bytes."""
+    if is_audio(recipe):
+        return _audio_window(recipe, decode(data, ctx, recipe), ctx)
     if isinstance(recipe, SSDTrain):
         anchor, size, mirror, colour = _ssd_fed(ctx, image_shape(data, ctx))
         return _ssd_tail(recipe, _decode_window(data, anchor, size, ctx), mirror, colour, ctx)
@@ -68,8 +93,10 @@ def encoded(recipe, data, ctx: PrepContext):
 
 
 def augment(recipe, images, ctx: PrepContext):
-    """The recipe's output from decoded images (a recipe that takes them: see
+    """The recipe's output from decoded images or waveforms (a recipe that takes them: see
     :func:`~coordl.prep.recipes.takes_decoded`)."""
+    if is_audio(recipe):
+        return _audio_window(recipe, images, ctx)
     if isinstance(recipe, ImageNetTrain):
         anchor, size = ctx.random.planned_crop_window(images.shape(), recipe.ratio)
         return _train_tail(recipe, _slice(images, anchor, size, ctx), ctx)
@@ -176,6 +203,30 @@ def _train_tail(recipe: ImageNetTrain, images, ctx: PrepContext, mirror=None):
     if mirror is None:
         mirror = ctx.random.coin_flip(recipe.flip)
     return _normalize(images, recipe, ctx, mirror=mirror, crop=None)
+
+
+def _audio_window(recipe, waveform, ctx: PrepContext):
+    """A window of ``recipe.samples`` of each resampled clip, as ``(1, samples)``: from a start drawn
+    uniformly among the clip's ``length - samples + 1`` (AudioTrain) or the centre (AudioVal), zeros
+    after the clip's end; then AudioTrain's gain (decibels)."""
+    length = fn.cast(waveform.shape(), dtype=types.FLOAT)[0]
+    room = dmath.max(length - float(recipe.samples), 0.0)  # the starts there are, less one
+    if isinstance(recipe, AudioTrain):
+        start = dmath.floor(ctx.random.uniform() * (room + 1.0))
+    else:
+        start = dmath.floor(room * 0.5)
+    window = fn.slice(
+        waveform,
+        start=fn.cast(fn.reshape(start, shape=[1]), dtype=types.INT32),
+        shape=[recipe.samples],
+        axes=[0],
+        out_of_bounds_policy="pad",
+        fill_values=0.0,
+    )
+    if isinstance(recipe, AudioTrain) and recipe.gain is not None:
+        window = window * dmath.pow(10.0, ctx.random.uniform(recipe.gain) / 20.0)
+    window = fn.reshape(window, shape=[1, recipe.samples])
+    return window.gpu() if ctx.device == "gpu" else window  # DALI decodes audio on the CPU only
 
 
 def _ssd_fed(ctx: PrepContext, shape):

@@ -6,17 +6,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "AUDIO",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "IMAGES",
+    "AudioTrain",
+    "AudioVal",
     "DecodedRecipe",
     "ImageNetTrain",
     "ImageNetVal",
     "PrepContext",
     "SSDTrain",
     "SSDVal",
+    "decoded_form",
+    "is_audio",
     "is_detection",
     "max_short_side",
     "normalised",
+    "output_shape",
     "resolve_recipe",
     "takes_decoded",
 ]
@@ -235,13 +242,80 @@ class SSDVal:
         _check_common(self.size, self.mean, self.std, self.dtype)
 
 
-_NAMED = {"imagenet-train": ImageNetTrain, "imagenet-val": ImageNetVal, "ssd-train": SSDTrain, "ssd-val": SSDVal}
+def _check_audio(sample_rate, samples, quality) -> None:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate < 1:
+        raise ValueError(f"sample_rate must be a positive int (Hz), got {sample_rate!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int (the window's length), got {samples!r}")
+    if isinstance(quality, bool) or not isinstance(quality, (int, float)) or not 0 <= quality <= 100:
+        raise ValueError(f"quality must be a number in [0, 100] (DALI's resampling quality), got {quality!r}")
 
-#: The built-in recipes: coordl knows their output's shape, and can stage or send their pixels as
-#: uint8 and normalise them after (:func:`normalised`).
-BUILT_IN = (ImageNetTrain, ImageNetVal, SSDTrain, SSDVal)
 
-Recipe = ImageNetTrain | ImageNetVal | SSDTrain | SSDVal | DecodedRecipe | Callable
+@dataclass(frozen=True)
+class AudioTrain:
+    """The training recipe of an audio classifier (M5 on FMA, in CoorDL's paper): decode, downmix
+    to mono, resample to ``sample_rate`` (DALI's windowed-sinc resampler at ``quality``), a random
+    window of ``samples`` (zero-padded at the end when the clip is shorter), optionally a gain drawn
+    from ``gain`` (decibels). Batches are ``(waveforms, labels)``, waveforms float32 ``(B, 1,
+    samples)``. The window's start and the gain are functions of ``(seed, epoch, sample)``."""
+
+    sample_rate: int = 8000
+    samples: int = 32000
+    gain: tuple[float, float] | None = None
+    quality: float = 50.0
+    name: str = field(default="audio-train", init=False)
+
+    def __post_init__(self):
+        _check_audio(self.sample_rate, self.samples, self.quality)
+        if self.gain is not None:
+            _check_range("gain", self.gain)
+
+
+@dataclass(frozen=True)
+class AudioVal:
+    """An audio classifier's evaluation recipe: :class:`AudioTrain`'s decoding, the centre window
+    of ``samples`` (zero-padded at the end when the clip is shorter), no randomness."""
+
+    sample_rate: int = 8000
+    samples: int = 32000
+    quality: float = 50.0
+    name: str = field(default="audio-val", init=False)
+
+    def __post_init__(self):
+        _check_audio(self.sample_rate, self.samples, self.quality)
+
+
+_NAMED = {
+    "imagenet-train": ImageNetTrain,
+    "imagenet-val": ImageNetVal,
+    "ssd-train": SSDTrain,
+    "ssd-val": SSDVal,
+    "audio-train": AudioTrain,
+    "audio-val": AudioVal,
+}
+
+#: The built-in recipes of images: coordl knows their output's shape, and can stage or send their
+#: pixels as uint8 and normalise them after (:func:`normalised`).
+IMAGES = (ImageNetTrain, ImageNetVal, SSDTrain, SSDVal)
+#: The built-in recipes of audio clips.
+AUDIO = (AudioTrain, AudioVal)
+BUILT_IN = IMAGES + AUDIO
+
+Recipe = ImageNetTrain | ImageNetVal | SSDTrain | SSDVal | AudioTrain | AudioVal | DecodedRecipe | Callable
+
+
+def is_audio(recipe) -> bool:
+    """Whether a recipe reads audio clips (:class:`AudioTrain`, :class:`AudioVal`)."""
+    return isinstance(recipe, AUDIO)
+
+
+def output_shape(recipe) -> tuple[int, ...] | None:
+    """A built-in recipe's sample shape (``(3, size, size)`` or ``(1, samples)``), else None."""
+    if is_audio(recipe):
+        return (1, recipe.samples)
+    if isinstance(recipe, IMAGES):
+        return (3, recipe.size, recipe.size)
+    return None
 
 
 def is_detection(recipe) -> bool:
@@ -253,7 +327,16 @@ def normalised(recipe) -> bool:
     """Whether a recipe's output is a built-in recipe's normalised float32: its pixels can travel as
     uint8 (``dataclasses.replace(recipe, dtype="uint8")``) and be normalised after, with its
     ``mean`` and ``std``."""
-    return isinstance(recipe, BUILT_IN) and recipe.dtype == "float32"
+    return isinstance(recipe, IMAGES) and recipe.dtype == "float32"
+
+
+def decoded_form(recipe) -> dict:
+    """What a recipe's decoded items are, beyond the file's own decoding: the arguments of
+    :meth:`CacheSpec.for_dataset <coordl.fetch.spec.CacheSpec.for_dataset>` that name its decoded
+    tier (images capped at ``max_short_side``; an audio recipe's waveforms at its rate and quality)."""
+    if is_audio(recipe):
+        return {"waveform": f"{recipe.sample_rate}Hz:q{float(recipe.quality):g}"}
+    return {"max_short_side": max_short_side(recipe)}
 
 
 def max_short_side(recipe) -> int | None:
@@ -262,8 +345,8 @@ def max_short_side(recipe) -> int | None:
 
 
 def takes_decoded(recipe) -> bool:
-    """Whether a recipe starts from decoded images (and can use the decoded tier): the built-in
-    recipes and :class:`DecodedRecipe` do; a plain callable on encoded bytes does not."""
+    """Whether a recipe starts from decoded images or waveforms (and can use the decoded tier): the
+    built-in recipes and :class:`DecodedRecipe` do; a plain callable on encoded bytes does not."""
     return isinstance(recipe, (*BUILT_IN, DecodedRecipe))
 
 
@@ -271,9 +354,9 @@ def resolve_recipe(pipeline) -> Recipe:
     """A recipe from what the user passed as ``pipeline=``.
 
     Args:
-        pipeline: ``"imagenet-train"``, ``"imagenet-val"``, ``"ssd-train"``, ``"ssd-val"``, an
-            :class:`ImageNetTrain` / :class:`ImageNetVal` / :class:`SSDTrain` / :class:`SSDVal`, a
-            :class:`DecodedRecipe` (a function of the decoded images), or a
+        pipeline: ``"imagenet-train"``, ``"imagenet-val"``, ``"ssd-train"``, ``"ssd-val"``,
+            ``"audio-train"``, ``"audio-val"``, a built-in recipe object, a :class:`DecodedRecipe` (a
+            function of the decoded images), or a
             callable ``f(encoded, ctx) -> images`` that builds DALI ops from the encoded-bytes
             ``DataNode`` and a :class:`PrepContext`.
     """
@@ -288,7 +371,7 @@ def resolve_recipe(pipeline) -> Recipe:
 
 def recipe_key(recipe) -> str:
     """A stable description of a recipe, for config fingerprints."""
-    if isinstance(recipe, (SSDTrain, SSDVal)):
+    if isinstance(recipe, (SSDTrain, SSDVal, AudioTrain, AudioVal)):
         return repr(recipe)
     if isinstance(recipe, (ImageNetTrain, ImageNetVal)):
         if recipe.max_short_side is None:  # the key from before the field: older checkpoints still resume

@@ -22,7 +22,7 @@ from coordl import env, lifecycle, sampler
 from coordl.errors import CoordlError, GroupConfigError, SampleError
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.passes import Channel
-from coordl.prep.recipes import BUILT_IN, normalised
+from coordl.prep.recipes import normalised, output_shape
 from coordl.schedule import Schedule
 from coordl.shm import names
 from coordl.staging.area import Claim, StagingArea
@@ -130,8 +130,9 @@ class GroupMember:
         """Shape and dtype of one staged image: the recipe's output, or uint8 pixels that the
         consumer normalises (on a GPU, or when ``COORDL_HP_STAGE_UINT8=1``)."""
         r = self.recipe
-        if isinstance(r, BUILT_IN):
-            return (3, r.size, r.size), "uint8" if self._uint8_staging() else r.dtype
+        shape = output_shape(r)
+        if shape is not None:
+            return shape, "uint8" if self._uint8_staging() else getattr(r, "dtype", "float32")
         # A custom recipe: run it on one sample to learn its output.
         res = self.resources
         data = res.fetcher.fetch(0)

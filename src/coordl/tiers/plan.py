@@ -115,7 +115,7 @@ def plan(
     *,
     why_not: str | None,
     measure: Callable[[], object],
-    max_short_side: int | None = None,
+    form: dict | None = None,
 ) -> TierPlan:
     """The node's tiers for a loader.
 
@@ -127,12 +127,13 @@ def plan(
         measure: ``() -> PrepRates`` (:func:`coordl.prep.calibrate.measure` of the loader's recipe),
             called for ``"auto"`` when the node has no tiers yet. When its rates carry the thread
             counts it tried, the plan's :attr:`TierPlan.threads` is the one it chose.
-        max_short_side: the recipe's cap on decoded images (a tier of its own).
+        form: what the recipe's decoded items are (:func:`coordl.prep.recipes.decoded_form`: images
+            capped at ``max_short_side``, or waveforms): each form is a decoded tier of its own.
 
     Raises:
         ValueError: a decoded tier was asked for (in bytes) where ``why_not`` refuses it.
     """
-    form = {"max_short_side": max_short_side}
+    form = dict(form or {})
     keep, size, request = cache.keep, cache.size, cache.decoded
     if isinstance(size, float):  # a fraction of the dataset's files
         size = int(size * index.total_bytes)
