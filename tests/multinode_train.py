@@ -14,8 +14,9 @@ whose last epochs end out of step close their loaders at different times, as in 
 Every rank adds how long its ``close()`` took (``close_s``) to its record once it has closed.
 ``--sigterm-at-end R`` makes rank R send itself SIGTERM after its last epoch (a preempted job),
 once its record holds its pid and the time (``sigterm_at``).
-``--coco ANNOTATIONS`` reads a COCO detection set (``data`` is its images folder) with SSDTrain and
-records every sample's delivered boxes.
+``--disk DIR`` gives each node a local-storage tier in ``DIR/node<k>`` (``--peers-first 1``: asked after
+the other nodes' memory). ``--coco ANNOTATIONS`` reads a COCO detection set (``data`` is its images
+folder) with SSDTrain and records every sample's delivered boxes.
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -65,11 +66,16 @@ def main() -> None:
     p.add_argument("--sleep-before-close", default="")
     p.add_argument("--sigterm-at-end", type=int, default=-1)
     p.add_argument("--coco", default="", help="a COCO annotations file: data is its images, the recipe SSDTrain")
+    p.add_argument("--disk", default="", help="a local-storage tier per node: DISK/node<k>")
+    p.add_argument("--peers-first", type=int, default=0, help="with --disk: Disk(peers_first=...)")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cache = float(a.cache) if "." in a.cache else int(a.cache)
+    if a.disk:  # each node its own tier, as each machine has its own drive
+        folder = os.path.join(a.disk, f"node{os.environ['GROUP_RANK']}")
+        cache = coordl.Cache(size=cache, disk=coordl.Disk(folder, peers_first=bool(a.peers_first)))
     data, recipe = a.data, coordl.ImageNetTrain(size=a.size)
     if a.coco:
         data, recipe = coordl.Index.from_coco(a.data, a.coco), coordl.SSDTrain(size=a.size)

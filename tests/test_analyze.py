@@ -223,6 +223,20 @@ def test_cache_that_removes_fetch_stalls():
     assert m.bound(0.2) == "fetch" and m.bound(0.9) != "fetch"
 
 
+def test_a_local_storage_tier_serves_what_memory_does_not_hold_at_its_speed():
+    m = Model(rates())  # half the dataset in memory, the store at 10 MB/s
+    none = m.with_disk(0, 2e9)
+    assert none["disk_fraction"] == 0.0 and none["fetch_samples_per_s"] == pytest.approx(m.fetch_rate(0.5))
+    half = m.with_disk(0.5 * 10**9, 2e9)  # the tier holds what memory holds: nothing more
+    assert half["disk_fraction"] == 0.0 and half["predicted_samples_per_s"] == pytest.approx(m.throughput(0.5))
+    whole = m.with_disk(10**9, 2e9)
+    assert whole["disk_fraction"] == pytest.approx(0.5)
+    assert whole["fetch_samples_per_s"] == pytest.approx(1 / (1e5 * 0.5 / 1e10 + 1e5 * 0.5 / 2e9))
+    assert whole["predicted_samples_per_s"] == pytest.approx(m.R)  # no fetch stall left
+    slow = m.with_disk(10**9, 10e6)  # a tier as slow as the store buys nothing
+    assert slow["fetch_samples_per_s"] == pytest.approx(m.fetch_rate(0.5))
+
+
 def test_stall_split_is_differential():
     s = stall_split(25.0, G=100.0, R=50.0)  # a step of 40 ms: 10 compute, 10 prep, 20 fetch
     assert s == pytest.approx({"compute": 0.25, "prep": 0.25, "fetch": 0.5})

@@ -521,6 +521,10 @@ def test_configuration_documents_every_option_field_with_its_default(cls):
     _check_defaults(_fields_table("Option objects", cls), _field_defaults(cls), cls.__name__)
 
 
+def test_configuration_documents_every_disk_field_with_its_default():
+    _check_defaults(_fields_table("Option objects", coordl.Disk), _field_defaults(coordl.Disk), "Disk")
+
+
 def test_every_option_object_is_documented():
     """A new option object of the loader gets a table too (``loader.options`` holds them all)."""
     from coordl.options import Options

@@ -25,7 +25,7 @@ from coordl.errors import (
 )
 from coordl.index import Index
 from coordl.loader import CoordLoader
-from coordl.options import Cache, Fetch, HPGroup, Peers, Prep, RayPrep, Shard
+from coordl.options import Cache, Disk, Fetch, HPGroup, Peers, Prep, RayPrep, Shard
 from coordl.prep.recipes import (
     AudioTrain,
     AudioVal,
@@ -57,6 +57,7 @@ __all__ = [
     "CoordlError",
     "DatasetChangedError",
     "DecodedRecipe",
+    "Disk",
     "Fetch",
     "GroupConfigError",
     "HPGroup",

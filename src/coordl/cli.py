@@ -140,6 +140,16 @@ def _analyze(args) -> int:
 def _cache_ls(args) -> int:
     from coordl.shm import limits, names, reaper
 
+    if args.disk:
+        from coordl.fetch import disk
+
+        found = disk.describe(args.disk)
+        if found is None:
+            print(f"no coordl local-storage tier in {args.disk}")
+        else:
+            used, budget = found
+            print(f"local-storage tier {disk.tier_folder(args.disk)}: {format_bytes(used)} of {format_bytes(budget)}")
+
     directory = names.shm_dir()
     groups = reaper.list_groups(directory)
     if not groups:
@@ -163,6 +173,20 @@ def _cache_ls(args) -> int:
 
 def _cache_clean(args) -> int:
     from coordl.shm import names, reaper
+
+    if args.disk:
+        from coordl.fetch import disk
+
+        done = disk.remove(args.disk)
+        folder = disk.tier_folder(args.disk)
+        if done is None:
+            print(f"no coordl local-storage tier in {args.disk}")
+        elif done:
+            print(f"removed the local-storage tier {folder}")
+        else:
+            print(f"left the local-storage tier {folder}: a running process uses it")
+            return 1
+        return 0
 
     directory = names.shm_dir()
     removed = reaper.reap(directory, include_kept=not args.keep_warm)
@@ -246,12 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     a.set_defaults(func=_analyze)
 
-    c = sub.add_parser("cache", help="inspect or clean coordl's shared memory")
+    c = sub.add_parser("cache", help="inspect or clean coordl's shared memory (and local-storage tiers)")
     csub = c.add_subparsers(dest="cache_command", required=True)
     ls = csub.add_parser("ls", help="list caches in the shm directory")
+    ls.add_argument("--disk", metavar="PATH", help="also the local-storage tier of coordl.Cache(disk=PATH)")
     ls.set_defaults(func=_cache_ls)
     cl = csub.add_parser("clean", help="remove every cache no running process uses")
     cl.add_argument("--keep-warm", action="store_true", help="keep caches made with coordl.Cache(keep=True)")
+    cl.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="remove the local-storage tier of coordl.Cache(disk=PATH) instead (unless in use)",
+    )
     cl.set_defaults(func=_cache_clean)
     return p
 

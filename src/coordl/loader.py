@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from coordl import cpus, lifecycle, sources, world
 from coordl.accounting import print_epoch_line
 from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
+from coordl.fetch import disk as disk_tier
 from coordl.fetch import peer
 from coordl.fetch.fetcher import FetchCounters
 from coordl.index import Index
@@ -198,6 +199,8 @@ class CoordLoader(DataLoaderAttributes):
         self._pid = os.getpid()
         self.tiers = self._plan_tiers()
         self.cache, self.decoded = self.tiers.open(self.index.sizes)  # the node's, attached (made by the first job)
+        self.disk_spec = disk_tier.spec_for(self.options.cache.disk, self.index)
+        self.disk = self.disk_spec.open() if self.disk_spec is not None else None  # the local-storage tier
         self._closed = False
         lifecycle.track(self)
 
@@ -422,6 +425,8 @@ class CoordLoader(DataLoaderAttributes):
             self.cache,
             self.decoded,
             self.tiers.encoded,
+            disk=self.disk,
+            disk_spec=self.disk_spec,
             world=w,
             io_threads=o.fetch.threads if dali else 0,
             peers=o.peers if why is None else None,
@@ -519,6 +524,8 @@ class CoordLoader(DataLoaderAttributes):
         out = self._stats()
         if self.index.boxes is not None:
             out["index_skipped"] = dict(self.index.boxes.skipped)
+        if self.disk is not None and not self.disk.closed:
+            out["disk_cache_bytes"], out["disk_cache_budget"] = self.disk.used(), self.disk.budget
         return out
 
     def _stats(self) -> dict:
@@ -560,6 +567,8 @@ class CoordLoader(DataLoaderAttributes):
         for cache in (self.decoded, self.cache):
             if cache is not None:
                 cache.close()
+        if self.disk is not None:
+            self.disk.close()  # after the writes this process queued (bounded)
 
     def __enter__(self):
         return self

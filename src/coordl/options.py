@@ -6,7 +6,8 @@ case, which :meth:`of` turns into the object:
 ============  ===========================================  ==========================================
 argument      option object                                shorthand
 ============  ===========================================  ==========================================
-``cache``     :class:`Cache` (size, decoded tier, keep)    a size: ``"40GB"``, bytes, ``0.5``, ``0``
+``cache``     :class:`Cache` (size, decoded tier, keep,    a size: ``"40GB"``, bytes, ``0.5``, ``0``
+              the local-storage tier: :class:`Disk`)
 ``peers``     :class:`Peers` (the partitioned cache)       ``"auto"``, ``True``, ``False``
 ``hp_group``  :class:`HPGroup` (coordinated prep)          the group's name: ``"sweep"``
 ``shard``     :class:`Shard` (rank, world size, tail)      none: the job's rank and world size
@@ -32,6 +33,7 @@ __all__ = [
     "AUTO",
     "RENAMED",
     "Cache",
+    "Disk",
     "Fetch",
     "HPGroup",
     "Options",
@@ -75,6 +77,49 @@ def _seconds(value, name: str, *, zero: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class Disk:
+    """The node's local-storage tier under the memory cache (``Cache(disk=...)``): samples of a
+    dataset that lies elsewhere (``s3://``, a network file system, another device) kept in a folder
+    on local storage once read, for every later epoch, job and run of the node (CoorDL's own
+    architecture; see :mod:`coordl.fetch.disk`).
+
+    Attributes:
+        path: a folder on local storage (NVMe); the tier is its sub-folder ``coordl-disk-<uid>``.
+        size: the tier's budget: ``"auto"`` (the folder's free space less 5%), or bytes (an ``int``
+            or a string such as ``"2TB"``); used by the process that makes the tier.
+        direct: read the tier with ``O_DIRECT`` instead of dropping its pages after each read.
+        peers_first: with the partitioned cache, ask the other nodes' memory caches before this tier
+            (where the network delivers faster than the local disk); default: this tier first.
+    """
+
+    path: str
+    size: int | str = AUTO
+    direct: bool = False
+    peers_first: bool = False
+
+    def __post_init__(self):
+        import os
+
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise TypeError(f"Disk(path) must be a folder's path, got {self.path!r}")
+        object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        size = _size(self.size, "Disk(size)", fraction=False, example="'2TB'", zero=False)
+        if size != AUTO and size < 1:
+            raise ValueError(f"Disk(size) must be positive bytes or 'auto', got {self.size!r}")
+        object.__setattr__(self, "size", size)
+        for name in ("direct", "peers_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Disk({name}) must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, value) -> Disk | None:
+        """``Cache(disk=...)`` as given: a :class:`Disk`, a folder's path, or None (no tier)."""
+        if value is None or value is False or isinstance(value, cls):
+            return value or None
+        return cls(value)
+
+
+@dataclass(frozen=True)
 class Cache:
     """The node's cache of samples in shared memory (``CoordLoader(cache=...)``), shared by every
     process of the machine that loads the same dataset. The first process to make it decides its
@@ -93,11 +138,14 @@ class Cache:
             The delivered tensors are the same either way.
         keep: keep the cache in shared memory after the last process leaves, so that the next
             run on the same dataset starts warm.
+        disk: a local-storage tier under the cache, for a dataset that lies elsewhere: a
+            :class:`Disk`, or a folder's path (``Disk(path)``); None (default): none.
     """
 
     size: int | float | str = AUTO
     decoded: int | str = 0
     keep: bool = False
+    disk: Disk | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "size", _size(self.size, "Cache(size)", fraction=True))
@@ -105,6 +153,7 @@ class Cache:
         object.__setattr__(self, "decoded", _size(decoded, "Cache(decoded)", fraction=False))
         if not isinstance(self.keep, bool):
             raise TypeError(f"Cache(keep) must be a bool, got {self.keep!r}")
+        object.__setattr__(self, "disk", Disk.of(self.disk))
 
     @classmethod
     def of(cls, value) -> Cache:

@@ -70,6 +70,8 @@ class Resources:
         *,
         world,
         io_threads: int,
+        disk=None,
+        disk_spec=None,
         peers=None,
         prep: dict | None = None,
         dataloader: dict | None = None,
@@ -80,6 +82,8 @@ class Resources:
 
         Args:
             index, cache, decoded, cache_spec: the dataset and the node's caches (the loader's).
+            disk, disk_spec: the node's local-storage tier (the loader's attachment, and how the torch
+                backend's workers open theirs), or None.
             world: this process's place in the job.
             io_threads: threads reading from storage (0: none, the torch backend's workers read).
             peers: the partitioned cache's :class:`~coordl.Peers` when it runs (None: off).
@@ -94,7 +98,7 @@ class Resources:
         """
         made = []  # what needs stopping if a later part fails
         try:
-            fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded)
+            fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded, disk=disk)
             pool = peer_pool = group = runner = loader = actors = None
             if io_threads:
                 pool = thread_pool(io_threads, "coordl-io")
@@ -114,7 +118,7 @@ class Resources:
                 from coordl.backends import torch as tb
 
                 d = dataloader
-                items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"])
+                items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"], disk_spec)
                 loader = tb.make_dataloader(items, tb.EpochBatches(), d["options"], d["generator"])
             if remote is not None:
                 from coordl.remote.prep import RemotePrep

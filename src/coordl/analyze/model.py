@@ -20,6 +20,10 @@ trains while CPUs prepare). When both run on the CPU they share its cores and
 ``R`` is close to ``1 / (1/P + 1/G)``; measuring ``R`` covers both cases, and the what-if
 for cores uses whichever of the two explains the measured ``R``.
 
+A local-storage tier (``Cache(disk=...)``) of ``D`` bytes read at ``Sd`` bytes/s serves the bytes
+the memory cache does not hold, up to ``D`` (``d = min(1, D / dataset) - x``), in every epoch after
+the first: ``F = 1 / (b x / C + b d / Sd + b (1 - x - d) / S)``.
+
 Remote CPUs (:class:`coordl.RayPrep`) run the same pipeline, so each prepares at phase P's rate
 per local CPU, ``p = P / prep CPUs``. Only their share crosses the network, ``B`` bytes a sample
 (the pipeline's output, plus the encoded bytes when the trainer ships them), over a link of
@@ -206,6 +210,29 @@ class Model:
         S = self.r.S * factor
         x = self.cache_fraction()
         return {"storage_bytes_per_s": S, "predicted_samples_per_s": self.throughput(x, S=S)}
+
+    # -- the local-storage tier ---------------------------------------------------------------
+    def with_disk(self, size_bytes: float, disk_bytes_per_s: float) -> dict:
+        """A local-storage tier of ``size_bytes`` (per node) read at ``disk_bytes_per_s``, under this
+        job's memory cache, in the epochs after the first: the memory serves ``x`` of the bytes, the
+        tier ``d = min(1, size / dataset) - x`` more (it holds the memory's samples too: each tier is
+        filled once, inclusive), the store the rest::
+
+            F = 1 / (b * x / C + b * d / D + b * (1 - x - d) / S)
+        """
+        r = self.r
+        x = self.cache_fraction()
+        d = max(0.0, min(1.0, size_bytes / r.dataset_bytes) - x) if r.dataset_bytes else 0.0
+        b = r.sample_bytes
+        t = b * (x / r.C + d / disk_bytes_per_s + max(0.0, 1.0 - x - d) / r.S)
+        fetch = math.inf if t <= 0 else 1.0 / t
+        return {
+            "disk_bytes": size_bytes,
+            "disk_bytes_per_s": disk_bytes_per_s,
+            "disk_fraction": d,
+            "fetch_samples_per_s": fetch,
+            "predicted_samples_per_s": min(fetch, self.R),
+        }
 
     # -- the decoded tier -------------------------------------------------------------------
     def decoded_split(self, budget: float | None = None, points: int = 5) -> dict | None:

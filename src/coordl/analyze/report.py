@@ -7,6 +7,7 @@ import math
 import os
 
 from coordl.analyze.model import Model, Rates, bottleneck, describe_bottleneck, stall_split
+from coordl.units import format_bytes
 
 __all__ = ["build", "rates_from", "table", "plot", "save_json"]
 
@@ -58,11 +59,14 @@ def build(
     hp_jobs=(2, 4),
     network_bytes_per_s: float = 1.25e9,
     remote_cpus=None,
+    disk_bytes_per_s=(0.5e9, 2e9),
 ) -> dict:
     """The report as a JSON-able dict (see the DS-Analyzer guide for every key).
 
     ``remote_cpus``: the what-if's numbers of remote CPUs (None: 1, 2 and 4 times the job's own
-    prep CPUs); ``network_bytes_per_s``: each node's link, for the nodes' and remote CPUs' what-ifs.
+    prep CPUs); ``network_bytes_per_s``: each node's link, for the nodes' and remote CPUs' what-ifs;
+    ``disk_bytes_per_s``: the local-storage tier's read rates of its what-if (a SATA SSD, an NVMe
+    drive), a tier holding half the dataset and all of it.
     """
     m = Model(rates)
     if remote_cpus is None:
@@ -111,6 +115,9 @@ def build(
         "what_if": m.sweep(fractions),
         "what_if_cores": [m.with_cores(f) for f in cores],
         "what_if_bandwidth": [m.with_bandwidth(f) for f in bandwidth],
+        "what_if_disk": [
+            m.with_disk(share * rates.dataset_bytes, speed) for share in (0.5, 1.0) for speed in disk_bytes_per_s
+        ],
         "what_if_nodes": [m.with_nodes(n, network_bytes_per_s) for n in nodes],
         "network_bytes_per_s": network_bytes_per_s,
         "what_if_hp_jobs": [m.with_hp_jobs(n) for n in hp_jobs],
@@ -194,6 +201,11 @@ def table(r: dict) -> str:
         lines.append(f"  prep on {w['factor']:g}x the cores: {_rate(w['predicted_samples_per_s'])}")
     for w in r["what_if_bandwidth"]:
         lines.append(f"  storage at {_bw(w['storage_bytes_per_s'])}: {_rate(w['predicted_samples_per_s'])}")
+    for w in r.get("what_if_disk", []):
+        lines.append(
+            f"  a local-storage tier of {format_bytes(w['disk_bytes'])} at {_bw(w['disk_bytes_per_s'])} "
+            f"(Cache(disk=...)): {_rate(w['predicted_samples_per_s'])}"
+        )
     for w in r["what_if_nodes"]:
         lines.append(
             f"  {w['nodes']} nodes ({_pct(w['aggregate_cache_fraction'])} cached together): no peers "

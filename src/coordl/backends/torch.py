@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing.util
 import os
 import random
 import time
@@ -139,10 +140,11 @@ class SampleDraws:
 class Items(torch.utils.data.Dataset):
     """The dataset as the DataLoader sees it: fetches, decodes and transforms a batch of ids."""
 
-    def __init__(self, dataset, fetcher: Fetcher, cache: CacheSpec | None, on_error: str):
+    def __init__(self, dataset, fetcher: Fetcher, cache: CacheSpec | None, on_error: str, disk=None):
         self.dataset = dataset
         self.index = dataset.index
         self.cache = cache
+        self.disk = disk  # the local-storage tier's DiskSpec, or None
         self.on_error = on_error
         self._pid = os.getpid()
         self._fetcher: Fetcher | None = fetcher  # the loader's, used in its own process
@@ -159,7 +161,10 @@ class Items(torch.utils.data.Dataset):
         """This process's fetcher: a worker attaches to the node's cache on its first batch."""
         if self._pid != os.getpid() or self._fetcher is None:
             cache = self.cache.open(self.index.sizes) if self.cache is not None else None
-            self._fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
+            disk = self.disk.open() if self.disk is not None else None
+            if disk is not None:  # the samples it still has to write, when the worker ends
+                multiprocessing.util.Finalize(disk, disk.close, exitpriority=10)
+            self._fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None, disk=disk)
             self._pid = os.getpid()
         return self._fetcher
 

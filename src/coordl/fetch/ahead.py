@@ -139,7 +139,11 @@ class FetchAhead:
         misses = np.unique(ids[~hit & ~decoded])  # a padded batch may repeat a sample: read once
         reads = []
         if self.peers is not None and len(misses):
+            # The local-storage tier before the other nodes' memory, unless Disk(peers_first=True).
+            local = fetcher.on_disk(misses) if fetcher.disk is not None and not fetcher.disk.peers_first else None
             nodes = self.peers.remote(misses)
+            if local is not None:
+                nodes[local] = -1
             for node in np.unique(nodes[nodes >= 0]).tolist():
                 wanted = misses[nodes == node]
                 reads.append((wanted, self.peer_pool.submit(self._from_peer, node, wanted)))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from coordl.errors import DatasetChangedError, SampleError
-from coordl.fetch import samples
+from coordl.fetch import disk, samples
 from coordl.fetch.cache import NodeCache
 from coordl.index import Index
 from coordl.threads import Signal
@@ -41,6 +41,10 @@ class FetchCounters:
     decoded_hits: int = 0  # samples served as decoded images from the node's decoded tier
     decoded_hit_bytes: int = 0
     decoded_admitted: int = 0  # images this process decoded and put into the decoded tier
+    disk_reads: int = 0  # samples read from the node's local-storage tier
+    disk_bytes: int = 0
+    disk_ns: int = 0  # time spent reading it, summed over threads
+    disk_admitted: int = 0  # samples read from storage that this process handed to the tier's writer
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -110,10 +114,11 @@ class Fetcher:
         decoded: the node's decoded tier (:class:`~coordl.fetch.decoded.DecodedTier`), or None.
     """
 
-    def __init__(self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None):
+    def __init__(self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None, disk=None):
         self.index = index
         self.cache = cache
         self.decoded = decoded
+        self.disk = disk  # the node's local-storage tier (coordl.fetch.disk.DiskTier), or None
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
         self.closing = Signal()  # set when the loader closes: reads still waiting for a store end at once
@@ -246,6 +251,26 @@ class Fetcher:
         what it was. None until there are reads to judge by."""
         return self._pace.ratio()
 
+    def _from_disk(self, ids, names, stamps, sizes, slots) -> np.ndarray:
+        """Reads what the local-storage tier holds of ``ids`` into ``slots``: a mask of those read."""
+        present = self.disk.present(names)
+        local = np.zeros(len(ids), dtype=bool)
+        if not present.any():
+            return local
+        where = np.flatnonzero(present)
+        t0 = time.perf_counter_ns()
+        got = self.disk.read_into(
+            [names[k] for k in where], [stamps[k] for k in where], sizes[where], [slots[k] for k in where]
+        )
+        dt = time.perf_counter_ns() - t0
+        local[where[got]] = True
+        with self._lock:
+            c = self.counters
+            c.disk_ns += dt
+            c.disk_reads += int(got.sum())
+            c.disk_bytes += int(sizes[where[got]].sum())
+        return local
+
     def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
         """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer_client.PeerClient`)."""
         t0 = time.perf_counter_ns()
@@ -258,10 +283,18 @@ class Fetcher:
             c.peer_bytes += sum(len(v) for v in got.values())
         return got
 
+    def on_disk(self, ids: np.ndarray) -> np.ndarray:
+        """A mask of the ids that the node's local-storage tier has an entry for."""
+        if self.disk is None or not len(ids):
+            return np.zeros(len(ids), dtype=bool)
+        return self.disk.present(disk.keys(self.index, ids)[0])
+
     def read(
         self, ids: np.ndarray, admit: np.ndarray | None = None
     ) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
-        """Reads the samples ``ids`` (distinct) from storage, admitting into the cache those it takes.
+        """Reads the samples ``ids`` (distinct) from the node's local-storage tier where it holds them,
+        else from storage, admitting into the cache those it takes; what storage delivered is handed to
+        the local-storage tier's writer.
 
         Admitted samples are read straight into their cache slots and returned as read-only
         views of them; the others are read into one buffer for them all. ``admit`` (a mask)
@@ -291,11 +324,23 @@ class Fetcher:
             for k, a, b in zip(outside.tolist(), [0, *ends[:-1].tolist()], ends.tolist()):
                 data[k] = buffer[a:b]
                 slots[k] = [data[k]]
-        paced = len(ids) >= _Pace.MIN_FILES
+        local = np.zeros(len(ids), dtype=bool)  # read from the local-storage tier
+        names = stamps = None
+        if self.disk is not None:
+            names, stamps = disk.keys(self.index, ids)
+            local = self._from_disk(ids, names, stamps, sizes, slots)
+        store = np.flatnonzero(~local)
+        paced = len(store) >= _Pace.MIN_FILES
         w0, c0, q0 = _stamp() if paced else (0, 0, 0)
         t0 = time.perf_counter_ns()
         try:
-            failed = samples.read_many(self.index, ids, slots, drop_page_cache=self.drop_page_cache, stop=self.closing)
+            failed = {}
+            if len(store):
+                got = samples.read_many(
+                    self.index, ids[store], [slots[k] for k in store], drop_page_cache=self.drop_page_cache,
+                    stop=self.closing,
+                )  # fmt: skip
+                failed = {int(store[j]): e for j, e in got.items()}
         except BaseException:
             if in_cache.any():
                 self.cache.abort_many(ids[in_cache])
@@ -325,12 +370,18 @@ class Fetcher:
                 path = self.index.paths[i]
                 errors[i] = SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i)
                 errors[i].__cause__ = e
+        stored = ok & ~local
+        if self.disk is not None and stored.any():
+            where = np.flatnonzero(stored).tolist()
+            self.disk.put([names[k] for k in where], [stamps[k] for k in where], [data[k] for k in where])
         with self._lock:
             c = self.counters
             c.storage_ns += dt
-            c.storage_reads += int(ok.sum())
-            c.storage_bytes += int(sizes[ok].sum())
+            c.storage_reads += int(stored.sum())
+            c.storage_bytes += int(sizes[stored].sum())
             c.admitted += len(admitted)
+            if self.disk is not None and self.disk.filling:
+                c.disk_admitted += int(stored.sum())
         if changed is not None:
             self.index.forget_saved()  # so that the restart the error asks for rescans the tree
             raise changed

@@ -162,7 +162,11 @@ class PrepWorker:
             )
         self.spec = self._cache_spec() if self.reads == "node" else None
         self.cache = self.spec.open(self.index.sizes) if self.spec is not None else None
-        self.fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None)
+        from coordl.fetch import disk as disk_tier
+
+        disk_spec = disk_tier.spec_for(job.cache.disk, self.index) if self.reads == "node" else None
+        self.disk = disk_spec.open() if disk_spec is not None else None  # the local-storage tier of its node
+        self.fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None, disk=self.disk)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         if job.backend == "dali":
             from coordl.threads import DaemonPool
@@ -208,6 +212,8 @@ class PrepWorker:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
+        if self.disk is not None:
+            self.disk.close(timeout=1.0)  # the trainer gives an actor 2 s to leave
         for prep in getattr(self, "_preps", {}).values():
             prep.close()
 

@@ -1,0 +1,363 @@
+"""The local-storage tier (``Cache(disk=...)``) under the node's memory cache, against a real
+S3-compatible server on localhost that counts every GET (``coordl_testing.s3server``): the store
+is read once per node, ever; the tier survives its processes, shares its entries, never holds a torn
+sample, and stops filling when its disk is full."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("moto")
+
+import coordl
+from childproc import report, result
+from coordl import CoordLoader, ImageNetTrain
+from coordl.fetch import disk
+from coordl.index import Index
+
+HERE = Path(__file__).resolve().parent
+N = 120  # samples in tiny_dataset
+BUCKET = "coordl-disk"
+RECIPE = ImageNetTrain(size=16)
+CTX = multiprocessing.get_context("spawn")
+_prefixes = [0]
+
+
+@pytest.fixture(scope="module")
+def server(s3_server):
+    s3_server.create_bucket(BUCKET)
+    return s3_server
+
+
+@pytest.fixture
+def root(server, tiny_dataset, monkeypatch) -> str:
+    """A fresh prefix holding the tiny dataset, and this process talking to the server."""
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    _prefixes[0] += 1
+    prefix = f"d{_prefixes[0]}/train"
+    server.upload_tree(tiny_dataset, BUCKET, prefix)
+    server.reset()
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def _loader(data, folder, *, memory=0.25, **kw):
+    tier = kw.pop("disk", None) or coordl.Disk(folder)
+    return CoordLoader(
+        data,
+        batch_size=16,
+        pipeline=RECIPE,
+        device_id=None,
+        return_index=True,
+        seed=3,
+        cache=coordl.Cache(size=memory, disk=tier),
+        prep=1,
+        shuffle=True,
+        **kw,
+    )
+
+
+def _epoch(loader, images: dict | None = None, epoch: int = 0) -> list[int]:
+    ids = []
+    for x, _, i in loader:
+        ids += i.tolist()
+        if images is not None:
+            for image, sample in zip(x, i.tolist()):
+                images[(epoch, sample)] = image.clone()
+    return ids
+
+
+def test_the_store_is_read_once_and_later_epochs_read_the_rest_from_the_tier(root, server, tmp_path):
+    with _loader(root, tmp_path) as loader:
+        for epoch in range(3):
+            server.reset()
+            loader.set_epoch(epoch)
+            seen = Counter(_epoch(loader))
+            assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}, f"epoch {epoch}"
+            s = loader.stats()
+            gets = server.count("GET")
+            assert gets == s["storage_reads"]
+            if epoch == 0:
+                assert gets == N and s["disk_admitted"] == N
+            else:
+                # The memory cache holds a quarter; the tier serves exactly the rest; the store, nothing.
+                assert gets == 0 and 0 < s["cache_items"] < N
+                assert s["disk_reads"] == N - s["cache_hits"] == N - s["cache_items"]
+                assert s["disk_bytes"] == loader.index.total_bytes - s["cache_bytes"]
+        assert s["disk_cache_bytes"] == loader.index.total_bytes  # every sample once, the memory's too
+
+
+SECOND_JOB = """
+import json, sys
+import coordl
+data, folder = sys.argv[1], sys.argv[2]
+with coordl.CoordLoader(data, batch_size=16, pipeline=coordl.ImageNetTrain(size=16), device_id=None, seed=3,
+                        cache=coordl.Cache(size=0.25, disk=folder), prep=1, shuffle=True) as loader:
+    n = sum(len(y) for _, y in loader)
+    s = loader.stats()
+print(json.dumps({"samples": n, "storage_reads": s["storage_reads"], "disk_reads": s["disk_reads"]}))
+"""
+
+
+def _job(script: str, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_job_started_afterwards_gets_nothing_in_its_first_epoch(root, server, tmp_path):
+    with _loader(root, tmp_path) as loader:
+        assert len(_epoch(loader)) == N
+    server.reset()
+    out = _job(SECOND_JOB, root, str(tmp_path))
+    assert out == {"samples": N, "storage_reads": 0, "disk_reads": N}  # a fresh memory cache: all from the tier
+    assert server.count("GET") == 0
+
+
+def test_a_tier_too_small_gets_exactly_the_samples_neither_tier_holds(root, server, tmp_path):
+    index = Index.scan(root)
+    budget = int(index.total_bytes * 0.4)  # a quarter in memory, 40% on disk: some samples in neither
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _loader(root, tmp_path, disk=coordl.Disk(tmp_path, size=budget)) as loader:
+            per_epoch = []
+            for epoch in range(3):
+                server.reset()
+                loader.set_epoch(epoch)
+                assert sorted(_epoch(loader)) == list(range(N))
+                s = loader.stats()
+                gets = server.count("GET")
+                assert gets == s["storage_reads"] == N - s["cache_hits"] - s["disk_reads"]
+                per_epoch.append((gets, s["disk_reads"]))
+            assert s["disk_cache_bytes"] <= budget
+    full = [w for w in caught if "stops filling" in str(w.message)]
+    assert len(full) == 1 and f"holds its budget of {budget} bytes" in str(full[0].message)
+    assert per_epoch[1] == per_epoch[2] and per_epoch[1][0] > 0 and per_epoch[1][1] > 0  # the same, every epoch
+
+
+KILLED = """
+import sys
+import coordl
+data, folder = sys.argv[1], sys.argv[2]
+loader = coordl.CoordLoader(data, batch_size=16, pipeline=coordl.ImageNetTrain(size=16), device_id=None, seed=3,
+                            cache=coordl.Cache(size=0, disk=folder), prep=1, shuffle=True)
+for k, _ in enumerate(loader):
+    print("batch", k, flush=True)
+    if k == 3:
+        sys.stdin.read()  # killed here, its writer thread writing
+"""
+
+
+def test_a_writer_killed_mid_epoch_leaves_no_sample_a_reader_could_take_torn(root, server, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, root, str(tmp_path)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("batch 3"):
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    folder = disk.tier_folder(tmp_path)
+    # What a crash can leave besides: a file being written, and an entry damaged after it was published.
+    (Path(folder) / "tmp" / "999999-1-1").write_bytes(b"half a sample")
+    entries = sorted(p for p in Path(folder).rglob("*") if p.is_file() and len(p.name) == 32)
+    assert entries, "the killed job published some samples"
+    damaged = entries[0]
+    damaged.write_bytes(damaged.read_bytes()[:-10] + b"\0" * 10)
+    want, got = {}, {}
+    with CoordLoader(
+        root, batch_size=16, pipeline=RECIPE, device_id=None, return_index=True, seed=3, cache=0, prep=1, shuffle=True
+    ) as plain:
+        _epoch(plain, want)
+    server.reset()
+    with _loader(root, tmp_path, memory=0) as loader:
+        _epoch(loader, got)
+        s = loader.stats()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), "a tensor differs from an uncached loader's"
+    assert s["disk_reads"] == len(entries) - 1 and s["storage_reads"] == N - len(entries) + 1  # the damaged one
+    assert os.listdir(Path(folder) / "tmp") == []  # the dead writers' files removed by the next process
+
+
+def test_a_changed_object_is_fetched_again_and_its_entry_replaced(root, server, tmp_path):
+    with _loader(root, tmp_path, memory=0) as loader:
+        _epoch(loader)
+    index = Index.scan(root)
+    victim = index.paths[40]
+    key = victim.split(f"s3://{BUCKET}/", 1)[1]
+    body = server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    server.put(BUCKET, key, body[:-2] + bytes(reversed(body[-2:])))  # same size, another ETag
+    relisted = Index.scan(root, rebuild=True)
+    assert relisted.etags[40] != index.etags[40]
+    server.reset()
+    with _loader(relisted, tmp_path, memory=0) as loader:
+        _epoch(loader)
+        s = loader.stats()
+    assert [p for _, p, status, _ in server.requests("GET") if status == 200] == [f"/{BUCKET}/{key}"]
+    assert s["storage_reads"] == 1 and s["disk_reads"] == N - 1
+    server.reset()
+    with _loader(relisted, tmp_path, memory=0) as loader:
+        _epoch(loader)
+    assert server.count("GET") == 0  # the new version is the entry now
+
+
+def test_a_full_disk_stops_the_filling_with_one_warning_and_the_run_goes_on(root, server, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], check=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with _loader(root, mount, memory=0, disk=coordl.Disk(mount, size="1GB")) as loader:
+                for epoch in range(2):
+                    loader.set_epoch(epoch)
+                    assert sorted(_epoch(loader)) == list(range(N))
+                s = loader.stats()
+        full = [w for w in caught if "stops filling" in str(w.message)]
+        assert len(full) == 1 and "the disk is full" in str(full[0].message)
+        assert 0 < s["disk_reads"] < N and s["storage_reads"] == N - s["disk_reads"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def _fill(data, folder, start, q):
+    def body():
+        with CoordLoader(data, batch_size=16, pipeline=RECIPE, device_id=None, seed=5, prep=1, shuffle=True,
+                         cache=coordl.Cache(size=0, disk=folder)) as loader:  # fmt: skip
+            start.wait(30)
+            return sum(len(y) for _, y in loader)
+
+    report(q, body)
+
+
+def test_two_processes_filling_one_tier_at_once_store_each_sample_once(root, server, tmp_path, procs):
+    start, q = CTX.Barrier(2), CTX.Queue()
+    for _ in range(2):
+        procs(_fill, root, str(tmp_path), start, q)
+    assert [result(q, 120) for _ in range(2)] == [N, N]
+    folder = Path(disk.tier_folder(tmp_path))
+    entries = [p for p in folder.rglob("*") if p.is_file() and len(p.name) == 32]
+    index = Index.scan(root)
+    assert len(entries) == N and sum(p.stat().st_size for p in entries) == index.total_bytes + N * disk.HEADER.itemsize
+    assert disk.describe(tmp_path)[0] == index.total_bytes  # the ledger counts each sample once
+    assert os.listdir(folder / "tmp") == []
+
+
+def test_a_local_dataset_on_another_device_is_served_by_the_tier_and_cleaned_by_the_command(tiny_dataset, tmp_path):
+    # tiny_dataset lies on tmp's file system; a copy in /dev/shm (tmpfs) is "another device" here.
+    remote = Path(os.environ["COORDL_SHM_DIR"]) / "other-device"
+    subprocess.run(["cp", "-r", str(tiny_dataset), str(remote)], check=True)
+    with _loader(str(remote), tmp_path, memory=0) as loader:
+        _epoch(loader)
+        first = loader.stats()
+    with _loader(str(remote), tmp_path, memory=0) as loader:
+        _epoch(loader)
+        again = loader.stats()
+        busy = subprocess.run(
+            [sys.executable, "-m", "coordl.cli", "cache", "clean", "--disk", str(tmp_path)],
+            capture_output=True,
+            text=True,
+        )
+        assert busy.returncode == 1 and "a running process uses it" in busy.stdout
+    subprocess.run(["rm", "-rf", str(remote)], check=True)
+    assert first["storage_reads"] == N and again["storage_reads"] == 0 and again["disk_reads"] == N
+    done = subprocess.run(
+        [sys.executable, "-m", "coordl.cli", "cache", "clean", "--disk", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "removed the local-storage tier" in done.stdout
+    assert not Path(disk.tier_folder(tmp_path)).exists()
+
+
+def test_a_tier_on_the_dataset_s_own_file_system_is_not_used(tiny_dataset, tmp_path):
+    with pytest.warns(RuntimeWarning, match="is on the file system of the dataset's files"):
+        loader = _loader(str(tiny_dataset), tiny_dataset.parent, memory=0)
+    with loader:
+        assert loader.disk is None and len(_epoch(loader)) == N
+
+
+def test_the_torch_backend_s_workers_fill_and_read_the_tier(root, server, tmp_path):
+    script = textwrap.dedent(
+        """
+        import json, sys
+        import numpy as np
+        import coordl
+        from coordl.datasets import ImageFolder
+        ds = ImageFolder(sys.argv[1], transform=lambda im: np.asarray(im.resize((8, 8))))
+        out = []
+        for run in range(2):
+            with coordl.CoordLoader(ds, batch_size=16, num_workers=2, cache=coordl.Cache(size=0, disk=sys.argv[2]),
+                                    shuffle=True) as loader:
+                n = sum(len(y) for _, y in loader)
+                s = loader.stats()
+            out.append([n, s["storage_reads"], s["disk_reads"]])
+        print(json.dumps(out))
+        """
+    )
+    assert _job(script, root, str(tmp_path)) == [[N, N, 0], [N, 0, N]]
+
+
+def test_an_entry_whose_stamp_ends_in_a_nul_byte_is_read_back(tmp_path):
+    # A numpy "S16" field drops trailing NULs: 1 sample in 256 was read as stale (found by a test above).
+    import numpy as np
+
+    tier = disk.DiskTier(disk.tier_folder(tmp_path))
+    try:
+        data = np.arange(100, dtype=np.uint8)
+        stamp = b"\x07" * 15 + b"\x00"
+        tier.put(["s3://b/x.jpg"], [stamp], [data])
+        assert tier.flush(10)
+        out = np.zeros(100, np.uint8)
+        assert tier.read_into(["s3://b/x.jpg"], [stamp], [100], [[out]]).tolist() == [True]
+        assert np.array_equal(out, data) and tier.written == 1
+        assert tier.read_into(["s3://b/x.jpg"], [b"\x07" * 16], [100], [[out]]).tolist() == [False]  # stale
+    finally:
+        tier.close()
+
+
+def _two_nodes(data: Path, out: Path, tiers: Path, peers_first: int) -> list[list[dict]]:
+    """Three epochs on two loopback nodes, each with a quarter of the dataset in memory and a tier of
+    its own, with DistributedSampler's shards (no locality-aware assignment: each node also gets
+    samples that only the other's memory holds); every rank's stats per epoch."""
+    from test_peers import _logs, _records, _run_nodes
+
+    args = ["--epochs", "3", "--cache", "0.25", "--locality", "0", "--disk", str(tiers)]
+    codes = _run_nodes(data, out, 2, [*args, "--peers-first", str(peers_first)], loopback=True)
+    assert codes == [0, 0], _logs(out)
+    return [[r["epochs"][e]["stats"] for r in _records(out, 2)] for e in range(3)]
+
+
+def test_two_nodes_read_their_own_tier_before_the_other_node_s_memory_unless_told_otherwise(tiny_dataset, tmp_path):
+    remote = Path(os.environ["COORDL_SHM_DIR"]) / "remote"  # another file system than the tiers' (tmp)
+    subprocess.run(["cp", "-r", str(tiny_dataset), str(remote)], check=True)
+    try:
+        runs = {k: _two_nodes(remote, tmp_path / f"out{k}", tmp_path / f"tiers{k}", k) for k in (0, 1)}
+    finally:
+        subprocess.run(["rm", "-rf", str(remote)], check=True)
+    totals = {}
+    for k, epochs in runs.items():
+        assert sum(s["storage_reads"] for s in epochs[0]) == N
+        for rank in range(2):  # a node reads a sample from the store once, ever: its tier keeps it
+            assert sum(e[rank]["storage_reads"] for e in epochs) <= N
+        for e in epochs[1:]:
+            for s in e:
+                assert s["cache_hits"] + s["disk_reads"] + s["peer_reads"] + s["storage_reads"] == s["samples"]
+        totals[k] = {key: sum(s[key] for e in epochs[1:] for s in e) for key in ("disk_reads", "peer_reads")}
+        assert sum(s["storage_reads"] for s in epochs[2]) < sum(s["storage_reads"] for s in epochs[1])
+    # The tier first: what it holds is not asked of the other node; the other node's memory first: it is.
+    assert totals[0]["peer_reads"] < totals[1]["peer_reads"] and totals[0]["disk_reads"] > totals[1]["disk_reads"]
