@@ -11,7 +11,11 @@ and its shared memory released by itself. So:
 - SIGTERM, when the script has not chosen a handler, closes the loaders and then ends the
   process by SIGTERM as it would have ended anyway (exit status -15 / 143); a handler the script
   (or its framework) installs later replaces coordl's, and if it calls coordl's in turn, that call
-  does nothing;
+  does nothing. The handler itself only parks the main thread: the loaders are closed on a thread
+  of their own (``coordl-sigterm``) within :data:`SIGTERM_DEADLINE_S`, after which the process ends
+  whatever is left. The main thread may have been interrupted inside one of coordl's locks; it never
+  runs again, so the closing thread does not wait for such a lock (:class:`coordl.threads.OwnedLock`
+  asks :func:`parked`), and threads are joined with a deadline (:func:`join`);
 - in a child made by ``fork``, the parent's loaders belong to the parent: the child never
   closes them, and hooks registered with :func:`on_fork_child` (DALI's pipelines) make sure
   the child's exit does not touch the parent's threads.
@@ -26,13 +30,27 @@ import signal
 import threading
 import weakref
 
-__all__ = ["before_dali_exit", "close_all", "on_fork_child", "quiet_thread", "terminating", "track"]
+__all__ = [
+    "SIGTERM_DEADLINE_S",
+    "before_dali_exit",
+    "close_all",
+    "join",
+    "on_fork_child",
+    "parked",
+    "quiet_thread",
+    "terminating",
+    "track",
+]
 
 log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _installed = False
 _terminating = False
+_parked = threading.Event()  # set while the main thread waits in the SIGTERM handler for the closing
+
+#: How long the SIGTERM handler lets the loaders close before the process ends by SIGTERM anyway.
+SIGTERM_DEADLINE_S = 1.5
 
 
 def track(loader) -> None:
@@ -55,6 +73,20 @@ def quiet_thread() -> None:
     sleeping, or blocked on a lock), so the handler would run late. Threads started by these
     threads (DALI's, the pools') inherit the mask."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def parked(owner: int | None) -> bool:
+    """Whether the thread ``owner`` (a thread's ident) is the main thread parked in the SIGTERM
+    handler: it never runs again, so a lock it holds will never be released and what it guards is
+    not being changed (the closing thread may go on without that lock)."""
+    return owner is not None and _parked.is_set() and owner == threading.main_thread().ident
+
+
+def join(thread: threading.Thread, timeout: float | None = None) -> None:
+    """``thread.join(timeout)``, at most until the SIGTERM deadline while the process is ending."""
+    if _terminating:
+        timeout = SIGTERM_DEADLINE_S if timeout is None else min(timeout, SIGTERM_DEADLINE_S)
+    thread.join(timeout)
 
 
 def terminating() -> bool:
@@ -138,7 +170,17 @@ def _on_sigterm(signum, frame) -> None:
         # A handler installed after coordl's called it (PyTorch Lightning chains to the handler it
         # replaced): that handler decides how the process ends, and the exit closes the loaders.
         return
-    close_all()
-    # The default action, as if coordl had never handled it: the process ends by SIGTERM.
+    # The default action from now on, as if coordl had never handled it: the process ends by SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The main thread stops here, wherever it was (perhaps inside a lock of coordl's): a thread of
+    # its own closes the loaders, which never waits for what the main thread holds.
+    _parked.set()
+    closer = threading.Thread(target=_close_on_sigterm, name="coordl-sigterm", daemon=True)
+    closer.start()
+    closer.join(SIGTERM_DEADLINE_S)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _close_on_sigterm() -> None:
+    quiet_thread()
+    close_all()

@@ -27,9 +27,53 @@ from coordl import lifecycle
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["LOOP_THREAD", "DaemonPool", "Signal", "event_loop"]
+__all__ = ["LOOP_THREAD", "DaemonPool", "OwnedLock", "Signal", "event_loop"]
 
 LOOP_THREAD = "coordl-loop"  # the name of the event loop's thread (one per process, for the process's life)
+
+
+class OwnedLock:
+    """A lock that knows which thread holds it, so that the closing on SIGTERM never waits for one
+    the interrupted main thread holds: that thread is parked in the handler and never runs again
+    (:func:`coordl.lifecycle.parked`), so the closing thread goes on as if it held the lock (what the
+    lock guards is not being changed by anyone else: the main thread was its holder). Everywhere
+    else it is an ordinary, non-reentrant lock; a context manager."""
+
+    __slots__ = ("_bypassed", "_lock", "owner")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bypassed = threading.local()  # this thread went on without the lock
+        self.owner: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not blocking or timeout >= 0:
+            got = self._lock.acquire(blocking, timeout)
+        else:
+            while not (got := self._lock.acquire(timeout=0.05)):
+                if lifecycle.parked(self.owner):
+                    self._bypassed.on = True
+                    return True
+        if got:
+            self.owner = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        if getattr(self._bypassed, "on", False):
+            self._bypassed.on = False
+            return
+        self.owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 class Signal(threading.Event):
@@ -43,7 +87,7 @@ class Signal(threading.Event):
 
     def __init__(self):
         super().__init__()
-        self._lock = threading.Lock()
+        self._lock = OwnedLock()
         self._callbacks: dict[int, Callable[[], object]] = {}
         self._handles = itertools.count()
 

@@ -7,6 +7,7 @@ loader, so a pass the consumer drops is collected and closed (``break``, ``islic
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -109,7 +110,8 @@ class DaliPass(Pass):
             self._res.peers.pass_done()
         if threading.current_thread() is self._thread:  # collected in its own thread: it is ending
             return
-        while self._thread.is_alive():
+        deadline = time.monotonic() + lifecycle.SIGTERM_DEADLINE_S
+        while self._thread.is_alive() and not (lifecycle.terminating() and time.monotonic() > deadline):
             self._channel.drain()
             self._thread.join(timeout=0.1)
 

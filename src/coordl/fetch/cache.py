@@ -36,13 +36,13 @@ import fcntl
 import logging
 import mmap
 import os
-import threading
 
 import numpy as np
 
 from coordl.errors import SharedMemoryError, StaleStateError
 from coordl.fetch.chunks import Chunks, close_maps
 from coordl.shm import group, segment
+from coordl.threads import OwnedLock
 
 __all__ = ["ENTRY", "HEADER", "NodeCache", "table_bytes"]
 
@@ -129,7 +129,7 @@ class NodeCache:
             min_size = int(self._index_sizes.min()) if self._num else 1
         self._min_size = max(1, int(min_size))
         self._keep = keep
-        self._tlock = threading.Lock()
+        self._tlock = OwnedLock()  # see coordl.threads.OwnedLock: closing on SIGTERM
         self._table_fd: int | None = None
         self._table: mmap.mmap | None = None
         self._data: Chunks | None = None  # the chunks, mapped once the table is

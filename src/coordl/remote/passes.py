@@ -249,7 +249,7 @@ class RayPass(Pass):
         me = threading.current_thread()
         for t in self._threads:
             if t is not me and t.ident is not None:
-                t.join()
+                lifecycle.join(t)  # at most the SIGTERM deadline while the process is ending
 
 
 def _local_depth(backend: str, config, dataloader) -> int:

@@ -220,7 +220,7 @@ class GroupMember:
         for p in self.producers if producers is None else producers:
             if threading.current_thread() is not p.thread:
                 p.stop.set()
-                p.thread.join()
+                lifecycle.join(p.thread)  # at most the SIGTERM deadline while the process is ending
 
     def close(self) -> None:
         self.join_producer()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl.staging.layout import CLAIMED, EMPTY, ERROR, READY, TODO, records
+from coordl.threads import OwnedLock
 
 __all__ = ["SLOWER", "Claim", "Mutex", "Ring", "Taken"]
 
@@ -51,7 +51,7 @@ class Mutex:
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._local = threading.Lock()
+        self._local = OwnedLock()  # not waited for by the closing on SIGTERM if the parked main thread holds it
 
     def __enter__(self):
         self._local.acquire()
