@@ -596,3 +596,34 @@ def test_only_the_cluster_module_imports_ray(modules):
     _fail_if(sorted(offenders), "Ray is imported outside coordl.remote.cluster (ask it for Ray: ray_module()):")
     cluster = modules["coordl.remote.cluster"]
     assert any(imp.target == "ray" for imp in cluster.imports)  # the check sees its import
+
+
+def _thread_starts(tree: ast.AST):
+    """``(line, what)`` of every call in ``tree`` that makes a thread or a pool of threads."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ("ThreadPoolExecutor", "Thread", "DaemonPool"):
+            yield node, name
+
+
+def test_every_thread_coordl_starts_is_a_daemon(modules):
+    """The interpreter's exit waits for no thread of coordl's (a user's Ctrl-C or SIGTERM during a
+    listing, a calibration or an index must not hang in a join at exit): no ThreadPoolExecutor
+    (whose threads Python joins at exit), every ``threading.Thread(..., daemon=True)``, and pools
+    made by coordl.threads (daemon threads that never take the process's signals)."""
+    offenders = []
+    for m in modules.values():
+        for node, name in _thread_starts(m.tree):
+            where = f"{m.where}:{node.lineno}"
+            if name == "ThreadPoolExecutor":
+                offenders.append(f"{where}: a ThreadPoolExecutor (use coordl.threads.daemon_pool)")
+            elif name == "DaemonPool" and m.name != "coordl.threads":
+                offenders.append(f"{where}: a DaemonPool made here (use coordl.threads.daemon_pool)")
+            elif name == "Thread" and not any(
+                k.arg == "daemon" and isinstance(k.value, ast.Constant) and k.value.value is True for k in node.keywords
+            ):
+                offenders.append(f"{where}: a thread without daemon=True")
+    _fail_if(sorted(offenders), "threads the interpreter's exit would wait for:")

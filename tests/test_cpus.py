@@ -208,9 +208,22 @@ import json, os, sys
 if len(sys.argv) > 1:  # move into the cgroup before anything counts its CPUs
     with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
-from coordl import cpus
+import io, logging, re, tarfile, tempfile
+from coordl import Index, cpus
 from coordl.tools.datagen import workers
-print(json.dumps({"available": cpus.available(), "workers": workers.cpu_count(), "cpu_count": os.cpu_count()}))
+logs = io.StringIO()
+logging.basicConfig(stream=logs, level=logging.INFO, format="%(message)s")
+with tempfile.TemporaryDirectory() as d:  # enough shards for two indexing processes
+    for k in range(32):
+        with tarfile.open(f"{d}/s-{k:02d}.tar", "w") as tar:
+            for member, data in ((f"{k}.jpg", b"x" * 10), (f"{k}.cls", b"1")):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    Index.from_tars(d, index_dir=d)
+processes = re.search(r"indexed 32 samples in 32 shards in [0-9.]+ s(?: \((\d+) processes\))?", logs.getvalue())
+print(json.dumps({"available": cpus.available(), "workers": workers.cpu_count(), "cpu_count": os.cpu_count(),
+                  "index_processes": int(processes.group(1) or 1)}))
 """
 
 
@@ -226,7 +239,7 @@ def test_real_taskset_one_cpu():
     if affinity() < 2:
         pytest.skip("this process may use one CPU only: taskset -c could not tell fewer")
     got = report("taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-c", REPORT)
-    assert got["available"] == 1 and got["workers"] == 1
+    assert got["available"] == 1 and got["workers"] == 1 and got["index_processes"] == 1
     assert got["cpu_count"] >= 2  # what a loader counted before: the machine's CPUs
 
 
@@ -257,6 +270,7 @@ def test_real_cgroup_with_a_one_cpu_quota():
             (cg / "cpu.cfs_quota_us").write_text("100000\n")
         got = report(sys.executable, "-c", REPORT, str(cg))
         assert got["available"] == 1 and got["workers"] == 1, f"in {cg} (cgroup v{version}): {got}"
+        assert got["index_processes"] == 1, f"tar shards indexed by more processes than the quota's CPUs: {got}"
         if affinity() >= 2:
             assert got["cpu_count"] >= 2  # what a loader counted before
     finally:

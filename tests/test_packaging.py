@@ -56,3 +56,12 @@ def test_the_wheel_holds_no_test_support(wheel_files):
     assert not outside, f"the wheel carries the repository's test support, tests or benchmarks: {outside}"
     fixtures = [n for n in wheel_files if n.rpartition("/")[2] in FIXTURES]
     assert not fixtures, f"the wheel carries test fixtures (they belong in coordl_testing/): {fixtures}"
+
+
+def test_the_version_is_written_once_and_the_wheel_carries_it(wheel_files):
+    import coordl
+
+    assert coordl.__version__ == "0.2.0"
+    assert f"{PACKAGE}-{coordl.__version__}.dist-info/METADATA" in wheel_files
+    project = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in project and coordl.__version__ not in project

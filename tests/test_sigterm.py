@@ -40,6 +40,32 @@ with open(out, "w") as f:
     json.dump(record, f)
 """
 
+# SIGTERM while the main thread is inside the staging area's lock, every time: the script sends it
+# to itself from inside the lock (the handler runs at the next bytecode, the lock still held), at
+# the AFTER-th time the main thread enters it. The handler used to close the loaders there and
+# wait for that lock forever.
+IN_THE_LOCK = """
+import os, signal, sys, threading
+import coordl
+from coordl.staging import ring
+root, group, after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+enter, entered = ring.Mutex.__enter__, [0]
+def inside(self):
+    held = enter(self)
+    if threading.current_thread() is threading.main_thread():
+        entered[0] += 1
+        if entered[0] == after:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # the handler runs in here, the lock held
+    return held
+ring.Mutex.__enter__ = inside
+with coordl.CoordLoader(root, batch_size=8, pipeline=coordl.ImageNetTrain(size=16), device_id=None,
+                        hp_group=group, prep=1, seed=4) as loader:
+    for epoch in range(1000):
+        for x, _ in loader:
+            pass
+"""
+
 BAD = ("Traceback", "terminate called", "Exception ignored", "Fatal Python error")
 
 
@@ -62,7 +88,8 @@ def test_sigterm_at_a_random_moment_ends_one_trial_of_a_group_within_2_s_and_the
 ):
     rng = random.Random(7)
     for k in range(ROUNDS):
-        victim = _start(tiny_dataset, f"sig{k}", 3, tmp_path / f"victim{k}.json")
+        # The victim has more epochs than it can finish before the signal, however fast the machine.
+        victim = _start(tiny_dataset, f"sig{k}", 1000, tmp_path / f"victim{k}.json")
         survivor = _start(tiny_dataset, f"sig{k}", 2, tmp_path / f"survivor{k}.json")
         try:
             for p in (victim, survivor):
@@ -89,3 +116,20 @@ def test_sigterm_at_a_random_moment_ends_one_trial_of_a_group_within_2_s_and_the
             counts = Counter(ids)
             assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}, f"round {k}: not exactly once"
         assert os.listdir(isolated) == [], f"round {k}: left in shared memory: {os.listdir(isolated)}"
+
+
+def test_sigterm_inside_the_staging_areas_lock_ends_the_process(tiny_dataset, isolated):
+    for after in (1, 2, 3, 20):  # 1: while the trial joins the group, in its first pass
+        t0 = time.monotonic()
+        p = subprocess.run(
+            [sys.executable, "-c", IN_THE_LOCK, str(tiny_dataset), f"held{after}", str(after)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - t0
+        assert p.returncode == -signal.SIGTERM, f"entry {after}: exit status {p.returncode}\n{p.stderr}"
+        assert not any(b in p.stderr for b in BAD), f"entry {after}:\n{p.stderr}"
+        assert os.listdir(isolated) == [], f"entry {after}: left in shared memory: {os.listdir(isolated)}"
+    assert took < 30  # the whole script, start included

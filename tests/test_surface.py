@@ -265,3 +265,20 @@ def test_nothing_is_called_minio_in_the_code():
     from coordl.fetch import cache
 
     assert not hasattr(cache, "MinIOCache") and hasattr(cache, "NodeCache")
+
+
+def test_option_fields_after_the_first_are_given_by_name():
+    # HPGroup("x", 64) was a 64-byte staging bound, refused only at the first pass.
+    for cls, first in (
+        (coordl.HPGroup, "sweep"),
+        (coordl.Cache, "40GB"),
+        (coordl.Peers, "auto"),
+        (coordl.Shard, 0),
+        (coordl.RayPrep, "auto"),
+        (coordl.Fetch, 4),
+        (coordl.Disk, "/tmp"),
+    ):
+        cls(first)  # the first field by position, as its shorthand
+        with pytest.raises(TypeError, match="positional argument"):
+            cls(first, 64)
+    assert coordl.HPGroup("sweep", staging="4GB").staging == 4 * 10**9

@@ -37,7 +37,7 @@ from coordl.prep.recipes import (
     SSDVal,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject.toml reads it)
 
 
 def __getattr__(name: str):

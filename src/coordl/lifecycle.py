@@ -24,6 +24,7 @@ and its shared memory released by itself. So:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ __all__ = [
     "before_dali_exit",
     "close_all",
     "join",
+    "making",
     "on_fork_child",
     "parked",
     "quiet_thread",
@@ -45,6 +47,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()
+_making: list = []  # what the main thread is making (its owner does not know it yet), innermost last
 _installed = False
 _terminating = False
 _parked = threading.Event()  # set while the main thread waits in the SIGTERM handler for the closing
@@ -75,6 +78,19 @@ def quiet_thread() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+@contextlib.contextmanager
+def making(thing):
+    """Closes ``thing`` on SIGTERM while the block that makes it runs: a signal that parks the main
+    thread there (in a constructor, before its owner holds ``thing``) would otherwise leave what
+    ``thing`` made so far (shared memory, a group membership) to the next process. ``thing.close()``
+    must then undo whatever part of it is made."""
+    _making.append(thing)
+    try:
+        yield thing
+    finally:
+        _making.remove(thing)
+
+
 def parked(owner: int | None) -> bool:
     """Whether the thread ``owner`` (a thread's ident) is the main thread parked in the SIGTERM
     handler: it never runs again, so a lock it holds will never be released and what it guards is
@@ -102,8 +118,9 @@ def before_dali_exit() -> None:
 
 
 def close_all() -> None:
-    """Closes every live loader of this process (not those a forked child inherited)."""
-    for loader in list(_live):
+    """Closes every live loader of this process (not those a forked child inherited), and what
+    the main thread was making when SIGTERM parked it (:func:`making`), innermost first."""
+    for loader in [*reversed(_making), *_live]:
         try:
             loader.close()
         except Exception as e:  # noqa: BLE001 - at exit, one loader's failure must not stop the others
@@ -141,6 +158,7 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     global _blocked_for_fork
     _live.clear()
+    _making.clear()
     for hook in _child_hooks:
         hook()
     # The child has no loaders of its own yet: SIGTERM does what it did before coordl handled it.

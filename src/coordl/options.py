@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from coordl.units import parse_bytes
 
@@ -93,6 +93,7 @@ class Disk:
     """
 
     path: str
+    _: KW_ONLY  # the fields after the first are given by name: Disk("/nvme", size="2TB")
     size: int | str = AUTO
     direct: bool = False
     peers_first: bool = False
@@ -143,6 +144,7 @@ class Cache:
     """
 
     size: int | float | str = AUTO
+    _: KW_ONLY  # the fields after the first are given by name: Cache("40GB", decoded="8GB")
     decoded: int | str = 0
     keep: bool = False
     disk: Disk | str | None = None
@@ -190,6 +192,7 @@ class Peers:
     """
 
     enabled: bool | str = AUTO
+    _: KW_ONLY  # the fields after the first are given by name
     locality_aware: bool = True
     timeout: float = 10.0
     retry_after: float = 60.0
@@ -239,6 +242,7 @@ class HPGroup:
     """
 
     name: str
+    _: KW_ONLY  # the fields after the first are given by name: HPGroup("sweep", staging="4GB")
     staging: int | str = AUTO
     idle_timeout: float = 60.0
     stage_batch: int | None = None
@@ -279,6 +283,7 @@ class Shard:
     """
 
     rank: int | None = None
+    _: KW_ONLY  # the fields after the first are given by name
     world_size: int | None = None
     drop_last: bool = False
 
@@ -377,6 +382,7 @@ class RayPrep:
     """
 
     address: str = AUTO
+    _: KW_ONLY  # the fields after the first are given by name
     workers: int | str = AUTO
     local: bool = True
     threads: int | None = None
@@ -424,6 +430,7 @@ class Fetch:
     """
 
     threads: int = 8
+    _: KW_ONLY  # the fields after the first are given by name
     batches_ahead: int = 2
 
     def __post_init__(self):

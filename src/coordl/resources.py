@@ -16,9 +16,9 @@ from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.fetcher import Fetcher
 from coordl.fetch.spec import CacheSpec
 from coordl.index import Index
-from coordl.threads import DaemonPool
+from coordl.threads import DaemonPool, daemon_pool
 
-__all__ = ["Resources", "thread_pool"]
+__all__ = ["Resources"]
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,10 @@ class Resources:
             fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded, disk=disk)
             pool = peer_pool = group = runner = loader = actors = None
             if io_threads:
-                pool = thread_pool(io_threads, "coordl-io")
+                pool = daemon_pool(io_threads, "coordl-io")
                 made.append(pool.shutdown)
             if peers is not None:
-                peer_pool = thread_pool(PEER_THREADS, "coordl-peer")
+                peer_pool = daemon_pool(PEER_THREADS, "coordl-peer")
                 made.append(peer_pool.shutdown)
                 group = _peer_group(peers, world, index, cache)
                 made.append(group.close)
@@ -226,10 +226,3 @@ def _peer_group(options, world, index: Index, cache: NodeCache | None):
         interface=options.interface,
         port=port,
     )
-
-
-def thread_pool(threads: int, name: str) -> DaemonPool:
-    """A pool of ``threads`` daemon threads named ``name``, which never take the process's signals:
-    the interpreter's exit does not wait for them (a read stuck at a store), and ``atexit`` then
-    closes the loader, which stops them."""
-    return DaemonPool(threads, thread_name_prefix=name, initializer=lifecycle.quiet_thread)

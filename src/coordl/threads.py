@@ -27,7 +27,7 @@ from coordl import lifecycle
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["LOOP_THREAD", "DaemonPool", "OwnedLock", "Signal", "event_loop"]
+__all__ = ["LOOP_THREAD", "DaemonPool", "OwnedLock", "Signal", "daemon_pool", "event_loop"]
 
 LOOP_THREAD = "coordl-loop"  # the name of the event loop's thread (one per process, for the process's life)
 
@@ -229,6 +229,12 @@ class DaemonPool(cf.Executor):
                     del result
             del future, fn, args, kwargs  # no reference to finished work while idle
             self._idle.release()
+
+
+def daemon_pool(threads: int, name: str) -> DaemonPool:
+    """A pool of ``threads`` daemon threads named ``name`` that never take the process's signals
+    (every thread coordl starts: see the module docstring and :func:`coordl.lifecycle.quiet_thread`)."""
+    return DaemonPool(max(1, threads), thread_name_prefix=name, initializer=lifecycle.quiet_thread)
 
 
 _loop: asyncio.AbstractEventLoop | None = None

@@ -26,7 +26,6 @@ on resources over a private cache (``resources.with_cache``) instead of changing
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from coordl.fetch.cache import NodeCache
 from coordl.fetch.spec import CacheSpec
 from coordl.loader import CoordLoader
 from coordl.passes import Pass, Step
+from coordl.threads import daemon_pool
 
 __all__ = ["ENV", "AnalyzedLoader", "Target", "batch_bytes", "claim", "install", "spec"]
 
@@ -362,7 +362,7 @@ class StoragePass(_Phase):
             return int(index.sizes[part].sum())
 
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(threads) as pool:
+        with daemon_pool(threads, "coordl-analyze-io") as pool:
             futures = []
             for a in range(0, len(ids), STORAGE_PART):  # keep the threads busy, stop submitting after the time limit
                 part = ids[a : a + STORAGE_PART]

@@ -16,7 +16,6 @@ within :data:`THREADS_WITHIN` of the best measured; the cores left over are the 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ import numpy as np
 from coordl.fetch import samples
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, ENCODED, RawBatch
 from coordl.index import Index
+from coordl.threads import daemon_pool
 
 __all__ = ["PrepRates", "measure"]
 
@@ -204,7 +204,7 @@ def _read(index: Index, ids: np.ndarray, threads: int) -> tuple[list[np.ndarray]
         return samples.read_many(index, ids[part], [[data[k]] for k in part], drop_page_cache=False)
 
     t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(len(parts)) as pool:
+    with daemon_pool(len(parts), "coordl-calibrate") as pool:
         for part, failed in zip(parts, pool.map(read, parts)):
             for k, e in failed.items():
                 i = int(ids[part[k]])

@@ -169,7 +169,7 @@ class PrepWorker:
         self.fetcher = Fetcher(self.index, self.cache, drop_page_cache=self.cache is not None, disk=self.disk)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         if job.backend == "dali":
-            from coordl.threads import DaemonPool
+            from coordl.threads import daemon_pool
 
             lifecycle.before_dali_exit()
             self._preps: dict = {}  # pixels -> DaliPrep
@@ -181,7 +181,7 @@ class PrepWorker:
                 on_error=job.on_error,
                 boxes=self.index.boxes,
             )
-            self.pool = DaemonPool(4, thread_name_prefix="coordl-io", initializer=lifecycle.quiet_thread)
+            self.pool = daemon_pool(4, "coordl-io")
         else:
             from coordl.backends.torch import Collate, Items
 

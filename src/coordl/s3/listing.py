@@ -9,12 +9,12 @@ folder markers skipped), ordered as ``sorted(os.walk(...))`` would order files: 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from coordl.s3 import client, url
+from coordl.threads import daemon_pool
 
 __all__ = ["Listing", "class_names", "scan", "stat_known", "stat_many"]
 
@@ -102,7 +102,7 @@ def scan(
             f"no class folders found in {root}; expected one prefix per class ({root}/<class>/<file>)"
         )
     bucket, prefix = _prefix(root)
-    with cf.ThreadPoolExecutor(min(LIST_THREADS, len(classes)), thread_name_prefix="coordl-list") as pool:
+    with daemon_pool(min(LIST_THREADS, len(classes)), "coordl-list") as pool:
         listed = list(pool.map(lambda c: _list_class(bucket, f"{prefix}{c}/", root, valid), classes))
     urls, labels, sizes, etags, empty, requests = [], [], [], [], [], 1
     for label, (found, n) in enumerate(listed):
@@ -193,9 +193,7 @@ def stat_known(urls: Sequence[str]) -> dict[str, tuple[int, str]]:
                 raise found from e
             return int(answer["ContentLength"]), answer["ETag"]
 
-        with cf.ThreadPoolExecutor(
-            min(len(urls), client.settings().max_requests), thread_name_prefix="coordl-head"
-        ) as pool:
+        with daemon_pool(min(len(urls), client.settings().max_requests), "coordl-head") as pool:
             for u, got in zip(urls, pool.map(head, urls)):
                 if got is not None:
                     known[u] = got

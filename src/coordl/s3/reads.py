@@ -31,7 +31,7 @@ import os
 import random
 from collections.abc import Sequence
 
-from coordl import lifecycle, threads
+from coordl import threads
 from coordl.errors import DatasetChangedError, StoreError
 from coordl.s3 import client, url
 
@@ -216,9 +216,7 @@ class _Boto3:
         global _boto3_pool
         self.s3 = s3
         if _boto3_pool is None:
-            _boto3_pool = threads.DaemonPool(
-                s.max_requests, thread_name_prefix="coordl-s3-boto3", initializer=lifecycle.quiet_thread
-            )
+            _boto3_pool = threads.daemon_pool(s.max_requests, "coordl-s3-boto3")
         self.pool = _boto3_pool
 
     async def get(self, bucket: str, key: str, etag: str | None, size: int, where: str, offset: int | None):

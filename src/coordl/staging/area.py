@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from coordl import lifecycle
 from coordl.errors import CoordlError
 from coordl.options import AUTO
 from coordl.shm import group, names
@@ -113,14 +114,15 @@ class StagingArea:
         self._img_bytes: int | None = None
         shape = tuple(sample_shape)
         spec = dict(batch_size=batch_size, nb=batches_per_pass, shape=shape, dtype=dtype, epoch=epoch, bound=bound)
-        self._membership.join(lambda alone: self._setup(alone, spec))
-        try:
-            self._mutex = Mutex(self._membership.path("mutex"))
-            self._enter_member()
-            self._holds = Holds(self._ring, self._me, self._mutex)
-        except BaseException:
-            self._detach()
-            raise
+        with lifecycle.making(self):  # SIGTERM in here: close() leaves the group
+            self._membership.join(lambda alone: self._setup(alone, spec))
+            try:
+                self._mutex = Mutex(self._membership.path("mutex"))
+                self._enter_member()
+                self._holds = Holds(self._ring, self._me, self._mutex)
+            except BaseException:
+                self._detach()
+                raise
         self.cow = cow_supported(self._data_fd)
 
     # -- setup -----------------------------------------------------------------------------
@@ -427,13 +429,15 @@ class StagingArea:
         """Leaves the group: claims go back, holds are unshared and released. Idempotent."""
         if self._closed:
             return
+        self._closed = True
         try:
-            with self._mutex:
-                self._holds.release_where(lambda held_q: True)
-                self._ring.remove_member(self._me)
-                self._ring.try_release()
+            if self._me >= 0:  # a member of the ring (not so while SIGTERM stopped the joining earlier)
+                with self._mutex:
+                    if self._holds is not None:
+                        self._holds.release_where(lambda held_q: True)
+                    self._ring.remove_member(self._me)
+                    self._ring.try_release()
         finally:
-            self._closed = True
             self._detach()
 
     def _detach(self) -> None:

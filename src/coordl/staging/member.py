@@ -77,51 +77,53 @@ class GroupMember:
         epoch: int,
         producers: tuple = (),
     ):
-        self.options = options
-        self.resources = resources
-        self.config = config
-        self.recipe = recipe
-        self.world = world
-        self.device_id = device_id
-        self.schedule = schedule
-        self.in_step = True  # every group pass so far had the order of this loader's epoch
-        self.produced = 0  # group batches this member's producers made
-        self.produced_mark = 0  # ... when the last pass's statistics were taken
+        self.area: StagingArea | None = None  # none yet, for close() on SIGTERM while it is made
         self._staging_prep = None
-        self.make = producers or (Producer,)
         self.producers: list[Producer] = []  # the last pass's
-        shape, dtype = self._staged_format()
-        from coordl.fetch.spec import reap_once
+        with lifecycle.making(self):  # SIGTERM in here: close() undoes what is made
+            self.options = options
+            self.resources = resources
+            self.config = config
+            self.recipe = recipe
+            self.world = world
+            self.device_id = device_id
+            self.schedule = schedule
+            self.in_step = True  # every group pass so far had the order of this loader's epoch
+            self.produced = 0  # group batches this member's producers made
+            self.produced_mark = 0  # ... when the last pass's statistics were taken
+            self.make = producers or (Producer,)
+            shape, dtype = self._staged_format()
+            from coordl.fetch.spec import reap_once
 
-        reap_once(names.shm_dir())
-        # Members agree on what they load, not on how they batch it: each cuts its own batches.
-        config_of_group = {k: v for k, v in identity.items() if k not in ("batch_size", "drop_last")}
-        config_of_group.update(world_size=world.world_size, on_error=config.on_error)
-        unit = options.stage_batch or config.batch_size
-        self.area = StagingArea(
-            options.name,
-            world.rank,
-            config_of_group,
-            batch_size=unit,
-            batches_per_pass=sampler.num_batches(schedule.shard_size(world.world_size), unit, False),
-            sample_shape=shape,
-            dtype=dtype,
-            epoch=epoch,
-            bound=options.staging,
-            idle_timeout=options.idle_timeout,
-        )
-        try:
-            self.unit = self.area.unit  # the group's, which its first member decided
-            self._check_room()
-            self._staging_prep = self._make_staging_prep(num_threads)
-        except BaseException:
-            self.area.close()
-            raise
-        self.normalize = self._normalizer()
-        self._units: dict[int, list[np.ndarray]] = {}
-        self.paces: collections.deque[float] = collections.deque(maxlen=8)  # s/sample of its recent batches
-        self.went_alone = False  # its last pass was finished alone (it was detached)
-        self.last_order: int | None = None  # the order (sampler epoch) of its last finished pass
+            reap_once(names.shm_dir())
+            # Members agree on what they load, not on how they batch it: each cuts its own batches.
+            config_of_group = {k: v for k, v in identity.items() if k not in ("batch_size", "drop_last")}
+            config_of_group.update(world_size=world.world_size, on_error=config.on_error)
+            unit = options.stage_batch or config.batch_size
+            self.area = StagingArea(
+                options.name,
+                world.rank,
+                config_of_group,
+                batch_size=unit,
+                batches_per_pass=sampler.num_batches(schedule.shard_size(world.world_size), unit, False),
+                sample_shape=shape,
+                dtype=dtype,
+                epoch=epoch,
+                bound=options.staging,
+                idle_timeout=options.idle_timeout,
+            )
+            try:
+                self.unit = self.area.unit  # the group's, which its first member decided
+                self._check_room()
+                self._staging_prep = self._make_staging_prep(num_threads)
+            except BaseException:
+                self.area.close()
+                raise
+            self.normalize = self._normalizer()
+            self._units: dict[int, list[np.ndarray]] = {}
+            self.paces: collections.deque[float] = collections.deque(maxlen=8)  # s/sample of its recent batches
+            self.went_alone = False  # its last pass was finished alone (it was detached)
+            self.last_order: int | None = None  # the order (sampler epoch) of its last finished pass
 
     def _uint8_staging(self) -> bool:
         return normalised(self.recipe) and (self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8"))
@@ -224,7 +226,8 @@ class GroupMember:
 
     def close(self) -> None:
         self.join_producer()
-        self.area.close()
+        if self.area is not None:
+            self.area.close()
         if self._staging_prep is not None:
             self._staging_prep.close()
 

@@ -10,7 +10,6 @@ GETs, or the shard streamed where its members are small (:func:`~coordl.tars.for
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import logging
 import os
@@ -21,11 +20,13 @@ import time
 
 import numpy as np
 
+from coordl import cpus
 from coordl.errors import DatasetChangedError, ShardError
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
 from coordl.tars.format import IMAGE_EXTENSIONS, JSON, scan_object, scan_shard
 from coordl.tars.shards import Shards
+from coordl.threads import daemon_pool
 
 __all__ = ["index", "stamps"]
 
@@ -77,7 +78,7 @@ def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, labe
     t0 = time.monotonic()
     in_store = bool(files) and s3url.is_url(files[0])
     by_name = label is None or label == JSON  # a label function may not survive the trip to a worker
-    workers = 0 if in_store or not by_name else min(len(os.sched_getaffinity(0)), len(files) // PARALLEL_SHARDS)
+    workers = 0 if in_store or not by_name else min(cpus.available(), len(files) // PARALLEL_SHARDS)
     if in_store:
         scanned = _from_store(files, stamped, image, label, skip, stream)
     elif workers > 1:
@@ -137,7 +138,7 @@ def _from_store(files, stamped, image, label, skip, stream):
         )
         return _columns(found, moved)
 
-    with cf.ThreadPoolExecutor(min(S3_SHARDS, len(files)), thread_name_prefix="coordl-tar-index") as pool:
+    with daemon_pool(min(S3_SHARDS, len(files)), "coordl-tar-index") as pool:
         return list(pool.map(one, range(len(files))))
 
 
@@ -159,7 +160,7 @@ def _threaded(files, scan):
     if len(files) == 1:
         yield scan(files[0])
         return
-    pool = cf.ThreadPoolExecutor(min(IO_THREADS, len(files)), thread_name_prefix="coordl-tar-index")
+    pool = daemon_pool(min(IO_THREADS, len(files)), "coordl-tar-index")
     try:
         yield from pool.map(scan, files)
     finally:  # a bad shard: the shards not begun are not scanned
