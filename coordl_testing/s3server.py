@@ -3,8 +3,9 @@
 :class:`S3Server` starts moto's S3 server (``python -m moto.server``, a subprocess) and, in front of it, a small
 HTTP/1.1 proxy (threads inside the calling process) on 127.0.0.1. Clients talk to :attr:`S3Server.endpoint`, the
 proxy, which records every request (method, path, status, response body bytes), can add latency before forwarding
-each request, and can answer chosen keys with an error (:meth:`S3Server.fail`) or stall them
-(:meth:`S3Server.hang`). Setup (buckets, uploads) goes to :attr:`S3Server.direct`, moto itself, so it is not counted.
+each request, can send response bodies no faster than a bandwidth (:attr:`S3Server.bandwidth_bps`, off by default),
+and can answer chosen keys with an error (:meth:`S3Server.fail`) or stall them (:meth:`S3Server.hang`). Setup
+(buckets, uploads) goes to :attr:`S3Server.direct`, moto itself, so it is not counted.
 
 With ``auth=True`` moto checks SigV4 signatures and IAM permissions: the server creates an IAM user with an access
 key allowed ``s3:*``, and only that key (:attr:`S3Server.access_key`, :attr:`S3Server.secret_key`) is accepted.
@@ -52,6 +53,8 @@ _ERRORS = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
+
+_PACE = 64 * 1024  # bytes of a response body sent per slot of the bandwidth limit
 
 _POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
 
@@ -184,9 +187,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if not bodiless and data:
-                self.wfile.write(data)
+                self._send_body(data)
         except OSError:
             self.close_connection = True  # the client gave up (a timeout after hang()): nothing left to tell it
+
+    def _send_body(self, data: bytes) -> None:
+        """Writes a response body, paced by the server's bandwidth limit when it has one."""
+        owner = self.server.owner
+        bandwidth = owner.bandwidth_bps
+        if not bandwidth:
+            self.wfile.write(data)
+            return
+        view = memoryview(data)
+        for at in range(0, len(view), _PACE):
+            piece = view[at : at + _PACE]
+            if owner._stop.wait(owner._pace(len(piece), bandwidth)):
+                raise OSError("the server is closing")
+            self.wfile.write(piece)
 
     def _forward(self, method: str, path: str, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         """Sends the request to moto unchanged (Host included: SigV4 signs it) and reads the whole response."""
@@ -297,9 +314,13 @@ class S3Server:
         secret_key: Its secret.
         region: The region clients should sign for.
         latency_s: Seconds added before forwarding each request through the proxy; may be changed at any time.
+        bandwidth_bps: Bytes per second at which the proxy sends response bodies, all connections together (a link
+            of that speed: bodies are sent in 64 KiB pieces, each when the link is free); None or 0: unlimited (the
+            default). May be changed at any time.
 
     Args:
         latency_s: The initial :attr:`latency_s`.
+        bandwidth_bps: The initial :attr:`bandwidth_bps`.
         auth: Whether moto checks signatures and IAM permissions (then only :attr:`access_key` works); without it
             moto accepts any credentials and ``testing``/``testing`` is used.
 
@@ -309,8 +330,10 @@ class S3Server:
 
     region: str = "us-east-1"
 
-    def __init__(self, *, latency_s: float = 0.0, auth: bool = False):
+    def __init__(self, *, latency_s: float = 0.0, auth: bool = False, bandwidth_bps: float | None = None):
         self.latency_s = latency_s
+        self.bandwidth_bps = bandwidth_bps
+        self._link_free = 0.0  # time.monotonic() at which the limited link has sent everything given to it
         self.access_key = "testing"
         self.secret_key = "testing"
         self._lock = threading.Lock()
@@ -566,6 +589,13 @@ class S3Server:
         """
         with self._lock:
             self._rules.append(_Rule(key, method.upper(), times, seconds=seconds))
+
+    def _pace(self, nbytes: int, bandwidth: float) -> float:
+        """Books ``nbytes`` on the limited link; the seconds until they have gone out at ``bandwidth`` bytes/s."""
+        with self._lock:
+            now = time.monotonic()
+            self._link_free = max(now, self._link_free) + nbytes / bandwidth
+            return self._link_free - now
 
     def _take_rules(self, method: str, key: str) -> tuple[_Rule | None, _Rule | None]:
         """The first live hang rule and the first live fail rule matching a request, each used up once."""

@@ -615,3 +615,46 @@ def test_coco_index_small(tmp_path):
     assert r["cold_s"] > 0 and len(r["loads_s"]) == 2 and r["load_s"] > 0
     assert r["box_bytes"] > 24 * r["boxes"] and r["index_file_bytes"] > r["box_bytes"]
     assert not data.exists()
+
+
+def test_disk_tier_smoke(tmp_path):
+    """benchmarks.disk_tier --smoke on 48 small photos: every configuration runs both epochs whole, the proxy's
+    GETs equal coordl's storage reads, the tier's steady epoch GETs nothing and reads the tier (with and without
+    O_DIRECT), LitData's cache reads nothing the second time, and the JSON holds the ratios and conversion times."""
+    data, out = tmp_path / "data", tmp_path / "disk_tier.json"
+    command = [sys.executable, "-m", "benchmarks.disk_tier", "--smoke", "--no-drop", "--data", str(data)]
+    command += ["--tier-root", str(tmp_path), "--out", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    names = {"no-tier", "tier", "tier-direct", "local", "litdata"}
+    assert r["smoke"] and r["command"].startswith("python -m benchmarks.disk_tier --smoke") and r["machine"]["cpus"] > 0
+    assert r["dataset"]["files"] == 48 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["mean_bytes"] > 0
+    assert set(r["runs"]) == set(r["summary"]) == names and r["config"]["memory_bytes"] > 0
+    conv = r["conversions"]["litdata"]
+    assert conv["seconds"] > 0 and conv["chunks"] >= 1 and conv["bytes"] > r["dataset"]["total_bytes"]
+    for name, runs in r["runs"].items():
+        (run,) = runs
+        assert "error" not in run, run["error"]
+        assert [e["samples"] for e in run["epochs"]] == [48, 48]
+        assert r["summary"][name]["steady_samples_per_s"]["median"] > 0
+        for e in run["epochs"]:
+            assert e["seconds"] > 0 and e["meminfo"]["page_cache"] > 0 and e["device_read"] >= 0
+            if "stats" in e and name != "local":  # local: its storage reads are the folder's files
+                assert e["gets"] == e["stats"]["storage_reads"] and e["get_bytes"] == e["stats"]["storage_bytes"]
+    first, steady = r["runs"]["no-tier"][0]["epochs"]
+    assert first["gets"] == 48 and steady["gets"] == 48 - steady["stats"]["cache_hits"] > 0
+    for name in ("tier", "tier-direct"):
+        first, steady = r["runs"][name][0]["epochs"]
+        assert first["gets"] == 48 and first["stats"]["disk_admitted"] == 48 and first["resident_bytes"] is not None
+        assert steady["gets"] == 0 and steady["stats"]["disk_reads"] == 48 - steady["stats"]["cache_hits"] > 0
+    assert all(e["gets"] == 0 for e in r["runs"]["local"][0]["epochs"])
+    first, steady = r["runs"]["litdata"][0]["epochs"]
+    assert first["gets"] >= conv["chunks"] and first["get_bytes"] > r["dataset"]["total_bytes"] and steady["gets"] == 0
+    for tier in ("tier", "tier-direct"):
+        assert {f"{tier}/{b}" for b in ("local", "no-tier", "litdata")} <= set(r["ratios"])
+    assert all(x["of_medians"] > 0 for x in r["ratios"].values())
+    assert "| tier | 1 |" in proc.stdout and "tier/local" in proc.stdout and "litdata conversion" in proc.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("coordl-disk-tier")]  # run folders removed
+    cmdline = Path(f"/proc/{r['moto_pid']}/cmdline")  # the benchmark's moto server is gone
+    assert not cmdline.exists() or b"moto.server" not in cmdline.read_bytes()

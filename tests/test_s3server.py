@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,6 +40,7 @@ def srv(server):
     server.latency_s = 0.0
     yield server
     server.latency_s = 0.0
+    server.bandwidth_bps = None
     server._rules.clear()
 
 
@@ -169,6 +171,30 @@ def test_latency(srv):
     srv.latency_s = 0.0
     took = _seconds_per_get(s3, 2)
     assert all(t < latency for t in took), took  # changed at once: none waits it any more
+
+
+def test_bandwidth(srv):
+    """A body is sent no faster than bandwidth_bps, all connections together; None sends at once again."""
+    s3 = proxied(srv)
+    s3.head_object(Bucket=BUCKET, Key="data/sub/deep/c b.bin")  # connect first
+    srv.bandwidth_bps = 3000.0  # c b.bin is 3,000 bytes: one second of the link
+    try:
+        t = time.monotonic()
+        assert s3.get_object(Bucket=BUCKET, Key="data/sub/deep/c b.bin")["Body"].read() == FILES["sub/deep/c b.bin"]
+        assert time.monotonic() - t >= 0.95  # the pacer books the bytes before sending: ~1 s, never less
+        t = time.monotonic()  # two clients at once share the link: 6,000 bytes take two seconds
+        other = proxied(srv)
+        other.head_object(Bucket=BUCKET, Key="data/a.bin")
+        with ThreadPoolExecutor(2) as pool:
+            got = list(
+                pool.map(lambda c: c.get_object(Bucket=BUCKET, Key="data/sub/deep/c b.bin")["Body"].read(), (s3, other))
+            )
+        assert got == [FILES["sub/deep/c b.bin"]] * 2 and time.monotonic() - t >= 1.9
+    finally:
+        srv.bandwidth_bps = None
+    t = time.monotonic()
+    s3.get_object(Bucket=BUCKET, Key="data/sub/deep/c b.bin")["Body"].read()
+    assert time.monotonic() - t < 0.9  # changed at once: unlimited again
 
 
 def test_chunked_put_and_keepalive(srv):

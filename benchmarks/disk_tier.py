@@ -1,0 +1,416 @@
+"""coordl's local-storage tier (``Cache(disk=...)``) on an ``s3://`` dataset 4x its memory cache,
+behind a slow store: steady epochs with and without the tier, against the same data in a local
+folder (the bound) and against LitData's and Mosaic Streaming's local caches.
+
+    python -m benchmarks.disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
+
+The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s counting proxy, which
+waits ``--latency`` (20 ms) before each request and sends response bodies at ``--bandwidth`` (20
+MB/s, all connections together). The dataset (``common.add_dataset_options``: 2,000 photo JPEGs,
+~226 MB) is uploaded once as files, and once as LitData's and Mosaic's chunks (``--chunk``; the
+conversions and uploads are timed apart, straight to moto, not counted). Then in ``--repeat``
+rounds with a rotating first configuration, every configuration runs in a fresh process (its own
+``COORDL_SHM_DIR``, ``COORDL_INDEX_DIR``, ``TMPDIR`` and cache folders, removed after; the page
+cache dropped before it starts unless ``--no-drop``), ``--epochs`` epochs each, batch 64:
+
+- ``no-tier`` (a): ``CoordLoader("s3://...", cache=Cache(size=M), pipeline="imagenet-train",
+  device_id=None, shuffle=True)``, M = ``--memory`` (1/4) of the dataset's bytes;
+- ``tier`` (b): the same with ``Cache(size=M, disk=Disk(<run folder in --tier-root>))``, whose reads
+  drop their pages behind them; ``tier-direct``: ``Disk(..., direct=True)`` (``O_DIRECT``);
+- ``local`` (c): the same loader and M on the dataset's local folder (on ``--tier-root``'s disk);
+- ``litdata``, ``mosaic`` (d): :mod:`benchmarks.disk_tier_baselines`, ``--workers`` workers, their
+  cache limits 4x their chunks' bytes.
+
+Per epoch: seconds, samples/s, the object GETs and body bytes the proxy saw, coordl's counters,
+the loader's CPU seconds, the bytes read from and written to the device of ``--tier-root``
+(``/proc/diskstats``), ``/proc/meminfo``'s page cache (``Cached - Shmem``) and ``Shmem``, and the
+bytes of the configuration's local files in the page cache (``fincore``: the tier, the local
+dataset, LitData's or Mosaic's cache folder). Writes ``--out`` (``results/disk_tier.json``: machine,
+dataset, conversions, every run, medians, the ratios of steady samples/s of (b) to (c), (a) and (d))
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common, disk_tier_baselines
+from benchmarks.s3 import Meter, Parent
+
+CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
+BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
+SMOKE = ["--data", "/var/tmp/coordl-bench/disk-tier-smoke", "--images", "48", "--classes", "4", "--width", "160"]
+SMOKE += ["--height", "120", "--epochs", "2", "--repeat", "1", "--chunk", "1MB", "--configs", ",".join(CONFIGS[:-1])]
+SMOKE += ["--out", os.path.join(tempfile.gettempdir(), "disk_tier_smoke.json")]
+
+
+def log(*a, end="\n") -> None:
+    print(*a, file=sys.stderr, flush=True, end=end)
+
+
+# -- what the machine holds -------------------------------------------------------------------------
+def meminfo() -> dict:
+    """``/proc/meminfo``'s page cache (without shared memory), shared memory and dirty pages, in bytes."""
+    m = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
+    return {"page_cache": m["Cached"] - m["Shmem"], "shmem": m["Shmem"], "dirty": m["Dirty"]}
+
+
+def resident(folder: str | None) -> int | None:
+    """Bytes of the files under ``folder`` in the page cache (util-linux ``fincore``); None without either."""
+    if folder is None or shutil.which("fincore") is None:
+        return None
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    total = 0
+    for k in range(0, len(files), 500):
+        cmd = ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files[k : k + 500]]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+        total += sum(int(x) for x in out.split())
+    return total
+
+
+def device_io(dev: tuple[int, int]) -> tuple[int, int]:
+    """Bytes read from and written to block device ``dev`` so far (``/proc/diskstats`` columns 6 and 10)."""
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        p = line.split()
+        if (int(p[0]), int(p[1])) == dev:
+            return int(p[5]) * 512, int(p[9]) * 512
+    return 0, 0
+
+
+# -- the parent -------------------------------------------------------------------------------------
+def run_one(args, server, name: str, ctx: dict) -> dict:
+    """One configuration in a fresh child; per epoch its figures, the proxy's counts and the machine's memory."""
+    work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-run-")
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-disk-tier-")
+    tmp = tempfile.mkdtemp(prefix="coordl-dt-")  # short: sockets of DataLoader workers go there (108 bytes at most)
+    base = {"batch": args.batch, "epochs": args.epochs}
+    if name in ("litdata", "mosaic"):
+        conv = ctx["conversions"][name]
+        local = os.path.join(work, "cache")
+        spec = {**base, "kind": name, "url": conv["url"], "local": local, "workers": args.workers}
+        spec["cache_limit"] = 4 * conv["bytes"]
+    else:
+        local = None if name == "no-tier" else ctx["data"] if name == "local" else os.path.join(work, "tier")
+        url = ctx["data"] if name == "local" else ctx["url"]
+        tier = local if name.startswith("tier") else None
+        spec = {
+            **base,
+            "kind": "coordl",
+            "url": url,
+            "memory": ctx["memory"],
+            "tier": tier,
+            "direct": name == "tier-direct",
+        }
+    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm}
+    env.update(COORDL_INDEX_DIR=os.path.join(work, "index"), TMPDIR=tmp)
+    spec_file = Path(work) / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    shm_before = set(os.listdir("/dev/shm"))
+    run = {"config": name, "epochs": [], "dropped_page_cache": None}
+    if not args.no_drop:
+        run["dropped_page_cache"] = common.drop_page_cache() or True
+    meter, dev = Meter(server), ctx["device"]
+    io_was, mem_was = device_io(dev), meminfo()
+    proc = subprocess.Popen(
+        common.module_command("disk_tier", "--one", str(spec_file)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        while line := proc.stdout.readline():
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue  # a library's chatter on stdout
+            event = msg.pop("event")
+            if event == "done":
+                run["close_s"] = msg.get("close_s")
+                break
+            counts = meter.read()
+            if event == "created":
+                run.update(msg, create_requests=counts)
+            else:
+                io_now, mem = device_io(dev), meminfo()
+                msg.update(counts, loader_cpu_s=msg.pop("cpu_s"), resident_bytes=resident(local), meminfo=mem)
+                msg["device_read"], msg["device_written"] = (a - b for a, b in zip(io_now, io_was))
+                msg["page_cache_delta"] = mem["page_cache"] - mem_was["page_cache"]
+                run["epochs"].append(msg)
+            io_was, mem_was = device_io(dev), meminfo()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        proc.stdin.close()
+        err = proc.stderr.read()
+        proc.wait(120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        leftovers = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith("coordl-"))
+        for folder in (shm, work, tmp):
+            shutil.rmtree(folder, ignore_errors=True)
+    run["shm_left"] = leftovers  # new in /dev/shm (Mosaic's segments; another program's too): reported, not removed
+    if proc.returncode != 0 or len(run["epochs"]) < args.epochs:
+        at = err.rfind("Traceback (most recent call last)")
+        run["error"] = (err[at:] if at >= 0 else err).strip()[-3000:] or f"exit status {proc.returncode}"
+    elif short := [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]:
+        run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}\n{err[-2000:]}"
+    return run
+
+
+def convert(args, server, kind: str, data: str, work: str) -> dict:
+    """``kind``'s chunks of the dataset, made in a child (timed), uploaded straight to moto (timed)."""
+    out = os.path.join(work, kind)
+    t0 = time.perf_counter()
+    cmd = common.module_command("disk_tier_baselines", "convert", kind, data, out, args.chunk)
+    tmp = tempfile.mkdtemp(prefix="coordl-dt-")
+    try:
+        done = subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp}, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    timed = json.loads(done.stdout.strip().splitlines()[-1])  # the conversion alone, and its imports
+    files = [p for p in Path(out).rglob("*") if p.is_file()]
+    t0 = time.perf_counter()
+    server.upload_tree(out, args.bucket, kind)
+    upload_s = time.perf_counter() - t0
+    chunks = [p for p in files if p.suffix in (".bin", ".mds")]
+    size = sum(p.stat().st_size for p in files)
+    shutil.rmtree(out)
+    return {
+        "seconds": timed["convert_s"],
+        "import_s": timed["import_s"],
+        "process_s": seconds,
+        "upload_s": upload_s,
+        "files": len(files),
+        "chunks": len(chunks),
+        "bytes": size,
+        "url": f"s3://{args.bucket}/{kind}",
+    }
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """Per configuration: median, min, max of every figure per epoch, and of the steady samples/s of each run."""
+    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "loader_cpu_s", "device_read", "device_written")
+    fields += ("resident_bytes", "page_cache_delta")
+    counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
+    counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
+    out = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
+        if ok:
+            entry["create_s"] = spread([r["create_s"] for r in ok])
+            entry["steady_samples_per_s"] = spread([steady(r) for r in ok])
+            entry["epochs"] = []
+            for e in range(min(len(r["epochs"]) for r in ok)):
+                rows = [r["epochs"][e] for r in ok]
+                ep = {"epoch": e, "samples": rows[0]["samples"]}
+                ep.update({f: spread([x[f] for x in rows]) for f in fields if all(x.get(f) is not None for x in rows)})
+                got = {f: [x["stats"][f] for x in rows if f in x.get("stats", {})] for f in counters}
+                ep.update({f: spread(v) for f, v in got.items() if len(v) == len(rows)})
+                entry["epochs"].append(ep)
+        out[name] = entry
+    return out
+
+
+def steady(run: dict) -> float:
+    """Samples/s over the epochs after the first."""
+    rest = run["epochs"][1:]
+    return sum(e["samples"] for e in rest) / sum(e["seconds"] for e in rest)
+
+
+def spread(vals: list[float]) -> dict:
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "all": vals}
+
+
+def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
+    """Steady samples/s of (b) over each baseline: of the medians, and per round (runs of one round are neighbours)."""
+    out = {}
+    for tier in ("tier", "tier-direct"):
+        for base in BASELINES:
+            if summary.get(tier, {}).get("ok") and summary.get(base, {}).get("ok"):
+                med = summary[tier]["steady_samples_per_s"]["median"] / summary[base]["steady_samples_per_s"]["median"]
+                rounds = {r["round"]: steady(r) for r in runs[base] if "error" not in r}
+                per = [steady(r) / rounds[r["round"]] for r in runs[tier] if "error" not in r and r["round"] in rounds]
+                out[f"{tier}/{base}"] = {"of_medians": med, "per_round": per}
+    return out
+
+
+def table(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"{common.describe(result['dataset'])}; memory cache {c['memory_bytes'] / 1e6:.1f} MB; "
+        f"{c['latency_s'] * 1e3:g} ms per request, {c['bandwidth_bps'] / 1e6:g} MB/s; {c['repeat']} round(s); "
+        "medians [min-max]",
+        "| config | epoch | samples/s | s | GETs | store MB | cache hits | tier reads | device MB read / written "
+        "| local files in page cache MB | page cache delta MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(d, scale=1.0, fmt="{:.0f}", rng=False):
+        if d is None:
+            return "-"
+        lo, med, hi = (fmt.format(d[k] / scale) for k in ("min", "median", "max"))
+        return f"{med} [{lo}-{hi}]" if rng and lo != hi else med
+
+    for name, s in result["summary"].items():
+        if not s["ok"]:
+            lines.append(f"| {name} | - | failed: {s['errors'][0].splitlines()[-1][:150]} | | | | | | | | |")
+            continue
+        for ep in s["epochs"]:
+            dev = f"{cell(ep.get('device_read'), 1e6)} / {cell(ep.get('device_written'), 1e6)}"
+            lines.append(
+                f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} "
+                f"| {cell(ep['seconds'], fmt='{:.1f}')} "
+                f"| {cell(ep['gets'])} | {cell(ep['get_bytes'], 1e6, '{:.1f}')} | {cell(ep.get('cache_hits'))} "
+                f"| {cell(ep.get('disk_reads'))} | {dev} | {cell(ep.get('resident_bytes'), 1e6, '{:.1f}')} "
+                f"| {cell(ep.get('page_cache_delta'), 1e6, '{:.1f}')} |"
+            )
+    lines.append("")
+    for name, s in result["summary"].items():
+        if s["ok"]:
+            lines.append(f"steady samples/s {name}: {cell(s['steady_samples_per_s'], rng=True)}")
+    for key, r in result["ratios"].items():
+        lines.append(f"{key}: {r['of_medians']:.3f} (per round: {', '.join(f'{x:.3f}' for x in r['per_round'])})")
+    for name, conv in result["conversions"].items():
+        lines.append(
+            f"{name} conversion: {conv['seconds']:.1f} s ({conv['process_s']:.1f} s with Python's start and "
+            f"imports), {conv['chunks']} chunks, {conv['bytes'] / 1e6:.1f} MB; "
+            f"upload {conv['upload_s']:.1f} s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = given = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.disk_tier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    common.add_dataset_options(p, data="/var/tmp/coordl-bench/disk-tier", images=2000, classes=20)
+    p.add_argument("--smoke", action="store_true", help="a tiny dataset, 2 epochs, 1 round: " + " ".join(SMOKE))
+    p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
+    p.add_argument("--bandwidth", default="20MB", help="the store's bandwidth per second, all GETs together (20MB)")
+    p.add_argument("--memory", type=float, default=0.25, help="the memory cache, a fraction of the dataset's bytes")
+    p.add_argument("--tier-root", default="/var/tmp", help="where the tier (and the run's folders) go (/var/tmp)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="LitData's and Mosaic's DataLoader workers (default: 2)")
+    p.add_argument(
+        "--chunk",
+        default="8MB",
+        help="LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
+        "2 workers share chunks, which it reads whole per item instead of mapping them)",
+    )
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
+    p.add_argument("--bucket", default="coordl-disk-tier")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "disk_tier.json"))
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in this JSON file
+    if "--smoke" in argv:
+        argv = SMOKE + argv  # what the command line gives too comes later, and wins
+    args = p.parse_args(argv)
+    if args.one:
+        spec = json.loads(Path(args.one).read_text())
+        disk_tier_baselines.child(spec, Parent())
+        return 0
+
+    from coordl.units import parse_bytes
+    from coordl_testing.s3server import S3Server
+
+    names = [n for n in args.configs.split(",") if n]
+    if unknown := set(names) - set(CONFIGS):
+        p.error(f"unknown configurations {sorted(unknown)}: pick from {','.join(CONFIGS)}")
+    dataset = common.dataset_from_args(args)
+    log(f"dataset: {common.describe(dataset)}")
+    machine = {**common.machine(), "load_at_start": os.getloadavg(), "fincore": shutil.which("fincore") is not None}
+    ctx = {"data": dataset["root"], "url": f"s3://{args.bucket}/raw/train", "conversions": {}}
+    ctx["memory"], ctx["files"] = int(args.memory * dataset["total_bytes"]), dataset["files"]
+    ctx["device"] = common.device_of(args.tier_root)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    t_start = time.time()
+    work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-convert-")
+    try:
+        with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
+            moto_pid = server._proc.pid
+            server.create_bucket(args.bucket)
+            t0 = time.perf_counter()
+            server.upload_tree(dataset["root"], args.bucket, "raw/train")
+            upload_s = time.perf_counter() - t0
+            for kind in ("litdata", "mosaic"):
+                if kind in names:
+                    ctx["conversions"][kind] = conv = convert(args, server, kind, dataset["root"], work)
+                    log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks), ", end="")
+                    log(f"uploaded in {conv['upload_s']:.1f} s")
+            server.latency_s = args.latency
+            for rnd in range(args.repeat):
+                k = rnd % len(names)
+                for name in names[k:] + names[:k]:  # every round starts elsewhere: drift hits all alike
+                    r = run_one(args, server, name, ctx)
+                    r["round"] = rnd
+                    runs[name].append(r)
+                    what = (
+                        r["error"].splitlines()[-1][:300]
+                        if "error" in r
+                        else ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
+                    )
+                    log(f"  [{rnd + 1}/{args.repeat}] {name:>11}: {what}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = summarise(runs)
+    result = {
+        "benchmark": "disk_tier",
+        "command": shlex.join(["python", "-m", "benchmarks.disk_tier", *given]),
+        "smoke": args.smoke,
+        "config": {
+            "latency_s": args.latency,
+            "bandwidth_bps": parse_bytes(args.bandwidth),
+            "memory_fraction": args.memory,
+            "memory_bytes": ctx["memory"],
+            "tier_root": args.tier_root,
+            "epochs": args.epochs,
+            "repeat": args.repeat,
+            "batch": args.batch,
+            "workers": args.workers,
+            "chunk": args.chunk,
+            "configurations": names,
+            "drop_page_cache": not args.no_drop,
+            "tier_device": "{}:{}".format(*ctx["device"]),
+            "cgroups": None,  # no memory or blkio limit: the tier's disk as it is, the page cache measured instead
+            "pipeline": "imagenet-train",
+            "url": ctx["url"],
+        },
+        "machine": {**machine, "load_at_end": os.getloadavg()},
+        "dataset": dataset,
+        "upload_s": upload_s,
+        "conversions": ctx["conversions"],
+        "moto_pid": moto_pid,
+        "wall_s": time.time() - t_start,
+        "runs": runs,
+        "summary": summary,
+        "ratios": ratios(runs, summary),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The loaders of ``benchmarks.disk_tier``, each run in a fresh process (:func:`child`): coordl's,
+and the local caches of LitData and Mosaic Streaming, whose chunk files :func:`convert` makes.
+
+- ``coordl``: ``CoordLoader(url, cache=Cache(size=M, disk=None or Disk(tier, direct=...)),
+  pipeline="imagenet-train", device_id=None, shuffle=True)``.
+- ``litdata``: ``litdata.optimize`` (``chunk_bytes``, 2 workers) writes chunks of ``{"image": the
+  JPEG's bytes, "label": int}``; ``StreamingDataset("s3://...", cache_dir=..., max_cache_size=...,
+  shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers. LitData 0.2.76 reads chunks
+  with obstore, whose store it builds without ``allow_http``, so an ``http://`` endpoint fails with
+  "builder error: BadScheme": the child adds ``allow_http`` to LitData's obstore client options
+  (``litdata.streaming.downloader._OBSTORE_CLIENT_OPTIONS``), the one change it needs.
+- ``mosaic``: ``streaming.MDSWriter`` (``size_limit``) writes shards of the same columns;
+  ``StreamingDataset(remote="s3://...", local=..., cache_limit=..., shuffle=True, batch_size=...)`` in
+  a ``torch.utils.data.DataLoader`` with ``workers`` workers; the endpoint is ``S3_ENDPOINT_URL``.
+  ``import streaming`` (0.13) imports torchvision for its vision datasets, which are not used here;
+  torchvision is not installed (its wheels require another torch), so the child first puts a stub of
+  the three names it imports in ``sys.modules``.
+
+LitData and Mosaic decode with Pillow (RGB) and augment with :class:`benchmarks.loaders.TrainAugment`
+(random-resized crop 224, flip, normalise: numpy and torch, no torchvision). A conversion runs as
+``python -m benchmarks.disk_tier_baselines convert {litdata,mosaic} SRC OUT SIZE``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.loaders import TrainAugment
+
+AUGMENT = TrainAugment()
+
+
+def _files(src: str) -> list[Path]:
+    """The dataset's JPEGs in sorted order; a label is the rank of its class folder."""
+    return sorted(p for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _labels(files: list[Path]) -> dict[str, int]:
+    return {c: k for k, c in enumerate(sorted({p.parent.name for p in files}))}
+
+
+class _Item:
+    """One sample of the conversion: the file's bytes and its label (a class: optimize's workers pickle it)."""
+
+    def __init__(self, labels: dict[str, int]):
+        self.labels = labels
+
+    def __call__(self, path: str) -> dict:
+        p = Path(path)
+        return {"image": p.read_bytes(), "label": self.labels[p.parent.name]}
+
+
+def convert(kind: str, src: str, out: str, size: str) -> dict:
+    """Writes the dataset under ``src`` as ``kind``'s chunks of ``size`` (e.g. ``8MB``) into ``out``; the
+    seconds its imports took and the seconds the conversion took (LitData's with 2 worker processes)."""
+    t0 = time.perf_counter()
+    if kind == "litdata":
+        import litdata
+    else:
+        stub_torchvision()
+        from streaming import MDSWriter
+    t1 = time.perf_counter()
+    files = _files(src)
+    item = _Item(_labels(files))
+    if kind == "litdata":
+        paths = [str(p) for p in files]
+        litdata.optimize(fn=item, inputs=paths, output_dir=out, chunk_bytes=size, num_workers=2, verbose=False)
+    else:
+        with MDSWriter(out=out, columns={"image": "bytes", "label": "int"}, size_limit=size.lower()) as w:
+            for p in files:
+                w.write(item(str(p)))
+    return {"import_s": t1 - t0, "convert_s": time.perf_counter() - t1}
+
+
+def stub_torchvision() -> None:
+    """Puts a stub of the torchvision names ``import streaming`` needs into ``sys.modules`` (none is used)."""
+    import importlib.machinery
+    import types
+
+    if "torchvision" in sys.modules:
+        return
+
+    class VisionDataset:
+        pass
+
+    def to_tensor(_):
+        raise NotImplementedError("torchvision is a stub here")
+
+    names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
+    tv, datasets, transforms, functional = mods = [types.ModuleType(n) for n in names]
+    for m in mods:
+        m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)  # transformers calls find_spec on it
+    tv.__version__ = "0.0+stub"
+    tv.datasets, tv.transforms, transforms.functional = datasets, transforms, functional
+    datasets.VisionDataset = datasets.CIFAR10 = VisionDataset
+    functional.to_tensor = to_tensor
+    sys.modules.update(zip(names, mods))
+
+
+def decode(sample: dict):
+    """Pillow decode to RGB, then the training augmentation: ``(CHW float tensor, label)``."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(sample["image"])) as im:
+        image = im.convert("RGB")
+    return AUGMENT(image), int(sample["label"])
+
+
+def _cpu() -> float:
+    t = os.times()  # DataLoader workers end with their epoch and are waited for: their CPU time counts
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _imports(kind: str):
+    """Imports what ``kind``'s loader uses (timed apart: ``import_s``); returns the function that makes it."""
+    import torch  # noqa: F401
+
+    if kind == "coordl":
+        import nvidia.dali.fn  # noqa: F401
+        import obstore  # noqa: F401
+
+        import coordl  # noqa: F401
+    elif kind == "litdata":
+        import litdata.streaming.downloader as downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+    else:
+        stub_torchvision()
+        import streaming  # noqa: F401
+    return {"coordl": _coordl, "litdata": _litdata, "mosaic": _mosaic}[kind]
+
+
+def _coordl(spec: dict):
+    import coordl
+
+    disk = coordl.Disk(spec["tier"], direct=spec["direct"]) if spec["tier"] else None
+    cache = coordl.Cache(size=spec["memory"], disk=disk)
+    kw = {"batch_size": spec["batch"], "shuffle": True, "pipeline": "imagenet-train", "device_id": None}
+    return coordl.CoordLoader(spec["url"], cache=cache, **kw)
+
+
+def _litdata(spec: dict):
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(
+        spec["url"], cache_dir=spec["local"], max_cache_size=spec["cache_limit"], shuffle=True, transform=decode
+    )
+    return StreamingDataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
+
+
+def _mosaic(spec: dict):
+    import torch
+    from streaming import StreamingDataset
+
+    class Decoded(StreamingDataset):
+        def __getitem__(self, i):
+            return decode(super().__getitem__(i))
+
+    kw = {"cache_limit": spec["cache_limit"], "shuffle": True, "batch_size": spec["batch"]}
+    dataset = Decoded(remote=spec["url"], local=spec["local"], **kw)
+    return torch.utils.data.DataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
+
+
+def child(spec: dict, parent) -> None:
+    """One run in a fresh process: the loader made, then ``epochs`` epochs, each said to ``parent``
+    (:class:`benchmarks.s3.Parent`, with coordl's ``stats()``) and awaited."""
+    t0 = time.perf_counter()
+    make = _imports(spec["kind"])
+    import_s = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), _cpu()
+    loader = make(spec)
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, import_s=import_s)
+    parent.wait()
+    for e in range(spec["epochs"]):
+        t0, c0, n = time.perf_counter(), _cpu(), 0
+        for batch in loader:
+            n += len(batch[1])  # (images, labels)
+        seconds = time.perf_counter() - t0
+        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": _cpu() - c0}
+        if spec["kind"] == "coordl":
+            row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
+        parent.say(event="epoch", **row)
+        parent.wait()
+    t0 = time.perf_counter()
+    if spec["kind"] == "coordl":
+        loader.close()  # the tier's writer finishes what it was given
+    parent.say(event="done", close_s=time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 6 or sys.argv[1] != "convert" or sys.argv[2] not in ("litdata", "mosaic"):
+        raise SystemExit("usage: python -m benchmarks.disk_tier_baselines convert {litdata,mosaic} SRC OUT SIZE")
+    print(json.dumps(convert(*sys.argv[2:])))
