@@ -21,6 +21,10 @@ cache dropped before it starts unless ``--no-drop``), ``--epochs`` epochs each, 
 - ``litdata``, ``mosaic`` (d): :mod:`benchmarks.disk_tier_baselines`, ``--workers`` workers, their
   cache limits 4x their chunks' bytes.
 
+After each tier's run the parent reads the tier's entries back once, shuffled, from each of
+``--read-threads`` threads (1,8), as the tier reads them (dropped behind, or ``O_DIRECT``), the page
+cache dropped first: the rate at which the disk serves the tier, to set beside a link's to peers.
+
 Per epoch: seconds, samples/s, the object GETs and body bytes the proxy saw, coordl's counters,
 the loader's CPU seconds, the bytes read from and written to the device of ``--tier-root``
 (``/proc/diskstats``), ``/proc/meminfo``'s page cache (``Cached - Shmem``) and ``Shmem``, and the
@@ -34,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
+import random
+import re
 import shlex
 import shutil
 import statistics
@@ -42,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks import common, disk_tier_baselines
@@ -85,6 +93,44 @@ def device_io(dev: tuple[int, int]) -> tuple[int, int]:
         if (int(p[0]), int(p[1])) == dev:
             return int(p[5]) * 512, int(p[9]) * 512
     return 0, 0
+
+
+def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
+    """Reads every entry of the tier under ``folder`` once, in a shuffled order, from ``threads`` threads, as
+    the tier reads (``O_DIRECT`` into an aligned buffer, or a read whose pages are dropped behind it), after
+    dropping the page cache unless ``drop`` is False: the disk's rate for the tier's entries."""
+    entry = re.compile(r"[0-9a-f]{32}")  # an entry's name; the tier's ledger, users and tmp/ are not read
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if entry.fullmatch(f)]
+    random.Random(0).shuffle(files)
+    if drop:
+        common.drop_page_cache()
+
+    def read(path: str) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        try:
+            size = os.fstat(fd).st_size
+            if direct:
+                with mmap.mmap(-1, -(-size // 4096) * 4096 or 4096) as buf:  # page-aligned
+                    return os.preadv(fd, [buf], 0)
+            n = len(os.pread(fd, size, 0))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return n
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, files))
+    seconds = time.perf_counter() - t0
+    return {
+        "threads": threads,
+        "direct": direct,
+        "files": len(files),
+        "bytes": total,
+        "seconds": seconds,
+        "bytes_per_s": total / seconds,
+        "files_per_s": len(files) / seconds,
+    }
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -154,6 +200,11 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         proc.stdin.close()
         err = proc.stderr.read()
         proc.wait(120)
+        if name.startswith("tier") and proc.returncode == 0 and args.read_threads:
+            for threads in args.read_threads:  # the disk's rate for the tier's entries, the loader gone
+                run.setdefault("tier_read", []).append(
+                    tier_capacity(local, name == "tier-direct", threads, not args.no_drop)
+                )
     except BaseException:
         proc.kill()
         proc.wait()
@@ -286,6 +337,16 @@ def table(result: dict) -> str:
             lines.append(f"steady samples/s {name}: {cell(s['steady_samples_per_s'], rng=True)}")
     for key, r in result["ratios"].items():
         lines.append(f"{key}: {r['of_medians']:.3f} (per round: {', '.join(f'{x:.3f}' for x in r['per_round'])})")
+    for name, rs in result["runs"].items():
+        reads = [x for r in rs for x in r.get("tier_read", [])]
+        for threads in sorted({x["threads"] for x in reads}):
+            rates = [x["bytes_per_s"] / 1e6 for x in reads if x["threads"] == threads]
+            files = [x["files_per_s"] for x in reads if x["threads"] == threads]
+            lines.append(
+                f"{name} entries read back, {threads} thread(s), page cache dropped: "
+                f"{statistics.median(rates):.0f} MB/s ({', '.join(f'{x:.0f}' for x in rates)}), "
+                f"{statistics.median(files):.0f} entries/s"
+            )
     for name, conv in result["conversions"].items():
         lines.append(
             f"{name} conversion: {conv['seconds']:.1f} s ({conv['process_s']:.1f} s with Python's start and "
@@ -317,6 +378,12 @@ def main(argv=None) -> int:
         "2 workers share chunks, which it reads whole per item instead of mapping them)",
     )
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    p.add_argument(
+        "--read-threads",
+        type=lambda t: [int(x) for x in t.split(",") if x],
+        default=[1, 8],
+        help="after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)",
+    )
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
     p.add_argument("--bucket", default="coordl-disk-tier")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "disk_tier.json"))
@@ -388,6 +455,7 @@ def main(argv=None) -> int:
             "workers": args.workers,
             "chunk": args.chunk,
             "configurations": names,
+            "read_threads": args.read_threads,
             "drop_page_cache": not args.no_drop,
             "tier_device": "{}:{}".format(*ctx["device"]),
             "cgroups": None,  # no memory or blkio limit: the tier's disk as it is, the page cache measured instead

@@ -648,13 +648,59 @@ def test_disk_tier_smoke(tmp_path):
         first, steady = r["runs"][name][0]["epochs"]
         assert first["gets"] == 48 and first["stats"]["disk_admitted"] == 48 and first["resident_bytes"] is not None
         assert steady["gets"] == 0 and steady["stats"]["disk_reads"] == 48 - steady["stats"]["cache_hits"] > 0
+        reads = r["runs"][name][0]["tier_read"]  # read back from 1 and 8 threads: every entry, whole
+        assert [x["threads"] for x in reads] == [1, 8] and all(x["files"] == 48 for x in reads)
+        assert all(x["bytes"] > r["dataset"]["total_bytes"] and x["bytes_per_s"] > 0 for x in reads)
     assert all(e["gets"] == 0 for e in r["runs"]["local"][0]["epochs"])
     first, steady = r["runs"]["litdata"][0]["epochs"]
     assert first["gets"] >= conv["chunks"] and first["get_bytes"] > r["dataset"]["total_bytes"] and steady["gets"] == 0
     for tier in ("tier", "tier-direct"):
         assert {f"{tier}/{b}" for b in ("local", "no-tier", "litdata")} <= set(r["ratios"])
     assert all(x["of_medians"] > 0 for x in r["ratios"].values())
-    assert "| tier | 1 |" in proc.stdout and "tier/local" in proc.stdout and "litdata conversion" in proc.stdout
+    assert (
+        "| tier | 1 |" in proc.stdout
+        and "entries read back" in proc.stdout
+        and "tier/local" in proc.stdout
+        and "litdata conversion" in proc.stdout
+    )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("coordl-disk-tier")]  # run folders removed
     cmdline = Path(f"/proc/{r['moto_pid']}/cmdline")  # the benchmark's moto server is gone
     assert not cmdline.exists() or b"moto.server" not in cmdline.read_bytes()
+
+
+def test_audio_smoke(tmp_path):
+    """benchmarks.audio --smoke on 40 short tones: every loader of the prep scenario and both modes of
+    both HP scenarios (M5 steps, no model) run every epoch whole in windows of 32000 samples, the JSON
+    holds the figures the docs quote, and the jobs leave nothing in shared memory."""
+    out, shm = tmp_path / "audio.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
+    command = [sys.executable, "-m", "benchmarks.audio", "--smoke", "--data", str(tmp_path / "tones")]
+    command += ["--out", str(out)]
+    try:
+        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert r["dataset"]["files"] == 40 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["mean_seconds"] > 0
+        assert r["command"].startswith("python -m benchmarks.audio --smoke") and r["machine"]["cpus"] > 0
+        prep = r["prep"]
+        assert set(prep["runs"]) == set(prep["median"]) == {"coordl", "dali", "torch"}
+        assert set(prep["ratios"]) == {"coordl/dali", "coordl/torch"}
+        for runs in prep["runs"].values():
+            (run,) = runs
+            assert [(e["warmup"], e["samples"]) for e in run["epochs"]] == [(True, 40), (False, 40)]
+            assert all(e["shape"][1:] == [1, 32000] for e in run["epochs"])
+            assert run["samples_per_s"] > 0 and run["cpu_s_per_sample"] > 0
+        (coordl_run,) = prep["runs"]["coordl"]
+        assert coordl_run["epochs"][1]["stats"]["storage_reads"] == 0  # the measured epoch from the cache
+        for name, step in (("hp", "m5"), ("hp-prep", "touch")):
+            hp = r[name]
+            assert hp["step"] == step and len(hp["speedups"]) == 1 and hp["speedups"][0] > 0
+            for mode in ("separate", "group"):
+                (run,) = hp[mode]
+                assert len(run["per_trial_samples_per_s"]) == 2
+                assert all(e["samples"] == 40 for j in run["jobs"] for e in j["epochs"])
+            assert all(e["stats"]["produced"] is not None for j in hp["group"][0]["jobs"] for e in j["epochs"])
+        assert "coordl/dali" in proc.stdout and "hp per-trial speedup" in proc.stdout
+        assert os.listdir(shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
