@@ -330,34 +330,43 @@ def test_an_entry_whose_stamp_ends_in_a_nul_byte_is_read_back(tmp_path):
         tier.close()
 
 
-def _two_nodes(data: Path, out: Path, tiers: Path, peers_first: int) -> list[list[dict]]:
-    """Three epochs on two loopback nodes, each with a quarter of the dataset in memory and a tier of
-    its own, with DistributedSampler's shards (no locality-aware assignment: each node also gets
-    samples that only the other's memory holds); every rank's stats per epoch."""
+def _two_nodes(data: Path, out: Path, tiers: Path, *args: str) -> list[list[dict]]:
+    """Two epochs on two loopback nodes, each with a quarter of the dataset in memory (a fresh memory
+    cache per job) and a tier of its own under ``tiers``, with DistributedSampler's shards (no
+    locality-aware assignment); every rank's stats per epoch."""
     from test_peers import _logs, _records, _run_nodes
 
-    args = ["--epochs", "3", "--cache", "0.25", "--locality", "0", "--disk", str(tiers)]
-    codes = _run_nodes(data, out, 2, [*args, "--peers-first", str(peers_first)], loopback=True)
+    common = ["--epochs", "2", "--cache", "0.25", "--locality", "0", "--disk", str(tiers)]
+    codes = _run_nodes(data, out, 2, [*common, *args], loopback=True)
     assert codes == [0, 0], _logs(out)
-    return [[r["epochs"][e]["stats"] for r in _records(out, 2)] for e in range(3)]
+    return [[r["epochs"][e]["stats"] for r in _records(out, 2)] for e in range(2)]
 
 
 def test_two_nodes_read_their_own_tier_before_the_other_node_s_memory_unless_told_otherwise(tiny_dataset, tmp_path):
+    """A first job without peers fills each node's tier with every sample its rank reads in two epochs; a
+    second job, its memory caches empty, reads nothing from the store. In its second epoch a rank misses
+    in memory samples that both its own tier and the other node's memory hold: with the tier first (the
+    default) it reads them all from its tier and asks the other node for none; with
+    Disk(peers_first=True) it asks the other node for those its memory holds."""
     remote = Path(os.environ["COORDL_SHM_DIR"]) / "remote"  # another file system than the tiers' (tmp)
     subprocess.run(["cp", "-r", str(tiny_dataset), str(remote)], check=True)
     try:
-        runs = {k: _two_nodes(remote, tmp_path / f"out{k}", tmp_path / f"tiers{k}", k) for k in (0, 1)}
+        runs = {}
+        for first in (0, 1):
+            tiers = tmp_path / f"tiers{first}"
+            filled = _two_nodes(remote, tmp_path / f"fill{first}", tiers, "--peers", "off")
+            assert sum(s["storage_reads"] for s in filled[0]) == N
+            assert all(s["peer_reads"] == 0 for e in filled for s in e)
+            runs[first] = _two_nodes(remote, tmp_path / f"out{first}", tiers, "--peers-first", str(first))
     finally:
         subprocess.run(["rm", "-rf", str(remote)], check=True)
-    totals = {}
-    for k, epochs in runs.items():
-        assert sum(s["storage_reads"] for s in epochs[0]) == N
-        for rank in range(2):  # a node reads a sample from the store once, ever: its tier keeps it
-            assert sum(e[rank]["storage_reads"] for e in epochs) <= N
-        for e in epochs[1:]:
+    for first, epochs in runs.items():
+        for e in epochs:
             for s in e:
-                assert s["cache_hits"] + s["disk_reads"] + s["peer_reads"] + s["storage_reads"] == s["samples"]
-        totals[k] = {key: sum(s[key] for e in epochs[1:] for s in e) for key in ("disk_reads", "peer_reads")}
-        assert sum(s["storage_reads"] for s in epochs[2]) < sum(s["storage_reads"] for s in epochs[1])
-    # The tier first: what it holds is not asked of the other node; the other node's memory first: it is.
-    assert totals[0]["peer_reads"] < totals[1]["peer_reads"] and totals[0]["disk_reads"] > totals[1]["disk_reads"]
+                assert s["storage_reads"] == 0, (first, epochs)  # the tiers hold every sample the ranks read
+                assert s["cache_hits"] + s["disk_reads"] + s["peer_reads"] == s["samples"], (first, epochs)
+        # The first epoch's holder map (taken at its start) is empty: the tier serves, memory fills.
+        assert all(s["peer_reads"] == 0 and s["disk_reads"] > 0 for s in epochs[0]), (first, epochs)
+    # The tier first: nothing is asked of the other node; the other node's memory first: it serves some.
+    assert all(s["peer_reads"] == 0 for s in runs[0][1]), runs[0]
+    assert all(s["peer_reads"] > 0 for s in runs[1][1]), runs[1]
