@@ -187,6 +187,8 @@ def test_rayprep_validates_its_fields():
             coordl.RayPrep(**bad)
     with pytest.raises(TypeError, match="address"):
         coordl.RayPrep(address="")
+    with pytest.raises(ValueError, match=r"RayPrep\(address='ray://head:10001'\) is a Ray Client address"):
+        coordl.RayPrep(address="ray://head:10001")  # the trainer must be a node: refused with the reason
     with pytest.raises(TypeError, match="local"):
         coordl.RayPrep(local="yes")
 
@@ -223,6 +225,16 @@ def test_without_ray_installed_the_error_says_how_to_install_it(tiny_dataset, mo
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"coordl\[ray\]"):
         coordl.CoordLoader(tiny_dataset, pipeline="imagenet-train", prep=coordl.RayPrep())
+
+
+def test_a_ray_client_address_in_ray_address_is_refused_with_the_reason(tiny_dataset, monkeypatch):
+    """RayPrep() ("auto") with RAY_ADDRESS=ray://...: refused when the loader is made, before Ray is asked."""
+    pytest.importorskip("ray")
+    import coordl
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(CoordlError, match=r"RAY_ADDRESS='ray://head:10001' is a Ray Client address.*--num-cpus=0"):
+        coordl.CoordLoader(tiny_dataset, pipeline="imagenet-train", device_id=None, prep=coordl.RayPrep())
 
 
 def test_a_torch_backend_batch_travels_as_arrays_and_comes_back_as_the_same_tensors():

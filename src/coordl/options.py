@@ -346,6 +346,19 @@ READS = ("auto", "node", "trainer")  # RayPrep(reads)
 OUTPUTS = ("pipeline", "uint8")  # RayPrep(output)
 
 
+def refuse_ray_client(address: str, given: str, error: type[Exception]) -> None:
+    """Raises ``error`` when ``address`` is a Ray Client address (``ray://``), naming it as ``given``
+    (e.g. ``RAY_ADDRESS='ray://...'``): the trainer must be a node of the cluster."""
+    if address.strip().lower().startswith("ray://"):
+        raise error(
+            f"coordl: {given} is a Ray Client address: the trainer must be a node of the cluster, not a client "
+            "of it (prepared batches reach it through its node's object store, and actors read through the "
+            "nodes' caches). Run the training script on a machine that runs `ray start` (on the trainer's "
+            "machine: `ray start --address=<head>:6379 --num-cpus=0`, so that no actor is placed there) and give "
+            "RayPrep(address='<head>:6379') or 'auto'; see docs/remote-prep.md"
+        )
+
+
 @dataclass(frozen=True)
 class RayPrep:
     """Batches prepared by Ray actors on the machines of a Ray cluster, and by the local pipeline
@@ -395,6 +408,7 @@ class RayPrep:
     def __post_init__(self):
         if not isinstance(self.address, str) or not self.address.strip():
             raise TypeError(f"RayPrep(address) must be 'auto' or 'host:port', got {self.address!r}")
+        refuse_ray_client(self.address, f"RayPrep(address={self.address!r})", ValueError)
         if _auto(self.workers):
             object.__setattr__(self, "workers", AUTO)
         else:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from coordl.errors import CoordlError
+from coordl.options import refuse_ray_client
 
 __all__ = ["DEPTH", "Dispatch", "WorkerPool", "cause", "connect", "ray_module"]
 
@@ -47,11 +48,14 @@ def connect(address: str) -> None:
     if ray.is_initialized():
         return
     target = address  # "auto": Ray reads RAY_ADDRESS, else finds the cluster this machine runs
+    if target == "auto":
+        env = os.environ.get("RAY_ADDRESS", "")
+        refuse_ray_client(env, f"RAY_ADDRESS={env!r}", CoordlError)
     hint = (
         "start one with `ray start --head` on this machine (and `ray start --address=<head>:6379` on the "
         "others), or pass RayPrep(address='<head>:6379'); see docs/remote-prep.md"
     )
-    if target not in ("auto", "local") and not target.startswith("ray://"):
+    if target not in ("auto", "local"):
         host, _, port = target.rpartition(":")
         try:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
