@@ -18,14 +18,17 @@ The dataset: ``--images`` JPEGs of about 400x350 (~110 KB, generated images: the
 to the GPU machine), made once under ``--data`` and found again by a later run, then read once so that it is
 in the page cache before anything is measured.
 
-Budget on a 16-core machine with an H200, the default 20,000 images (2.2 GB), batch 256, 16 threads, 1 rep,
-``--epochs 1``: making the data ~40 s (about 2 ms of a core per image); per loader a child of ~15 s start
-(torch, CUDA, DALI, 16 workers), a warm-up training epoch (~8 s at ~2,500 samples/s), one training epoch
-(~8 s) and one prep epoch (2-8 s): ~40 s, ~160 s for the four; in all about 3.5 minutes. ``--budget``
-(default 330 s) skips the runs that would start too late to finish inside it, and ends a run that overruns.
+Budget on a 16-core machine with an H200, the defaults (20,000 images, 2.2 GB; batch 256; 16 threads/workers;
+1 warm-up epoch and 1 epoch of each mode per loader; 1 rep), estimated from this 2-core VM's figures: making
+the data ~35 s (28 ms of a core per image, measured here at 400x350), reading it into the page cache ~2 s;
+per loader a child of ~12 s before its first batch (torch, CUDA, DALI, 16 workers), a warm-up training epoch
+and a training epoch of ~7 s each (eager ResNet-50 at ~3,000 samples/s; the DataLoader at ~4 ms of a core per
+sample, ~3,500/s on 16 workers) and a prep epoch of 2-6 s: ~35 s, ~140 s for the four. About 3 minutes in
+all; ``--budget`` (default 330 s, data included) skips a run that would start too late to finish inside it
+and ends one that overruns, so the command stays under 6 minutes whatever the GPU's rates.
 
     python -m benchmarks.gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
-    python -m benchmarks.gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side, here: ~30 s
+    python -m benchmarks.gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
 """
 
 from __future__ import annotations
