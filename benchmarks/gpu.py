@@ -25,7 +25,8 @@ per loader a child of ~12 s before its first batch (torch, CUDA, DALI, 16 worker
 and a training epoch of ~7 s each (eager ResNet-50 at ~3,000 samples/s; the DataLoader at ~4 ms of a core per
 sample, ~3,500/s on 16 workers) and a prep epoch of 2-6 s: ~35 s, ~140 s for the four. About 3 minutes in
 all; ``--budget`` (default 330 s, data included) skips a run that would start too late to finish inside it
-and ends one that overruns, so the command stays under 6 minutes whatever the GPU's rates.
+and ends one that overruns (``--run-timeout``, default 120 s, ends a run that hangs), so the command stays
+under 6 minutes whatever the GPU's rates.
 
     python -m benchmarks.gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks.gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
@@ -150,18 +151,20 @@ def run_all(args, result: dict, workdir: Path, started: float) -> None:
             out, t0 = workdir / f"{name}.json", time.perf_counter()
             load = os.getloadavg()[0]
             try:
-                proc = subprocess.run(
-                    job_command(args, name, out), timeout=max(left, 30), capture_output=True, text=True, check=False
-                )
+                limit = max(min(left, args.run_timeout), 30)
+                command = job_command(args, name, out)
+                proc = subprocess.run(command, timeout=limit, capture_output=True, text=True, check=False)
                 run = json.loads(out.read_text()) if proc.returncode == 0 else {"error": _tail(proc)}
             except subprocess.TimeoutExpired as e:
-                run = {"error": f"still running after {e.timeout:.0f} s (--budget); ended"}
+                said = (e.stdout or b"")[-1500:]
+                said = said.decode(errors="replace") if isinstance(said, bytes) else said
+                run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said}"}
             out.unlink(missing_ok=True)
             run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
-            longest = max(longest, run["wall_s"])
             if "error" in run:
                 print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
             else:
+                longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
                 run["summary"] = summary(run)
                 cells = ", ".join(
                     f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
@@ -266,6 +269,7 @@ def main() -> int:
     p.add_argument("--arch", default="resnet50", help="the model (default: resnet50; --cpu-smoke: resnet_tiny)")
     p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the runs, data included (default: 330)")
+    p.add_argument("--run-timeout", type=float, default=120.0, help="seconds one loader's run may take (default: 120)")
     p.add_argument(
         "--cpu-smoke",
         action="store_true",
