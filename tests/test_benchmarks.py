@@ -704,3 +704,46 @@ def test_audio_smoke(tmp_path):
         assert os.listdir(shm) == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_gpu_smoke(tmp_path):
+    """benchmarks.gpu --cpu-smoke on 64 generated JPEGs: every loader (coordl, DALI's own pipeline, coordl on
+    the CPU, DataLoader) in its CPU form, in both modes (a resnet_tiny training step, prep alone), delivers
+    every sample of every epoch; the JSON holds positive rates, stall fractions in [0, 1] and CPU per sample,
+    and the runs leave nothing in shared memory."""
+    out, shm = tmp_path / "gpu.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
+    command = [sys.executable, "-m", "benchmarks.gpu", "--cpu-smoke", "--data", str(tmp_path / "data")]
+    command += ["--out", str(out)]
+    try:
+        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert r["cpu_smoke"] and r["command"].startswith("python -m benchmarks.gpu --cpu-smoke")
+        assert r["machine"]["cpus"] > 0 and r["config"]["device"] == "cpu" and r["config"]["arch"] == "resnet_tiny"
+        data = r["dataset"]
+        assert data["files"] == 64 and data["total_bytes"] > 0 and data["page_cache_read_bytes"] == data["total_bytes"]
+        assert set(r["runs"]) == set(r["median"]) == {"coordl", "dali", "coordl-cpu", "torch"}
+        for name, runs in r["runs"].items():
+            (run,) = runs
+            assert "error" not in run and "skipped" not in run, run
+            assert run["device_id"] is None and run["model_from"] and run["params"] > 0
+            assert [(e["mode"], e["warmup"], e["samples"]) for e in run["epochs"]] == [
+                ("train", True, 64),
+                ("train", False, 64),
+                ("prep", False, 64),
+            ]
+            assert all(e["device"] == "cpu" and e["shape"][1:] == [3, 224, 224] for e in run["epochs"])
+            for mode in ("train", "prep"):
+                s = run["summary"][mode]
+                assert s["samples_per_s"] > 0 and s["cpu_s_per_sample"] > 0 and 0 <= s["stall_fraction"] <= 1
+                assert r["median"][name][mode]["samples_per_s"] > 0
+                if name.startswith("coordl"):
+                    assert 0 <= s["stats_stall_fraction"] <= 1
+        assert {f"coordl/{o} {m}" for o in ("dali", "coordl-cpu", "torch") for m in ("train", "prep")} == set(
+            r["ratios"]
+        )
+        assert "| coordl | train |" in proc.stdout and "| torch | prep |" in proc.stdout
+        assert os.listdir(shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -1,0 +1,357 @@
+"""ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
+
+Loaders (:mod:`benchmarks.gpu_loaders`, the same augmentation, batch size and CPU threads/workers):
+``coordl`` (GPU decode: DALI ``mixed``), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the
+CPU, batches copied to the GPU) and ``torch`` (``DataLoader``, ``--threads`` Pillow workers, ``pin_memory``).
+Modes: ``train`` (a ResNet-50 step per batch: torchvision's model when it imports, else
+``examples/imagenet/models.py``'s, bf16 autocast, channels_last, SGD) and ``prep`` (the batches alone, on the
+GPU). Each loader runs in a child process of its own: a warm-up epoch (training: loader, CUDA, cuDNN's
+autotuning) that is not counted, then ``--epochs`` epochs of each mode, alternating train, prep, train, ...;
+the loaders follow one another in a rotating order for ``--reps`` rounds. Per loader and mode: samples/s over
+the measured epochs (the GPU synchronised at each epoch's end), the stall fraction (time spent waiting in
+``next()`` / epoch time; coordl's own ``stats()["stall_s"]`` / epoch time beside it), CPU seconds per sample
+(the process, its threads and its children: DALI's threads, the DataLoader's workers). A loader that cannot
+run here (``torch`` without Pillow) is reported as skipped with the reason; a run that fails or overruns is
+reported with its error and the rest go on; the JSON is written after every run.
+
+The dataset: ``--images`` JPEGs of about 400x350 (~110 KB, generated images: the photographs do not travel
+to the GPU machine), made once under ``--data`` and found again by a later run, then read once so that it is
+in the page cache before anything is measured.
+
+Budget on a 16-core machine with an H200, the defaults (20,000 images, 2.2 GB; batch 256; 16 threads/workers;
+1 warm-up epoch and 1 epoch of each mode per loader; 1 rep), estimated from this 2-core VM's figures: making
+the data ~35 s (28 ms of a core per image, measured here at 400x350), reading it into the page cache ~2 s;
+per loader a child of ~12 s before its first batch (torch, CUDA, DALI, 16 workers), a warm-up training epoch
+and a training epoch of ~7 s each (eager ResNet-50 at ~3,000 samples/s; the DataLoader at ~4 ms of a core per
+sample, ~3,500/s on 16 workers) and a prep epoch of 2-6 s: ~35 s, ~140 s for the four. About 3 minutes in
+all; ``--budget`` (default 330 s, data included) skips a run that would start too late to finish inside it
+and ends one that overruns (``--run-timeout``, default 120 s, ends a run that hangs), so the command stays
+under 6 minutes whatever the GPU's rates.
+
+    python -m benchmarks.gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
+    python -m benchmarks.gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common
+from benchmarks import gpu_loaders as loaders
+from benchmarks.detection import cpu_seconds
+
+HERE = Path(__file__).resolve().parent
+DATA, SMOKE_DATA = "/var/tmp/coordl-bench/gpu", "/var/tmp/coordl-bench/gpu-smoke"
+MODES = ("train", "prep")
+CLASSES = 1000  # the model's outputs: ImageNet's head, whatever the dataset's folders
+
+
+# -- one run (a child process) ----------------------------------------------------------------
+def job(args) -> None:
+    """One loader in this process: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating."""
+    import torch
+
+    device_id = None if args.cpu_smoke else args.device_id
+    if device_id is not None:
+        torch.cuda.set_device(device_id)
+        torch.backends.cudnn.benchmark = True
+    sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)
+    t0 = time.perf_counter()
+    loader = loaders.make(args.job, args.data, args.batch_size, args.threads, device_id)
+    out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}
+    step = None
+    if "train" in args.modes:
+        step = loaders.TrainStep(args.arch, CLASSES, device_id)
+        out.update(model=args.arch, model_from=step.origin, params=step.params)
+    out["build_s"] = time.perf_counter() - t0
+    first = "train" if step is not None else args.modes[0]
+    schedule = [(first, True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in args.modes]
+    try:
+        for k, (mode, warmup) in enumerate(schedule):
+            sync()
+            cpu, t0, n, wait, shape = cpu_seconds(), time.perf_counter(), 0, 0.0, None
+            batches = loader.epoch(k)
+            while True:
+                t = time.perf_counter()
+                try:
+                    images, labels = next(batches)
+                except StopIteration:
+                    break
+                wait += time.perf_counter() - t
+                if mode == "train":
+                    step(images, labels)
+                n, shape = n + len(images), list(images.shape)
+            sync()
+            seconds = time.perf_counter() - t0
+            e = {"mode": mode, "warmup": warmup, "seconds": seconds, "samples": n, "wait_s": wait, "shape": shape}
+            e["cpu_s"] = cpu_seconds() - cpu
+            e["device"] = str(images.device) if n else None
+            if hasattr(loader, "stats"):
+                e["stats"] = loader.stats()
+            out["epochs"].append(e)
+            print(f"    {args.job} epoch {k} {mode}{' (warm-up)' if warmup else ''}: {n / seconds:.1f} samples/s")
+    finally:
+        loader.close()
+    if device_id is not None:
+        out["gpu"] = torch.cuda.get_device_name(device_id)
+        out["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device_id)
+    Path(args.out).write_text(json.dumps(out))
+
+
+def summary(run: dict) -> dict:
+    """Per mode, over the measured epochs: samples/s, stall fractions and CPU seconds per sample."""
+    out = {}
+    for mode in MODES:
+        es = [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]
+        if not es:
+            continue
+        seconds, n = sum(e["seconds"] for e in es), sum(e["samples"] for e in es)
+        s = {
+            "epochs": len(es),
+            "samples_per_s": n / seconds,
+            "stall_fraction": sum(e["wait_s"] for e in es) / seconds,
+            "cpu_s_per_sample": sum(e["cpu_s"] for e in es) / n,
+        }
+        if all("stats" in e for e in es):  # coordl's own accounting
+            s["stats_stall_fraction"] = sum(e["stats"]["stall_s"] for e in es) / seconds
+        out[mode] = s
+    return out
+
+
+# -- the runs -----------------------------------------------------------------------------------
+def job_command(args, name: str, out: Path) -> list[str]:
+    argv = ["--job", name, "--out", str(out), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
+    argv += ["--epochs", str(args.epochs), "--warmup", str(args.warmup), "--modes", ",".join(args.modes)]
+    argv += ["--arch", args.arch, "--device-id", str(args.device_id), "--data", args.root]
+    return common.module_command("gpu", *argv, *(["--cpu-smoke"] if args.cpu_smoke else []))
+
+
+def run_all(args, result: dict, workdir: Path, started: float) -> None:
+    runs = result["runs"] = {name: [] for name in args.loaders}
+    longest = 0.0
+    for rep in range(args.reps):
+        order = args.loaders[rep % len(args.loaders) :] + args.loaders[: rep % len(args.loaders)]
+        for name in order:
+            left = args.budget - (time.perf_counter() - started)
+            reason = loaders.missing(name)
+            if reason is None and left < longest:
+                reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
+            if reason is not None:
+                runs[name].append({"skipped": reason})
+                print(f"  rep {rep + 1} {name}: skipped ({reason})")
+                continue
+            out, t0 = workdir / f"{name}.json", time.perf_counter()
+            load = os.getloadavg()[0]
+            try:
+                limit = max(min(left, args.run_timeout), 30)
+                command = job_command(args, name, out)
+                proc = subprocess.run(command, timeout=limit, capture_output=True, text=True, check=False)
+                run = json.loads(out.read_text()) if proc.returncode == 0 else {"error": _tail(proc)}
+            except subprocess.TimeoutExpired as e:
+                said = (e.stdout or b"")[-1500:]
+                said = said.decode(errors="replace") if isinstance(said, bytes) else said
+                run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said}"}
+            out.unlink(missing_ok=True)
+            run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
+            if "error" in run:
+                print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
+            else:
+                longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
+                run["summary"] = summary(run)
+                cells = ", ".join(
+                    f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
+                    for mode, s in run["summary"].items()
+                )
+                print(f"  rep {rep + 1} {name}: {cells}; {run['wall_s']:.0f} s")
+            runs[name].append(run)
+            write(args.out, result)  # after every run: what finished survives an interrupted command
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}: " + (proc.stdout[-1500:] + proc.stderr[-3000:]).strip()
+
+
+def medians(result: dict) -> dict:
+    """Per loader and mode, the median of the runs' figures; and coordl's ratios to each other loader."""
+    import statistics
+
+    med: dict[str, dict] = {}
+    for name, runs in result["runs"].items():
+        done = [r["summary"] for r in runs if "summary" in r]
+        for mode in MODES:
+            cells = [s[mode] for s in done if mode in s]
+            if cells:
+                keys = [k for k in cells[0] if k != "epochs"]
+                med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
+    ratios = {}
+    for other in loaders.LOADERS[1:]:
+        for mode in MODES:
+            a, b = med.get("coordl", {}).get(mode), med.get(other, {}).get(mode)
+            if a and b:
+                ratios[f"coordl/{other} {mode}"] = a["samples_per_s"] / b["samples_per_s"]
+    return {"median": med, "ratios": ratios}
+
+
+# -- the dataset --------------------------------------------------------------------------------
+def dataset(args) -> dict:
+    """Makes (or finds) the dataset and reads every file once, so that it is in the page cache."""
+    t0 = time.perf_counter()
+    lacking = [m for m in ("PIL", "tqdm") if importlib.util.find_spec(m) is None]
+    if lacking:
+        figures = _found(args.data)
+        if figures is None:
+            raise SystemExit(
+                f"cannot make the dataset: {' and '.join(lacking)} not installed (coordl.tools.datagen writes the "
+                "JPEGs with Pillow and shows its progress with tqdm). Install them (on the GPU machine: "
+                "scripts/gpu_extras.sh here, then scripts/gpu_run.sh there), or pass --data a folder of JPEGs "
+                "made elsewhere (ImageFolder: one folder per class)."
+            )
+    else:
+        figures = common.dataset_from_args(args)
+    figures["make_s"] = time.perf_counter() - t0
+    t0, read = time.perf_counter(), 0
+    for folder, _, files in os.walk(figures["root"]):
+        for f in files:
+            with open(os.path.join(folder, f), "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    read += len(chunk)
+    figures.update(page_cache_read_s=time.perf_counter() - t0, page_cache_read_bytes=read)
+    return figures
+
+
+def _found(root: str) -> dict | None:
+    """The figures of a dataset made before (found without Pillow), or None if ``root`` holds no images."""
+    from coordl.index import Index
+
+    if not os.path.isdir(root):
+        return None
+    index = Index.scan(root, index_dir="")
+    if not len(index):
+        return None
+    total = sum(os.path.getsize(p) for p in index.paths)
+    return {
+        "root": root,
+        "files": len(index),
+        "classes": len(index.classes),
+        "total_bytes": total,
+        "mean_bytes": round(total / len(index)),
+        "source": "found (made before; Pillow is not installed here)",
+    }
+
+
+# -- the command ------------------------------------------------------------------------------
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--job", choices=loaders.LOADERS, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    common.add_dataset_options(p, data=None, images=20000, classes=100)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads / DataLoader workers (all CPUs)")
+    p.add_argument("--epochs", type=int, default=1, help="measured epochs of each mode per run (default: 1)")
+    p.add_argument("--reps", type=int, default=1, help="rounds of runs, in a rotating order (default: 1)")
+    p.add_argument("--loaders", default=",".join(loaders.LOADERS), help="(default: %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
+    p.add_argument("--arch", default="resnet50", help="the model (default: resnet50; --cpu-smoke: resnet_tiny)")
+    p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
+    p.add_argument("--budget", type=float, default=330.0, help="seconds for the runs, data included (default: 330)")
+    p.add_argument("--run-timeout", type=float, default=120.0, help="seconds one loader's run may take (default: 120)")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="the CPU side: 64 small images, every loader on the CPU (DataLoader: 2 workers), resnet_tiny, batch 16",
+    )
+    p.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
+    args = p.parse_args()
+    args.modes = args.modes.split(",")
+    if args.job:
+        args.root = args.data
+        job(args)
+        return 0
+    started = time.perf_counter()
+    args.data = args.data or (SMOKE_DATA if args.cpu_smoke else DATA)
+    args.synthetic = args.synthetic or not args.photos  # the photographs do not travel to the GPU machine
+    if args.cpu_smoke:
+        args.images, args.classes, args.width, args.height = 64, 4, 160, 120
+        args.batch_size, args.threads, args.epochs, args.reps = 16, 2, 1, 1
+        args.arch = "resnet_tiny" if args.arch == "resnet50" else args.arch
+    args.loaders = args.loaders.split(",")
+    if not args.cpu_smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run this on a GPU machine, or --cpu-smoke for its CPU side")
+    data = dataset(args)
+    args.root = data["root"]
+    print(
+        f"dataset: {common.describe(data)}, {data['classes']} classes; made/found in {data['make_s']:.1f} s, "
+        f"read into the page cache in {data['page_cache_read_s']:.1f} s"
+    )
+    result = {
+        "benchmark": "gpu",
+        "command": " ".join(["python -m benchmarks.gpu", *sys.argv[1:]]),
+        "cpu_smoke": args.cpu_smoke,
+        "machine": {**common.machine(), "load_at_start": os.getloadavg()},
+        "dataset": data,
+        "config": {
+            "batch_size": args.batch_size,
+            "threads": args.threads,
+            "epochs": args.epochs,
+            "warmup": args.warmup,
+            "reps": args.reps,
+            "modes": args.modes,
+            "arch": args.arch,
+            "device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}",
+            "budget_s": args.budget,
+        },
+    }
+    print(
+        f"batch {args.batch_size}, {args.threads} threads/workers, {args.arch}, "
+        f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in a rotating order"
+    )
+    with tempfile.TemporaryDirectory(prefix="coordl-gpu-") as tmp:
+        run_all(args, result, Path(tmp), started)
+    result.update(medians(result))
+    result["machine"]["load_at_end"] = os.getloadavg()
+    result["wall_s"] = time.perf_counter() - started
+    write(args.out, result)
+    print(table(result))
+    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    failed = [n for n, rs in result["runs"].items() for r in rs if "error" in r]
+    return 1 if failed else 0
+
+
+def table(result: dict) -> str:
+    lines = [
+        "| loader | mode | samples/s | stall (next) | stall (stats) | CPU-ms/sample |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, runs in result["runs"].items():
+        notes = [r.get("skipped") or r["error"].splitlines()[0] for r in runs if "summary" not in r]
+        for mode, m in result["median"].get(name, {}).items():
+            stats = m.get("stats_stall_fraction")
+            lines.append(
+                f"| {name} | {mode} | {m['samples_per_s']:.1f} | {m['stall_fraction']:.3f} | "
+                f"{'-' if stats is None else f'{stats:.3f}'} | {1000 * m['cpu_s_per_sample']:.2f} |"
+            )
+        lines += [f"| {name} | - | {note} | | | |" for note in notes]
+    lines += [f"{key}: {r:.3f}" for key, r in result["ratios"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
