@@ -17,6 +17,8 @@ once its record holds its pid and the time (``sigterm_at``).
 ``--disk DIR`` gives each node a local-storage tier in ``DIR/node<k>`` (``--peers-first 1``: asked after
 the other nodes' memory). ``--coco ANNOTATIONS`` reads a COCO detection set (``data`` is its images
 folder) with SSDTrain and records every sample's delivered boxes.
+``--device none|auto|N`` is the loader's ``device_id`` (``none``, the default: the CPU); each rank
+records the device it resolved to (``device_id``) and, per epoch, the devices its batches were on.
 ``--stop-at E,B`` makes every rank stop after B batches of epoch E and add its ``state_dict()``
 to its record, as a job checkpoints before it is pre-empted; ``--resume STATE`` makes every rank
 load that state (a JSON file) first and continue from its epoch.
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--coco", default="", help="a COCO annotations file: data is its images, the recipe SSDTrain")
     p.add_argument("--disk", default="", help="a local-storage tier per node: DISK/node<k>")
     p.add_argument("--peers-first", type=int, default=0, help="with --disk: Disk(peers_first=...)")
+    p.add_argument("--device", default="none", help="device_id: none (the CPU), auto, or a GPU number")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -83,7 +86,7 @@ def main() -> None:
         data,
         batch_size=a.batch_size,
         pipeline=recipe,
-        device_id=None,
+        device_id=None if a.device == "none" else "auto" if a.device == "auto" else int(a.device),
         return_index=True,
         seed=5,
         cache=cache,
@@ -102,14 +105,15 @@ def main() -> None:
             state = json.load(f)
         loader.load_state_dict(state)
         first = state["epoch"]
-    record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
+    record = {"rank": rank, "world_size": dist.get_world_size(), "device_id": loader.device_id, "epochs": []}
     for epoch in range(first, a.epochs):
         loader.set_epoch(epoch)
         t0 = time.perf_counter()
-        batches, boxes = [], {}
+        batches, boxes, devices = [], {}, set()
         for k, (images, labels, ids) in enumerate(loader):
             assert images.dtype == torch.float32 and len(labels) == len(ids)
             batches.append(ids.tolist())
+            devices.add(str(images.device))
             if a.coco:  # the targets: each sample's boxes
                 boxes.update({str(i): t["boxes"].tolist() for i, t in zip(ids.tolist(), labels)})
             if a.step_ms:
@@ -124,7 +128,13 @@ def main() -> None:
                 record["state"] = loader.state_dict()  # what this rank would checkpoint
                 break
         record["epochs"].append(
-            {"epoch": epoch, "batches": batches, "stats": loader.stats(), "time_s": time.perf_counter() - t0}
+            {
+                "epoch": epoch,
+                "batches": batches,
+                "devices": sorted(devices),
+                "stats": loader.stats(),
+                "time_s": time.perf_counter() - t0,
+            }
         )
         if a.coco:
             record["epochs"][-1]["boxes"] = boxes

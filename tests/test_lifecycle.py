@@ -398,9 +398,10 @@ def data_root(tmp_path_factory) -> Path:
 
 
 def script(backend: str, body: str) -> str:
+    """The script of ``body`` with the loaders of ``backend``, a key of BACKENDS or a backend's own source."""
     return (
         COMMON
-        + BACKENDS[backend]
+        + BACKENDS.get(backend, backend)
         + '\n\nif __name__ == "__main__":\n'
         + textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")
         + "\n"
@@ -495,8 +496,17 @@ def plain_run(name: str, folder: Path, data: Path) -> Run:
 
 @pytest.mark.parametrize("backend,name", CASES, ids=[f"{b}-{n}" for b, n in CASES])
 def test_a_script_ends_as_it_would_without_coordl(backend, name, data_root, isolated, tmp_path):
+    ends_as_without_coordl(backend, name, data_root, isolated, tmp_path)
+
+
+def ends_as_without_coordl(
+    backend: str, name: str, data_root: Path, shm: Path, tmp_path: Path, label: str | None = None
+) -> None:
+    """Fails the test unless the scenario ``name`` run with ``backend`` (a key of BACKENDS, or a
+    backend's source that defines ``make``, named ``label`` in the failure) ends as the same script
+    does with a plain list."""
     sc = SCENARIOS[name]
-    shm = isolated
+    label = label or backend
     ref = plain_run(name, tmp_path, data_root)
     # The scaffolding itself: the plain run is what the scenario claims Python does.
     if sc.rc is not None:
@@ -528,7 +538,7 @@ def test_a_script_ends_as_it_would_without_coordl(backend, name, data_root, isol
         problems.append(f"processes outlived the script: {got.pids_left}")
     if problems:
         pytest.fail(
-            f"{backend}/{name}:\n  - "
+            f"{label}/{name}:\n  - "
             + "\n  - ".join(problems)
             + f"\n--- stdout:\n{got.out.rstrip()}\n--- stderr:\n{got.err[-4000:]}",
             pytrace=False,
