@@ -96,6 +96,10 @@ def main() -> None:
         ),
         shuffle=True,
     )
+    # Every rank has made its loader, and so attached to its node's cache, before any rank reads: on a few
+    # samples a rank could otherwise end its epochs and close before the other made its loader, leaving the
+    # cache as its last user (which removes it), and the node's ranks would not share one cache.
+    dist.barrier()
     die_epoch, die_batch = (int(x) for x in a.die_at.split(","))
     stop = tuple(int(x) for x in a.stop_at.split(",")) if a.stop_at else None
     stall = tuple(float(x) for x in a.stall.split(",")) if a.stall else (-1, -1, -1, 0)
