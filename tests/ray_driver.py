@@ -337,6 +337,9 @@ def life(root: str, out: str, mode: str) -> None:
     """A user's script that ends as ``mode`` says, mid-epoch: break (then close), raise
     SystemExit(3), SIGINT, SIGTERM, SIGKILL, a whole epoch and no close(), or (collect) the loader
     and its pass dropped and collected while the script goes on."""
+    # SIGINT raises KeyboardInterrupt, as in a terminal, even when the tests run as a background job of
+    # a shell (which starts them with SIGINT ignored, and Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if mode == "plain":  # Ray without coordl, for the exit status of a KeyboardInterrupt
         import ray
 
@@ -344,6 +347,7 @@ def life(root: str, out: str, mode: str) -> None:
         write(out, {"procs": []})
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(10)
+        raise SystemExit("SIGINT did not interrupt a plain Ray script within 10 s")
     if mode == "collect":
         return collect(root, out)
     loader = dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4)
