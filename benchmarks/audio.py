@@ -32,15 +32,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks import audio_baselines as baselines
-from benchmarks import common
-from benchmarks.detection import cpu_seconds, steady
+from benchmarks import common, detection
+from benchmarks.detection import cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 LOADERS = ("coordl", "dali", "torch")
@@ -94,72 +93,13 @@ def job_command(args, name: str, out: Path, *extra: str) -> list[str]:
 
 
 def prep(args, workdir: Path) -> dict:
-    runs: dict[str, list[dict]] = {name: [] for name in args.loaders}
-    for rep in range(args.reps):
-        for name in args.loaders:  # A B C A B C
-            out = workdir / f"{name}.json"
-            epochs = ["--warmup", "1", "--epochs", str(args.epochs)]
-            load = os.getloadavg()[0]
-            subprocess.run(job_command(args, name, out, *epochs), check=True)
-            run = {**json.loads(out.read_text()), "load_before": load, "load_after": os.getloadavg()[0]}
-            run.update(steady(run))
-            runs[name].append(run)
-            print(
-                f"  rep {rep + 1} {name:>6}: {run['samples_per_s']:7.1f} samples/s, "
-                f"{1000 * run['cpu_s_per_sample']:.2f} CPU-ms/sample"
-            )
-    median = {
-        name: {k: statistics.median(r[k] for r in rs) for k in ("samples_per_s", "cpu_s_per_sample")}
-        for name, rs in runs.items()
-    }
-    ratios = {}
-    for other in ("dali", "torch"):
-        if "coordl" in median and other in median:
-            ratios[f"coordl/{other}"] = {
-                "samples_per_s": median["coordl"]["samples_per_s"] / median[other]["samples_per_s"],
-                "cpu_s_per_sample": median["coordl"]["cpu_s_per_sample"] / median[other]["cpu_s_per_sample"],
-            }
-    return {"runs": runs, "median": median, "ratios": ratios}
+    """The loaders alone, alternated (:func:`benchmarks.detection.prep` with this module's jobs)."""
+    return detection.prep(args, workdir, job_command)
 
 
 def hp(args, workdir: Path, step: str) -> dict:
     """Two trials with ``step`` (``m5`` or ``touch``) per batch, in the group vs separate, alternating."""
-    runs: dict[str, list[dict]] = {"separate": [], "group": []}
-    for rep in range(args.reps):
-        for mode in runs:
-            go = workdir / "go"
-            go.unlink(missing_ok=True)
-            commands, files = [], []
-            for k in range(2):
-                out, ready = common.job_files(workdir, k)
-                extra = ["--warmup", "1", "--epochs", str(args.hp_epochs - 1), "--step", step]
-                extra += ["--ready", str(ready), "--go", str(go)]
-                extra += ["--group", GROUP] if mode == "group" else []
-                commands.append(job_command(args, "coordl", out, *extra))
-                files.append((out, ready))
-            load = os.getloadavg()[0]
-            procs = common.start_together(commands, [r for _, r in files], go)
-            if any(p.wait() for p in procs):
-                raise SystemExit(f"an hp job failed: exit codes {[p.returncode for p in procs]}")
-            jobs = [json.loads(out.read_text()) for out, _ in files]
-            rates = [steady(j)["samples_per_s"] for j in jobs]
-            cpu = sum(steady(j)["cpu_s_per_sample"] * 0.5 for j in jobs)  # per sample delivered to a trial
-            runs[mode].append(
-                {"per_trial_samples_per_s": rates, "cpu_s_per_sample": cpu, "jobs": jobs, "load_before": load}
-            )
-            print(f"  rep {rep + 1} {mode:>8}: per trial {[round(r, 1) for r in rates]} samples/s")
-    speedups = [
-        statistics.mean(g["per_trial_samples_per_s"]) / statistics.mean(s["per_trial_samples_per_s"])
-        for s, g in zip(runs["separate"], runs["group"], strict=True)
-    ]
-    return {
-        "trials": 2,
-        "group": GROUP,
-        "step": step,
-        **runs,
-        "speedups": speedups,
-        "speedup_median": statistics.median(speedups),
-    }
+    return {**detection.hp(args, workdir, job_command, GROUP, ("--step", step)), "step": step}
 
 
 # -- the dataset -----------------------------------------------------------------------------

@@ -119,14 +119,17 @@ def job_command(args, name: str, out: Path, *extra: str) -> list[str]:
     return common.module_command("detection", *argv, *dataset_argv(args), *extra)
 
 
-def prep(args, workdir: Path) -> dict:
+def prep(args, workdir: Path, command=None) -> dict:
+    """Each of ``args.loaders`` run alone in a child (``command(args, name, out, *extra)``, default this
+    module's :func:`job_command`), A B C A B C for ``args.reps``: each run, the medians, coordl/each other."""
+    command = command or job_command
     runs: dict[str, list[dict]] = {name: [] for name in args.loaders}
     for rep in range(args.reps):
         for name in args.loaders:  # A B C A B C
             out = workdir / f"{name}.json"
             epochs = ["--warmup", "1", "--epochs", str(args.epochs)]
             load = os.getloadavg()[0]
-            subprocess.run(job_command(args, name, out, *epochs), check=True)
+            subprocess.run(command(args, name, out, *epochs), check=True)
             run = {**json.loads(out.read_text()), "load_before": load, "load_after": os.getloadavg()[0]}
             run.update(steady(run))
             runs[name].append(run)
@@ -139,8 +142,8 @@ def prep(args, workdir: Path) -> dict:
         for name, rs in runs.items()
     }
     ratios = {}
-    for other in ("dali", "dali-1", "torch"):
-        if "coordl" in median and other in median:
+    for other in (n for n in median if n != "coordl"):
+        if "coordl" in median:
             ratios[f"coordl/{other}"] = {
                 "samples_per_s": median["coordl"]["samples_per_s"] / median[other]["samples_per_s"],
                 "cpu_s_per_sample": median["coordl"]["cpu_s_per_sample"] / median[other]["cpu_s_per_sample"],
@@ -148,7 +151,10 @@ def prep(args, workdir: Path) -> dict:
     return {"runs": runs, "median": median, "ratios": ratios}
 
 
-def hp(args, workdir: Path) -> dict:
+def hp(args, workdir: Path, command=None, group: str = "bench-detect", step: tuple[str, ...] = ("--touch",)) -> dict:
+    """Two coordl trials (``command``, default this module's :func:`job_command`) with ``step``'s arguments,
+    in the HP group ``group`` vs separate, alternating for ``args.reps``: per-trial rates and speedups."""
+    command = command or job_command
     runs: dict[str, list[dict]] = {"separate": [], "group": []}
     for rep in range(args.reps):
         for mode in runs:
@@ -157,10 +163,10 @@ def hp(args, workdir: Path) -> dict:
             commands, files = [], []
             for k in range(2):
                 out, ready = common.job_files(workdir, k)
-                extra = ["--warmup", "1", "--epochs", str(args.hp_epochs - 1), "--touch"]
+                extra = ["--warmup", "1", "--epochs", str(args.hp_epochs - 1), *step]
                 extra += ["--ready", str(ready), "--go", str(go)]
-                extra += ["--group", "bench-detect"] if mode == "group" else []
-                commands.append(job_command(args, "coordl", out, *extra))
+                extra += ["--group", group] if mode == "group" else []
+                commands.append(command(args, "coordl", out, *extra))
                 files.append((out, ready))
             load = os.getloadavg()[0]
             procs = common.start_together(commands, [r for _, r in files], go)
@@ -179,7 +185,7 @@ def hp(args, workdir: Path) -> dict:
     ]
     return {
         "trials": 2,
-        "group": "bench-detect",
+        "group": group,
         **runs,
         "speedups": speedups,
         "speedup_median": statistics.median(speedups),
