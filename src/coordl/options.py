@@ -275,17 +275,18 @@ class Shard:
             is made).
         world_size: the number of ranks. None: as ``rank``, from ``torch.distributed``, else
             ``$WORLD_SIZE``, else 1.
-        drop_last: ``DistributedSampler``'s ``drop_last``. ``False`` (default): the order is
+        pad: how the order is shared when the ranks do not divide it. ``True`` (default): it is
             padded by repeating its head, so every rank gets ``ceil(n / W)`` samples (at most
-            ``W - 1`` repeats per epoch). ``True``: its tail is dropped, so every rank gets
-            ``floor(n / W)`` and none repeats. (``CoordLoader(drop_last=...)`` is
-            ``DataLoader``'s: it drops each rank's last incomplete batch.)
+            ``W - 1`` repeats per epoch). ``False``: its tail is left out, so every rank gets
+            ``floor(n / W)`` and none repeats. ``pad=False`` is ``DistributedSampler``'s
+            ``drop_last=True``; ``CoordLoader(drop_last=...)`` is ``DataLoader``'s, which
+            drops each rank's last incomplete batch.
     """
 
     rank: int | None = None
     _: KW_ONLY  # the fields after the first are given by name
     world_size: int | None = None
-    drop_last: bool = False
+    pad: bool = True
 
     def __post_init__(self):
         for name in ("rank", "world_size"):
@@ -298,8 +299,8 @@ class Shard:
             raise ValueError(f"Shard(rank) must be non-negative, got {self.rank}")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
-        if not isinstance(self.drop_last, bool):
-            raise TypeError(f"Shard(drop_last) must be a bool, got {self.drop_last!r}")
+        if not isinstance(self.pad, bool):
+            raise TypeError(f"Shard(pad) must be a bool, got {self.pad!r}")
 
     @classmethod
     def of(cls, value) -> Shard:
@@ -483,22 +484,30 @@ RENAMED = {
 }
 
 
-def refuse_renamed(init):
-    """Names the new spelling of an argument of an earlier version (a ``TypeError``, as for any
-    unknown argument); ``inspect.signature`` still shows ``init``'s own parameters."""
+def refusing(renamed: dict[str, str], owner: str):
+    """A decorator of ``owner``'s ``__init__`` that names the new spelling of an argument of an
+    earlier version (a ``TypeError``, as for any unknown argument); ``inspect.signature`` still
+    shows ``__init__``'s own parameters."""
 
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        old = sorted(RENAMED.keys() & kwargs.keys())
-        if old:
-            raise TypeError(
-                "CoordLoader does not take "
-                + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
-                + " (docs/migration.md#from-coordl-01 lists every one)"
-            )
-        return init(self, *args, **kwargs)
+    def wrap(init):
+        @functools.wraps(init)
+        def checked(self, *args, **kwargs):
+            old = sorted(renamed.keys() & kwargs.keys())
+            if old:
+                raise TypeError(
+                    f"{owner} does not take "
+                    + "; ".join(f"{name}= any more: pass {renamed[name]}" for name in old)
+                    + " (docs/migration.md#from-coordl-01 lists every one)"
+                )
+            return init(self, *args, **kwargs)
 
-    return checked
+        return checked
+
+    return wrap
+
+
+refuse_renamed = refusing(RENAMED, "CoordLoader")
+Shard.__init__ = refusing({"drop_last": "pad= (drop_last=True is pad=False)"}, "coordl.Shard")(Shard.__init__)
 
 
 @dataclass(frozen=True)
