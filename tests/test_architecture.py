@@ -635,3 +635,22 @@ def test_every_thread_coordl_starts_is_a_daemon(modules):
             ):
                 offenders.append(f"{where}: a thread without daemon=True")
     _fail_if(sorted(offenders), "threads the interpreter's exit would wait for:")
+
+
+# Where prep runs is asked in one place: coordl.prep.site (and Prep.of, which takes a RayPrep as it is).
+PREP_SITE_MAY_ASK = {"coordl.prep.site", "coordl.options"}
+
+
+def test_prep_and_rayprep_are_told_apart_in_one_place(modules):
+    """``prep=`` holds a Prep or a RayPrep: only :mod:`coordl.prep.site` asks which (its Local and
+    Remote answer the loader's questions alike), no ``isinstance`` anywhere else."""
+    offenders = []
+    for m in modules.values():
+        if m.name in PREP_SITE_MAY_ASK:
+            continue
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                names = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+                if names & {"Prep", "RayPrep"}:
+                    offenders.append(f"{m.where}:{node.lineno}: isinstance(..., {' | '.join(sorted(names))})")
+    _fail_if(offenders, "a type switch on prep= outside coordl.prep.site:")

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import coordl
 from coordl import CoordLoader, sampler
-from coordl.options import RENAMED
+from coordl.renamed import RENAMED
 
 VAL = coordl.ImageNetVal(size=16, resize=18)
 

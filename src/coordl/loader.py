@@ -22,11 +22,13 @@ from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
 from coordl.fetch import disk, peer
 from coordl.fetch.fetcher import FetchCounters
 from coordl.index import Index
-from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard, refuse_renamed
+from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
 from coordl.prep.recipes import decoded_form, recipe_key
+from coordl.prep.site import site
+from coordl.renamed import refuse_renamed
 from coordl.resources import Resources
 from coordl.sampler import ORDER_VERSION
 from coordl.schedule import Locality, Schedule
@@ -167,10 +169,7 @@ class CoordLoader(DataLoaderAttributes):
         self._peers_refusal = peer.refusal(self.options.peers, self.backend, self.options.hp_group is not None)
         if self._peers_refusal is not None and self.options.peers.enabled is True:
             raise ValueError(f"peers=True, but the partitioned cache cannot run: {self._peers_refusal}")
-        if sources.is_remote(self.options.prep):
-            from coordl.remote.cluster import connect
-
-            connect(self.options.prep.address)  # no cluster there: an error now, not at the first pass
+        site(self.options.prep).connect()  # RayPrep's cluster: none there is an error now, not at the first pass
         if self.backend == "dali":
             import coordl.prep.dali  # noqa: F401 - DALI's import takes seconds: now, not in the first pass
 
@@ -416,10 +415,14 @@ class CoordLoader(DataLoaderAttributes):
                 return_index=self.config.return_index,
                 collate_fn=self.torch_options.collate_fn,
             )
-        remote = None
-        if sources.is_remote(o.prep):
-            remote = dict(options=o.prep, backend=self.backend, config=self.config, cache=o.cache, recipe=self.recipe)
-            remote.update(torch_options=self.torch_options, device_id=self.device_id)
+        remote = site(o.prep).actors(
+            backend=self.backend,
+            config=self.config,
+            cache=o.cache,
+            recipe=self.recipe,
+            torch_options=self.torch_options,
+            device_id=self.device_id,
+        )
         return Resources.open(
             self.index,
             self.node_cache,
@@ -539,10 +542,7 @@ class CoordLoader(DataLoaderAttributes):
             from coordl.staging.member import EMPTY_GROUP_STATS
 
             s.extra.update(EMPTY_GROUP_STATS)
-        if sources.is_remote(self.options.prep):
-            from coordl.remote.passes import EMPTY_REMOTE_STATS
-
-            s.extra.update(EMPTY_REMOTE_STATS)
+        s.extra.update(site(self.options.prep).stats_fields())
         return s.as_dict()
 
     # -- lifetime ---------------------------------------------------------------------------------------

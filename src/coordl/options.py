@@ -16,22 +16,23 @@ argument      option object                                shorthand
 ``fetch``     :class:`Fetch` (reads from storage)          none
 ============  ===========================================  ==========================================
 
-:class:`Options` holds a loader's six, and :data:`RENAMED` the arguments of earlier versions that
-one of them replaced. Sizes are parsed and ``"auto"`` recognised here, once: the rest of coordl sees :data:`AUTO`, an
-``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction of the dataset.
+:class:`Options` holds a loader's six (:mod:`coordl.renamed`: the arguments of earlier versions
+that one of them replaced). Sizes are parsed and ``"auto"`` recognised here, once: the rest of
+coordl sees :data:`AUTO`, an ``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction
+of the dataset. Where :class:`Prep` and :class:`RayPrep` make the loader's
+batches is :mod:`coordl.prep.site`'s, the one place that tells them apart.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import KW_ONLY, dataclass
 
+from coordl.renamed import refusing
 from coordl.units import parse_bytes
 
 __all__ = [
     "AUTO",
-    "RENAMED",
     "Cache",
     "Disk",
     "Fetch",
@@ -41,7 +42,6 @@ __all__ = [
     "Prep",
     "RayPrep",
     "Shard",
-    "refuse_renamed",
 ]
 
 AUTO = "auto"
@@ -462,51 +462,7 @@ class Fetch:
         raise TypeError(f"fetch must be a coordl.Fetch, got {type(value).__name__}")
 
 
-#: Arguments of earlier versions, and what says the same now.
-RENAMED = {
-    "cache_bytes": "cache= (cache='40GB', or coordl.Cache(size=...))",
-    "decoded_cache": "cache=coordl.Cache(size=..., decoded=...)",
-    "keep_cache": "cache=coordl.Cache(..., keep=True)",
-    "num_threads": "prep=coordl.Prep(threads=...)",
-    "io_threads": "fetch=coordl.Fetch(threads=...)",
-    "prefetch_batches": "fetch=coordl.Fetch(batches_ahead=...)",
-    "rank": "shard=coordl.Shard(rank=..., world_size=...)",
-    "world_size": "shard=coordl.Shard(rank=..., world_size=...)",
-    "locality_aware": "peers=coordl.Peers(locality_aware=...)",
-    "peer_timeout": "peers=coordl.Peers(timeout=...)",
-    "peer_retry_after": "peers=coordl.Peers(retry_after=...)",
-    "peer_interface": "peers=coordl.Peers(interface=...)",
-    "peer_port": "peers=coordl.Peers(port=...)",
-    "hp_staging": "hp_group=coordl.HPGroup(name, staging=...)",
-    "hp_idle_timeout": "hp_group=coordl.HPGroup(name, idle_timeout=...)",
-    "extensions": "data=coordl.Index.scan(root, extensions=...)",
-    "index_dir": "data=coordl.Index.scan(root, index_dir=...)",
-}
-
-
-def refusing(renamed: dict[str, str], owner: str):
-    """A decorator of ``owner``'s ``__init__`` that names the new spelling of an argument of an
-    earlier version (a ``TypeError``, as for any unknown argument); ``inspect.signature`` still
-    shows ``__init__``'s own parameters."""
-
-    def wrap(init):
-        @functools.wraps(init)
-        def checked(self, *args, **kwargs):
-            old = sorted(renamed.keys() & kwargs.keys())
-            if old:
-                raise TypeError(
-                    f"{owner} does not take "
-                    + "; ".join(f"{name}= any more: pass {renamed[name]}" for name in old)
-                    + " (docs/migration.md#from-coordl-01 lists every one)"
-                )
-            return init(self, *args, **kwargs)
-
-        return checked
-
-    return wrap
-
-
-refuse_renamed = refusing(RENAMED, "CoordLoader")
+# coordl 0.2's Shard(pad) was Shard(drop_last) in earlier builds of 0.2 (see coordl.renamed).
 Shard.__init__ = refusing({"drop_last": "pad= (drop_last=True is pad=False)"}, "coordl.Shard")(Shard.__init__)
 
 
