@@ -1,4 +1,5 @@
-"""A real Ray cluster on loopback, in a network namespace of its own, for the tests of RayPrep.
+"""Real Ray clusters for the tests of RayPrep: on loopback in a namespace of its own
+(:class:`RayCluster`), or a node per "machine" (:class:`RayNodes`, at the end).
 
 Ray replaces 127.0.0.1 with the machine's interface address, so the cluster and every driver run
 in a private network namespace with only loopback up: nothing outside it can join, and it sees
@@ -33,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RayCluster", "unavailable"]
+__all__ = ["RayCluster", "RayNodes", "unavailable"]
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: coordl_testing imports from it
 QUIET = {  # Ray's settings for a cluster of 1-CPU nodes on a shared machine
@@ -268,17 +269,20 @@ class RayNodes:
         env: the nodes' environment (Ray's workers inherit it: put the coordl under test on its
             ``PYTHONPATH``).
         timeout: seconds to wait for every node to join.
+        ipv6: the nodes talk over IPv6 (``fd00:<net>::<k+1>``): Ray's nodes, and its head's address
+            (``[fd00:<net>::1]:6379``).
     """
 
     PORT = 6379
 
-    def __init__(self, cpus=(0, 1), object_store_mb: int = 128, env=None, timeout: float = 90.0):
+    def __init__(self, cpus=(0, 1), object_store_mb: int = 128, env=None, timeout: float = 90.0, ipv6: bool = False):
         from coordl_testing import netns
 
         self.net = netns.Cluster(len(cpus), shm_bytes=(object_store_mb + 256) << 20)
         self.temp_dir = tempfile.mkdtemp(prefix="coordl-raynodes-")
         self.hostnames = [f"{self.net.bridge}-node{k}" for k in range(len(cpus))]
-        self.address = f"{self.net.address(0)}:{self.PORT}"
+        self.ipv6 = ipv6
+        self.address = f"[{self.ip(0)}]:{self.PORT}" if ipv6 else f"{self.ip(0)}:{self.PORT}"
         self.holders: list[subprocess.Popen] = []
         self.ray: list[subprocess.Popen] = []  # the `ray start --block` of each node
         self._log = open(os.environ.get("COORDL_RAY_CLUSTER_LOG") or os.devnull, "a")  # noqa: SIM115
@@ -289,10 +293,13 @@ class RayNodes:
         self.nodes: list[dict] = []  # Ray's view of each node, in node order (node id, address, host name)
         try:
             self.net.__enter__()
+            for k, ns in enumerate(self.net.ns if ipv6 else ()):  # beside the IPv4 one; nodad: usable at once
+                cmd = ["ip", "-n", ns, "addr", "add", f"{self.ip(k)}/64", "dev", "eth0", "nodad"]
+                subprocess.run(cmd, check=True, capture_output=True)
             hosts = os.path.join(self.temp_dir, "hosts")
             with open(hosts, "w") as f:
                 f.write("127.0.0.1 localhost\n::1 localhost\n")
-                f.writelines(f"{self.net.address(k)} {name}\n" for k, name in enumerate(self.hostnames))
+                f.writelines(f"{self.ip(k)} {name}\n" for k, name in enumerate(self.hostnames))
             hold = 'mount --bind "$0" /etc/hosts && echo ready && exec sleep infinity'
             for k, name in enumerate(self.hostnames):
                 holder = self.net.popen(k, ["sh", "-c", hold, hosts], hostname=name, stdout=subprocess.PIPE)
@@ -318,7 +325,7 @@ class RayNodes:
             os.path.join(os.path.dirname(sys.executable), "ray"),
             "start",
             *where,
-            f"--node-ip-address={self.net.address(k)}",
+            f"--node-ip-address={self.ip(k)}",
             f"--num-cpus={cpus}",
             f"--object-store-memory={object_store_mb << 20}",
             f"--temp-dir={temp}",
@@ -362,7 +369,11 @@ class RayNodes:
                 f"keep Ray's output):\n{err[-2000:]}"
             )
         by_address = {node["NodeManagerAddress"]: node for node in nodes}
-        return [by_address[self.net.address(k)] for k in range(n)]
+        return [by_address[self.ip(k)] for k in range(n)]
+
+    def ip(self, k: int) -> str:
+        """Node ``k``'s address: ``10.<net>.0.<k+1>``, or with ``ipv6`` ``fd00:<net>::<k+1>``."""
+        return f"fd00:{self.net.net}::{k + 1}" if self.ipv6 else self.net.address(k)
 
     def driver_env(self, **extra) -> dict:
         """A driver's environment: the nodes' (their token), this cluster's address in ``RAY_ADDRESS``,
