@@ -121,7 +121,7 @@ def test_actors_on_another_machine_deliver_local_prep_s_epoch(nodes, tiny_datase
 def test_actors_stay_off_the_trainer_s_node_unless_it_is_offered(lending, tiny_dataset, tmp_path):
     """The trainer's node lends a CPU to Ray: by default no actor takes it (the second of two waits
     for a CPU elsewhere) and the pool does not count it free; with ``on_trainer_node=True`` the
-    second actor runs there."""
+    second actor runs there. Once the script has left the cluster, no CPU is free to it."""
     r = drive(lending, tmp_path, "placement", tiny_dataset)
     default, offered = r["default"], r["on_trainer_node"]
     assert [host(a) for a in default["actors"]] == [lending.hostnames[1]], default
@@ -130,6 +130,7 @@ def test_actors_stay_off_the_trainer_s_node_unless_it_is_offered(lending, tiny_d
     assert sorted(default["ids"]) == list(range(N))
     assert sorted(host(a) for a in offered["actors"]) == sorted(lending.hostnames), offered
     assert offered["free_cpus"] == 0.0
+    assert r["free_cpus_after_shutdown"] == 0.0
     assert sorted(offered["ids"]) == list(range(N))
     assert coordl_files(lending, 0) == [] and coordl_files(lending, 1) == []
 
