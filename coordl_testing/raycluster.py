@@ -322,7 +322,7 @@ class RayNodes:
             ["--head", f"--port={self.PORT}", "--include-dashboard=false"] if k == 0 else [f"--address={self.address}"]
         )
         argv = [
-            os.path.join(os.path.dirname(sys.executable), "ray"),
+            shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray",  # this Python's Ray
             "start",
             *where,
             f"--node-ip-address={self.ip(k)}",
