@@ -393,6 +393,9 @@ class RayPrep:
             batches hold in Ray's object store.
         max_workers: the most actors ``workers="auto"`` starts (None: as many as the cluster's
             free CPUs allow).
+        on_trainer_node: actors may run on the trainer's own Ray node. False (the default): they
+            run on the other nodes only, whatever CPUs the trainer's node lends to Ray, since the
+            training loop and the local pipeline use the trainer's CPUs.
     """
 
     address: str = AUTO
@@ -405,11 +408,19 @@ class RayPrep:
     output: str = "pipeline"
     in_flight: int | None = None
     max_workers: int | None = None
+    on_trainer_node: bool = False
 
     def __post_init__(self):
         if not isinstance(self.address, str) or not self.address.strip():
             raise TypeError(f"RayPrep(address) must be 'auto' or 'host:port', got {self.address!r}")
         refuse_ray_client(self.address, f"RayPrep(address={self.address!r})", ValueError)
+        if self.address not in (AUTO, "local"):
+            from coordl.remote import address
+
+            try:
+                address.split(self.address)
+            except ValueError as e:
+                raise ValueError(f"RayPrep(address): {e}") from None
         if _auto(self.workers):
             object.__setattr__(self, "workers", AUTO)
         else:
@@ -430,6 +441,8 @@ class RayPrep:
             _positive_int(self.in_flight, "RayPrep(in_flight)")
         if self.max_workers is not None:
             _positive_int(self.max_workers, "RayPrep(max_workers)")
+        if not isinstance(self.on_trainer_node, bool):
+            raise TypeError(f"RayPrep(on_trainer_node) must be True or False, got {self.on_trainer_node!r}")
 
 
 @dataclass(frozen=True)
