@@ -415,6 +415,7 @@ class StagingArea:
         stride = self.stride
         return {
             "hp_members": int(np.count_nonzero(self._ring.m["state"] == 1)),
+            "stage_batch": self.unit,
             "staging_bound": self.slots * stride,
             "staging_bytes": self._ring.live_slots() * stride,
             "staging_peak_bytes": int(self._ring.h["live_peak"]) * stride,
