@@ -2,7 +2,7 @@
 
 Jobs of a hyper-parameter search on one machine that name the same ``hp_group``
 attach to one staging area (per rank). The group runs one endless sequence of
-staged batches of the group's unit (``batch_size`` samples, the first member's): batch
+staged batches of the group's unit (``batch_size`` samples, which the first member decides): batch
 ``q`` is batch ``q % NB`` of the group's pass ``q // NB`` (``NB`` per pass, the last
 one partial), and pass ``g``'s order is the sampler's order for epoch ``epoch_offset + g``.
 Every member consumes a contiguous run of whole passes, each batch once, and cuts its own
