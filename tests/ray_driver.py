@@ -639,6 +639,15 @@ def audio(root: str, out: str) -> None:
     write(out, result)
 
 
+def hp_stage(root: str, out: str) -> None:
+    """A trial with RayPrep(local=False) that starts an HP group without stage_batch: the staged
+    batch it chose, and one epoch's samples."""
+    with dali(root, coordl.RayPrep(workers=1, local=False), hp_group="ray-first") as loader:
+        wait_actors(loader, 1)
+        ids = [s for _, _, i in loader for s in i.tolist()]
+        write(out, {"ids": ids, "stage_batch": loader.stats()["stage_batch"]})
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -660,6 +669,7 @@ SCENARIOS = {
         gpu,
         hp_member,
         hp,
+        hp_stage,
     )
 }
 

@@ -18,9 +18,10 @@ import torch
 
 import coordl
 from childproc import WAIT, report, result
+from conftest import make_tree
 from coordl import CoordLoader, GroupConfigError, ImageNetTrain
 from coordl.staging.area import StagingArea
-from coordl.staging.layout import slot_stride
+from coordl.staging.layout import default_unit, slot_stride
 
 CTX = multiprocessing.get_context("spawn")
 RECIPE = ImageNetTrain(size=16)
@@ -121,6 +122,85 @@ def test_members_of_any_batch_size_and_drop_last_share_one_stream(tiny_dataset, 
     assert 2 * 15 <= produced <= 3 * 15
     assert all(sum(s["consumed_shared"] for s in o["stats"]) > 0 for o in outs)
     assert not any(s["detached"] for o in outs for s in o["stats"])
+
+
+# -- the default staged batch: a sweep of power-of-two batch sizes ---------------------------------
+SWEEP = (16, 64, 128)
+SWEEP_N = 1040  # 8 staged batches of 128 and a partial ninth: the default stages 128 whoever comes first
+
+
+@pytest.fixture(scope="module")
+def sweep_dataset(tmp_path_factory):
+    return make_tree(tmp_path_factory.mktemp("sweep") / "train", classes=4, per_class=SWEEP_N // 4)
+
+
+def _trial(root, batch_size, epochs, before, entered, start, q):
+    """A trial of ``hp_group="sweep"`` (the shorthand) that joins the group once ``before`` is set (the
+    trial ahead of it in the start order is a member), sets ``entered``, and starts consuming with the
+    others; reports per epoch its ids, whether each batch was a view, and the stats."""
+
+    def body():
+        out = {"ids": [], "views": [], "stats": []}
+        with _loader(root, batch_size, False, hp_group="sweep") as loader:
+            if before is not None:
+                assert before.wait(WAIT)
+            it = iter(loader)  # the first of them makes the group's staging area
+            entered.set()
+            start.wait(WAIT)
+            for e in range(epochs):
+                if e:
+                    loader.set_epoch(e)
+                    it = iter(loader)
+                ids, views = [], []
+                for x, _, i in it:
+                    ids.append(i.tolist())
+                    views.append(not x.untyped_storage().resizable())  # memory torch did not allocate
+                out["ids"].append(ids)
+                out["views"].append(views)
+                out["stats"].append(loader.stats())
+        return out
+
+    report(q, body)
+
+
+@pytest.mark.parametrize("order", [SWEEP, SWEEP[::-1]], ids=["smallest-first", "largest-first"])
+def test_a_sweep_of_power_of_two_batch_sizes_gets_views_with_the_shorthand_whoever_starts_first(
+    sweep_dataset, isolated, procs, order
+):
+    """issue 47: with ``hp_group="sweep"`` the first trial's batch size once set the staged batch, so a
+    trial of a larger batch got a copy of every batch when a smaller one happened to start first."""
+    entered = [CTX.Event() for _ in order]
+    start, qs = CTX.Barrier(len(order)), [CTX.Queue() for _ in order]
+    for k, (b, q) in enumerate(zip(order, qs, strict=True)):
+        procs(_trial, str(sweep_dataset), b, 2, entered[k - 1] if k else None, entered[k], start, q)
+    outs = {b: result(q, 240) for b, q in zip(order, qs, strict=True)}
+    for b, out in outs.items():
+        for epoch, (ids, views) in enumerate(zip(out["ids"], out["views"], strict=True)):
+            flat = [i for batch in ids for i in batch]
+            assert sorted(flat) == list(range(SWEEP_N)), f"batch {b}, epoch {epoch}: not every sample once"
+            assert [len(batch) for batch in ids] == [b] * (SWEEP_N // b) + [SWEEP_N % b][: SWEEP_N % b]
+            assert all(views), f"batch {b}, epoch {epoch}: {views.count(False)} of {len(views)} batches copied"
+    for out in outs.values():
+        for s in out["stats"]:
+            assert s["stage_batch"] == 128
+            assert s["staging_bound"] == 16 * slot_stride(128, (3, 16, 16), "float32")  # the 16 slots of "auto"
+            assert not s["detached"]
+        assert sum(s["consumed_shared"] for s in out["stats"]) > 0  # one stream for the group
+
+
+def test_the_default_staged_batch_doubles_the_first_batch_size_within_its_limits():
+    shape, f32, auto, free = (3, 224, 224), "float32", "auto", 100 << 30
+    per = slot_stride(1, shape, f32)
+    assert default_unit(16, 10**6, shape, f32, auto, free) == 128  # 16 slots of 256 pass 2 GiB
+    assert default_unit(16, 10**6, shape, "uint8", auto, free) == 256  # at most 256 samples
+    assert default_unit(512, 10**6, shape, f32, auto, free) == 512  # never below the first batch size
+    assert default_unit(24, 10**6, shape, f32, auto, free) == 192  # a multiple of it: its batches stay views
+    assert default_unit(16, 1000, shape, f32, auto, free) == 64  # at most an eighth of a pass
+    assert default_unit(16, 10**6, shape, f32, 16 * 32 * per + 4096, free) == 32  # 16 slots of the bound
+    assert default_unit(16, 10**6, shape, f32, 15 * 16 * per, free) == 16  # a small bound: as given
+    assert default_unit(16, 10**6, shape, f32, auto, 2 * 16 * 32 * per) == 32  # half the free shm
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):  # power-of-two firsts agree: the order of the trials is no matter
+        assert default_unit(b, 10**6, shape, f32, auto, free) == 128
 
 
 def test_a_batch_spanning_more_staged_batches_than_the_ring_holds_is_refused(tiny_dataset, isolated):

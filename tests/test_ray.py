@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import coordl
+from conftest import make_tree
 from coordl.remote import cluster as cluster_mod
 from coordl.shm import reaper
 from coordl_testing import raycluster
@@ -484,6 +485,17 @@ def test_an_hp_group_s_batches_come_from_its_members_actors(cluster, tiny_datase
     # a batch made ahead of a pass counts in the pass before it, so the sum is over every pass.
     assert produced >= 2 * BATCHES
     assert shared > 0, "a trial took batches the other's actors made"
+    assert segments(isolated) == []
+
+
+@needs_cluster
+def test_a_trial_with_ray_prep_that_starts_an_hp_group_stages_its_own_batch_size(cluster, isolated, tmp_path):
+    """The default staged batch doubles the first trial's batch size (issue 47), but a trial's Ray
+    actors make batches of its batch_size: a group it starts stages that, or it would refuse itself."""
+    root = make_tree(tmp_path / "train", classes=4, per_class=64)  # 256 samples: room to double 8 twice
+    r = ok(drive(cluster, tmp_path, "hp_stage", root))
+    assert r["stage_batch"] == 8
+    assert sorted(r["ids"]) == list(range(256))
     assert segments(isolated) == []
 
 

@@ -230,10 +230,14 @@ class HPGroup:
 
     Attributes:
         name: the group's name, shared by its members.
-        stage_batch: samples per staged batch. None (default): the first member's ``batch_size``.
-            A member whose batches lie inside staged ones (its batch size divides this one)
-            receives views of them, without a copy; give the largest batch size of the sweep
-            when it is a multiple of the others. The group's first member decides.
+        stage_batch: samples per staged batch. A member whose batches lie inside staged ones
+            (its batch size divides this one) receives views of them, without a copy; others get
+            copies. None (default): the first member's ``batch_size``, doubled while the double
+            is at most 256 samples and an eighth of the rank's epoch, and 16 of it fit in the
+            staging bound (``"auto"``: 2 GiB) and in half the free shared memory; so a sweep of
+            power-of-two batch sizes up to that gets views, whichever trial starts first. With
+            ``RayPrep``, the first member's ``batch_size`` (its actors make batches of it). The
+            group's first member decides.
         staging: the memory bound of the group's staging area of ready batches: ``"auto"``
             (16 batches, at most 2 GiB, at least 4) or bytes (an ``int`` or a string such as
             ``"1GB"``). The group's first member decides.

@@ -2,7 +2,7 @@
 
 Jobs of a hyper-parameter search on one machine that name the same ``hp_group``
 attach to one staging area (per rank). The group runs one endless sequence of
-staged batches of the group's unit (``batch_size`` samples, the first member's): batch
+staged batches of the group's unit (``batch_size`` samples, which the first member decides): batch
 ``q`` is batch ``q % NB`` of the group's pass ``q // NB`` (``NB`` per pass, the last
 one partial), and pass ``g``'s order is the sampler's order for epoch ``epoch_offset + g``.
 Every member consumes a contiguous run of whole passes, each batch once, and cuts its own
@@ -415,6 +415,7 @@ class StagingArea:
         stride = self.stride
         return {
             "hp_members": int(np.count_nonzero(self._ring.m["state"] == 1)),
+            "stage_batch": self.unit,
             "staging_bound": self.slots * stride,
             "staging_bytes": self._ring.live_slots() * stride,
             "staging_peak_bytes": int(self._ring.h["live_peak"]) * stride,

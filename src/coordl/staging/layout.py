@@ -26,6 +26,8 @@ __all__ = [
     "CLAIMED",
     "CONFIG_BYTES",
     "CONTROL_BYTES",
+    "DEFAULT_UNITS_PER_PASS",
+    "DEFAULT_UNIT_MAX",
     "EMPTY",
     "ERROR",
     "HEADER",
@@ -39,6 +41,7 @@ __all__ = [
     "SLOT",
     "TODO",
     "VERSION",
+    "default_unit",
     "group_fingerprint",
     "image_bytes",
     "page_round",
@@ -54,6 +57,15 @@ VERSION = 2  # 2: staged units of the group's batch size, members of any batch s
 MAX_MEMBERS = 64
 MAX_SLOTS = 64
 MIN_SLOTS = 4
+AUTO_SLOTS, AUTO_BYTES = 16, 2 << 30  # HPGroup(staging="auto"): 16 slots, fewer if they would pass 2 GiB
+# The default staged batch (HPGroup(stage_batch=None)) is at most DEFAULT_UNIT_MAX samples (unless the
+# first member's batch is larger): every member's first batch waits for a whole staged batch, and a
+# member of a smaller batch makes its share on a DALI pipeline of the staged batch's size. It is at
+# most 1/DEFAULT_UNITS_PER_PASS of a pass: staged batches are what producers share, so a pass of a
+# few would be made by a few producers while the others' cores wait, and the ring would hold
+# passes, not batches.
+DEFAULT_UNIT_MAX = 256
+DEFAULT_UNITS_PER_PASS = 8
 CONFIG_BYTES = 4096
 HEADER_BYTES = 512
 
@@ -152,7 +164,7 @@ def slots_for(bound, stride: int, directory: str) -> int:
     """
     free = segment.space(directory).free
     if bound == AUTO:
-        slots = max(MIN_SLOTS, min(16, (2 << 30) // stride))
+        slots = max(MIN_SLOTS, min(AUTO_SLOTS, AUTO_BYTES // stride))
     else:
         slots = int(bound) // stride
         if slots < MIN_SLOTS:
@@ -171,3 +183,28 @@ def slots_for(bound, stride: int, directory: str) -> int:
         log.warning("coordl: staging %d batches instead of %d: %s has %d bytes free", fit, slots, directory, free)
         slots = fit
     return slots
+
+
+def default_unit(
+    batch_size: int, pass_samples: int, sample_shape: tuple[int, ...], dtype: str, bound, free: int
+) -> int:
+    """The staged batch of a group whose first member gives no ``HPGroup(stage_batch)``: its
+    ``batch_size`` doubled while the double is at most :data:`DEFAULT_UNIT_MAX` samples and at most
+    1/:data:`DEFAULT_UNITS_PER_PASS` of a pass (``pass_samples``), and the staging bound
+    (``"auto"``: :data:`AUTO_BYTES`) and half of ``free`` (the shm folder's free bytes, of which
+    :func:`slots_for` takes at most half) hold :data:`AUTO_SLOTS` slots of it.
+
+    A member whose batch size divides the staged batch gets views of it, not copies: with a first
+    member of a power-of-two batch size, every power-of-two batch size up to the result, whichever
+    member comes first. The ring keeps the 16 slots of ``"auto"``, so producers work as far ahead,
+    in staged batches, as with a staged batch of the first member's size.
+    """
+    budget = min(AUTO_BYTES if bound == AUTO else int(bound), free // 2)
+    unit = batch_size
+    while (
+        2 * unit <= DEFAULT_UNIT_MAX
+        and 2 * unit * DEFAULT_UNITS_PER_PASS <= pass_samples
+        and AUTO_SLOTS * slot_stride(2 * unit, sample_shape, dtype) <= budget
+    ):
+        unit *= 2
+    return unit

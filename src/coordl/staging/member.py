@@ -24,8 +24,9 @@ from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.passes import Channel
 from coordl.prep.recipes import normalised, output_shape
 from coordl.schedule import Schedule
-from coordl.shm import names
+from coordl.shm import names, segment
 from coordl.staging.area import Claim, StagingArea
+from coordl.staging.layout import default_unit
 
 __all__ = ["EMPTY_GROUP_STATS", "GroupMember", "Producer"]
 
@@ -37,6 +38,7 @@ EMPTY_GROUP_STATS = {
     "detached": False,
     "alone_batches": 0,
     "hp_members": 0,
+    "stage_batch": 0,
     "staging_bound": 0,
     "staging_bytes": 0,
     "staging_peak_bytes": 0,
@@ -99,13 +101,14 @@ class GroupMember:
             # Members agree on what they load, not on how they batch it: each cuts its own batches.
             config_of_group = {k: v for k, v in identity.items() if k not in ("batch_size", "drop_last")}
             config_of_group.update(world_size=world.world_size, on_error=config.on_error)
-            unit = options.stage_batch or config.batch_size
+            pass_samples = schedule.shard_size(world.world_size)
+            unit = options.stage_batch or self._default_unit(pass_samples, shape, dtype)
             self.area = StagingArea(
                 options.name,
                 world.rank,
                 config_of_group,
                 batch_size=unit,
-                batches_per_pass=sampler.num_batches(schedule.shard_size(world.world_size), unit, False),
+                batches_per_pass=sampler.num_batches(pass_samples, unit, False),
                 sample_shape=shape,
                 dtype=dtype,
                 epoch=epoch,
@@ -141,6 +144,17 @@ class GroupMember:
         raw = RawBatch(np.array([0], np.int64), [data], res.index.labels[[0]])
         images = next(iter(res.prep.epoch(iter([raw]), res.index.paths.__getitem__, 0)))[0]
         return tuple(images.shape[1:]), str(images.dtype).removeprefix("torch.")
+
+    def _default_unit(self, pass_samples: int, shape: tuple[int, ...], dtype: str) -> int:
+        """The staged batch this member gives a group it starts without ``HPGroup(stage_batch)``:
+        its batch size, doubled within the limits of :func:`~coordl.staging.layout.default_unit`, so
+        that the sweep's larger batch sizes get views. With remote prep, its batch size: its Ray
+        actors are built for it and make no larger staged batch."""
+        b = self.config.batch_size
+        if self.resources.remote is not None:
+            return b
+        free = segment.space(names.shm_dir()).free
+        return default_unit(b, pass_samples, shape, dtype, self.options.staging, free)
 
     def _check_room(self) -> None:
         """Refuses a member whose batches could never be cut from the group's ring, or whose Ray
