@@ -43,7 +43,7 @@ class TierPlan:
     encoded_budget: int
     decoded: CacheSpec | None = None
     decoded_budget: int = 0
-    why: str = ""  # how the split was decided, for the log and ``loader.tiers``
+    why: str = ""  # how the split was decided, for the log and ``loader.tier_plan``
     rates: dict | None = None  # what "auto" measured
     predicted: dict = field(default_factory=dict)  # samples/s the model expects, by decoded bytes
     threads: int | None = None  # DALI threads "auto" chose (Lobster's rule), when it was asked to
