@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
+import threading
 import time
 
 import numpy as np
@@ -620,3 +622,59 @@ def test_the_hpsearch_example_runs_trials_that_share(tiny_dataset, isolated):
     lines = [ln for ln in run.stdout.splitlines() if "epoch 0" in ln]
     assert len(lines) == 2 and all("batches made by other trials" in ln for ln in lines), run.stdout
     assert "2 trials sharing hp_group 'example-test'" in run.stdout
+
+
+def _switching_in(path: str):
+    """A trace function that hands the GIL to another thread before every bytecode of the code in
+    ``path``: the interleavings a free-threaded build (or any preemption between bytecodes) allows,
+    which CPython 3.11's GIL otherwise rarely shows within one line."""
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            time.sleep(0.0001)
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != path:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    return tracer
+
+
+def test_producers_writing_at_once_count_every_batch_they_made(tiny_dataset, isolated):
+    """A member's producers (its own pipeline's and its Ray actors') publish from threads of their
+    own: each batch written is counted once in ``member.produced`` (and the pass's ``produced``),
+    whatever the threads' interleaving."""
+    import coordl.staging.member as member_module
+
+    with CoordLoader(
+        str(tiny_dataset), batch_size=8, pipeline=RECIPE, device_id=None, hp_group="count", cache=1.0, prep=1
+    ) as loader:
+        for _ in loader:
+            pass
+        member = loader._member
+        producer = member.producers[0]
+        area = member.area
+        claims = []
+        while (c := area.claim(block=False)) is not None:
+            claims.append(c)
+        assert len(claims) >= 4, "the ring has room for several batches"
+        n = area.unit
+        images = torch.zeros((n, *area.sample_shape), dtype=getattr(torch, area.dtype))
+        labels, ids = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+        before = member.produced
+        go = threading.Barrier(len(claims))
+
+        def write(c):
+            sys.settrace(_switching_in(member_module.__file__))
+            go.wait()
+            producer.write(c, images, labels, ids)
+
+        writers = [threading.Thread(target=write, args=(c,)) for c in claims]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join(WAIT)
+        assert member.produced - before == len(claims)  # none lost to another thread's update

@@ -156,3 +156,41 @@ def test_a_forked_child_starts_an_event_loop_of_its_own():
         [sys.executable, "-c", textwrap.dedent(FORKED)], env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and proc.stdout.split() == ["child", "0"], proc.stderr
+
+
+AT_EXIT = """
+import asyncio, atexit, sys, threading
+# Registered first, so it runs last: what is left when the interpreter starts to finalize.
+atexit.register(lambda: print("at the end:", [t.name for t in threading.enumerate()][1:], loop.is_closed(),
+                              stuck.cancelled(), flush=True))
+from coordl import lifecycle
+from coordl.threads import event_loop
+
+loop = event_loop()
+stuck = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), loop)  # never done by itself
+
+
+class Loader:  # made after the loop, as a second loader of a script is: closed before the loop ends all the same
+    def close(self):
+        print("loader closed, the loop running:", loop.is_running(), flush=True)
+
+
+loader = Loader()
+lifecycle.track(loader)
+sys.exit(3)
+"""
+
+
+def test_at_exit_the_event_loop_ends_after_the_loaders_close_and_before_the_interpreter_does():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", textwrap.dedent(AT_EXIT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3 and proc.stderr == "", proc.stderr
+    # The loader closed while the loop still ran (it may read through it to the last); then the
+    # loop's work was cancelled, its thread joined and the loop closed, before the interpreter's end.
+    assert proc.stdout.splitlines() == ["loader closed, the loop running: True", "at the end: [] True True"]

@@ -8,6 +8,9 @@ and its shared memory released by itself. So:
 - every loader is registered here (weakly); at exit, :func:`close_all` closes the live ones
   *before* DALI's own exit hook (which asserts that no pipeline is left and otherwise aborts
   the process): :func:`before_dali_exit` moves coordl's hook to run first after DALI is imported;
+  then what the loaders used to the last moment ends, while the interpreter is still whole
+  (:func:`at_exit`: the event loop, the object store's clients), so that no thread of coordl's or
+  of a client's runtime runs into the interpreter's finalization;
 - SIGTERM, when the script has not chosen a handler, closes the loaders and then ends the
   process by SIGTERM as it would have ended anyway (exit status -15 / 143); a handler the script
   (or its framework) installs later replaces coordl's, and if it calls coordl's in turn, that call
@@ -33,6 +36,7 @@ import weakref
 
 __all__ = [
     "SIGTERM_DEADLINE_S",
+    "at_exit",
     "before_dali_exit",
     "close_all",
     "join",
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _making: list = []  # what the main thread is making (its owner does not know it yet), innermost last
+_after: list = []  # run at exit once the loaders are closed, the last registered first (at_exit)
 _installed = False
 _terminating = False
 _parked = threading.Event()  # set while the main thread waits in the SIGTERM handler for the closing
@@ -58,15 +63,28 @@ SIGTERM_DEADLINE_S = 1.5
 
 def track(loader) -> None:
     """Registers ``loader`` (anything with ``close()``) to be closed at exit and on SIGTERM."""
-    global _installed
     _live.add(loader)
+    _install()
+    _install_sigterm()
+
+
+def at_exit(hook) -> None:
+    """Runs ``hook()`` at exit after :func:`close_all` has closed the loaders, however the two were
+    registered (the hooks themselves run the last registered first): for what the loaders use to
+    the last moment (this process's event loop, the object store's clients). A forked child
+    inherits the hooks: a hook ends only what its own process made."""
+    _after.append(hook)
+    _install()
+
+
+def _install() -> None:
+    global _installed
     if not _installed:
         _installed = True
-        atexit.register(close_all)
+        atexit.register(_exit)
         os.register_at_fork(
             before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
         )
-    _install_sigterm()
 
 
 def quiet_thread() -> None:
@@ -113,8 +131,17 @@ def terminating() -> bool:
 
 def before_dali_exit() -> None:
     """Makes :func:`close_all` run before every exit hook registered so far (DALI's included)."""
-    atexit.unregister(close_all)
-    atexit.register(close_all)
+    atexit.unregister(_exit)
+    atexit.register(_exit)
+
+
+def _exit() -> None:
+    close_all()
+    for hook in reversed(_after):
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - at exit, one hook's failure must not stop the others
+            log.debug("coordl: %r at exit failed: %s", hook, e)
 
 
 def close_all() -> None:

@@ -1,12 +1,15 @@
 """Thread primitives that never hold up the interpreter's exit: a signal that calls back when set, a
-pool of daemon threads, and this process's event loop on a daemon thread.
+pool of daemon threads, and this process's event loop on a daemon thread, ended at exit.
 
 Why daemon threads: at exit, Python joins every non-daemon thread (and ``concurrent.futures``
 joins its pools' threads) *before* it runs the ``atexit`` hooks that close the loaders a script
 left open. A pool thread waiting for a stuck request would hold the process until the request
 timed out. With daemon threads, the exit goes on to :func:`coordl.lifecycle.close_all`, whose
 loaders set their :class:`Signal`, which abandons the requests; ``close()`` then joins the
-threads it owns, as it always does.
+threads it owns, as it always does. The event loop ends after them (:func:`coordl.lifecycle.at_exit`):
+what still runs on it is cancelled and awaited, its thread is joined and it is closed, while the
+interpreter is whole: a daemon thread left running into the interpreter's finalization (with a
+client's native runtime calling back into it) can abort the process and lose its exit status.
 
 Imports nothing else from coordl but :mod:`coordl.lifecycle` (which imports nothing of coordl).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -27,9 +31,12 @@ from coordl import lifecycle
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["LOOP_THREAD", "DaemonPool", "OwnedLock", "Signal", "daemon_pool", "event_loop"]
+__all__ = ["LOOP_THREAD", "DaemonPool", "OwnedLock", "Signal", "daemon_pool", "end_loop", "event_loop"]
 
-LOOP_THREAD = "coordl-loop"  # the name of the event loop's thread (one per process, for the process's life)
+log = logging.getLogger(__name__)
+
+LOOP_THREAD = "coordl-loop"  # the name of the event loop's thread (one per process, until its exit)
+LOOP_EXIT_S = 2.0  # at exit, how long the loop's cancelled work and then its thread are waited for
 
 
 class OwnedLock:
@@ -238,33 +245,80 @@ def daemon_pool(threads: int, name: str) -> DaemonPool:
 
 
 _loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
 _loop_lock = threading.Lock()
+_loop_ended = False  # this process is exiting: its loop has ended and none starts again
+_end_registered = False  # end_loop is an exit hook (a forked child inherits it)
 
 
 def _after_fork_in_child() -> None:
     # The parent's loop runs on a thread the child does not have: the child starts its own when it
     # needs one. The parent's loop object is dropped, not closed (it says it is running).
-    global _loop, _loop_lock
-    _loop, _loop_lock = None, threading.Lock()
+    global _loop, _loop_thread, _loop_lock
+    _loop, _loop_thread, _loop_lock = None, None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
-    """This process's event loop, running on a daemon thread (:data:`LOOP_THREAD`) for the life of
-    the process; started on first use, and again in a forked child. Submit work with
-    ``asyncio.run_coroutine_threadsafe(coro, event_loop())``; never block in it."""
-    global _loop
+    """This process's event loop, running on a daemon thread (:data:`LOOP_THREAD`) until the process
+    exits (:func:`end_loop`); started on first use, and again in a forked child. Submit work with
+    ``asyncio.run_coroutine_threadsafe(coro, event_loop())``; never block in it.
+
+    Raises:
+        RuntimeError: the process is exiting and its loop has ended.
+    """
+    global _loop, _loop_thread, _end_registered
     with _loop_lock:
+        if _loop_ended:
+            raise RuntimeError("coordl: this process is exiting: its event loop has ended")
         if _loop is None:
             import asyncio  # here: most processes never need a loop
 
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=_run_loop, args=(loop,), name=LOOP_THREAD, daemon=True)
             thread.start()
-            _loop = loop
+            _loop, _loop_thread = loop, thread
+            if not _end_registered:
+                _end_registered = True
+                lifecycle.at_exit(end_loop)  # after the loaders, which may still read through it
         return _loop
+
+
+def end_loop() -> None:
+    """Ends this process's loop (an exit hook, once the loaders are closed): the work still on it
+    is cancelled and awaited, the loop stops, its thread is joined and the loop is closed, each
+    waited for at most :data:`LOOP_EXIT_S`. Idempotent; :func:`event_loop` refuses from then on."""
+    global _loop, _loop_thread, _loop_ended
+    with _loop_lock:
+        loop, thread = _loop, _loop_thread
+        _loop, _loop_thread, _loop_ended = None, None, True
+    if loop is None or thread is None:
+        return
+    import asyncio
+
+    if thread.is_alive():
+        cancelled = asyncio.run_coroutine_threadsafe(_cancel_all(), loop)
+        try:
+            cancelled.result(LOOP_EXIT_S)
+        except Exception as e:  # noqa: BLE001 - the loop stops anyway; its thread is a daemon
+            log.debug("coordl: cancelling the event loop's work at exit failed: %r", e)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(LOOP_EXIT_S)
+    if not thread.is_alive():
+        loop.close()
+
+
+async def _cancel_all() -> None:
+    import asyncio
+
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:

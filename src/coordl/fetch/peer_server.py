@@ -1,10 +1,15 @@
 """A rank's server of the partitioned cache: it serves its node's cache to the other nodes' ranks.
 
 One thread accepts, one thread serves each connection (see :mod:`coordl.fetch.wire` for the
-protocol). Every authenticated connection speaks for one rank of another node, so the server
-also knows which of them are still in the current pass: a rank is done with pass ``p`` once it
-has said so (a done frame), and gone once every connection of its has closed before it said
-so (the kernel closes them when its process dies). :meth:`PeerServer.linger` waits on that
+protocol); :meth:`PeerServer.close` stops accepting, shuts every connection and joins their
+threads (within :data:`CLOSE_S`, the SIGTERM deadline while the process is ending), so that the
+cache, closed after it, is never read by a late answer: a request that comes after is refused
+(its connection is closed), never an exception.
+
+Every authenticated connection speaks for one rank of another node, so the server also knows
+which of them are still in the current pass: a rank is done with pass ``p`` once it has said so
+(a done frame), and gone once every connection of its has closed before it said so (the kernel
+closes them when its process dies). :meth:`PeerServer.linger` waits on that
 when the loader closes, so that a node whose script ends first keeps serving the others.
 """
 
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
 BODY_TIMEOUT = 10.0
+CLOSE_S = 5.0  # how long close() waits for the accepting thread and then the connections' threads
 
 
 class PeerServer:
@@ -51,7 +57,7 @@ class PeerServer:
         self.served_reads = 0
         self.served_bytes = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}  # open connections and their threads
         self._peers: frozenset[int] | None = None  # the ranks of other nodes (None: any rank)
         self._pass = 0  # the pass this node is in
         self._done: dict[int, int] = {}  # rank -> the last pass it said it finished
@@ -118,14 +124,14 @@ class PeerServer:
                     return
                 time.sleep(0.01)
                 continue
+            thread = threading.Thread(target=self._serve, args=(conn,), name="coordl-peer-conn", daemon=True)
             with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
-            if full:
+                refused = self._closed or len(self._conns) >= MAX_CONNECTIONS
+                if not refused:
+                    self._conns[conn] = thread
+                    thread.start()  # under the lock: close() joins every thread it finds there
+            if refused:
                 conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="coordl-peer-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         rank = None
@@ -134,6 +140,8 @@ class PeerServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if not self._ready.wait(wire.HANDSHAKE_TIMEOUT):
                 raise wire.WireError("not ready: the job's secret is not known yet")
+            if self._closed:  # close() woke it: refused
+                return
             who = wire.server_handshake(conn, self._secret, self.dataset)
             with self._lock:
                 if self._peers is not None and who not in self._peers:
@@ -142,7 +150,7 @@ class PeerServer:
                 self._open[rank] += 1
             while not self._closed:
                 frame = wire.read_frame(conn, self._n, BODY_TIMEOUT)
-                if frame is None:
+                if frame is None or self._closed:  # a request read as the server closes is refused
                     return
                 self._last_frame = time.monotonic()
                 if isinstance(frame, wire.Done):
@@ -155,11 +163,14 @@ class PeerServer:
             with self._lock:
                 self.rejected += 1
             log.debug("coordl: peer connection closed: %s", e)
-        except Exception:  # noqa: BLE001 - a connection must never take the server down
-            log.exception("coordl: peer connection failed")
+        except Exception as e:  # noqa: BLE001 - a connection must never take the server down
+            if self._closed:  # a thread close() stopped waiting for: refused, whatever it met
+                log.debug("coordl: peer connection refused as the server closed: %r", e)
+            else:
+                log.exception("coordl: peer connection failed")
         finally:
             with self._changed:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
                 if rank is not None:
                     self._open[rank] -= 1
                     if self._open[rank] == 0 and self._done.get(rank, 0) < self._pass:
@@ -191,22 +202,27 @@ class PeerServer:
             raise
 
     def close(self) -> None:
-        """Stops accepting and closes every connection."""
-        if self._closed:
-            return
+        """Stops accepting, shuts every connection and joins their threads (at most
+        :data:`CLOSE_S` in all, the SIGTERM deadline while the process is ending). Idempotent."""
         with self._changed:
+            if self._closed:
+                return
             self._closed = True
             self._changed.notify_all()
+        self._ready.set()  # a connection waiting for the secret is refused now
+        end = time.monotonic() + CLOSE_S
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        lifecycle.join(self._thread, CLOSE_S)
         with self._lock:
-            conns = list(self._conns)
+            conns = dict(self._conns)  # no connection is added from now on: closed, under the lock
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(timeout=5)
+        for thread in conns.values():
+            lifecycle.join(thread, max(0.0, end - time.monotonic()))

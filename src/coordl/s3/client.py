@@ -11,7 +11,9 @@ from the same chain (else the bucket's own, asked once); the endpoint from ``AWS
 Two clients, each made for its job: boto3 lists and asks for objects' sizes (the control plane,
 a few requests per thousand samples), obstore (Rust) GETs the samples (the data plane: about a
 quarter of boto3's CPU time per request). Clients are made per process: neither may be used
-across ``fork``.
+across ``fork``. At exit, once the loaders are closed and the event loop has ended (nothing is in
+flight), :func:`close` drops them: boto3's connection pools close, and obstore's stores with their
+connections, while the interpreter is whole.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import re
 import threading
 from dataclasses import dataclass
 
-from coordl import env
+from coordl import env, lifecycle
 from coordl.errors import CoordlError, DatasetChangedError, StoreError
 from coordl.s3 import url as s3url
 
-__all__ = ["Settings", "boto3_client", "classify", "explain", "obstore_store", "settings"]
+__all__ = ["Settings", "boto3_client", "classify", "close", "explain", "obstore_store", "settings"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ CREDENTIAL_CODES = {
 
 _lock = threading.Lock()
 _clients: dict = {}  # (pid, what, bucket) -> client; a forked child makes its own
+_close_registered = False  # close() is an exit hook (a forked child inherits it)
 
 
 def _after_fork_in_child() -> None:
@@ -112,10 +115,26 @@ def settings() -> Settings:
         virtual_hosted=isinstance(s3, dict) and s3.get("addressing_style") == "virtual",
         anonymous=session.get_credentials() is None,
     )
+    global _close_registered
     with _lock:
         _clients[key] = out
         _clients[(os.getpid(), "session", "")] = session
+        if not _close_registered:
+            _close_registered = True
+            lifecycle.at_exit(close)  # registered before the event loop's hook: runs after it
     return out
+
+
+def close() -> None:
+    """Drops this process's clients (boto3's connection pools are closed; obstore's stores go with
+    their connections); the next request makes new ones. An exit hook: by then the loaders are
+    closed and the event loop has ended, so no request is in flight."""
+    pid = os.getpid()
+    with _lock:
+        dropped = {k: _clients.pop(k) for k in [k for k in _clients if k[0] == pid]}
+    for (_, what, _), c in dropped.items():
+        if what == "boto3":
+            c.close()
 
 
 def boto3_client():

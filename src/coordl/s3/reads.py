@@ -2,7 +2,7 @@
 index's size and ETag, into the caller's buffers.
 
 Every call's GETs run on this process's event loop (:func:`coordl.threads.event_loop`: one daemon
-thread for the life of the process) with obstore's async client, while the calling thread waits.
+thread, ended at exit after the loaders) with obstore's async client, while the calling thread waits.
 At most ``COORDL_S3_REQUESTS`` GETs are in flight in the whole process: calls share one semaphore
 on the loop. Each GET carries ``If-Match: <the index's ETag>``, so an object replaced since it was
 indexed is refused by the store itself (412), and its size is checked before its body is read;

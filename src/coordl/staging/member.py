@@ -91,7 +91,8 @@ class GroupMember:
             self.device_id = device_id
             self.schedule = schedule
             self.in_step = True  # every group pass so far had the order of this loader's epoch
-            self.produced = 0  # group batches this member's producers made
+            self.produced = 0  # group batches this member's producers made (count_produced)
+            self._produced_lock = threading.Lock()  # its producers' threads count at once
             self.produced_mark = 0  # ... when the last pass's statistics were taken
             self.make = producers or (Producer,)
             shape, dtype = self._staged_format()
@@ -238,6 +239,12 @@ class GroupMember:
                 p.stop.set()
                 lifecycle.join(p.thread)  # at most the SIGTERM deadline while the process is ending
 
+    def count_produced(self) -> None:
+        """Counts one more group batch made by this member, from any of its producers' threads
+        (its pipeline's and its Ray actors' publish at once: ``+=`` alone could lose one)."""
+        with self._produced_lock:
+            self.produced += 1
+
     def close(self) -> None:
         self.join_producer()
         if self.area is not None:
@@ -367,4 +374,4 @@ class Producer:
         np.frombuffer(view, np.int64, n, self._images_bytes + 8 * bs)[:] = ids.cpu().numpy()
         del dst, view
         self.area.publish(c, n)
-        self.member.produced += 1
+        self.member.count_produced()
