@@ -154,14 +154,43 @@ def test_random_runners_with_deaths_deliver_every_unit_once_in_order():
 
 
 def test_workers_auto_grows_on_stalls_with_free_cpus_and_shrinks_when_batches_wait():
-    base = dict(elapsed=1.0, ready=0, actors=2, free_cpus=4, cpus=1, most=8, least=1)
+    base = dict(elapsed=1.0, ready=0, actors=2, starting=0, free_cpus=4, cpus=1, most=8, least=1)
     assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5)) == 1
+    assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5, starting=1)) == 0  # one is starting
     assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5, free_cpus=0.5)) == 0  # no CPUs for another
     assert scale_step(**dict(base, waited=GROW_ABOVE * 1.5, most=2)) == 0  # max_workers
     assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=3)) == -1
     assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=2)) == 0  # actors only in step
     assert scale_step(**dict(base, waited=SHRINK_BELOW / 2, ready=3, actors=1)) == 0  # least
     assert scale_step(**dict(base, waited=0.03)) == 0  # between the two
+
+
+def test_workers_auto_adds_no_actor_while_one_is_starting():
+    """A loop that waits all along, on a cluster of 16 free CPUs, with actors that take 5 s to
+    start (DALI's import and pipeline on busy cores): one look a second (prep.SCALE_EVERY_S) adds an
+    actor only once the last one added is ready, so the pool grows by what its actors change, not
+    to every free CPU while none of them has started yet (it reached 16 in 16 s)."""
+    start_s, cpus = 5, 16
+    started: list[int] = [0]  # when each actor was added (s); the first at the loader's start
+    most_starting = 0
+    for t in range(1, 21):
+        starting = sum(1 for s in started if t - s < start_s)
+        most_starting = max(most_starting, starting)
+        step = scale_step(
+            waited=1.0,
+            elapsed=1.0,
+            ready=0,
+            actors=len(started),
+            starting=starting,
+            free_cpus=cpus - len(started),
+            cpus=1,
+            most=1 << 20,
+            least=0,
+        )
+        if step > 0:
+            started.append(t)
+    assert most_starting == 1
+    assert started == [0, 5, 10, 15, 20]
 
 
 # -- the option object and what a loader refuses with it (before it connects to Ray) ---------------
