@@ -205,12 +205,15 @@ class WorkerPool:
                 if actor is not None:
                     self.remove(actor)
 
-    def died_now(self, actor) -> None:
-        """``actor`` died: forgotten."""
+    def died_now(self, actor) -> bool:
+        """``actor`` died: forgotten. True for the first report of the death of an actor that was
+        ready or retiring (one decision, under the lock, when two threads report it)."""
         with self._lock:
+            first = actor in self._ready or actor in self._retiring
             if self._forget(actor):
                 self.died += 1
         self._kill(actor)
+        return first
 
     def poll(self, timeout: float = 0.0) -> None:
         """Moves actors that finished starting to :attr:`ready`; an actor that failed to start is

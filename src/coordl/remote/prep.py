@@ -162,15 +162,13 @@ class RemotePrep:
         """``actor``'s unit failed because it died (``lost``: seconds since the unit was handed
         to it): the first report of its death logs it, ends it and starts its replacement. True
         for that first report."""
-        pool = self.pool
-        if actor not in pool.ready and actor not in pool.retiring:
+        if not self.pool.died_now(actor):
             return False
         log.warning(
             "coordl: a RayPrep actor died (%s); its units run again elsewhere (%.2f s of its work lost)",
             type(error).__name__,
             lost,
         )
-        pool.died_now(actor)
         self.replace()
         return True
 
