@@ -639,6 +639,18 @@ def audio(root: str, out: str) -> None:
     write(out, result)
 
 
+def term(root: str, out: str) -> None:
+    """A trainer with RayPrep (one actor, and the trainer's own DALI thread) in its training loop
+    until SIGTERM: it writes its actor's process once the actor is ready, then trains for ever."""
+    loader = dali(root, coordl.RayPrep(workers=1, local=True, threads=1), batch_size=4)
+    wait_actors(loader, 1)
+    write(out, {"procs": actor_procs(loader)})
+    for epoch in range(10**6):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            time.sleep(0.005)  # the training step
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -660,6 +672,7 @@ SCENARIOS = {
         gpu,
         hp_member,
         hp,
+        term,
     )
 }
 
