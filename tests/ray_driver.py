@@ -651,6 +651,32 @@ def term(root: str, out: str) -> None:
             time.sleep(0.005)  # the training step
 
 
+def pool_race(root: str, out: str) -> None:
+    """Four threads polling the pool at once while its two actors start (as a pass's and an HP
+    group member's dispatch threads may), then an epoch: what each saw go wrong, and the pool."""
+    with dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4) as loader:
+        pool = loader.resources.remote.pool
+        errors: list[str] = []
+
+        def poll() -> None:
+            deadline = time.monotonic() + 60
+            while len(pool.ready) < 2 and time.monotonic() < deadline:
+                try:
+                    pool.poll(0.5)
+                except Exception as e:  # noqa: BLE001 - reported
+                    errors.append(repr(e))
+                    return
+
+        threads = [threading.Thread(target=poll) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen = {"ready": len(pool.ready), "size": pool.size, "started": pool.started, "died": pool.died}
+        ids = epochs(loader, 1)[0]["ids"]
+        write(out, {"errors": errors, **seen, "ids": ids, "stats": loader.stats()})
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -673,6 +699,7 @@ SCENARIOS = {
         hp_member,
         hp,
         term,
+        pool_race,
     )
 }
 

@@ -419,6 +419,19 @@ def test_sigterm_at_a_random_moment_ends_a_ray_prep_trainer_within_2_s_with_its_
         assert segments(isolated) == [], f"round {k}: left in shared memory"
 
 
+@needs_cluster
+def test_threads_polling_the_pool_at_once_make_each_actor_ready_once(cluster, tiny_dataset, isolated, tmp_path):
+    """The pool's state is changed under one lock: four threads polling it while its two actors
+    start each see the actor that became ready, and only one of them moves it to the ready ones (each
+    popped it from the starting ones: a KeyError in the others); then an epoch, exactly once."""
+    r = ok(drive(cluster, tmp_path, "pool_race", tiny_dataset))
+    assert r["errors"] == [], r["errors"]
+    assert (r["ready"], r["size"], r["started"], r["died"]) == (2, 2, 2, 0), r
+    exactly_once(r["ids"])
+    assert r["stats"]["remote_units"] == N // 4
+    assert segments(isolated) == []
+
+
 def test_the_start_timeout_is_coordl_s_documented_120_s():
     """guarantees.md: a pass of RayPrep(local=False) whose actors cannot start fails after 120 s."""
     from coordl.remote import passes, prep
