@@ -2,8 +2,9 @@
 batches to the training loop in order.
 
 Three threads share a :class:`~coordl.remote.units.Units`: the *remote* thread hands units to the
-ready actors (two each, so none idles between units), collects their results, and runs again
-the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
+ready actors (two each, so none idles between units), with their bytes read ahead on the I/O
+pool for actors that cannot read the dataset (:mod:`coordl.remote.reads`), collects their
+results, and runs again the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
 the loader's own pipeline (DALI, or the torch backend's ``DataLoader``), taking the next one
 whenever it has room; the consumer takes results in order. Neither thread holds the pass or the
 loader, so a pass the consumer drops is collected and closed.
