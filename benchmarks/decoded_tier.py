@@ -46,7 +46,7 @@ CHILD = textwrap.dedent(
     loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline=ImageNetTrain(max_short_side=a.get("cap")),
                          device_id=None, shuffle=True, prep=a.get("threads"), seed=a["seed"],
                          cache=Cache(size=a["cache_bytes"], decoded=a["decoded_cache"]), hp_group=a.get("hp_group"))
-    out = {"tiers": loader.tiers.as_dict(), "epochs": []}
+    out = {"tiers": loader.tier_plan.as_dict(), "epochs": []}
     for e in range(a["epochs"]):
         t0 = time.perf_counter()
         n = sum(len(labels) for _, labels in loader)

@@ -85,7 +85,7 @@ def child(args) -> int:
             shuffle=True,
         ) as loader:
             n = len(loader.index)
-            out["budget"] = loader.cache.budget if loader.cache is not None else 0
+            out["budget"] = loader.node_cache.budget if loader.node_cache is not None else 0
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
                 t0 = time.perf_counter()

@@ -135,7 +135,7 @@ def worker(argv: list[str]) -> None:
         dev1, io1 = _blkio_read(a.blkio, a.device), _proc_read_bytes()
         # What the node's cache holds now: the holder map every rank learns at the next pass.
         everything = np.arange(len(loader.index))
-        cached = [] if loader.cache is None else np.flatnonzero(loader.cache.ready_mask(everything)).tolist()
+        cached = [] if loader.node_cache is None else np.flatnonzero(loader.node_cache.ready_mask(everything)).tolist()
         record["epochs"].append(
             {
                 "time_s": seconds,

@@ -1,7 +1,8 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
 The trainer runs pinned to core 0 and a one-CPU Ray node (``ray start --head --num-cpus=1``)
-pinned to core 1, so that "remote" is a core the trainer cannot use. The loop does no work of
+pinned to core 1, so that "remote" is a core the trainer cannot use. That node is the trainer's
+own, which lends its core on purpose: ``RayPrep(on_trainer_node=True)`` in every remote run. The loop does no work of
 its own: the loader is prep-bound. The dataset is ``--images`` (1,024) JPEGs cropped from
 photographs, about 480x360, read once before the runs so that they stay in the page cache
 (the device bytes of every epoch are recorded to show it). Each loader runs with batch 32,
@@ -117,6 +118,7 @@ def make_loader(args):
     backend, config = args.trainer
     remote = {"remote": {"local": False}, "both": {"local": True}}.get(config)
     if remote is not None:
+        remote["on_trainer_node"] = True  # the one Ray node is the trainer's, its core pinned apart
         remote["in_flight"] = args.in_flight
         if backend == "dali":
             remote["output"] = args.output

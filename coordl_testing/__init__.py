@@ -6,7 +6,9 @@
   with a private ``/dev/shm`` (``examples/multinode/simulate.py``, the multi-node tests and
   benchmark).
 - :mod:`coordl_testing.raycluster` runs a real Ray cluster of several nodes on loopback, in a
-  network namespace of its own, and drivers in it (``tests/test_ray.py``).
+  network namespace of its own, and drivers in it (``tests/test_ray.py``); and Ray nodes on
+  separate "machines", each a namespace with its own /dev/shm and host name, started with
+  ``ray start`` (``tests/test_ray_nodes.py``).
 - :mod:`coordl_testing.traffic` counts the entries a split of a global batch moves between nodes,
   the measure ``tests/test_placement.py`` and ``benchmarks/multinode.py`` hold plans to.
 

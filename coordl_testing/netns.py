@@ -5,9 +5,10 @@
 commands in a node with ``ip netns exec`` and ``unshare -m``, so that each node sees its
 own tmpfs at /dev/shm as a separate machine would; ``popen(..., cgroups=[...])`` also puts a
 node's command into v1 cgroups of its own (a blkio throttle, say) and lets it read its own
-counters there. Everything it makes is removed on exit, and the names carry the process id, so
-two clusters can exist side by side. Needs root, ``ip`` and ``unshare``; :func:`unavailable`
-says why not when they are missing.
+counters there; ``popen(..., hostname=...)`` gives the command a host name of its own. Everything
+it makes is removed on exit, and the names carry the process id and a count of the process's
+clusters, so that clusters can exist side by side. Needs root, ``ip`` and ``unshare``;
+:func:`unavailable` says why not when they are missing.
 
 Used by ``examples/multinode/simulate.py``, ``benchmarks/multinode.py`` and the multi-node
 tests. It is test support, not part of the installed package: the example puts the repository
@@ -16,6 +17,7 @@ root on ``sys.path`` to import it, so that it still runs by its path from any fo
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
@@ -27,6 +29,7 @@ __all__ = ["Cluster", "unavailable"]
 
 
 _V1 = "/sys/fs/cgroup"
+_made = itertools.count()  # clusters made by this process
 
 
 def _hierarchy(path: str) -> str:
@@ -108,7 +111,7 @@ class Cluster:
         self.nodes = nodes
         self.rate = rate
         self.shm_bytes = shm_bytes
-        tag = os.getpid() % 10000
+        tag = f"{os.getpid() % 10000}{next(_made) % 10}"  # two clusters of one process side by side
         self.net = 77 + os.getpid() % 100  # 10.<net>.0.0/24
         self.bridge = f"cdlb{tag}"
         self.ns = [f"cdln{tag}_{k}" for k in range(nodes)]
@@ -142,7 +145,14 @@ class Cluster:
         return self
 
     def popen(
-        self, k: int, argv: list[str], *, env: dict | None = None, cgroups: list[str] | None = None, **kwargs
+        self,
+        k: int,
+        argv: list[str],
+        *,
+        env: dict | None = None,
+        cgroups: list[str] | None = None,
+        hostname: str | None = None,
+        **kwargs,
     ) -> subprocess.Popen:
         """Starts ``argv`` in node ``k``, with a private tmpfs at /dev/shm.
 
@@ -158,12 +168,16 @@ class Cluster:
                 say). :meth:`close` kills whatever is left in them: launchers such as torchrun start
                 their workers in sessions of their own, out of reach of a process-group kill. The
                 caller removes the cgroups after :meth:`close`.
+            hostname: the command's host name, in a UTS namespace of its own (``unshare -u``), as
+                a separate machine has one; None: the host's.
             **kwargs: passed to :class:`subprocess.Popen`.
         """
         for path in cgroups or ():
             if os.path.dirname(os.path.realpath(path)) == _V1:
                 raise ValueError(f"{path} is the root of a cgroup hierarchy; give the node a cgroup of its own")
         inner = [f"mount -t tmpfs -o size={self.shm_bytes},mode=1777 tmpfs /dev/shm"]
+        if hostname is not None:
+            inner.append(f"hostname {shlex.quote(hostname)}")
         outer = []
         if cgroups:
             inner.append("mount -t tmpfs -o size=1m,mode=755 tmpfs /sys/fs/cgroup")
@@ -179,6 +193,7 @@ class Cluster:
             self.ns[k],
             "unshare",
             "-m",
+            *(["-u"] if hostname is not None else []),
             "--propagation",
             "private",
             "sh",

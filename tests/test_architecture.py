@@ -51,8 +51,10 @@ PURE_MOVED = {"coordl.placement": "coordl.fetch.placement", "coordl.fetch.placem
 PURE_MAY_IMPORT = ["coordl.errors"]
 THIRD_PARTY_PURE_MAY_IMPORT = ["numpy"]
 
-# shm/ holds primitives only: it imports nothing else from coordl.
+# shm/ holds primitives only: it imports nothing else from coordl but cgroups, a leaf that imports
+# nothing of coordl (where the process's cgroups are: shm/limits reads memory's, cpus.py the CPU quota).
 SHM = "coordl.shm"
+SHM_MAY_IMPORT = ["coordl.cgroups"]
 
 
 # Test support lives outside the package, at the repository root (coordl_testing/, tests/,
@@ -342,9 +344,15 @@ def test_shm_imports_nothing_else_from_coordl(modules):
         for m in modules.values()
         if m.name == SHM or m.name.startswith(SHM + ".")
         for imp in m.imports
-        if imp.internal and not (imp.target == SHM or imp.target.startswith(SHM + "."))
+        if imp.internal and not (imp.target == SHM or imp.target.startswith(SHM + ".") or imp.target in SHM_MAY_IMPORT)
     ]
-    _fail_if(offenders, "coordl.shm holds primitives and imports nothing else from coordl:")
+    leaves = [
+        f"{modules[name].where}:{imp.line}: imports {imp.target}"
+        for name in SHM_MAY_IMPORT
+        for imp in modules[name].imports
+        if imp.internal
+    ]
+    _fail_if(offenders + leaves, "coordl.shm holds primitives and imports nothing else from coordl but its leaves:")
 
 
 def test_the_package_holds_no_test_fixture_and_imports_no_test_support(modules):
@@ -627,3 +635,22 @@ def test_every_thread_coordl_starts_is_a_daemon(modules):
             ):
                 offenders.append(f"{where}: a thread without daemon=True")
     _fail_if(sorted(offenders), "threads the interpreter's exit would wait for:")
+
+
+# Where prep runs is asked in one place: coordl.prep.site (and Prep.of, which takes a RayPrep as it is).
+PREP_SITE_MAY_ASK = {"coordl.prep.site", "coordl.options"}
+
+
+def test_prep_and_rayprep_are_told_apart_in_one_place(modules):
+    """``prep=`` holds a Prep or a RayPrep: only :mod:`coordl.prep.site` asks which (its Local and
+    Remote answer the loader's questions alike), no ``isinstance`` anywhere else."""
+    offenders = []
+    for m in modules.values():
+        if m.name in PREP_SITE_MAY_ASK:
+            continue
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                names = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+                if names & {"Prep", "RayPrep"}:
+                    offenders.append(f"{m.where}:{node.lineno}: isinstance(..., {' | '.join(sorted(names))})")
+    _fail_if(offenders, "a type switch on prep= outside coordl.prep.site:")

@@ -251,7 +251,7 @@ def test_loader_later_epochs_read_exactly_the_uncached_items(tiny_dataset, isola
         s = loader.stats()
         assert s["epoch"] == epoch and samples == s["samples"] == n
         assert s["cache_budget"] == int(0.5 * total) and 0 < s["cache_bytes"] <= s["cache_budget"]
-        assert s["cache_items"] == loader.cache.resident_items
+        assert s["cache_items"] == loader.node_cache.resident_items
         per_epoch.append(s)
     first = per_epoch[0]
     assert (first["storage_reads"], first["storage_bytes"], first["cache_hits"]) == (n, total, 0)
@@ -575,9 +575,9 @@ def test_a_later_loader_of_another_dataset_removes_a_dead_cache(tiny_dataset, da
     assert {names.parse_name(e)[1] for e in group_entries(isolated, dead)} >= {"table", "chunk"}
     loader = coordl.CoordLoader(dataset_copy, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache=0.5)
     try:
-        assert loader.cache is not None and loader.cache.fingerprint != dead
+        assert loader.node_cache is not None and loader.node_cache.fingerprint != dead
         assert group_entries(isolated, dead) == []  # dataset A's dead cache, reclaimed
-        assert group_entries(isolated, loader.cache.fingerprint)  # dataset B's own, in use
+        assert group_entries(isolated, loader.node_cache.fingerprint)  # dataset B's own, in use
     finally:
         loader.close()
 
@@ -644,7 +644,7 @@ def test_loader_on_tiny_shm_runs_without_a_cache(tiny_dataset, isolated, monkeyp
                 tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="40GB", shuffle=True
             )
         try:
-            assert loader.cache is None
+            assert loader.node_cache is None
             assert sum(len(labels) for _, labels in loader) == n
             assert loader.stats()["storage_reads"] == n
             assert os.listdir(mnt) == []
@@ -665,14 +665,14 @@ def test_loader_shrinks_a_budget_that_does_not_fit_and_keeps_working(tiny_datase
                 tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="1GB", shuffle=True
             )
         try:
-            assert 0 < loader.cache.budget <= free - headroom(total) < index.total_bytes
+            assert 0 < loader.node_cache.budget <= free - headroom(total) < index.total_bytes
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # "stopped growing" is expected here
                 for _epoch in range(2):
                     assert sum(len(labels) for _, labels in loader) == len(index)
             s = loader.stats()
             assert s["storage_reads"] == len(index) - s["cache_items"]
-            assert sum(chunk_sizes(mnt)) <= loader.cache.budget
+            assert sum(chunk_sizes(mnt)) <= loader.node_cache.budget
             vfs = os.statvfs(mnt)
             assert vfs.f_bavail * vfs.f_frsize >= headroom(total)  # the headroom stayed free
         finally:
@@ -692,7 +692,7 @@ def test_shrunk_budget_is_actually_usable(tiny_dataset, isolated, monkeypatch):
                 tiny_dataset, 8, pipeline=coordl.ImageNetTrain(size=32), device_id=None, cache="1GB", shuffle=True
             )
             try:
-                budget = loader.cache.budget
+                budget = loader.node_cache.budget
                 for _ in loader:
                     pass
                 s = loader.stats()
@@ -754,7 +754,7 @@ with warnings.catch_warnings(record=True) as rec:
     loader = coordl.CoordLoader(
         root, 8, pipeline=coordl.ImageNetTrain(size=32), cache=1.0, device_id=None, shuffle=True
     )
-    out["b_budget"] = loader.cache.budget
+    out["b_budget"] = loader.node_cache.budget
     fill_up(os.path.join(mnt, "filler"))
     stats = []
     for epoch in range(2):

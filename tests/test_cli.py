@@ -44,7 +44,7 @@ def test_cache_ls_and_clean(tiny_dataset):
     ) as loader:
         for _ in loader:
             pass
-        fp = loader.cache.fingerprint  # the group: the dataset's fingerprint and the user's
+        fp = loader.node_cache.fingerprint  # the group: the dataset's fingerprint and the user's
         r = run("cache", "ls")
         assert fp in r.stdout and "in use" in r.stdout and "kept warm" in r.stdout
         r = run("cache", "clean")

@@ -20,8 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import remove_cgroup
-from coordl import cpus
-from coordl.shm import cgroups
+from coordl import cgroups, cpus
 
 V2_MOUNTINFO = """\
 22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw

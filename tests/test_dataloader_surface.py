@@ -57,7 +57,7 @@ def test_lengths_of_sampler_dataset_and_batch_sampler(root, backend, drop_last):
     per_rank = N // WORLD if drop_last else math.ceil(N / WORLD)
     batches = per_rank // BATCH if drop_last else math.ceil(per_rank / BATCH)
     with make(
-        root, backend, drop_last=drop_last, shard=coordl.Shard(rank=RANK, world_size=WORLD, drop_last=drop_last)
+        root, backend, drop_last=drop_last, shard=coordl.Shard(rank=RANK, world_size=WORLD, pad=not drop_last)
     ) as loader:
         got = {name: length_of(loader, name) for name in ("", "sampler", "dataset", "batch_sampler")}
     want = {"": batches, "sampler": per_rank, "dataset": N, "batch_sampler": batches}

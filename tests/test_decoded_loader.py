@@ -130,14 +130,14 @@ def test_a_decoded_recipe_uses_the_tier_and_a_callable_on_bytes_cannot(tiny_data
     with pytest.raises(ValueError, match="DecodedRecipe"):
         CoordLoader(str(tiny_dataset), pipeline=on_bytes, **kw, cache=coordl.Cache(decoded=BIG))
     with CoordLoader(str(tiny_dataset), pipeline=on_bytes, **kw, cache=coordl.Cache(decoded="auto")) as auto:
-        assert auto.decoded is None  # "auto" stays on encoded bytes, as the recipe must
+        assert auto.decoded_tier is None  # "auto" stays on encoded bytes, as the recipe must
 
 
 def test_a_capped_tier_holds_the_capped_images_and_is_another_tier(tiny_dataset):
     kw = dict(batch_size=16, seed=4, device_id=None, cache=coordl.Cache(size=BIG, decoded=BIG), prep=2, shuffle=True)
     with CoordLoader(str(tiny_dataset), pipeline=ImageNetTrain(size=24, max_short_side=50), **kw) as capped:
         got = [images.clone() for images, _ in capped]
-        images = capped.decoded.images(np.arange(len(capped.index)))
+        images = capped.decoded_tier.images(np.arange(len(capped.index)))
         # Shorter side at most 50, the aspect kept, smaller images as they were.
         shapes = _decoded_shapes(tiny_dataset)
         assert any(min(h, w) <= 50 for h, w, _ in shapes) and any(min(h, w) > 50 for h, w, _ in shapes)
@@ -145,7 +145,7 @@ def test_a_capped_tier_holds_the_capped_images_and_is_another_tier(tiny_dataset)
         # A cap changes the data: the uncapped recipe has a tier of its own and delivers other tensors.
         with CoordLoader(str(tiny_dataset), pipeline=ImageNetTrain(size=24), **kw) as uncapped:
             other = [images.clone() for images, _ in uncapped]
-            assert uncapped.tiers.decoded.fingerprint != capped.tiers.decoded.fingerprint
+            assert uncapped.tier_plan.decoded.fingerprint != capped.tier_plan.decoded.fingerprint
             assert uncapped.stats()["decoded_admitted"] == len(capped.index)  # it found none decoded
     assert not all(torch.equal(x, y) for x, y in zip(got, other, strict=True))
 
@@ -179,12 +179,12 @@ def test_the_tiers_share_of_the_cache_goes_to_the_tier(tiny_dataset):
         # The tier's share comes out of the cache's size; the rest holds encoded bytes, never more
         # than the dataset's files.
         total = loader.index.total_bytes
-        assert loader.tiers.decoded_budget == 25_000_000 and loader.tiers.encoded_budget == total
-        assert loader.cache.budget == total and loader.decoded.budget == 25_000_000
+        assert loader.tier_plan.decoded_budget == 25_000_000 and loader.tier_plan.encoded_budget == total
+        assert loader.node_cache.budget == total and loader.decoded_tier.budget == 25_000_000
     with CoordLoader(
         str(tiny_dataset), device_id=None, cache=coordl.Cache(size="10MB", decoded="9.9MB"), pipeline="imagenet-train"
     ) as loader:
-        assert loader.tiers.decoded_budget == 9_900_000 and loader.tiers.encoded_budget == 100_000
+        assert loader.tier_plan.decoded_budget == 9_900_000 and loader.tier_plan.encoded_budget == 100_000
 
 
 # -- shared by the jobs of a node --------------------------------------------------------------------
@@ -293,12 +293,12 @@ def test_auto_spends_memory_on_decoded_images_when_prep_is_the_bottleneck(photo_
         shuffle=True,
         pipeline="imagenet-train",
     ) as loader:
-        rates = loader.tiers.rates
+        rates = loader.tier_plan.rates
         assert rates["decoded"] > rates["encoded"]  # augmenting a decoded image is cheaper than decoding it
         assert rates["decoded_only"] > rates["encoded"]
         # The whole decoded dataset, with room to spare for an estimate made on a few images.
         whole = 48 * 640 * 480 * 3
-        assert loader.decoded is not None and loader.tiers.decoded_budget >= whole
+        assert loader.decoded_tier is not None and loader.tier_plan.decoded_budget >= whole
         for _ in range(2):
             for _ in loader:
                 pass
@@ -325,8 +325,8 @@ def test_auto_keeps_encoded_bytes_when_storage_is_throttled(photo_like, monkeypa
         shuffle=True,
         pipeline="imagenet-train",
     ) as loader:
-        assert loader.tiers.rates["storage"] < 5e6
-        assert loader.decoded is None and loader.tiers.decoded_budget == 0
+        assert loader.tier_plan.rates["storage"] < 5e6
+        assert loader.decoded_tier is None and loader.tier_plan.decoded_budget == 0
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core leaves no thread count to choose")
@@ -339,11 +339,11 @@ def test_auto_chooses_the_fewest_threads_near_the_best_rate_unless_the_user_set_
         "pipeline": "imagenet-train",
     }
     with CoordLoader(str(photo_like), **kw) as loader:
-        tried = {int(t): r for t, r in loader.tiers.rates["thread_rates"].items()}
+        tried = {int(t): r for t, r in loader.tier_plan.rates["thread_rates"].items()}
         assert 1 in tried and os.cpu_count() in tried
         best = max(tried.values())
-        assert loader.num_threads == loader.tiers.threads == min(t for t, r in tried.items() if r >= 0.95 * best)
-        assert loader.tiers.rates["threads"] == loader.num_threads
+        assert loader.num_threads == loader.tier_plan.threads == min(t for t, r in tried.items() if r >= 0.95 * best)
+        assert loader.tier_plan.rates["threads"] == loader.num_threads
     with CoordLoader(str(photo_like), **kw, prep=1) as loader:
-        assert loader.tiers.threads is None and loader.tiers.rates["thread_rates"] is None
-        assert loader.num_threads == 1 and loader.tiers.rates["threads"] == 1
+        assert loader.tier_plan.threads is None and loader.tier_plan.rates["thread_rates"] is None
+        assert loader.num_threads == 1 and loader.tier_plan.rates["threads"] == 1

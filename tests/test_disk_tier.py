@@ -288,7 +288,7 @@ def test_a_tier_on_the_dataset_s_own_file_system_is_not_used(tiny_dataset, tmp_p
     with pytest.warns(RuntimeWarning, match="is on the file system of the dataset's files"):
         loader = _loader(str(tiny_dataset), tiny_dataset.parent, memory=0)
     with loader:
-        assert loader.disk is None and len(_epoch(loader)) == N
+        assert loader.disk_tier is None and len(_epoch(loader)) == N
 
 
 def test_the_torch_backend_s_workers_fill_and_read_the_tier(root, server, tmp_path):

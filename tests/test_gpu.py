@@ -319,8 +319,8 @@ def test_the_decoded_tier_is_refused_on_a_gpu_and_auto_means_none(tiny_dataset):
             _loader(tiny_dataset, cache=explicit)
     cache = coordl.Cache(size="100MB", decoded="auto") if ON_GPU else explicit
     with _loader(tiny_dataset, cache=cache) as loader:
-        assert loader.tiers.decoded_budget == (0 if ON_GPU else 25_000_000)
-        assert (loader.decoded is None) == ON_GPU
+        assert loader.tier_plan.decoded_budget == (0 if ON_GPU else 25_000_000)
+        assert (loader.decoded_tier is None) == ON_GPU
         hits = []
         for epoch in range(2):
             loader.set_epoch(epoch)

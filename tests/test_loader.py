@@ -92,9 +92,7 @@ def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
     extra = coordl.Index.from_list(list(zip(index.paths, index.labels.tolist(), strict=True)) + [(index.paths[0], 0)])
     assert len(extra) == n
     loaders = [
-        make(
-            extra, drop_last=drop_last, batch_size=7, shard=coordl.Shard(rank=r, world_size=world, drop_last=drop_last)
-        )
+        make(extra, drop_last=drop_last, batch_size=7, shard=coordl.Shard(rank=r, world_size=world, pad=not drop_last))
         for r in range(world)
     ]
     try:
@@ -195,7 +193,7 @@ def test_resume_refuses_a_different_configuration(tiny_dataset):
     [
         ({"drop_last": True}, "drop_last"),
         ({"shuffle": False}, "shuffle"),
-        ({"shard": coordl.Shard(rank=0, world_size=1, drop_last=True)}, "shard_drop_last"),
+        ({"shard": coordl.Shard(rank=0, world_size=1, pad=False)}, "shard_drop_last"),
         ({"pipeline": coordl.ImageNetVal(size=32, resize=36)}, "config"),  # another recipe: the fingerprint
     ],
 )
@@ -287,7 +285,7 @@ def test_stats_count_cache_and_storage(tiny_dataset):
 
 def test_cache_off_reads_everything_every_epoch(tiny_dataset):
     with make(tiny_dataset, cache=0) as loader:
-        assert loader.cache is None
+        assert loader.node_cache is None
         epoch_ids(loader)
         epoch_ids(loader)
         assert loader.stats()["storage_reads"] == 120 and loader.stats()["cache_hits"] == 0
@@ -497,7 +495,7 @@ def test_augmentation_is_fresh_every_epoch_though_the_bytes_come_from_the_cache(
 
 
 def test_cut_shards_are_distributed_samplers_and_leave_out_other_samples_every_epoch(tiny_dataset):
-    """docs/guarantees.md, Exactly once: with ``Shard(drop_last=True)`` and ``shuffle=True`` every
+    """docs/guarantees.md, Exactly once: with ``Shard(pad=False)`` and ``shuffle=True`` every
     rank delivers ``DistributedSampler(drop_last=True)``'s shard of the epoch's order, ``order[r::4]``
     of the order cut to a multiple of 4, and the ``123 % 4 = 3`` samples left out are other ones
     every epoch (for this seed: 3 epochs, 3 different sets; test_sampler.py checks the chance of a
@@ -509,7 +507,7 @@ def test_cut_shards_are_distributed_samplers_and_leave_out_other_samples_every_e
     assert len(extra) == n
     got = {}  # (epoch, rank) -> the ids rank delivered in epoch
     for rank in range(world):
-        shard = coordl.Shard(rank=rank, world_size=world, drop_last=True)
+        shard = coordl.Shard(rank=rank, world_size=world, pad=False)
         with make(extra, batch_size=8, cache=0, shard=shard) as loader:
             assert len(loader) == 4  # 30 samples a rank: 3 batches of 8 and one of 6
             for epoch in range(epochs):

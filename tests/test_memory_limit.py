@@ -227,7 +227,7 @@ with warnings.catch_warnings(record=True) as rec:
     with coordl.CoordLoader(root, batch_size=16, pipeline=coordl.ImageNetTrain(size=64), cache=cache, shuffle=True,
                             device_id=None, prep=2, fetch=coordl.Fetch(threads=2), return_index=True) as loader:
         n = len(loader.index)
-        out["budget"] = loader.cache.budget if loader.cache is not None else 0
+        out["budget"] = loader.node_cache.budget if loader.node_cache is not None else 0
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             ids = np.concatenate([batch[2].numpy() for batch in loader])

@@ -1,4 +1,5 @@
-"""RayPrep against a real Ray cluster: two nodes of one CPU each on loopback, no mocks.
+"""RayPrep against a real Ray cluster on loopback, no mocks: a head lending no CPUs (the trainer's
+node, as docs/remote-prep.md says to start it) and a node of two CPUs, where the actors run.
 
 One cluster serves the module (:class:`coordl_testing.raycluster.RayCluster`, in a network
 namespace of its own). Each test runs a user's script, ``tests/ray_driver.py``, as a Ray driver
@@ -54,7 +55,7 @@ def cluster():
     """The module's Ray cluster; its workers import the coordl under test."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_")}
     env["PYTHONPATH"] = _path(CODE, str(raycluster.ROOT))
-    c = raycluster.RayCluster(nodes=2, cpus=1, env=env)
+    c = raycluster.RayCluster(nodes=2, cpus=(0, 2), env=env)
     yield c
     killed = c.close()
     if killed:

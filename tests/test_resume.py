@@ -439,7 +439,7 @@ def _distributed_batches(order: list[int], rank: int, world: int, drop_last: boo
 
 @pytest.mark.parametrize("drop_last,cut", [(True, 2), (True, 5), (False, 2)])
 def test_an_elastic_resume_with_drop_last_delivers_what_distributed_sampler_would(tiny_dataset, drop_last, cut):
-    # Shard(drop_last=True) always; with DataLoader's drop_last=False too, so that a padded shard
+    # Shard(pad=False) always; with DataLoader's drop_last=False too, so that a padded shard
     # (30 samples on each of 3 ranks after 2 batches on 2, instead of 29) shows in the last batch.
     root = str(tiny_dataset)
     with _loader(root, cache=0) as whole:  # one rank, nothing dropped: the epoch's order
@@ -447,7 +447,7 @@ def test_an_elastic_resume_with_drop_last_delivers_what_distributed_sampler_woul
     assert sorted(order) == list(range(N))
 
     def ranks(world):
-        shard = [coordl.Shard(rank=r, world_size=world, drop_last=True) for r in range(world)]
+        shard = [coordl.Shard(rank=r, world_size=world, pad=False) for r in range(world)]
         return [_loader(root, cache=0, drop_last=drop_last, shard=s) for s in shard]
 
     before, state = ranks(2), None

@@ -69,7 +69,7 @@ def test_batches_partition_the_shard(n, bs, drop_last, start):
 
 
 def cut_epoch(n: int, world: int, seed: int, epoch: int) -> tuple[list[np.ndarray], set[int]]:
-    """coordl's shards of a shuffled epoch with ``Shard(drop_last=True)``, checked against
+    """coordl's shards of a shuffled epoch with ``Shard(pad=False)``, checked against
     ``DistributedSampler(drop_last=True)`` over a dataset of ``n`` samples; and the samples left out.
 
     ``DistributedSampler`` deals positions of its own order; coordl's order is its own
@@ -94,7 +94,7 @@ def cut_epoch(n: int, world: int, seed: int, epoch: int) -> tuple[list[np.ndarra
 @settings(max_examples=50)
 @given(n=st.integers(2, 300), world=st.integers(2, 9), seed=st.integers(0, 2**63), epoch=st.integers(0, 1000))
 def test_cut_shards_are_distributed_samplers_over_the_epochs_order(n, world, seed, epoch):
-    """docs/guarantees.md, Exactly once: ``Shard(drop_last=True)`` cuts the end of the epoch's order,
+    """docs/guarantees.md, Exactly once: ``Shard(pad=False)`` cuts the end of the epoch's order,
     as ``DistributedSampler(drop_last=True)`` cuts its own: ``floor(n / world)`` samples a rank,
     none twice, and the ``n % world`` samples at the end of the order left out."""
     if n < world:
@@ -106,7 +106,7 @@ def test_cut_shards_are_distributed_samplers_over_the_epochs_order(n, world, see
 
 @pytest.mark.parametrize("n, world", [(10, 3), (50, 3), (123, 4), (1000, 7)])
 def test_cut_shards_leave_out_other_samples_every_epoch(n, world):
-    """docs/guarantees.md, Exactly once: with ``Shard(drop_last=True)`` and shuffling, the samples
+    """docs/guarantees.md, Exactly once: with ``Shard(pad=False)`` and shuffling, the samples
     left out are other ones every epoch: a fresh choice of the ``n % world`` at the end of a fresh
     order. An order is fixed by ``(seed, epoch)``, so for these seeds the counts below are exact,
     and the bounds are what chance allows (five standard deviations above the mean): a sampler

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import coordl
 from coordl import CoordLoader, sampler
-from coordl.options import RENAMED
+from coordl.renamed import RENAMED
 
 VAL = coordl.ImageNetVal(size=16, resize=18)
 
@@ -41,9 +41,10 @@ def test_at_most_30_parameters_and_each_feature_takes_one():
     for name, option in features.items():
         assert name in params, name
         assert dataclasses.is_dataclass(option) and option.__dataclass_params__.frozen, option
-    # No feature's tuning stands beside its option object (drop_last and timeout are DataLoader's own).
+    # No feature's tuning stands beside its option object, nor shares a name of DataLoader's but
+    # timeout (Peers(timeout), a peer's, beside DataLoader's; Shard's tail is pad, not drop_last).
     tuning = {f.name for option in features.values() for f in dataclasses.fields(option)}
-    assert tuning & set(params) == {"drop_last", "timeout"}, sorted(tuning & set(params))
+    assert tuning & set(params) == {"timeout"}, sorted(tuning & set(params))
     assert not set(RENAMED) & set(params)
 
 
@@ -93,6 +94,30 @@ def test_an_earlier_spelling_is_refused_with_the_new_one(tiny_dataset, name):
     assert RENAMED[name].split("=")[0] in {"cache", "prep", "fetch", "shard", "peers", "hp_group", "data"}
 
 
+def test_the_shards_tail_is_named_by_what_it_does():
+    """``Shard(pad)`` says what it does beside ``CoordLoader(drop_last)``; coordl 0.1's
+    ``Shard(drop_last)`` is refused with the new spelling."""
+    assert coordl.Shard().pad is True and coordl.Shard(0, world_size=2, pad=False).pad is False
+    renamed = r"coordl.Shard does not take drop_last= any more: pass pad= \(drop_last=True is pad=False\)"
+    with pytest.raises(TypeError, match=renamed):
+        coordl.Shard(rank=0, world_size=2, drop_last=True)
+    with pytest.raises(TypeError, match=r"Shard\(pad\) must be a bool"):
+        coordl.Shard(pad=1)
+
+
+def test_the_loaders_tiers_are_named_apart_from_the_package_and_the_option(tiny_dataset):
+    """``loader.node_cache`` (a NodeCache, attached) is not ``cache=`` (a Cache, asked for), and
+    ``loader.tier_plan`` does not shadow the package ``coordl.tiers``."""
+    from coordl.fetch.cache import NodeCache
+    from coordl.tiers.plan import TierPlan
+
+    with _loader(tiny_dataset, batch_size=16, cache=10**6) as loader:
+        assert isinstance(loader.node_cache, NodeCache) and isinstance(loader.tier_plan, TierPlan)
+        assert isinstance(loader.options.cache, coordl.Cache)
+        assert loader.decoded_tier is None and loader.disk_tier is None
+        assert not hasattr(loader, "cache") and not hasattr(loader, "tiers")
+
+
 def test_num_workers_means_worker_processes_only(tiny_dataset):
     with pytest.raises(ValueError, match=r"DALI decodes .* on threads .*prep=coordl.Prep\(threads=N\)"):
         CoordLoader(tiny_dataset, pipeline=VAL, num_workers=4)
@@ -112,10 +137,10 @@ def test_shuffle_is_off_by_default_as_with_dataloader(tiny_dataset):
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_drop_last_is_dataloaders_and_the_tail_is_distributed_samplers(tiny_dataset, drop_last, shard_drop_last):
     """Every rank's batches are those of DataLoader(batch_size, drop_last) over
-    DistributedSampler(drop_last=Shard(drop_last)), unshuffled: 120 samples over 7 ranks in batches of 5."""
+    DistributedSampler(drop_last=not Shard(pad)), unshuffled: 120 samples over 7 ranks in batches of 5."""
     world, bs = 7, 5
     for rank in range(world):
-        shard = coordl.Shard(rank=rank, world_size=world, drop_last=shard_drop_last)
+        shard = coordl.Shard(rank=rank, world_size=world, pad=not shard_drop_last)
         with _loader(tiny_dataset, batch_size=bs, drop_last=drop_last, shard=shard) as loader:
             ours = [ids.tolist() for _, _, ids in loader]
             assert len(loader) == len(ours) and len(loader.sampler) == sum(map(len, ours)) or drop_last
@@ -130,7 +155,7 @@ def test_the_options_are_what_the_loader_holds(tiny_dataset):
         o = loader.options
         assert o.cache == coordl.Cache(size=10**5) and o.peers.enabled is False
         assert o.prep.threads == 2 == loader.num_threads and o.fetch.threads == 3
-        assert loader.resources.io_threads == 3 and loader.cache.budget == 10**5
+        assert loader.resources.io_threads == 3 and loader.node_cache.budget == 10**5
 
 
 # -- the epoch order is coordl's own, and versioned -----------------------------------------------
@@ -228,7 +253,7 @@ def test_a_budget_shrunk_to_fit_warns_at_the_users_line(tiny_dataset, monkeypatc
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with _loader(tiny_dataset, cache="1GB") as loader:
-            assert loader.cache is None
+            assert loader.node_cache is None
     shrunk = [w for w in caught if "does not fit" in str(w.message)]
     assert shrunk and all(w.filename == __file__ for w in shrunk), [(w.filename, w.lineno) for w in caught]
 

@@ -163,7 +163,7 @@ def test_three_ranks_cover_the_dataset(tiny_dataset, drop_last):
             drop_last=drop_last,
             batch_size=7,
             cache=0,
-            shard=coordl.Shard(rank=rank, world_size=3, drop_last=drop_last),
+            shard=coordl.Shard(rank=rank, world_size=3, pad=not drop_last),
         ) as loader:
             per_rank.append(flat(epoch_ids(loader)))
     everything = sorted(i for ids in per_rank for i in ids)

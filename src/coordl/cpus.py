@@ -12,14 +12,14 @@ them only wait for each other:
 A quota of a fraction of a CPU counts as the whole CPU it reaches into (1.5 -> 2), and never
 less than 1. :func:`available` is the least of them all. Nothing is cached: affinity may change
 while the process runs. The ``parse_*`` functions are pure (the files' text in, CPUs out);
-:func:`cgroup_quota` reads the files, in the cgroups that :mod:`coordl.shm.cgroups` finds.
+:func:`cgroup_quota` reads the files, in the cgroups that :mod:`coordl.cgroups` finds.
 """
 
 from __future__ import annotations
 
 import os
 
-from coordl.shm import cgroups
+from coordl import cgroups
 
 __all__ = ["available", "cgroup_quota", "parse_cfs_quota", "parse_cpu_max"]
 

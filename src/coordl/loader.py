@@ -19,15 +19,16 @@ from collections.abc import Sequence
 from coordl import cpus, lifecycle, sources, world
 from coordl.accounting import print_epoch_line
 from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
-from coordl.fetch import disk as disk_tier
-from coordl.fetch import peer
+from coordl.fetch import disk, peer
 from coordl.fetch.fetcher import FetchCounters
 from coordl.index import Index
-from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard, refuse_renamed
+from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
 from coordl.prep.recipes import decoded_form, recipe_key
+from coordl.prep.site import site
+from coordl.renamed import refuse_renamed
 from coordl.resources import Resources
 from coordl.sampler import ORDER_VERSION
 from coordl.schedule import Locality, Schedule
@@ -66,8 +67,8 @@ class CoordLoader(DataLoaderAttributes):
             random transforms repeat from run to run. ``pin_memory`` has no effect with DALI, whose
             outputs are on their device already.
         drop_last: drop each rank's last incomplete batch (``DataLoader``'s). Whether the ranks'
-            shards are padded or cut is ``shard=coordl.Shard(drop_last=...)``
-            (``DistributedSampler``'s, padded by default).
+            shards are padded or cut is ``shard=coordl.Shard(pad=...)``
+            (padded by default, as ``DistributedSampler``).
         in_order: must be True: batches arrive in the epoch's order, which resume counts on.
         pipeline: how DALI pre-processes a folder, a list or an index (required for them):
             ``"imagenet-train"`` (random resized crop, flip, normalise), ``"imagenet-val"`` (resize,
@@ -168,10 +169,7 @@ class CoordLoader(DataLoaderAttributes):
         self._peers_refusal = peer.refusal(self.options.peers, self.backend, self.options.hp_group is not None)
         if self._peers_refusal is not None and self.options.peers.enabled is True:
             raise ValueError(f"peers=True, but the partitioned cache cannot run: {self._peers_refusal}")
-        if sources.is_remote(self.options.prep):
-            from coordl.remote.cluster import connect
-
-            connect(self.options.prep.address)  # no cluster there: an error now, not at the first pass
+        site(self.options.prep).connect()  # RayPrep's cluster: none there is an error now, not at the first pass
         if self.backend == "dali":
             import coordl.prep.dali  # noqa: F401 - DALI's import takes seconds: now, not in the first pass
 
@@ -188,7 +186,7 @@ class CoordLoader(DataLoaderAttributes):
             shuffle=self.config.shuffle,
             drop_last=self.config.drop_last,
             seed=self.config.seed,
-            shard_drop_last=self.options.shard.drop_last,
+            shard_drop_last=not self.options.shard.pad,
         )
         self.position = Position(len(self.index), self.config.batch_size)
         self._world: world.World | None = None  # read when the first pass starts
@@ -197,10 +195,11 @@ class CoordLoader(DataLoaderAttributes):
         self._pass_ref = None  # the running pass (weakly: a dropped pass closes itself)
         self._last: PassStats | None = None
         self._pid = os.getpid()
-        self.tiers = self._plan_tiers()
-        self.cache, self.decoded = self.tiers.open(self.index.sizes)  # the node's, attached (made by the first job)
-        self.disk_spec = disk_tier.spec_for(self.options.cache.disk, self.index)
-        self.disk = self.disk_spec.open() if self.disk_spec is not None else None  # the local-storage tier
+        self.tier_plan = self._plan_tiers()
+        # The node's tiers, attached (made by the first job); the memory tier is CoorDL's MinIO cache.
+        self.node_cache, self.decoded_tier = self.tier_plan.open(self.index.sizes)
+        self._disk_spec = disk.spec_for(self.options.cache.disk, self.index)
+        self.disk_tier = self._disk_spec.open() if self._disk_spec is not None else None  # the local-storage tier
         self._closed = False
         lifecycle.track(self)
 
@@ -242,7 +241,7 @@ class CoordLoader(DataLoaderAttributes):
     def num_threads(self) -> int:
         """DALI's threads: ``Prep(threads)``, else what ``Cache(decoded="auto")`` chose, else the CPUs
         this process may use over the ranks on its node."""
-        return self.options.prep.threads or self.tiers.threads or self._default_threads()
+        return self.options.prep.threads or self.tier_plan.threads or self._default_threads()
 
     def __len__(self) -> int:
         return self.schedule.num_batches(self.world.world_size)
@@ -416,17 +415,21 @@ class CoordLoader(DataLoaderAttributes):
                 return_index=self.config.return_index,
                 collate_fn=self.torch_options.collate_fn,
             )
-        remote = None
-        if sources.is_remote(o.prep):
-            remote = dict(options=o.prep, backend=self.backend, config=self.config, cache=o.cache, recipe=self.recipe)
-            remote.update(torch_options=self.torch_options, device_id=self.device_id)
+        remote = site(o.prep).actors(
+            backend=self.backend,
+            config=self.config,
+            cache=o.cache,
+            recipe=self.recipe,
+            torch_options=self.torch_options,
+            device_id=self.device_id,
+        )
         return Resources.open(
             self.index,
-            self.cache,
-            self.decoded,
-            self.tiers.encoded,
-            disk=self.disk,
-            disk_spec=self.disk_spec,
+            self.node_cache,
+            self.decoded_tier,
+            self.tier_plan.encoded,
+            disk=self.disk_tier,
+            disk_spec=self._disk_spec,
             world=w,
             io_threads=o.fetch.threads if dali else 0,
             peers=o.peers if why is None else None,
@@ -524,8 +527,8 @@ class CoordLoader(DataLoaderAttributes):
         out = self._stats()
         if self.index.boxes is not None:
             out["index_skipped"] = dict(self.index.boxes.skipped)
-        if self.disk is not None and not self.disk.closed:
-            out["disk_cache_bytes"], out["disk_cache_budget"] = self.disk.used(), self.disk.budget
+        if self.disk_tier is not None and not self.disk_tier.closed:
+            out["disk_cache_bytes"], out["disk_cache_budget"] = self.disk_tier.used(), self.disk_tier.budget
         return out
 
     def _stats(self) -> dict:
@@ -534,15 +537,12 @@ class CoordLoader(DataLoaderAttributes):
             return running.stats().as_dict()
         if self._last is not None:
             return self._last.as_dict()
-        s = pass_stats(self.position.epoch, None if self._closed else self.cache, FetchCounters())
+        s = pass_stats(self.position.epoch, None if self._closed else self.node_cache, FetchCounters())
         if self.options.hp_group is not None:
             from coordl.staging.member import EMPTY_GROUP_STATS
 
             s.extra.update(EMPTY_GROUP_STATS)
-        if sources.is_remote(self.options.prep):
-            from coordl.remote.passes import EMPTY_REMOTE_STATS
-
-            s.extra.update(EMPTY_REMOTE_STATS)
+        s.extra.update(site(self.options.prep).stats_fields())
         return s.as_dict()
 
     # -- lifetime ---------------------------------------------------------------------------------------
@@ -564,11 +564,11 @@ class CoordLoader(DataLoaderAttributes):
             self._member.close()
         if self._resources is not None:
             self._resources.close()
-        for cache in (self.decoded, self.cache):
+        for cache in (self.decoded_tier, self.node_cache):
             if cache is not None:
                 cache.close()
-        if self.disk is not None:
-            self.disk.close()  # after the writes this process queued (bounded)
+        if self.disk_tier is not None:
+            self.disk_tier.close()  # after the writes this process queued (bounded)
 
     def __enter__(self):
         return self
@@ -587,8 +587,8 @@ class CoordLoader(DataLoaderAttributes):
             prep = f"dataset={type(self.dataset).__name__}, num_workers={self.num_workers}"
         else:
             prep = f"pipeline={getattr(self.recipe, 'name', 'custom')!r}"
-        w = self.world
+        w, cache = self.world, self.node_cache
         return (
             f"CoordLoader({self.index.root or f'{len(self.index)} samples'!s}, batch_size={self.batch_size}, "
-            f"{prep}, rank={w.rank}/{w.world_size}, cache={'off' if self.cache is None else self.cache.budget})"
+            f"{prep}, rank={w.rank}/{w.world_size}, cache={'off' if cache is None else cache.budget})"
         )

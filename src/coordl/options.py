@@ -16,22 +16,23 @@ argument      option object                                shorthand
 ``fetch``     :class:`Fetch` (reads from storage)          none
 ============  ===========================================  ==========================================
 
-:class:`Options` holds a loader's six, and :data:`RENAMED` the arguments of earlier versions that
-one of them replaced. Sizes are parsed and ``"auto"`` recognised here, once: the rest of coordl sees :data:`AUTO`, an
-``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction of the dataset.
+:class:`Options` holds a loader's six (:mod:`coordl.renamed`: the arguments of earlier versions
+that one of them replaced). Sizes are parsed and ``"auto"`` recognised here, once: the rest of
+coordl sees :data:`AUTO`, an ``int`` of bytes, or (for :attr:`Cache.size`) a ``float`` fraction
+of the dataset. Where :class:`Prep` and :class:`RayPrep` make the loader's
+batches is :mod:`coordl.prep.site`'s, the one place that tells them apart.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import KW_ONLY, dataclass
 
+from coordl.renamed import refusing
 from coordl.units import parse_bytes
 
 __all__ = [
     "AUTO",
-    "RENAMED",
     "Cache",
     "Disk",
     "Fetch",
@@ -41,7 +42,6 @@ __all__ = [
     "Prep",
     "RayPrep",
     "Shard",
-    "refuse_renamed",
 ]
 
 AUTO = "auto"
@@ -275,17 +275,18 @@ class Shard:
             is made).
         world_size: the number of ranks. None: as ``rank``, from ``torch.distributed``, else
             ``$WORLD_SIZE``, else 1.
-        drop_last: ``DistributedSampler``'s ``drop_last``. ``False`` (default): the order is
+        pad: how the order is shared when the ranks do not divide it. ``True`` (default): it is
             padded by repeating its head, so every rank gets ``ceil(n / W)`` samples (at most
-            ``W - 1`` repeats per epoch). ``True``: its tail is dropped, so every rank gets
-            ``floor(n / W)`` and none repeats. (``CoordLoader(drop_last=...)`` is
-            ``DataLoader``'s: it drops each rank's last incomplete batch.)
+            ``W - 1`` repeats per epoch). ``False``: its tail is left out, so every rank gets
+            ``floor(n / W)`` and none repeats. ``pad=False`` is ``DistributedSampler``'s
+            ``drop_last=True``; ``CoordLoader(drop_last=...)`` is ``DataLoader``'s, which
+            drops each rank's last incomplete batch.
     """
 
     rank: int | None = None
     _: KW_ONLY  # the fields after the first are given by name
     world_size: int | None = None
-    drop_last: bool = False
+    pad: bool = True
 
     def __post_init__(self):
         for name in ("rank", "world_size"):
@@ -298,8 +299,8 @@ class Shard:
             raise ValueError(f"Shard(rank) must be non-negative, got {self.rank}")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
-        if not isinstance(self.drop_last, bool):
-            raise TypeError(f"Shard(drop_last) must be a bool, got {self.drop_last!r}")
+        if not isinstance(self.pad, bool):
+            raise TypeError(f"Shard(pad) must be a bool, got {self.pad!r}")
 
     @classmethod
     def of(cls, value) -> Shard:
@@ -392,6 +393,9 @@ class RayPrep:
             batches hold in Ray's object store.
         max_workers: the most actors ``workers="auto"`` starts (None: as many as the cluster's
             free CPUs allow).
+        on_trainer_node: actors may run on the trainer's own Ray node. False (the default): they
+            run on the other nodes only, whatever CPUs the trainer's node lends to Ray, since the
+            training loop and the local pipeline use the trainer's CPUs.
     """
 
     address: str = AUTO
@@ -404,11 +408,19 @@ class RayPrep:
     output: str = "pipeline"
     in_flight: int | None = None
     max_workers: int | None = None
+    on_trainer_node: bool = False
 
     def __post_init__(self):
         if not isinstance(self.address, str) or not self.address.strip():
             raise TypeError(f"RayPrep(address) must be 'auto' or 'host:port', got {self.address!r}")
         refuse_ray_client(self.address, f"RayPrep(address={self.address!r})", ValueError)
+        if self.address not in (AUTO, "local"):
+            from coordl.remote import address
+
+            try:
+                address.split(self.address)
+            except ValueError as e:
+                raise ValueError(f"RayPrep(address): {e}") from None
         if _auto(self.workers):
             object.__setattr__(self, "workers", AUTO)
         else:
@@ -429,6 +441,8 @@ class RayPrep:
             _positive_int(self.in_flight, "RayPrep(in_flight)")
         if self.max_workers is not None:
             _positive_int(self.max_workers, "RayPrep(max_workers)")
+        if not isinstance(self.on_trainer_node, bool):
+            raise TypeError(f"RayPrep(on_trainer_node) must be True or False, got {self.on_trainer_node!r}")
 
 
 @dataclass(frozen=True)
@@ -461,44 +475,8 @@ class Fetch:
         raise TypeError(f"fetch must be a coordl.Fetch, got {type(value).__name__}")
 
 
-#: Arguments of earlier versions, and what says the same now.
-RENAMED = {
-    "cache_bytes": "cache= (cache='40GB', or coordl.Cache(size=...))",
-    "decoded_cache": "cache=coordl.Cache(size=..., decoded=...)",
-    "keep_cache": "cache=coordl.Cache(..., keep=True)",
-    "num_threads": "prep=coordl.Prep(threads=...)",
-    "io_threads": "fetch=coordl.Fetch(threads=...)",
-    "prefetch_batches": "fetch=coordl.Fetch(batches_ahead=...)",
-    "rank": "shard=coordl.Shard(rank=..., world_size=...)",
-    "world_size": "shard=coordl.Shard(rank=..., world_size=...)",
-    "locality_aware": "peers=coordl.Peers(locality_aware=...)",
-    "peer_timeout": "peers=coordl.Peers(timeout=...)",
-    "peer_retry_after": "peers=coordl.Peers(retry_after=...)",
-    "peer_interface": "peers=coordl.Peers(interface=...)",
-    "peer_port": "peers=coordl.Peers(port=...)",
-    "hp_staging": "hp_group=coordl.HPGroup(name, staging=...)",
-    "hp_idle_timeout": "hp_group=coordl.HPGroup(name, idle_timeout=...)",
-    "extensions": "data=coordl.Index.scan(root, extensions=...)",
-    "index_dir": "data=coordl.Index.scan(root, index_dir=...)",
-}
-
-
-def refuse_renamed(init):
-    """Names the new spelling of an argument of an earlier version (a ``TypeError``, as for any
-    unknown argument); ``inspect.signature`` still shows ``init``'s own parameters."""
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        old = sorted(RENAMED.keys() & kwargs.keys())
-        if old:
-            raise TypeError(
-                "CoordLoader does not take "
-                + "; ".join(f"{name}= any more: pass {RENAMED[name]}" for name in old)
-                + " (docs/migration.md#from-coordl-01 lists every one)"
-            )
-        return init(self, *args, **kwargs)
-
-    return checked
+# coordl 0.2's Shard(pad) was Shard(drop_last) in earlier builds of 0.2 (see coordl.renamed).
+Shard.__init__ = refusing({"drop_last": "pad= (drop_last=True is pad=False)"}, "coordl.Shard")(Shard.__init__)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from coordl import env
 from coordl.config import TorchOptions
 from coordl.index import Index
-from coordl.options import Fetch, Options, Prep
-from coordl.prep.recipes import is_audio, is_detection, normalised, resolve_recipe
+from coordl.options import Fetch, Options
+from coordl.prep.recipes import is_audio, is_detection, resolve_recipe
+from coordl.prep.site import site
 
 __all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
 
@@ -75,18 +76,6 @@ def open_source(
         index = make_index(data, skip=on_error == "skip", boxes=is_detection(recipe), audio=is_audio(recipe))
         _check_targets(recipe, index)
         source = Source("dali", index, index, recipe, resolve_device(device_id))
-        remote = options.prep if is_remote(options.prep) else None
-        if remote is not None and remote.output == "uint8" and not uint8_able(source.recipe):
-            raise ValueError(
-                "RayPrep(output='uint8') sends the pixels of 'imagenet-train' or 'imagenet-val' (a float32 "
-                "ImageNetTrain or ImageNetVal) before normalisation; this pipeline has no such step: use "
-                "output='pipeline'"
-            )
-        if remote is not None and options.cache.decoded != 0:
-            raise ValueError(
-                "Cache(decoded=...) and RayPrep: the decoded tier saves this machine's CPUs, remote prep adds "
-                "others'; use one of them (Cache(decoded=0) with RayPrep)"
-            )
     else:
         if pipeline is not None:
             raise ValueError("pipeline= is for DALI; with a dataset, its transform is the pre-processing")
@@ -100,22 +89,13 @@ def open_source(
                 "device_id= is where DALI decodes and delivers; on the torch backend the batches are collate_fn's, "
                 "on the CPU: move them with .to(device) (pin_memory=True pins them for that)"
             )
-        if options.prep != Prep() and not is_remote(options.prep):
-            raise ValueError(
-                "prep= sets DALI's threads; the torch backend pre-processes in num_workers DataLoader processes "
-                "(or on a Ray cluster: prep=coordl.RayPrep(...))"
-            )
-        if is_remote(options.prep) and (options.prep.output != "pipeline" or options.prep.threads is not None):
-            raise ValueError(
-                "RayPrep(output='uint8') and RayPrep(threads) are for DALI's pipelines; on the torch backend the "
-                "actors send collate_fn's batches and the local part runs in num_workers DataLoader processes"
-            )
         if options.fetch != Fetch():
             raise ValueError(
                 "fetch= tunes the DALI backend's reads; the torch backend's workers read their own batches"
             )
         # The batches are collate_fn's, on the CPU (pinned with pin_memory).
         source = Source("torch", dataset.index, dataset, None, None)
+    site(options.prep).check(source.backend, source.recipe, options.cache)
     if len(source.index) == 0:
         raise ValueError("the dataset has no samples")
     return source
@@ -135,18 +115,6 @@ def _check_targets(recipe, index: Index) -> None:
             f"this dataset's targets are boxes, which pipeline {name!r} would not move with the pixels: use "
             "pipeline='ssd-train' or 'ssd-val' (coordl.SSDTrain / coordl.SSDVal)"
         )
-
-
-def is_remote(prep) -> bool:
-    """Whether ``prep`` (a loader's option) is remote prep (:class:`~coordl.RayPrep`)."""
-    from coordl.options import RayPrep
-
-    return isinstance(prep, RayPrep)
-
-
-def uint8_able(recipe) -> bool:
-    """Whether the recipe's pixels can travel as uint8 and be normalised after (the built-in ones)."""
-    return normalised(recipe)
 
 
 def as_dataset(data):

@@ -43,7 +43,7 @@ class SamplerView:
 
     @property
     def drop_last(self) -> bool:
-        """``DistributedSampler``'s: the shards are cut rather than padded (``Shard(drop_last)``)."""
+        """``DistributedSampler``'s: the shards are cut rather than padded (``Shard(pad=False)``)."""
         return self._loader.schedule.shard_drop_last
 
     def set_epoch(self, epoch: int) -> None:

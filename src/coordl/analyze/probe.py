@@ -35,12 +35,13 @@ from typing import Protocol
 import numpy as np
 
 import coordl
-from coordl import cpus, sampler, sources
+from coordl import cpus, sampler
 from coordl.fetch import samples
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.spec import CacheSpec
 from coordl.loader import CoordLoader
 from coordl.passes import Pass, Step
+from coordl.prep.site import site
 from coordl.threads import daemon_pool
 
 __all__ = ["ENV", "AnalyzedLoader", "Target", "batch_bytes", "claim", "install", "spec"]
@@ -295,9 +296,7 @@ class PrepPass(_Timed):
         self.result["subset_bytes"] = int(index.sizes[order].sum())
         self.result["output_sample_bytes"] = out / self.bs
         self.result["output_uint8_sample_bytes"] = out_uint8 / self.bs
-        remote = sources.is_remote(ld.options.prep)
-        self.result["remote_output"] = ld.options.prep.output if remote else None
-        self.result["remote_reads"] = ld.options.prep.reads if remote else None
+        self.result.update(site(ld.options.prep).report_fields())
         self.result.update(_decoded_rates(ld))
         # 3. R: the script's step on cached data (the pass below)
         self._drive(cycle())

@@ -17,9 +17,11 @@ import time
 from coordl import lifecycle
 from coordl.errors import CoordlError
 from coordl.options import refuse_ray_client
+from coordl.remote.address import join as address_join
+from coordl.remote.address import split as address_split
 from coordl.threads import OwnedLock
 
-__all__ = ["DEPTH", "Dispatch", "WorkerPool", "cause", "connect", "ray_module"]
+__all__ = ["DEPTH", "Dispatch", "WorkerPool", "actor_options", "cause", "connect", "free_cpus", "ray_module"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +59,16 @@ def connect(address: str) -> None:
         env = os.environ.get("RAY_ADDRESS", "")
         refuse_ray_client(env, f"RAY_ADDRESS={env!r}", CoordlError)
     hint = (
-        "start one with `ray start --head` on this machine (and `ray start --address=<head>:6379` on the "
-        "others), or pass RayPrep(address='<head>:6379'); see docs/remote-prep.md"
+        "start one with `ray start --head --num-cpus=0` on this machine (0: it lends no CPUs to actors) and "
+        "`ray start --address=<head>:6379` on the others, or pass RayPrep(address='<head>:6379'); see "
+        "docs/remote-prep.md"
     )
     if target not in ("auto", "local"):
-        host, _, port = target.rpartition(":")
+        host, port = address_split(target)  # RayPrep checked it; an IPv6 host comes without brackets
+        target = address_join(host, port)  # Ray's form: "[::1]:6379"
         try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-        except (OSError, ValueError) as e:
+            socket.create_connection((host, port), timeout=5).close()
+        except OSError as e:
             raise CoordlError(
                 f"coordl: no Ray cluster at RayPrep(address={address!r}) ({target}: {e}); {hint}"
             ) from None
@@ -92,6 +96,43 @@ def actor_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith(("COORDL_", "AWS_"))}
 
 
+NODE_ID = "ray.io/node-id"  # the label Ray gives every node (Ray 2.49 and later)
+
+
+def actor_options(on_trainer_node: bool) -> dict:
+    """Ray's options for a new actor: the trainer's settings (:func:`actor_env`) in its
+    environment, and, unless ``on_trainer_node`` (``RayPrep(on_trainer_node)``), a node other than
+    the trainer's: the trainer's CPUs run its training loop and its own pipeline, whatever its
+    node lends to Ray."""
+    env = actor_env()
+    options = {"runtime_env": {"env_vars": env}} if env else {}
+    if not on_trainer_node:
+        options["label_selector"] = {NODE_ID: "!" + trainer_node()}
+    return options
+
+
+def trainer_node() -> str:
+    """The Ray node id of this process's node."""
+    return ray_module().get_runtime_context().get_node_id()
+
+
+def free_cpus(on_trainer_node: bool) -> float:
+    """Ray's free CPUs where an actor may be placed: every node's, less the trainer's unless
+    ``on_trainer_node``. 0.0 once this process is no longer connected to the cluster (the loader is
+    closing); any other failure is raised."""
+    ray = ray_module()
+    from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public one per node
+
+    try:
+        nodes = available_resources_per_node()
+        trainer = None if on_trainer_node else trainer_node()
+    except (ray.exceptions.RaySystemError, ray.exceptions.RpcError, ConnectionError):
+        if ray.is_initialized():
+            raise
+        return 0.0  # ray.shutdown() ran: the script is ending
+    return float(sum(free.get("CPU", 0.0) for node, free in nodes.items() if node != trainer))
+
+
 class WorkerPool:
     """The actors preparing one loader's units.
 
@@ -104,14 +145,17 @@ class WorkerPool:
         job: what they prepare (:class:`~coordl.remote.worker.Job`).
         workers: actors to start now.
         cpus: Ray CPUs per actor.
+        on_trainer_node: actors may run on the trainer's node (``RayPrep(on_trainer_node)``).
     """
 
-    def __init__(self, job, workers: int, cpus: int):
+    def __init__(self, job, workers: int, cpus: int, on_trainer_node: bool = False):
         ray = ray_module()
         from coordl.remote.worker import PrepWorker
 
         self._ray = ray
         self._cpus = cpus
+        self.on_trainer_node = on_trainer_node
+        self._options = actor_options(on_trainer_node)
         self._job_ref = ray.put(job)
         self._cls = ray.remote(num_cpus=cpus, max_restarts=0, max_concurrency=1)(PrepWorker)
         self._lock = OwnedLock()
@@ -148,12 +192,10 @@ class WorkerPool:
     def add(self) -> None:
         """Starts one more actor; it takes units once it is ready. Nothing once closed (a pass's
         thread may replace a dead actor while the loader closes)."""
-        env = actor_env()
-        options = {"runtime_env": {"env_vars": env}} if env else {}
         with self._lock:
             if self.closed:
                 return
-            actor = self._cls.options(**options).remote(self._job_ref, self.started)
+            actor = self._cls.options(**self._options).remote(self._job_ref, self.started)
             self._actors.append(actor)
             self._starting[actor.ready.remote()] = actor
             self.started += 1
@@ -252,10 +294,8 @@ class WorkerPool:
             return len(self._actors)
 
     def free_cpus(self) -> float:
-        try:
-            return float(self._ray.available_resources().get("CPU", 0.0))
-        except Exception:  # noqa: BLE001 - the cluster is going away
-            return 0.0
+        """Ray's free CPUs where this pool may place an actor (:func:`free_cpus`)."""
+        return free_cpus(self.on_trainer_node)
 
     @property
     def cpus(self) -> int:

@@ -76,7 +76,7 @@ class RemotePrep:
         self.device_id = device_id
         self.normalize = normalize
         auto = options.workers == "auto"
-        self.pool = WorkerPool(job, 1 if auto else options.workers, options.cpus_per_worker)
+        self.pool = WorkerPool(job, 1 if auto else options.workers, options.cpus_per_worker, options.on_trainer_node)
         self._last_scale = time.monotonic()
         self.least = 0 if options.local else 1
         self.waited_total = 0.0
@@ -91,6 +91,7 @@ class RemotePrep:
             mean = torch.tensor([m * 255 for m in recipe.mean]).view(1, 3, 1, 1)
             std = torch.tensor([s * 255 for s in recipe.std]).view(1, 3, 1, 1)
             normalize = (mean, std)
+        from coordl.remote import versions
         from coordl.remote.cluster import actor_env
 
         job = Job(
@@ -108,6 +109,7 @@ class RemotePrep:
             worker_init_fn=torch_options.worker_init_fn,
             first_worker_id=torch_options.num_workers if options.local else 0,
             env=actor_env(),
+            versions=versions.versions(backend),
         )
         return cls(options, job, device_id, normalize)
 

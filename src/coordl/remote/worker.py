@@ -71,6 +71,7 @@ class Job:
     worker_init_fn: object = None  # torch: called in each actor with its worker id, as in a DataLoader worker
     first_worker_id: int = 0  # the first actor's worker id (after the local DataLoader's workers)
     env: dict = field(default_factory=dict)  # COORDL_* and AWS_* of the trainer
+    versions: dict = field(default_factory=dict)  # the trainer's (coordl.remote.versions), checked by each actor
 
 
 class Arrays:
@@ -149,7 +150,9 @@ class PrepWorker:
     def __init__(self, job: Job, number: int = 0):
         from coordl import lifecycle
         from coordl.fetch.fetcher import Fetcher
+        from coordl.remote import versions
 
+        versions.check(job.versions, job.backend, socket.gethostname())  # before anything of the job runs
         os.environ.update(job.env)
         self.job = job
         self.index = job.index

@@ -13,8 +13,8 @@ as ``coordl.<fingerprint>.<kind>[.<id>]``; ``ls /dev/shm/coordl.*`` shows all of
 - :mod:`.reaper` removes groups that no live process uses.
 - :mod:`.limits` reads the memory limits (cgroups, the machine) that shared memory counts
   against, and how much room each leaves.
-- :mod:`.cgroups` finds the folders of this process's cgroup and its ancestors, for a
-  controller, in cgroup v1 and v2: :mod:`.limits` reads memory's, :mod:`coordl.cpus` the CPU quota.
 
-Nothing here imports the rest of coordl.
+Nothing here imports the rest of coordl but :mod:`coordl.cgroups` (which imports nothing of
+coordl): where this process's cgroups are, for :mod:`.limits` (memory's) as for
+:mod:`coordl.cpus` (the CPU quota).
 """

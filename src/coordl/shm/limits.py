@@ -21,7 +21,7 @@ Every limit keeps a :func:`margin` free for the processes' own growth and the ot
 of the group; :attr:`Level.room` is what is left for a cache beyond it, and :func:`tightest`
 the limit that leaves the least. The ``parse_*`` functions and :func:`cgroup_dirs` are pure (the
 files' text in, values out); :func:`levels` reads the files, in the cgroups that
-:mod:`coordl.shm.cgroups` finds.
+:mod:`coordl.cgroups` finds.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from coordl.shm import cgroups
-from coordl.shm.cgroups import Mount, cgroup_dirs
+from coordl import cgroups
+from coordl.cgroups import Mount, cgroup_dirs
 
 __all__ = [
     "Level",
@@ -90,7 +90,7 @@ class Level:
 
 
 # -- parsing: the files' text in, values out ------------------------------------------------------
-# (where the cgroups are is found by coordl.shm.cgroups, for any controller; these read memory's)
+# (where the cgroups are is found by coordl.cgroups, for any controller; these read memory's)
 def parse_proc_cgroup(text: str) -> dict[int, str]:
     """The process's cgroup paths from ``/proc/<pid>/cgroup``: ``{1: v1 memory path, 2: v2 path}``."""
     return cgroups.parse_proc_cgroup(text, "memory")
