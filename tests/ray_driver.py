@@ -648,6 +648,44 @@ def hp_stage(root: str, out: str) -> None:
         write(out, {"ids": ids, "stage_batch": loader.stats()["stage_batch"]})
 
 
+def term(root: str, out: str) -> None:
+    """A trainer with RayPrep (one actor, and the trainer's own DALI thread) in its training loop
+    until SIGTERM: it writes its actor's process once the actor is ready, then trains for ever."""
+    loader = dali(root, coordl.RayPrep(workers=1, local=True, threads=1), batch_size=4)
+    wait_actors(loader, 1)
+    write(out, {"procs": actor_procs(loader)})
+    for epoch in range(10**6):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            time.sleep(0.005)  # the training step
+
+
+def pool_race(root: str, out: str) -> None:
+    """Four threads polling the pool at once while its two actors start (as a pass's and an HP
+    group member's dispatch threads may), then an epoch: what each saw go wrong, and the pool."""
+    with dali(root, coordl.RayPrep(workers=2, local=False), batch_size=4) as loader:
+        pool = loader.resources.remote.pool
+        errors: list[str] = []
+
+        def poll() -> None:
+            deadline = time.monotonic() + 60
+            while len(pool.ready) < 2 and time.monotonic() < deadline:
+                try:
+                    pool.poll(0.5)
+                except Exception as e:  # noqa: BLE001 - reported
+                    errors.append(repr(e))
+                    return
+
+        threads = [threading.Thread(target=poll) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen = {"ready": len(pool.ready), "size": pool.size, "started": pool.started, "died": pool.died}
+        ids = epochs(loader, 1)[0]["ids"]
+        write(out, {"errors": errors, **seen, "ids": ids, "stats": loader.stats()})
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -670,6 +708,8 @@ SCENARIOS = {
         hp_member,
         hp,
         hp_stage,
+        term,
+        pool_race,
     )
 }
 

@@ -121,6 +121,33 @@ def test_group_of_one_delivers_what_a_plain_loader_delivers(tiny_dataset, isolat
     assert os.listdir(isolated) == []  # closing the last member removed the area
 
 
+def test_a_producer_subclass_sets_its_fields_after_super_init(tiny_dataset, isolated, monkeypatch):
+    """A producer is made complete, then started by whoever made it: a subclass (as the remote one)
+    sets its own fields after ``super().__init__`` and its thread sees them. A constructor that
+    started the thread let it run before they were set (an AttributeError in the loop)."""
+    from coordl.staging import member
+
+    class Late(member.Producer):
+        def __init__(self, *args):
+            super().__init__(*args)
+            time.sleep(0.3)  # a thread started in the constructor runs before the field below
+            self.label = "late"
+
+        def _run(self):
+            try:
+                self.label  # noqa: B018 - unset if the thread runs before the constructor's end
+            except AttributeError as e:
+                self.channel.fail(e)  # the loop raises it
+                return
+            super()._run()
+
+    monkeypatch.setattr(member, "Producer", Late)  # what a loader's group member makes
+    with _loader(str(tiny_dataset), hp_group="late") as loader:
+        ids = sorted(i for _, _, b in loader for i in b.tolist())
+    assert ids == list(range(N))
+    assert os.listdir(isolated) == []
+
+
 def test_a_finished_pass_freed_after_the_next_began_leaves_the_next_ones_producers(tiny_dataset, isolated, procs):
     # A training loop that writes ``it = iter(loader)`` each epoch frees the previous pass only after
     # the next one began; closing that finished pass once stopped the new pass's producers, and a

@@ -378,6 +378,62 @@ def test_a_script_s_end_ends_its_actors_and_leaves_no_segment(
     assert segments(isolated) == []
 
 
+@needs_cluster
+def test_sigterm_at_a_random_moment_ends_a_ray_prep_trainer_within_2_s_with_its_actors(
+    cluster, tiny_dataset, isolated, tmp_path
+):
+    """tests/test_sigterm.py's check, for a RayPrep trainer (an actor, and the trainer's own DALI
+    thread): 16 times in a row, SIGTERM at a random moment of its training loop ends it by SIGTERM
+    within 2 s (closing the pool fits the 1.5 s the handler gives the loaders; it could wait 2 s for
+    the actors to leave their caches, then 10 s for them to be gone), with no traceback, its actor
+    gone and nothing left in its shm folder."""
+    import random
+
+    rng = random.Random(47)
+    env = cluster.env(PYTHONPATH=_path(CODE))
+    for k in range(16):
+        out, err = tmp_path / f"term{k}.json", tmp_path / f"term{k}.err"
+        argv = [sys.executable, str(DRIVER), "term", str(tiny_dataset), str(out)]
+        with open(err, "w") as stderr:
+            p = cluster.popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not out.exists() and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert out.exists(), f"round {k}: the trainer never had its actor ready:\n{err.read_text()[-4000:]}"
+            time.sleep(rng.uniform(0.0, 1.5))  # anywhere in its loop: in coordl, in Ray, or in the step
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            cluster.watch()
+        stderr = err.read_text()
+        assert p.returncode == -signal.SIGTERM, f"round {k}: exit status {p.returncode}\n{stderr[-4000:]}"
+        assert took < 2.0, f"round {k}: ended {took:.2f} s after SIGTERM"
+        noise = [line for line in stderr.splitlines() if any(word in line for word in NOISE)]
+        assert noise == [], f"round {k}:\n{stderr[-4000:]}"
+        procs = json.loads(out.read_text())["procs"]
+        assert len(procs) == 1 and gone(procs) == [], f"round {k}: its actor outlived it"
+        assert segments(isolated) == [], f"round {k}: left in shared memory"
+
+
+@needs_cluster
+def test_threads_polling_the_pool_at_once_make_each_actor_ready_once(cluster, tiny_dataset, isolated, tmp_path):
+    """The pool's state is changed under one lock: four threads polling it while its two actors
+    start each see the actor that became ready, and only one of them moves it to the ready ones (each
+    popped it from the starting ones: a KeyError in the others); then an epoch, exactly once."""
+    r = ok(drive(cluster, tmp_path, "pool_race", tiny_dataset))
+    assert r["errors"] == [], r["errors"]
+    assert (r["ready"], r["size"], r["started"], r["died"]) == (2, 2, 2, 0), r
+    exactly_once(r["ids"])
+    assert r["stats"]["remote_units"] == N // 4
+    assert segments(isolated) == []
+
+
 def test_the_start_timeout_is_coordl_s_documented_120_s():
     """guarantees.md: a pass of RayPrep(local=False) whose actors cannot start fails after 120 s."""
     from coordl.remote import passes, prep

@@ -14,10 +14,12 @@ import socket
 import threading
 import time
 
+from coordl import lifecycle
 from coordl.errors import CoordlError
 from coordl.options import refuse_ray_client
 from coordl.remote.address import join as address_join
 from coordl.remote.address import split as address_split
+from coordl.threads import OwnedLock
 
 __all__ = ["DEPTH", "Dispatch", "WorkerPool", "actor_options", "cause", "connect", "free_cpus", "ray_module"]
 
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 2.0  # for actors to leave their nodes' caches when the loader closes
 EXIT_TIMEOUT_S = 10.0  # for the actors that did not leave in time to be gone, once killed
+# After SIGTERM, within the process's SIGTERM_DEADLINE_S (1.5 s), beside the loader's other closing:
+TERM_LEAVE_S = 0.5  # for actors to leave their nodes' caches
+TERM_EXIT_S = 0.5  # then for the killed ones that had not left to be gone
 DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
 
 
@@ -131,6 +136,11 @@ def free_cpus(on_trainer_node: bool) -> float:
 class WorkerPool:
     """The actors preparing one loader's units.
 
+    Its state (the actors, those starting, ready, retiring and leaving, the counts) is read and
+    changed under one lock, by the pass's and the HP group's threads, ``stats()`` and ``close()``;
+    Ray's waits run outside it. The lock is an :class:`~coordl.threads.OwnedLock`: the closing on
+    SIGTERM does not wait for it when the parked main thread holds it.
+
     Args:
         job: what they prepare (:class:`~coordl.remote.worker.Job`).
         workers: actors to start now.
@@ -148,23 +158,41 @@ class WorkerPool:
         self._options = actor_options(on_trainer_node)
         self._job_ref = ray.put(job)
         self._cls = ray.remote(num_cpus=cpus, max_restarts=0, max_concurrency=1)(PrepWorker)
-        self.ready: dict[object, dict] = {}  # actor -> what it said when ready
+        self._lock = OwnedLock()
+        self._ready: dict[object, dict] = {}  # actor -> what it said when ready
         self._starting: dict[object, object] = {}  # ready() ref -> actor
         self._actors: list = []
-        self.retiring: set = set()  # ready actors that take no new units, ended once idle
+        self._retiring: set = set()  # ready actors that take no new units, ended once idle
         self._leaving: dict = {}  # close() ref -> a retired actor leaving its node's cache
         self._where: dict = {}  # actor -> what it said when ready (kept after it retires)
         self.started = 0
         self.died = 0
         self.closed = False
-        self._closing = threading.Lock()  # add() and close() one at a time
         for _ in range(workers):
             self.add()
+
+    @property
+    def ready(self) -> dict:
+        """The ready actors (a copy): actor -> what it said when ready."""
+        with self._lock:
+            return dict(self._ready)
+
+    @property
+    def retiring(self) -> set:
+        """The retiring actors (a copy)."""
+        with self._lock:
+            return set(self._retiring)
+
+    @property
+    def starting(self) -> int:
+        """Actors started and not yet ready."""
+        with self._lock:
+            return len(self._starting)
 
     def add(self) -> None:
         """Starts one more actor; it takes units once it is ready. Nothing once closed (a pass's
         thread may replace a dead actor while the loader closes)."""
-        with self._closing:
+        with self._lock:
             if self.closed:
                 return
             actor = self._cls.options(**self._options).remote(self._job_ref, self.started)
@@ -174,13 +202,22 @@ class WorkerPool:
 
     def remove(self, actor) -> None:
         """Ends ``actor`` now (its units in flight fail and are run again)."""
-        if actor in self._actors:
+        with self._lock:
+            self._forget(actor)
+        self._kill(actor)
+
+    def _forget(self, actor) -> bool:
+        """``actor`` out of every state (under the lock); whether it was started and not ended."""
+        known = actor in self._actors
+        if known:
             self._actors.remove(actor)
-        self.ready.pop(actor, None)
-        self.retiring.discard(actor)
-        for ref, a in list(self._starting.items()):
-            if a is actor:
-                del self._starting[ref]
+        self._ready.pop(actor, None)
+        self._retiring.discard(actor)
+        for ref in [ref for ref, a in self._starting.items() if a is actor]:
+            del self._starting[ref]
+        return known
+
+    def _kill(self, actor) -> None:
         try:
             self._ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -188,53 +225,73 @@ class WorkerPool:
 
     def retire(self, actor) -> None:
         """``actor`` takes no new units; :meth:`reap` ends it once it holds none."""
-        self.ready.pop(actor, None)
-        self.retiring.add(actor)
+        with self._lock:
+            if self._ready.pop(actor, None) is not None:
+                self._retiring.add(actor)
 
     def reap(self, holding) -> None:
         """Ends the retiring actors that hold no unit (``holding(actor)``: units it holds), once
         each has left its node's cache."""
-        for actor in list(self.retiring):
-            if not holding(actor):
-                self.retiring.discard(actor)
+        with self._lock:
+            if self.closed:
+                return
+            for actor in [a for a in self._retiring if not holding(a)]:
+                self._retiring.discard(actor)
                 self._leaving[actor.close.remote()] = actor
-        if self._leaving:
-            done, _ = self._ray.wait(list(self._leaving), num_returns=len(self._leaving), timeout=0)
+            leaving = list(self._leaving)
+        if leaving:
+            done, _ = self._ray.wait(leaving, num_returns=len(leaving), timeout=0)
             for ref in done:
-                self.remove(self._leaving.pop(ref))
+                with self._lock:
+                    actor = self._leaving.pop(ref, None)
+                if actor is not None:
+                    self.remove(actor)
 
-    def died_now(self, actor) -> None:
-        """``actor`` died: forgotten."""
-        if actor in self._actors:
-            self.died += 1
-        self.remove(actor)
+    def died_now(self, actor) -> bool:
+        """``actor`` died: forgotten. True for the first report of the death of an actor that was
+        ready or retiring (one decision, under the lock, when two threads report it)."""
+        with self._lock:
+            first = actor in self._ready or actor in self._retiring
+            if self._forget(actor):
+                self.died += 1
+        self._kill(actor)
+        return first
 
     def poll(self, timeout: float = 0.0) -> None:
         """Moves actors that finished starting to :attr:`ready`; an actor that failed to start is
         dropped, and its error raised when no actor is left at all."""
-        if not self._starting:
+        with self._lock:
+            refs = list(self._starting)
+        if not refs:
             return
-        done, _ = self._ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout)
+        done, _ = self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
         for ref in done:
-            actor = self._starting.pop(ref)
             try:
-                self.ready[actor] = self._where[actor] = self._ray.get(ref)
+                info, error = self._ray.get(ref), None
             except Exception as e:  # noqa: BLE001 - the actor could not start
-                self.died_now(actor)
-                if not self._actors:
-                    raise CoordlError(f"coordl: RayPrep's actors cannot start: {cause(e)}") from None
-                log.warning("coordl: a RayPrep actor could not start: %s", cause(e))
+                info, error = None, e
+            with self._lock:
+                actor = self._starting.pop(ref, None)
+                if actor is not None and error is None:
+                    self._ready[actor] = self._where[actor] = info
+            if actor is None or error is None:  # removed meanwhile (closed), or ready
+                continue
+            self.died_now(actor)
+            if not self.size:
+                raise CoordlError(f"coordl: RayPrep's actors cannot start: {cause(error)}") from None
+            log.warning("coordl: a RayPrep actor could not start: %s", cause(error))
 
     def wait_ready(self, timeout: float) -> None:
         """Waits until at least one actor is ready (or none is starting), at most ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while self._starting and not self.ready and time.monotonic() < deadline:
+        while self.starting and not self.ready and time.monotonic() < deadline:
             self.poll(min(0.5, max(0.0, deadline - time.monotonic())))
 
     @property
     def size(self) -> int:
         """Actors started and not ended (ready or starting)."""
-        return len(self._actors)
+        with self._lock:
+            return len(self._actors)
 
     def free_cpus(self) -> float:
         """Ray's free CPUs where this pool may place an actor (:func:`free_cpus`)."""
@@ -249,31 +306,39 @@ class WorkerPool:
         all), then is killed. An actor that had not left by then (on busy cores it may still be
         running its units, or starting) leaves its node's cache behind it: once such actors are
         gone (at most :data:`EXIT_TIMEOUT_S`), the caches in this node's shm folder that no live
-        process uses are removed, as the next loader would. Idempotent."""
-        with self._closing:
+        process uses are removed, as the next loader would. After SIGTERM the whole of it fits in
+        the time the process has left (:data:`~coordl.lifecycle.SIGTERM_DEADLINE_S`). Idempotent."""
+        t0 = time.monotonic()
+        exit_timeout = EXIT_TIMEOUT_S
+        if lifecycle.terminating():  # a share of the deadline each: leaving, then the killed ones' exit
+            timeout, exit_timeout = min(timeout, TERM_LEAVE_S), TERM_EXIT_S
+        with self._lock:
             if self.closed:
                 return
             self.closed = True
-        asked = dict(self._leaving)  # close() ref -> actor
+            asked = dict(self._leaving)  # close() ref -> actor
+            leave = [*self._ready, *self._retiring]
+            starting = list(self._starting)
+            actors = list(self._actors)
+            for actor in actors:
+                self._forget(actor)
         try:
-            for actor in [*self.ready, *self.retiring]:
+            for actor in leave:
                 asked[actor.close.remote()] = actor
             done, _ = self._ray.wait(list(asked), num_returns=len(asked), timeout=timeout) if asked else ([], [])
         except Exception:  # noqa: BLE001 - the cluster is going away: they end anyway
             done = list(asked)
         late = [asked[ref] for ref in asked if ref not in done]
-        starting = list(self._starting)
-        for actor in list(self._actors):
-            self.remove(actor)
+        for actor in actors:
+            self._kill(actor)
         if late or starting:
-            self._reap_after(late, starting)
+            self._reap_after(late, starting, t0 + timeout + exit_timeout)
 
-    def _reap_after(self, late, starting) -> None:
+    def _reap_after(self, late, starting, deadline: float) -> None:
         """Once the killed actors ``late`` (ready, on this machine) and ``starting`` (their ready()
-        refs) are gone, at most :data:`EXIT_TIMEOUT_S`, removes the caches in this machine's shm
-        folder that no live process uses (an actor on another machine leaves its cache to the next
-        loader there)."""
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        refs) are gone, at most until ``deadline`` (monotonic), removes the caches in this machine's
+        shm folder that no live process uses (an actor on another machine leaves its cache to the
+        next loader there)."""
         here = socket.gethostname()
         pids = [
             int(w.rsplit(":", 1)[1])
@@ -283,7 +348,8 @@ class WorkerPool:
         ]
         try:
             if starting:  # they fail once Ray has seen the actor die
-                self._ray.wait(starting, num_returns=len(starting), timeout=EXIT_TIMEOUT_S)
+                left = max(0.0, deadline - time.monotonic())
+                self._ray.wait(starting, num_returns=len(starting), timeout=left)
         except Exception:  # noqa: BLE001 - the cluster is going away
             pass
         while pids and time.monotonic() < deadline:  # Ray reports a killed actor dead before its process is gone

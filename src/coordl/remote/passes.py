@@ -2,8 +2,9 @@
 batches to the training loop in order.
 
 Three threads share a :class:`~coordl.remote.units.Units`: the *remote* thread hands units to the
-ready actors (two each, so none idles between units), collects their results, and runs again
-the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
+ready actors (two each, so none idles between units), with their bytes read ahead on the I/O
+pool for actors that cannot read the dataset (:mod:`coordl.remote.reads`), collects their
+results, and runs again the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
 the loader's own pipeline (DALI, or the torch backend's ``DataLoader``), taking the next one
 whenever it has room; the consumer takes results in order. Neither thread holds the pass or the
 loader, so a pass the consumer drops is collected and closed.
@@ -26,10 +27,12 @@ from coordl.fetch.fetcher import FetchCounters
 from coordl.passes import Pass, Step
 from coordl.remote.cluster import DEPTH, Dispatch
 from coordl.remote.prep import START_TIMEOUT_S, RemotePrep
+from coordl.remote.reads import TrainerReads
 from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
-from coordl.remote.worker import Arrays, Done, Unit, as_tensors
+from coordl.remote.worker import Arrays, Done, Unit
+from coordl.threads import daemon_pool
 
-__all__ = ["EMPTY_REMOTE_STATS", "RayPass"]
+__all__ = ["EMPTY_REMOTE_STATS", "RayPass", "own_tensor", "own_tensors"]
 
 #: A remote pass's own figures (``stats()`` has them, zero, before the first pass).
 EMPTY_REMOTE_STATS = {
@@ -172,9 +175,9 @@ class RayPass(Pass):
             return None
         if isinstance(result, Done):
             if result.fetched is not None:
-                result.fetched.batch = as_tensors(result.fetched.batch)
-                if self._pin is not None and result.fetched.batch is not None:
-                    result.fetched.pin_memory(self._pin or None)
+                result.fetched.batch = own_tensors(result.fetched.batch, pinned=self._pin is not None)
+                if self._pin is not None and result.fetched.batch is not None:  # as the local workers' are
+                    result.fetched.pin_memory(self._pin or None)  # what came pickled; the arrays are pinned
                 return self._torch_step(result.fetched, position)
             if result.images is None:
                 return None
@@ -201,10 +204,15 @@ class RayPass(Pass):
 
     def _from_actor(self, images: np.ndarray) -> torch.Tensor:
         """An actor's images as the local pipeline gives them: a tensor of its own (Ray's array is
-        a read-only view of the object store), on the trainer's device, normalised if sent as uint8."""
-        t = torch.from_numpy(np.array(images))
+        a read-only view of the object store), on the trainer's device, normalised if sent as uint8.
+
+        One copy out of the store: on a GPU trainer into pinned memory, from which the copy to the
+        GPU runs asynchronously; on the CPU into the tensor the loop gets, cast to float32 on the
+        way when it is normalised here."""
         remote = self._remote
-        if remote.device_id is not None:
+        gpu = remote.device_id is not None
+        t = own_tensor(images, dtype=torch.float32 if remote.normalize is not None and not gpu else None, pinned=gpu)
+        if gpu:
             t = t.to(f"cuda:{remote.device_id}", non_blocking=True)
         if remote.normalize is not None:  # in place, as an HP group's consumer normalises (2.6x faster)
             mean, std = remote.normalize
@@ -272,23 +280,43 @@ def _drive_remote(
     dispatch = Dispatch(pool)
     pixels = remote.normalize is not None
     since = time.monotonic()  # when the pool last had a ready actor
+    io = None if ahead is not None else daemon_pool(DEPTH, "coordl-ray-reads")  # the torch backend's reads
+    reads = TrainerReads(ahead, fetcher=fetcher, pool=io, stop=stop)
+
+    def read_ahead() -> None:
+        """Reads submitted for the units the actors reading through the trainer take next: as many
+        as they hold (within the remote bound, which counts these units)."""
+        want = DEPTH * sum(info["reads"] == "trainer" for info in pool.ready.values())
+        while len(reads) < want:
+            n = units.claim(REMOTE, block=False)
+            if n is None:
+                return
+            reads.submit(Unit(n, batches[n], order_epoch, pixels=pixels), n)
 
     def next_unit(info):
+        if not reads and info["reads"] == "trainer":
+            read_ahead()
+        if reads:  # read already (an actor that reads for itself takes them too)
+            unit, n = reads.take()
+            with tally.lock:
+                tally.shipped_bytes += sum(len(x) for x in unit.data if x is not None)
+            read_ahead()
+            return unit, n
         n = units.claim(REMOTE, block=False)
-        if n is None:
-            return None
-        unit = Unit(n, batches[n], order_epoch, pixels=pixels)
-        if info["reads"] == "trainer":
-            _ship(unit, ahead, fetcher, tally)
-        return unit, n
+        return None if n is None else (Unit(n, batches[n], order_epoch, pixels=pixels), n)
 
     try:
         while not units.finished():
             remote.scale(rate, units.ready())
             dispatch.fill(next_unit)
+            read_ahead()
             if pool.ready:
                 since = time.monotonic()
-            elif not local and time.monotonic() - since > START_TIMEOUT_S:
+            elif reads:  # read for actors that are gone: the local pipeline, or the next actor, runs them
+                for n in reversed(reads.keys()):
+                    units.give_back(n)
+                reads.cancel()
+            if not local and time.monotonic() - since > START_TIMEOUT_S:
                 raise CoordlError(
                     f"coordl: no RayPrep actor has been ready for {START_TIMEOUT_S:.0f} s and RayPrep(local=False): "
                     "the cluster has no free CPUs for them (see `ray status`)"
@@ -317,17 +345,9 @@ def _drive_remote(
             units.fail(e)
     finally:
         dispatch.cancel()
-
-
-def _ship(unit: Unit, ahead, fetcher, tally: Tally) -> None:
-    """The trainer reads the unit's bytes (through its cache) for an actor that cannot."""
-    if ahead is not None:  # DALI: skipped or raised as on_error says, here
-        raw = ahead.receive(ahead.submit(unit.ids, unit.number))
-        unit.ids, unit.data = raw.ids, raw.data
-    else:
-        unit.data, unit.errors = fetcher.gather(np.asarray(unit.ids, dtype=np.int64))
-    with tally.lock:
-        tally.shipped_bytes += sum(len(x) for x in unit.data if x is not None)
+        reads.cancel()
+        if io is not None:
+            io.shutdown(wait=False, cancel_futures=True)
 
 
 def _drive_local_dali(prep, ahead: FetchAhead, paths, units: Units, batches, order_epoch, stop, tally: Tally) -> None:
@@ -419,6 +439,33 @@ def _drive_local_torch(
     except BaseException as e:  # noqa: BLE001 - the consumer raises it
         if not stop.is_set():
             units.fail(e)
+
+
+def own_tensor(array: np.ndarray, *, dtype: torch.dtype | None = None, pinned: bool = False) -> torch.Tensor:
+    """``array`` (a read-only view of Ray's object store) as a tensor of its own, in one copy: into
+    memory torch allocates (page-locked when ``pinned``), cast to ``dtype`` on the way."""
+    out = torch.empty(array.shape, dtype=dtype or torch.from_numpy(np.empty(0, array.dtype)).dtype, pin_memory=pinned)
+    np.copyto(out.numpy(), array)
+    return out
+
+
+def own_tensors(batch, *, pinned: bool = False):
+    """:func:`~coordl.remote.worker.as_tensors` in one copy per array (:func:`own_tensor`, pinned
+    when ``pinned``): a collated batch's arrays, in tuples, lists, dicts and namedtuples, as tensors
+    of their own."""
+    if isinstance(batch, Arrays):
+        return own_tensor(batch.array, pinned=pinned)
+    if isinstance(batch, dict):
+        items = {k: own_tensors(v, pinned=pinned) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:  # a mapping type that is not made from a dict: as default_collate, a dict
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(own_tensors(v, pinned=pinned) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(own_tensors(v, pinned=pinned) for v in batch)
+    return batch
 
 
 def _nbytes(batch) -> int:

@@ -29,19 +29,30 @@ MAX_RATIO = 16.0  # the actors' rate over the local pipeline's that the default 
 
 
 def scale_step(
-    *, waited: float, elapsed: float, ready: int, actors: int, free_cpus: float, cpus: int, most: int, least: int
+    *,
+    waited: float,
+    elapsed: float,
+    ready: int,
+    actors: int,
+    starting: int,
+    free_cpus: float,
+    cpus: int,
+    most: int,
+    least: int,
 ) -> int:
     """``workers="auto"``: +1, -1 or 0 actors, from the last interval's figures.
 
-    The training loop waited for batches more than :data:`GROW_ABOVE` of the time, and the cluster
-    has the CPUs for another actor (and the pool is under ``most``): one more. It waited less
+    The training loop waited for batches more than :data:`GROW_ABOVE` of the time, no actor is
+    still starting (the one added last must first show what it changes: an actor takes seconds to
+    start, and until it is ready the loop waits as before), and the cluster has the CPUs for
+    another actor (and the pool is under ``most``): one more. It waited less
     than :data:`SHRINK_BELOW`, and prepared batches are waiting for it (more than there are
     actors, so the actors are ahead, not merely in step): one fewer, down to ``least``.
     """
     if elapsed <= 0:
         return 0
     share = waited / elapsed
-    if share > GROW_ABOVE and actors < most and free_cpus >= cpus:
+    if share > GROW_ABOVE and not starting and actors < most and free_cpus >= cpus:
         return 1
     if share < SHRINK_BELOW and ready > actors and actors > least:
         return -1
@@ -126,12 +137,14 @@ class RemotePrep:
         self._last_scale = time.monotonic()
         waited, elapsed = rate.take()
         pool = self.pool
+        starting = pool.starting
         step = scale_step(
             waited=waited,
             elapsed=elapsed,
             ready=ready,
             actors=pool.size,
-            free_cpus=pool.free_cpus() if waited > GROW_ABOVE * elapsed else 0.0,
+            starting=starting,
+            free_cpus=pool.free_cpus() if waited > GROW_ABOVE * elapsed and not starting else 0.0,
             cpus=pool.cpus,
             most=self.most(),
             least=self.least,
@@ -143,23 +156,21 @@ class RemotePrep:
                 pool.size + 1,
             )
             pool.add()
-        elif step < 0 and pool.ready:
+        elif step < 0 and (ready_actors := list(pool.ready)):
             log.info("coordl: RayPrep: prepared batches are waiting: ending one of %d actors", pool.size)
-            pool.retire(next(reversed(list(pool.ready))))
+            pool.retire(ready_actors[-1])
 
     def died(self, actor, error: BaseException, lost: float) -> bool:
         """``actor``'s unit failed because it died (``lost``: seconds since the unit was handed
         to it): the first report of its death logs it, ends it and starts its replacement. True
         for that first report."""
-        pool = self.pool
-        if actor not in pool.ready and actor not in pool.retiring:
+        if not self.pool.died_now(actor):
             return False
         log.warning(
             "coordl: a RayPrep actor died (%s); its units run again elsewhere (%.2f s of its work lost)",
             type(error).__name__,
             lost,
         )
-        pool.died_now(actor)
         self.replace()
         return True
 

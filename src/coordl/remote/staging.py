@@ -20,7 +20,8 @@ import torch
 
 from coordl import lifecycle
 from coordl.errors import SampleError
-from coordl.remote.cluster import Dispatch
+from coordl.remote.cluster import DEPTH, Dispatch
+from coordl.remote.reads import TrainerReads
 from coordl.remote.worker import Unit
 from coordl.staging.member import Producer
 
@@ -33,34 +34,50 @@ class RemoteProducer(Producer):
     """Makes group batches on this member's Ray actors until stopped (see the module's docstring)."""
 
     def __init__(self, member, stop: threading.Event, channel):
+        super().__init__(member, stop, channel)
         self.remote = member.resources.remote
         self.pixels = member.normalize is not None  # staged as uint8 pixels, normalised by consumers
         self._remote_prep_s = 0.0
-        super().__init__(member, stop, channel)
 
     @property
     def prep_s(self) -> float:
         """Seconds the actors spent on this producer's batches."""
         return self._remote_prep_s
 
+    def _unit(self, c) -> Unit:
+        return Unit(c.q, self.ids_of(c.q), self.area.order_key(c.q), pixels=self.pixels)
+
     def _run(self) -> None:
         lifecycle.quiet_thread()
-        area = self.area
-        dispatch = Dispatch(self.remote.pool)
+        area, pool = self.area, self.remote.pool
+        dispatch = Dispatch(pool)
+        reads = TrainerReads(self.fetch, stop=self.stop, carry_skipped=True)
+
+        def read_ahead() -> None:
+            """Reads submitted for the batches the actors reading through the trainer take next."""
+            want = DEPTH * sum(info["reads"] == "trainer" for info in pool.ready.values())
+            while len(reads) < want:
+                c = area.claim(block=False)
+                if c is None:
+                    return
+                reads.submit(self._unit(c), c)
 
         def next_unit(info):
+            if not reads and info["reads"] == "trainer":
+                read_ahead()
+            if reads:  # read already (an actor that reads for itself takes them too)
+                got = reads.take()
+                read_ahead()
+                return got
             c = area.claim(block=False)
-            if c is None:
-                return None
-            unit = Unit(c.q, self.ids_of(c.q), area.order_key(c.q), pixels=self.pixels)
-            if info["reads"] == "trainer":
-                raw = self.fetch.collect(unit.ids, c.q)
-                unit.ids, unit.data, unit.skipped = raw.ids, raw.data, list(self.fetch.skipped)
-            return unit, c
+            return None if c is None else (self._unit(c), c)
 
         try:
             while not self.stop.is_set():
                 dispatch.fill(next_unit)
+                read_ahead()
+                if reads and not pool.ready:  # read for actors that are gone: made by whoever claims next
+                    self._unclaim(reads)
                 if not dispatch:
                     time.sleep(0.01)
                     continue
@@ -73,6 +90,12 @@ class RemoteProducer(Producer):
             for c in dispatch.keys():
                 area.unclaim(c)  # made by another producer of the group
             dispatch.cancel()
+            self._unclaim(reads)
+
+    def _unclaim(self, reads: TrainerReads) -> None:
+        for c in reads.keys():
+            self.area.unclaim(c)
+        reads.cancel()
 
     def _collect(self, actor, c, lost: float, done, died: bool) -> None:
         area = self.area

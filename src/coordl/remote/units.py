@@ -109,6 +109,15 @@ class Units:
                 self.retried += 1
                 self._cond.notify_all()
 
+    def give_back(self, n: int) -> None:
+        """A remote runner's claim of unit ``n``, never run (its bytes were read ahead for actors
+        that are gone): handed out again before any new unit, not counted as a re-run."""
+        with self._cond:
+            self._remote.discard(n)
+            if n not in self._finished and n not in self._retry:
+                self._retry.appendleft(n)
+                self._cond.notify_all()
+
     def fail(self, error: BaseException) -> None:
         """A runner failed for good: the consumer raises ``error`` when it asks for a unit."""
         with self._cond:

@@ -118,6 +118,8 @@ class GroupPass(Pass):
                 nu,
             )
         self.producers = member.producers = [p(member, self.stop_event, self._channel) for p in member.make]
+        for p in self.producers:
+            p.start()
 
     # -- batches ----------------------------------------------------------------------------
     def _step(self) -> Step | None:

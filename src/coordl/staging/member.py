@@ -237,7 +237,8 @@ class GroupMember:
         for p in self.producers if producers is None else producers:
             if threading.current_thread() is not p.thread:
                 p.stop.set()
-                lifecycle.join(p.thread)  # at most the SIGTERM deadline while the process is ending
+                if p.thread.ident is not None:  # made and not started (SIGTERM in between): nothing runs
+                    lifecycle.join(p.thread)  # at most the SIGTERM deadline while the process is ending
 
     def count_produced(self) -> None:
         """Counts one more group batch made by this member, from any of its producers' threads
@@ -256,7 +257,9 @@ class GroupMember:
 class Producer:
     """Makes group batches on this member's DALI pipeline until stopped.
 
-    Its thread holds the member's collaborators, never the pass or the loader.
+    Made complete first, then started: whoever makes one calls :meth:`start` (so that a subclass
+    sets its own fields after ``super().__init__``, before its thread runs). Its thread holds the
+    member's collaborators, never the pass or the loader.
     """
 
     def __init__(self, member: GroupMember, stop: threading.Event, channel: Channel):
@@ -284,7 +287,11 @@ class Producer:
         self._per_sample = int(np.prod(self._shape, dtype=np.int64))
         self._images_bytes = self.area.images_bytes
         self.thread = threading.Thread(target=self._run, name="coordl-hp-producer", daemon=True)
+
+    def start(self) -> Producer:
+        """Starts the thread; returns the producer."""
         self.thread.start()
+        return self
 
     @property
     def prep_s(self) -> float:
