@@ -122,10 +122,10 @@ def dataset_argv(args) -> list[str]:
 def dataset(args) -> dict:
     """Generates (or finds) the dataset (with ``--smoke``, a small set of 1-6 s tones); returns its figures."""
     if args.smoke:
-        from coordl.tools.datagen.audio import make_tones
+        from coordl.tools.datagen.tones import make_tones
 
         s = make_tones(args.data, classes=4, per_class=10, seed=args.dataset_seed)
-        kind = "tones by coordl.tools.datagen.audio.make_tones: 16/22.05/44.1 kHz, mono/stereo, WAV/FLAC/Ogg Vorbis"
+        kind = "tones by coordl.tools.datagen.tones.make_tones: 16/22.05/44.1 kHz, mono/stereo, WAV/FLAC/Ogg Vorbis"
     else:
         from coordl.tools.datagen.music import make_clips
 

@@ -292,9 +292,9 @@ def start_timeout(root: str, out: str, seconds: str) -> None:
     import ray
     from ray._private import state as ray_state
 
-    from coordl.remote import passes
+    from coordl.remote import raypass
 
-    passes.START_TIMEOUT_S = float(seconds)  # the pass's own name for it (imported from coordl.remote.prep)
+    raypass.START_TIMEOUT_S = float(seconds)  # the pass's own name for it (imported from coordl.remote.actors)
     loader = dali(root, coordl.RayPrep(workers=1, local=False, cpus_per_worker=4))
     actors = [a._actor_id.hex() for a in loader.resources.remote.pool._actors]  # requested now
     it = iter(loader)

@@ -654,3 +654,18 @@ def test_prep_and_rayprep_are_told_apart_in_one_place(modules):
                 if names & {"Prep", "RayPrep"}:
                     offenders.append(f"{m.where}:{node.lineno}: isinstance(..., {' | '.join(sorted(names))})")
     _fail_if(offenders, "a type switch on prep= outside coordl.prep.site:")
+
+
+def test_module_names_are_unique_in_meaning():
+    """No module of a sub-package takes the name of one of coordl's own top-level modules or
+    packages (``remote/units.py`` beside ``units.py``, ``remote/staging.py`` beside ``staging/``:
+    one name, two meanings)."""
+    root = SRC / PACKAGE
+    top = {p.stem for p in root.glob("*.py")} | {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    top.discard("__init__")
+    offenders = [
+        f"{p.relative_to(root.parent)} is named as coordl.{p.stem}"
+        for p in sorted(root.glob("*/**/*.py"))
+        if p.stem in top
+    ]
+    _fail_if(offenders, "modules named as a top-level module or package of coordl:")

@@ -21,7 +21,7 @@ import coordl
 from childproc import report, result
 from coordl import AudioTrain, AudioVal, CoordLoader, SampleError, draws
 from coordl.audio import formats
-from coordl.tools.datagen.audio import make_tones, write_audio_shards
+from coordl.tools.datagen.tones import make_tones, write_audio_shards
 
 CTX = multiprocessing.get_context("spawn")
 RATE = 8000

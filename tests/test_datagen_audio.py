@@ -13,8 +13,8 @@ import pytest
 
 from coordl.index import Index
 from coordl.tools.datagen import audiocodec, audioset
-from coordl.tools.datagen.audio import FREQS, ToneSet, make_tones, tone_frequency, write_audio_shards
 from coordl.tools.datagen.music import make_clips
+from coordl.tools.datagen.tones import FREQS, ToneSet, make_tones, tone_frequency, write_audio_shards
 
 sf = pytest.importorskip("soundfile")
 

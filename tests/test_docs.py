@@ -637,7 +637,7 @@ NOT_FOR_USERS = [
     ("s3/listing.py", "_cannot_list("),  # likewise, for a listing
     ("s3/reads.py", "_changed_size("),  # storage.py's message for a changed size, listed in faq.md
     ("threads.py", ""),  # thread primitives used by coordl only: a pool misused is a bug in coordl
-    ("remote/passes.py", "failure_error("),  # an actor's SampleError again, listed in faq.md
+    ("remote/raypass.py", "failure_error("),  # an actor's SampleError again, listed in faq.md
     ("s3/reads.py", "_short_range("),  # a range GET that came back short: its message is scanned there
     ("tars/format.py", "client.explain("),  # a store's answer to an index's GET, each listed in faq.md
     ("tars/scan.py", "cls(value)"),  # a worker process's ShardError or OSError again, listed in faq.md

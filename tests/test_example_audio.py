@@ -60,8 +60,8 @@ def test_a_generated_set_is_used_again_and_a_foreign_one_left_as_it_is(tmp_path)
     make_tones did not make (no manifest, as clips of one's own) is used as it is, although
     ``--val-per-class`` asks for another size. The same run, one trial of an ``hp_group`` with no
     cache, gives the same windows and so the same loss as a run alone."""
-    from coordl.tools.datagen.audio import make_tones
     from coordl.tools.datagen.audioset import MANIFEST
+    from coordl.tools.datagen.tones import make_tones
 
     data = tmp_path / "tones"
     make_tones(data / "train", classes=4, per_class=4, seed=0)

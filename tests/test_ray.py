@@ -38,7 +38,7 @@ BATCHES = N // BS
 DRIVER = Path(__file__).with_name("ray_driver.py")
 CLOSED_S = 5.0  # a closed or collected loader's actors are gone within this (guarantees.md: "under 5 s")
 GRACE_S = 30.0  # Slurm's KillWait and Kubernetes' grace period: a SIGTERMed script is gone well before
-START_S = 3.0  # coordl.remote.passes.START_TIMEOUT_S in the start_timeout script (120 s in coordl)
+START_S = 3.0  # coordl.remote.raypass.START_TIMEOUT_S in the start_timeout script (120 s in coordl)
 LATE_S = 2.0  # a guard: the pass fails this soon after START_S (its thread looks every 0.05 s)
 REASON = "COORDL_TEST_NO_NETNS is set" if os.environ.get("COORDL_TEST_NO_NETNS") else raycluster.unavailable()
 CODE = str(
@@ -235,7 +235,7 @@ def test_a_detection_dataset_s_actors_deliver_local_prep_s_pixels_and_boxes(clus
 @needs_cluster
 def test_audio_clips_prepared_by_actors_are_local_prep_s_windows(cluster, isolated, tmp_path):
     """AudioTrain (decode, resample, window, gain) by actors only: bit for bit local prep's windows."""
-    from coordl.tools.datagen.audio import make_tones
+    from coordl.tools.datagen.tones import make_tones
 
     tones = make_tones(tmp_path / "tones", classes=2, per_class=8, seconds=(0.3, 1.2), seed=4)
     r = ok(drive(cluster, tmp_path, "audio", tones.root))
@@ -436,9 +436,9 @@ def test_threads_polling_the_pool_at_once_make_each_actor_ready_once(cluster, ti
 
 def test_the_start_timeout_is_coordl_s_documented_120_s():
     """guarantees.md: a pass of RayPrep(local=False) whose actors cannot start fails after 120 s."""
-    from coordl.remote import passes, prep
+    from coordl.remote import actors, raypass
 
-    assert prep.START_TIMEOUT_S == passes.START_TIMEOUT_S == 120.0
+    assert actors.START_TIMEOUT_S == raypass.START_TIMEOUT_S == 120.0
 
 
 @needs_cluster

@@ -1,5 +1,5 @@
-"""coordl.remote.units: units handed out in order, re-run after a death, delivered once, in order,
-with the remote runners' share bounded; coordl.remote.reads: the trainer's reads for actors,
+"""coordl.remote.handout: units handed out in order, re-run after a death, delivered once, in order,
+with the remote runners' share bounded; coordl.remote.shipping: the trainer's reads for actors,
 ahead. Threads and real files: no Ray."""
 
 import random
@@ -15,9 +15,9 @@ from coordl.fetch import storage
 from coordl.fetch.ahead import FetchAhead
 from coordl.fetch.fetcher import Fetcher
 from coordl.index import Index
-from coordl.remote.prep import GROW_ABOVE, SHRINK_BELOW, scale_step
-from coordl.remote.reads import TrainerReads
-from coordl.remote.units import EMPTY, LOCAL, REMOTE, Units
+from coordl.remote.actors import GROW_ABOVE, SHRINK_BELOW, scale_step
+from coordl.remote.handout import EMPTY, LOCAL, REMOTE, Units
+from coordl.remote.shipping import TrainerReads
 from coordl.remote.worker import Unit
 from coordl.threads import daemon_pool
 
@@ -381,7 +381,7 @@ def test_a_batch_from_the_object_store_is_copied_once_into_the_loops_tensor(dtyp
     cast, made two)."""
     import torch
 
-    from coordl.remote.passes import own_tensor, own_tensors
+    from coordl.remote.raypass import own_tensor, own_tensors
     from coordl.remote.worker import Arrays
 
     rng = np.random.default_rng(0)
@@ -407,7 +407,7 @@ def test_a_batch_for_a_gpu_trainer_is_copied_once_into_pinned_memory():
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    from coordl.remote.passes import own_tensor
+    from coordl.remote.raypass import own_tensor
 
     pixels = np.arange(16 * 3 * 8 * 8, dtype=np.uint8).reshape(16, 3, 8, 8)
     store = np.frombuffer(pixels.tobytes(), np.uint8).reshape(pixels.shape)

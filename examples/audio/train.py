@@ -1,7 +1,7 @@
 """Trains M5 (a 1-D CNN on raw waveforms) to tell tones apart, with coordl's audio loaders.
 
 The data are two class-per-folder trees of audio clips, ``DIR/train/<class>/...`` and
-``DIR/val/<class>/...``, generated with ``coordl.tools.datagen.audio.make_tones`` when ``DIR``
+``DIR/val/<class>/...``, generated with ``coordl.tools.datagen.tones.make_tones`` when ``DIR``
 holds none: each class a sine tone of its own frequency, in noise, at mixed sample rates (16 to
 44.1 kHz), mono and stereo, 1 to 6 s long, as WAV, FLAC and Ogg Vorbis files. The training
 loader is a CoordLoader with ``coordl.AudioTrain`` (decode, downmix to mono, resample to
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import coordl
-from coordl.tools.datagen.audio import make_tones
 from coordl.tools.datagen.audioset import MANIFEST
+from coordl.tools.datagen.tones import make_tones
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import M5  # noqa: E402 - this folder's module

@@ -319,7 +319,7 @@ class CoordLoader(DataLoaderAttributes):
         order_epoch = epoch if order_epoch is None else order_epoch
         hooks.setdefault("owner", self)
         if res.remote is not None:
-            from coordl.remote.passes import RayPass
+            from coordl.remote.raypass import RayPass
 
             if self.backend == "torch" and self._own_generator:
                 from coordl.backends.torch import seed_for
@@ -446,7 +446,7 @@ class CoordLoader(DataLoaderAttributes):
             producers = (Producer,)
             remote = self.resources.remote
             if remote is not None:  # its Ray actors make group batches too, or alone (local=False)
-                from coordl.remote.staging import RemoteProducer
+                from coordl.remote.producer import RemoteProducer
 
                 producers = (Producer, RemoteProducer) if remote.options.local else (RemoteProducer,)
 

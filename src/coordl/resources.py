@@ -56,7 +56,7 @@ class Resources:
     peer_pool: DaemonPool | None = None
     prep: object = None
     dataloader: object = None
-    remote: object = None  # the actors of remote prep (coordl.remote.prep.RemotePrep), or None
+    remote: object = None  # the actors of remote prep (coordl.remote.actors.RemotePrep), or None
     delivery: object = None  # how the DALI backend's batches reach the loop (coordl.delivery.Delivery)
     borrowed: bool = False  # made by with_cache: closing stops only its cache and its own workers
 
@@ -92,7 +92,7 @@ class Resources:
             dataloader: the torch backend's ``dataset``, ``on_error``, ``options`` (its
                 :class:`~coordl.config.TorchOptions`) and ``generator`` (None: DALI).
             remote: the arguments of :meth:`RemotePrep.for_loader
-                <coordl.remote.prep.RemotePrep.for_loader>` but ``index`` and ``items`` (None: no
+                <coordl.remote.actors.RemotePrep.for_loader>` but ``index`` and ``items`` (None: no
                 remote prep); its actors start now.
             delivery: the DALI backend's :class:`~coordl.delivery.Delivery` (None: the torch backend).
         """
@@ -121,7 +121,7 @@ class Resources:
                 items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"], disk_spec)
                 loader = tb.make_dataloader(items, tb.EpochBatches(), d["options"], d["generator"])
             if remote is not None:
-                from coordl.remote.prep import RemotePrep
+                from coordl.remote.actors import RemotePrep
 
                 items = loader.dataset if loader is not None else None
                 actors = RemotePrep.for_loader(index=index, items=items, **remote)

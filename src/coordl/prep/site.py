@@ -75,11 +75,11 @@ class Remote(Local):
         connect(self.options.address)
 
     def actors(self, **loader) -> dict | None:
-        """The arguments of :meth:`RemotePrep.for_loader <coordl.remote.prep.RemotePrep.for_loader>`."""
+        """The arguments of :meth:`RemotePrep.for_loader <coordl.remote.actors.RemotePrep.for_loader>`."""
         return dict(options=self.options, **loader)
 
     def stats_fields(self) -> dict:
-        from coordl.remote.passes import EMPTY_REMOTE_STATS
+        from coordl.remote.raypass import EMPTY_REMOTE_STATS
 
         return dict(EMPTY_REMOTE_STATS)
 

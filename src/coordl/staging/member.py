@@ -61,7 +61,7 @@ class GroupMember:
         epoch: the loader's epoch when it joins.
         producers: what makes this member's share of the group's batches, each a class taking
             ``(member, stop, channel)`` (default: a :class:`Producer` on the member's pipeline;
-            with remote prep, also or only a :class:`~coordl.remote.staging.RemoteProducer`).
+            with remote prep, also or only a :class:`~coordl.remote.producer.RemoteProducer`).
     """
 
     def __init__(

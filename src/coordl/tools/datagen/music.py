@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl.tools.datagen.audio import fade
 from coordl.tools.datagen.audiocodec import OPUS_RATE, check_formats
 from coordl.tools.datagen.audioset import (
     Rendered,
@@ -29,6 +28,7 @@ from coordl.tools.datagen.audioset import (
     check_number,
     write_set,
 )
+from coordl.tools.datagen.tones import fade
 
 __all__ = ["FORMAT_VERSION", "SCALES", "Style", "make_clips", "style"]
 

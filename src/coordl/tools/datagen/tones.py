@@ -58,7 +58,7 @@ FORMAT_VERSION = 1  # bump when what the same arguments draw changes: older sets
 FREQS = tuple(range(300, 3301, 200))
 FADE_SECONDS = 0.010
 _AMPLITUDE = (0.3, 0.8)
-_DESCRIPTION = "sine tones by coordl.tools.datagen.audio"
+_DESCRIPTION = "sine tones by coordl.tools.datagen.tones"
 
 
 def tone_frequency(k: int) -> int:

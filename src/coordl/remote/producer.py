@@ -2,7 +2,7 @@
 
 :class:`RemoteProducer` claims the batches the group needs next from the staging area, as the
 member's own producer does, and hands each to a ready actor of the member's
-:class:`~coordl.remote.prep.RemotePrep` as a unit of work (the batch's order epoch, ids and
+:class:`~coordl.remote.actors.RemotePrep` as a unit of work (the batch's order epoch, ids and
 the loader's seed: the same images every member would make). Results are written into their
 slots and published; the claims of an actor that died are given back to the group, which has
 them made again by whoever claims next. Staged batches in uint8 come from the recipe's
@@ -21,7 +21,7 @@ import torch
 from coordl import lifecycle
 from coordl.errors import SampleError
 from coordl.remote.cluster import DEPTH, Dispatch
-from coordl.remote.reads import TrainerReads
+from coordl.remote.shipping import TrainerReads
 from coordl.remote.worker import Unit
 from coordl.staging.member import Producer
 

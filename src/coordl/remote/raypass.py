@@ -1,9 +1,9 @@
 """The pass of a loader with remote prep: units of work to Ray actors and to the local pipeline,
 batches to the training loop in order.
 
-Three threads share a :class:`~coordl.remote.units.Units`: the *remote* thread hands units to the
+Three threads share a :class:`~coordl.remote.handout.Units`: the *remote* thread hands units to the
 ready actors (two each, so none idles between units), with their bytes read ahead on the I/O
-pool for actors that cannot read the dataset (:mod:`coordl.remote.reads`), collects their
+pool for actors that cannot read the dataset (:mod:`coordl.remote.shipping`), collects their
 results, and runs again the units of an actor that died; the *local* thread (``RayPrep(local=True)``) runs units through
 the loader's own pipeline (DALI, or the torch backend's ``DataLoader``), taking the next one
 whenever it has room; the consumer takes results in order. Neither thread holds the pass or the
@@ -25,10 +25,10 @@ from coordl.errors import CoordlError
 from coordl.fetch.ahead import FetchAhead, Stopped
 from coordl.fetch.fetcher import FetchCounters
 from coordl.passes import Pass, Step
+from coordl.remote.actors import START_TIMEOUT_S, RemotePrep
 from coordl.remote.cluster import DEPTH, Dispatch
-from coordl.remote.prep import START_TIMEOUT_S, RemotePrep
-from coordl.remote.reads import TrainerReads
-from coordl.remote.units import EMPTY, LOCAL, REMOTE, Rate, Units
+from coordl.remote.handout import EMPTY, LOCAL, REMOTE, Rate, Units
+from coordl.remote.shipping import TrainerReads
 from coordl.remote.worker import Arrays, Done, Unit
 from coordl.threads import daemon_pool
 
@@ -82,7 +82,7 @@ class RayPass(Pass):
 
     Args:
         resources: the loader's collaborators; ``resources.remote`` is the
-            :class:`~coordl.remote.prep.RemotePrep`, ``resources.prep`` / ``resources.dataloader``
+            :class:`~coordl.remote.actors.RemotePrep`, ``resources.prep`` / ``resources.dataloader``
             the local pipeline.
         config: the loader's settings.
         batches: sample ids of each batch, in delivery order.
