@@ -196,7 +196,9 @@ def main() -> int:
         launch(args, workdir, (64,), None)  # fills the node's cache (kept): every run starts warm
         for r in range(args.reps):
             for order, batches in ORDERS.items():
-                for m in modes:
+                # ABBA: each mode runs first in one rep and second in the next, so that a drift of
+                # the machine (the page cache, the CPU's clock) favours neither.
+                for m in modes if r % 2 == 0 else modes[::-1]:
                     if order not in runs[m]:
                         continue
                     before = loadavg()

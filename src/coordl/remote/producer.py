@@ -15,9 +15,6 @@ import logging
 import threading
 import time
 
-import numpy as np
-import torch
-
 from coordl import lifecycle
 from coordl.errors import SampleError
 from coordl.remote.cluster import DEPTH, Dispatch
@@ -112,5 +109,4 @@ class RemoteProducer(Producer):
         if done.images is None:  # every sample skipped
             area.publish(c, 0)
             return
-        images = torch.from_numpy(np.array(done.images))  # Ray's array is a read-only view
-        self.write(c, images, torch.from_numpy(np.array(done.labels)), torch.from_numpy(np.array(done.ids)))
+        self.write(c, done.images, done.labels, done.ids)  # Ray's read-only views, copied once: into the slot

@@ -363,22 +363,34 @@ class Producer:
             self.area.publish(c, 0)
         raise CoordlError(f"coordl: internal error: DALI returned batch {q}, which nobody fed")
 
-    def write(self, c: Claim, images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> None:
+    def write(self, c: Claim, images, labels, ids) -> None:
+        """Writes a made batch into its claimed slot and publishes it. ``images``, ``labels`` and
+        ``ids``: tensors (the pipeline's) or numpy arrays (a Ray actor's, read-only views of Ray's
+        object store): either way copied once, into the slot."""
         n = len(labels)
-        if tuple(images.shape[1:]) != self._shape or images.dtype != self._dtype:
+        dtype = str(images.dtype).removeprefix("torch.")
+        if tuple(images.shape[1:]) != self._shape or dtype != self.area.dtype:
             self.area.publish_error(
                 c,
                 f"the pipeline's output changed from {self.area.dtype}{list(self._shape)} to "
-                f"{str(images.dtype).removeprefix('torch.')}{list(images.shape[1:])}; an hp_group stages batches of "
+                f"{dtype}{list(images.shape[1:])}; an hp_group stages batches of "
                 "a fixed shape, so end the recipe with a crop or resize to a fixed size",
             )
             return
         view = self.area.slot_view(c)
         dst = torch.frombuffer(view, dtype=self._dtype, count=n * self._per_sample).view(n, *self._shape)
-        dst.copy_(images)
+        if isinstance(images, np.ndarray):
+            dst.numpy()[...] = images
+        else:
+            dst.copy_(images)
         bs = self.area.unit
-        np.frombuffer(view, np.int64, n, self._images_bytes)[:] = labels.cpu().numpy()
-        np.frombuffer(view, np.int64, n, self._images_bytes + 8 * bs)[:] = ids.cpu().numpy()
+        np.frombuffer(view, np.int64, n, self._images_bytes)[:] = _numpy(labels)
+        np.frombuffer(view, np.int64, n, self._images_bytes + 8 * bs)[:] = _numpy(ids)
         del dst, view
         self.area.publish(c, n)
         self.member.count_produced()
+
+
+def _numpy(values) -> np.ndarray:
+    """A tensor's values as numpy (on the CPU), or a numpy array as it is."""
+    return values if isinstance(values, np.ndarray) else values.cpu().numpy()
