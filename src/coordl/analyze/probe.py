@@ -189,7 +189,7 @@ class _Phase(Pass):
             "io_threads": res.io_threads or max(1, ld.num_workers),
             "dataset_samples": len(res.index),
             "dataset_bytes": int(res.index.total_bytes),
-            "cache_budget": int(ld.tiers.encoded_budget),
+            "cache_budget": int(ld.tier_plan.encoded_budget),
             "pid": os.getpid(),
         }
         out.update(self.result)
@@ -314,7 +314,7 @@ class FetchPass(_Timed):
     def __init__(self, loader, s):
         super().__init__(loader, s)
         ld = loader
-        self._private_cache(ld.tiers.encoded_budget)
+        self._private_cache(ld.tier_plan.encoded_budget)
         w = ld.world
         batches = ld.schedule.batches(ld.position.epoch, w.rank, w.world_size)[: self.warmup + self.steps + TAIL]
         if len(batches) < self.warmup + self.steps + TAIL:  # a short epoch: measure what there is
