@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="shorthand,stage128,first16")
+    p.add_argument("--orders", default=",".join(ORDERS), help="start orders to run: 16-first, 128-first")
     p.add_argument("--result", default=str(HERE / "results" / "hp_sweep.json"))
     args = p.parse_args()
     if args.job:
@@ -187,15 +188,20 @@ def main() -> int:
     print(f"dataset: {common.describe(dataset)}")
     stage = {"shorthand": None, "stage128": 128, "first16": 16}
     modes = [m for m in args.modes.split(",") if m]
+    orders = [o for o in args.orders.split(",") if o]
+    unknown = sorted(set(orders) - set(ORDERS))
+    if unknown:
+        raise SystemExit(f"--orders: unknown {unknown}; choose from {sorted(ORDERS)}")
     runs: dict[str, dict[str, list[dict]]] = {
-        m: {o: [] for o in ORDERS if m != "first16" or o == "16-first"} for m in modes
+        m: {o: [] for o in orders if m != "first16" or o == "16-first"} for m in modes
     }
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-sweep-"))
     results = {"machine": common.machine(), "dataset": dataset, "epochs": args.epochs, "reps": args.reps}
     try:
         launch(args, workdir, (64,), None)  # fills the node's cache (kept): every run starts warm
         for r in range(args.reps):
-            for order, batches in ORDERS.items():
+            for order in orders:
+                batches = ORDERS[order]
                 # ABBA: each mode runs first in one rep and second in the next, so that a drift of
                 # the machine (the page cache, the CPU's clock) favours neither.
                 for m in modes if r % 2 == 0 else modes[::-1]:
@@ -219,7 +225,7 @@ def main() -> int:
     results["runs"] = runs
     ratios = {}
     if "shorthand" in runs and "stage128" in runs:
-        for order in ORDERS:
+        for order in orders:
             pairs = zip(runs["shorthand"][order], runs["stage128"][order], strict=True)
             per = [{b: a["samples_per_s"][b] / c["samples_per_s"][b] for b in SWEEP} for a, c in pairs]
             ratios[order] = {

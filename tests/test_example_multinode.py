@@ -76,8 +76,8 @@ def _namespaces_of(pid: int) -> list[str]:
         return []
     out = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
     out += subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    tag = pid % 10000  # coordl_testing.netns names everything of a cluster after its process id
-    return sorted(set(re.findall(rf"\bcdl[bnv]{tag}(?:_\d+)?\b", out)))
+    tag = pid % 10000  # coordl_testing.netns names a cluster after its process id, then its count in it
+    return sorted(set(re.findall(rf"\bcdl[bnv]{tag}\d(?:_\d+)?\b", out)))
 
 
 MODES = [
