@@ -567,6 +567,8 @@ class CoordLoader(DataLoaderAttributes):
         for cache in (self.decoded_tier, self.node_cache):
             if cache is not None:
                 cache.close()
+        if self._resources is not None and self._resources.remote is not None:
+            self._resources.remote.remove_left_cache(self.node_cache)  # held by actors killed while starting
         if self.disk_tier is not None:
             self.disk_tier.close()  # after the writes this process queued (bounded)
 

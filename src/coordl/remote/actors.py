@@ -182,3 +182,9 @@ class RemotePrep:
 
     def close(self) -> None:
         self.pool.close()
+
+    def remove_left_cache(self, cache) -> None:
+        """After the loader left its node's cache (a NodeCache, or None): see
+        :meth:`WorkerPool.remove_left_cache <coordl.remote.cluster.WorkerPool.remove_left_cache>`."""
+        if cache is not None:
+            self.pool.remove_left_cache(cache.fingerprint, cache.directory)

@@ -30,6 +30,7 @@ EXIT_TIMEOUT_S = 10.0  # for the actors that did not leave in time to be gone, o
 # After SIGTERM, within the process's SIGTERM_DEADLINE_S (1.5 s), beside the loader's other closing:
 TERM_LEAVE_S = 0.5  # for actors to leave their nodes' caches
 TERM_EXIT_S = 0.5  # then for the killed ones that had not left to be gone
+KILLED_EXIT_S = 2.0  # for the processes of actors killed while starting to leave their cache
 DEPTH = 2  # units each actor holds: one running, one waiting, so it is never idle between units
 
 
@@ -168,6 +169,7 @@ class WorkerPool:
         self.started = 0
         self.died = 0
         self.closed = False
+        self.killed_starting = False  # close() killed actors still starting (their pids unknown)
         for _ in range(workers):
             self.add()
 
@@ -329,6 +331,7 @@ class WorkerPool:
         except Exception:  # noqa: BLE001 - the cluster is going away: they end anyway
             done = list(asked)
         late = [asked[ref] for ref in asked if ref not in done]
+        self.killed_starting = bool(starting)
         for actor in actors:
             self._kill(actor)
         if late or starting:
@@ -359,6 +362,26 @@ class WorkerPool:
 
         for g in reaper.reap():
             log.info("coordl: removed the cache %s that a RayPrep actor ended before leaving it", g.fingerprint)
+
+    def remove_left_cache(self, fingerprint: str, directory: str) -> None:
+        """Called once the loader has left its node's cache (``fingerprint`` in ``directory``): removes it when the
+        only users left were actors that close() killed while they were starting. Those had
+        attached it, and Ray reports them dead before their processes are gone, whose pids it never
+        told; so the loader was not the cache's last user, and nobody would be. At most
+        :data:`KILLED_EXIT_S`; nothing after SIGTERM (the next loader reaps it)."""
+        if not self.killed_starting or lifecycle.terminating():
+            return
+        from coordl.shm import reaper
+
+        deadline = time.monotonic() + KILLED_EXIT_S
+        while time.monotonic() < deadline:
+            group = next((g for g in reaper.list_groups(directory) if g.fingerprint == fingerprint), None)
+            if group is None:
+                return
+            if not group.in_use:
+                reaper.reap(directory)
+                return
+            time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:
