@@ -652,6 +652,11 @@ def _run_nodes(
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_SHM")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
     script = [str(HERE / "multinode_train.py"), str(data), str(out), *args]
+    logs = []  # the nodes' stderr files, closed here once the nodes end
+
+    def log(k: int):
+        logs.append(open(out / f"node{k}.log", "w"))  # noqa: SIM115 - closed after the nodes end
+        return logs[-1]
 
     def torchrun(k, master):
         return [
@@ -694,13 +699,15 @@ def _run_nodes(
                     listing(k, torchrun(k, c.address(0))),
                     env=env,
                     stdout=subprocess.DEVNULL,
-                    stderr=open(out / f"node{k}.log", "w"),
+                    stderr=log(k),
                 )
                 for k in range(nodes)
             ]
             try:
                 return _wait_all(procs, timeout, until)
             finally:
+                for f in logs:
+                    f.close()
                 for k in range(nodes):
                     shm = out / f"node{k}.shm"
                     if leftovers is not None:
@@ -716,13 +723,15 @@ def _run_nodes(
                 torchrun(k, "127.0.0.1"),
                 env=node_env,
                 stdout=subprocess.DEVNULL,
-                stderr=open(out / f"node{k}.log", "w"),
+                stderr=log(k),
                 start_new_session=True,
             )
         )
     try:
         return _wait_all(procs, timeout, until)
     finally:
+        for f in logs:
+            f.close()
         for k in range(nodes):
             shm = f"/dev/shm/coordl-test-node{os.getpid()}-{k}"
             if leftovers is not None:

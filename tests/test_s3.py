@@ -781,6 +781,7 @@ def test_a_process_killed_with_gets_in_flight_leaves_a_cache_the_next_loader_rem
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     assert os.listdir(isolated)  # the dead process's cache, with slots reserved for the stuck objects
     s3env.reset()
     with CoordLoader(
