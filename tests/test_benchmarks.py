@@ -565,6 +565,30 @@ def test_hp_mix_small(tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_hp_sweep_small(tmp_path):
+    """benchmarks.hp_sweep on 1,024 small photos: in either start order, the shorthand stages 128
+    samples as stage_batch=128 does, every batch of every trial is a view, every epoch exactly once,
+    and the trials leave nothing in shared memory."""
+    out, shm = tmp_path / "hp_sweep.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
+    command = [sys.executable, "-m", "benchmarks.hp_sweep", "--data", str(tmp_path / "photos"), "--images", "1024"]
+    command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
+    command += ["--modes", "shorthand,stage128", "--result", str(out)]
+    try:
+        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r = json.loads(out.read_text())
+        runs = [
+            run for m in ("shorthand", "stage128") for order in ("16-first", "128-first") for run in r["runs"][m][order]
+        ]
+        assert len(runs) == 4 and all(run["exactly_once"] for run in runs)
+        assert all(run["stage_batch"] == [128] and set(run["views"].values()) == {1.0} for run in runs)
+        assert set(r["shorthand_over_stage128"]) == {"16-first", "128-first"}
+        assert os.listdir(shm) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_detection_smoke(tmp_path):
     """benchmarks.detection --smoke on 40 small photo JPEGs: every loader of the prep scenario and both
     modes of the HP group run every epoch whole, the JSON holds the figures the docs quote, and the
