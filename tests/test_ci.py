@@ -58,8 +58,29 @@ def test_no_skips_fails_every_skip_but_a_gpu_tests_and_keeps_the_reason(tmp_path
     assert re.search(r"1 failed, 1 passed, 1 skipped, 1 error", out), out
 
 
-def test_ci_runs_the_readmes_test_command_with_no_skips():
+def _readme_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r'pip install -e "\.\[test\]" && (python -m pytest -q)', readme).group(1)
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1)
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_ci_runs_the_readmes_commands_in_a_fresh_environment_with_no_skips():
+    demo, tests = _readme_commands()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(rf"^COORDL_NO_SKIPS=1 {re.escape(command)}$", ci, re.M), "CI must run the README's tests, no skips"
+    lines = [line for line in ci.splitlines() if line and not line.lstrip().startswith("#")]
+    # a virtual environment of its own, outside the repository, removed at the end, before any install
+    venv = next(k for k, line in enumerate(lines) if re.match(r'python3? -m venv "\$VENV"$', line))
+    assert any(re.match(r'VENV=\$\(mktemp -d "\$\{TMPDIR:-/tmp\}/', line) for line in lines[:venv]), ci
+    assert any(line.startswith("trap 'rm -rf \"$VENV\"' EXIT") for line in lines[:venv]), ci
+    assert lines[venv + 1] == 'source "$VENV/bin/activate"', ci
+    assert not any("pip install" in line for line in lines[:venv]), "CI installs into the machine's own Python"
+
+    # the README's commands, word for word but for pip's --quiet and the demo's smaller set
+    def quiet(command: str) -> str:
+        return command.replace("pip install ", "pip install --quiet ")
+
+    assert quiet(demo) + " --images 200 --quiet" in lines, (demo, ci)
+    installs, _, pytest_command = tests.rpartition(" && ")
+    assert pytest_command == "python -m pytest -q"
+    assert quiet(installs) in lines, (installs, ci)
+    assert lines[-1] == f"COORDL_NO_SKIPS=1 {pytest_command}", "CI must run the README's tests last, no skips"
