@@ -355,6 +355,30 @@ def test_a_chunk_planted_while_the_cache_grows_stops_it_and_is_left_alone(shared
     path.unlink()
 
 
+def test_both_tiers_taken_turn_both_off_with_one_warning_and_no_worker_attaches(shared_shm, recwarn):
+    from coordl.fetch.spec import CacheSpec
+    from coordl.tiers.plan import TierPlan
+
+    encoded = CacheSpec(FP, 10_000, False, str(shared_shm), FP)
+    decoded = CacheSpec(FP_OTHER, 10_000, False, str(shared_shm), FP, tier="decoded")
+    paths = [shared_shm / names.segment_name(FP, "lock"), shared_shm / names.segment_name(FP_OTHER, "table")]
+    planted = []
+    for p in paths:
+        plant_file(p)
+        planted.append(Planted.take(p))
+    plan = TierPlan(encoded=encoded, encoded_budget=10_000, decoded=decoded, decoded_budget=10_000)
+    assert plan.open(np.full(10, 100)) == (None, None)
+    assert (plan.encoded, plan.encoded_budget, plan.decoded, plan.decoded_budget) == (None, 0, None, 0)
+    (w,) = [str(w.message) for w in recwarn.list]
+    assert w.startswith("coordl: the node cache and its decoded tier are off for this run: ")
+    assert all(f"{p} (owned by another user; owner uid {OTHER})" in w for p in paths)
+    for p in planted:
+        p.assert_untouched()
+    assert sorted(os.listdir(shared_shm)) == sorted(p.name for p in paths)
+    for p in paths:
+        p.unlink()
+
+
 def test_cache_ls_and_clean_leave_other_users_files_alone(shared_shm):
     # The other user's own cache, made by coordl as that user: theirs to list and remove.
     env = {**os.environ, "PYTHONPATH": str(SRC), "COORDL_SHM_DIR": str(shared_shm)}
