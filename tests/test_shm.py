@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from childproc import report, result
 from coordl.fetch import cache as cache_module
 from coordl.fetch.cache import NodeCache
-from coordl.shm import group, names, reaper
+from coordl.shm import group, names, own, reaper
 from coordl.staging.area import StagingArea
 
 CTX = multiprocessing.get_context("spawn")
@@ -349,7 +349,7 @@ def test_join_whose_setup_fails_is_not_attached(isolated):
     assert m.leave(remove_if_last=True) is False  # not attached
 
     other = group.Membership(FP, d)
-    other.join(lambda alone: open(other.path("table"), "w").close())
+    other.join(lambda alone: os.close(own.create_exclusive(other.path("table"))))  # 0600, as coordl makes it
     try:
         with pytest.raises(OSError, match="setup failed"):
             m.join(boom)  # not alone: the others' files stay
@@ -376,7 +376,7 @@ def waiting_for_lock(file: str) -> None:
 def test_list_groups_racing_the_last_leave_leaves_nothing(isolated):
     d = str(isolated)
     m = group.Membership(FP, d)
-    m.join(lambda alone: open(m.path("table"), "w").close())
+    m.join(lambda alone: os.close(own.create_exclusive(m.path("table"))))  # 0600, as coordl makes it
     listed = []
     lister = threading.Thread(target=lambda: listed.append(reaper.list_groups(d)), name="test-lister")
 

@@ -192,6 +192,7 @@ class CoordLoader(DataLoaderAttributes):
         self._world: world.World | None = None  # read when the first pass starts
         self._resources: Resources | None = None  # made when the first pass starts
         self._member = None  # this loader's part in its HP group, made on the first pass
+        self._alone = False  # its HP group's names were another user's: it runs alone (warned once)
         self._pass_ref = None  # the running pass (weakly: a dropped pass closes itself)
         self._last: PassStats | None = None
         self._pid = os.getpid()
@@ -272,7 +273,7 @@ class CoordLoader(DataLoaderAttributes):
         res = self.resources
         w = self._world
         begin = self.position.begin(w.world_size)
-        if self.options.hp_group is not None and begin.start == 0 and begin.base == 0:
+        if self.options.hp_group is not None and begin.start == 0 and begin.base == 0 and self._group_member():
             alone = functools.partial(self.open_pass, epoch=begin.epoch)  # if the group detaches this job
             p = self._group_member().open_pass(begin.epoch, self._hooks(), alone)
             self.position.follow_order(p.order_epoch)
@@ -440,7 +441,7 @@ class CoordLoader(DataLoaderAttributes):
         )
 
     def _group_member(self):
-        if self._member is None:
+        if self._member is None and not self._alone:
             from coordl.staging.member import GroupMember, Producer
 
             producers = (Producer,)
@@ -450,7 +451,7 @@ class CoordLoader(DataLoaderAttributes):
 
                 producers = (Producer, RemoteProducer) if remote.options.local else (RemoteProducer,)
 
-            self._member = GroupMember(
+            self._member = GroupMember.attach(
                 options=self.options.hp_group,
                 resources=self.resources,
                 config=self.config,
@@ -463,6 +464,7 @@ class CoordLoader(DataLoaderAttributes):
                 epoch=self.position.epoch,
                 producers=producers,
             )
+            self._alone = self._member is None
         return self._member
 
     # -- resume -------------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ class Resources:
         one; None: none): the same pools and pipeline, a fetcher of its own, and on the torch
         backend a ``DataLoader`` whose workers read through it; no decoded tier and no peers.
         Their :meth:`close` leaves that cache and stops those workers, and nothing they share."""
-        cache = spec.open(self.index.sizes) if spec is not None else None
+        cache = spec.attach(self.index.sizes) if spec is not None else None
         fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
         dataloader = self.dataloader
         if dataloader is not None:

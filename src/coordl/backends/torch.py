@@ -160,7 +160,7 @@ class Items(torch.utils.data.Dataset):
     def fetcher(self) -> Fetcher:
         """This process's fetcher: a worker attaches to the node's cache on its first batch."""
         if self._pid != os.getpid() or self._fetcher is None:
-            cache = self.cache.open(self.index.sizes) if self.cache is not None else None
+            cache = self.cache.attach(self.index.sizes) if self.cache is not None else None
             disk = self.disk.open() if self.disk is not None else None
             if disk is not None:  # the samples it still has to write, when the worker ends
                 multiprocessing.util.Finalize(disk, disk.close, exitpriority=10)

@@ -41,7 +41,7 @@ import numpy as np
 
 from coordl.errors import SharedMemoryError, StaleStateError
 from coordl.fetch.chunks import Chunks, close_maps
-from coordl.shm import group, segment
+from coordl.shm import group, own, segment
 from coordl.threads import OwnedLock
 
 __all__ = ["ENTRY", "HEADER", "NodeCache", "table_bytes"]
@@ -103,6 +103,10 @@ class NodeCache:
     (:func:`coordl.shm.limits.tightest`) is read again: a slice that would take more than the
     room the limit leaves is not reserved, and the cache stops growing, so that the kernel never
     kills the job.
+
+    Raises:
+        ForeignFileError: a file at one of the cache's names is not this user's own private file
+            (:mod:`coordl.shm.own`); nothing of the cache was read, and the caller goes on without it.
     """
 
     MAGIC = MAGIC
@@ -145,12 +149,7 @@ class NodeCache:
     def _setup(self, alone: bool, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
         path = self._group.path("table")
         size = HEADER_BYTES + self._num * self.ENTRY_DTYPE.itemsize
-        try:
-            fd = segment.create_exclusive(path)
-            created = True
-        except FileExistsError:
-            fd = segment.open_existing(path)
-            created = False
+        fd, created = own.open_or_create(path)
         try:
             if not created and not self._valid(fd, size):
                 if not alone:
@@ -161,7 +160,7 @@ class NodeCache:
                 log.warning("coordl: replacing stale cache state in %s", path)
                 os.close(fd)
                 group.remove_group(self.fingerprint, self.directory, keep_locks=True)
-                fd = segment.create_exclusive(path)
+                fd = own.create_exclusive(path)
                 created = True
             if created:
                 self._create_table(fd, size, budget, chunk_bytes, slice_bytes)
@@ -177,9 +176,7 @@ class NodeCache:
             raise
         self._table_fd = fd
         if self._keep:
-            with open(self._group.path("keep"), "a"):
-                pass
-            os.chmod(self._group.path("keep"), 0o600)
+            os.close(own.open_or_create(self._group.path("keep"))[0])
 
     def _create_table(self, fd: int, size: int, budget: int, chunk_bytes: int, slice_bytes: int) -> None:
         try:
@@ -232,9 +229,10 @@ class NodeCache:
         if len(stale):
             log.info("coordl: reclaiming %d cache entries left half-written by a dead process", len(stale))
             self._state[stale] = EMPTY
-        # A chunk file past num_chunks is one whose creator died before recording it.
+        # A chunk file past num_chunks is one whose creator died before recording it (the group was
+        # joined: no file at its names is another user's).
         k = int(self._header["num_chunks"])
-        while os.path.exists(self._group.path("chunk", k)):
+        while os.path.lexists(self._group.path("chunk", k)) and own.foreign(self._group.path("chunk", k)) is None:
             os.unlink(self._group.path("chunk", k))
             k += 1
 

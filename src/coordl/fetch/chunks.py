@@ -11,9 +11,10 @@ page (a ``SIGBUS`` on a full tmpfs).
 Before each slice the shm filesystem must keep its :func:`headroom` free and the tightest memory
 limit (:mod:`coordl.shm.limits`) its margin: shared memory counts against a container's or a
 job's memory limit and cannot be reclaimed. When either runs short, the space is ``full`` and
-the cache stops growing. :class:`Chunks` holds the mappings; the header fields it reads and
-advances (``chunk_bytes``, ``slice_bytes``, ``budget``, ``alloc``, ``num_chunks``, ``full``)
-live in the cache's shared table (:mod:`coordl.fetch.cache`), changed under its lock.
+the cache stops growing; so it does when another user made a file at the name of its next chunk
+first (:mod:`coordl.shm.own`: that file is left alone). :class:`Chunks` holds the mappings; the
+header fields it reads and advances (``chunk_bytes``, ``slice_bytes``, ``budget``, ``alloc``,
+``num_chunks``, ``full``) live in the cache's shared table (:mod:`coordl.fetch.cache`), changed under its lock.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import numpy as np
 
 from coordl.errors import warn
-from coordl.shm import limits, segment
+from coordl.shm import limits, own, segment
 from coordl.units import format_bytes
 
 __all__ = ["Chunks", "close_maps", "headroom", "memory_text"]
@@ -107,7 +108,7 @@ class Chunks:
     def _map(self, k: int) -> mmap.mmap:
         m = self._maps.get(k)
         if m is None:
-            fd = segment.open_existing(self.path(k))
+            fd = own.open_own(self.path(k))
             try:
                 m = segment.map_fd(fd, self.size(k))
             finally:
@@ -142,7 +143,9 @@ class Chunks:
                 h["full"] = 1
                 break
             if k == int(h["num_chunks"]):
-                self._create(k)
+                if not self._create(k):
+                    h["full"] = 1
+                    break
                 h["num_chunks"] += 1
             if not self._reserve_slice(k, off, n):
                 h["full"] = 1
@@ -165,24 +168,34 @@ class Chunks:
             return False
         return True
 
-    def _create(self, k: int) -> None:
-        """Makes chunk ``k``'s file at its full size, sparse: it takes no memory until reserved."""
+    def _create(self, k: int) -> bool:
+        """Makes chunk ``k``'s file at its full size, sparse: it takes no memory until reserved.
+        False when another user made a file at its name first (left alone: the cache stops growing)."""
         path = self.path(k)
         try:
-            fd = segment.create_exclusive(path)
-        except FileExistsError:
-            # Left by a creator that died before recording it; we hold the table lock.
-            os.unlink(path)
-            fd = segment.create_exclusive(path)
+            try:
+                fd = own.create_exclusive(path)
+            except FileExistsError:
+                # Ours, left by a creator that died before recording it; we hold the table lock.
+                os.unlink(path)
+                fd = own.create_exclusive(path)
+        except own.ForeignFileError as e:
+            found = "; ".join(map(str, e.found))
+            self._warn_full(
+                f"{found} is at the name of its next chunk (coordl leaves it alone; remove it with `rm` as its "
+                "owner or root)"
+            )
+            return False
         try:
             size = self.size(k)
             os.ftruncate(fd, size)
             self._maps[k] = segment.map_fd(fd, size)
         finally:
             os.close(fd)
+        return True
 
     def _reserve_slice(self, k: int, offset: int, n: int) -> bool:
-        fd = segment.open_existing(self.path(k))
+        fd = own.open_own(self.path(k))
         try:
             segment.reserve(fd, n, offset=offset)
         except OSError as e:

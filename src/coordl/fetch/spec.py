@@ -1,5 +1,8 @@
 """How to attach to a node's cache (:class:`CacheSpec`): the loader, the torch backend's worker
-processes and DS-Analyzer open caches the same way; and the reaping of what crashed jobs left."""
+processes and DS-Analyzer open caches the same way; and the reaping of what crashed jobs left.
+
+A cache whose names another user took first (:class:`~coordl.shm.own.ForeignFileError`) is not
+used: the run goes on without it, with one warning (:func:`warn_off`) naming those files."""
 
 from __future__ import annotations
 
@@ -10,12 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordl.errors import warn
 from coordl.fetch.cache import NodeCache
 from coordl.fetch.decoded import DecodedTier
 from coordl.index import Index
-from coordl.shm import names, reaper
+from coordl.shm import names, own, reaper
 
-__all__ = ["CacheSpec", "reap_once"]
+__all__ = ["CacheSpec", "reap_once", "warn_off"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,16 @@ def reap_once(directory: str) -> None:
             log.info("coordl: removed %d bytes of shared memory left by a dead job (%s)", g.bytes, g.fingerprint)
     except OSError as e:  # an unreadable directory is reported when the cache is opened
         log.debug("coordl: reaping %s failed: %s", directory, e)
+
+
+def warn_off(what: str, found: list[own.Foreign]) -> None:
+    """Warns that ``what`` (``"the node cache is"``, ...) is off for this run because of the files ``found``."""
+    listing = "; ".join(map(str, found))
+    warn(
+        f"coordl: {what} off for this run: {listing}. These files are at its names in the shm directory but are "
+        "not this user's own private files, and coordl never reads, writes or follows them; training goes on "
+        "reading from storage. Remove them (`rm` as their owner or root) and the next run caches again"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,8 +85,20 @@ class CacheSpec:
         item = "waveform" if waveform else "image"
         return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier, item)
 
+    def attach(self, sizes: np.ndarray) -> NodeCache | None:
+        """:meth:`open`, or None (with :func:`warn_off`) where another user took one of its names."""
+        try:
+            return self.open(sizes)
+        except own.ForeignFileError as e:
+            warn_off("the node cache is", list(e.found))
+            return None
+
     def open(self, sizes: np.ndarray) -> NodeCache:
-        """Attaches to the cache (creating it if this is its first user)."""
+        """Attaches to the cache (creating it if this is its first user).
+
+        Raises:
+            ForeignFileError: a file at one of its names is not this user's own (nothing was read).
+        """
         reap_once(self.directory)
         if self.tier == "decoded":
             return DecodedTier(

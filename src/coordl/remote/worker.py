@@ -164,7 +164,9 @@ class PrepWorker:
                 "or pass reads='trainer' or 'auto'"
             )
         self.spec = self._cache_spec() if self.reads == "node" else None
-        self.cache = self.spec.open(self.index.sizes) if self.spec is not None else None
+        self.cache = self.spec.attach(self.index.sizes) if self.spec is not None else None
+        if self.cache is None:
+            self.spec = None  # another user took its names (warned): this actor's torch items read storage
         from coordl.fetch import disk as disk_tier
 
         disk_spec = disk_tier.spec_for(job.cache.disk, self.index) if self.reads == "node" else None

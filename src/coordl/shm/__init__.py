@@ -5,8 +5,11 @@ directory (``/dev/shm``, or ``COORDL_SHM_DIR``) named by :func:`names.segment_na
 as ``coordl.<fingerprint>.<kind>[.<id>]``; ``ls /dev/shm/coordl.*`` shows all of it.
 
 - :mod:`.names` builds and parses those names and lists every kind.
-- :mod:`.segment` creates segments exclusively (mode 0600), reserves their space
-  with ``posix_fallocate`` before anything is written, and maps them.
+- :mod:`.own` creates every file exclusively (``O_EXCL``, mode 0600) and opens one only if it is
+  this user's own private file (``O_NOFOLLOW``, then ``fstat``): what another user made at one of
+  the names is never read, written, followed or removed (:class:`~.own.ForeignFileError`).
+- :mod:`.segment` reserves a segment's space with ``posix_fallocate`` before anything is
+  written, and maps it.
 - :mod:`.group` is the membership of one fingerprint's segments: every user holds a
   shared ``flock`` on the group's lock file, so the kernel knows who is alive; the
   last one out removes the group.

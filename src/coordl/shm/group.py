@@ -12,6 +12,10 @@ group when last) are made while holding an exclusive lock on the group's ``init`
 file, so that a process joining and a process leaving never both decide at once.
 A process that finds the lock file unlinked after locking it (the last user
 removed the group meanwhile) starts over.
+
+Every file is made and opened through :mod:`.own`: a group with a file at one of its names
+that is not this user's own private file is not joined (:class:`~.own.ForeignFileError` names
+them all), and nobody here reads, locks or removes such a file.
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 
-from coordl.shm import names
+from coordl.shm import names, own
 
-__all__ = ["Membership", "group_files", "remove_group", "try_lock_unused"]
+__all__ = ["Membership", "foreign_files", "group_files", "remove_group", "try_lock_unused"]
 
 
 def _open_locked(path: str, op: int) -> int | None:
     """Opens (creating, 0600) and flocks ``path``; None if the file was unlinked meanwhile."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd, _ = own.open_or_create(path)
     try:
         fcntl.flock(fd, op)
         st = os.fstat(fd)
@@ -53,20 +57,26 @@ def _lock_retrying(path: str, op: int) -> int:
 
 
 def group_files(fingerprint: str, directory: str | None = None) -> list[str]:
-    """Every file of the group, lock files last (they are removed last)."""
+    """Every file at one of the group's names (:func:`names.parse_name`), lock files last (they
+    are removed last), whoever made it."""
     directory = directory or names.shm_dir()
-    prefix = f"{names.PREFIX}.{fingerprint}."
     try:
-        entries = [e for e in os.listdir(directory) if e.startswith(prefix)]
+        entries = os.listdir(directory)
     except FileNotFoundError:
         return []
+    kinds = {e: parsed[1] for e in entries if (parsed := names.parse_name(e)) is not None and parsed[0] == fingerprint}
     order = {"init": 2, "lock": 1}
-    entries.sort(key=lambda e: order.get(e[len(prefix) :].split(".")[0], 0))
-    return [os.path.join(directory, e) for e in entries]
+    return [os.path.join(directory, e) for e in sorted(kinds, key=lambda e: order.get(kinds[e], 0))]
+
+
+def foreign_files(fingerprint: str, directory: str | None = None) -> list[own.Foreign]:
+    """The files at the group's names that are not this user's own private files (:func:`own.foreign`)."""
+    return [f for path in group_files(fingerprint, directory) if (f := own.foreign(path)) is not None]
 
 
 def remove_group(fingerprint: str, directory: str | None = None, *, keep_locks: bool = False) -> int:
-    """Unlinks every file of the group; returns the bytes freed. Caller holds the locks.
+    """Unlinks every file of the group that is this user's own; returns the bytes freed. Caller
+    holds the locks. A file another user made at one of its names is left where it is.
 
     Args:
         keep_locks: leave the ``lock`` and ``init`` files (the caller stays attached).
@@ -76,8 +86,10 @@ def remove_group(fingerprint: str, directory: str | None = None, *, keep_locks: 
     for path in group_files(fingerprint, directory):
         if keep_locks and os.path.basename(path) in locks:
             continue
+        if own.foreign(path) is not None:
+            continue
         with contextlib.suppress(FileNotFoundError):
-            freed += os.stat(path).st_blocks * 512
+            freed += os.lstat(path).st_blocks * 512
             os.unlink(path)
     return freed
 
@@ -87,12 +99,12 @@ def _lock_init_if_exists(fingerprint: str, directory: str) -> int | None:
     path = os.path.join(directory, names.segment_name(fingerprint, "init"))
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = own.open_own(path)
         except FileNotFoundError:
-            if not group_files(fingerprint, directory):
-                return None
+            if not any(own.foreign(p) is None for p in group_files(fingerprint, directory)):
+                return None  # nothing of ours: gone, or only what another user made
             # Files without an init lock: a removal was interrupted. Lock to finish it.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd, _ = own.open_or_create(path)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             now = os.stat(path)
@@ -107,7 +119,12 @@ def _lock_init_if_exists(fingerprint: str, directory: str) -> int | None:
 @contextlib.contextmanager
 def try_lock_unused(fingerprint: str, directory: str | None = None) -> Iterator[bool | None]:
     """Yields True, holding the group's locks, if no live process is attached to the group;
-    False if one is; None if the group no longer exists. Creates nothing for a group that is gone."""
+    False if one is; None if the group no longer exists (or has no file of this user's). Creates
+    nothing for a group that is gone.
+
+    Raises:
+        ForeignFileError: the group's ``init`` or ``lock`` file is not this user's own.
+    """
     directory = directory or names.shm_dir()
     init_fd = _lock_init_if_exists(fingerprint, directory)
     if init_fd is None:
@@ -116,7 +133,7 @@ def try_lock_unused(fingerprint: str, directory: str | None = None) -> Iterator[
     try:
         lock_path = os.path.join(directory, names.segment_name(fingerprint, "lock"))
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+            fd = own.open_own(lock_path)
         except FileNotFoundError:
             yield True  # attaching creates the lock file under the init lock we hold: nobody is attached
             return
@@ -157,9 +174,17 @@ class Membership:
         create, validate or repair the segments freely. With ``alone`` False it
         attaches to what the others use. If ``setup`` raises, this process is not attached
         (and, when alone, the group's files are removed).
+
+        Raises:
+            ForeignFileError: a file at one of the group's names is not this user's own private
+                file (another user's, a link, open to others): the group is not joined and
+                nothing of it is read.
         """
         if self._lock_fd is not None:
             raise RuntimeError("already joined")
+        found = foreign_files(self.fingerprint, self.directory)
+        if found:
+            own.refuse(found)  # before a file of the group is made or opened
         init_fd = _lock_retrying(self.path("init"), fcntl.LOCK_EX)
         try:
             lock_fd = _lock_retrying(self.path("lock"), fcntl.LOCK_SH)

@@ -1,11 +1,15 @@
-"""Finds coordl's groups in the shm directory and removes the ones no live process uses."""
+"""Finds this user's coordl groups in the shm directory and removes the ones no live process uses.
+
+Only this user's own private files count (:mod:`.own`): another user's files at coordl's names,
+links and files open to others are neither listed, opened, locked nor removed.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from coordl.shm import group, names
+from coordl.shm import group, names, own
 
 __all__ = ["GroupInfo", "list_groups", "reap"]
 
@@ -30,7 +34,7 @@ def _fingerprints(directory: str) -> dict[str, list[str]]:
         return found
     for entry in entries:
         parsed = names.parse_name(entry)
-        if parsed is not None:
+        if parsed is not None and own.foreign(os.path.join(directory, entry)) is None:
             found.setdefault(parsed[0], []).append(entry)
     return found
 
@@ -43,7 +47,7 @@ def list_groups(directory: str | None = None) -> list[GroupInfo]:
         size = 0
         for entry in entries:
             try:
-                size += os.stat(os.path.join(directory, entry)).st_blocks * 512
+                size += os.lstat(os.path.join(directory, entry)).st_blocks * 512
             except FileNotFoundError:
                 pass
         try:
@@ -52,7 +56,7 @@ def list_groups(directory: str | None = None) -> list[GroupInfo]:
                     continue  # removed by its last user meanwhile
                 in_use = not unused
         except PermissionError:
-            continue  # another user's cache: theirs to list
+            continue  # its init or lock file is another user's (a ForeignFileError): not ours to lock
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
         info = GroupInfo(
             fingerprint=fp, files=len(entries), bytes=size, kinds=kinds, in_use=in_use, keep="keep" in kinds
@@ -81,12 +85,13 @@ def reap(directory: str | None = None, *, include_kept: bool = False, exclude: s
             with group.try_lock_unused(fp, directory) as unused:
                 if not unused:
                     continue
-                keep = os.path.exists(os.path.join(directory, names.segment_name(fp, "keep")))
+                marker = os.path.join(directory, names.segment_name(fp, "keep"))
+                keep = os.path.lexists(marker) and own.foreign(marker) is None  # another user's marker keeps nothing
                 if keep and not include_kept:
                     continue
                 freed = group.remove_group(fp, directory)
         except PermissionError:
-            continue  # another user's cache: not ours to remove
+            continue  # its init or lock file is another user's (a ForeignFileError): not ours to remove
         kinds = tuple(sorted({names.parse_name(e)[1] for e in entries}))
         removed.append(GroupInfo(fingerprint=fp, files=len(entries), bytes=freed, kinds=kinds, in_use=False, keep=keep))
     return removed

@@ -1,4 +1,4 @@
-"""Shared-memory segments: exclusive creation (0600), reserved space, mapping, free space."""
+"""Shared-memory segments: reserved space, mapping, free space (made and opened by :mod:`.own`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
-__all__ = ["ShmSpace", "create_exclusive", "map_fd", "open_existing", "reserve", "space"]
+__all__ = ["ShmSpace", "map_fd", "reserve", "space"]
 
 
 @dataclass(frozen=True)
@@ -22,21 +22,6 @@ def space(directory: str) -> ShmSpace:
     """Returns the total and free bytes of the filesystem that holds ``directory``."""
     st = os.statvfs(directory)
     return ShmSpace(total=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
-
-
-def create_exclusive(path: str) -> int:
-    """Creates ``path`` with ``O_EXCL`` and mode 0600 and returns its fd.
-
-    Raises:
-        FileExistsError: someone else created it first; attach to theirs instead.
-    """
-    # The umask cannot widen 0600, and O_EXCL makes exactly one creator win.
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-
-
-def open_existing(path: str) -> int:
-    """Opens an existing segment read-write and returns its fd."""
-    return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
 
 def reserve(fd: int, size: int, offset: int = 0) -> None:

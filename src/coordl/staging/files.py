@@ -1,6 +1,7 @@
 """A staging area's two shared files: made by the group's first member, checked and mapped by the others.
 
-``stage`` holds the records (:mod:`coordl.staging.layout`), ``batches`` the slots.
+``stage`` holds the records (:mod:`coordl.staging.layout`), ``batches`` the slots. Both are
+made exclusively and opened only as this user's own private files (:mod:`coordl.shm.own`).
 The first member reserves both up front with ``posix_fallocate`` (the staging memory
 bound) and sets the header's ``magic`` last; a later member checks the version and
 that its configuration is the group's.
@@ -15,7 +16,7 @@ import os
 from typing import NamedTuple
 
 from coordl.errors import CoordlError, GroupConfigError, SharedMemoryError
-from coordl.shm import group, segment
+from coordl.shm import group, own, segment
 from coordl.staging.layout import (
     CONFIG_BYTES,
     CONTROL_BYTES,
@@ -54,19 +55,24 @@ def create(
     Raises:
         ValueError: ``config`` (JSON) is too large, or ``bound`` too small.
         SharedMemoryError: the shm directory has no room for the area.
+        ForeignFileError: another user made a file at one of their names first.
     """
     stride = slot_stride(batch_size, shape, dtype)
     slots = slots_for(bound, stride, membership.directory)
     encoded = config.encode()
     if len(encoded) > CONFIG_BYTES:
         raise ValueError("the hp_group configuration is too large to stage")
-    fd = segment.create_exclusive(membership.path("stage"))
+    fd = own.create_exclusive(membership.path("stage"))
     try:
         segment.reserve(fd, CONTROL_BYTES)
         ctl = segment.map_fd(fd, CONTROL_BYTES)
     finally:
         os.close(fd)
-    dfd = segment.create_exclusive(membership.path("batches"))
+    try:
+        dfd = own.create_exclusive(membership.path("batches"))
+    except BaseException:
+        ctl.close()
+        raise
     try:
         segment.reserve(dfd, slots * stride)
     except OSError as e:
@@ -96,19 +102,29 @@ def attach(membership: group.Membership, name: str, config: str) -> Mapped:
     Raises:
         CoordlError: another coordl version made them.
         GroupConfigError: the group's configuration is not ``config``.
+        ForeignFileError: one of them is not this user's own private file.
     """
-    fd = segment.open_existing(membership.path("stage"))
+    fd = own.open_own(membership.path("stage"))
+    try:
+        dfd = own.open_own(membership.path("batches"))  # both checked before either is read
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         ctl = segment.map_fd(fd, os.fstat(fd).st_size)
+    except BaseException:
+        os.close(dfd)
+        raise
     finally:
         os.close(fd)
     h, _, _ = records(ctl)
     if int(h["magic"]) != MAGIC or int(h["version"]) != VERSION:
+        os.close(dfd)
         raise CoordlError(f"hp_group {name!r}: its staging area was made by another coordl version")
     theirs = bytes(ctl[HEADER_BYTES : HEADER_BYTES + int(h["config_len"])]).decode()
     if theirs != config:
+        os.close(dfd)
         raise GroupConfigError(_mismatch(name, json.loads(theirs), json.loads(config)))
-    dfd = segment.open_existing(membership.path("batches"))
     return Mapped(ctl, dfd, segment.map_fd(dfd, int(h["slots"]) * int(h["stride"])))
 
 

@@ -15,7 +15,7 @@ import os
 import time
 import weakref
 
-from coordl.shm import group
+from coordl.shm import group, own
 from coordl.staging.ring import Ring
 
 __all__ = ["MemberLock", "drop_idle", "is_dead", "lock_path", "reap_dead"]
@@ -42,7 +42,7 @@ class MemberLock:
     @classmethod
     def take(cls, path: str) -> MemberLock | None:
         """Locks the member file ``path``; None if a member still holds it (one still leaving)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd, _ = own.open_or_create(path)  # this user's own file, or a ForeignFileError
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -69,9 +69,14 @@ def lock_path(membership: group.Membership, k: int) -> str:
 
 
 def is_dead(path: str) -> bool:
-    """Whether the member whose lock file is ``path`` is gone (its lock can be taken)."""
+    """Whether the member whose lock file is ``path`` is gone (its lock can be taken).
+
+    Raises:
+        ForeignFileError: the file is not this user's own (replaced in a shm directory that is
+            not sticky): the member's liveness cannot be known.
+    """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = own.open_own(path)
     except FileNotFoundError:
         return True
     try:

@@ -19,16 +19,16 @@ import numpy as np
 import torch
 
 from coordl import env, lifecycle, sampler
-from coordl.errors import CoordlError, GroupConfigError, SampleError
+from coordl.errors import CoordlError, GroupConfigError, SampleError, warn
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.passes import Channel
 from coordl.prep.recipes import normalised, output_shape
 from coordl.schedule import Schedule
-from coordl.shm import names, segment
+from coordl.shm import names, own, segment
 from coordl.staging.area import Claim, StagingArea
 from coordl.staging.layout import default_unit
 
-__all__ = ["EMPTY_GROUP_STATS", "GroupMember", "Producer"]
+__all__ = ["EMPTY_GROUP_STATS", "GroupMember", "Producer", "warn_alone"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,16 @@ EMPTY_GROUP_STATS = {
     "staging_bytes": 0,
     "staging_peak_bytes": 0,
 }
+
+
+def warn_alone(name: str, found: tuple[own.Foreign, ...]) -> None:
+    """Warns that this job runs without its HP group ``name`` because of the files ``found``."""
+    listing = "; ".join(map(str, found))
+    warn(
+        f"coordl: hp_group {name!r} is not shared by this job, which runs alone: {listing}. These files are at "
+        "the group's names in the shm directory but are not this user's own private files, and coordl never "
+        "reads, writes or follows them. Remove them (`rm` as their owner or root) and the next run shares again"
+    )
 
 
 class GroupMember:
@@ -62,7 +72,21 @@ class GroupMember:
         producers: what makes this member's share of the group's batches, each a class taking
             ``(member, stop, channel)`` (default: a :class:`Producer` on the member's pipeline;
             with remote prep, also or only a :class:`~coordl.remote.producer.RemoteProducer`).
+
+    Raises:
+        ForeignFileError: a file at one of the group's names is not this user's own private file
+            (:meth:`attach` then warns and gives None: the loader runs alone).
     """
+
+    @classmethod
+    def attach(cls, **kwargs) -> GroupMember | None:
+        """A member of its group, made with ``kwargs``; None, with :func:`warn_alone`, where a file
+        at one of the group's names is not this user's own (nothing of the group was read)."""
+        try:
+            return cls(**kwargs)
+        except own.ForeignFileError as e:
+            warn_alone(kwargs["options"].name, e.found)
+            return None
 
     def __init__(
         self,

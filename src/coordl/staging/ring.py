@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordl.shm import own
 from coordl.staging.layout import CLAIMED, EMPTY, ERROR, READY, TODO, records
 from coordl.threads import OwnedLock
 
@@ -50,7 +51,7 @@ class Mutex:
     """A lock across processes (``flock`` on the ``mutex`` file) and across this process's threads."""
 
     def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd, _ = own.open_or_create(path)  # this user's own file, or a ForeignFileError
         self._local = OwnedLock()  # not waited for by the closing on SIGTERM if the parked main thread holds it
 
     def __enter__(self):

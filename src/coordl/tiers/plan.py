@@ -19,11 +19,11 @@ import numpy as np
 from coordl.fetch.budget import resolve_budget
 from coordl.fetch.cache import HEADER, MAGIC
 from coordl.fetch.decoded import DecodedTier
-from coordl.fetch.spec import CacheSpec
+from coordl.fetch.spec import CacheSpec, warn_off
 from coordl.index import Index
 from coordl.options import AUTO, Cache
 from coordl.prep.recipes import takes_decoded
-from coordl.shm import names
+from coordl.shm import names, own
 from coordl.tiers.model import TierRates, best_tier_split, tier_throughput
 from coordl.units import format_bytes
 
@@ -50,15 +50,32 @@ class TierPlan:
 
     def open(self, sizes: np.ndarray) -> tuple:
         """Attaches to the node's encoded and decoded tiers (each None when it has no budget),
-        making them if this is their first job."""
-        encoded = self.encoded.open(sizes) if self.encoded is not None else None
+        making them if this is their first job.
+
+        A tier another user took one of the names of (:class:`~coordl.shm.own.ForeignFileError`)
+        is off for this run: None, its spec and budget cleared (so that no worker attaches to it),
+        and one warning names the files."""
+        opened: dict[str, object] = {}
+        found, off = [], []
         try:
-            decoded = self.decoded.open(sizes) if self.decoded is not None else None
+            for tier in ("encoded", "decoded"):
+                spec = getattr(self, tier)
+                try:
+                    opened[tier] = spec.open(sizes) if spec is not None else None
+                except own.ForeignFileError as e:
+                    found += e.found
+                    off.append("node cache" if tier == "encoded" else "decoded tier")
+                    opened[tier] = None
+                    setattr(self, tier, None)
+                    setattr(self, f"{tier}_budget", 0)
         except BaseException:
-            if encoded is not None:
-                encoded.close()
+            for cache in opened.values():
+                if cache is not None:
+                    cache.close()
             raise
-        return encoded, decoded
+        if found:
+            warn_off("the " + " and its ".join(off) + (" are" if len(off) > 1 else " is"), found)
+        return opened["encoded"], opened["decoded"]
 
     def as_dict(self) -> dict:
         return {
@@ -94,8 +111,8 @@ def existing_budget(spec: CacheSpec) -> int | None:
     """The budget of the tier ``spec`` names if it is on this node already, else None."""
     path = os.path.join(spec.directory, names.segment_name(spec.fingerprint, "table"))
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = own.open_own(path, write=False)
+    except OSError:  # none, or another user's (a ForeignFileError): not read
         return None
     try:
         raw = os.pread(fd, HEADER.itemsize, 0)
