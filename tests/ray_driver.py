@@ -660,6 +660,35 @@ def term(root: str, out: str) -> None:
             time.sleep(0.005)  # the training step
 
 
+def one_node(root: str, out: str) -> None:
+    """A cluster whose only node is the trainer's: RayPrep(local=False) fails when the loader is
+    made, in how long (once connected); RayPrep(local=True) warns once that no actor will start and
+    prepares two epochs on this machine; on_trainer_node=True starts its actor here."""
+    import warnings
+
+    t0 = time.monotonic()
+    dali(root, coordl.RayPrep(workers=0, local=True)).close()  # connects: what follows is the check alone
+    result = {"connect_s": time.monotonic() - t0}
+    t0 = time.monotonic()
+    try:
+        dali(root, coordl.RayPrep(workers=1, local=False)).close()
+        result["raised"] = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        result.update(raised=type(e).__name__, coordl=isinstance(e, coordl.CoordlError), message=str(e))
+    result["seconds"] = time.monotonic() - t0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dali(root, coordl.RayPrep(workers=2, local=True)) as loader:
+            result["epochs"] = epochs(loader, 2)
+            pool = loader.resources.remote.pool
+            result.update(started=pool.started, remote_units=loader.stats()["remote_units"])
+    result["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    with dali(root, coordl.RayPrep(workers=1, local=False, on_trainer_node=True)) as loader:
+        ids = epochs(loader, 1)[0]["ids"]
+        result["here"] = {"ids": ids, "remote_units": loader.stats()["remote_units"]}
+    write(out, result)
+
+
 def pool_race(root: str, out: str) -> None:
     """Four threads polling the pool at once while its two actors start (as a pass's and an HP
     group member's dispatch threads may), then an epoch: what each saw go wrong, and the pool."""
@@ -704,6 +733,7 @@ SCENARIOS = {
         errors,
         start_timeout,
         no_cluster,
+        one_node,
         gpu,
         hp_member,
         hp,

@@ -538,6 +538,40 @@ def test_bad_annotations_are_named_or_skipped_and_counted(small, tmp_path, chang
     assert delivered == len(index) == (5 if kind == "images" else 6)
 
 
+def test_a_file_name_outside_the_images_root_is_refused_by_name_or_skipped(small, tmp_path, caplog):
+    """An absolute ``file_name`` and one that climbs out with ``..`` name real image files outside
+    the root: refused, the message naming them and the root, or left out with a warning; a name that
+    steps down and back (``sub/../x``) stays inside and is taken."""
+    c, doc = small
+    images = sorted(doc["images"], key=lambda i: i["id"])
+    for k, image in enumerate(images[:2]):
+        shutil.copy(os.path.join(c.images, image["file_name"]), tmp_path / f"planted-{k}.jpg")
+    climbing = os.path.relpath(tmp_path / "planted-0.jpg", c.images)  # ../../planted-0.jpg
+    absolute = str(tmp_path / "planted-1.jpg")
+    images[0]["file_name"], images[1]["file_name"] = climbing, absolute
+    os.mkdir(os.path.join(c.images, "sub"))
+    images[2]["file_name"] = "sub/../" + images[2]["file_name"]
+    path = _write(doc, tmp_path / "outside.json")
+    with pytest.raises(ValueError, match="2 images have a file_name outside the images' root") as e:
+        coordl.Index.from_coco(c.images, path)
+    assert isinstance(e.value, AnnotationError) and e.value.image_id == images[0]["id"]
+    assert all(s in str(e.value) for s in (repr(climbing), repr(absolute), c.images, str(path)))
+    with pytest.raises(AnnotationError, match="outside the images' root"):
+        coordl.datasets.CocoDetection(c.images, path)
+    with caplog.at_level("WARNING", logger="coordl"):
+        index = coordl.Index.from_coco(c.images, path, on_error="skip")
+    warned = [r.getMessage() for r in caplog.records if "outside the images' root" in r.getMessage()]
+    assert len(warned) == 1 and all(s in warned[0] for s in (repr(climbing), repr(absolute), c.images))
+    assert index.boxes.skipped["images"] == 2 and len(index) == 4
+    assert index.boxes.image_ids.tolist() == [i["id"] for i in images[2:]]
+    assert not any("planted" in p for p in index.paths)
+    with _loader(index, SSDVal(size=32)) as loader:
+        ids = sorted(i for _, _, batch in loader for i in batch.tolist())
+        assert ids == [0, 1, 2, 3] and loader.stats()["index_skipped"]["images"] == 2
+    dataset = coordl.datasets.CocoDetection(c.images, path, on_error="skip")
+    assert dataset.ids == [i["id"] for i in images[2:]]
+
+
 def test_a_file_that_is_not_json_is_refused_with_its_name(small, tmp_path):
     c, _ = small
     bad = tmp_path / "instances_bad.json"

@@ -173,6 +173,44 @@ assert n == 25, n
 print("done")
 """
 
+# A handler installed after the loader that calls the one it replaced, and then lets the script go
+# on: the rest of the epoch, another epoch, then a new loader's epoch. {first}: it calls the one it
+# replaced before its own work (a handler that wraps coordl's), else after it (Lightning's order).
+# coordl's "terminating" state (lifecycle.terminating(): joins cut short, peers' servers not waiting
+# for the other nodes, a RayPrep pool's close cut short) is not left set.
+GOES_ON = """
+loader = make()
+stop = []
+previous = signal.getsignal(signal.SIGTERM)
+
+
+def handler(signum, frame):
+    if {first} and callable(previous):
+        previous(signum, frame)
+    stop.append(signum)
+    if not {first} and callable(previous):
+        previous(signum, frame)
+
+
+signal.signal(signal.SIGTERM, handler)
+it = iter(loader)
+next(it)
+print("ready", flush=True)
+while not stop:
+    time.sleep(0.05)
+n = 1 + sum(1 for _ in it)
+assert n == 25, n
+n = sum(1 for _ in loader)
+assert n == 25, n
+lifecycle = sys.modules.get("coordl.lifecycle")  # None without coordl
+print("terminating", lifecycle is not None and lifecycle.terminating(), flush=True)
+del it, loader
+gc.collect()
+n = sum(1 for _ in make())
+assert n == 25, n
+print("done")
+"""
+
 SCENARIOS = {
     "full_epoch": Scenario("""
 loader = make()
@@ -314,6 +352,12 @@ print("stopped")
         rc=0,
         sigterm=True,
     ),
+    "sigterm_handled_and_the_script_goes_on": Scenario(
+        GOES_ON.format(first=False), markers=("ready", "terminating False", "done"), rc=0, sigterm=True
+    ),
+    "sigterm_handled_and_the_script_goes_on_chained_first": Scenario(
+        GOES_ON.format(first=True), markers=("ready", "terminating False", "done"), rc=0, sigterm=True
+    ),
     "fork_child_os_exit": Scenario(FORK.format(exit="os._exit(0)"), markers=("child-exit 0", "shm-kept", "done")),
     "fork_child_sys_exit": Scenario(FORK.format(exit="sys.exit(0)"), markers=("child-exit 0", "shm-kept", "done")),
     "multiprocessing_fork": Scenario(MP.format(method="fork"), markers=("child-exit 0", "done")),
@@ -361,6 +405,7 @@ SUBSET = [
     "value_error",
     "sigterm",
     "sigterm_handled_by_the_script",
+    "sigterm_handled_and_the_script_goes_on",
 ]
 # An HP group member's children made by fork: they must not leave the parent's group.
 HP_FORKS = ["fork_child_os_exit", "fork_child_sys_exit", "multiprocessing_fork"]

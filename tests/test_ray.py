@@ -460,6 +460,43 @@ def test_actors_that_cannot_start_fail_the_pass_after_the_start_timeout(cluster,
 
 
 @needs_cluster
+def test_a_cluster_with_no_node_but_the_trainer_s_is_named_at_once(tiny_dataset, isolated, tmp_path):
+    """A cluster of one node, the trainer's (2 CPUs): Ray would never place an actor that
+    RayPrep(on_trainer_node=False) keeps off it. RayPrep(local=False) fails when the loader is
+    made, within 5 s, naming on_trainer_node=True (it used to wait 120 s at the first batch and then
+    blame the CPUs); RayPrep(local=True) warns once that no actor will start and prepares every
+    batch itself (it used to start actors that waited for ever, silently); on_trainer_node=True
+    runs the actor there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDL_")}
+    env["PYTHONPATH"] = _path(CODE, str(raycluster.ROOT))
+    with raycluster.RayCluster(nodes=1, cpus=2, env=env) as one:
+        r = ok(drive(one, tmp_path, "one_node", tiny_dataset))
+        killed = one.close()
+    assert killed == [], f"processes of the Ray cluster outlived its shutdown and were killed: {killed}"
+    assert r["raised"] == "CoordlError" and r.get("coordl"), r
+    assert r["message"] == (
+        "coordl: the Ray cluster of RayPrep(address='auto') has no node but this trainer's, and "
+        "RayPrep(on_trainer_node=False) keeps the actors off it: no actor can start, and RayPrep(local=False) "
+        "leaves nobody to prepare batches; pass RayPrep(on_trainer_node=True) to run them on this machine (they "
+        "then share its CPUs with the training loop), or start Ray on another machine "
+        "(`ray start --address=<head>:6379`); see docs/remote-prep.md"
+    )
+    assert r["seconds"] < 5.0, f"failed after {r['seconds']:.2f} s (connected in {r['connect_s']:.2f} s before)"
+    assert r["warnings"] == [
+        "RuntimeWarning: coordl: the Ray cluster of RayPrep(address='auto') has no node but this trainer's, and "
+        "RayPrep(on_trainer_node=False) keeps the actors off it: no actor will start, and this machine's pipeline "
+        "prepares every batch (RayPrep(local=True)); pass RayPrep(on_trainer_node=True) to run them on this "
+        "machine too, or start Ray on another machine (`ray start --address=<head>:6379`)"
+    ], r["warnings"]
+    assert (r["started"], r["remote_units"]) == (0, 0), r
+    for epoch in r["epochs"]:
+        exactly_once(epoch["ids"])
+    exactly_once(r["here"]["ids"])
+    assert r["here"]["remote_units"] == BATCHES, r["here"]
+    assert segments(isolated) == []
+
+
+@needs_cluster
 def test_a_loader_closed_while_its_actors_are_busy_leaves_no_cache_behind(cluster, tiny_dataset, isolated, tmp_path):
     """Actors in the middle of units longer than the 2 s they have to leave their node's cache are
     killed with it open: the loader removes the cache once they are gone, as the next loader would."""

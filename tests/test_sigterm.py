@@ -16,6 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 N = 120  # samples in tiny_dataset
 BOUND_S = 2.0  # the issue's bound: from SIGTERM to the process's end
@@ -64,6 +66,58 @@ with coordl.CoordLoader(root, batch_size=8, pipeline=coordl.ImageNetTrain(size=1
     for epoch in range(1000):
         for x, _ in loader:
             pass
+"""
+
+# A trial stopped by SIGTERM in the middle of an edit of the group's shared records, inside the
+# group's mutex: a trace function of the main thread's sends the signal at the AFTER-th time the
+# main thread is about to run LINE of FUNC (in the module whose file ends with FILE); the handler
+# runs at once, in there, so the edit is left half done. Then it waits, ready, for the go on stdin.
+MID_EDIT = """
+import linecache, os, signal, sys, time
+import coordl
+root, group, file, func, line, after = sys.argv[1:6] + [int(sys.argv[6])]
+hits = [0]
+def local(frame, event, arg):
+    if event == "line" and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() == line:
+        hits[0] += 1
+        if hits[0] == after:
+            print("signalled", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # the handler runs in here: the main thread stops before LINE
+    return local
+def calls(frame, event, arg):
+    code = frame.f_code
+    return local if code.co_name == func and code.co_filename.endswith(file) else None
+with coordl.CoordLoader(root, batch_size=8, pipeline=coordl.ImageNetTrain(size=16), device_id=None, shuffle=True,
+                        hp_group=group, prep=1, return_index=True, seed=4) as loader:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    sys.settrace(calls)
+    for epoch in range(1000):
+        loader.set_epoch(epoch)
+        for x, _, i in loader:
+            time.sleep(0.01)
+"""
+
+# Its trial partner: EPOCHS epochs from the go on stdin, each sample's id as delivered.
+PARTNER = """
+import json, sys, time
+import coordl
+root, group, epochs, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+record = []
+with coordl.CoordLoader(root, batch_size=8, pipeline=coordl.ImageNetTrain(size=16), device_id=None, shuffle=True,
+                        hp_group=group, prep=1, return_index=True, seed=4) as loader:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        ids = []
+        for x, _, i in loader:
+            ids += i.tolist()
+            time.sleep(0.02)  # the training step
+        record.append(ids)
+with open(out, "w") as f:
+    json.dump(record, f)
 """
 
 BAD = ("Traceback", "terminate called", "Exception ignored", "Fatal Python error")
@@ -133,3 +187,74 @@ def test_sigterm_inside_the_staging_areas_lock_ends_the_process(tiny_dataset, is
         assert not any(b in p.stderr for b in BAD), f"entry {after}:\n{p.stderr}"
         assert os.listdir(isolated) == [], f"entry {after}: left in shared memory: {os.listdir(isolated)}"
     assert took < 30  # the whole script, start included
+
+
+# Where the main thread stops, each inside the group's mutex with a shared record half changed:
+# its member record's cursor moved on and its count not (taking a batch); a slot emptied and the
+# ring's released counter not moved (releasing); a slot's hold dropped from the process's table
+# and its bit still set in the member record (releasing the slots of the batch before).
+HALF_EDITS = {
+    "take": ("staging/area.py", "take", 'me["consumed"] += 1', 5),
+    "try_release": ("staging/ring.py", "try_release", 'h["released"] = q + 1', 3),
+    "drop_hold": ("staging/holds.py", "_drop", 'me["held"] = int(me["held"]) & ~(1 << slot)', 4),
+}
+
+
+@pytest.mark.parametrize("where", HALF_EDITS)
+def test_sigterm_inside_the_staging_lock_in_the_middle_of_an_edit_leaves_it_to_the_partner(
+    tiny_dataset, tmp_path, isolated, where
+):
+    """The closing on SIGTERM edits none of the records the stopped main thread was changing: it
+    gives the member up (its member lock), and the partner takes it back as it takes back a killed
+    member (it logs that the member is gone, which it never does of a member that left), finishes
+    every epoch with every sample once, and leaves nothing in shared memory."""
+    file, func, line, after = HALF_EDITS[where]
+    group = f"mid-{where}"
+    victim = subprocess.Popen(
+        [sys.executable, "-c", MID_EDIT, str(tiny_dataset), group, file, func, line, str(after)],
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out = tmp_path / "partner.json"
+    partner = subprocess.Popen(
+        [sys.executable, "-c", PARTNER, str(tiny_dataset), group, "4", str(out)],
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for p in (victim, partner):
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for p in (victim, partner):
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        assert victim.stdout.readline().strip() == "signalled", victim.stderr.read()
+        t0 = time.monotonic()
+        victim.wait(timeout=30)
+        took = time.monotonic() - t0
+        err = victim.stderr.read()
+        assert victim.returncode == -signal.SIGTERM, f"exit status {victim.returncode}\n{err}"
+        assert took < BOUND_S, f"ended {took:.2f} s after SIGTERM"
+        assert not any(b in err for b in BAD), err
+        partner.wait(timeout=120)
+        err = partner.stderr.read()
+        assert partner.returncode == 0 and not any(b in err for b in BAD), err
+    finally:
+        for p in (victim, partner):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
+    assert f"(pid {victim.pid}) is gone" in err, f"the partner did not take the member back as a dead one:\n{err}"
+    epochs = json.loads(out.read_text())
+    assert len(epochs) == 4
+    for ids in epochs:
+        counts = Counter(ids)
+        assert sorted(counts) == list(range(N)) and set(counts.values()) == {1}, "not exactly once"
+    assert os.listdir(isolated) == [], f"left in shared memory: {os.listdir(isolated)}"

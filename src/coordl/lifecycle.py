@@ -14,11 +14,15 @@ and its shared memory released by itself. So:
 - SIGTERM, when the script has not chosen a handler, closes the loaders and then ends the
   process by SIGTERM as it would have ended anyway (exit status -15 / 143); a handler the script
   (or its framework) installs later replaces coordl's, and if it calls coordl's in turn, that call
-  does nothing. The handler itself only parks the main thread: the loaders are closed on a thread
-  of their own (``coordl-sigterm``) within :data:`SIGTERM_DEADLINE_S`, after which the process ends
-  whatever is left. The main thread may have been interrupted inside one of coordl's locks; it never
+  does nothing and changes nothing (:func:`terminating` stays False: the script may go on). The
+  handler itself only parks the main thread: the loaders are closed on a thread of their own
+  (``coordl-sigterm``) within :data:`SIGTERM_DEADLINE_S`, after which the process ends whatever is
+  left. The main thread may have been interrupted inside one of coordl's locks; it never
   runs again, so the closing thread does not wait for such a lock (:class:`coordl.threads.OwnedLock`
-  asks :func:`parked`), and threads are joined with a deadline (:func:`join`);
+  asks :func:`parked`), and threads are joined with a deadline (:func:`join`). An HP group's
+  staging mutex is the exception: the records it guards are shared with other processes and may be
+  half changed, so nobody of this process enters it again and the member is given up to the others
+  (:meth:`StagingArea.close <coordl.staging.area.StagingArea.close>`);
 - in a child made by ``fork``, the parent's loaders belong to the parent: the child never
   closes them, and hooks registered with :func:`on_fork_child` (DALI's pipelines) make sure
   the child's exit does not touch the parent's threads.
@@ -210,11 +214,12 @@ def _install_sigterm() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     global _terminating
-    _terminating = True
     if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
         # A handler installed after coordl's called it (PyTorch Lightning chains to the handler it
-        # replaced): that handler decides how the process ends, and the exit closes the loaders.
+        # replaced): that handler decides how the process ends, and the exit closes the loaders as
+        # any exit does. Nothing changes here: a script that goes on keeps loaders that work as before.
         return
+    _terminating = True
     # The default action from now on, as if coordl had never handled it: the process ends by SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The main thread stops here, wherever it was (perhaps inside a lock of coordl's): a thread of

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,13 +55,41 @@ def stamps(images: str, annotations: str) -> list:
 def coco_samples(images: str, annotations: str, *, skip_empty: bool, on_error: str) -> Found:
     """The samples of a COCO annotations file whose images are in ``images``.
 
+    A ``file_name`` must name a file under ``images``: one that is absolute or climbs out of it
+    with ``..`` (after normalisation: ``a/../../b`` climbs, ``a/../b`` does not) would make the
+    node's caches hold, and the loader deliver, a file the dataset does not own. The check is on
+    the name only: a symbolic link inside ``images`` is followed, as the file system says.
+
     Raises:
-        AnnotationError: see :mod:`coordl.detection.coco`; an image listed but missing (unless
-            ``on_error="skip"``, which leaves it out and counts it).
+        AnnotationError: see :mod:`coordl.detection.coco`; an image listed but missing, or whose
+            ``file_name`` is outside ``images`` (unless ``on_error="skip"``, which leaves it out,
+            counts it and warns).
     """
     parsed = coco.parse(coco.load(annotations), annotations, skip_empty=skip_empty, on_error=on_error)
-    boxes = parsed.boxes
-    paths = [_join(images, name) for name in parsed.file_names]
+    boxes, names = parsed.boxes, parsed.file_names
+    outside = [k for k, name in enumerate(names) if _outside(name)]
+    if outside:
+        shown = ", ".join(repr(names[k]) for k in outside[:5]) + (" ..." if len(outside) > 5 else "")
+        if on_error != "skip":
+            raise AnnotationError(
+                f"{annotations}: {len(outside)} images have a file_name outside the images' root {images} "
+                f"(absolute, or climbing out with '..'): {shown}; name each image relative to {images}, "
+                "or pass on_error='skip' to leave them out",
+                path=annotations,
+                image_id=int(boxes.image_ids[outside[0]]),
+            )
+        log.warning(
+            "coordl: %d images of %s have a file_name outside the images' root %s: %s; left out",
+            len(outside),
+            annotations,
+            images,
+            shown,
+        )
+        keep = np.setdiff1d(np.arange(len(names)), outside)
+        boxes = boxes.subset(keep)
+        boxes.skipped["images"] += len(outside)
+        names = [names[k] for k in keep]
+    paths = [_join(images, name) for name in names]
     if s3url.is_url(images):
         from coordl.s3 import listing
 
@@ -74,7 +103,7 @@ def coco_samples(images: str, annotations: str, *, skip_empty: bool, on_error: s
         image_id = int(boxes.image_ids[k])
         if on_error != "skip":
             raise AnnotationError(
-                f"{annotations}: image {image_id} is {parsed.file_names[k]}, which is not in {images} "
+                f"{annotations}: image {image_id} is {names[k]}, which is not in {images} "
                 f"({len(missing)} listed images are missing); pass on_error='skip' to leave them out",
                 path=paths[k],
                 image_id=image_id,
@@ -105,6 +134,16 @@ def boxes_of_members(paths, members: list[bytes], *, on_error: str) -> Boxes:
         sizes.append((width, height))
         ids.append(i if image_id is None else image_id)
     return Boxes.from_lists(boxes, labels, sizes, ids, {}, skipped)
+
+
+def _outside(name: str) -> bool:
+    """Whether a ``file_name`` names no file under the images' root: absolute, or climbing out
+    with ``..`` once normalised (a ``..`` is a step up on a file system, and an object store's
+    HTTP path may be normalised the same way, so both kinds of root refuse it)."""
+    if name.startswith("/") or os.path.isabs(name):
+        return True
+    normal = posixpath.normpath(name.replace(os.sep, "/"))
+    return normal == ".." or normal.startswith("../")
 
 
 def _join(images: str, name: str) -> str:

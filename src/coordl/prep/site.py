@@ -69,10 +69,12 @@ class Remote(Local):
             )
 
     def connect(self) -> None:
-        """Joins the Ray cluster: none there is an error when the loader is made, not at its first pass."""
-        from coordl.remote.cluster import connect
+        """Joins the Ray cluster: none there, or one without a node the actors may run on, is said
+        when the loader is made, not at its first pass."""
+        from coordl.remote.cluster import check_nodes, connect
 
         connect(self.options.address)
+        check_nodes(self.options)
 
     def actors(self, **loader) -> dict | None:
         """The arguments of :meth:`RemotePrep.for_loader <coordl.remote.actors.RemotePrep.for_loader>`."""

@@ -14,7 +14,7 @@ import time
 import torch
 
 from coordl.options import RayPrep
-from coordl.remote.cluster import DEPTH, WorkerPool
+from coordl.remote.cluster import DEPTH, WorkerPool, trainer_only
 from coordl.remote.worker import Job
 
 __all__ = ["DEPTH", "RemotePrep", "scale_step"]
@@ -75,8 +75,10 @@ class RemotePrep:
         self.job = job
         self.device_id = device_id
         self.normalize = normalize
-        auto = options.workers == "auto"
-        self.pool = WorkerPool(job, 1 if auto else options.workers, options.cpus_per_worker, options.on_trainer_node)
+        workers = 1 if options.workers == "auto" else options.workers
+        if not options.on_trainer_node and trainer_only():  # Ray would never place them (check_nodes warned)
+            workers = 0
+        self.pool = WorkerPool(job, workers, options.cpus_per_worker, options.on_trainer_node)
         self._last_scale = time.monotonic()
         self.least = 0 if options.local else 1
         self.waited_total = 0.0

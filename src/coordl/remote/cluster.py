@@ -15,13 +15,24 @@ import threading
 import time
 
 from coordl import lifecycle
-from coordl.errors import CoordlError
+from coordl.errors import CoordlError, warn
 from coordl.options import refuse_ray_client
 from coordl.remote.address import join as address_join
 from coordl.remote.address import split as address_split
 from coordl.threads import OwnedLock
 
-__all__ = ["DEPTH", "Dispatch", "WorkerPool", "actor_options", "cause", "connect", "free_cpus", "ray_module"]
+__all__ = [
+    "DEPTH",
+    "Dispatch",
+    "WorkerPool",
+    "actor_options",
+    "cause",
+    "check_nodes",
+    "connect",
+    "free_cpus",
+    "ray_module",
+    "trainer_only",
+]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +126,39 @@ def actor_options(on_trainer_node: bool) -> dict:
 def trainer_node() -> str:
     """The Ray node id of this process's node."""
     return ray_module().get_runtime_context().get_node_id()
+
+
+def trainer_only() -> bool:
+    """Whether the cluster has no live node but this process's."""
+    me = trainer_node()
+    return not any(n.get("Alive") and n.get("NodeID") != me for n in ray_module().nodes())
+
+
+def check_nodes(options) -> None:
+    """Says at once when the cluster has no node ``RayPrep`` (``options``) lets its actors run on:
+    none but the trainer's, which ``on_trainer_node=False`` keeps them off. Ray would never place
+    them. With ``local=False`` nobody would prepare a batch: an error; with ``local=True`` a warning
+    that no actor will start (the local pipeline prepares every batch).
+
+    Raises:
+        CoordlError: no such node, and ``RayPrep(local=False)``.
+    """
+    if options.on_trainer_node or options.workers == 0 or not trainer_only():
+        return
+    if not options.local:
+        raise CoordlError(
+            f"coordl: the Ray cluster of RayPrep(address={options.address!r}) has no node but this trainer's, and "
+            "RayPrep(on_trainer_node=False) keeps the actors off it: no actor can start, and RayPrep(local=False) "
+            "leaves nobody to prepare batches; pass RayPrep(on_trainer_node=True) to run them on this machine (they "
+            "then share its CPUs with the training loop), or start Ray on another machine "
+            "(`ray start --address=<head>:6379`); see docs/remote-prep.md"
+        )
+    warn(
+        f"coordl: the Ray cluster of RayPrep(address={options.address!r}) has no node but this trainer's, and "
+        "RayPrep(on_trainer_node=False) keeps the actors off it: no actor will start, and this machine's pipeline "
+        "prepares every batch (RayPrep(local=True)); pass RayPrep(on_trainer_node=True) to run them on this "
+        "machine too, or start Ray on another machine (`ray start --address=<head>:6379`)"
+    )
 
 
 def free_cpus(on_trainer_node: bool) -> float:

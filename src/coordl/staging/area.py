@@ -110,6 +110,7 @@ class StagingArea:
         self._me_lock: MemberLock | None = None
         self._holds: Holds | None = None
         self._closed = False
+        self._parked_inside = False  # SIGTERM parked the main thread inside the mutex (parked_inside)
         self._last_health = 0.0
         self._img_bytes: int | None = None
         shape = tuple(sample_shape)
@@ -237,6 +238,8 @@ class StagingArea:
 
     def abandon(self) -> None:
         """This member stops consuming (a pass left unfinished, or closing)."""
+        if self.parked_inside:  # close() gives the member up: the others take its records back
+            return
         self.release_all()
         with self._mutex:
             me = self._ring.m[self._me]
@@ -350,6 +353,8 @@ class StagingArea:
             self._holds.release_where(lambda held_q: held_q < q)
 
     def release_all(self) -> None:
+        if self.parked_inside:
+            return
         with self._mutex:
             self._holds.release_where(lambda held_q: True)
 
@@ -426,11 +431,27 @@ class StagingArea:
         return int(self._ring.h["released"]), int(self._ring.h["frontier"])
 
     # -- lifetime --------------------------------------------------------------------------
+    @property
+    def parked_inside(self) -> bool:
+        """Whether SIGTERM parked the main thread inside the group's mutex, perhaps half way through
+        an edit of the shared records that it never finishes (:meth:`Mutex.held_by_parked
+        <coordl.staging.ring.Mutex.held_by_parked>`). Then no thread of this process enters the
+        mutex again: :meth:`close` gives the member up, and the others take back its claims and
+        slots as they do a killed member's."""
+        if not self._parked_inside and self._mutex is not None and self._mutex.held_by_parked():
+            self._parked_inside = True
+        return self._parked_inside
+
     def close(self) -> None:
-        """Leaves the group: claims go back, holds are unshared and released. Idempotent."""
+        """Leaves the group: claims go back, holds are unshared and released. Idempotent. While
+        SIGTERM parks the main thread inside the group's mutex, it gives the member up instead
+        (:meth:`_give_up`)."""
         if self._closed:
             return
         self._closed = True
+        if self.parked_inside:
+            self._give_up()
+            return
         try:
             if self._me >= 0:  # a member of the ring (not so while SIGTERM stopped the joining earlier)
                 with self._mutex:
@@ -440,6 +461,23 @@ class StagingArea:
                     self._ring.try_release()
         finally:
             self._detach()
+
+    def _give_up(self) -> None:
+        """The closing on SIGTERM while the parked main thread is inside the group's mutex: nothing
+        of this process changes the shared records again, which stay as that thread left them, as
+        after ``kill -9`` there. The mutex stays locked until the process ends
+        (:meth:`Mutex.freeze <coordl.staging.ring.Mutex.freeze>`: the others wait, and no late
+        write of this process's producers can reach a slot they took back), and the member's
+        ``flock`` is released: once the process is gone, the others find the member dead at once
+        and take back its claims and slots (:func:`~coordl.staging.liveness.reap_dead`). The
+        mappings stay until the process ends (a producer may still be writing into its slot)."""
+        self._mutex.freeze()
+        if self._me_lock is not None:
+            self._me_lock.release()
+            self._me_lock = None
+        if self._holds is not None:
+            self._holds.close()
+        self._membership.leave(remove_if_last=True)
 
     def _detach(self) -> None:
         if self._me_lock is not None:

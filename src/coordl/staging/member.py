@@ -257,11 +257,15 @@ class GroupMember:
 
     def join_producer(self, producers=None) -> None:
         """Waits for ``producers`` (default: the last pass's) to stop (they drain what they have in
-        flight first)."""
+        flight first); only tells them to, while SIGTERM parks the main thread inside the group's
+        mutex (:attr:`StagingArea.parked_inside <coordl.staging.area.StagingArea.parked_inside>`)."""
+        # SIGTERM parked the main thread inside the group's mutex: a producer that waits for it
+        # waits until the process ends, and close() gives the member up without it.
+        wait = self.area is None or not self.area.parked_inside
         for p in self.producers if producers is None else producers:
             if threading.current_thread() is not p.thread:
                 p.stop.set()
-                if p.thread.ident is not None:  # made and not started (SIGTERM in between): nothing runs
+                if p.thread.ident is not None and wait:  # made and not started (SIGTERM in between): nothing runs
                     lifecycle.join(p.thread)  # at most the SIGTERM deadline while the process is ending
 
     def count_produced(self) -> None:

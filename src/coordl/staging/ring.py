@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from coordl import lifecycle
 from coordl.shm import own
 from coordl.staging.layout import CLAIMED, EMPTY, ERROR, READY, TODO, records
-from coordl.threads import OwnedLock
 
-__all__ = ["SLOWER", "Claim", "Mutex", "Ring", "Taken"]
+__all__ = ["PARKED_PROBE_S", "SLOWER", "Claim", "Mutex", "Ring", "Taken"]
 
 #: How much slower per sample a member a whole ring behind must train to be detached.
 SLOWER = 1.25
+#: After SIGTERM, how long the closing thread waits for the mutex of a group before it takes it to
+#: be held by the parked main thread (:meth:`Mutex.held_by_parked`).
+PARKED_PROBE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -48,38 +52,78 @@ class Taken:
 
 
 class Mutex:
-    """A lock across processes (``flock`` on the ``mutex`` file) and across this process's threads."""
+    """A lock across processes (``flock`` on the ``mutex`` file) and across this process's threads.
+
+    Nobody of this process goes on without it (unlike :class:`~coordl.threads.OwnedLock`): when
+    SIGTERM parked the main thread inside (:func:`coordl.lifecycle.parked`), perhaps half way through
+    an edit of the shared records that it never finishes, a thread that waits for it waits until the
+    process ends. The closing thread asks :meth:`held_by_parked` instead of waiting, and then
+    :meth:`freeze` keeps every other process out until this one has ended."""
 
     def __init__(self, path: str):
         self._fd, _ = own.open_or_create(path)  # this user's own file, or a ForeignFileError
-        self._local = OwnedLock()  # not waited for by the closing on SIGTERM if the parked main thread holds it
+        self._local = threading.Lock()
+        self._owner: int | None = None  # the ident of the thread inside, once it is
+        self._frozen = False
 
     def __enter__(self):
         self._local.acquire()
+        self._owner = threading.get_ident()
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         except BaseException:
+            self._owner = None
             self._local.release()
             raise
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._owner = None
+        if not self._frozen:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._local.release()
 
     def try_enter(self) -> bool:
         """Enters unless a thread of this process is inside (then the caller defers)."""
         if not self._local.acquire(blocking=False):
             return False
+        self._owner = threading.get_ident()
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         except BaseException:
+            self._owner = None
             self._local.release()
             raise
         return True
 
+    def held_by_parked(self) -> bool:
+        """Whether the main thread, parked by SIGTERM, is inside: it never leaves, and what it was
+        changing stays as it left it. The main thread may have been stopped between taking the lock
+        and saying so: a lock that stays taken for :data:`PARKED_PROBE_S` while the main thread is
+        parked is taken to be its (the threads of coordl hold it for microseconds)."""
+        main = threading.main_thread().ident
+        if not lifecycle.parked(main):
+            return False
+        if self._owner == main:
+            return True
+        if self._local.acquire(timeout=PARKED_PROBE_S):
+            self._local.release()
+            return False
+        return True
+
+    def freeze(self) -> None:
+        """Keeps every other process out of the records until this one has ended, for the closing
+        on SIGTERM (:meth:`held_by_parked`): the ``flock`` is taken (it is this process's already,
+        unless the main thread stopped before it had it) and never given back, no thread of this
+        process that is inside gives it back, and none enters again. The kernel drops it with the
+        process."""
+        self._frozen = True  # a thread inside now leaves without unlocking the flock
+        self._local.acquire(timeout=PARKED_PROBE_S)  # taken: nobody of this process was inside; kept
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
     def close(self):
-        os.close(self._fd)
+        if not self._frozen:  # a frozen lock's descriptor lives as long as the process
+            os.close(self._fd)
 
 
 class Ring:
