@@ -1,0 +1,279 @@
+"""The local tier's ledger: what the tier takes on disk, its budget, and the room its writers have
+reserved, shared by every process using the tier (the file ``ledger``, changed under a lock).
+
+**What it counts.** ``used`` is what the tier's entries and entry folders take on disk: each
+entry's blocks (``st_blocks``: its header and bytes, rounded up to the file system's blocks) as
+measured once it is written, and each entry folder's blocks as measured when it is made; not the
+samples' bytes. ``coordl cache verify --disk`` counts them again from the folder: ``du -B1`` of
+the entry folders.
+
+**Budget and floor.** Before writing an entry, a writer reserves its header and bytes rounded up
+to the file system's block (:func:`footprint`), and gets them only when both hold:
+
+- ``used + reserved + n <= budget``, when the tier has a budget in bytes (``Disk(size)``, see
+  :meth:`Ledger.open`); ``"auto"`` has no bound of its own: the floor alone bounds it;
+- ``f_bavail - reserved - n >= floor``: the file system keeps its floor free, as ``statvfs`` says
+  at that moment (what other programs wrote meanwhile, a checkpoint, counts). The floor is
+  ``Disk(keep_free)``: by default the larger of :data:`FLOOR_FRACTION` of the file system and
+  :data:`FLOOR_MIN` (:func:`floor`).
+
+**Reservations of dead writers.** Each writing process holds a *slot* of the ledger, the record of
+its reservations in flight, and proves itself alive by an open-file-description lock on the slot's
+bytes (``F_OFD_SETLK``): the kernel drops it when the process ends, whatever killed it, in any pid
+namespace. A refused reservation first releases the slots whose lock nobody holds, a process that
+takes a slot releases what its last holder left, and a process that opens the tier alone releases
+them all. A writer killed between reserving and publishing thus holds its bytes until then, never
+for good. The ledger's own lock is such a lock too, on the header's bytes (never ``flock``, which
+some file systems map onto the same locks).
+
+**The order of a write**: reserve the estimate; write the file aside; move the reservation into
+``used`` as the file's measured blocks (:meth:`Ledger.commit`); link the file into place (taken back
+if another process published first). A writer killed between the commit and the link leaves
+``used`` one entry too high (never too low: the budget holds) until ``coordl cache verify``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["FLOOR_FRACTION", "FLOOR_MIN", "LEDGER", "SLOTS", "Ledger", "Usage", "floor", "footprint"]
+
+MAGIC = b"coordltl"
+VERSION = 2
+LEDGER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("slots", "<u4"),
+        ("used", "<i8"),  # bytes the entries and entry folders take on disk
+        ("budget", "<i8"),  # bytes; 0: "auto" (no bound but the floor)
+        ("reserved", "<i8"),  # reserved by writers, not yet written: the sum of the slots
+        ("spare", "V24"),
+    ]
+)  # 64 bytes
+SLOT = np.dtype([("bytes", "<i8"), ("pid", "<i8")])  # a writer's reservations in flight; its pid, to show
+SLOTS = 1024  # processes writing into one tier at once (ranks, their workers, other jobs)
+SIZE = LEDGER.itemsize + SLOTS * SLOT.itemsize
+FLOOR_FRACTION = 0.05  # of the tier's file system kept free by Disk(keep_free="auto"), and at least
+FLOOR_MIN = 1 << 30  # 1 GiB: room for a checkpoint on a small file system
+_FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+
+
+class Usage(NamedTuple):
+    """What a tier takes on disk (``used``), its budget in bytes (0: ``"auto"``), and the bytes
+    writers have reserved and not yet written."""
+
+    used: int
+    budget: int
+    reserved: int
+
+
+def footprint(nbytes: int, block: int) -> int:
+    """``nbytes`` rounded up to the file system's ``block``: what a file of them takes on disk."""
+    return -(-nbytes // block) * block
+
+
+def floor(keep_free, vfs: os.statvfs_result) -> int:
+    """The bytes a tier leaves free on the file system ``vfs`` (``statvfs``) for ``keep_free``:
+    ``"auto"`` (the larger of :data:`FLOOR_FRACTION` of it and :data:`FLOOR_MIN`), a float fraction of
+    it, or bytes."""
+    total = vfs.f_blocks * vfs.f_frsize
+    if keep_free == "auto":
+        return max(int(FLOOR_FRACTION * total), FLOOR_MIN)
+    return int(keep_free * total) if isinstance(keep_free, float) else int(keep_free)
+
+
+class Ledger:
+    """This process's handle on a tier's ledger (the file descriptor ``fd``, opened read-write)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.slot: int | None = None  # the slot this process holds, once it writes
+
+    # -- opening ----------------------------------------------------------------------------------
+    def open(self, size, *, alone: bool, recount) -> None:
+        """Makes the ledger when it is new (or of another version: ``recount()`` then gives what the
+        folder takes) and sets the budget: a process alone with the tier sets it to its ``size``
+        (``"auto"`` or bytes); one that shares it lowers it to its ``size`` when that is smaller,
+        and leaves it otherwise. Alone, it also releases every reservation (their writers are gone)."""
+        wanted = 0 if size == "auto" else int(size)
+        with self.locked():
+            h = self._head()
+            if not _valid(h):
+                h = self._fresh(wanted)
+                h["used"] = recount()
+            if alone:
+                h["reserved"] = 0
+                os.pwrite(self.fd, bytes(SLOTS * SLOT.itemsize), LEDGER.itemsize)
+            if alone or (wanted and (h["budget"] == 0 or wanted < h["budget"])):
+                h["budget"] = wanted
+            self._put(h)
+
+    def claim(self) -> tuple[int | None, bool]:
+        """Takes a free slot for this process's reservations: its number (None when all are held),
+        and whether its last holder left reservations (then its files in ``tmp/`` are dead too)."""
+        for k in range(SLOTS):
+            try:
+                _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.itemsize)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    continue  # a live process's
+                raise
+            with self.locked():
+                h = self._head()
+                left = self._slot(k)
+                h["reserved"] = max(0, int(h["reserved"]) - left)
+                self._set_slot(k, 0)
+                self._put(h)
+            self.slot = k
+            return k, left > 0
+        return None, False
+
+    # -- reserving and accounting -----------------------------------------------------------------
+    def reserve(self, n: int, keep_free) -> tuple[str | None, list[int]]:
+        """Reserves ``n`` bytes for this process's slot: None when granted, else why not (the
+        budget, or the floor of ``keep_free``); and the slots of dead writers it released."""
+        with self.locked():
+            h = self._head()
+            why = self._refusal(h, n, keep_free)
+            dead = []
+            if why is not None:
+                dead = self._release_dead(h)
+                if dead:
+                    why = self._refusal(h, n, keep_free)
+            if why is None:
+                h["reserved"] += n
+                self._set_slot(self.slot, self._slot(self.slot) + n)
+            self._put(h)
+        return why, dead
+
+    def commit(self, n: int, actual: int) -> None:
+        """Moves a reservation of ``n`` bytes into ``used`` as ``actual`` bytes (its file's blocks)."""
+        with self.locked():
+            h = self._head()
+            h["reserved"] = max(0, int(h["reserved"]) - n)
+            h["used"] += actual
+            self._set_slot(self.slot, max(0, self._slot(self.slot) - n))
+            self._put(h)
+
+    def cancel(self, n: int) -> None:
+        """Gives back a reservation of ``n`` bytes that was not written."""
+        with self.locked():
+            h = self._head()
+            h["reserved"] = max(0, int(h["reserved"]) - n)
+            self._set_slot(self.slot, max(0, self._slot(self.slot) - n))
+            self._put(h)
+
+    def add(self, n: int) -> None:
+        """Adds ``n`` bytes (negative: takes them away) to ``used``: folders made, entries removed."""
+        if n:
+            with self.locked():
+                h = self._head()
+                h["used"] = max(0, int(h["used"]) + n)
+                self._put(h)
+
+    def usage(self) -> Usage:
+        with self.locked():
+            h = self._head()
+        return Usage(int(h["used"]), int(h["budget"]), int(h["reserved"]))
+
+    def room(self, keep_free) -> int:
+        """What the tier may hold now: ``used`` and what the budget and the floor leave."""
+        u = self.usage()
+        vfs = os.fstatvfs(self.fd)
+        free = max(0, vfs.f_bavail * vfs.f_frsize - u.reserved - floor(keep_free, vfs))
+        return min(u.used + free, u.budget) if u.budget else u.used + free
+
+    def reconcile(self, used: int) -> tuple[Usage | None, list[tuple[int, int, int]]]:
+        """Sets ``used`` and releases every reservation (``coordl cache verify``, alone with the
+        tier): what the ledger said before (None: it was unreadable, and is made again), and the
+        slots that held reservations (slot, bytes, pid)."""
+        with self.locked():
+            h = self._head()
+            before = Usage(int(h["used"]), int(h["budget"]), int(h["reserved"])) if _valid(h) else None
+            if before is None:
+                h = self._fresh(0)
+            slots = np.frombuffer(os.pread(self.fd, SLOTS * SLOT.itemsize, LEDGER.itemsize), SLOT)
+            held = [(k, int(s["bytes"]), int(s["pid"])) for k, s in enumerate(slots) if s["bytes"]]
+            h["used"], h["reserved"] = used, 0
+            os.pwrite(self.fd, bytes(SLOTS * SLOT.itemsize), LEDGER.itemsize)
+            self._put(h)
+        return before, held
+
+    # -- the file ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self):
+        """Holds the ledger's lock (an open-file-description lock on the header's bytes)."""
+        _lock(self.fd, fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, 0, LEDGER.itemsize)
+        try:
+            yield
+        finally:
+            _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, 0, LEDGER.itemsize)
+
+    def _head(self):
+        raw = os.pread(self.fd, LEDGER.itemsize, 0)
+        if len(raw) < LEDGER.itemsize:
+            return np.zeros(1, LEDGER)[0]  # new, or of the first version (16 bytes): made again
+        return np.frombuffer(raw, LEDGER).copy()[0]
+
+    def _fresh(self, budget: int):
+        """A new ledger of ``budget``, its slots empty."""
+        os.ftruncate(self.fd, 0)
+        os.ftruncate(self.fd, SIZE)
+        h = np.zeros(1, LEDGER)[0]
+        h["magic"], h["version"], h["slots"], h["budget"] = MAGIC, VERSION, SLOTS, budget
+        return h
+
+    def _put(self, h) -> None:
+        os.pwrite(self.fd, np.array([h], LEDGER).tobytes(), 0)
+
+    def _slot(self, k: int) -> int:
+        return int(np.frombuffer(os.pread(self.fd, SLOT.itemsize, _slot_at(k)), SLOT)[0]["bytes"])
+
+    def _set_slot(self, k: int, n: int) -> None:
+        os.pwrite(self.fd, np.array([(n, os.getpid() if n else 0)], SLOT).tobytes(), _slot_at(k))
+
+    def _refusal(self, h, n: int, keep_free) -> str | None:
+        if h["budget"] and h["used"] + h["reserved"] + n > h["budget"]:
+            return f"it holds its budget of {int(h['budget'])} bytes"
+        vfs = os.fstatvfs(self.fd)
+        keep = floor(keep_free, vfs)
+        if vfs.f_bavail * vfs.f_frsize - h["reserved"] - n < keep:
+            return f"its file system would have less than the {keep} bytes free that it keeps (Disk(keep_free))"
+        return None
+
+    def _release_dead(self, h) -> list[int]:
+        """Releases the reservations of slots whose lock no process holds: their numbers."""
+        slots = np.frombuffer(os.pread(self.fd, SLOTS * SLOT.itemsize, LEDGER.itemsize), SLOT)
+        dead = []
+        for k in np.flatnonzero(slots["bytes"]).tolist():
+            if k != self.slot and not _held(self.fd, k):
+                h["reserved"] = max(0, int(h["reserved"]) - int(slots[k]["bytes"]))
+                self._set_slot(k, 0)
+                dead.append(k)
+        return dead
+
+
+def _valid(h) -> bool:
+    return h["magic"] == MAGIC and h["version"] == VERSION and h["slots"] == SLOTS
+
+
+def _slot_at(k: int) -> int:
+    return LEDGER.itemsize + k * SLOT.itemsize
+
+
+def _lock(fd: int, cmd: int, kind: int, start: int, length: int) -> bytes:
+    return fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0))
+
+
+def _held(fd: int, k: int) -> bool:
+    """Whether a process (another open file description) holds slot ``k``'s lock."""
+    got = _lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.itemsize)
+    return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
