@@ -95,10 +95,10 @@ def open_folder(folder: str, *, create: bool) -> Folder | None:
                 raise
             return None
         except OSError as e:  # a link (ELOOP), a file (ENOTDIR), another user's private folder (EACCES)
-            raise _foreign(folder) from e
+            raise ForeignFolderError(_foreign(folder)) from e
         if not private(os.fstat(fd), stat.S_IFDIR):
             os.close(fd)
-            raise _foreign(folder)
+            raise ForeignFolderError(_foreign(folder))
     finally:
         os.close(top)
     out = Folder(folder, fd, None, None, None)
@@ -112,7 +112,7 @@ def open_folder(folder: str, *, create: bool) -> Folder | None:
                 raise _Foreign
     except _Foreign:
         out.close()
-        raise _foreign(folder) from None
+        raise ForeignFolderError(_foreign(folder)) from None
     except BaseException:
         out.close()
         raise
@@ -179,8 +179,8 @@ def _open_file(fd: int, name: str, create: bool) -> int | None:
     return f
 
 
-def _foreign(folder: str) -> ForeignFolderError:
-    """The error naming what lies at the tier's names (looked at with lstat: nothing is followed)."""
+def _foreign(folder: str) -> str:
+    """The message naming what lies at the tier's names (looked at with lstat: nothing is followed)."""
     found, owners = [], set()
     try:
         st = os.lstat(folder)
@@ -206,7 +206,7 @@ def _foreign(folder: str) -> ForeignFolderError:
                 owners.add(_owner(st.st_uid))
     me = _owner(os.getuid())
     owners_text = " or ".join(sorted(owners)) if owners else me
-    return ForeignFolderError(
+    return (
         f"the local tier at {folder} is not this user's ({me}) to use: {', '.join(found)}. coordl neither reads, "
         f"writes nor follows it, and the tier is off for this run (the samples come from the store). Remove it "
         f"(rm -rf {folder}, as {owners_text} or root), or give Disk(path) another folder"

@@ -39,31 +39,36 @@ import errno
 import fcntl
 import os
 import struct
+from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
-__all__ = ["FLOOR_FRACTION", "FLOOR_MIN", "LEDGER", "SLOTS", "Ledger", "Usage", "floor", "footprint"]
+__all__ = ["FLOOR_FRACTION", "FLOOR_MIN", "HEAD", "SLOT", "SLOTS", "Ledger", "Usage", "floor", "footprint"]
 
 MAGIC = b"coordltl"
 VERSION = 2
-LEDGER = np.dtype(
-    [
-        ("magic", "S8"),
-        ("version", "<u4"),
-        ("slots", "<u4"),
-        ("used", "<i8"),  # bytes the entries and entry folders take on disk
-        ("budget", "<i8"),  # bytes; 0: "auto" (no bound but the floor)
-        ("reserved", "<i8"),  # reserved by writers, not yet written: the sum of the slots
-        ("spare", "V24"),
-    ]
-)  # 64 bytes
-SLOT = np.dtype([("bytes", "<i8"), ("pid", "<i8")])  # a writer's reservations in flight; its pid, to show
+# The header: magic, version, slots, used (bytes the entries and entry folders take on disk), budget
+# (bytes; 0: "auto", no bound but the floor), reserved (by writers, not yet written: the slots' sum).
+HEAD = struct.Struct("<8sIIqqq24x")  # 64 bytes
+SLOT = struct.Struct("<qq")  # a writer's reservations in flight, and its pid (to show)
 SLOTS = 1024  # processes writing into one tier at once (ranks, their workers, other jobs)
-SIZE = LEDGER.itemsize + SLOTS * SLOT.itemsize
+SIZE = HEAD.size + SLOTS * SLOT.size
 FLOOR_FRACTION = 0.05  # of the tier's file system kept free by Disk(keep_free="auto"), and at least
 FLOOR_MIN = 1 << 30  # 1 GiB: room for a checkpoint on a small file system
 _FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+
+
+@dataclass
+class _Head:
+    magic: bytes = b""
+    version: int = 0
+    slots: int = 0
+    used: int = 0
+    budget: int = 0
+    reserved: int = 0
+
+    @property
+    def valid(self) -> bool:
+        return self.magic == MAGIC and self.version == VERSION and self.slots == SLOTS
 
 
 class Usage(NamedTuple):
@@ -96,6 +101,7 @@ class Ledger:
     def __init__(self, fd: int):
         self.fd = fd
         self.slot: int | None = None  # the slot this process holds, once it writes
+        self._mine = 0  # what this process has reserved (its slot's bytes: only this process changes them)
 
     # -- opening ----------------------------------------------------------------------------------
     def open(self, size, *, alone: bool, recount) -> None:
@@ -106,14 +112,14 @@ class Ledger:
         wanted = 0 if size == "auto" else int(size)
         with self.locked():
             h = self._head()
-            if not _valid(h):
+            if not h.valid:
                 h = self._fresh(wanted)
-                h["used"] = recount()
+                h.used = recount()
             if alone:
-                h["reserved"] = 0
-                os.pwrite(self.fd, bytes(SLOTS * SLOT.itemsize), LEDGER.itemsize)
-            if alone or (wanted and (h["budget"] == 0 or wanted < h["budget"])):
-                h["budget"] = wanted
+                h.reserved = 0
+                os.pwrite(self.fd, bytes(SLOTS * SLOT.size), HEAD.size)
+            if alone or (wanted and (h.budget == 0 or wanted < h.budget)):
+                h.budget = wanted
             self._put(h)
 
     def claim(self) -> tuple[int | None, bool]:
@@ -121,7 +127,7 @@ class Ledger:
         and whether its last holder left reservations (then its files in ``tmp/`` are dead too)."""
         for k in range(SLOTS):
             try:
-                _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.itemsize)
+                _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.size)
             except OSError as e:
                 if e.errno in (errno.EAGAIN, errno.EACCES):
                     continue  # a live process's
@@ -129,10 +135,10 @@ class Ledger:
             with self.locked():
                 h = self._head()
                 left = self._slot(k)
-                h["reserved"] = max(0, int(h["reserved"]) - left)
+                h.reserved = max(0, h.reserved - left)
                 self._set_slot(k, 0)
                 self._put(h)
-            self.slot = k
+            self.slot, self._mine = k, 0
             return k, left > 0
         return None, False
 
@@ -149,8 +155,9 @@ class Ledger:
                 if dead:
                     why = self._refusal(h, n, keep_free)
             if why is None:
-                h["reserved"] += n
-                self._set_slot(self.slot, self._slot(self.slot) + n)
+                h.reserved += n
+                self._mine += n
+                self._set_slot(self.slot, self._mine)
             self._put(h)
         return why, dead
 
@@ -158,17 +165,19 @@ class Ledger:
         """Moves a reservation of ``n`` bytes into ``used`` as ``actual`` bytes (its file's blocks)."""
         with self.locked():
             h = self._head()
-            h["reserved"] = max(0, int(h["reserved"]) - n)
-            h["used"] += actual
-            self._set_slot(self.slot, max(0, self._slot(self.slot) - n))
+            h.reserved = max(0, h.reserved - n)
+            h.used += actual
+            self._mine = max(0, self._mine - n)
+            self._set_slot(self.slot, self._mine)
             self._put(h)
 
     def cancel(self, n: int) -> None:
         """Gives back a reservation of ``n`` bytes that was not written."""
         with self.locked():
             h = self._head()
-            h["reserved"] = max(0, int(h["reserved"]) - n)
-            self._set_slot(self.slot, max(0, self._slot(self.slot) - n))
+            h.reserved = max(0, h.reserved - n)
+            self._mine = max(0, self._mine - n)
+            self._set_slot(self.slot, self._mine)
             self._put(h)
 
     def add(self, n: int) -> None:
@@ -176,13 +185,13 @@ class Ledger:
         if n:
             with self.locked():
                 h = self._head()
-                h["used"] = max(0, int(h["used"]) + n)
+                h.used = max(0, h.used + n)
                 self._put(h)
 
     def usage(self) -> Usage:
         with self.locked():
             h = self._head()
-        return Usage(int(h["used"]), int(h["budget"]), int(h["reserved"]))
+        return Usage(h.used, h.budget, h.reserved)
 
     def room(self, keep_free) -> int:
         """What the tier may hold now: ``used`` and what the budget and the floor leave."""
@@ -197,13 +206,12 @@ class Ledger:
         slots that held reservations (slot, bytes, pid)."""
         with self.locked():
             h = self._head()
-            before = Usage(int(h["used"]), int(h["budget"]), int(h["reserved"])) if _valid(h) else None
+            before = Usage(h.used, h.budget, h.reserved) if h.valid else None
             if before is None:
                 h = self._fresh(0)
-            slots = np.frombuffer(os.pread(self.fd, SLOTS * SLOT.itemsize, LEDGER.itemsize), SLOT)
-            held = [(k, int(s["bytes"]), int(s["pid"])) for k, s in enumerate(slots) if s["bytes"]]
-            h["used"], h["reserved"] = used, 0
-            os.pwrite(self.fd, bytes(SLOTS * SLOT.itemsize), LEDGER.itemsize)
+            held = [(k, n, pid) for k, (n, pid) in enumerate(self._slots()) if n]
+            h.used, h.reserved = used, 0
+            os.pwrite(self.fd, bytes(SLOTS * SLOT.size), HEAD.size)
             self._put(h)
         return before, held
 
@@ -211,62 +219,58 @@ class Ledger:
     @contextlib.contextmanager
     def locked(self):
         """Holds the ledger's lock (an open-file-description lock on the header's bytes)."""
-        _lock(self.fd, fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, 0, LEDGER.itemsize)
+        _lock(self.fd, fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, 0, HEAD.size)
         try:
             yield
         finally:
-            _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, 0, LEDGER.itemsize)
+            _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, 0, HEAD.size)
 
-    def _head(self):
-        raw = os.pread(self.fd, LEDGER.itemsize, 0)
-        if len(raw) < LEDGER.itemsize:
-            return np.zeros(1, LEDGER)[0]  # new, or of the first version (16 bytes): made again
-        return np.frombuffer(raw, LEDGER).copy()[0]
+    def _head(self) -> _Head:
+        raw = os.pread(self.fd, HEAD.size, 0)
+        if len(raw) < HEAD.size:
+            return _Head()  # new, or of the first version (16 bytes): made again
+        return _Head(*HEAD.unpack(raw))
 
     def _fresh(self, budget: int):
         """A new ledger of ``budget``, its slots empty."""
         os.ftruncate(self.fd, 0)
         os.ftruncate(self.fd, SIZE)
-        h = np.zeros(1, LEDGER)[0]
-        h["magic"], h["version"], h["slots"], h["budget"] = MAGIC, VERSION, SLOTS, budget
-        return h
+        return _Head(MAGIC, VERSION, SLOTS, 0, budget, 0)
 
-    def _put(self, h) -> None:
-        os.pwrite(self.fd, np.array([h], LEDGER).tobytes(), 0)
+    def _put(self, h: _Head) -> None:
+        os.pwrite(self.fd, HEAD.pack(h.magic, h.version, h.slots, h.used, h.budget, h.reserved), 0)
 
     def _slot(self, k: int) -> int:
-        return int(np.frombuffer(os.pread(self.fd, SLOT.itemsize, _slot_at(k)), SLOT)[0]["bytes"])
+        return SLOT.unpack(os.pread(self.fd, SLOT.size, _slot_at(k)))[0]
 
     def _set_slot(self, k: int, n: int) -> None:
-        os.pwrite(self.fd, np.array([(n, os.getpid() if n else 0)], SLOT).tobytes(), _slot_at(k))
+        os.pwrite(self.fd, SLOT.pack(n, os.getpid() if n else 0), _slot_at(k))
+
+    def _slots(self) -> list[tuple[int, int]]:
+        return list(SLOT.iter_unpack(os.pread(self.fd, SLOTS * SLOT.size, HEAD.size).ljust(SLOTS * SLOT.size, b"\0")))
 
     def _refusal(self, h, n: int, keep_free) -> str | None:
-        if h["budget"] and h["used"] + h["reserved"] + n > h["budget"]:
-            return f"it holds its budget of {int(h['budget'])} bytes"
+        if h.budget and h.used + h.reserved + n > h.budget:
+            return f"it holds its budget of {h.budget} bytes"
         vfs = os.fstatvfs(self.fd)
         keep = floor(keep_free, vfs)
-        if vfs.f_bavail * vfs.f_frsize - h["reserved"] - n < keep:
+        if vfs.f_bavail * vfs.f_frsize - h.reserved - n < keep:
             return f"its file system would have less than the {keep} bytes free that it keeps (Disk(keep_free))"
         return None
 
     def _release_dead(self, h) -> list[int]:
         """Releases the reservations of slots whose lock no process holds: their numbers."""
-        slots = np.frombuffer(os.pread(self.fd, SLOTS * SLOT.itemsize, LEDGER.itemsize), SLOT)
         dead = []
-        for k in np.flatnonzero(slots["bytes"]).tolist():
-            if k != self.slot and not _held(self.fd, k):
-                h["reserved"] = max(0, int(h["reserved"]) - int(slots[k]["bytes"]))
+        for k, (n, _) in enumerate(self._slots()):
+            if n and k != self.slot and not _held(self.fd, k):
+                h.reserved = max(0, h.reserved - n)
                 self._set_slot(k, 0)
                 dead.append(k)
         return dead
 
 
-def _valid(h) -> bool:
-    return h["magic"] == MAGIC and h["version"] == VERSION and h["slots"] == SLOTS
-
-
 def _slot_at(k: int) -> int:
-    return LEDGER.itemsize + k * SLOT.itemsize
+    return HEAD.size + k * SLOT.size
 
 
 def _lock(fd: int, cmd: int, kind: int, start: int, length: int) -> bytes:
@@ -275,5 +279,5 @@ def _lock(fd: int, cmd: int, kind: int, start: int, length: int) -> bytes:
 
 def _held(fd: int, k: int) -> bool:
     """Whether a process (another open file description) holds slot ``k``'s lock."""
-    got = _lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.itemsize)
+    got = _lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, _slot_at(k), SLOT.size)
     return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
