@@ -346,13 +346,17 @@ class DiskTier:
         if self.closed:
             return
         self.closed = True
-        if self._thread is not None and os.getpid() == self._pid and self._thread.is_alive():
-            self.flush(timeout)
+        mine = self._thread is not None and os.getpid() == self._pid
+        if mine and self._thread.is_alive():
+            if not self.flush(timeout):
+                self.filling = False  # what is still queued is left to the store
             try:
                 self._queue.put(None, timeout=1.0)
             except queue.Full:
                 pass
             self._thread.join(timeout=1.0)
+            if self._thread.is_alive():
+                return  # still in a write: its descriptors stay open for it (a closed number could be reused)
         if self._ledger.fd != self._opened.ledger:
             os.close(self._ledger.fd)
         self._opened.close()

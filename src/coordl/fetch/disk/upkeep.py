@@ -139,6 +139,9 @@ def verify(path: str) -> Report | None:
         for rel, st, is_entry in walk(opened.fd):
             if not is_entry:
                 report.on_disk += st.st_blocks * 512
+                if not private(st, stat.S_IFDIR):
+                    mode = stat.S_IMODE(st.st_mode)
+                    report.left.append(f"{rel}: not a private folder of this user (mode {mode:04o})")
                 continue
             why = _fault(opened.fd, rel, st)
             if why is None:
