@@ -70,24 +70,23 @@ def open_folder(folder: str, *, create: bool) -> Folder | None:
     missing when ``create``; None when there is no tier there and ``create`` is False.
 
     Raises:
-        ValueError: the folder's parent (``Disk(path)``) does not exist or is not a folder.
+        ValueError: the folder's parent (``Disk(path)``) does not exist, is not a folder, or this user
+            cannot write in it.
         ForeignFolderError: the folder, or a file in it, is not this user's private object.
     """
     parent, name = os.path.split(folder)
     try:
         top = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError) as e:
-        why = "does not exist" if isinstance(e, FileNotFoundError) else "is not a folder"
-        raise ValueError(
-            f"Disk(path={parent!r}) {why} on {socket.gethostname()}: the local tier is made inside an existing "
-            "folder (is the drive mounted, and the path spelt right?); make the folder, or give Disk(path) another one"
-        ) from None
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        raise ValueError(_unusable(parent, e)) from None
     try:
         if create:
             try:
                 os.mkdir(name, 0o700, dir_fd=top)
             except FileExistsError:
                 pass
+            except PermissionError as e:
+                raise ValueError(_unusable(parent, e)) from None
         try:
             fd = os.open(name, _DIR, dir_fd=top)
         except FileNotFoundError:
@@ -117,6 +116,17 @@ def open_folder(folder: str, *, create: bool) -> Folder | None:
         out.close()
         raise
     return out
+
+
+def _unusable(parent: str, e: OSError) -> str:
+    why = {FileNotFoundError: "does not exist", NotADirectoryError: "is not a folder"}.get(
+        type(e), "is not a folder this user can write in"
+    )
+    return (
+        f"Disk(path={parent!r}) {why} on {socket.gethostname()}: the local tier is made inside an existing folder "
+        "this user can write in (is the drive mounted, and the path spelt right?); make the folder, or give "
+        "Disk(path) another one"
+    )
 
 
 def make_dirs(fd: int, rel: str) -> int:
