@@ -258,22 +258,21 @@ class DiskTier:
             return
         self._count += 1
         tmp = f"{self._ledger.slot}.{os.getpid()}.{self._count}"
-        counted = 0  # what this entry adds to the ledger's used, once committed
+        blocks = 0  # what the entry's file takes on disk, once written
         try:
             fd = os.open(tmp, _WRITE, 0o600, dir_fd=self._tmp)
             try:
                 write_all(fd, [memoryview(header(size, stamp_, crc(views))).cast("B"), *views])
                 os.fdatasync(fd)  # on disk before it is published; then its pages can be dropped
-                counted = os.fstat(fd).st_blocks * 512
+                blocks = os.fstat(fd).st_blocks * 512
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            if new_folders:
-                counted += make_dirs(self._dir, folders)
-            self._ledger.commit(want, counted)
+            made = make_dirs(self._dir, folders) if new_folders else 0
+            self._ledger.commit(want, blocks + made)  # the folders stay, whatever happens to the file
             want = 0
             if not self._publish(tmp, rel):
-                self._ledger.add(-counted)  # another process published it first: it is stored once
+                self._ledger.add(-blocks)  # another process published it first: it is stored once
                 return
             self.written += 1
             self.written_bytes += size
@@ -281,7 +280,7 @@ class DiskTier:
             if want:
                 self._ledger.cancel(want)
             else:
-                self._ledger.add(-counted)
+                self._ledger.add(-blocks)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._stop(f"the disk is full ({e.strerror})")
                 return
