@@ -149,6 +149,8 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         local = None if name == "no-tier" else ctx["data"] if name == "local" else os.path.join(work, "tier")
         url = ctx["data"] if name == "local" else ctx["url"]
         tier = local if name.startswith("tier") else None
+        if tier is not None:
+            os.makedirs(tier, exist_ok=True)  # Disk(path) must exist: the tier is its sub-folder
         spec = {
             **base,
             "kind": "coordl",

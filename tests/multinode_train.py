@@ -77,7 +77,8 @@ def main() -> None:
     rank = dist.get_rank()
     cache = float(a.cache) if "." in a.cache else int(a.cache)
     if a.disk:  # each node its own tier, as each machine has its own drive
-        folder = os.path.join(a.disk, f"node{os.environ['GROUP_RANK']}")
+        folder = os.path.join(a.disk, f"node{os.environ['GROUP_RANK']}")  # the node's drive, mounted
+        os.makedirs(folder, exist_ok=True)
         cache = coordl.Cache(size=cache, disk=coordl.Disk(folder, peers_first=bool(a.peers_first)))
     data, recipe = a.data, coordl.ImageNetTrain(size=a.size)
     if a.coco:

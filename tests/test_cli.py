@@ -1,5 +1,6 @@
 """The ``coordl`` command as a user runs it: demo, cache ls / clean, make-dataset."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -104,3 +105,46 @@ def test_make_dataset_size_or_images(tmp_path):
     r = run("make-dataset", root, "--size", "1KB", "--classes", "10", "-q")  # 1 image > 1 KB
     assert r.returncode == 2 and "fewer than num_classes=10" in r.stderr and "Traceback" not in r.stderr
     assert not os.path.exists(root)
+
+
+def test_cache_verify_disk_removes_damaged_entries_and_sets_the_ledger_to_what_the_folder_takes(tmp_path):
+    import numpy as np
+
+    from coordl.fetch import disk
+
+    r = run("cache", "verify", "--disk", str(tmp_path))
+    assert r.returncode == 0 and f"no coordl local-storage tier in {tmp_path}" in r.stdout
+    tier = disk.DiskTier(disk.tier_folder(tmp_path))
+    try:
+        names = [f"s3://bucket/train/{k}.jpg" for k in range(20)]
+        data = [np.full(3000 + k, k, dtype=np.uint8) for k in range(20)]
+        tier.put(names, [disk.stamp(n, len(d), "e") for n, d in zip(names, data)], data)
+        assert tier.flush(30) and tier.written == 20
+        busy = run("cache", "verify", "--disk", str(tmp_path))
+        assert busy.returncode == 1 and "a running process uses it" in busy.stdout
+    finally:
+        tier.close()
+    folder = disk.tier_folder(tmp_path)
+    damaged = os.path.join(folder, disk.entries.entry_name(names[3]))
+    with open(damaged, "r+b") as f:  # a bit flipped in its bytes
+        f.seek(disk.HEADER.itemsize + 10)
+        byte = f.read(1)
+        f.seek(disk.HEADER.itemsize + 10)
+        f.write(bytes([byte[0] ^ 1]))
+    with open(os.path.join(folder, "tmp", "7.999999.1"), "wb") as f:  # what a killed writer left
+        f.write(b"half a sample")
+    before = disk.describe(tmp_path)
+    r = run("cache", "verify", "--disk", str(tmp_path))
+    rel = disk.entries.entry_name(names[3])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"removed {rel}: its bytes do not match their CRC-32" in r.stdout
+    assert "19 entries whole" in r.stdout and "removed 1 file(s) that killed writers left in tmp/" in r.stdout
+    du = subprocess.run(["du", "-s", "-B1", "-c", *sorted(glob.glob(os.path.join(folder, "??")))], capture_output=True)
+    takes = int(du.stdout.split()[-2])
+    assert f"the ledger counted {before.used} bytes; it counts {takes} bytes now" in r.stdout
+    assert not os.path.exists(damaged) and os.listdir(os.path.join(folder, "tmp")) == []
+    assert disk.describe(tmp_path).used == takes
+    again = run("cache", "verify", "--disk", str(tmp_path))
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == "the tier was clean", again.stdout
+    ls = run("cache", "ls", "--disk", str(tmp_path))
+    assert f"local-storage tier {folder}: " in ls.stdout and "budget auto" in ls.stdout

@@ -1,4 +1,5 @@
-"""The ``coordl`` command: demo, dataset generation, and shared-memory cache housekeeping."""
+"""The ``coordl`` command: demo, dataset generation, and housekeeping of the shared-memory cache and
+the local-storage tier."""
 
 from __future__ import annotations
 
@@ -143,12 +144,21 @@ def _cache_ls(args) -> int:
     if args.disk:
         from coordl.fetch import disk
 
-        found = disk.describe(args.disk)
+        try:
+            found = disk.describe(args.disk)
+        except disk.ForeignFolderError as e:
+            print(e)
+            return 1
         if found is None:
             print(f"no coordl local-storage tier in {args.disk}")
         else:
-            used, budget = found
-            print(f"local-storage tier {disk.tier_folder(args.disk)}: {format_bytes(used)} of {format_bytes(budget)}")
+            budget = (
+                format_bytes(found.budget) if found.budget else "auto (what its file system has free, less keep_free)"
+            )
+            print(
+                f"local-storage tier {disk.tier_folder(args.disk)}: {format_bytes(found.used)} on disk; budget {budget}"
+                + (f"; {format_bytes(found.reserved)} reserved by writers" if found.reserved else "")
+            )
 
     directory = names.shm_dir()
     groups = reaper.list_groups(directory)
@@ -177,7 +187,11 @@ def _cache_clean(args) -> int:
     if args.disk:
         from coordl.fetch import disk
 
-        done = disk.remove(args.disk)
+        try:
+            done = disk.remove(args.disk)
+        except disk.ForeignFolderError as e:
+            print(e)
+            return 1
         folder = disk.tier_folder(args.disk)
         if done is None:
             print(f"no coordl local-storage tier in {args.disk}")
@@ -198,6 +212,22 @@ def _cache_clean(args) -> int:
     if not removed:
         print(f"nothing to remove in {directory}")
     return 0
+
+
+def _cache_verify(args) -> int:
+    from coordl.fetch import disk
+
+    try:
+        report = disk.verify(args.disk)
+    except disk.ForeignFolderError as e:
+        print(e)
+        return 1
+    if report is None:
+        print(f"no coordl local-storage tier in {args.disk}")
+        return 0
+    for line in report.lines():
+        print(line)
+    return 0 if report.clean else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove the local-storage tier of coordl.Cache(disk=PATH) instead (unless in use)",
     )
     cl.set_defaults(func=_cache_clean)
+    v = csub.add_parser(
+        "verify",
+        help="check every entry of a local-storage tier and its ledger (exit 1 when something was fixed)",
+        description="Check every entry of the local-storage tier of coordl.Cache(disk=PATH) (its header, size, "
+        "stamp and CRC-32), remove the damaged ones and what killed writers left, and set the ledger to what the "
+        "folder takes on disk. Prints what it found and fixed; exits 0 when the tier was clean, 1 otherwise (or "
+        "when a running process uses it).",
+    )
+    v.add_argument("--disk", metavar="PATH", required=True, help="the folder given as coordl.Disk(PATH)")
+    v.set_defaults(func=_cache_verify)
     return p
 
 

@@ -84,12 +84,17 @@ class Disk:
     architecture; see :mod:`coordl.fetch.disk`).
 
     Attributes:
-        path: a folder on local storage (NVMe); the tier is its sub-folder ``coordl-disk-<uid>``.
-        size: the tier's budget: ``"auto"`` (the folder's free space less 5%), or bytes (an ``int``
-            or a string such as ``"2TB"``); used by the process that makes the tier.
+        path: an existing folder on local storage (NVMe); the tier is its sub-folder
+            ``coordl-disk-<uid>``, private to the user.
+        size: the tier's budget, what its files take on disk: ``"auto"`` (no bound but
+            ``keep_free``), or bytes (an ``int`` or a string such as ``"2TB"``). A process alone with
+            the tier sets it; one that shares it lowers it to a smaller ``size``.
         direct: read the tier with ``O_DIRECT`` instead of dropping its pages after each read.
         peers_first: with the partitioned cache, ask the other nodes' memory caches before this tier
             (where the network delivers faster than the local disk); default: this tier first.
+        keep_free: what the tier leaves free on its file system, for checkpoints and everything
+            else: ``"auto"`` (5% of the file system, at least 1 GiB), bytes (``"200GB"``), or a
+            ``float`` fraction of the file system; checked at every write.
     """
 
     path: str
@@ -97,6 +102,7 @@ class Disk:
     size: int | str = AUTO
     direct: bool = False
     peers_first: bool = False
+    keep_free: int | float | str = AUTO
 
     def __post_init__(self):
         import os
@@ -108,6 +114,12 @@ class Disk:
         if size != AUTO and size < 1:
             raise ValueError(f"Disk(size) must be positive bytes or 'auto', got {self.size!r}")
         object.__setattr__(self, "size", size)
+        if isinstance(self.keep_free, float) and not 0.0 <= self.keep_free < 1.0:
+            raise ValueError(
+                f"Disk(keep_free) as a float is a fraction of the file system in [0, 1), got {self.keep_free!r}"
+            )
+        keep = _size(self.keep_free, "Disk(keep_free)", fraction=True, example="'200GB'")
+        object.__setattr__(self, "keep_free", keep)
         for name in ("direct", "peers_first"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Disk({name}) must be a bool, got {getattr(self, name)!r}")

@@ -51,7 +51,9 @@ class PassStats:
     ``decoded_hit_bytes`` (images served decoded), ``decoded_admitted`` (images this process
     decoded into it), ``decoded_cache_bytes``, ``decoded_cache_items``, ``decoded_cache_budget``.
     The local-storage tier: ``disk_reads`` and ``disk_bytes`` (samples it served), ``disk_admitted``
-    (samples read from storage that this process handed to its writer).
+    (samples read from storage that this process handed to its writer), of those ``disk_repaired``
+    (their entry was damaged: cut, flipped) and ``disk_replaced`` (their entry held another version
+    of the sample).
     Where the time went: ``elapsed_s``, ``stall_s``
     (the consumer waited for batches), split into ``stall_fetch_s`` (the pipeline was
     waiting for sample bytes) and ``stall_prep_s`` (it was decoding and augmenting; an HP
@@ -88,6 +90,8 @@ class PassStats:
     disk_reads: int = 0
     disk_bytes: int = 0
     disk_admitted: int = 0
+    disk_repaired: int = 0
+    disk_replaced: int = 0
     stall_s: float = 0.0
     stall_fetch_s: float = 0.0
     stall_prep_s: float = 0.0

@@ -19,6 +19,7 @@ import numpy as np
 from coordl.errors import DatasetChangedError, SampleError
 from coordl.fetch import disk, samples
 from coordl.fetch.cache import NodeCache
+from coordl.fetch.disk import entries
 from coordl.index import Index
 from coordl.threads import Signal
 
@@ -45,6 +46,8 @@ class FetchCounters:
     disk_bytes: int = 0
     disk_ns: int = 0  # time spent reading it, summed over threads
     disk_admitted: int = 0  # samples read from storage that this process handed to the tier's writer
+    disk_repaired: int = 0  # of those, samples whose entry was damaged (cut, flipped): written again
+    disk_replaced: int = 0  # of those, samples whose entry held another version (stale): replaced
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -252,24 +255,25 @@ class Fetcher:
         return self._pace.ratio()
 
     def _from_disk(self, ids, names, stamps, sizes, slots) -> np.ndarray:
-        """Reads what the local-storage tier holds of ``ids`` into ``slots``: a mask of those read."""
+        """Reads what the local-storage tier holds of ``ids`` into ``slots``: what was found for each
+        (:mod:`coordl.fetch.disk.entries`: ``GOOD`` for those read, ``ABSENT``, ``STALE``, ``DAMAGED``)."""
         present = self.disk.present(names)
-        local = np.zeros(len(ids), dtype=bool)
+        found = np.full(len(ids), entries.ABSENT, dtype=np.uint8)
         if not present.any():
-            return local
+            return found
         where = np.flatnonzero(present)
         t0 = time.perf_counter_ns()
-        got = self.disk.read_into(
+        found[where] = self.disk.read_into(
             [names[k] for k in where], [stamps[k] for k in where], sizes[where], [slots[k] for k in where]
         )
         dt = time.perf_counter_ns() - t0
-        local[where[got]] = True
+        got = found == entries.GOOD
         with self._lock:
             c = self.counters
             c.disk_ns += dt
             c.disk_reads += int(got.sum())
-            c.disk_bytes += int(sizes[where[got]].sum())
-        return local
+            c.disk_bytes += int(sizes[got].sum())
+        return found
 
     def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
         """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer_client.PeerClient`)."""
@@ -324,11 +328,12 @@ class Fetcher:
             for k, a, b in zip(outside.tolist(), [0, *ends[:-1].tolist()], ends.tolist()):
                 data[k] = buffer[a:b]
                 slots[k] = [data[k]]
-        local = np.zeros(len(ids), dtype=bool)  # read from the local-storage tier
+        found = np.full(len(ids), entries.ABSENT, dtype=np.uint8)  # what the local-storage tier held
         names = stamps = None
         if self.disk is not None:
             names, stamps = disk.keys(self.index, ids)
-            local = self._from_disk(ids, names, stamps, sizes, slots)
+            found = self._from_disk(ids, names, stamps, sizes, slots)
+        local = found == entries.GOOD  # read from the local-storage tier
         store = np.flatnonzero(~local)
         paced = len(store) >= _Pace.MIN_FILES
         w0, c0, q0 = _stamp() if paced else (0, 0, 0)
@@ -371,17 +376,22 @@ class Fetcher:
                 errors[i] = SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i)
                 errors[i].__cause__ = e
         stored = ok & ~local
-        if self.disk is not None and stored.any():
+        filling = self.disk is not None and self.disk.filling
+        if filling and stored.any():
+            # A stale or damaged entry is replaced by the bytes just read (moved aside first).
             where = np.flatnonzero(stored).tolist()
-            self.disk.put([names[k] for k in where], [stamps[k] for k in where], [data[k] for k in where])
+            again = [bool(found[k] != entries.ABSENT) for k in where]
+            self.disk.put([names[k] for k in where], [stamps[k] for k in where], [data[k] for k in where], again)
         with self._lock:
             c = self.counters
             c.storage_ns += dt
             c.storage_reads += int(stored.sum())
             c.storage_bytes += int(sizes[stored].sum())
             c.admitted += len(admitted)
-            if self.disk is not None and self.disk.filling:
+            if filling:
                 c.disk_admitted += int(stored.sum())
+                c.disk_repaired += int((stored & (found == entries.DAMAGED)).sum())
+                c.disk_replaced += int((stored & (found == entries.STALE)).sum())
         if changed is not None:
             self.index.forget_saved()  # so that the restart the error asks for rescans the tree
             raise changed
