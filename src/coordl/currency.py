@@ -62,9 +62,11 @@ class Now:
     changed: int
 
 
-def stat_files(paths: PathTable, threads: int = STAT_THREADS) -> tuple[np.ndarray, np.ndarray]:
+def stat_files(paths: PathTable, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The size and modification time (ns) of every file of ``paths`` (int64 arrays; -1 for one that
-    cannot be stat'ed: gone, or a folder on its way that cannot be searched), ``threads`` at a time."""
+    cannot be stat'ed: gone, or a folder on its way that cannot be searched), ``threads`` at a time
+    (default :data:`STAT_THREADS`)."""
+    threads = threads or STAT_THREADS
     n = len(paths)
     sizes, mtimes = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
 

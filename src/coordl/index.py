@@ -27,11 +27,9 @@ reads the header, the metadata and the folders' times, not the samples.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordl import currency, env, indexfile
+from coordl import saved as saved_store
 from coordl.detection.boxes import Boxes
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
@@ -301,10 +300,10 @@ class Index:
         if index_dir and label is None:
             key = ["tars", files, list(image), skip] + (["boxes"] if boxes else [])
             if s3url.is_url(files[0]):
-                key.append({"store": _store_name()})
-            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+                key.append({"store": saved_store.store_name()})
+            saved = os.path.join(index_dir, f"index-{saved_store.name(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
-            opened = _open(saved)
+            opened = saved_store.load(saved, cls)
             if opened is not None and opened[0].shards is not None and opened[1] == stamps:
                 return dataclasses.replace(opened[0], saved_path=saved)
             if opened is not None:
@@ -319,7 +318,7 @@ class Index:
             labels = np.zeros(len(paths), dtype=np.int64)
         mtimes = None if shards.etags is not None else np.array([s[1] for s in stamps], np.int64)[shards.of]
         index = cls.build(paths, labels, sizes, (), root, shards=shards, boxes=table, mtimes=mtimes)
-        return _publish(index, stamps, saved) if saved else index
+        return saved_store.publish(index, stamps, saved) if saved else index
 
     @classmethod
     def from_coco(
@@ -363,16 +362,16 @@ class Index:
         if index_dir:
             key = ["coco", images, annotations, skip_empty, on_error]
             if s3url.is_url(images):
-                key.append({"store": _store_name()})
-            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+                key.append({"store": saved_store.store_name()})
+            saved = os.path.join(index_dir, f"index-{saved_store.name(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
 
             def check(index: Index, dirs: list) -> Index | None:
                 if index.boxes is None or dirs != stamps:
                     return None
-                return _renewed(index, currency.of_samples(index), dirs, saved, images)
+                return saved_store.renewed(index, currency.of_samples(index), dirs, saved, images)
 
-            index = _reused(saved, check)
+            index = saved_store.reused(saved, cls, check)
             if index is not None:
                 return index
         found = dataset.coco_samples(images, annotations, skip_empty=skip_empty, on_error=on_error)
@@ -380,7 +379,7 @@ class Index:
         index = cls.build(
             found.paths, labels, found.sizes, (), images, etags=found.etags, boxes=found.boxes, mtimes=found.mtimes
         )
-        return _publish(index, stamps, saved) if saved else index
+        return saved_store.publish(index, stamps, saved) if saved else index
 
     @classmethod
     def scan(
@@ -421,17 +420,21 @@ class Index:
         index_dir = default_index_dir() if index_dir is None else index_dir
         if is_valid_file is not None:
             index_dir = ""  # a predicate has no key to save the index under
-        saved = _saved_path(index_dir, root, extensions, allow_empty) if index_dir else None
+        saved = saved_store.tree_path(index_dir, root, extensions, allow_empty) if index_dir else None
         rebuild = rebuild or env.flag("COORDL_REINDEX")
         if saved and not rebuild:
-            index = _reused(saved, lambda index, dirs: _current_tree(index, dirs, root, saved, extensions, allow_empty))
+
+            def check(index: Index, dirs: list) -> Index | None:
+                return saved_store.current_tree(index, dirs, root, saved, extensions, allow_empty)
+
+            index = saved_store.reused(saved, cls, check)
             if index is not None:
                 return index
         if in_store:
             index, dirs = _scan_store(root, extensions, is_valid_file, allow_empty), []
         else:
             index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
-        return _publish(index, dirs, saved) if saved else index
+        return saved_store.publish(index, dirs, saved) if saved else index
 
     def forget_saved(self) -> None:
         """Deletes the saved copy of this index, so that the next start scans the tree again."""
@@ -499,173 +502,3 @@ def _scan_store(root: str, extensions: tuple[str, ...], is_valid_file=None, allo
 
     found = listing.scan(root, extensions, is_valid_file, allow_empty)
     return Index.build(found.urls, found.labels, found.sizes, found.classes, root, etags=found.etags)
-
-
-def _store_name() -> str:
-    """The endpoint an ``s3://`` index was listed from: one bucket name at two stores is two datasets."""
-    from coordl.s3 import client
-
-    return client.settings().endpoint or "aws"
-
-
-def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> str:
-    key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
-    if s3url.is_url(root):
-        key.append({"store": _store_name()})
-    return os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
-
-
-def _publish(index: Index, dirs: list, saved: str) -> Index:
-    """Saves ``index`` at ``saved`` (:func:`_save`) and returns the saved copy, mapped: this process
-    then shares it with the node's others and frees the built arrays (on a network filesystem, a
-    copy of it in memory). A concurrent start may have replaced the file with another dataset's
-    index: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
-    try:
-        _save(index, dirs, saved)
-    except OSError as e:
-        log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
-        return index
-    opened = _open(saved)
-    if opened is not None and opened[0].fingerprint == index.fingerprint:
-        index = opened[0]
-    return dataclasses.replace(index, saved_path=saved)
-
-
-def _key(key) -> str:
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-
-
-def _save(index: Index, dirs: list, path: str) -> None:
-    """Saves ``index`` with ``dirs``: its folders' times, or its shards' ``[size, mtime_ns]``."""
-    meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
-    sh, bx = index.shards, index.boxes
-    shards = (sh.files, sh.of, sh.offsets) if sh is not None else None
-    boxes = None
-    if bx is not None:
-        boxes = (bx.offsets, bx.xyxy, bx.labels, bx.image_sizes, bx.image_ids)
-        meta["categories"] = [[int(k), v] for k, v in bx.categories.items()]
-        meta["skipped"] = dict(bx.skipped)
-    indexfile.write(
-        path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags, shards, boxes, index.mtimes
-    )
-    with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
-        os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
-
-
-def _open(path: str) -> tuple[Index, list] | None:
-    """The saved index at ``path`` and its folders' times; None (logged) if it is missing or
-    unusable."""
-    saved = indexfile.read(path)
-    if isinstance(saved, str):
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, saved)
-    if not isinstance(saved, indexfile.Saved):
-        return None
-    try:
-        classes, root, dirs = tuple(saved.meta["classes"]), saved.meta["root"], list(saved.meta["dirs"])
-        boxes = None
-        if saved.boxes is not None:
-            categories = {int(k): str(v) for k, v in saved.meta["categories"]}
-            boxes = Boxes(*saved.boxes, categories=categories, skipped=dict(saved.meta["skipped"]))
-    except (KeyError, TypeError, ValueError) as e:
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
-        return None
-    index = Index(
-        paths=saved.paths,
-        labels=saved.labels,
-        sizes=saved.sizes,
-        classes=classes,
-        root=root,
-        fingerprint=saved.fingerprint,
-        etags=saved.etags,
-        shards=_shards(saved.shards, dirs),
-        boxes=boxes,
-        mtimes=saved.mtimes,
-    )
-    return index, dirs
-
-
-def _shards(saved, stamps) -> Shards | None:
-    """The shards of a saved index, with the ETags of ``s3://`` shards from their stamps."""
-    if saved is None:
-        return None
-    files, of, offsets = saved
-    etags = PathTable.from_strings([str(s[1]) for s in stamps]) if len(files) and s3url.is_url(files[0]) else None
-    return Shards(files, of, offsets, etags)
-
-
-def _reused(saved: str, check: Callable[[Index, list], Index | None]) -> Index | None:
-    """The saved index at ``saved`` as ``check(index, dirs)`` finds it against its dataset (the
-    index, brought up to date; None: it must be made again), checked by one process of this machine
-    at a time (:func:`coordl.currency.turn`): one that waited for another's check, begun since it
-    started, takes that check's result."""
-    with currency.turn(saved) as turn:
-        opened = _open(saved)
-        if opened is None:
-            return None
-        index, dirs = opened
-        if turn.covers(index.version):
-            return dataclasses.replace(index, saved_path=saved, changed=turn.changed)
-        began = currency.now_ns()
-        current = check(index, dirs)
-        if current is not None:
-            turn.record(began, current.version, current.changed)
-        return current
-
-
-def _current_tree(
-    index: Index, dirs: list, root: str, saved: str, extensions: tuple[str, ...], allow_empty: bool
-) -> Index | None:
-    """A saved index of a tree as the tree is now (see :func:`_reused`)."""
-    if index.root != root or index.shards is not None or index.boxes is not None:
-        return None
-    if s3url.is_url(root):
-        from coordl.s3 import listing
-
-        found = listing.scan(root, extensions, None, allow_empty)  # the one listing of the prefix
-        now, added = currency.of_listing(index, found.urls, found.sizes, found.etags)
-        if list(index.classes) != found.classes or isinstance(now, str):
-            why = now if isinstance(now, str) else "its class prefixes changed"
-            log.info("coordl: %s since the index of %s was saved; indexing it again", why, root)
-            fresh = Index.build(found.urls, found.labels, found.sizes, found.classes, root, etags=found.etags)
-            return _publish(fresh, [], saved)
-        if added:
-            log.info(
-                "coordl: %d keys under %s are not in its saved index (added since): rebuild=True or "
-                "COORDL_REINDEX=1 indexes them",
-                added,
-                root,
-            )
-        return _renewed(index, now, dirs, saved, root)
-    for folder, mtime in dirs:
-        try:
-            changed = os.stat(folder).st_mtime_ns != mtime
-        except OSError:
-            changed = True
-        if changed:
-            log.info("coordl: %s changed since the index was saved; rescanning", folder)
-            return None
-    # A folder whose mtime kept its value still lists the same names; a class folder
-    # added or removed changes root's mtime. So the saved index holds the tree's files: are they
-    # the same versions? (A file rewritten in place changes no folder's time.)
-    return _renewed(index, currency.of_samples(index), dirs, saved, root)
-
-
-def _renewed(index: Index, now: currency.Now | str, dirs: list, saved: str, where: str) -> Index | None:
-    """``index`` (saved at ``saved`` with ``dirs``) with the sizes, modification times and ETags its
-    samples have ``now``, saved again if any changed; None (logged) if it must be made again."""
-    if isinstance(now, str):
-        log.info("coordl: %s since the index of %s was saved; indexing it again", now, where)
-        return None
-    if not now.changed:
-        return dataclasses.replace(index, saved_path=saved)
-    log.info(
-        "coordl: %d samples of %s changed since the index was saved (size, modification time or ETag): "
-        "they are read from the store again, never from a copy of before",
-        now.changed,
-        where,
-    )
-    etags = now.etags if now.etags is not None else index.etags
-    renewed = Index.build(
-        index.paths, index.labels, now.sizes, index.classes, index.root, etags, boxes=index.boxes, mtimes=now.mtimes
-    )
-    return dataclasses.replace(_publish(renewed, dirs, saved), changed=now.changed)
