@@ -9,7 +9,7 @@ Python:
   every file on ``coordl.currency.STAT_THREADS`` threads (``--loads`` times, median; and once with each
   of ``--threads``);
 - ``check, cold``: the same after ``sync; echo 3 > /proc/sys/vm/drop_caches`` (pages, dentries and
-  inodes dropped), once with each of ``--threads``;
+  inodes dropped), once with each of ``--threads`` (root; ``--no-cold`` skips it);
 - ``changed``: ``--changed`` files rewritten in place at their size with a later time: the check that
   finds them and saves the index again; then a check that finds nothing.
 
@@ -109,7 +109,7 @@ def files(args, work: Path) -> dict:
     out["check_warm"] = {"median_s": statistics.median(r["seconds"] for r in warm), "runs": warm}
     out["check_warm_by_threads"] = [run_child("check", str(root), index_dir, str(t)) for t in args.threads]
     cold = []
-    for t in args.threads:
+    for t in [] if args.no_cold else args.threads:
         why = common.drop_page_cache(3)
         if why:
             out["check_cold_skipped"] = why
@@ -213,6 +213,7 @@ def main() -> int:
     p.add_argument("--loads", type=int, default=3, help="repetitions of each warm measurement")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 8, 32], help="stat threads to compare")
     p.add_argument("--changed", type=int, default=1000, help="files rewritten before the last check")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold checks (which drop the machine's caches)")
     p.add_argument("--s3-classes", type=int, default=40)
     p.add_argument("--s3-per-class", type=int, default=1281)
     p.add_argument("--latency-ms", type=float, default=20.0)

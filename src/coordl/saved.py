@@ -146,6 +146,13 @@ def reused(saved: str, cls: type[Index], check: Callable[[Index, list], Index | 
         current = check(index, dirs)
         if current is not None:
             turn.record(began, current.version, current.changed)
+            log.info(
+                "coordl: checked the %d samples of the saved index of %s in %.1f s: %d changed",
+                len(current),
+                current.root,
+                (currency.now_ns() - began) / 1e9,
+                current.changed,
+            )
         return current
 
 
