@@ -55,14 +55,14 @@ def publish(index: Index, dirs: list, saved: str) -> Index:
     """Saves ``index`` at ``saved`` (:func:`save`) and returns the saved copy, mapped: this process
     then shares it with the node's others and frees the built arrays (on a network filesystem, a
     copy of it in memory). A concurrent start may have replaced the file with another dataset's
-    index: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
+    index, or another version's: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
     try:
         save(index, dirs, saved)
     except OSError as e:
         log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
         return index
     opened = load(saved, type(index))
-    if opened is not None and opened[0].fingerprint == index.fingerprint:
+    if opened is not None and opened[0].version == index.version:  # the same samples, files' times and all
         index = opened[0]
     return dataclasses.replace(index, saved_path=saved)
 
