@@ -262,7 +262,7 @@ def test_processes_that_load_one_saved_index_at_once_check_it_once(s3root, serve
     body = server.client().get_object(Bucket=BUCKET, Key=_key(first.paths[0]))["Body"].read()
     server.put(BUCKET, _key(first.paths[0]), bytes(reversed(body)))
     server.reset()
-    server.latency_s = 0.5  # the check takes seconds: the others come while it runs, and wait for it
+    server.latency_s = 1.0  # the check takes seconds: the others come while it runs, and wait for it
     start, q = CTX.Barrier(3), CTX.Queue()
     env = {k: os.environ[k] for k in ("COORDL_INDEX_DIR", *server.env())}
     for _ in range(3):

@@ -323,15 +323,15 @@ def test_throttling_and_server_errors_are_retried(root, s3env):
 
 
 def test_a_missing_object_follows_on_error_with_its_url(root, s3env):
-    index = Index.scan(root)
+    index = Index.scan(root)  # checked at its start: the run's index
     gone = index.paths[17]
-    s3env.delete(BUCKET, _key(gone))
-    with CoordLoader(root, batch_size=16, pipeline=RECIPE, device_id=None, cache=0, prep=1, shuffle=True) as loader:
+    s3env.delete(BUCKET, _key(gone))  # during the run (one gone before it is listed away: test_currency.py)
+    with CoordLoader(index, batch_size=16, pipeline=RECIPE, device_id=None, cache=0, prep=1, shuffle=True) as loader:
         with pytest.raises(SampleError, match=f"cannot read sample 17 \\({gone}\\): no such object \\(404"):
             for _ in loader:
                 pass
     with CoordLoader(
-        root,
+        index,
         batch_size=16,
         pipeline=RECIPE,
         device_id=None,
