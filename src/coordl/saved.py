@@ -55,7 +55,8 @@ def publish(index: Index, dirs: list, saved: str) -> Index:
     """Saves ``index`` at ``saved`` (:func:`save`) and returns the saved copy, mapped: this process
     then shares it with the node's others and frees the built arrays (on a network filesystem, a
     copy of it in memory). A concurrent start may have replaced the file with another dataset's
-    index, or another version's: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
+    index, or another version's: then the built one is kept. Not saved (logged): the built one, to
+    be made again next time."""
     try:
         save(index, dirs, saved)
     except OSError as e:
