@@ -100,13 +100,18 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def child_scan(root: str, index_dir: str) -> dict:
-    # The private functions, to time listing and saving apart; both versions have them.
+    # The private functions, to time listing and saving apart (saving in coordl.saved since the index
+    # checks its files when it is loaded; in coordl.index before).
     from coordl import index as ix
 
+    try:
+        from coordl.saved import save, tree_path
+    except ImportError:
+        save, tree_path = ix._save, ix._saved_path
     t0 = time.perf_counter()
     index, dirs = ix._scan(root, ix.IMG_EXTENSIONS)
     t1 = time.perf_counter()
-    ix._save(index, dirs, ix._saved_path(index_dir, root, ix.IMG_EXTENSIONS))
+    save(index, dirs, tree_path(index_dir, root, ix.IMG_EXTENSIONS))
     t2 = time.perf_counter()
     saved = [p for p in Path(index_dir).iterdir()]
     return {

@@ -368,6 +368,26 @@ def test_index_scale_small(tmp_path):
     assert proc.returncode != 0 and "not made by this benchmark" in proc.stderr and (data / "train").is_dir()
 
 
+def test_index_currency_small(tmp_path):
+    """benchmarks.index_currency on a 3 x 20 tree and 2 s3:// classes of 30 keys: every check measured, the
+    rewritten files and the replaced object found, one listing per check, the tree removed after."""
+    data, out = tmp_path / "data", tmp_path / "index_currency.json"
+    command = [sys.executable, "-m", "benchmarks.index_currency", "--data", str(data), "--out", str(out)]
+    small = ["--classes", "3", "--per-class", "20", "--loads", "1", "--threads", "1", "4", "--changed", "5"]
+    small += ["--no-cold", "--s3-classes", "2", "--s3-per-class", "30", "--latency-ms", "2"]
+    proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    files, s3 = result["files"], result["s3"]
+    assert (
+        files["scan"]["samples"] == 60 and files["changed"]["changed"] == 5 and files["after_changed"]["changed"] == 0
+    )
+    assert [r["threads"] for r in files["check_warm_by_threads"]] == [1, 4] and files["check_cold_by_threads"] == []
+    assert s3["objects"] == 60 and s3["changed"]["changed"] == 1
+    assert all(r["list_requests"] == 3 and r["object_requests"] == 0 for r in s3["check"])  # classes, then each
+    assert s3["extrapolated"]["pages"] == 2001 and not data.exists()
+
+
 def test_tars_index_small(tmp_path):
     """benchmarks.tars index on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
     data, out = tmp_path / "data", tmp_path / "tars_index.json"

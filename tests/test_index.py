@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import coordl.index
+import coordl.saved
 from coordl import indexfile
 from coordl.index import IMG_EXTENSIONS, Index
 from coordl.paths import PathTable
@@ -261,9 +262,9 @@ def test_index_memory_the_rss_of_a_forked_worker_stays_flat_while_it_walks_the_i
     # A saved index, mapped: the child maps the file's pages from the page cache (clean,
     # shared with every process that maps them) and copies none.
     path = str(tmp_path / f"index-x{indexfile.SUFFIX}")
-    coordl.index._save(index, [], path)
+    coordl.saved.save(index, [], path)
     assert indexfile.is_local(path)
-    mapped, _ = coordl.index._open(path)
+    mapped, _ = coordl.saved.load(path, Index)
     assert mapped.fingerprint == index.fingerprint and len(mapped) == N_SYNTHETIC
     grown = _growth_of_a_forked_walk(mapped.paths, mapped.sizes)
     assert grown["dirty"] < 5e6, grown  # its clean pages are the page cache's, mapped

@@ -8,11 +8,17 @@ of ``(path, label)``. An ``s3://bucket/prefix`` root is listed by the same rules
 saved in the index directory (``$COORDL_INDEX_DIR``, else ``$XDG_CACHE_HOME/coordl``, else
 ``~/.cache/coordl``) with the modification times of every folder of the tree, so a restart
 checks a few thousand folder times instead of listing a million files; a changed tree is
-rescanned. A saved ``s3://`` index is reused after one listing of the root's class prefixes:
-objects replaced since are caught when they are read (their ETag), and keys added to a class
-are seen when the index is rebuilt (``rebuild=True``, ``COORDL_REINDEX=1``).
+rescanned. A saved ``s3://`` index is reused after one listing of the root's prefix (its classes
+listed at once); a key added to a class is seen when the index is rebuilt (``rebuild=True``,
+``COORDL_REINDEX=1``), a class added or a key removed lists it again.
 
-Memory: an index holds four flat arrays and no Python object per sample (the paths are a
+Currency: a reused index is checked against its dataset when it is loaded (:mod:`coordl.currency`):
+a stat of every file (threads), or that one listing; a sample whose size, modification time or ETag
+changed since the index was saved gets its new ones in the index (and the saved file), so that no
+tier serves the old bytes (:attr:`Index.version` names the caches; the local tier's entries are
+stamped with them), and :attr:`Index.changed` counts them.
+
+Memory: an index holds five flat arrays and no Python object per sample (the paths are a
 :class:`~coordl.paths.PathTable`), so a forked worker that reads it copies nothing. A saved
 index is one file, ``index-<key>.idx`` (:mod:`coordl.indexfile`), that every process maps
 read-only: the processes of a node share one copy of it in the page cache, and loading it
@@ -21,10 +27,9 @@ reads the header, the metadata and the folders' times, not the samples.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordl import env, indexfile
+from coordl import currency, env, indexfile
+from coordl import saved as saved_store
 from coordl.detection.boxes import Boxes
 from coordl.paths import PathTable
 from coordl.s3 import url as s3url
@@ -77,6 +83,12 @@ class Index:
         boxes: the targets of a detection dataset (:class:`~coordl.detection.boxes.Boxes`: every
             sample's boxes, their labels, its image's size and id), or None for a dataset of
             classes. Then every ``labels[i]`` is 0. Part of the fingerprint.
+        mtimes: the modification time in ns of the file each sample lies in, as the index last saw
+            it (int64; for tar shards, its shard's), or None for ``s3://`` (its ETags play that
+            part). Not part of the fingerprint (a copy of the files, or ``touch``, is the same
+            dataset to a resume state), but of :attr:`version`.
+        changed: how many samples the check found changed (size, modification time or ETag) when
+            this index was loaded from its saved copy; 0 for an index made anew.
     """
 
     paths: PathTable
@@ -89,6 +101,8 @@ class Index:
     etags: PathTable | None = None
     shards: Shards | None = None
     boxes: Boxes | None = None
+    mtimes: np.ndarray | None = None
+    changed: int = 0
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -96,6 +110,18 @@ class Index:
     @property
     def total_bytes(self) -> int:
         return int(self.sizes.sum())
+
+    @functools.cached_property
+    def version(self) -> str:
+        """16 hex digits naming this version of the samples' bytes, as far as the index can tell: the
+        fingerprint and every file's modification time (the fingerprint itself where there are none,
+        ``s3://``, whose ETags it holds). Names the node's caches: a memory cache kept from another
+        version of a file is never attached."""
+        if self.mtimes is None:
+            return self.fingerprint
+        h = hashlib.sha256(self.fingerprint.encode())
+        h.update(np.ascontiguousarray(self.mtimes, dtype="<i8"))
+        return h.hexdigest()[:16]
 
     def location(self, i: int) -> tuple[str, int, int]:
         """The file (or object) sample ``i`` lies in, where it starts there and its size: its own
@@ -126,12 +152,14 @@ class Index:
         etags=None,
         shards=None,
         boxes: Boxes | None = None,
+        mtimes=None,
     ) -> Index:
         """An index from parallel sequences, with its fingerprint computed (and, for tar shards, the
-        shards' paths, each sample's shard and offset; for a detection dataset, its boxes).
+        shards' paths, each sample's shard and offset; for a detection dataset, its boxes; for files,
+        their modification times in ns, :attr:`mtimes`).
 
         Raises:
-            ValueError: the three sequences differ in length, or a path contains a NUL.
+            ValueError: the sequences differ in length, or a path contains a NUL.
         """
         table = paths if isinstance(paths, PathTable) else PathTable.from_strings(paths)
         labels = np.ascontiguousarray(labels, dtype="<i8")
@@ -161,8 +189,21 @@ class Index:
                 raise ValueError(f"Index.build got boxes of {len(boxes)} samples for {len(table)} samples")
             h.update(b"boxes")
             boxes.hash_into(h)
+        if mtimes is not None:
+            mtimes = np.ascontiguousarray(mtimes, dtype="<i8")
+            if len(mtimes) != len(table):
+                raise ValueError(f"Index.build got {len(mtimes)} modification times for {len(table)} samples")
         return cls(
-            table, labels, sizes, tuple(classes), root, h.hexdigest()[:16], etags=etags, shards=shards, boxes=boxes
+            table,
+            labels,
+            sizes,
+            tuple(classes),
+            root,
+            h.hexdigest()[:16],
+            etags=etags,
+            shards=shards,
+            boxes=boxes,
+            mtimes=mtimes,
         )
 
     @classmethod
@@ -192,7 +233,10 @@ class Index:
             raise ValueError("the list of samples is empty")
         in_store = [s3url.is_url(p) for p in paths]
         if not any(in_store):
-            return cls.build(paths, labels, [_size(p) for p in paths], classes)
+            stats = [_stat(p) for p in paths]
+            return cls.build(
+                paths, labels, [st.st_size for st in stats], classes, mtimes=[st.st_mtime_ns for st in stats]
+            )
         if not all(in_store):
             local = paths[in_store.index(False)]
             raise ValueError(f"the list mixes s3:// URLs and files ({local}); an index reads from one or the other")
@@ -256,10 +300,10 @@ class Index:
         if index_dir and label is None:
             key = ["tars", files, list(image), skip] + (["boxes"] if boxes else [])
             if s3url.is_url(files[0]):
-                key.append({"store": _store_name()})
-            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+                key.append({"store": saved_store.store_name()})
+            saved = os.path.join(index_dir, f"index-{saved_store.name(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
-            opened = _open(saved)
+            opened = saved_store.load(saved, cls)
             if opened is not None and opened[0].shards is not None and opened[1] == stamps:
                 return dataclasses.replace(opened[0], saved_path=saved)
             if opened is not None:
@@ -272,8 +316,9 @@ class Index:
 
             table = dataset.boxes_of_members(paths, labels, on_error="skip" if skip else "raise")
             labels = np.zeros(len(paths), dtype=np.int64)
-        index = cls.build(paths, labels, sizes, (), root, shards=shards, boxes=table)
-        return _publish(index, stamps, saved) if saved else index
+        mtimes = None if shards.etags is not None else np.array([s[1] for s in stamps], np.int64)[shards.of]
+        index = cls.build(paths, labels, sizes, (), root, shards=shards, boxes=table, mtimes=mtimes)
+        return saved_store.publish(index, stamps, saved) if saved else index
 
     @classmethod
     def from_coco(
@@ -317,16 +362,24 @@ class Index:
         if index_dir:
             key = ["coco", images, annotations, skip_empty, on_error]
             if s3url.is_url(images):
-                key.append({"store": _store_name()})
-            saved = os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
+                key.append({"store": saved_store.store_name()})
+            saved = os.path.join(index_dir, f"index-{saved_store.name(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
-            opened = _open(saved)
-            if opened is not None and opened[0].boxes is not None and opened[1] == stamps:
-                return dataclasses.replace(opened[0], saved_path=saved)
+
+            def check(index: Index, dirs: list) -> Index | None:
+                if index.boxes is None or dirs != stamps:
+                    return None
+                return saved_store.renewed(index, currency.of_samples(index), dirs, saved, images)
+
+            index = saved_store.reused(saved, cls, check)
+            if index is not None:
+                return index
         found = dataset.coco_samples(images, annotations, skip_empty=skip_empty, on_error=on_error)
         labels = np.zeros(len(found.paths), dtype=np.int64)
-        index = cls.build(found.paths, labels, found.sizes, (), images, etags=found.etags, boxes=found.boxes)
-        return _publish(index, stamps, saved) if saved else index
+        index = cls.build(
+            found.paths, labels, found.sizes, (), images, etags=found.etags, boxes=found.boxes, mtimes=found.mtimes
+        )
+        return saved_store.publish(index, stamps, saved) if saved else index
 
     @classmethod
     def scan(
@@ -367,17 +420,21 @@ class Index:
         index_dir = default_index_dir() if index_dir is None else index_dir
         if is_valid_file is not None:
             index_dir = ""  # a predicate has no key to save the index under
-        saved = _saved_path(index_dir, root, extensions, allow_empty) if index_dir else None
+        saved = saved_store.tree_path(index_dir, root, extensions, allow_empty) if index_dir else None
         rebuild = rebuild or env.flag("COORDL_REINDEX")
         if saved and not rebuild:
-            index = _load_if_fresh(saved, root)
+
+            def check(index: Index, dirs: list) -> Index | None:
+                return saved_store.current_tree(index, dirs, root, saved, extensions, allow_empty)
+
+            index = saved_store.reused(saved, cls, check)
             if index is not None:
-                return dataclasses.replace(index, saved_path=saved)
+                return index
         if in_store:
             index, dirs = _scan_store(root, extensions, is_valid_file, allow_empty), []
         else:
             index, dirs = _scan(root, extensions, is_valid_file, allow_empty)
-        return _publish(index, dirs, saved) if saved else index
+        return saved_store.publish(index, dirs, saved) if saved else index
 
     def forget_saved(self) -> None:
         """Deletes the saved copy of this index, so that the next start scans the tree again."""
@@ -388,14 +445,13 @@ class Index:
                 pass
 
 
-def _size(path: str) -> int:
+def _stat(path: str) -> os.stat_result:
     try:
-        st = os.stat(path)
+        return os.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"sample {path} does not exist") from None
     except OSError as e:
         raise OSError(e.errno, f"cannot stat sample {path}: {e.strerror}") from None
-    return st.st_size
 
 
 def _scan(
@@ -406,12 +462,13 @@ def _scan(
     if not classes:
         raise FileNotFoundError(f"no class folders found in {root}; expected one sub-folder per class")
     dirs = [(root, os.stat(root).st_mtime_ns)]
-    paths, labels, sizes, empty = [], [], [], []
+    paths, labels, sizes, mtimes, empty = [], [], [], [], []
     for label, name in enumerate(classes):
-        folders, found, found_sizes = _scan_class(os.path.join(root, name), valid)
+        folders, found, found_sizes, found_mtimes = _scan_class(os.path.join(root, name), valid)
         dirs += folders
         paths += found
         sizes += found_sizes
+        mtimes += found_mtimes
         labels.append(np.full(len(found), label, dtype=np.int64))
         if not found:
             empty.append(name)
@@ -420,20 +477,24 @@ def _scan(
         raise FileNotFoundError(
             f"found no valid file for the classes {shown} in {root}. Supported extensions are: {', '.join(extensions)}"
         )
-    return Index.build(paths, np.concatenate(labels), sizes, classes, root), dirs
+    return Index.build(paths, np.concatenate(labels), sizes, classes, root, mtimes=mtimes), dirs
 
 
-def _scan_class(top: str, valid: Callable[[str], bool]) -> tuple[list[tuple[str, int]], list[str], list[int]]:
-    """The folders (with their times), sample paths and sizes of one class folder."""
-    folders, paths, sizes = [], [], []
+def _scan_class(
+    top: str, valid: Callable[[str], bool]
+) -> tuple[list[tuple[str, int]], list[str], list[int], list[int]]:
+    """The folders (with their times), sample paths, sizes and modification times of one class folder."""
+    folders, paths, sizes, mtimes = [], [], [], []
     for folder, _, files in sorted(os.walk(top, followlinks=True)):
         folders.append((folder, os.stat(folder).st_mtime_ns))
         for fname in sorted(files):
             path = f"{folder}/{fname}"  # os.path.join's result: os.walk's folders never end with a slash
             if valid(path):
-                sizes.append(_size(path))
+                st = _stat(path)
+                sizes.append(st.st_size)
+                mtimes.append(st.st_mtime_ns)
                 paths.append(path)
-    return folders, paths, sizes
+    return folders, paths, sizes, mtimes
 
 
 def _scan_store(root: str, extensions: tuple[str, ...], is_valid_file=None, allow_empty: bool = False) -> Index:
@@ -441,119 +502,3 @@ def _scan_store(root: str, extensions: tuple[str, ...], is_valid_file=None, allo
 
     found = listing.scan(root, extensions, is_valid_file, allow_empty)
     return Index.build(found.urls, found.labels, found.sizes, found.classes, root, etags=found.etags)
-
-
-def _store_name() -> str:
-    """The endpoint an ``s3://`` index was listed from: one bucket name at two stores is two datasets."""
-    from coordl.s3 import client
-
-    return client.settings().endpoint or "aws"
-
-
-def _saved_path(index_dir: str, root: str, extensions: tuple[str, ...], allow_empty: bool = False) -> str:
-    key = [root, list(extensions)] + ([True] if allow_empty else [])  # the key of earlier versions when False
-    if s3url.is_url(root):
-        key.append({"store": _store_name()})
-    return os.path.join(index_dir, f"index-{_key(key)}{indexfile.SUFFIX}")
-
-
-def _publish(index: Index, dirs: list, saved: str) -> Index:
-    """Saves ``index`` at ``saved`` (:func:`_save`) and returns the saved copy, mapped: this process
-    then shares it with the node's others and frees the built arrays (on a network filesystem, a
-    copy of it in memory). A concurrent start may have replaced the file with another dataset's
-    index: then the built one is kept. Not saved (logged): the built one, to be made again next time."""
-    try:
-        _save(index, dirs, saved)
-    except OSError as e:
-        log.warning("coordl: could not save the index to %s (%s); it will be rescanned next time", saved, e)
-        return index
-    opened = _open(saved)
-    if opened is not None and opened[0].fingerprint == index.fingerprint:
-        index = opened[0]
-    return dataclasses.replace(index, saved_path=saved)
-
-
-def _key(key) -> str:
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
-
-
-def _save(index: Index, dirs: list, path: str) -> None:
-    """Saves ``index`` with ``dirs``: its folders' times, or its shards' ``[size, mtime_ns]``."""
-    meta = {"root": index.root, "classes": list(index.classes), "dirs": dirs}
-    sh, bx = index.shards, index.boxes
-    shards = (sh.files, sh.of, sh.offsets) if sh is not None else None
-    boxes = None
-    if bx is not None:
-        boxes = (bx.offsets, bx.xyxy, bx.labels, bx.image_sizes, bx.image_ids)
-        meta["categories"] = [[int(k), v] for k, v in bx.categories.items()]
-        meta["skipped"] = dict(bx.skipped)
-    indexfile.write(path, index.paths, index.labels, index.sizes, index.fingerprint, meta, index.etags, shards, boxes)
-    with contextlib.suppress(OSError):  # version 1's file of the same tree, which is never read again
-        os.unlink(path[: -len(indexfile.SUFFIX)] + ".npz")
-
-
-def _open(path: str) -> tuple[Index, list] | None:
-    """The saved index at ``path`` and its folders' times; None (logged) if it is missing or
-    unusable."""
-    saved = indexfile.read(path)
-    if isinstance(saved, str):
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, saved)
-    if not isinstance(saved, indexfile.Saved):
-        return None
-    try:
-        classes, root, dirs = tuple(saved.meta["classes"]), saved.meta["root"], list(saved.meta["dirs"])
-        boxes = None
-        if saved.boxes is not None:
-            categories = {int(k): str(v) for k, v in saved.meta["categories"]}
-            boxes = Boxes(*saved.boxes, categories=categories, skipped=dict(saved.meta["skipped"]))
-    except (KeyError, TypeError, ValueError) as e:
-        log.info("coordl: saved index %s unusable (%s); rescanning", path, f"metadata: {e!r}")
-        return None
-    index = Index(
-        paths=saved.paths,
-        labels=saved.labels,
-        sizes=saved.sizes,
-        classes=classes,
-        root=root,
-        fingerprint=saved.fingerprint,
-        etags=saved.etags,
-        shards=_shards(saved.shards, dirs),
-        boxes=boxes,
-    )
-    return index, dirs
-
-
-def _shards(saved, stamps) -> Shards | None:
-    """The shards of a saved index, with the ETags of ``s3://`` shards from their stamps."""
-    if saved is None:
-        return None
-    files, of, offsets = saved
-    etags = PathTable.from_strings([str(s[1]) for s in stamps]) if len(files) and s3url.is_url(files[0]) else None
-    return Shards(files, of, offsets, etags)
-
-
-def _load_if_fresh(path: str, root: str) -> Index | None:
-    opened = _open(path)
-    if opened is None:
-        return None
-    index, dirs = opened
-    if index.root != root or index.shards is not None or index.boxes is not None:
-        return None
-    if s3url.is_url(root):
-        from coordl.s3 import listing
-
-        if list(index.classes) != listing.class_names(root):  # one request per thousand classes
-            log.info("coordl: the class prefixes of %s changed since the index was saved; listing again", root)
-            return None
-        return index
-    for folder, mtime in dirs:
-        try:
-            changed = os.stat(folder).st_mtime_ns != mtime
-        except OSError:
-            changed = True
-        if changed:
-            log.info("coordl: %s changed since the index was saved; rescanning", folder)
-            return None
-    # A folder whose mtime kept its value still lists the same names; a class folder
-    # added or removed changes root's mtime. So the saved index is the tree's.
-    return index

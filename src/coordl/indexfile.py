@@ -1,10 +1,12 @@
 """The saved index's file, declared once: write it atomically, map it read-only, check it.
 
 One file per scanned tree, ``index-<key>.idx`` in the index directory: a :data:`HEADER`
-(a numpy structured dtype with a magic, a version and the sizes), then seven sections,
-each starting at a multiple of :data:`ALIGN` bytes: ``offsets`` (int64, count + 1),
-``labels`` (int64, count), ``sizes`` (int64, count), ``blob`` (uint8, the paths' bytes,
-see :mod:`coordl.paths`), ``meta`` (UTF-8 JSON), and the objects' ETags of an ``s3://``
+(a numpy structured dtype with a magic, a version and the sizes), then its sections, each
+starting at a multiple of :data:`ALIGN` bytes: ``offsets`` (int64, count + 1),
+``labels`` (int64, count), ``sizes`` (int64, count), ``mtimes`` (int64, count: the modification
+time in ns of the file each sample lies in, its own or its tar shard; empty for ``s3://``, whose
+ETags play that part), ``blob`` (uint8, the paths' bytes, see :mod:`coordl.paths`), ``meta``
+(UTF-8 JSON), and the objects' ETags of an ``s3://``
 index as a second table of strings, ``etag_offsets`` (int64, count + 1) and ``etag_blob``
 (both empty for local files), and for a dataset of tar shards (:mod:`coordl.tars`) each sample's
 shard, ``shard_of`` (int64, count), where its bytes start in it, ``data_offsets`` (int64, count), and
@@ -22,7 +24,7 @@ keeps it (a local filesystem keeps a replaced file's pages while they are mapped
 network filesystem, where a replacement by another machine can pull the pages from under
 a mapping (SIGBUS), the file is read into memory instead (:func:`is_local`). Version 1
 was an ``.npz`` of another name, which is not read; versions 2 (without ETags), 3 (without
-shards) and 4 (without boxes) are rescanned.
+shards), 4 (without boxes) and 5 (without modification times) are rescanned.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from coordl.paths import PathTable
 __all__ = ["BOX_SECTIONS", "FORMAT_VERSION", "HEADER", "SUFFIX", "Saved", "is_local", "read", "write"]
 
 MAGIC = b"coordlix"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 ALIGN = 64
 HEADER = np.dtype(
     [
@@ -57,6 +59,7 @@ HEADER = np.dtype(
         ("shard_count", "<u8"),  # tar shards (0: samples are files or objects)
         ("shard_bytes", "<u8"),  # the shards' paths' blob and one (0: no shards)
         ("box_count", "<u8"),  # boxes and one (0: no boxes, a dataset of classes)
+        ("mtime_count", "<u8"),  # samples with a modification time: count (0: none, s3://)
     ]
 )
 SUFFIX = ".idx"
@@ -76,6 +79,7 @@ class Saved:
     etags: PathTable | None = None
     shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None  # files, of, offsets (coordl.tars.Shards)
     boxes: tuple[np.ndarray, ...] | None = None  # offsets, xyxy, labels, image_sizes, image_ids (Boxes)
+    mtimes: np.ndarray | None = None  # int64 ns, per sample (Index.mtimes)
 
 
 def write(
@@ -88,6 +92,7 @@ def write(
     etags: PathTable | None = None,
     shards: tuple[PathTable, np.ndarray, np.ndarray] | None = None,
     boxes: tuple[np.ndarray, ...] | None = None,
+    mtimes: np.ndarray | None = None,
 ) -> None:
     """Publishes a saved index at ``path``: complete, or not at all.
 
@@ -111,6 +116,7 @@ def write(
     }
     for name, a in zip(BOX_SECTIONS, boxes if boxes is not None else [np.zeros(0)] * len(BOX_SECTIONS)):
         arrays[name] = a
+    arrays["mtimes"] = mtimes if mtimes is not None else np.zeros(0, np.int64)
     head = np.zeros((), HEADER)
     head["magic"], head["version"], head["header_bytes"] = MAGIC, FORMAT_VERSION, HEADER.itemsize
     head["count"], head["blob_bytes"], head["meta_bytes"] = len(paths), len(paths.blob), len(meta_bytes)
@@ -120,6 +126,8 @@ def write(
         head["shard_count"], head["shard_bytes"] = len(shards[0]), len(shards[0].blob) + 1
     if boxes is not None:
         head["box_count"] = len(boxes[2]) + 1
+    if mtimes is not None:
+        head["mtime_count"] = len(paths)
     sections, total = _sections(
         len(paths), len(paths.blob), len(meta_bytes), int(head["etag_bytes"]), *_tail_sizes(head)
     )
@@ -178,6 +186,7 @@ def read(path: str) -> Saved | str | None:
     if head["box_count"]:
         boxes = tuple(a[name] for name in BOX_SECTIONS)
         boxes = (boxes[0], boxes[1].reshape(-1, 4), boxes[2], boxes[3].reshape(-1, 2), boxes[4])
+    mtimes = a["mtimes"] if head["mtime_count"] else None
     return Saved(
         paths=paths,
         labels=a["labels"],
@@ -187,6 +196,7 @@ def read(path: str) -> Saved | str | None:
         etags=etags,
         shards=shards,
         boxes=boxes,
+        mtimes=mtimes,
     )
 
 
@@ -194,9 +204,9 @@ def read(path: str) -> Saved | str | None:
 BOX_SECTIONS = ("box_offsets", "box_xyxy", "box_labels", "image_sizes", "image_ids")
 
 
-def _tail_sizes(head) -> tuple[int, int, int]:
-    """The header's sizes of the sections after the ETags: shards, and boxes."""
-    return int(head["shard_count"]), int(head["shard_bytes"]), int(head["box_count"])
+def _tail_sizes(head) -> tuple[int, int, int, int]:
+    """The header's sizes of the sections after the ETags: shards, boxes and modification times."""
+    return int(head["shard_count"]), int(head["shard_bytes"]), int(head["box_count"]), int(head["mtime_count"])
 
 
 def is_local(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
@@ -233,15 +243,18 @@ def _sections(
     shard_count: int = 0,
     shard_bytes: int = 0,
     box_count: int = 0,
+    mtime_count: int = 0,
 ) -> tuple[list[tuple[str, np.dtype, int, int]], int]:
     """``(name, dtype, items, offset)`` of each section of a saved index, and the file's size
-    (``etag_bytes``, ``shard_bytes``, ``box_count``: the header's, 0 for no ETags, shards or boxes)."""
+    (``etag_bytes``, ``shard_bytes``, ``box_count``, ``mtime_count``: the header's, 0 for no ETags,
+    shards, boxes or modification times)."""
     boxes = max(box_count - 1, 0)
     out, at = [], HEADER.itemsize
     for name, dtype, items in (
         ("offsets", np.dtype("<i8"), count + 1),
         ("labels", np.dtype("<i8"), count),
         ("sizes", np.dtype("<i8"), count),
+        ("mtimes", np.dtype("<i8"), mtime_count),
         ("blob", np.dtype(np.uint8), blob_bytes),
         ("meta", np.dtype(np.uint8), meta_bytes),
         ("etag_offsets", np.dtype("<i8"), count + 1 if etag_bytes else 0),
@@ -277,6 +290,8 @@ def _unusable(buf) -> str | None:
     sections, total = _sections(count, blob_bytes, int(head["meta_bytes"]), etag_bytes, *_tail_sizes(head))
     if len(buf) != total:
         return f"{len(buf)} bytes, the header says {total}"
+    if int(head["mtime_count"]) not in (0, count):
+        return f"{int(head['mtime_count'])} modification times for {count} samples"
     offsets_at = _sections(count, blob_bytes, 0)[0][0][3]
     first, last = np.frombuffer(buf, "<i8", 1, offsets_at), np.frombuffer(buf, "<i8", 1, offsets_at + 8 * count)
     if first[0] != 0 or last[0] != (blob_bytes + 1 if count else 0):

@@ -523,10 +523,13 @@ class CoordLoader(DataLoaderAttributes):
     # -- stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of the current epoch, or of the last pass if none is running: where the bytes
-        came from (per tier), where the time went (see :class:`~coordl.passes.PassStats`). A
-        detection dataset's also say what indexing left out (``index_skipped``: images, boxes and
-        annotations, with ``on_error="skip"``)."""
+        came from (per tier), where the time went (see :class:`~coordl.passes.PassStats`), and
+        ``index_changed``: the samples whose file or object the index's check found changed (size,
+        modification time or ETag) since the index was saved, read from the store again in this run
+        (:attr:`Index.changed <coordl.index.Index.changed>`). A detection dataset's also say what
+        indexing left out (``index_skipped``: images, boxes and annotations, with ``on_error="skip"``)."""
         out = self._stats()
+        out["index_changed"] = self.index.changed
         if self.index.boxes is not None:
             out["index_skipped"] = dict(self.index.boxes.skipped)
         if self.disk_tier is not None and not self.disk_tier.closed:

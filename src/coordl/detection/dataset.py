@@ -24,12 +24,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Found:
     """A COCO dataset's samples: image paths (or URLs), their sizes in bytes, their ETags
-    (``s3://``; else None) and their boxes."""
+    (``s3://``; else None), their boxes and their modification times in ns (files; else None)."""
 
     paths: list[str]
     sizes: list[int]
     etags: list[str] | None
     boxes: Boxes
+    mtimes: list[int] | None = None
 
 
 def stamps(images: str, annotations: str) -> list:
@@ -114,11 +115,11 @@ def coco_samples(images: str, annotations: str, *, skip_empty: bool, on_error: s
         boxes.skipped["images"] += len(missing)
         paths, found = [paths[k] for k in keep], [found[k] for k in keep]
     sizes = [f[0] for f in found]
-    etags = [f[1] for f in found] if s3url.is_url(images) else None
+    etags, mtimes = ([f[1] for f in found], None) if s3url.is_url(images) else (None, [f[1] for f in found])
     log.info(
         "coordl: indexed %d images and %d boxes of %s", len(paths), len(boxes.labels), os.path.basename(annotations)
     )
-    return Found(paths, sizes, etags, boxes)
+    return Found(paths, sizes, etags, boxes, mtimes)
 
 
 def boxes_of_members(paths, members: list[bytes], *, on_error: str) -> Boxes:
@@ -152,8 +153,10 @@ def _join(images: str, name: str) -> str:
     return os.path.join(images, name)
 
 
-def _stat(path: str) -> tuple[int, None] | None:
+def _stat(path: str) -> tuple[int, int] | None:
+    """A file's size and modification time (ns), or None when it is missing."""
     try:
-        return os.stat(path).st_size, None
+        st = os.stat(path)
     except FileNotFoundError:
         return None
+    return st.st_size, st.st_mtime_ns

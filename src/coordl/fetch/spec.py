@@ -77,13 +77,14 @@ class CacheSpec:
         decoded tier beside it, of images capped at ``max_short_side`` when given (another tier:
         other pixels), or of ``waveform`` s (audio clips resampled as that key says: another rate
         or resampler is another tier)."""
-        key = f"{index.fingerprint}:{os.getuid()}" + (f":{private}" if private else "")
+        # The version, not the fingerprint alone: a cache kept from another version of a file is never attached.
+        key = f"{index.version}:{os.getuid()}" + (f":{private}" if private else "")
         key += ":decoded" if tier == "decoded" else ""
         key += f":max_short_side={max_short_side}" if tier == "decoded" and max_short_side else ""
         key += f":waveform={waveform}" if tier == "decoded" and waveform else ""
         group = hashlib.sha256(key.encode()).hexdigest()[:16]
         item = "waveform" if waveform else "image"
-        return cls(group, int(budget), keep, names.shm_dir(), index.fingerprint, tier, item)
+        return cls(group, int(budget), keep, names.shm_dir(), index.version, tier, item)
 
     def attach(self, sizes: np.ndarray) -> NodeCache | None:
         """:meth:`open`, or None (with :func:`warn_off`) where another user took one of its names."""
