@@ -17,7 +17,7 @@ import numpy as np
 
 from coordl.units import format_bytes
 
-__all__ = ["BusyClock", "StepWaits", "epoch_line"]
+__all__ = ["BusyClock", "StepWaits", "epoch_line", "standing_fields"]
 
 
 class BusyClock:
@@ -102,3 +102,16 @@ def epoch_line(s: dict, rank: int) -> str:
 
 def print_epoch_line(s: dict, rank: int) -> None:
     print(epoch_line(s, rank), file=sys.stderr, flush=True)
+
+
+def standing_fields(index, disk_tier) -> dict:
+    """What a loader's ``stats()`` adds to its pass's counters, whatever pass ran: what the index's
+    check found changed (``index_changed``), what indexing a detection dataset left out
+    (``index_skipped``), and what the local-storage tier holds and may hold (``disk_cache_bytes``,
+    ``disk_cache_budget``)."""
+    out = {"index_changed": index.changed}
+    if index.boxes is not None:
+        out["index_skipped"] = dict(index.boxes.skipped)
+    if disk_tier is not None and not disk_tier.closed:
+        out["disk_cache_bytes"], out["disk_cache_budget"] = disk_tier.used(), disk_tier.budget
+    return out

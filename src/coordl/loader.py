@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Sequence
 
 from coordl import cpus, lifecycle, sources, world
-from coordl.accounting import print_epoch_line
+from coordl.accounting import print_epoch_line, standing_fields
 from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
 from coordl.fetch import disk, peer
 from coordl.fetch.fetcher import FetchCounters
@@ -528,13 +528,7 @@ class CoordLoader(DataLoaderAttributes):
         modification time or ETag) since the index was saved, read from the store again in this run
         (:attr:`Index.changed <coordl.index.Index.changed>`). A detection dataset's also say what
         indexing left out (``index_skipped``: images, boxes and annotations, with ``on_error="skip"``)."""
-        out = self._stats()
-        out["index_changed"] = self.index.changed
-        if self.index.boxes is not None:
-            out["index_skipped"] = dict(self.index.boxes.skipped)
-        if self.disk_tier is not None and not self.disk_tier.closed:
-            out["disk_cache_bytes"], out["disk_cache_budget"] = self.disk_tier.used(), self.disk_tier.budget
-        return out
+        return {**self._stats(), **standing_fields(self.index, self.disk_tier)}
 
     def _stats(self) -> dict:
         running = self._running()
