@@ -110,6 +110,7 @@ def test_a_file_rewritten_at_the_same_size_is_read_anew_and_its_tier_entry_repla
     again, s = run(elsewhere, tier)
     assert again == files_of(elsewhere) and again[str(victim)] != old  # the new bytes, exactly
     assert s["index_changed"] == 1 and s["storage_reads"] == 1 and s["disk_reads"] == N - 1
+    assert s["disk_replaced"] == 1 and s["disk_repaired"] == 0  # its stale entry rewritten, counted as replaced
     third, s = run(elsewhere, tier)  # the saved index was updated, and the entry replaced
     assert third == files_of(elsewhere)
     assert s["index_changed"] == 0 and s["storage_reads"] == 0 and s["disk_reads"] == N
@@ -131,6 +132,7 @@ def test_an_object_replaced_under_its_key_is_read_anew_and_its_tier_entry_replac
     assert {url: again[url] for url in new} == new
     assert all(again[url] == body for url, body in first.items() if url not in new)
     assert s["index_changed"] == 2 and s["storage_reads"] == 2 and s["disk_reads"] == N - 2
+    assert s["disk_replaced"] == 2 and s["disk_repaired"] == 0
     gets = [path for _, path, status, _ in server.requests("GET") if status == 200 and "list-type" not in path]
     assert sorted(gets) == sorted(f"/{BUCKET}/{_key(url)}" for url in new)
     server.reset()
@@ -191,7 +193,7 @@ def test_a_tar_shard_rewritten_with_members_of_the_same_sizes_is_read_anew(tiny_
             k: v for k, v in members.items() if k.endswith(".jpg")
         }
         # A changed shard is indexed again (its size and time), and every sample in it is another version.
-        assert s["storage_reads"] == 20 and s["disk_reads"] == 0
+        assert s["storage_reads"] == 20 and s["disk_reads"] == 0 and s["disk_replaced"] == 20
         _, s = run(str(shard), tier)
         assert s["storage_reads"] == 0 and s["disk_reads"] == 20
     finally:
