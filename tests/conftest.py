@@ -175,3 +175,24 @@ def s3_server():
 
     with S3Server() as s:
         yield s
+
+
+_s3_prefixes = [0]
+
+
+@pytest.fixture
+def s3_tree(s3_server, monkeypatch):
+    """``s3_tree(bucket, tree)``: a fresh prefix of ``bucket`` (made by the module) holding the files of
+    ``tree``, as ``s3://<bucket>/p<k>/train``, with this process talking to the session's server and
+    its request counts reset."""
+
+    def upload(bucket: str, tree: Path) -> str:
+        for k, v in s3_server.env().items():
+            monkeypatch.setenv(k, v)
+        _s3_prefixes[0] += 1
+        prefix = f"p{_s3_prefixes[0]}/train"
+        s3_server.upload_tree(tree, bucket, prefix)
+        s3_server.reset()
+        return f"s3://{bucket}/{prefix}"
+
+    return upload

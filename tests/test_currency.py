@@ -33,7 +33,6 @@ from coordl.shm import reaper
 N = 120  # samples in tiny_dataset
 BUCKET = "coordl-currency"
 CTX = multiprocessing.get_context("spawn")
-_prefixes = [0]
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +42,9 @@ def server(s3_server):
 
 
 @pytest.fixture
-def s3root(server, tiny_dataset, monkeypatch) -> str:
+def s3root(server, s3_tree, tiny_dataset) -> str:
     """A fresh prefix holding the tiny dataset, and this process talking to the server."""
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    _prefixes[0] += 1
-    prefix = f"c{_prefixes[0]}/train"
-    server.upload_tree(tiny_dataset, BUCKET, prefix)
-    server.reset()
-    return f"s3://{BUCKET}/{prefix}"
+    return s3_tree(BUCKET, tiny_dataset)
 
 
 @pytest.fixture

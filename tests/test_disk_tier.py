@@ -32,7 +32,6 @@ N = 120  # samples in tiny_dataset
 BUCKET = "coordl-disk"
 RECIPE = ImageNetTrain(size=16)
 CTX = multiprocessing.get_context("spawn")
-_prefixes = [0]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +41,9 @@ def server(s3_server):
 
 
 @pytest.fixture
-def root(server, tiny_dataset, monkeypatch) -> str:
+def root(server, s3_tree, tiny_dataset) -> str:
     """A fresh prefix holding the tiny dataset, and this process talking to the server."""
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    _prefixes[0] += 1
-    prefix = f"d{_prefixes[0]}/train"
-    server.upload_tree(tiny_dataset, BUCKET, prefix)
-    server.reset()
-    return f"s3://{BUCKET}/{prefix}"
+    return s3_tree(BUCKET, tiny_dataset)
 
 
 def _loader(data, folder, *, memory=0.25, **kw):

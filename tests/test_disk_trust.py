@@ -35,7 +35,6 @@ HERE = Path(__file__).resolve().parent
 N = 120  # samples in tiny_dataset
 BUCKET = "coordl-trust"
 OTHER = 23456  # the other local user
-_prefixes = [0]
 _baseline: dict = {}
 
 
@@ -46,15 +45,9 @@ def server(s3_server):
 
 
 @pytest.fixture
-def root(server, tiny_dataset, monkeypatch) -> str:
+def root(server, s3_tree, tiny_dataset) -> str:
     """A fresh prefix holding the tiny dataset, and this process talking to the server."""
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    _prefixes[0] += 1
-    prefix = f"t{_prefixes[0]}/train"
-    server.upload_tree(tiny_dataset, BUCKET, prefix)
-    server.reset()
-    return f"s3://{BUCKET}/{prefix}"
+    return s3_tree(BUCKET, tiny_dataset)
 
 
 @pytest.fixture

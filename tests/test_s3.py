@@ -47,7 +47,6 @@ HERE = Path(__file__).resolve().parent
 N = 120  # samples in tiny_dataset
 BUCKET = "coordl-data"
 RECIPE = ImageNetTrain(size=16)
-_prefixes = [0]
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +65,9 @@ def s3env(server, monkeypatch):
 
 
 @pytest.fixture
-def root(s3env, tiny_dataset) -> str:
-    """A fresh prefix holding the tiny dataset: ``s3://coordl-data/t<k>/train``."""
-    _prefixes[0] += 1
-    prefix = f"t{_prefixes[0]}/train"
-    s3env.upload_tree(tiny_dataset, BUCKET, prefix)
-    s3env.reset()
-    return f"s3://{BUCKET}/{prefix}"
+def root(s3env, s3_tree, tiny_dataset) -> str:
+    """A fresh prefix holding the tiny dataset: ``s3://coordl-data/p<k>/train``."""
+    return s3_tree(BUCKET, tiny_dataset)
 
 
 GUARD_S = 60.0  # a guard against waiting forever for a request that never comes: not a bound of coordl's
