@@ -196,3 +196,22 @@ def s3_tree(s3_server, monkeypatch):
         return f"s3://{bucket}/{prefix}"
 
     return upload
+
+
+@pytest.fixture(scope="session")
+def python_for_other_users():
+    """Checks, once, that another local user can run this Python with coordl and numpy (tests that run a
+    child as another uid need it), and fails with what to change otherwise: a virtual environment or a
+    checkout in a folder only its owner may enter (``mktemp -d`` makes one, mode 0700)."""
+    import subprocess
+    import sys
+
+    code = "import numpy, coordl"
+    cmd = ["setpriv", "--reuid=23456", "--regid=23456", "--clear-groups", sys.executable, "-c", code]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    if p.returncode != 0:
+        pytest.fail(
+            f"another user cannot run {sys.executable} with coordl: these tests run children as another uid, so "
+            f"the Python, its packages and the repository must be readable by others (mode 0755 on every folder "
+            f"above them):\n{p.stderr[-2000:]}"
+        )

@@ -28,6 +28,8 @@ import coordl
 from coordl.fetch.cache import NodeCache
 from coordl.shm import group, names, own, reaper
 
+pytestmark = pytest.mark.usefixtures("python_for_other_users")
+
 OTHER = 23456  # the other local user
 TRAINER = 23457  # the user whose script trains
 SRC = Path(coordl.__file__).resolve().parents[1]  # this checkout's coordl, for the users' processes
