@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -293,6 +294,7 @@ def main() -> int:
             results[f"slow_sleep_{args.sleep:g}"] = slow(args, workdir)
     finally:
         reaper.reap(include_kept=True)
+        shutil.rmtree(workdir, ignore_errors=True)  # the jobs' go/ready files and outputs
     Path(args.result).parent.mkdir(parents=True, exist_ok=True)
     Path(args.result).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.result}")

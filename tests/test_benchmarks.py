@@ -563,13 +563,16 @@ def test_s3_clients_small(tmp_path):
 
 def test_hp_mix_small(tmp_path):
     """benchmarks.hp_mix on 128 small photos: every scenario runs and compares what it should, every
-    epoch of every job of every run is exactly once, and the jobs leave nothing in shared memory."""
+    epoch of every job of every run is exactly once, and the jobs leave nothing in shared memory nor in
+    the temporary folder (its work folder was left in /tmp by every run before)."""
     out, shm = tmp_path / "hp_mix.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
     command = [sys.executable, "-m", "benchmarks.hp_mix", "--data", str(tmp_path / "photos"), "--images", "128"]
     command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
     command += ["--result", str(out)]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     try:
-        env = dict(os.environ, COORDL_SHM_DIR=shm)
+        env = dict(os.environ, COORDL_SHM_DIR=shm, TMPDIR=str(tmp))
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         r = json.loads(out.read_text())
@@ -580,7 +583,7 @@ def test_hp_mix_small(tmp_path):
         assert runs and all(run["exactly_once"] for run in runs)
         assert [len(run["per_job_samples_per_s"]) for run in r["slow_sleep_0"]["trio"]] == [3]
         assert [(h["batch"], h["staged"]) for h in r["handoff"]] == [(64, 64), (16, 64), (64, 16)]
-        assert os.listdir(shm) == []
+        assert os.listdir(shm) == [] and os.listdir(tmp) == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
