@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from coordl import currency, indexfile
 from coordl.detection.boxes import Boxes
@@ -28,8 +28,9 @@ from coordl.paths import PathTable
 from coordl.s3 import url as s3url
 from coordl.tars import Shards
 
-if TYPE_CHECKING:
-    from coordl.index import Index
+#: The caller's index class (:class:`coordl.index.Index`): this module builds and saves indexes of it,
+#: and imports nothing of the module that defines it (which calls this one).
+Index = TypeVar("Index")
 
 __all__ = ["current_tree", "load", "name", "publish", "renewed", "reused", "save", "store_name", "tree_path"]
 
