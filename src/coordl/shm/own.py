@@ -32,6 +32,7 @@ __all__ = [
     "open_own",
     "owner_name",
     "refuse",
+    "wrong",
 ]
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO never blocks an open
@@ -71,17 +72,19 @@ def owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _wrong(st: os.stat_result) -> str | None:
-    """What makes the file of ``st`` not this user's own private file; None when it is."""
+def wrong(st: os.stat_result, kind: int = stat.S_IFREG, *, one_link: bool = True) -> str | None:
+    """What makes the object of ``st`` not this user's own private ``kind`` (a regular file, or
+    ``stat.S_IFDIR``); None when it is. ``one_link``: a regular file with a second hard link fails too
+    (a link to a file of ours elsewhere; 0 links: unlinked meanwhile, still ours)."""
     if stat.S_ISLNK(st.st_mode):
         return "a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+    if stat.S_IFMT(st.st_mode) != kind:
+        return "not a folder" if kind == stat.S_IFDIR else "not a regular file"
     if st.st_uid != os.geteuid():
         return "owned by another user"
     if st.st_mode & 0o077:
         return f"mode {stat.S_IMODE(st.st_mode):04o}, open to other users"
-    if st.st_nlink > 1:  # a hard link to a file of ours elsewhere; 0: unlinked meanwhile, still ours
+    if one_link and kind == stat.S_IFREG and st.st_nlink > 1:
         return f"{st.st_nlink} hard links"
     return None
 
@@ -93,7 +96,7 @@ def foreign(path: str) -> Foreign | None:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
-    why = _wrong(st)
+    why = wrong(st)
     return None if why is None else Foreign(path, st.st_uid, why)
 
 
@@ -112,7 +115,7 @@ def refuse(found: list[Foreign] | tuple[Foreign, ...]) -> NoReturn:
 def _check(fd: int, path: str) -> int:
     """Returns ``fd`` if it is this user's own private file; else closes it and raises."""
     st = os.fstat(fd)
-    why = _wrong(st)
+    why = wrong(st)
     if why is None:
         return fd
     os.close(fd)

@@ -18,6 +18,8 @@ import zlib
 
 import numpy as np
 
+from coordl.shm import own
+
 __all__ = [
     "ABSENT",
     "DAMAGED",
@@ -73,8 +75,9 @@ def header(size: int, stamp: bytes, crc_: int) -> np.ndarray:
 
 
 def private(st: os.stat_result, kind: int = stat.S_IFREG) -> bool:
-    """Whether ``st`` is of this user, of type ``kind``, with no access for group or others."""
-    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    """Whether ``st`` is of this user, of type ``kind``, with no access for group or others (the rule of
+    :func:`coordl.shm.own.wrong`; an entry may have two links while it is being published)."""
+    return own.wrong(st, kind, one_link=False) is None
 
 
 def judge(head: np.ndarray, got: int, size: int, stamp: bytes, views) -> int:

@@ -23,13 +23,13 @@ too, and one that fails is repaired like a damaged entry).
 from __future__ import annotations
 
 import os
-import pwd
 import socket
 import stat
 from dataclasses import dataclass
 
 from coordl import errors
 from coordl.fetch.disk.entries import private
+from coordl.shm import own
 
 __all__ = ["Folder", "ForeignFolderError", "make_dirs", "open_folder", "tier_folder"]
 
@@ -44,7 +44,7 @@ class ForeignFolderError(errors.CoordlError):
 
 def tier_folder(path: str) -> str:
     """The tier's folder inside ``path`` (one per user: its files are the user's)."""
-    return os.path.join(os.path.abspath(os.fspath(path)), f"coordl-disk-{os.getuid()}")
+    return os.path.join(os.path.abspath(os.fspath(path)), f"coordl-disk-{os.geteuid()}")
 
 
 @dataclass
@@ -102,9 +102,9 @@ def open_folder(folder: str, *, create: bool) -> Folder | None:
         os.close(top)
     out = Folder(folder, fd, None, None, None)
     try:
-        out.tmp = _open_dir(fd, "tmp", create)
-        out.users = _open_file(fd, "users", create)
-        out.ledger = _open_file(fd, "ledger", create)
+        out.tmp = _open_inside(fd, "tmp", create, stat.S_IFDIR)
+        out.users = _open_inside(fd, "users", create, stat.S_IFREG)
+        out.ledger = _open_inside(fd, "ledger", create, stat.S_IFREG)
         if out.users is not None and out.ledger is not None:
             a, b = os.fstat(out.users), os.fstat(out.ledger)
             if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
@@ -148,45 +148,30 @@ class _Foreign(Exception):
     """A file or folder inside the tier failed its check."""
 
 
-def _open_dir(fd: int, name: str, create: bool) -> int | None:
+def _open_inside(fd: int, name: str, create: bool, kind: int) -> int | None:
+    """``name`` in the folder ``fd``, a private folder (``stat.S_IFDIR``) or file of this user's with one
+    link, made (0700 or 0600) when ``create`` and missing, never through a link; None when missing and not
+    made. Raises :class:`_Foreign` for anything else there."""
+    folder = kind == stat.S_IFDIR
     if create:
         try:
+            if not folder:
+                return os.open(name, _FILE | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd)
             os.mkdir(name, 0o700, dir_fd=fd)
         except FileExistsError:
             pass
     try:
-        sub = os.open(name, _DIR, dir_fd=fd)
+        sub = os.open(name, _DIR if folder else _FILE, dir_fd=fd)
     except FileNotFoundError:
         if create:
             raise
         return None
     except OSError:
         raise _Foreign from None
-    if not private(os.fstat(sub), stat.S_IFDIR):
+    if own.wrong(os.fstat(sub), kind) is not None:
         os.close(sub)
         raise _Foreign
     return sub
-
-
-def _open_file(fd: int, name: str, create: bool) -> int | None:
-    if create:
-        try:
-            return os.open(name, _FILE | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd)
-        except FileExistsError:
-            pass
-    try:
-        f = os.open(name, _FILE, dir_fd=fd)
-    except FileNotFoundError:
-        if create:
-            raise
-        return None
-    except OSError:
-        raise _Foreign from None
-    st = os.fstat(f)
-    if not private(st) or st.st_nlink != 1:
-        os.close(f)
-        raise _Foreign
-    return f
 
 
 def _foreign(folder: str) -> str:
@@ -207,14 +192,12 @@ def _foreign(folder: str) -> str:
     for path, st in names:
         if st is None:
             continue
-        bad = not private(st, stat.S_IFDIR if path == folder or path.endswith("/tmp") else stat.S_IFREG)
-        if not bad and path != folder and st.st_nlink != 1:
-            bad = True
+        bad = own.wrong(st, stat.S_IFDIR if path == folder or path.endswith("/tmp") else stat.S_IFREG) is not None
         if bad or path == folder:
             found.append(f"{path} ({_describe(path, st)})")
-            if st.st_uid != os.getuid():
-                owners.add(_owner(st.st_uid))
-    me = _owner(os.getuid())
+            if st.st_uid != os.geteuid():
+                owners.add(own.owner_name(st.st_uid))
+    me = own.owner_name(os.geteuid())
     owners_text = " or ".join(sorted(owners)) if owners else me
     return (
         f"the local tier at {folder} is not this user's ({me}) to use: {', '.join(found)}. coordl neither reads, "
@@ -227,7 +210,7 @@ def _describe(path: str, st: os.stat_result) -> str:
     kind = {stat.S_IFDIR: "a folder", stat.S_IFREG: "a file", stat.S_IFLNK: "a symbolic link"}.get(
         stat.S_IFMT(st.st_mode), "a special file"
     )
-    text = f"{kind} of {_owner(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+    text = f"{kind} of {own.owner_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
     if stat.S_ISLNK(st.st_mode):
         try:
             text += f", to {os.readlink(path)}"
@@ -236,10 +219,3 @@ def _describe(path: str, st: os.stat_result) -> str:
     elif stat.S_ISREG(st.st_mode) and st.st_nlink != 1:
         text += f", {st.st_nlink} links"
     return text
-
-
-def _owner(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
