@@ -164,7 +164,8 @@ def test_a_tier_another_user_took_over_or_opened_up_is_not_read(root, scratch, c
     for command in ("clean", "verify"):
         p = subprocess.run([sys.executable, "-m", "coordl.cli", "cache", command, "--disk", str(scratch)],
                            env=_env(), capture_output=True, text=True)  # fmt: skip
-        assert p.returncode == 1 and "is not this user's" in p.stdout, (command, p.stdout, p.stderr)
+        assert p.returncode == 1 and p.stderr.startswith(f"coordl cache {command}: error: the local tier at {tier} ")
+        assert "is not this user's" in p.stderr and p.stdout == "", (command, p.stdout, p.stderr)
     assert sorted(p.relative_to(tier) for p in tier.rglob("*")) == held
 
 

@@ -147,7 +147,7 @@ def _cache_ls(args) -> int:
         try:
             found = disk.describe(args.disk)
         except disk.ForeignFolderError as e:
-            print(e)
+            print(f"coordl cache ls: error: {e}", file=sys.stderr)
             return 1
         if found is None:
             print(f"no coordl local-storage tier in {args.disk}")
@@ -190,7 +190,7 @@ def _cache_clean(args) -> int:
         try:
             done = disk.remove(args.disk)
         except disk.ForeignFolderError as e:
-            print(e)
+            print(f"coordl cache clean: error: {e}", file=sys.stderr)
             return 1
         folder = disk.tier_folder(args.disk)
         if done is None:
@@ -220,7 +220,7 @@ def _cache_verify(args) -> int:
     try:
         report = disk.verify(args.disk)
     except disk.ForeignFolderError as e:
-        print(e)
+        print(f"coordl cache verify: error: {e}", file=sys.stderr)
         return 1
     if report is None:
         print(f"no coordl local-storage tier in {args.disk}")
