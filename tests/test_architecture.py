@@ -669,3 +669,100 @@ def test_module_names_are_unique_in_meaning():
         if p.stem in top
     ]
     _fail_if(offenders, "modules named as a top-level module or package of coordl:")
+
+
+# The layers, from the top down (docs/architecture.md draws them). A module belongs to the layer of
+# the longest prefix listed; an import to a higher layer must be deferred into the function that
+# needs it, with a comment starting "lazy:" on its line or the lines just above that says why.
+LAYERS = [
+    ("commands", ["coordl.cli", "coordl.tools", "coordl.analyze"]),
+    ("api", ["coordl", "coordl.loader"]),
+    ("passes", ["coordl.backends", "coordl.staging", "coordl.remote", "coordl.passes"]),
+    ("assembly", ["coordl.resources", "coordl.sources", "coordl.tiers", "coordl.delivery", "coordl.views"]),
+    ("prep", ["coordl.prep", "coordl.datasets", "coordl.audio"]),
+    (
+        "data",
+        [
+            "coordl.fetch",
+            "coordl.index",
+            "coordl.indexfile",
+            "coordl.saved",
+            "coordl.currency",
+            "coordl.tars",
+            "coordl.detection",
+            "coordl.s3",
+            "coordl.paths",
+        ],
+    ),
+    (
+        "settings",
+        [
+            "coordl.options",
+            "coordl.config",
+            "coordl.world",
+            "coordl.cpus",
+            "coordl.lifecycle",
+            "coordl.threads",
+            "coordl.accounting",
+            "coordl.compat",
+            "coordl.position",
+            "coordl.schedule",
+        ],
+    ),
+    ("pure", ["coordl.sampler", "coordl.placement", "coordl.draws", "coordl.remote.address"]),
+    ("base", ["coordl.shm", "coordl.cgroups", "coordl.errors", "coordl.env", "coordl.units", "coordl.renamed"]),
+]
+
+
+def _layer(name: str) -> int | None:
+    """The index in LAYERS (0 the top) of the longest listed prefix of ``name``."""
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if _within(name, p) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return best[0] if best else None
+
+
+def _says_why_lazy(m: Module, line: int) -> bool:
+    """A ``# lazy: ...`` comment on ``line`` or on the comment lines just above it."""
+    lines = m.path.read_text(encoding="utf-8").splitlines()
+    if "# lazy:" in lines[line - 1]:
+        return True
+    i = line - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        if lines[i].strip().startswith("# lazy:"):
+            return True
+        i -= 1
+    return False
+
+
+def test_every_module_has_a_layer(modules):
+    _fail_if(
+        sorted(m.where for m in modules.values() if _layer(m.name) is None),
+        "module(s) in no layer of tests/test_architecture.py's LAYERS (add the module or its package):",
+    )
+
+
+def test_an_import_up_the_layers_is_deferred_and_says_why(modules):
+    """Imports point down the layers; the few that must go up (a heavy or optional dependency
+    loaded only by the path that needs it) are deferred into a function and say why."""
+    offenders = []
+    for m in modules.values():
+        here = _layer(m.name)
+        top_level = {id(n) for n in m.tree.body}
+        for node in _statements(m.tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for imp in m.imports:
+                if imp.line != node.lineno or not imp.internal or imp.target == m.name or imp.target not in modules:
+                    continue
+                there = _layer(imp.target)
+                if here is None or there is None or there >= here:
+                    continue
+                what = f"{m.where}:{imp.line}: {LAYERS[here][0]} -> {LAYERS[there][0]} ({imp.target})"
+                if id(node) in top_level:
+                    offenders.append(f"{what}: at the top level")
+                elif not _says_why_lazy(m, imp.line):
+                    offenders.append(f"{what}: no '# lazy: <why>' comment")
+    _fail_if(sorted(set(offenders)), "imports up the layers (pass a value down instead, or defer and say why):")

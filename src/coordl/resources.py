@@ -115,12 +115,15 @@ class Resources:
                 made.append(runner.close)
                 lifecycle.before_dali_exit()
             if dataloader is not None:
+                # lazy: the torch backend is a pass above (it receives these Resources); only a
+                # loader with backend="torch" opens its DataLoader
                 from coordl.backends import torch as tb
 
                 d = dataloader
                 items = tb.Items(d["dataset"], fetcher, cache_spec, d["on_error"], disk_spec)
                 loader = tb.make_dataloader(items, tb.EpochBatches(), d["options"], d["generator"])
             if remote is not None:
+                # lazy: RayPrep's actors are a pass above; only a loader with prep=RayPrep starts them
                 from coordl.remote.actors import RemotePrep
 
                 items = loader.dataset if loader is not None else None
@@ -173,6 +176,7 @@ class Resources:
         fetcher = Fetcher(self.index, cache, drop_page_cache=cache is not None)
         dataloader = self.dataloader
         if dataloader is not None:
+            # lazy: the torch backend is a pass above (it receives these Resources)
             from coordl.backends import torch as tb
 
             dataloader = tb.over_cache(dataloader, fetcher, spec)

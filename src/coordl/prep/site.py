@@ -71,6 +71,7 @@ class Remote(Local):
     def connect(self) -> None:
         """Joins the Ray cluster: none there, or one without a node the actors may run on, is said
         when the loader is made, not at its first pass."""
+        # lazy: the remote package (Ray's cluster) is a pass above; only prep=RayPrep joins it
         from coordl.remote.cluster import check_nodes, connect
 
         connect(self.options.address)
@@ -81,6 +82,7 @@ class Remote(Local):
         return dict(options=self.options, **loader)
 
     def stats_fields(self) -> dict:
+        # lazy: the remote package is a pass above; only prep=RayPrep reports its counters
         from coordl.remote.raypass import EMPTY_REMOTE_STATS
 
         return dict(EMPTY_REMOTE_STATS)
