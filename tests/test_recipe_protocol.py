@@ -207,3 +207,38 @@ def test_a_users_detection_recipe_delivers_its_own_boxes(tmp_path):
     assert n == len(index)
     with pytest.raises(ValueError, match="moves boxes with the pixels"):
         CoordLoader([(p, 0) for p in index.paths[:4]], batch_size=2, pipeline=GreyBoxes(), device_id=None)
+
+
+@dataclass(frozen=True)
+class AsDecoded(Recipe):
+    """The decoded image as it is (CHW), decoded with or without its EXIF orientation."""
+
+    orient: bool = True
+
+    @property
+    def decoder(self):
+        from coordl.prep.decoders import ImageDecoder
+
+        return ImageDecoder(adjust_orientation=self.orient)
+
+    def augment(self, images, ctx):
+        from nvidia.dali import fn
+
+        return fn.transpose(images, perm=[2, 0, 1])
+
+
+def test_the_decoders_settings_come_from_the_recipe(tmp_path):
+    """EXIF orientation is the recipe's choice (its decoder), on an index of classes too; before,
+    the index decided it (boxes or not)."""
+    from PIL import Image
+
+    path = tmp_path / "turned.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, shown rotated by 90 degrees
+    Image.new("RGB", (40, 24), (200, 30, 30)).save(path, exif=exif)
+    shapes = {}
+    for orient in (True, False):
+        with CoordLoader([(str(path), 0)], batch_size=1, pipeline=AsDecoded(orient), device_id=None) as loader:
+            images, _ = next(iter(loader))
+            shapes[orient] = tuple(images.shape[1:])
+    assert shapes == {True: (3, 40, 24), False: (3, 24, 40)}
