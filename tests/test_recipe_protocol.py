@@ -242,3 +242,14 @@ def test_the_decoders_settings_come_from_the_recipe(tmp_path):
             images, _ = next(iter(loader))
             shapes[orient] = tuple(images.shape[1:])
     assert shapes == {True: (3, 40, 24), False: (3, 24, 40)}
+
+
+def test_importing_coordl_imports_neither_torch_nor_dali():
+    """The recipes are imported with coordl; DALI's ops and torch only when a pipeline is built or a
+    batch delivered (a trial that starts late shares less of its HP group)."""
+    import subprocess
+    import sys
+
+    code = "import sys, coordl; print(sorted({'torch', 'nvidia.dali'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordl.detection import crops
-from coordl.detection.targets import targets as as_targets
 from coordl.prep import checks
 from coordl.prep.fields import IMAGENET_MEAN, IMAGENET_STD, NormalisedPixels, check_common, check_range
 from coordl.prep.protocol import PrepContext, Recipe
@@ -41,6 +40,8 @@ class _Boxes(NormalisedPixels, Recipe):
 
     def targets(self, labels, ids, *, boxes, seed: int, epoch: int, device):
         """One ``{"boxes", "labels", "image_id"}`` per sample (:func:`coordl.detection.targets.targets`)."""
+        from coordl.detection.targets import targets as as_targets  # imports torch: when a batch is delivered
+
         ids = np.asarray(ids.numpy() if hasattr(ids, "numpy") else ids, dtype=np.int64)
         xyxy, classes, counts = self.delivered_boxes(boxes, seed, epoch, ids)
         return as_targets(xyxy, classes, counts, boxes.image_ids[ids].tolist(), device)
