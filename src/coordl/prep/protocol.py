@@ -144,7 +144,9 @@ class Recipe:
     plans_decoded: bool = False
 
     def planned(self, images, anchor, size, mirror, ctx: PrepContext):
-        """The recipe's output from decoded images whose windows and flips were computed before."""
+        """The recipe's output from decoded images whose windows and flips were computed before:
+        :meth:`feed`, given the decoded images, returns them as ``anchor`` and ``size`` (float32
+        ``(n, 2)``, pixels) and ``mirror`` (int32 ``(n,)``)."""
         raise NotImplementedError
 
     # -- the checks ---------------------------------------------------------------------------
