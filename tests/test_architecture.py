@@ -656,6 +656,163 @@ def test_prep_and_rayprep_are_told_apart_in_one_place(modules):
     _fail_if(offenders, "a type switch on prep= outside coordl.prep.site:")
 
 
+# What a recipe is, is asked in one place: the module that defines the recipe protocol.
+RECIPE_PROTOCOL = "coordl.prep.protocol"
+RECIPE_BASE = "Recipe"
+# The type switches the protocol replaced: functions that asked a recipe's kind.
+BUILT_IN_RECIPES = {"ImageNetTrain", "ImageNetVal", "SSDTrain", "SSDVal", "AudioTrain", "AudioVal", "DecodedRecipe"}
+RECIPE_KIND_QUESTIONS = {"is_audio", "is_detection", "is_image", "takes_decoded", "normalised", "output_shape"}
+
+
+def recipe_classes(modules: dict[str, Module]) -> set[str]:
+    """The names of :data:`RECIPE_BASE` and of every class of the package that derives from it
+    (through any chain of bases), read from the source."""
+    bases: dict[str, set[str]] = {}
+    for m in modules.values():
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.ClassDef):
+                names = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                bases.setdefault(node.name, set()).update(names)
+    found = {RECIPE_BASE}
+    grew = True
+    while grew:
+        grew = False
+        for name, of in bases.items():
+            if name not in found and of & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+def recipe_type_checks(m: Module, recipes: set[str]) -> list[str]:
+    """Where ``m`` asks which kind of recipe it holds: ``isinstance``/``issubclass`` against a recipe
+    class, ``type(x) is`` one, or a call of one of :data:`RECIPE_KIND_QUESTIONS`."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.Call):
+            func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if func in ("isinstance", "issubclass") and len(node.args) == 2:
+                names = {n.id if isinstance(n, ast.Name) else getattr(n, "attr", "") for n in ast.walk(node.args[1])}
+                if names & recipes:
+                    found.append(f"{m.where}:{node.lineno}: {func}(..., {' | '.join(sorted(names & recipes))})")
+            elif func in RECIPE_KIND_QUESTIONS:
+                found.append(f"{m.where}:{node.lineno}: {func}(...)")
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            typed = any(isinstance(x, ast.Call) and getattr(x.func, "id", "") == "type" for x in sides)
+            named = {x.id if isinstance(x, ast.Name) else getattr(x, "attr", "") for x in sides}
+            if typed and named & recipes:
+                found.append(f"{m.where}:{node.lineno}: type(...) is {' | '.join(sorted(named & recipes))}")
+    return found
+
+
+def test_recipes_are_told_apart_in_one_place(modules):
+    """Each kind of recipe answers the pipeline graph, the checks, staging and delivery itself
+    (:mod:`coordl.prep.protocol`): only the module that defines the protocol asks which kind it
+    holds, no ``isinstance``, ``type(...) is`` or ``is_audio()``-like switch anywhere else."""
+    recipes = recipe_classes(modules) | BUILT_IN_RECIPES
+    offenders = [
+        where for m in modules.values() if m.name != RECIPE_PROTOCOL for where in recipe_type_checks(m, recipes)
+    ]
+    _fail_if(offenders, f"{len(offenders)} type switch(es) on a recipe outside {RECIPE_PROTOCOL} (ask the recipe):")
+    assert RECIPE_PROTOCOL in modules, f"the recipe protocol's module {RECIPE_PROTOCOL} is gone"
+    assert BUILT_IN_RECIPES <= recipe_classes(modules), "a built-in recipe does not derive from the protocol's Recipe"
+
+
+def test_the_recipe_check_finds_switches(tmp_path):
+    """The recipe rule on a package of its own: the switches it must find, and what it must pass."""
+    pkg = tmp_path / "pkg"
+    (pkg / "prep").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "prep" / "__init__.py").write_text("")
+    (pkg / "prep" / "protocol.py").write_text(
+        "class Recipe:\n    pass\n\n\ndef as_recipe(x):\n    return x if isinstance(x, Recipe) else None\n"
+    )
+    (pkg / "prep" / "kinds.py").write_text(
+        textwrap.dedent(
+            """
+            from pkg.prep.protocol import Recipe
+
+            class Mixin:
+                pass
+
+            class Base(Mixin, Recipe):
+                pass
+
+            class Audio(Base):
+                pass
+            """
+        )
+    )
+    (pkg / "user.py").write_text(
+        textwrap.dedent(
+            """
+            from pkg.prep import kinds
+
+            def f(recipe, x):
+                a = isinstance(recipe, kinds.Audio)
+                b = type(recipe) is kinds.Base
+                c = is_audio(recipe)
+                d = isinstance(x, (int, str))
+                e = recipe.target == "boxes"
+                return a, b, c, d, e
+            """
+        )
+    )
+    found = load_modules(tmp_path, "pkg")
+    recipes = recipe_classes(found)
+    assert recipes == {"Recipe", "Base", "Audio"}
+    assert recipe_type_checks(found["pkg.prep.protocol"], recipes)  # it is allowed there, not blind there
+    assert [w.split(": ", 1)[1] for w in recipe_type_checks(found["pkg.user"], recipes)] == [
+        "isinstance(..., Audio)",
+        "type(...) is Base",
+        "is_audio(...)",
+    ]
+
+
+def package_edges(modules: dict[str, Module]) -> dict[str, dict[str, str]]:
+    """Top-level package (or module) of coordl -> {another it imports when it is imported: where},
+    counting the imports that run at import time (module level, not inside a function)."""
+
+    def unit(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    out: dict[str, dict[str, str]] = {}
+    for m in modules.values():
+        at_import: set[int] = set()
+        body = list(m.tree.body)
+        while body:
+            node = body.pop()
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                at_import.add(node.lineno)
+            elif isinstance(node, ast.If) and not _is_type_checking(node.test):
+                body.extend(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                body.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+        src = unit(m.name)
+        out.setdefault(src, {})
+        for imp in m.imports:
+            dst = unit(imp.target)
+            if imp.internal and imp.line in at_import and imp.target in modules and dst not in (src, PACKAGE):
+                out[src].setdefault(dst, f"{m.where}:{imp.line} imports {imp.target}")
+    for targets in list(out.values()):
+        for t in targets:
+            out.setdefault(t, {})
+    return out
+
+
+def test_no_import_cycles_between_packages(modules):
+    """Sub-packages import each other one way when they are imported (``detection`` imported
+    ``prep.recipes`` for an ``isinstance`` while ``prep`` imports ``detection.crops``: a cycle of
+    packages that no module-level check saw)."""
+    graph = package_edges(modules)
+    comps = cycles({k: dict.fromkeys(v, 0) for k, v in graph.items()})
+    _fail_if(
+        [f"{{{', '.join(c)}}}: " + "; ".join(graph[a][b] for a in c for b in graph[a] if b in c) for c in comps],
+        f"{len(comps)} import cycle(s) between coordl's packages at import time:",
+    )
+
+
 def test_module_names_are_unique_in_meaning():
     """No module of a sub-package takes the name of one of coordl's own top-level modules or
     packages (``remote/units.py`` beside ``units.py``, ``remote/staging.py`` beside ``staging/``:

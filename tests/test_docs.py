@@ -296,7 +296,9 @@ def test_runnable_blocks_run(block, tiny_dataset, tmp_path, monkeypatch):
     namespace = {"__name__": name, "print": printing(printed)}
     received = Received(monkeypatch)
     try:
-        exec(compile(code, block.id, "exec"), namespace)
+        # dont_inherit: the block runs as a user's script, without this file's `from __future__ import annotations`
+        # (under which a dataclass defined in a block looks for a module that is not in sys.modules)
+        exec(compile(code, block.id, "exec", dont_inherit=True), namespace)
         for line, text in expected_prints(code).items():
             got = [out for n, out in printed if n == line]
             assert got == [text], f"{block.id}: line {line} of the block printed {got}, its comment says {text!r}"

@@ -5,7 +5,8 @@
 node's cache in shared memory (never evicted: the paper's MinIO policy) so that every epoch
 after the first reads only what the cache cannot hold. Detection datasets (:meth:`Index.from_coco`)
 take the SSD recipes (:class:`SSDTrain`, :class:`SSDVal`) and deliver boxes with their pixels;
-folders of audio clips take :class:`AudioTrain` and :class:`AudioVal` (decode, resample, a window).
+folders of audio clips take :class:`AudioTrain` and :class:`AudioVal` (decode, resample, a window);
+a recipe of one's own subclasses :class:`Recipe` (docs/recipes.md).
 Each feature takes one option object
 (:class:`Cache`, :class:`Peers`, :class:`HPGroup`, :class:`Shard`, :class:`Prep`,
 :class:`Fetch`). Datasets with Python transforms (:mod:`coordl.datasets`, imported on first
@@ -33,6 +34,7 @@ from coordl.prep.recipes import (
     ImageNetTrain,
     ImageNetVal,
     PrepContext,
+    Recipe,
     SSDTrain,
     SSDVal,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "Prep",
     "PrepContext",
     "RayPrep",
+    "Recipe",
     "SSDTrain",
     "SSDVal",
     "SampleError",

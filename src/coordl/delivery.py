@@ -11,7 +11,6 @@ with, by the same pure function that planned the pixels' crop windows and flips.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 __all__ = ["Delivery", "with_ids"]
@@ -23,7 +22,7 @@ class Delivery:
     Args:
         recipe: the loader's DALI recipe.
         boxes: the index's boxes (a detection dataset), or None.
-        seed: the loader's seed (it keys the detection recipes' draws).
+        seed: the loader's seed (it keys the recipes' draws, which their targets may depend on).
         return_index: append the samples' ids.
         collate_fn: called with the batch's samples as ``DataLoader`` calls it, a list of
             ``(image, label)`` or ``(image, target)`` pairs (each image a view of the batch's
@@ -31,10 +30,8 @@ class Delivery:
     """
 
     def __init__(self, recipe, boxes, seed: int, *, return_index: bool = False, collate_fn=None):
-        from coordl.prep.recipes import is_detection
-
         self.recipe = recipe
-        self.boxes = boxes if is_detection(recipe) else None
+        self.boxes = boxes
         self.seed = seed
         self.return_index = return_index
         self.collate_fn = collate_fn
@@ -42,12 +39,9 @@ class Delivery:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor, order_epoch: int):
         """The batch of ``images`` (made with the draws of ``order_epoch``), ``labels`` and ``ids``
         (int64 tensors on the CPU), as the training loop receives it."""
-        targets = labels
-        if self.boxes is not None:
-            from coordl.detection.targets import targets as detection_targets
-
-            ids_np = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-            targets = detection_targets(self.recipe, self.boxes, self.seed, order_epoch, ids_np, images.device)
+        targets = self.recipe.targets(
+            labels, ids, boxes=self.boxes, seed=self.seed, epoch=order_epoch, device=images.device
+        )
         out = (images, targets)
         if self.collate_fn is not None:
             out = self.collate_fn(list(zip(images, targets, strict=True)))

@@ -26,7 +26,6 @@ from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Sh
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
-from coordl.prep.recipes import decoded_form, recipe_key
 from coordl.prep.site import site
 from coordl.renamed import refuse_renamed
 from coordl.resources import Resources
@@ -223,7 +222,7 @@ class CoordLoader(DataLoaderAttributes):
             self.options.cache,
             why_not=why_not,
             measure=measure,
-            form=decoded_form(self.recipe) if self.recipe is not None else None,
+            form=self.recipe.decoded_form() if self.recipe is not None else None,
         )
 
     # -- where the job is ------------------------------------------------------------------------
@@ -470,7 +469,7 @@ class CoordLoader(DataLoaderAttributes):
     # -- resume -------------------------------------------------------------------------------------
     def identity(self) -> dict:
         """What identifies this loader's configuration (see :func:`coordl.config.identity`)."""
-        prep = recipe_key(self.recipe) if self.backend == "dali" else f"torch:{type(self.dataset).__qualname__}"
+        prep = self.recipe.key() if self.backend == "dali" else f"torch:{type(self.dataset).__qualname__}"
         return identity(
             dataset=self.index.fingerprint,
             prep=prep,
@@ -587,7 +586,7 @@ class CoordLoader(DataLoaderAttributes):
         if self.backend == "torch":
             prep = f"dataset={type(self.dataset).__name__}, num_workers={self.num_workers}"
         else:
-            prep = f"pipeline={getattr(self.recipe, 'name', 'custom')!r}"
+            prep = f"pipeline={self.recipe.name or 'custom'!r}"
         w, cache = self.world, self.node_cache
         return (
             f"CoordLoader({self.index.root or f'{len(self.index)} samples'!s}, batch_size={self.batch_size}, "

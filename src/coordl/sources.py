@@ -12,7 +12,7 @@ from coordl import env
 from coordl.config import TorchOptions
 from coordl.index import Index
 from coordl.options import Fetch, Options
-from coordl.prep.recipes import is_audio, is_detection, resolve_recipe
+from coordl.prep.recipes import resolve_recipe
 from coordl.prep.site import site
 
 __all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
@@ -73,8 +73,8 @@ def open_source(
         if pipeline is None:
             raise ValueError(PIPELINE_NEEDED)
         recipe = resolve_recipe(pipeline)
-        index = make_index(data, skip=on_error == "skip", boxes=is_detection(recipe), audio=is_audio(recipe))
-        _check_targets(recipe, index)
+        index = make_index(data, skip=on_error == "skip", **recipe.index_options())
+        recipe.check_index(index)
         source = Source("dali", index, index, recipe, resolve_device(device_id))
     else:
         if pipeline is not None:
@@ -99,22 +99,6 @@ def open_source(
     if len(source.index) == 0:
         raise ValueError("the dataset has no samples")
     return source
-
-
-def _check_targets(recipe, index: Index) -> None:
-    """Refuses a recipe that cannot deliver the index's targets: a detection recipe on a dataset of
-    classes, or another recipe on a detection dataset (it would not move the boxes with the pixels)."""
-    name = getattr(recipe, "name", None) or "a custom recipe"
-    if is_detection(recipe) and index.boxes is None:
-        raise ValueError(
-            f"pipeline {name!r} moves boxes with the pixels, and this dataset has none: give it a detection index, "
-            "coordl.Index.from_coco(images, annotations) (or tar shards whose samples carry a .json member)"
-        )
-    if index.boxes is not None and not is_detection(recipe):
-        raise ValueError(
-            f"this dataset's targets are boxes, which pipeline {name!r} would not move with the pixels: use "
-            "pipeline='ssd-train' or 'ssd-val' (coordl.SSDTrain / coordl.SSDVal)"
-        )
 
 
 def as_dataset(data):

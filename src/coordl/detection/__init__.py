@@ -5,7 +5,8 @@ How the parts fit together: :mod:`.boxes` holds every sample's boxes as flat arr
 it); :mod:`.coco` reads COCO's ``instances_*.json`` (and a tar shard sample's ``.json`` member)
 into those arrays, checking every field; :mod:`.crops` is pure: the SSD300 crop, flip and colour
 twist of a sample as a function of ``(seed, epoch, sample)``, and the boxes they deliver;
-:mod:`.targets` turns a delivered batch's sample ids into the targets a detection model takes.
+:mod:`.targets` lays a delivered batch's boxes out as the targets a detection model takes. The SSD
+recipes themselves are :mod:`coordl.prep.ssd`: this package imports nothing from :mod:`coordl.prep`.
 
 A batch's boxes never travel through DALI, the HP group's staging area or Ray: the pipeline is
 fed each sample's crop window, flip and colour (:func:`.crops.plan`), and whoever delivers the

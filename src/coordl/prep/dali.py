@@ -26,12 +26,11 @@ from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
 from coordl import compat, draws, lifecycle
 from coordl.accounting import BusyClock
-from coordl.detection import crops
 from coordl.errors import SampleError
 from coordl.fetch.ahead import DECODE_KEEP, DECODED, RawBatch
-from coordl.prep import checks, graph, windows
+from coordl.prep import graph
 from coordl.prep.planned import SampleRandom, uses_dali_random
-from coordl.prep.recipes import ImageNetTrain, PrepContext, SSDTrain, is_audio, is_detection
+from coordl.prep.protocol import PrepContext, as_recipe
 
 __all__ = ["DaliPrep"]
 
@@ -59,7 +58,8 @@ class DaliPrep:
     """A DALI pipeline for one recipe; reused across epochs, rebuilt after an error.
 
     Args:
-        recipe: an :class:`ImageNetTrain`, :class:`ImageNetVal`, :class:`DecodedRecipe` or callable recipe.
+        recipe: a recipe (:class:`~coordl.prep.protocol.Recipe`; a callable on encoded bytes is wrapped):
+            it answers every question the pipeline asks of it.
         batch_size: the largest batch fed.
         num_threads: DALI CPU threads.
         device_id: GPU to decode and augment on, or None for CPU only.
@@ -72,9 +72,8 @@ class DaliPrep:
         on_error: ``"raise"`` or ``"skip"`` for samples that fail to decode.
         tiered: build the pipeline for batches that mix encoded bytes and decoded images (the
             decoded tier, :mod:`coordl.prep.graph`); the recipe must take decoded images.
-        boxes: the index's :class:`~coordl.detection.boxes.Boxes`, for a detection recipe (the
-            crop windows it plans, the image sizes it checks each decoded image against); then the
-            decoders keep the stored pixels' orientation, the frame the boxes are in.
+        boxes: the index's :class:`~coordl.detection.boxes.Boxes`, for a recipe whose target is
+            boxes (the crop windows it plans, the image sizes it checks each decoded image against).
     """
 
     def __init__(
@@ -91,7 +90,8 @@ class DaliPrep:
         tiered: bool = False,
         boxes=None,
     ):
-        if is_detection(recipe) and boxes is None:
+        recipe = as_recipe(recipe)
+        if recipe.target == "boxes" and boxes is None:
             raise ValueError(f"the recipe {recipe.name!r} needs an index with boxes (coordl.Index.from_coco)")
         self.recipe = recipe
         self.boxes = boxes
@@ -106,16 +106,17 @@ class DaliPrep:
         self.on_error = on_error
         self.tiered = tiered
         self._mode: str | None = None  # the built pipeline's: PLAIN, TIERED or DECODED_ONLY
+        self._planned = False  # the built pipeline takes windows computed before it (Recipe.planned)
         self._keep: Callable | None = None  # takes the full images of DECODE_KEEP samples
         gpu = device_id is not None
+        decoder = recipe.decoder  # its settings are the recipe's, not the index's
         self.ctx = PrepContext(
-            "mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id, adjust_orientation=boxes is None
+            "mixed" if gpu else "cpu", "gpu" if gpu else "cpu", device_id, adjust_orientation=decoder.adjust_orientation
         )
-        self.checks_before = checks.checks_before(recipe)  # an audio clip's header
-        self.checks_shapes = checks.checks_after(recipe)  # an image's size against its annotations; a clip's length
-        audio = is_audio(recipe)
-        self._decoded_type = (types.FLOAT, None) if audio else (types.UINT8, "HWC")  # the decoded tier's items
-        self._empty_decoded = _EMPTY_WAVEFORM if audio else _EMPTY_IMAGE
+        self.checks_before = recipe.checks_before  # e.g. an audio clip's header
+        self.checks_shapes = recipe.checks_after  # e.g. an image's size against its annotations; a clip's length
+        self._decoded_type = (_DALI_TYPES[decoder.dtype], decoder.layout)  # the decoded tier's items
+        self._empty_decoded = decoder.empty
         self._pipe = None
         self._probe = None  # decodes one sample at a time, to find the bad ones of a failed batch
         self._builds = 0
@@ -140,7 +141,7 @@ class DaliPrep:
             encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             uniforms = fn.external_source(name="uniforms", dtype=types.FLOAT, ndim=1)
             ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms))
-            graph.encoded(self.recipe, encoded, ctx)
+            self.recipe.encoded(encoded, ctx)
         return ctx.random.used
 
     def _build(self, mode: str):
@@ -152,7 +153,8 @@ class DaliPrep:
 
         columns = self._columns
         inputs = 4 if columns else 3
-        planned = mode == DECODED_ONLY and isinstance(self.recipe, ImageNetTrain)
+        planned = mode == DECODED_ONLY and self.recipe.plans_decoded
+        self._planned = planned
 
         @pipeline_def(
             batch_size=self.batch_size,
@@ -172,7 +174,7 @@ class DaliPrep:
                     dtype=[types.UINT8, types.INT64, types.INT64, types.FLOAT, types.FLOAT, types.INT32],
                     layout=["HWC", None, None, None, None, None],
                 )
-                return graph.planned_train(self.recipe, images, anchor, size, mirror, self.ctx), labels, ids
+                return self.recipe.planned(images, anchor, size, mirror, self.ctx), labels, ids
             if mode != TIERED:
                 decoded_type, decoded_layout = self._decoded_type if mode == DECODED_ONLY else (types.UINT8, None)
                 data, labels, ids, *uniforms = fn.external_source(
@@ -185,9 +187,9 @@ class DaliPrep:
                 )
                 ctx = dataclasses.replace(self.ctx, random=SampleRandom(uniforms[0] if uniforms else None))
                 if mode == DECODED_ONLY:
-                    images, shape = graph.augment(self.recipe, data, ctx), data.shape()
+                    images, shape = self.recipe.augment(data, ctx), data.shape()
                 else:
-                    images, shape = graph.encoded_checked(self.recipe, data, ctx)
+                    images, shape = self.recipe.encoded_checked(data, ctx)
                 if ctx.random.used != columns:
                     raise ValueError("the recipe draws a different number of random numbers every time it is built")
                 if self.checks_shapes:
@@ -247,18 +249,8 @@ class DaliPrep:
         if not self._columns:
             return out
         epoch = self._epoch if batch.epoch is None else batch.epoch
-        recipe = self.recipe
-        if isinstance(recipe, SSDTrain):  # windows, flips and colours planned from the boxes
-            return (*out, crops.plan(recipe, self.boxes, self.seed, epoch, batch.ids).fed())
-        u = draws.uniforms(self.seed, epoch, batch.ids, self._columns)
-        if not isinstance(recipe, ImageNetTrain):
-            return (*out, u)
-        u = windows.shape_free(u, recipe.scale, recipe.ratio)
-        if self._mode != DECODED_ONLY:
-            return (*out, u)
-        shapes = np.array([x.shape[:2] for x in batch.data], dtype=np.int64).reshape(-1, 2)
-        anchor, size = windows.crop_windows(shapes[:, 0], shapes[:, 1], u, recipe.ratio)
-        return (*out, anchor, size, windows.flips(u, recipe.flip))
+        decoded = batch.data if self._planned else None
+        return (*out, *self.recipe.feed(self.seed, epoch, batch.ids, self._columns, self.boxes, decoded))
 
     def epoch(
         self,
@@ -314,7 +306,7 @@ class DaliPrep:
                 tensors = self._to_torch(out[:3])
                 faults = {}
                 if self.checks_shapes:
-                    faults = checks.after_decoding(self.recipe, self.boxes, batch.ids, out[-1])
+                    faults = self.recipe.after_decoding(self.boxes, batch.ids, out[-1])
                 del out
                 self._pipe.release_outputs()
                 self._pipe.schedule_run()
@@ -346,7 +338,7 @@ class DaliPrep:
         """The batch without the samples whose bytes show a fault before decoding (raised, or with
         ``on_error="skip"`` left out and counted; None when none is left). A left-out sample the
         decoded tier was to keep is given up there."""
-        faults = checks.before_decoding(self.recipe, batch)
+        faults = self.recipe.before_decoding(batch)
         if not faults:
             return batch
         self._apply_policy(batch.ids, faults)
@@ -483,11 +475,8 @@ QUEUE_DEPTH = 2  # batches DALI works on ahead of the consumer
 PLAIN, TIERED, DECODED_ONLY = "plain", "tiered", "decoded"
 
 _EMPTY_BYTES = np.zeros(0, dtype=np.uint8)  # the encoded bytes of a sample that comes decoded
-_EMPTY_IMAGE = np.zeros((0, 0, 3), dtype=np.uint8)  # the decoded image of one that comes encoded
-_EMPTY_WAVEFORM = np.zeros(0, dtype=np.float32)  # the same for an audio clip
-_EMPTY_WAVEFORM.flags.writeable = False
 _EMPTY_BYTES.flags.writeable = False
-_EMPTY_IMAGE.flags.writeable = False
+_DALI_TYPES = {"uint8": types.UINT8, "float32": types.FLOAT}  # a decoder's items, as DALI types them
 
 
 def _non_empty(source: Iterator[RawBatch]) -> Iterator[RawBatch]:
@@ -504,9 +493,7 @@ def _probe_pipeline(recipe, ctx: PrepContext, device_id: int | None):
     )
     def probe():
         x = fn.external_source(name="x", dtype=types.UINT8, ndim=1)
-        if is_audio(recipe):
-            return graph.decode(x, ctx, recipe)
-        return fn.decoders.image(x, device=ctx.decoder_device, output_type=types.RGB)
+        return recipe.decoder.probe(x, ctx)
 
     pipe = probe()
     pipe.build()

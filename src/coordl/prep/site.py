@@ -48,15 +48,13 @@ class Remote(Local):
     """Prep on a Ray cluster's actors, and on this machine while ``RayPrep(local)``."""
 
     def check(self, backend: str, recipe, cache) -> None:
-        from coordl.prep.recipes import normalised
-
         o = self.options
         if backend == "torch" and (o.output != "pipeline" or o.threads is not None):
             raise ValueError(
                 "RayPrep(output='uint8') and RayPrep(threads) are for DALI's pipelines; on the torch backend the "
                 "actors send collate_fn's batches and the local part runs in num_workers DataLoader processes"
             )
-        if backend == "dali" and o.output == "uint8" and not normalised(recipe):
+        if backend == "dali" and o.output == "uint8" and recipe.normalisation() is None:
             raise ValueError(
                 "RayPrep(output='uint8') sends the pixels of 'imagenet-train' or 'imagenet-val' (a float32 "
                 "ImageNetTrain or ImageNetVal) before normalisation; this pipeline has no such step: use "

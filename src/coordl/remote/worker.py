@@ -201,7 +201,7 @@ class PrepWorker:
         if pixels not in self._preps:
             from coordl.prep.dali import DaliPrep
 
-            recipe = dataclasses.replace(self.job.recipe, dtype="uint8") if pixels else self.job.recipe
+            recipe = self.job.recipe.pixels() if pixels else self.job.recipe
             self._preps[pixels] = DaliPrep(recipe, **self._prep_args)
         return self._preps[pixels]
 

@@ -11,7 +11,6 @@ member's own unpublished batches can never hold up the group. The consumer is th
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 
@@ -22,7 +21,6 @@ from coordl import env, lifecycle, sampler
 from coordl.errors import CoordlError, GroupConfigError, SampleError, warn
 from coordl.fetch.ahead import FetchAhead, RawBatch
 from coordl.passes import Channel
-from coordl.prep.recipes import normalised, output_shape
 from coordl.schedule import Schedule
 from coordl.shm import names, own, segment
 from coordl.staging.area import Claim, StagingArea
@@ -154,15 +152,16 @@ class GroupMember:
             self.last_order: int | None = None  # the order (sampler epoch) of its last finished pass
 
     def _uint8_staging(self) -> bool:
-        return normalised(self.recipe) and (self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8"))
+        uint8_here = self.device_id is not None or env.flag("COORDL_HP_STAGE_UINT8")
+        return self.recipe.normalisation() is not None and uint8_here
 
     def _staged_format(self) -> tuple[tuple[int, ...], str]:
         """Shape and dtype of one staged image: the recipe's output, or uint8 pixels that the
         consumer normalises (on a GPU, or when ``COORDL_HP_STAGE_UINT8=1``)."""
-        r = self.recipe
-        shape = output_shape(r)
-        if shape is not None:
-            return shape, "uint8" if self._uint8_staging() else getattr(r, "dtype", "float32")
+        known = self.recipe.output()
+        if known is not None:
+            shape, dtype = known
+            return shape, "uint8" if self._uint8_staging() else dtype
         # A custom recipe: run it on one sample to learn its output.
         res = self.resources
         data = res.fetcher.fetch(0)
@@ -204,13 +203,13 @@ class GroupMember:
         """A DALI pipeline for the group's staged batches, where the loader's own cannot make them:
         uint8 pixels, or a staged batch larger than the loader's. None: the loader's pipeline."""
         r, c = self.recipe, self.config
-        uint8 = self.area.dtype == "uint8" and normalised(r)
+        uint8 = self.area.dtype == "uint8" and r.normalisation() is not None
         if not uint8 and self.unit <= c.batch_size:
             return None
         from coordl.prep.dali import DaliPrep
 
         return DaliPrep(
-            dataclasses.replace(r, dtype="uint8") if uint8 else r,
+            r.pixels() if uint8 else r,
             batch_size=max(self.unit, c.batch_size),
             num_threads=num_threads,
             device_id=self.device_id,
@@ -236,7 +235,7 @@ class GroupMember:
     def _normalizer(self):
         """``(mean, std)`` (x255, shaped for NCHW) when staged pixels still need normalising."""
         r = self.recipe
-        if self.area.dtype == "uint8" and normalised(r):
+        if self.area.dtype == "uint8" and r.normalisation() is not None:
             mean = torch.tensor([m * 255 for m in r.mean]).view(1, 3, 1, 1)
             std = torch.tensor([s * 255 for s in r.std]).view(1, 3, 1, 1)
             return mean, std

@@ -22,7 +22,6 @@ from coordl.fetch.decoded import DecodedTier
 from coordl.fetch.spec import CacheSpec, warn_off
 from coordl.index import Index
 from coordl.options import AUTO, Cache
-from coordl.prep.recipes import takes_decoded
 from coordl.shm import names, own
 from coordl.tiers.model import TierRates, best_tier_split, tier_throughput
 from coordl.units import format_bytes
@@ -97,7 +96,7 @@ def refusal(backend: str, device_id, recipe, multinode: bool) -> str | None:
             "the decoded tier holds the CPU decoder's images, and the GPU decoder's differ from them; "
             "on a GPU, decoding is nvJPEG's (see docs/decoded-tier.md)"
         )
-    if not takes_decoded(recipe):
+    if not recipe.takes_decoded:
         return (
             "the recipe is a function of the encoded bytes; wrap a function of the decoded images in "
             "coordl.DecodedRecipe to use the decoded tier"
@@ -144,7 +143,7 @@ def plan(
         measure: ``() -> PrepRates`` (:func:`coordl.prep.calibrate.measure` of the loader's recipe),
             called for ``"auto"`` when the node has no tiers yet. When its rates carry the thread
             counts it tried, the plan's :attr:`TierPlan.threads` is the one it chose.
-        form: what the recipe's decoded items are (:func:`coordl.prep.recipes.decoded_form`: images
+        form: what the recipe's decoded items are (:meth:`coordl.prep.protocol.Recipe.decoded_form`: images
             capped at ``max_short_side``, or waveforms): each form is a decoded tier of its own.
 
     Raises:
