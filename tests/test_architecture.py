@@ -882,12 +882,12 @@ def _layer(name: str) -> int | None:
 
 
 def _says_why_lazy(m: Module, line: int) -> bool:
-    """A ``# lazy: ...`` comment on ``line`` or on the comment lines just above it."""
+    """A ``# lazy: ...`` comment on ``line`` or on the comment (and import) lines just above it."""
     lines = m.path.read_text(encoding="utf-8").splitlines()
     if "# lazy:" in lines[line - 1]:
         return True
     i = line - 2
-    while i >= 0 and lines[i].strip().startswith("#"):
+    while i >= 0 and lines[i].strip().startswith(("#", "from ", "import ")):
         if lines[i].strip().startswith("# lazy:"):
             return True
         i -= 1

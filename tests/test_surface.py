@@ -307,3 +307,42 @@ def test_option_fields_after_the_first_are_given_by_name():
         with pytest.raises(TypeError, match="positional argument"):
             cls(first, 64)
     assert coordl.HPGroup("sweep", staging="4GB").staging == 4 * 10**9
+
+
+def _docstring_args(obj) -> dict[str, str]:
+    """``name -> its text`` of the ``Args:`` section of ``obj``'s docstring."""
+    doc = inspect.getdoc(obj)
+    args = doc.split("Args:\n", 1)[1]
+    out: dict[str, str] = {}
+    name = None
+    for line in args.splitlines():
+        if line and not line.startswith(" "):
+            break  # the section ends
+        if line.startswith("    ") and not line.startswith("     ") and ":" in line:
+            name, _, text = line.strip().partition(":")
+            out[name] = text
+        elif name is not None:
+            out[name] += " " + line.strip()
+    return out
+
+
+def test_the_loaders_docstring_names_every_recipe_data_kind_and_prep_site():
+    """CoordLoader's docstring says what the code takes: every recipe ``pipeline=`` names, every
+    built-in recipe class of the public API and the protocol, every kind of ``data=`` the sources
+    tell apart, and both places ``prep=`` may run (its annotation too)."""
+    from coordl.prep.recipes import NAMED, Recipe
+    from coordl.sources import DATA_KINDS
+
+    args = _docstring_args(CoordLoader)
+    pipeline = args["pipeline"]
+    missing = [f'"{name}"' for name in NAMED if f'``"{name}"``' not in pipeline]
+    public = {n: getattr(coordl, n) for n in coordl.__all__}
+    classes = [n for n, v in public.items() if isinstance(v, type) and issubclass(v, Recipe)]
+    assert "Recipe" in classes and len(classes) >= 8, classes
+    missing += [f"coordl.{n}" for n in classes if f":class:`coordl.{n}`" not in pipeline]
+    missing += [f"data: {kind}" for kind in DATA_KINDS if kind not in args["data"].replace("``", "")]
+    missing += [f"prep: {kind}" for kind in ("coordl.Prep", "coordl.RayPrep") if kind not in args["prep"]]
+    annotation = str(inspect.signature(CoordLoader.__init__).parameters["prep"].annotation)
+    missing += [f"prep's annotation: {kind}" for kind in ("Prep", "RayPrep") if kind not in annotation.split(" | ")]
+    assert not missing, f"CoordLoader's docstring (or annotation) leaves out: {missing}"
+    assert "(images, labels)" not in inspect.getdoc(CoordLoader).splitlines()[0]

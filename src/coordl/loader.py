@@ -22,7 +22,7 @@ from coordl.config import LoaderConfig, TorchOptions, fingerprint, identity
 from coordl.fetch import disk, peer
 from coordl.fetch.fetcher import FetchCounters
 from coordl.index import Index
-from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, Shard
+from coordl.options import AUTO, Cache, Fetch, HPGroup, Options, Peers, Prep, RayPrep, Shard
 from coordl.passes import Pass, PassStats, pass_stats
 from coordl.position import VERSION, Position, check_state
 from coordl.prep import calibrate
@@ -38,19 +38,21 @@ __all__ = ["CoordLoader"]
 
 
 class CoordLoader(DataLoaderAttributes):
-    """Iterates ``(images, labels)`` batches of an image dataset, like a ``DataLoader``.
+    """Iterates batches of a dataset, like a ``DataLoader``: what the recipe's targets make (images
+    and labels for the ImageNet recipes, images and boxes for SSD's, clips and labels for audio's),
+    or what the dataset's ``collate_fn`` makes on the torch backend.
 
     ``DataLoader``'s arguments keep their meaning and default. Two backends share the order,
-    sharding, resume, cache and statistics: a folder, a list or an index is decoded and augmented
-    by DALI (``pipeline``); a dataset of :mod:`coordl.datasets` (``ImageFolder(root,
-    transform=...)``, ``DatasetFolder``, ``FileDataset``) runs the *torch backend*: PyTorch
-    ``DataLoader`` workers read the bytes through the node's cache and apply the dataset's own
-    Python transforms, and batches are whatever its ``collate_fn`` makes.
+    sharding, resume, cache and statistics: files are decoded and augmented by DALI
+    (``pipeline``); a dataset of :mod:`coordl.datasets` (``ImageFolder(root, transform=...)``,
+    ``DatasetFolder``, ``FileDataset``) runs the *torch backend*: PyTorch ``DataLoader`` workers
+    read the bytes through the node's cache and apply the dataset's own Python transforms.
 
     Args:
         data: an ImageFolder-style folder (one sub-folder per class; ``coordl.Index.scan(root,
             extensions=..., index_dir=...)`` scans one with other settings), an ``s3://`` prefix of
-            one, a list of ``(path, label)`` pairs, an :class:`~coordl.index.Index`, or a dataset of
+            one, tar shards (a pattern, a folder of ``.tar`` files or a list of them), a list of
+            ``(path, label)`` pairs, an :class:`~coordl.index.Index`, or a dataset of
             :mod:`coordl.datasets` (the torch backend).
         batch_size: samples per batch.
         shuffle: reshuffle every epoch, in the order decided by ``(seed, epoch)``; ``False``
@@ -69,11 +71,14 @@ class CoordLoader(DataLoaderAttributes):
             shards are padded or cut is ``shard=coordl.Shard(pad=...)``
             (padded by default, as ``DistributedSampler``).
         in_order: must be True: batches arrive in the epoch's order, which resume counts on.
-        pipeline: how DALI pre-processes a folder, a list or an index (required for them):
-            ``"imagenet-train"`` (random resized crop, flip, normalise), ``"imagenet-val"`` (resize,
-            center crop, normalise), a recipe object (:class:`coordl.ImageNetTrain`,
-            :class:`coordl.ImageNetVal`, :class:`coordl.DecodedRecipe`) or a callable
-            ``f(encoded, ctx)`` returning DALI ops (see the user guide).
+        pipeline: how DALI pre-processes the files (required for them): ``"imagenet-train"`` (random
+            resized crop, flip, normalise), ``"imagenet-val"`` (resize, center crop, normalise),
+            ``"ssd-train"``, ``"ssd-val"`` (detection: boxes move with the pixels), ``"audio-train"``,
+            ``"audio-val"`` (clips and their labels), a recipe object (:class:`coordl.ImageNetTrain`,
+            :class:`coordl.ImageNetVal`, :class:`coordl.SSDTrain`, :class:`coordl.SSDVal`,
+            :class:`coordl.AudioTrain`, :class:`coordl.AudioVal`, :class:`coordl.DecodedRecipe`, a
+            subclass of :class:`coordl.Recipe`) or a callable ``f(encoded, ctx)`` returning DALI ops
+            (docs/recipes.md).
         seed: seed of the order and of the augmentation.
         device_id: GPU for decoding and outputs; ``"auto"`` uses GPU ``LOCAL_RANK`` under a
             launcher that sets it (torchrun), else the current CUDA device, else the CPU;
@@ -86,7 +91,8 @@ class CoordLoader(DataLoaderAttributes):
             machine: a :class:`coordl.HPGroup`, or the group's name.
         shard: this process's rank, the world size and the shards' tail: a :class:`coordl.Shard`
             (default: the job's, read when the first pass starts).
-        prep: DALI's threads: a :class:`coordl.Prep`, or a thread count.
+        prep: where and with how many threads batches are prepared: a :class:`coordl.Prep` (or its
+            thread count) on this machine, or a :class:`coordl.RayPrep` on a Ray cluster's actors.
         fetch: the DALI backend's reads from storage: a :class:`coordl.Fetch`.
         on_error: ``"raise"`` (default) stops at an unreadable or undecodable sample with
             its path; ``"skip"`` leaves it out of its batch and counts it in ``stats()``.
@@ -123,7 +129,7 @@ class CoordLoader(DataLoaderAttributes):
         peers: Peers | bool | str = AUTO,
         hp_group: HPGroup | str | None = None,
         shard: Shard | None = None,
-        prep: Prep | int | None = None,
+        prep: Prep | RayPrep | int | None = None,
         fetch: Fetch | None = None,
         on_error: str = "raise",
         return_index: bool = False,
@@ -441,14 +447,7 @@ class CoordLoader(DataLoaderAttributes):
 
     def _group_member(self):
         if self._member is None and not self._alone:
-            from coordl.staging.member import GroupMember, Producer
-
-            producers = (Producer,)
-            remote = self.resources.remote
-            if remote is not None:  # its Ray actors make group batches too, or alone (local=False)
-                from coordl.remote.producer import RemoteProducer
-
-                producers = (Producer, RemoteProducer) if remote.options.local else (RemoteProducer,)
+            from coordl.staging.member import GroupMember
 
             self._member = GroupMember.attach(
                 options=self.options.hp_group,
@@ -461,7 +460,7 @@ class CoordLoader(DataLoaderAttributes):
                 num_threads=self.num_threads,
                 identity=self.identity(),
                 epoch=self.position.epoch,
-                producers=producers,
+                producers=site(self.options.prep).group_producers(),
             )
             self._alone = self._member is None
         return self._member

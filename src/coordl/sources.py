@@ -15,7 +15,18 @@ from coordl.options import Fetch, Options
 from coordl.prep.recipes import resolve_recipe
 from coordl.prep.site import site
 
-__all__ = ["Source", "as_dataset", "make_index", "open_source", "resolve_device"]
+__all__ = ["DATA_KINDS", "Source", "as_dataset", "make_index", "open_source", "resolve_device"]
+
+#: What ``data=`` may be, as :func:`make_index` and :func:`as_dataset` tell them apart (the
+#: loader's docstring names each; tests/test_surface.py checks it).
+DATA_KINDS = (
+    "folder",
+    "s3://",
+    "tar shards",
+    "(path, label) pairs",
+    "Index",
+    "coordl.datasets",
+)
 
 PIPELINE_NEEDED = (
     "CoordLoader needs pipeline= for a folder, a list of files or an Index: how DALI decodes and "
@@ -142,7 +153,8 @@ def make_index(data, *, skip: bool = False, boxes: bool = False, audio: bool = F
     if isinstance(data, Sequence):
         return Index.from_list(data)
     raise TypeError(
-        f"data must be a folder, tar shards, a list of (path, label) pairs or an Index, got {type(data).__name__}"
+        f"data must be a folder (or an s3:// prefix), tar shards, a list of (path, label) pairs, an Index or a "
+        f"dataset of coordl.datasets, got {type(data).__name__}"
     )
 
 

@@ -35,6 +35,11 @@ class Local:
         """The arguments of the actors that prepare batches with this machine (None: none)."""
         return None
 
+    def group_producers(self) -> tuple:
+        """What makes an HP group member's share of the group's batches (empty: its own DALI
+        pipeline, :class:`~coordl.staging.member.Producer`)."""
+        return ()
+
     def stats_fields(self) -> dict:
         """This prep's own figures in ``stats()``, zero before the first pass."""
         return {}
@@ -78,6 +83,14 @@ class Remote(Local):
     def actors(self, **loader) -> dict | None:
         """The arguments of :meth:`RemotePrep.for_loader <coordl.remote.actors.RemotePrep.for_loader>`."""
         return dict(options=self.options, **loader)
+
+    def group_producers(self) -> tuple:
+        """Its Ray actors make group batches too, or alone (``RayPrep(local=False)``)."""
+        # lazy: staging and the remote package are passes above; only an HP group's member asks
+        from coordl.remote.producer import RemoteProducer
+        from coordl.staging.member import Producer
+
+        return (Producer, RemoteProducer) if self.options.local else (RemoteProducer,)
 
     def stats_fields(self) -> dict:
         # lazy: the remote package is a pass above; only prep=RayPrep reports its counters
