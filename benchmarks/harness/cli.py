@@ -20,9 +20,9 @@ HERE = Path(__file__).resolve().parents[1]  # the benchmarks package
 RESULTS = HERE / "results"
 # Scenarios not yet written on the harness: run by their own main() (their results are not in the schema).
 OLD_FORM = set(
-    "accounting_overhead analyze_accuracy audio coco_index dali_overhead decoded_tier detection disk_tier "
+    "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier disk_tier "
     "disk_tier_ops gpu hp_group hp_mix hp_sweep index_currency index_scale memory_limit minio_epochs miss_path "
-    "multinode prep_ops ray_prep run s3 s3_clients tars torch_backend train_example".split()
+    "multinode prep_ops ray_prep s3 s3_clients torch_backend train_example".split()
 )
 
 
@@ -39,8 +39,11 @@ def scenarios() -> dict[str, str]:
 
 def save(args: argparse.Namespace, results: dict, path: str | Path | None = None, dataset: dict | None = None) -> Path:
     """Writes ``results`` in the schema to ``path`` (default ``args.out``), with the scenario's
-    command line and options: a scenario that writes as it goes (after every run) calls this."""
+    command line and options: a scenario that writes as it goes (after every run) calls this.
+    A ``"dataset"`` in ``results`` goes to the schema's own field."""
     options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    dataset = dataset or results.get("dataset")
+    results = {k: v for k, v in results.items() if k != "dataset"}
     result = schema.envelope(args._scenario, args._argv, options, dataset, results)
     return schema.write(path or args.out, result)
 

@@ -70,7 +70,7 @@ def epochs(loader, epochs: int, *, warmup: int = 0, step=None, keys=STATS) -> li
         for batch in loader:
             if step is not None:
                 step(batch)
-            n, shape = n + len(batch[0]), list(batch[0].shape)
+            n, shape = n + len(batch[0]), list(getattr(batch[0], "shape", [])) or None
         e = {"warmup": epoch < warmup, "seconds": time.perf_counter() - t0, "samples": n, "shape": shape}
         e["cpu_s"] = cpu_seconds() - cpu
         if hasattr(loader, "stats"):
