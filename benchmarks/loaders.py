@@ -165,6 +165,20 @@ class TorchLoader:
 
 
 # -- DALI's own file reader ---------------------------------------------------------------------
+def dali_imagenet_train(jpegs, size: int = SIZE):
+    """``imagenet-train``'s ops in DALI, for the DALI baselines: a random-area crop decoded, resized
+    to ``size``, flipped with probability 0.5, normalised to CHW float."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_random_crop(
+        jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
+    )
+    images = fn.resize(images, resize_x=size, resize_y=size)
+    mirror = fn.random.coin_flip(probability=0.5)
+    mean, std = [m * 255 for m in MEAN], [s * 255 for s in STD]
+    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std)
+
+
 class DaliLoader:
     READERS = {
         "dali-shuffle": {"random_shuffle": True},
@@ -173,7 +187,7 @@ class DaliLoader:
     }
 
     def __init__(self, kind: str, data: str, batch_size: int, workers: int, seed: int):
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         reader = self.READERS[kind]
@@ -181,18 +195,7 @@ class DaliLoader:
         @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.readers.file(file_root=data, name="Reader", **reader)
-            images = fn.decoders.image_random_crop(
-                jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
-            )
-            images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
-            return fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-                mirror=fn.random.coin_flip(probability=0.5),
-                mean=[m * 255 for m in MEAN],
-                std=[s * 255 for s in STD],
-            ), labels
+            return dali_imagenet_train(jpegs), labels
 
         p = pipe()
         p.build()

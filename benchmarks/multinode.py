@@ -111,7 +111,7 @@ def job(a) -> None:
     data, out = a.job
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    peers = coordl.Peers(enabled="auto" if a.peers == "auto" else False, locality_aware=a.locality == "1")
+    peers = coordl.Peers(enabled="auto" if a.peers != "off" else False, locality_aware=a.locality == "1")
     loader = coordl.CoordLoader(
         data,
         batch_size=a.batch_size,

@@ -20,9 +20,9 @@ HERE = Path(__file__).resolve().parents[1]  # the benchmarks package
 RESULTS = HERE / "results"
 # Scenarios not yet written on the harness: run by their own main() (their results are not in the schema).
 OLD_FORM = set(
-    "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier disk_tier "
+    "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier "
     "disk_tier_ops gpu hp_group hp_mix hp_sweep index_currency index_scale memory_limit minio_epochs miss_path "
-    "multinode prep_ops ray_prep s3 s3_clients torch_backend train_example".split()
+    "multinode prep_ops s3_clients torch_backend train_example".split()
 )
 
 

@@ -243,3 +243,52 @@ class Limits:
         for cg in (self.blkio, self.memory):
             if cg:
                 cg.remove()
+
+
+# -- a child that reports and waits ------------------------------------------------------------
+class Parent:
+    """A child's side of :func:`converse`: one JSON line out, then wait for the parent's go-ahead
+    (it reads its counters and resets them in between)."""
+
+    say = staticmethod(say)
+
+    def wait(self) -> None:
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("the parent went away")
+
+
+def converse(command: list[str], on_message, **popen) -> tuple[int, str, dict]:
+    """Runs a child speaking :class:`Parent`'s side: calls ``on_message(event, msg)`` for each JSON line
+    it says (other lines are a library's chatter) until its ``done``, answering ``go`` after each.
+    Returns its exit status, its standard error and its ``done`` message."""
+    proc = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+    done = {}
+    try:
+        while line := proc.stdout.readline():
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            event = msg.pop("event")
+            if event == "done":
+                done = msg
+                break
+            on_message(event, msg)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        proc.stdin.close()
+        err = proc.stderr.read()
+        proc.wait(120)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode, err, done
+
+
+def error_text(stderr: str) -> str:
+    """The part of a child's stderr that says what failed (its last traceback, else its tail)."""
+    at = stderr.rfind("Traceback (most recent call last)")
+    return (stderr[at:] if at >= 0 else stderr).strip()[-3000:]

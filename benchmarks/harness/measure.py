@@ -35,6 +35,15 @@ def cpu_seconds(pid: int | None = None) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads, not its children (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def device_of(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return os.major(st.st_dev), os.minor(st.st_dev)
