@@ -22,7 +22,7 @@ RESULTS = HERE / "results"
 OLD_FORM = set(
     "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier "
     "disk_tier_ops gpu hp_group hp_mix hp_sweep index_currency index_scale memory_limit minio_epochs miss_path "
-    "multinode prep_ops s3_clients torch_backend train_example".split()
+    "prep_ops s3_clients".split()
 )
 
 
@@ -69,8 +69,7 @@ def run(name: str, argv: list[str]) -> int:
     results = module.run(args)
     if results is None:  # a child job, or a scenario that wrote its results itself
         return 0
-    dataset = results.pop("dataset", None)
-    path = save(args, results, getattr(module, "out_path", lambda a: a.out)(args), dataset)
+    path = save(args, results, getattr(module, "out_path", lambda a: a.out)(args))
     if hasattr(module, "table"):
         print(module.table(results))
     print(f"wrote {path}")
