@@ -21,7 +21,7 @@ RESULTS = HERE / "results"
 # Scenarios not yet written on the harness: run by their own main() (their results are not in the schema).
 OLD_FORM = set(
     "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier "
-    "disk_tier_ops gpu hp_group hp_mix hp_sweep index_currency index_scale memory_limit minio_epochs miss_path "
+    "disk_tier_ops gpu index_currency index_scale memory_limit minio_epochs miss_path "
     "prep_ops s3_clients".split()
 )
 

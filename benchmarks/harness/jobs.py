@@ -80,18 +80,24 @@ def start_together(commands: list[list[str]], readies: list[Path], go: Path, bef
     return procs
 
 
-def run_together(commands: list[list[str]], workdir: Path, **popen) -> list[dict]:
-    """Starts ``commands`` (each given ``--out``, ``--ready`` and ``--go``) together; waits for
-    them all; returns what each wrote to its ``--out``."""
-    go, files, full = workdir / "go", [], []
+def start_jobs(commands: list[list[str]], workdir: Path, before_go=None, **popen) -> tuple[list, list[Path]]:
+    """Starts ``commands`` (each given ``--out``, ``--ready`` and ``--go``) together, ``before_go``
+    called once all are ready; returns the processes and their ``--out`` files."""
+    go, outs, full = workdir / "go", [], []
     for k, c in enumerate(commands):
         out, ready = job_files(workdir, k)
-        files.append(out)
+        outs.append(out)
         full.append([*c, "--out", str(out), "--ready", str(ready), "--go", str(go)])
-    procs = start_together(full, [workdir / f"ready{k}" for k in range(len(commands))], go, **popen)
+    readies = [workdir / f"ready{k}" for k in range(len(commands))]
+    return start_together(full, readies, go, before_go, **popen), outs
+
+
+def run_together(commands: list[list[str]], workdir: Path, before_go=None, **popen) -> list[dict]:
+    """:func:`start_jobs`, then waits for them all; returns what each wrote to its ``--out``."""
+    procs, outs = start_jobs(commands, workdir, before_go, **popen)
     if any(p.wait() for p in procs):
         raise SystemExit(f"a job failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(f.read_text()) for f in files]
+    return [json.loads(f.read_text()) for f in outs]
 
 
 def wait_for_go(ready: str | None, go: str | None) -> None:
