@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.harness import measure
 
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
@@ -379,7 +379,7 @@ def child(args) -> int:
         if e:
             epoch, samples = loader.epoch(), 0
         memory.start()
-        before = common.sectors_read(dev)
+        before = measure.sectors_read(dev)
         wait = 0.0
         t0 = time.perf_counter()
         while True:
@@ -393,7 +393,7 @@ def child(args) -> int:
             if args.compute_ms:
                 time.sleep(args.compute_ms / 1000)
         seconds = time.perf_counter() - t0
-        disk = common.sectors_read(dev) - before
+        disk = measure.sectors_read(dev) - before
         row = {
             "epoch": e,
             "seconds": round(seconds, 3),

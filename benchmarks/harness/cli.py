@@ -18,12 +18,6 @@ from . import results as schema
 
 HERE = Path(__file__).resolve().parents[1]  # the benchmarks package
 RESULTS = HERE / "results"
-# Scenarios not yet written on the harness: run by their own main() (their results are not in the schema).
-OLD_FORM = set(
-    "accounting_overhead analyze_accuracy coco_index dali_overhead decoded_tier "
-    "disk_tier_ops gpu index_currency index_scale memory_limit minio_epochs miss_path "
-    "prep_ops s3_clients".split()
-)
 
 
 def scenarios() -> dict[str, str]:
@@ -32,7 +26,7 @@ def scenarios() -> dict[str, str]:
     for path in sorted(HERE.glob("*.py")):
         tree = ast.parse(path.read_text())
         names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-        if {"options", "run"} <= names or path.stem in OLD_FORM:
+        if {"options", "run"} <= names:
             found[path.stem] = (ast.get_docstring(tree) or "").split("\n")[0]
     return found
 
@@ -61,9 +55,6 @@ def parser(name: str, module) -> argparse.ArgumentParser:
 
 def run(name: str, argv: list[str]) -> int:
     module = importlib.import_module(f"benchmarks.{name}")
-    if not hasattr(module, "run") or not hasattr(module, "options"):  # OLD_FORM
-        sys.argv = [f"python -m benchmarks {name}", *argv]
-        return module.main() or 0
     args = parser(name, module).parse_args(argv)
     args._scenario, args._argv = name, argv
     results = module.run(args)
