@@ -150,8 +150,8 @@ def coordl_limit(need: int) -> int:
     return max(need + MIN_MARGIN, -(-need * 10 // 9))
 
 
-def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
-    total = dataset["total_bytes"]
+def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
+    total = data["total_bytes"]
     cache_bytes = int(round(cell["cache"] * total))
     name = f"coordl-bench-{os.getpid()}-{k}"
     use_cgroups = caps["memory"] or caps["blkio"]
@@ -159,7 +159,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
     argv = {
         "loader": loader,
-        "data": dataset["root"],
+        "data": data["root"],
         "batch-size": args.batch_size,
         "workers": args.workers,
         "epochs": epochs,
@@ -231,7 +231,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
         if loader in COORDL_LOADERS:
             ws = max(e["peak_memory_bytes"] for e in steady) - steady[-1]["counters"]["cache_budget"]
         else:
-            ws = max(e["mean_memory_bytes"] for e in steady) - dataset["page_bytes"]
+            ws = max(e["mean_memory_bytes"] for e in steady) - data["page_bytes"]
         args.working_sets[loader] = run["working_set_bytes"] = ws
     if steady:
         run["steady"] = {

@@ -63,9 +63,9 @@ def time_epoch(loader, dev: tuple[int, int]) -> dict:
     }
 
 
-def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
+def warm(args, data: dict, dev: tuple[int, int]) -> dict:
     """Interleaved warm epochs of both loaders in this process (see the module's docstring)."""
-    total, files = dataset["total_bytes"], dataset["files"]
+    total, files = data["total_bytes"], data["files"]
     made = {}
     try:
         for name in WARM:
@@ -120,7 +120,7 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
 
 
 # -- part limited ------------------------------------------------------------------------------
-def limited(args, dataset: dict) -> dict:
+def limited(args, data: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
     argv = {

@@ -82,8 +82,10 @@ def check(result: dict) -> dict:
     missing = [k for k in FIELDS if k not in result] + [
         f"machine.{k}" for k in MACHINE if k not in (result.get("machine") or {})
     ]
-    if missing or result["schema"] != SCHEMA:
-        raise ValueError(f"not a result of schema {SCHEMA}: missing {missing or 'nothing'}, schema {result['schema']}")
+    if missing or result.get("schema") != SCHEMA:
+        raise ValueError(
+            f"not a result of schema {SCHEMA}: missing {missing or 'nothing'}, schema {result.get('schema')}"
+        )
     return result
 
 
