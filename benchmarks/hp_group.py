@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks import hp_trials
-from benchmarks.harness import dataset, jobs, measure
+from benchmarks.harness import jobs, measure
 from coordl.units import format_bytes
 
 NAME = "hp_group"
@@ -27,8 +27,6 @@ NAME = "hp_group"
 
 def options(p) -> None:
     hp_trials.add_options(p)
-    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
-    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--jobs", default="2,4")
 
 
@@ -80,10 +78,9 @@ def run(args) -> dict | None:
         return hp_trials.trial(args)
     from coordl.shm import reaper
 
-    data = dataset.dataset_from_args(args)
-    args.images, dev = data["files"], measure.device_of(args.data)
+    data, dev = hp_trials.images(args), measure.device_of(args.data)
     nb = -(-args.images // args.batch_size)
-    print(f"dataset: {dataset.describe(data)}; {nb} batches of {args.batch_size} per epoch")
+    print(f"{nb} batches of {args.batch_size} per epoch")
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-bench-"))
     results = {"dataset": data, "batch_size": args.batch_size, "rows": []}
     try:

@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import hp_trials
-from benchmarks.harness import dataset
 from benchmarks.hp_trials import mean
 
 NAME = "hp_mix"
@@ -36,8 +35,6 @@ NAME = "hp_mix"
 
 def options(p) -> None:
     hp_trials.add_options(p)
-    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
-    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.0, help="the fast trials' training step per batch (slow scenario)")
     p.add_argument("--scenarios", default="same,mix,handoff,slow")
@@ -125,9 +122,7 @@ def run(args) -> dict | None:
         return hp_trials.trial(args)
     from coordl.shm import reaper
 
-    data = dataset.dataset_from_args(args)
-    args.images = data["files"]
-    print(f"dataset: {dataset.describe(data)}")
+    data = hp_trials.images(args)
     results = {"epochs": args.epochs, "reps": args.reps}
     if os.path.exists(args.out):  # the scenarios run before stay, the ones run now replace theirs
         results = {**json.loads(Path(args.out).read_text()).get("results", {}), **results}

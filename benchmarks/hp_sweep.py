@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import hp_trials
-from benchmarks.harness import dataset, measure
+from benchmarks.harness import measure
 from benchmarks.hp_trials import mean
 
 SWEEP = (16, 64, 128)
@@ -36,8 +36,6 @@ STAGE = {"shorthand": None, "stage128": 128, "first16": 16}
 
 def options(p) -> None:
     hp_trials.add_options(p)
-    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
-    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--modes", default="shorthand,stage128,first16")
     p.add_argument("--orders", default=",".join(ORDERS), help="start orders to run: 16-first, 128-first")
@@ -81,9 +79,7 @@ def run(args) -> dict | None:
         return hp_trials.trial(args)
     from coordl.shm import reaper
 
-    data = dataset.dataset_from_args(args)
-    args.images = data["files"]
-    print(f"dataset: {dataset.describe(data)}")
+    data = hp_trials.images(args)
     modes, orders = [m for m in args.modes.split(",") if m], [o for o in args.orders.split(",") if o]
     if unknown := sorted(set(orders) - set(ORDERS)):
         raise SystemExit(f"--orders: unknown {unknown}; choose from {sorted(ORDERS)}")

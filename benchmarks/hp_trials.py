@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.harness import jobs, measure
+from benchmarks.harness import dataset, jobs, measure
 
 STATS = (
     "produced",
@@ -35,13 +35,24 @@ STATS = (
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    """A trial's own options (hidden): the scenario's ``run`` calls :func:`trial` when ``--trial`` is given."""
+    """The dataset, ``--epochs``, and a trial's own options (hidden): the scenario's ``run`` calls
+    :func:`trial` when ``--trial`` is given."""
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     for a in ("--group", "--ready", "--go", "--after", "--entered", "--last", "--progress"):
         p.add_argument(a, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--stage-batch", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--sleep-per-batch", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def images(args) -> dict:
+    """The dataset (made or found); ``args.images`` becomes its count, which a trial checks against."""
+    data = dataset.dataset_from_args(args)
+    args.images = data["files"]
+    print(f"dataset: {dataset.describe(data)}")
+    return data
 
 
 def _wait_file(path: str | None) -> None:
