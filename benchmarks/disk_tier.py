@@ -224,33 +224,20 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     fields += ("resident_bytes", "page_cache_delta")
     counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
     counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
-    out = {}
-    for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
-        if ok:
-            entry["create_s"] = spread([r["create_s"] for r in ok])
-            entry["steady_samples_per_s"] = spread([steady(r) for r in ok])
-            entry["epochs"] = []
-            for e in range(min(len(r["epochs"]) for r in ok)):
-                rows = [r["epochs"][e] for r in ok]
-                ep = {"epoch": e, "samples": rows[0]["samples"]}
-                ep.update({f: spread([x[f] for x in rows]) for f in fields if all(x.get(f) is not None for x in rows)})
-                got = {f: [x["stats"][f] for x in rows if f in x.get("stats", {})] for f in counters}
-                ep.update({f: spread(v) for f, v in got.items() if len(v) == len(rows)})
-                entry["epochs"].append(ep)
-        out[name] = entry
-    return out
+
+    def extra(ok):
+        return {
+            "create_s": measure.spread_all([r["create_s"] for r in ok]),
+            "steady_samples_per_s": measure.spread_all([steady(r) for r in ok]),
+        }
+
+    return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
 def steady(run: dict) -> float:
     """Samples/s over the epochs after the first."""
     rest = run["epochs"][1:]
     return sum(e["samples"] for e in rest) / sum(e["seconds"] for e in rest)
-
-
-def spread(vals: list[float]) -> dict:
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "all": vals}
 
 
 def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:

@@ -305,34 +305,13 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         "threads_reading",
     )
     stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
-    out = {}
-    for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
-        if ok:
-            entry["import_s"] = _spread([r["import_s"] for r in ok])
-            entry["create_s"] = _spread([r["create_s"] for r in ok])
-            entry["create_listing_requests"] = _spread([r["create_requests"]["listing_requests"] for r in ok])
-            epochs = []
-            for e in range(min(len(r["epochs"]) for r in ok)):
-                rows = [r["epochs"][e] for r in ok]
-                ep = {"epoch": e, "samples": rows[0]["samples"]}
-                for f in fields:
-                    vals = [row[f] for row in rows if row.get(f) is not None]
-                    if vals:
-                        ep[f] = _spread(vals)
-                for f in stats_fields:
-                    vals = [row["stats"][f] for row in rows if "stats" in row]
-                    if vals:
-                        ep[f] = _spread(vals)
-                epochs.append(ep)
-            entry["epochs"] = epochs
-        out[name] = entry
-    return out
 
+    def extra(ok):
+        figures = {"import_s": [r["import_s"] for r in ok], "create_s": [r["create_s"] for r in ok]}
+        figures["create_listing_requests"] = [r["create_requests"]["listing_requests"] for r in ok]
+        return {k: measure.spread_all(v) for k, v in figures.items()}
 
-def _spread(vals: list[float]) -> dict:
-    return {**measure.spread(vals), "all": vals}
+    return measure.rounds(runs, fields, stats_fields, measure.spread_all, extra)
 
 
 def table(result: dict) -> str:

@@ -100,9 +100,10 @@ def child(args) -> None:
     else:
         make = _dali(args)
     dev = None if pattern.startswith("s3://") else measure.device_of(os.path.dirname(pattern))
-    jobs.say(ready=True)
+    parent = jobs.Parent()
+    parent.say(event="ready")
     for e in range(args.epochs):
-        sys.stdin.readline()
+        parent.wait()
         before, t0, n = measure.sectors_read(dev) if dev else 0, time.perf_counter(), 0
         for batch in make(e):
             n += len(batch[1]) if args.loader != "dali" else int(batch[0]["data"].shape[0])
@@ -112,7 +113,9 @@ def child(args) -> None:
         if stats:
             s = stats()
             row.update(storage_bytes=s["storage_bytes"], cache_bytes=s["cache_bytes"])
-        print(json.dumps(row), flush=True)
+        parent.say(event="epoch", **row)
+    parent.wait()
+    parent.say(event="done")
 
 
 def _shards(args) -> list[str]:
@@ -253,6 +256,30 @@ def _in_store(args, stack):
     return f"s3://tars/shards/{os.path.basename(pattern)}", shards, server
 
 
+def one_run(args, command: list[str], env: dict, lim, server, throttle) -> tuple[float, dict, list[dict]]:
+    """One loader's child in ``lim``'s cgroups: the seconds it took to be made, the store's counts
+    meanwhile, and its epochs, each started cold (pages dropped, or the store's counts reset)."""
+    t0, made, epochs = time.perf_counter(), {}, []
+
+    def store() -> dict:
+        return {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
+
+    def heard(event: str, msg: dict) -> None:
+        if event == "ready":
+            made.update(made_s=time.perf_counter() - t0, **store())
+            if throttle[1]:
+                lim.throttle(*throttle)
+        else:
+            epochs.append({**msg, **store()})
+        if len(epochs) < args.epochs:
+            jobs.drop_page_cache() if server is None else server.reset()
+
+    code, err, _ = jobs.converse(command, heard, env=env, preexec_fn=lim.join)
+    if code or len(epochs) < args.epochs:
+        raise RuntimeError(f"{command[4:8]} failed ({code}):\n{jobs.error_text(err)}")
+    return made.pop("made_s"), made, epochs
+
+
 def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
     caps = jobs.probe()
     local = server is None
@@ -286,30 +313,8 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
                     "--shard-list", str(shard_list), *extra,
                     *(["--dali-index", str(scratch / "dali_index.json")] if dali_index else []),
                 )  # fmt: skip
-                t0 = time.perf_counter()
                 try:
-                    proc = subprocess.Popen(
-                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, preexec_fn=lim.join
-                    )
-                    assert json.loads(proc.stdout.readline()) == {"ready": True}
-                    made_s = time.perf_counter() - t0
-                    made = {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
-                    if throttle:
-                        lim.throttle(device, throttle)
-                    epochs = []
-                    for _ in range(args.epochs):
-                        if local:
-                            jobs.drop_page_cache()
-                        else:
-                            server.reset()
-                        proc.stdin.write("go\n")
-                        proc.stdin.flush()
-                        epoch = json.loads(proc.stdout.readline())
-                        if server:
-                            epoch.update(gets=server.count(), store_bytes=server.bytes_sent())
-                        epochs.append(epoch)
-                    proc.stdin.close()
-                    assert proc.wait(timeout=600) == 0
+                    made_s, made, epochs = one_run(args, command, env, lim, server, (device, throttle))
                 finally:
                     lim.remove()
                     shutil.rmtree(scratch / "index", ignore_errors=True)

@@ -113,3 +113,30 @@ def ratios(median: dict, base: str = "coordl", keys=("samples_per_s", "cpu_s_per
 def spread(values: list[float]) -> dict:
     """The median, min and max of ``values``."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def spread_all(values: list[float]) -> dict:
+    """:func:`spread`, and the values themselves."""
+    return {**spread(values), "all": values}
+
+
+def rounds(runs: dict[str, list[dict]], fields, counters=(), spread=spread, extra=None) -> dict:
+    """Per configuration over its rounds: how many ran and failed (with the errors); ``extra(ok)`` of
+    the runs that did not fail; and per epoch the spread of each of ``fields`` and of the ``stats``'
+    ``counters`` that every round has."""
+    out = {}
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
+        if ok:
+            entry.update(extra(ok) if extra else {})
+            entry["epochs"] = []
+            for e in range(min(len(r["epochs"]) for r in ok)):
+                rows = [r["epochs"][e] for r in ok]
+                ep = {"epoch": e, "samples": rows[0]["samples"]}
+                ep.update({f: spread([x[f] for x in rows]) for f in fields if all(x.get(f) is not None for x in rows)})
+                got = {f: [x["stats"][f] for x in rows if f in x.get("stats", {})] for f in counters}
+                ep.update({f: spread(v) for f, v in got.items() if v and len(v) == len(rows)})
+                entry["epochs"].append(ep)
+        out[name] = entry
+    return out
