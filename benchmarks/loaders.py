@@ -42,7 +42,6 @@ batches; it is reported as the cold epoch, not used for steady-state figures.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -53,6 +52,7 @@ import time
 import numpy as np
 
 from benchmarks.harness import measure
+from benchmarks.harness.jobs import say
 
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
@@ -133,22 +133,26 @@ class PillowImageFolder:
         return self.transform(image), label
 
 
+def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
+    """The DataLoader every Pillow baseline uses: shuffled (seeded), persistent workers."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        generator=generator,
+        **kw,
+    )
+
+
 class TorchLoader:
     def __init__(self, data: str, batch_size: int, workers: int, seed: int):
-        import torch
-        from torch.utils.data import DataLoader
-
         self.dataset = PillowImageFolder(data, TrainAugment())
-        g = torch.Generator()
-        g.manual_seed(seed)
-        self.loader = DataLoader(
-            self.dataset,
-            batch_size=batch_size,
-            shuffle=True,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            generator=g,
-        )
+        self.loader = dataloader(self.dataset, batch_size, workers, seed)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -350,10 +354,6 @@ class MemoryMeter:
             "mean_memory_bytes": sum(u for u, _ in samples) // len(samples),
             "mean_file_cache_bytes": sum(c for _, c in samples) // len(samples),
         }
-
-
-def say(**msg) -> None:
-    print(json.dumps(msg), flush=True)
 
 
 def child(args) -> int:

@@ -154,6 +154,11 @@ def in_flight_epoch(args) -> dict:
     }
 
 
+def where(data: dict) -> dict:
+    """What a result says of where it ran: the dataset, the CPUs this process may use, the coordl it imported."""
+    return {"dataset": data, "cpus_allowed": len(os.sched_getaffinity(0)), "coordl": str(Path(coordl.__file__).parent)}
+
+
 def in_flight(args, data) -> dict:
     import subprocess
 
@@ -206,9 +211,7 @@ def in_flight(args, data) -> dict:
         for key in runs
     }
     return {
-        "dataset": data,
-        "cpus_allowed": len(os.sched_getaffinity(0)),
-        "coordl": str(Path(coordl.__file__).parent),
+        **where(data),
         "runs": runs,
         "median": summary,
     }
@@ -302,9 +305,7 @@ def run(args) -> dict | None:
     med = {m: statistics.median(v) for m, v in runs.items()}
     ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
     return {
-        "dataset": data,
-        "cpus_allowed": len(os.sched_getaffinity(0)),
-        "coordl": str(Path(coordl.__file__).parent),
+        **where(data),
         "samples_per_s": runs,
         "median": med,
         "ratio_to_dali_reader": ratios,
