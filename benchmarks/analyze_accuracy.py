@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, measure
+from benchmarks.harness import dataset, jobs, limits, measure
 from benchmarks.harness.report import table as md_table
 from coordl.analyze import report as rep
 from coordl.analyze.run import run_phase
@@ -40,11 +40,11 @@ def settle(root: str) -> None:
     subprocess.run(
         [sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"], check=True
     )
-    jobs.evict(root)
+    limits.evict(root)
 
 
 def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
-    lim = jobs.Limits(name, caps["memory"], caps["blkio"])
+    lim = limits.Limits(name, caps["memory"], caps["blkio"])
     lim.limit_memory(memory)
     lim.throttle(dev, bandwidth)
     return lim
@@ -77,7 +77,7 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     root, total = data["root"], data["total_bytes"]
     b = total / data["files"]
-    caps = jobs.probe()
+    caps = limits.probe()
     dev = measure.device_of(root)
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, report
+from benchmarks.harness import cli, dataset, limits, report
 
 OUT = str(cli.RESULTS)  # a folder: decoded_tier.json, decoded_tier.png
 
@@ -288,7 +288,7 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     args.data = data["root"]
     # into the page cache: this benchmark measures prep, not storage
-    dataset_bytes = jobs.read_through(f for f in Path(args.data).rglob("*") if f.is_file())
+    dataset_bytes = limits.read_through(f for f in Path(args.data).rglob("*") if f.is_file())
     decoded = decoded_bytes(args.data)
     log(f"dataset: {dataset.describe(data)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
     result = {

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks import disk_tier_baselines
-from benchmarks.harness import cli, dataset, jobs, measure
+from benchmarks.harness import cli, dataset, jobs, limits, measure
 from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
@@ -87,7 +87,7 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if entry.fullmatch(f)]
     random.Random(0).shuffle(files)
     if drop:
-        jobs.drop_page_cache()
+        limits.drop_page_cache()
 
     def read(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
@@ -150,7 +150,7 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
     shm_before = set(os.listdir("/dev/shm"))
     run = {"config": name, "epochs": [], "dropped_page_cache": None}
     if not args.no_drop:
-        run["dropped_page_cache"] = jobs.drop_page_cache() or True
+        run["dropped_page_cache"] = limits.drop_page_cache() or True
     meter, dev = Meter(server), ctx["device"]
     io_was, mem_was = device_io(dev), meminfo()
 

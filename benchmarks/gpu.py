@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from benchmarks import gpu_loaders as loaders
-from benchmarks.harness import cli, dataset, jobs, measure
+from benchmarks.harness import cli, dataset, jobs, limits, measure
 from benchmarks.harness.measure import cpu_seconds
 
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/gpu", "/var/tmp/coordl-bench/gpu-smoke"
@@ -214,7 +214,7 @@ def images(args) -> dict:
         figures = dataset.dataset_from_args(args)
     figures["make_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    read = jobs.read_through(os.path.join(d, f) for d, _, files in os.walk(figures["root"]) for f in files)
+    read = limits.read_through(os.path.join(d, f) for d, _, files in os.walk(figures["root"]) for f in files)
     figures.update(page_cache_read_s=time.perf_counter() - t0, page_cache_read_bytes=read)
     return figures
 

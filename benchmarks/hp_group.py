@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks import hp_trials
-from benchmarks.harness import jobs, measure
+from benchmarks.harness import jobs, limits, measure
 from coordl.units import format_bytes
 
 NAME = "hp_group"
@@ -35,7 +35,7 @@ def cold_epoch(args, n: int, group: str | None, workdir: Path, dev) -> dict:
     cold = {}
 
     def evict():  # the dataset leaves the page cache (the trials' libraries stay in it)
-        jobs.evict(args.data)
+        limits.evict(args.data)
         cold["before"] = measure.sectors_read(dev)
 
     specs = [{"batch": args.batch_size, "group": group, "epochs": 1}] * n

@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs
+from benchmarks.harness import dataset, jobs, limits
 from benchmarks.index_scale import make_tree, remove_tree
 
 
@@ -108,7 +108,7 @@ def files(args, work: Path) -> dict:
     out["check_warm_by_threads"] = [run_child("check", str(root), index_dir, str(t)) for t in args.threads]
     cold = []
     for t in [] if args.no_cold else args.threads:
-        why = jobs.drop_page_cache(3)
+        why = limits.drop_page_cache(3)
         if why:
             out["check_cold_skipped"] = why
             break

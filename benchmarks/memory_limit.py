@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, report
-from benchmarks.harness.jobs import Cgroup, probe
+from benchmarks.harness.limits import Cgroup, probe
 from coordl.units import parse_bytes
 
 MiB = 1 << 20

@@ -13,7 +13,7 @@ import json
 import time
 
 import coordl
-from benchmarks.harness import dataset, jobs, measure, report
+from benchmarks.harness import dataset, limits, measure, report
 
 
 def options(p) -> None:
@@ -48,7 +48,7 @@ def run(args) -> dict | None:
         args.data, batch_size=args.batch_size, device_id=None, cache=args.cache, shuffle=True, pipeline="imagenet-train"
     ) as loader:
         for epoch in range(args.epochs):
-            why = jobs.drop_page_cache(args.drop_level)
+            why = limits.drop_page_cache(args.drop_level)
             if why and why not in notes:
                 notes.append(why)
             before = measure.sectors_read(dev)

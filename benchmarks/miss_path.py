@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import coordl
-from benchmarks.harness import dataset, jobs, measure
+from benchmarks.harness import dataset, jobs, limits, measure
 from coordl.units import parse_bytes
 
 MODES = ("dali-reader", "no-cache", "filling", "warm")
@@ -162,7 +162,7 @@ def where(data: dict) -> dict:
 def in_flight(args, data) -> dict:
     import subprocess
 
-    caps = jobs.probe()
+    caps = limits.probe()
     if args.throttle and not (caps["blkio"] and caps["drop_caches"]):
         raise SystemExit("--throttle needs root and a v1 blkio cgroup: " + "; ".join(caps["notes"]))
     device = measure.device_of(args.data)
@@ -172,7 +172,7 @@ def in_flight(args, data) -> dict:
     child = jobs.scenario_command("miss_path", "--in-flight-child", *args._argv)
     runs: dict[str, list] = {f"{s}/{c}": [] for s in storages for c in loads}
     for rep, (storage, load) in measure.alternate([(s, c) for s in storages for c in loads], args.reps):
-        lim = jobs.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled")
+        lim = limits.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled")
         spinners = []
         try:
             proc = subprocess.Popen(
@@ -180,7 +180,7 @@ def in_flight(args, data) -> dict:
             )
             assert json.loads(proc.stdout.readline()) == {"ready": True}
             if storage == "throttled":
-                jobs.drop_page_cache()
+                limits.drop_page_cache()
                 lim.throttle(device, args.throttle)
             else:
                 warm_page_cache(paths)
@@ -270,7 +270,7 @@ def run(args) -> dict | None:
     n = len(paths)
 
     reader = dali_reader(args.data, args.batch_size, args.threads, args.resize) if "dali-reader" in modes else None
-    prepare = (lambda: jobs.evict(args.data)) if args.cold else (lambda: warm_page_cache(paths))
+    prepare = (lambda: limits.evict(args.data)) if args.cold else (lambda: warm_page_cache(paths))
 
     def epoch(mode: str) -> tuple[float, dict]:
         prepare()

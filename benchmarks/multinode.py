@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cli, dataset, jobs, measure, report
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.harness.report import mb
 from coordl_testing import netns
 
@@ -191,12 +191,12 @@ class Run:
         out, logs, cgroups = Path(tempfile.mkdtemp(prefix="cdl-mn-")), [], []
         try:
             for k in range(self.nodes):
-                cgroups.append(jobs.Cgroup("blkio", f"cdl-mn{os.getpid()}-{self.port}-{k}"))
+                cgroups.append(limits.Cgroup("blkio", f"cdl-mn{os.getpid()}-{self.port}-{k}"))
                 if self.throttle:
                     cgroups[k].write("blkio.throttle.read_bps_device", f"{self.device} {self.throttle}")
             counters = [str(cg.path / "blkio.throttle.io_service_bytes") for cg in cgroups]
             os.sync()  # evict() cannot drop dirty pages (a dataset just written)
-            jobs.evict(self.data["root"])
+            limits.evict(self.data["root"])
             before = [_blkio_read(c, self.device) for c in counters]
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
             t0 = time.perf_counter()

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, measure
+from benchmarks.harness import cli, dataset, jobs, limits, measure
 from benchmarks.harness.report import mb
 
 OUT = None  # results/ray_prep.json, or ray_prep_quick.json with --quick (out_path)
@@ -453,7 +453,7 @@ def run(args) -> dict | None:
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     data = dataset.dataset_from_args(args)
-    jobs.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
+    limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
     node = RayNode(child_env(None))
     env = child_env(node.address)
     log(f"dataset: {dataset.describe(data)}; Ray node at {node.address}, temp dir {node.temp}")

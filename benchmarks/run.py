@@ -46,7 +46,7 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, measure, report
+from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, image_folder
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
@@ -103,7 +103,7 @@ def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
 class Child:
     """A loader child process with its stdout read by a thread (so waits can time out)."""
 
-    def __init__(self, cmd: list[str], lim: jobs.Limits | None, logfile: Path):
+    def __init__(self, cmd: list[str], lim: limits.Limits | None, logfile: Path):
         self.log = open(logfile, "w")
         self.proc = subprocess.Popen(
             cmd,
@@ -155,7 +155,7 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     cache_bytes = int(round(cell["cache"] * total))
     name = f"coordl-bench-{os.getpid()}-{k}"
     use_cgroups = caps["memory"] or caps["blkio"]
-    lim = jobs.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
+    lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
     argv = {
         "loader": loader,
@@ -175,7 +175,7 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     logs = Path(args.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
-        jobs.drop_page_cache(3)
+        limits.drop_page_cache(3)
     if lim and loader in MEASURE_WHEN_MADE:
         lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
@@ -190,7 +190,7 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     try:
         run["ready"] = child.message(args.timeout)
         if caps["drop_caches"]:
-            jobs.drop_page_cache(3)
+            limits.drop_page_cache(3)
         if lim and lim.memory and cell["name"] != "fits":
             ws = working_set(args, loader, lim)
             run["working_set_bytes"], run["working_set_source"] = ws
@@ -249,7 +249,7 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     return run
 
 
-def working_set(args, loader: str, lim: jobs.Limits) -> tuple[int, str]:
+def working_set(args, loader: str, lim: limits.Limits) -> tuple[int, str]:
     """The memory the loader needs for itself, without any cached data: measured in the 'fits'
     scenario (peak with the dataset cached, less the dataset), else its usage after warm-up."""
     if loader in args.working_sets:
@@ -499,7 +499,7 @@ def run(args) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    caps = jobs.probe()
+    caps = limits.probe()
     if args.no_memory_limit and caps["memory"]:
         caps["memory"] = False
         caps["notes"].append("--no-memory-limit: no memory cgroup, every loader may cache the whole dataset")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import dataset, jobs, measure
+from benchmarks.harness import dataset, jobs, limits, measure
 from coordl.units import parse_bytes
 
 RESULTS = Path(__file__).parent / "results"
@@ -272,7 +272,7 @@ def one_run(args, command: list[str], env: dict, lim, server, throttle) -> tuple
         else:
             epochs.append({**msg, **store()})
         if len(epochs) < args.epochs:
-            jobs.drop_page_cache() if server is None else server.reset()
+            limits.drop_page_cache() if server is None else server.reset()
 
     code, err, _ = jobs.converse(command, heard, env=env, preexec_fn=lim.join)
     if code or len(epochs) < args.epochs:
@@ -281,7 +281,7 @@ def one_run(args, command: list[str], env: dict, lim, server, throttle) -> tuple
 
 
 def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
-    caps = jobs.probe()
+    caps = limits.probe()
     local = server is None
     device = measure.device_of(os.path.dirname(pattern)) if local else None
     throttle = args.throttle if local and caps["blkio"] else None
@@ -305,7 +305,7 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
     try:
         for rep in range(args.reps):
             for loader, cache in configs if rep % 2 == 0 else configs[::-1]:  # ABBA
-                lim = jobs.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
+                lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
                 extra = ["--cache-fraction", str(cache)] if cache is not None else []
                 command = jobs.scenario_command(
                     "tars_epochs", "--child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),

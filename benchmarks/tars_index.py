@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import jobs
+from benchmarks.harness import jobs, limits
 
 
 def options(p) -> None:
@@ -144,7 +144,7 @@ def run(args) -> dict | None:
             how += ["--io-threads", str(args.io_threads)] if args.io_threads else []
             for f in index_dir.glob("index-*"):
                 f.unlink()
-            note = jobs.drop_page_cache()
+            note = limits.drop_page_cache()
             made = _child(args, *how)
             loaded = _child(args, *how)
             for f in index_dir.glob("index-*"):
@@ -161,7 +161,7 @@ def run(args) -> dict | None:
                 "page_cache": "dropped" if note is None else f"not dropped ({note})",
             }
             if processes == 0:
-                jobs.drop_page_cache()
+                limits.drop_page_cache()
                 reads = _child(args, *how, "--reads-only", str(in_flight))
                 row.update(reads_alone_s=reads["seconds"], reads=reads["reads"], reads_in_flight=in_flight)
             rows.append(row)

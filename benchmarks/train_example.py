@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, measure, report
+from benchmarks.harness import cli, dataset, limits, measure, report
 from coordl.units import format_bytes, parse_bytes
 
 OUT = str(cli.RESULTS)  # a folder
@@ -46,7 +46,7 @@ TRAIN = dataset.ROOT / "examples" / "imagenet" / "train.py"
 SUMMARY = re.compile(r"Epoch \[(\d+)\] summary: .*")
 
 
-def blkio_read(lim: jobs.Limits, dev: tuple[int, int]) -> int | None:
+def blkio_read(lim: limits.Limits, dev: tuple[int, int]) -> int | None:
     if not lim or not lim.blkio:
         return None
     for line in lim.blkio.read("blkio.throttle.io_service_bytes").splitlines():
@@ -79,7 +79,7 @@ class OwnMemory:
     memory (a training step's activations come and go) plus the libraries it maps, not the
     data it caches (the page cache of the dataset, coordl's shared memory)."""
 
-    def __init__(self, lim: jobs.Limits):
+    def __init__(self, lim: limits.Limits):
         self.lim, self.anon, self.mapped = lim, 0, 0
         self.frozen = False
         self.follow: int | None = None  # bytes beyond the current own memory the limit follows with
@@ -117,7 +117,7 @@ class OwnMemory:
         return sum(samples) / len(samples) if samples else None
 
 
-def limit_memory(args, run: dict, lim: jobs.Limits, loader: str, cache_bytes: int, meter: OwnMemory) -> None:
+def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: int, meter: OwnMemory) -> None:
     """After the warm-up epochs: the run's own memory + slack + the cache fraction of the dataset.
 
     The process's own memory swings by 100-200 MB from step to step. coordl's cache is a fixed
@@ -146,14 +146,14 @@ def limit_memory(args, run: dict, lim: jobs.Limits, loader: str, cache_bytes: in
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     lim = (
-        jobs.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"])
+        limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"])
         if caps["memory"] or caps["blkio"]
         else None
     )
     warm_libraries()
     subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
-    jobs.evict(args.data)
+    limits.evict(args.data)
     cache_bytes = int(args.cache * dataset_bytes)
     cmd = [
         sys.executable,
@@ -333,7 +333,7 @@ def run(args) -> dict:
         if args.data == "/var/tmp/coordl-bench/imagenet-example-1000px":
             args.data = "/var/tmp/coordl-bench/imagenet-example-quick"
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    caps = jobs.probe()
+    caps = limits.probe()
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
     train = dataset.dataset_from_args(args, root=os.path.join(args.data, "train"))

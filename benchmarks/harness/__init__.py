@@ -2,8 +2,10 @@
 
 - :mod:`.dataset`: the options that name a dataset, and the dataset they make (generated once,
   found again by a later run with the same options);
-- :mod:`.jobs`: child processes (a scenario's own jobs, started together or alone), v1 memory and
-  blkio cgroups for one child, page-cache drops;
+- :mod:`.jobs`: child processes (a scenario's own jobs, started together or alone, or reporting
+  to a parent that answers);
+- :mod:`.limits`: the conditions set on the machine: v1 memory and blkio cgroups for one child,
+  page-cache drops;
 - :mod:`.measure`: CPU seconds of a process tree, the device's read counter, rates over steady
   epochs, medians, and the ABBA order in which configurations alternate;
 - :mod:`.results`: the one JSON schema every result file has (scenario, command, date, commit,
