@@ -1,15 +1,9 @@
-"""coordl's benchmarks, run as modules from the repository root: ``python -m benchmarks.run``.
+"""coordl's benchmarks: scenarios of one harness, run from the repository root.
 
-Each script's docstring says what it measures and how to run it, and README.md lists them
-with their results. The scripts import each other as ``from benchmarks import common``:
-
-- ``common``: the dataset options every benchmark takes and the dataset they name, the block
-  device's read counter, page-cache drops, the machine's description;
-- ``limits``: a memory limit and a storage throttle for one child process (v1 cgroups);
-- ``loaders``: the loaders ``run`` and ``torch_backend`` compare, and the child process that
-  runs one of them;
-- ``small_resnet``: the CPU training script ``analyze_accuracy`` analyses.
-
-A benchmark that starts another in a child process runs it the same way
-(``common.module_command``), so the child finds this package where its parent did.
+``python -m benchmarks`` lists the scenarios; ``python -m benchmarks NAME [options]`` runs one
+(``NAME --help``: its options). :mod:`benchmarks.harness` holds what they share; each scenario is a
+module of this package with ``options(parser)`` and ``run(args)``, its docstring saying what it
+compares. The other modules are the loaders the scenarios compare (``loaders``, ``gpu_loaders``,
+``*_baselines``), the HP-group trials (``hp_trials``) and the training script ``analyze_accuracy``
+analyses (``small_resnet``). README.md lists the scenarios with their results.
 """

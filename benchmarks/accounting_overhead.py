@@ -5,22 +5,17 @@ in the consumer, an enter/leave of the DALI-wait clock in the driver; per storag
 two ``perf_counter_ns`` calls; per wait for a read, an enter/leave. This times exactly those
 calls (the same objects the loader uses), then a warm loader's batch, and reports the ratio.
 
-    python -m benchmarks.accounting_overhead [--data /var/tmp/coordl-bench/train]
+    python -m benchmarks accounting_overhead [--data /var/tmp/coordl-bench/train]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import coordl
-from benchmarks import common
+from benchmarks.harness import dataset
 from coordl.accounting import BusyClock, StepWaits
-
-HERE = Path(__file__).parent
 
 
 def per_batch_cost(batch_size: int, miss_fraction: float, n: int = 200_000) -> float:
@@ -61,37 +56,30 @@ def loader_batch_time(root: str, batch_size: int, epochs: int) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.accounting_overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--out", default=str(HERE / "results" / "accounting_overhead.json"))
-    args = p.parse_args()
-    dataset = common.dataset_from_args(args)
+
+
+def run(args) -> dict | None:
+    data = dataset.dataset_from_args(args)
     cost_hit = per_batch_cost(args.batch_size, 0.0)
     cost_miss = per_batch_cost(args.batch_size, 1.0)
-    batch = loader_batch_time(dataset["root"], args.batch_size, args.epochs)
+    batch = loader_batch_time(data["root"], args.batch_size, args.epochs)
     result = {
-        "machine": common.machine(),
         "batch_size": args.batch_size,
         "accounting_per_batch_s": {"all_cached": cost_hit, "all_from_storage": cost_miss},
         "loader_batch_s": batch,
         "overhead_fraction": {"all_cached": cost_hit / batch, "all_from_storage": cost_miss / batch},
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(
-        f"accounting per batch of {args.batch_size}: {1e6 * cost_hit:.1f} us (all cached), "
-        f"{1e6 * cost_miss:.1f} us (all from storage)"
+    return {**result, "dataset": data}
+
+
+def table(r: dict) -> str:
+    hit, miss, batch, n = *r["accounting_per_batch_s"].values(), r["loader_batch_s"], r["batch_size"]
+    return (
+        f"accounting per batch of {n}: {1e6 * hit:.1f} us (all cached), {1e6 * miss:.1f} us (all from storage)\n"
+        f"warm loader batch: {1e3 * batch:.1f} ms ({n / batch:.0f} samples/s)\n"
+        f"overhead: {100 * hit / batch:.4f}% (cached), {100 * miss / batch:.4f}% (storage); target < 1%"
     )
-    print(f"warm loader batch: {1e3 * batch:.1f} ms ({args.batch_size / batch:.0f} samples/s)")
-    print(f"overhead: {100 * cost_hit / batch:.4f}% (cached), {100 * cost_miss / batch:.4f}% (storage); target < 1%")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

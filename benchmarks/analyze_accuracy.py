@@ -9,12 +9,11 @@ The throttle is chosen so that the no-cache case is I/O-bound: an unthrottled ph
 measures R (training on cached data) first, and storage is set to ``--storage-factor`` x R x
 the mean sample size (0.4: fetch-bound below about 60% cache, prep/compute-bound above).
 
-    python -m benchmarks.analyze_accuracy            # ~10 minutes on 2 cores
+    python -m benchmarks analyze_accuracy            # ~10 minutes on 2 cores
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,12 +23,11 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks import common, limits
+from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness.report import table as md_table
 from coordl.analyze import report as rep
 from coordl.analyze.run import run_phase
 from coordl.units import format_bytes
-
-HERE = Path(__file__).parent
 
 
 def log(*a) -> None:
@@ -42,7 +40,7 @@ def settle(root: str) -> None:
     subprocess.run(
         [sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"], check=True
     )
-    common.evict(root)
+    limits.evict(root)
 
 
 def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
@@ -52,13 +50,8 @@ def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
     return lim
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.analyze_accuracy",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--analyze-cache", type=float, default=0.5, help="the analysed job's cache fraction")
     p.add_argument("--fractions", default="0.25,0.5,0.75,1.0")
@@ -67,7 +60,6 @@ def main() -> int:
     p.add_argument("--storage-factor", type=float, default=0.4)
     p.add_argument("--bandwidth", type=float, help="storage bytes/s (default: from --storage-factor)")
     p.add_argument("--working-set", type=float, default=1.6e9, help="memory the script needs besides the cache")
-    p.add_argument("--out", default=str(HERE / "results" / "analyze_accuracy.json"))
     p.add_argument(
         "--threads",
         default="1,1",
@@ -75,25 +67,27 @@ def main() -> int:
         "or 0,0 (each library's default: both use every core)",
     )
     p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
     if args.quick:
         args.images, args.size, args.classes, args.steps, args.epochs, args.fractions = 192, None, 4, 4, 2, "0.5,1.0"
         args.batch_size, args.data = 16, args.data + "-quick"
 
-    dataset = common.dataset_from_args(args)
-    root, total = dataset["root"], dataset["total_bytes"]
-    b = total / dataset["files"]
+    data = dataset.dataset_from_args(args)
+    root, total = data["root"], data["total_bytes"]
+    b = total / data["files"]
     caps = limits.probe()
-    dev = common.device_of(root)
+    dev = measure.device_of(root)
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
-    script = common.module_command("small_resnet", root, "--batch-size", str(args.batch_size))
+    script = jobs.module_command("small_resnet", root, "--batch-size", str(args.batch_size))
     torch_threads, prep_threads = (int(v) for v in args.threads.split(","))
     if torch_threads:
         script += ["--threads", str(torch_threads)]
     if prep_threads:
         script += ["--prep-threads", str(prep_threads)]
-    log(f"dataset {common.describe(dataset)}; limits: {caps}")
+    log(f"dataset {dataset.describe(data)}; limits: {caps}")
 
     # 1. The throttle: a fraction of what training on cached data needs.
     if args.bandwidth is None:
@@ -182,8 +176,7 @@ def main() -> int:
         )
 
     result = {
-        "machine": common.machine(),
-        "dataset": dataset,
+        "dataset": data,
         "limits": caps,
         "storage_bytes_per_s": bw,
         "analyze_cache_fraction": args.analyze_cache,
@@ -193,7 +186,6 @@ def main() -> int:
         "rows": rows,
         "max_abs_error": max(abs(r["error"]) for r in rows),
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
     png = Path(args.out).with_suffix(".png")
     try:
         rep.plot(
@@ -204,20 +196,23 @@ def main() -> int:
         )
     except ImportError:
         png = None
-    print("\n| cache | predicted samples/s | measured samples/s | error | bound |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['cache_fraction']:.0%} | {r['predicted_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
-            f"| {100 * r['error']:+.1f}% | {r['bound']} |"
-        )
-    print(
-        f"\nrates: G {report['rates']['G']:.0f}, P {report['rates']['P']:.0f}, R {report['rates']['R']:.0f} "
-        f"samples/s; S {format_bytes(report['rates']['S'], 'MB')}/s; analysis took {analyze_s:.0f} s"
+    return {**result, "plot": str(png) if png else None}
+
+
+def table(result: dict) -> str:
+    rows = [
+        [
+            f"{r['cache_fraction']:.0%}",
+            f"{r['predicted_samples_per_s']:.0f}",
+            f"{r['measured_samples_per_s']:.0f}",
+            f"{100 * r['error']:+.1f}%",
+            r["bound"],
+        ]
+        for r in result["rows"]
+    ]
+    g = result["rates"]
+    return (
+        md_table(["cache", "predicted samples/s", "measured samples/s", "error", "bound"], rows)
+        + f"\nrates: G {g['G']:.0f}, P {g['P']:.0f}, R {g['R']:.0f} samples/s; S {format_bytes(g['S'], 'MB')}/s;"
+        f" analysis took {result['analyze_seconds']:.0f} s; plot: {result['plot']}"
     )
-    print(f"results: {args.out}" + (f", plot: {png}" if png else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

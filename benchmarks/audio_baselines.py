@@ -77,16 +77,9 @@ class SoundfileClips:
 
 def torch_loader(root: str, batch_size: int, workers: int, seed: int = 0):
     """``DataLoader(SoundfileClips(root))``, shuffled, persistent workers."""
-    import torch
+    from benchmarks.loaders import dataloader
 
-    return torch.utils.data.DataLoader(
-        SoundfileClips(root, seed=seed),
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    return dataloader(SoundfileClips(root, seed=seed), batch_size, workers, seed)
 
 
 class DaliAudio:

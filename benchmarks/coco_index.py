@@ -1,5 +1,4 @@
-"""A COCO-sized detection index: how long ``Index.from_coco`` takes cold and from its saved file,
-and what its boxes cost in memory.
+"""A COCO-sized detection index: Index.from_coco cold and from its saved file, and its boxes' memory.
 
 Writes an annotations file shaped like COCO's ``instances_train2017.json`` (``--images``
 118,287 images and about ``--boxes-per-image`` 7.3 boxes each, 1% of them crowd, category ids
@@ -12,12 +11,11 @@ in ``--data`` (``from_coco`` reads sizes, not pixels), then, each in a fresh Pyt
 
 Deletes the files at the end unless ``--keep``.
 
-    python -m benchmarks.coco_index
+    python -m benchmarks coco_index
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,9 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.harness import dataset
 
-HERE = Path(__file__).parent
 CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 STEP = """
@@ -85,7 +82,7 @@ def make(data: Path, images: int, per_image: float, seed: int) -> tuple[Path, Pa
 
 
 def step(folder: Path, ann: Path, index_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dataset.ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(
         [sys.executable, "-c", STEP, str(folder), str(ann), str(index_dir)], capture_output=True, text=True, env=env
     )
@@ -94,16 +91,16 @@ def step(folder: Path, ann: Path, index_dir: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(p) -> None:
     p.add_argument("--data", type=Path, default=Path("/var/tmp/coordl-bench/coco-index"))
     p.add_argument("--images", type=int, default=118_287)
     p.add_argument("--boxes-per-image", type=float, default=7.3)
     p.add_argument("--loads", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "coco_index.json")
-    a = p.parse_args(argv)
+
+
+def run(a) -> dict:
     folder, ann, made_s = make(a.data, a.images, a.boxes_per_image, a.seed)
     annotations_bytes = ann.stat().st_size
     index_dir = a.data / "index"
@@ -116,8 +113,6 @@ def main(argv=None) -> None:
         if not a.keep:
             shutil.rmtree(a.data, ignore_errors=True)
     result = {
-        "command": " ".join(["python -m benchmarks.coco_index", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": common.machine(),
         "annotations_bytes": annotations_bytes,
         "made_s": made_s,
         "images": cold["images"],
@@ -128,13 +123,12 @@ def main(argv=None) -> None:
         "box_bytes": cold["box_bytes"],
         "index_file_bytes": cold["file_bytes"],
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['images']:,} images, {result['boxes']:,} boxes")
-    print(f"cold (parse, check, stat, save): {result['cold_s']:.1f} s")
-    print(f"from the saved index: {result['load_s'] * 1e3:.0f} ms")
-    print(f"boxes in memory: {result['box_bytes'] / 1e6:.1f} MB; index file {result['index_file_bytes'] / 1e6:.1f} MB")
+    return result
 
 
-if __name__ == "__main__":
-    main()
+def table(r: dict) -> str:
+    return (
+        f"{r['images']:,} images, {r['boxes']:,} boxes\ncold (parse, check, stat, save): {r['cold_s']:.1f} s\n"
+        f"from the saved index: {r['load_s'] * 1e3:.0f} ms\n"
+        f"boxes in memory: {r['box_bytes'] / 1e6:.1f} MB; index file {r['index_file_bytes'] / 1e6:.1f} MB"
+    )

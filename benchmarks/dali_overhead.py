@@ -11,24 +11,21 @@ tensors to the loop:
 - ``dali-reader``: DALI's own ``fn.readers.file(shuffle_after_epoch=True)`` over the files
   in the (warm) page cache.
 
-Epochs are interleaved A B C, B C A, ... so that drift on a shared machine hits all alike.
+Epochs alternate ABBA (A B C C B A ...), so that drift on a shared machine hits all alike.
 
-    python -m benchmarks.dali_overhead --data /var/tmp/coordl-bench/train --reps 5
+    python -m benchmarks dali_overhead --data /var/tmp/coordl-bench/train --reps 5
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import coordl
-from benchmarks import common, loaders
+from benchmarks import loaders
+from benchmarks.harness import dataset, measure
 
 
 def bare_dali(index, batch_size: int, threads: int, size: int):
@@ -60,18 +57,7 @@ def bare_dali(index, batch_size: int, threads: int, size: int):
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
         jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-        images = fn.decoders.image_random_crop(
-            jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
-        )
-        images = fn.resize(images, resize_x=size, resize_y=size)
-        return fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mirror=fn.random.coin_flip(probability=0.5),
-            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-        ), labs
+        return loaders.dali_imagenet_train(jpegs, size), labs
 
     p = pipe()
     p.build()
@@ -87,21 +73,17 @@ def time_epoch(it) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.dali_overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--crop", type=int, default=224, help="the recipe's output size in pixels (default: 224)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "dali_overhead.json"))
-    args = p.parse_args()
 
-    dataset = common.dataset_from_args(args)
+
+def run(args) -> dict | None:
+
+    data = dataset.dataset_from_args(args)
     recipe = coordl.ImageNetTrain(size=args.crop)
     loader = coordl.CoordLoader(
         args.data,
@@ -122,13 +104,11 @@ def main() -> int:
         time_epoch(reader.epoch())  # and the reader's page cache
         assert loader.stats()["cache_items"] == len(loader.index), "cache did not take the whole dataset"
         runs = {name: [] for name in epochs}
-        names = list(epochs)
-        for rep in range(args.reps):
-            for name in names[rep % 3 :] + names[: rep % 3]:  # interleaved, rotating the order
-                seconds, n = time_epoch(epochs[name]())
-                assert n == len(loader.index)
-                runs[name].append(n / seconds)
-                print(f"rep {rep} {name:6s} {n / seconds:8.1f} samples/s")
+        for rep, name in measure.alternate(list(epochs), args.reps):
+            seconds, n = time_epoch(epochs[name]())
+            assert n == len(loader.index)
+            runs[name].append(n / seconds)
+            print(f"rep {rep} {name:6s} {n / seconds:8.1f} samples/s")
         s = loader.stats()
         assert s["storage_reads"] == 0, "a warm epoch read storage"
     finally:
@@ -137,23 +117,18 @@ def main() -> int:
     ratio = med["coordl"] / med["dali"]
     ratio_reader = med["coordl"] / med["dali-reader"]
     result = {
-        "benchmark": "dali_overhead",
-        "args": vars(args),
-        "dataset": dataset,
-        "machine": common.machine(),
+        "dataset": data,
         "samples_per_s": runs,
         "median": med,
         "ratio_coordl_over_dali": round(ratio, 4),
         "ratio_coordl_over_dali_reader": round(ratio_reader, 4),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(
+    return result
+
+
+def table(r: dict) -> str:
+    med = r["median"]
+    return (
         f"median samples/s: coordl {med['coordl']:.1f}, bare DALI from memory {med['dali']:.1f}, DALI file reader "
-        f"{med['dali-reader']:.1f}; ratios {ratio:.3f}, {ratio_reader:.3f}"
+        f"{med['dali-reader']:.1f}; ratios {r['ratio_coordl_over_dali']:.3f}, {r['ratio_coordl_over_dali_reader']:.3f}"
     )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
-"""The decoded tier: steady samples/s against the split of the node's cache, the model's
-prediction beside each point, and concurrent independent jobs against ``decoded_cache=0`` and an
-``hp_group``.
+"""The decoded tier: steady samples/s against the cache's split beside the model's, and concurrent jobs.
 
-    python -m benchmarks.decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+The split of the node's cache between encoded and decoded samples, the model's prediction beside
+each point; and concurrent independent jobs against ``decoded_cache=0`` and an ``hp_group``.
+
+    python -m benchmarks decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 
 The dataset is held in memory (its files are read once before, and the encoded tier holds them
 all), so what is measured is prep: ``imagenet-train`` at 224 on the CPU with DALI. Every run is a
@@ -19,12 +20,11 @@ fresh process with a shm folder of its own.
    makespan with ``decoded_cache=0``, with the decoded dataset in the tier, and as an ``hp_group``
    (one fetch and one prep for all).
 
-Writes ``decoded_tier.json`` and ``decoded_tier.png`` (split against throughput) to ``--out``.
+Writes ``decoded_tier.json`` and ``decoded_tier.png`` (split against throughput) to the folder ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,7 +35,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.harness import cli, dataset, limits, report
+
+OUT = str(cli.RESULTS)  # a folder: decoded_tier.json, decoded_tier.png
 
 CHILD = textwrap.dedent(
     """
@@ -192,7 +194,7 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
     return {"runs": runs, "rates": rates, "predicted_curve": curve}
 
 
-def jobs(args, dataset_bytes: int, decoded: int) -> list[dict]:
+def concurrent(args, dataset_bytes: int, decoded: int) -> list[dict]:
     out = []
     for n in args.jobs:
         for name, kw in (
@@ -214,11 +216,10 @@ def jobs(args, dataset_bytes: int, decoded: int) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    report.plot(path, lambda plt: draw(plt, result))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def draw(plt, result: dict):
     s = result["split"]
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot(
@@ -260,20 +261,17 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="DALI threads per job")
     p.add_argument("--epochs", type=int, default=5, help="epochs per split run (the first fills)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
     p.add_argument("--job-epochs", type=int, default=5)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--skip-jobs", action="store_true", help="only the split")
     p.add_argument(
         "--max-short-side",
@@ -284,18 +282,17 @@ def main(argv=None) -> None:
         "decoded_cache=0 (default: 256)",
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds of the split's runs (the median is reported)")
-    args = p.parse_args(argv)
-    dataset = common.dataset_from_args(args)
-    args.data = dataset["root"]
-    for f in Path(args.data).rglob("*"):  # into the page cache: this benchmark measures prep, not storage
-        if f.is_file():
-            f.read_bytes()
-    dataset_bytes = sum(f.stat().st_size for f in Path(args.data).rglob("*") if f.is_file())
+
+
+def run(args) -> dict | None:
+    data = dataset.dataset_from_args(args)
+    args.data = data["root"]
+    # into the page cache: this benchmark measures prep, not storage
+    dataset_bytes = limits.read_through(f for f in Path(args.data).rglob("*") if f.is_file())
     decoded = decoded_bytes(args.data)
-    log(f"dataset: {common.describe(dataset)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
+    log(f"dataset: {dataset.describe(data)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
     result = {
-        "machine": common.machine(),
-        "dataset": dataset,
+        "dataset": data,
         "dataset_bytes": dataset_bytes,
         "decoded_bytes": decoded,
         "batch": args.batch,
@@ -305,13 +302,11 @@ def main(argv=None) -> None:
     result["split"] = split(args, dataset_bytes, decoded)
     if not args.skip_jobs:
         log("concurrent jobs:")
-        result["jobs"] = jobs(args, dataset_bytes, decoded)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decoded_tier.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "decoded_tier.png")
-    log(f"wrote {out / 'decoded_tier.json'} and {out / 'decoded_tier.png'}")
+        result["jobs"] = concurrent(args, dataset_bytes, decoded)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    plot(result, Path(args.out) / "decoded_tier.png")
+    return result
 
 
-if __name__ == "__main__":
-    main()
+def out_path(args) -> Path:
+    return Path(args.out) / "decoded_tier.json"

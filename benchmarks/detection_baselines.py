@@ -125,20 +125,11 @@ def collate(batch):
 
 def torch_loader(images: str, annotations: str, batch_size: int, workers: int, seed: int = 0):
     """``DataLoader(CocoDetection(transforms=PythonSSD()))``, shuffled, persistent workers."""
-    import torch
-
     import coordl
+    from benchmarks.loaders import dataloader
 
     data = coordl.datasets.CocoDetection(images, annotations, transforms=PythonSSD(seed=seed))
-    return torch.utils.data.DataLoader(
-        data,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=workers,
-        collate_fn=collate,
-        persistent_workers=workers > 0,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    return dataloader(data, batch_size, workers, seed, collate_fn=collate)
 
 
 class DaliCoco:

@@ -1,37 +1,21 @@
-"""coordl's local-storage tier (``Cache(disk=...)``) on an ``s3://`` dataset 4x its memory cache,
-behind a slow store: steady epochs with and without the tier, against the same data in a local
-folder (the bound) and against LitData's and Mosaic Streaming's local caches.
+"""The local-storage tier (Cache(disk=...)) on an s3:// dataset 4x the memory cache behind a slow store.
 
-    python -m benchmarks.disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
+The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s counting proxy, ``--latency``
+(20 ms) before each request, bodies at ``--bandwidth`` (20 MB/s, all connections together). The dataset is
+uploaded once as files and once as LitData's and Mosaic's chunks (conversions timed apart, not counted).
+In ``--repeat`` rounds, ABBA, every configuration runs in a fresh process (its own shm, index, TMPDIR and
+cache folders; page cache dropped first unless ``--no-drop``), ``--epochs`` epochs, batch 64:
 
-The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s counting proxy, which
-waits ``--latency`` (20 ms) before each request and sends response bodies at ``--bandwidth`` (20
-MB/s, all connections together). The dataset (``common.add_dataset_options``: 2,000 photo JPEGs,
-~226 MB) is uploaded once as files, and once as LitData's and Mosaic's chunks (``--chunk``; the
-conversions and uploads are timed apart, straight to moto, not counted). Then in ``--repeat``
-rounds with a rotating first configuration, every configuration runs in a fresh process (its own
-``COORDL_SHM_DIR``, ``COORDL_INDEX_DIR``, ``TMPDIR`` and cache folders, removed after; the page
-cache dropped before it starts unless ``--no-drop``), ``--epochs`` epochs each, batch 64:
+- ``no-tier``: ``CoordLoader("s3://...", cache=Cache(size=M))``, M = ``--memory`` (1/4) of the dataset;
+- ``tier``: ``Cache(size=M, disk=Disk(<folder in --tier-root>))`` (reads dropped behind them);
+  ``tier-direct``: ``Disk(..., direct=True)``; ``local``: the same loader on the local folder (the bound);
+- ``litdata``, ``mosaic``: :mod:`benchmarks.disk_tier_baselines`, their caches 4x their chunks' bytes.
 
-- ``no-tier`` (a): ``CoordLoader("s3://...", cache=Cache(size=M), pipeline="imagenet-train",
-  device_id=None, shuffle=True)``, M = ``--memory`` (1/4) of the dataset's bytes;
-- ``tier`` (b): the same with ``Cache(size=M, disk=Disk(<run folder in --tier-root>))``, whose reads
-  drop their pages behind them; ``tier-direct``: ``Disk(..., direct=True)`` (``O_DIRECT``);
-- ``local`` (c): the same loader and M on the dataset's local folder (on ``--tier-root``'s disk);
-- ``litdata``, ``mosaic`` (d): :mod:`benchmarks.disk_tier_baselines`, ``--workers`` workers, their
-  cache limits 4x their chunks' bytes.
+After each tier's run its entries are read back from ``--read-threads`` threads (1,8). Per epoch: seconds,
+samples/s, GETs and bytes, coordl's counters, CPU, device reads and writes of ``--tier-root``, the page
+cache and the configuration's files in it (``fincore``). Ratios of (b) to the others' steady samples/s.
 
-After each tier's run the parent reads the tier's entries back once, shuffled, from each of
-``--read-threads`` threads (1,8), as the tier reads them (dropped behind, or ``O_DIRECT``), the page
-cache dropped first: the rate at which the disk serves the tier, to set beside a link's to peers.
-
-Per epoch: seconds, samples/s, the object GETs and body bytes the proxy saw, coordl's counters,
-the loader's CPU seconds, the bytes read from and written to the device of ``--tier-root``
-(``/proc/diskstats``), ``/proc/meminfo``'s page cache (``Cached - Shmem``) and ``Shmem``, and the
-bytes of the configuration's local files in the page cache (``fincore``: the tier, the local
-dataset, LitData's or Mosaic's cache folder). Writes ``--out`` (``results/disk_tier.json``: machine,
-dataset, conversions, every run, medians, the ratios of steady samples/s of (b) to (c), (a) and (d))
-and prints a table.
+    python -m benchmarks disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
 """
 
 from __future__ import annotations
@@ -42,7 +26,6 @@ import mmap
 import os
 import random
 import re
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -52,8 +35,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import common, disk_tier_baselines
-from benchmarks.s3 import Meter, Parent
+from benchmarks import disk_tier_baselines
+from benchmarks.harness import cli, dataset, jobs, limits, measure
+from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
 BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
@@ -103,7 +87,7 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if entry.fullmatch(f)]
     random.Random(0).shuffle(files)
     if drop:
-        common.drop_page_cache()
+        limits.drop_page_cache()
 
     def read(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
@@ -166,59 +150,38 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
     shm_before = set(os.listdir("/dev/shm"))
     run = {"config": name, "epochs": [], "dropped_page_cache": None}
     if not args.no_drop:
-        run["dropped_page_cache"] = common.drop_page_cache() or True
+        run["dropped_page_cache"] = limits.drop_page_cache() or True
     meter, dev = Meter(server), ctx["device"]
     io_was, mem_was = device_io(dev), meminfo()
-    proc = subprocess.Popen(
-        common.module_command("disk_tier", "--one", str(spec_file)),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
+
+    def heard(event: str, msg: dict) -> None:
+        nonlocal io_was, mem_was
+        counts = meter.read()
+        if event == "created":
+            run.update(msg, create_requests=counts)
+        else:
+            io_now, mem = device_io(dev), meminfo()
+            msg.update(counts, loader_cpu_s=msg.pop("cpu_s"), resident_bytes=resident(local), meminfo=mem)
+            msg["device_read"], msg["device_written"] = (a - b for a, b in zip(io_now, io_was))
+            msg["page_cache_delta"] = mem["page_cache"] - mem_was["page_cache"]
+            run["epochs"].append(msg)
+        io_was, mem_was = device_io(dev), meminfo()
+
     try:
-        while line := proc.stdout.readline():
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue  # a library's chatter on stdout
-            event = msg.pop("event")
-            if event == "done":
-                run["close_s"] = msg.get("close_s")
-                break
-            counts = meter.read()
-            if event == "created":
-                run.update(msg, create_requests=counts)
-            else:
-                io_now, mem = device_io(dev), meminfo()
-                msg.update(counts, loader_cpu_s=msg.pop("cpu_s"), resident_bytes=resident(local), meminfo=mem)
-                msg["device_read"], msg["device_written"] = (a - b for a, b in zip(io_now, io_was))
-                msg["page_cache_delta"] = mem["page_cache"] - mem_was["page_cache"]
-                run["epochs"].append(msg)
-            io_was, mem_was = device_io(dev), meminfo()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        proc.stdin.close()
-        err = proc.stderr.read()
-        proc.wait(120)
-        if name.startswith("tier") and proc.returncode == 0 and args.read_threads:
+        code, err, done = jobs.converse(jobs.scenario_command("disk_tier", "--one", str(spec_file)), heard, env=env)
+        run["close_s"] = done.get("close_s")
+        if name.startswith("tier") and code == 0 and args.read_threads:
             for threads in args.read_threads:  # the disk's rate for the tier's entries, the loader gone
                 run.setdefault("tier_read", []).append(
                     tier_capacity(local, name == "tier-direct", threads, not args.no_drop)
                 )
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
     finally:
         leftovers = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith("coordl-"))
         for folder in (shm, work, tmp):
             shutil.rmtree(folder, ignore_errors=True)
     run["shm_left"] = leftovers  # new in /dev/shm (Mosaic's segments; another program's too): reported, not removed
-    if proc.returncode != 0 or len(run["epochs"]) < args.epochs:
-        at = err.rfind("Traceback (most recent call last)")
-        run["error"] = (err[at:] if at >= 0 else err).strip()[-3000:] or f"exit status {proc.returncode}"
+    if code != 0 or len(run["epochs"]) < args.epochs:
+        run["error"] = jobs.error_text(err) or f"exit status {code}"
     elif short := [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]:
         run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}\n{err[-2000:]}"
     return run
@@ -228,7 +191,7 @@ def convert(args, server, kind: str, data: str, work: str) -> dict:
     """``kind``'s chunks of the dataset, made in a child (timed), uploaded straight to moto (timed)."""
     out = os.path.join(work, kind)
     t0 = time.perf_counter()
-    cmd = common.module_command("disk_tier_baselines", "convert", kind, data, out, args.chunk)
+    cmd = jobs.module_command("disk_tier_baselines", "convert", kind, data, out, args.chunk)
     tmp = tempfile.mkdtemp(prefix="coordl-dt-")
     try:
         done = subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp}, capture_output=True, text=True)
@@ -261,33 +224,20 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     fields += ("resident_bytes", "page_cache_delta")
     counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
     counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
-    out = {}
-    for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
-        if ok:
-            entry["create_s"] = spread([r["create_s"] for r in ok])
-            entry["steady_samples_per_s"] = spread([steady(r) for r in ok])
-            entry["epochs"] = []
-            for e in range(min(len(r["epochs"]) for r in ok)):
-                rows = [r["epochs"][e] for r in ok]
-                ep = {"epoch": e, "samples": rows[0]["samples"]}
-                ep.update({f: spread([x[f] for x in rows]) for f in fields if all(x.get(f) is not None for x in rows)})
-                got = {f: [x["stats"][f] for x in rows if f in x.get("stats", {})] for f in counters}
-                ep.update({f: spread(v) for f, v in got.items() if len(v) == len(rows)})
-                entry["epochs"].append(ep)
-        out[name] = entry
-    return out
+
+    def extra(ok):
+        return {
+            "create_s": measure.spread_all([r["create_s"] for r in ok]),
+            "steady_samples_per_s": measure.spread_all([steady(r) for r in ok]),
+        }
+
+    return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
 def steady(run: dict) -> float:
     """Samples/s over the epochs after the first."""
     rest = run["epochs"][1:]
     return sum(e["samples"] for e in rest) / sum(e["seconds"] for e in rest)
-
-
-def spread(vals: list[float]) -> dict:
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "all": vals}
 
 
 def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
@@ -306,7 +256,7 @@ def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
 def table(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"{common.describe(result['dataset'])}; memory cache {c['memory_bytes'] / 1e6:.1f} MB; "
+        f"memory cache {c['memory_bytes'] / 1e6:.1f} MB; "
         f"{c['latency_s'] * 1e3:g} ms per request, {c['bandwidth_bps'] / 1e6:g} MB/s; {c['repeat']} round(s); "
         "medians [min-max]",
         "| config | epoch | samples/s | s | GETs | store MB | cache hits | tier reads | device MB read / written "
@@ -358,12 +308,8 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    argv = given = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.disk_tier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/disk-tier", images=2000, classes=20)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/disk-tier", images=2000, classes=20)
     p.add_argument("--smoke", action="store_true", help="a tiny dataset, 2 epochs, 1 round: " + " ".join(SMOKE))
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--bandwidth", default="20MB", help="the store's bandwidth per second, all GETs together (20MB)")
@@ -388,28 +334,26 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
     p.add_argument("--bucket", default="coordl-disk-tier")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "disk_tier.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in this JSON file
-    if "--smoke" in argv:
-        argv = SMOKE + argv  # what the command line gives too comes later, and wins
-    args = p.parse_args(argv)
+
+
+def run(args) -> dict | None:
     if args.one:
-        spec = json.loads(Path(args.one).read_text())
-        disk_tier_baselines.child(spec, Parent())
-        return 0
+        return disk_tier_baselines.child(json.loads(Path(args.one).read_text()), jobs.Parent())
+    if args.smoke:  # the smoke's dataset, where the command line did not name one
+        vars(args).update(vars(cli.parser("disk_tier", sys.modules[__name__]).parse_args(SMOKE + args._argv)))
 
     from coordl.units import parse_bytes
     from coordl_testing.s3server import S3Server
 
     names = [n for n in args.configs.split(",") if n]
     if unknown := set(names) - set(CONFIGS):
-        p.error(f"unknown configurations {sorted(unknown)}: pick from {','.join(CONFIGS)}")
-    dataset = common.dataset_from_args(args)
-    log(f"dataset: {common.describe(dataset)}")
-    machine = {**common.machine(), "load_at_start": os.getloadavg(), "fincore": shutil.which("fincore") is not None}
-    ctx = {"data": dataset["root"], "url": f"s3://{args.bucket}/raw/train", "conversions": {}}
-    ctx["memory"], ctx["files"] = int(args.memory * dataset["total_bytes"]), dataset["files"]
-    ctx["device"] = common.device_of(args.tier_root)
+        raise SystemExit(f"unknown configurations {sorted(unknown)}: pick from {','.join(CONFIGS)}")
+    data = dataset.dataset_from_args(args)
+    log(f"dataset: {dataset.describe(data)}")
+    ctx = {"data": data["root"], "url": f"s3://{args.bucket}/raw/train", "conversions": {}}
+    ctx["memory"], ctx["files"] = int(args.memory * data["total_bytes"]), data["files"]
+    ctx["device"] = measure.device_of(args.tier_root)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     t_start = time.time()
     work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-convert-")
@@ -418,33 +362,30 @@ def main(argv=None) -> int:
             moto_pid = server._proc.pid
             server.create_bucket(args.bucket)
             t0 = time.perf_counter()
-            server.upload_tree(dataset["root"], args.bucket, "raw/train")
+            server.upload_tree(data["root"], args.bucket, "raw/train")
             upload_s = time.perf_counter() - t0
             for kind in ("litdata", "mosaic"):
                 if kind in names:
-                    ctx["conversions"][kind] = conv = convert(args, server, kind, dataset["root"], work)
+                    ctx["conversions"][kind] = conv = convert(args, server, kind, data["root"], work)
                     log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks), ", end="")
                     log(f"uploaded in {conv['upload_s']:.1f} s")
             server.latency_s = args.latency
-            for rnd in range(args.repeat):
-                k = rnd % len(names)
-                for name in names[k:] + names[:k]:  # every round starts elsewhere: drift hits all alike
-                    r = run_one(args, server, name, ctx)
-                    r["round"] = rnd
-                    runs[name].append(r)
-                    what = (
-                        r["error"].splitlines()[-1][:300]
-                        if "error" in r
-                        else ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-                    )
-                    log(f"  [{rnd + 1}/{args.repeat}] {name:>11}: {what}")
+            for rnd, name in measure.alternate(names, args.repeat):
+                r = run_one(args, server, name, ctx)
+                r["round"] = rnd
+                runs[name].append(r)
+                what = (
+                    r["error"].splitlines()[-1][:300]
+                    if "error" in r
+                    else ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
+                )
+                log(f"  [{rnd + 1}/{args.repeat}] {name:>11}: {what}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarise(runs)
     result = {
-        "benchmark": "disk_tier",
-        "command": shlex.join(["python", "-m", "benchmarks.disk_tier", *given]),
         "smoke": args.smoke,
+        "fincore": shutil.which("fincore") is not None,
         "config": {
             "latency_s": args.latency,
             "bandwidth_bps": parse_bytes(args.bandwidth),
@@ -464,8 +405,7 @@ def main(argv=None) -> int:
             "pipeline": "imagenet-train",
             "url": ctx["url"],
         },
-        "machine": {**machine, "load_at_end": os.getloadavg()},
-        "dataset": dataset,
+        "dataset": data,
         "upload_s": upload_s,
         "conversions": ctx["conversions"],
         "moto_pid": moto_pid,
@@ -474,13 +414,4 @@ def main(argv=None) -> int:
         "summary": summary,
         "ratios": ratios(runs, summary),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    log(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

@@ -168,7 +168,7 @@ def _mosaic(spec: dict):
 
 def child(spec: dict, parent) -> None:
     """One run in a fresh process: the loader made, then ``epochs`` epochs, each said to ``parent``
-    (:class:`benchmarks.s3.Parent`, with coordl's ``stats()``) and awaited."""
+    (:class:`benchmarks.harness.jobs.Parent`, with coordl's ``stats()``) and awaited."""
     t0 = time.perf_counter()
     make = _imports(spec["kind"])
     import_s = time.perf_counter() - t0

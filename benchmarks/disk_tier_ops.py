@@ -9,26 +9,23 @@ PATH`` times another version of the tier's module too (a file holding ``DiskTier
 and ``stamp``, e.g. the one before the checks: ``git show 7eab09f:src/coordl/fetch/disk.py >
 /tmp/disk_before.py``), alternating the two, ``--rounds`` times each, a fresh process per run.
 
-    python -m benchmarks.disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
+    python -m benchmarks disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).parent
+from benchmarks.harness import jobs, measure
 
 
 def one(module: str | None, root: str, entries: int, size: int) -> dict:
@@ -74,35 +71,30 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.disk_tier_ops", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def options(p) -> None:
     p.add_argument("--root", default="/dev/shm", help="where the tiers go (default /dev/shm: the code's cost alone)")
     p.add_argument("--entries", type=int, default=5000)
     p.add_argument("--size", type=int, default=4000, help="bytes per sample (default 4000)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--before", help="a file holding another version of the tier's module, timed alternately")
-    p.add_argument("--out", default=str(HERE / "results" / "disk_tier_ops.json"))
     p.add_argument("--one", nargs="?", const="", default=None, help=argparse.SUPPRESS)  # a child: one run
-    args = p.parse_args(argv)
+
+
+def run(args) -> dict | None:
     if args.one is not None:
-        print(json.dumps(one(args.one or None, args.root, args.entries, args.size)))
-        return 0
+        return jobs.say(**one(args.one or None, args.root, args.entries, args.size))
     runs: dict[str, list[dict]] = {"now": [], "before": []}
-    for _ in range(args.rounds):
-        for which in ("before", "now") if args.before else ("now",):
-            extra = ["--one", args.before] if which == "before" else ["--one"]
-            child = [sys.executable, "-m", "benchmarks.disk_tier_ops", "--root", args.root, "--entries",
-                     str(args.entries), "--size", str(args.size), *extra]  # fmt: skip
-            line = subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            runs[which].append(json.loads(line))
+    for _, which in measure.alternate(["before", "now"] if args.before else ["now"], args.rounds):
+        extra = ["--one", args.before] if which == "before" else ["--one"]
+        child = ["--root", args.root, "--entries", str(args.entries), "--size", str(args.size), *extra]
+        runs[which].append(jobs.run_json(jobs.scenario_command("disk_tier_ops", *child)))
     medians = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items() if rs}
-    for which, m in medians.items():
-        print(f"{which:>6}: write {m['write_us']:.0f} us CPU/entry ({m['write_wall_us']:.0f} wall), "
-              f"read {m['read_us']:.1f} us CPU/entry ({m['read_wall_us']:.1f} wall)")  # fmt: skip
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "medians": medians}, indent=1) + "\n")
-    return 0
+    return {"runs": runs, "medians": medians}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(r: dict) -> str:
+    return "\n".join(
+        f"{which:>6}: write {m['write_us']:.0f} us CPU/entry ({m['write_wall_us']:.0f} wall), "
+        f"read {m['read_us']:.1f} us CPU/entry ({m['read_wall_us']:.1f} wall)"
+        for which, m in r["medians"].items()
+    )

@@ -7,7 +7,7 @@ Modes: ``train`` (a ResNet-50 step per batch: torchvision's model when it import
 ``examples/imagenet/models.py``'s, bf16 autocast, channels_last, SGD) and ``prep`` (the batches alone, on the
 GPU). Each loader runs in a child process of its own: a warm-up epoch (training: loader, CUDA, cuDNN's
 autotuning) that is not counted, then ``--epochs`` epochs of each mode, alternating train, prep, train, ...;
-the loaders follow one another in a rotating order for ``--reps`` rounds. Per loader and mode: samples/s over
+the loaders follow one another in ABBA order for ``--reps`` rounds. Per loader and mode: samples/s over
 the measured epochs (the GPU synchronised at each epoch's end), the stall fraction (time spent waiting in
 ``next()`` / epoch time; coordl's own ``stats()["stall_s"]`` / epoch time beside it), CPU seconds per sample
 (the process, its threads and its children: DALI's threads, the DataLoader's workers). A loader that cannot
@@ -28,8 +28,8 @@ all; ``--budget`` (default 330 s, data included) skips a run that would start to
 and ends one that overruns (``--run-timeout``, default 120 s, ends a run that hangs), so the command stays
 under 6 minutes whatever the GPU's rates.
 
-    python -m benchmarks.gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
-    python -m benchmarks.gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
+    python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
+    python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
 """
 
 from __future__ import annotations
@@ -39,16 +39,14 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
 from benchmarks import gpu_loaders as loaders
-from benchmarks.detection import cpu_seconds
+from benchmarks.harness import cli, dataset, jobs, limits, measure
+from benchmarks.harness.measure import cpu_seconds
 
-HERE = Path(__file__).resolve().parent
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/gpu", "/var/tmp/coordl-bench/gpu-smoke"
 MODES = ("train", "prep")
 CLASSES = 1000  # the model's outputs: ImageNet's head, whatever the dataset's folders
@@ -131,48 +129,46 @@ def job_command(args, name: str, out: Path) -> list[str]:
     argv = ["--job", name, "--out", str(out), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
     argv += ["--epochs", str(args.epochs), "--warmup", str(args.warmup), "--modes", ",".join(args.modes)]
     argv += ["--arch", args.arch, "--device-id", str(args.device_id), "--data", args.root]
-    return common.module_command("gpu", *argv, *(["--cpu-smoke"] if args.cpu_smoke else []))
+    return jobs.scenario_command("gpu", *argv, *(["--cpu-smoke"] if args.cpu_smoke else []))
 
 
 def run_all(args, result: dict, workdir: Path, started: float) -> None:
     runs = result["runs"] = {name: [] for name in args.loaders}
     longest = 0.0
-    for rep in range(args.reps):
-        order = args.loaders[rep % len(args.loaders) :] + args.loaders[: rep % len(args.loaders)]
-        for name in order:
-            left = args.budget - (time.perf_counter() - started)
-            reason = loaders.missing(name)
-            if reason is None and left < longest:
-                reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
-            if reason is not None:
-                runs[name].append({"skipped": reason})
-                print(f"  rep {rep + 1} {name}: skipped ({reason})")
-                continue
-            out, t0 = workdir / f"{name}.json", time.perf_counter()
-            load = os.getloadavg()[0]
-            try:
-                limit = max(min(left, args.run_timeout), 30)
-                command = job_command(args, name, out)
-                proc = subprocess.run(command, timeout=limit, capture_output=True, text=True, check=False)
-                run = json.loads(out.read_text()) if proc.returncode == 0 else {"error": _tail(proc)}
-            except subprocess.TimeoutExpired as e:
-                said = (e.stdout or b"")[-1500:]
-                said = said.decode(errors="replace") if isinstance(said, bytes) else said
-                run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said}"}
-            out.unlink(missing_ok=True)
-            run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
-            if "error" in run:
-                print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
-            else:
-                longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
-                run["summary"] = summary(run)
-                cells = ", ".join(
-                    f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
-                    for mode, s in run["summary"].items()
-                )
-                print(f"  rep {rep + 1} {name}: {cells}; {run['wall_s']:.0f} s")
-            runs[name].append(run)
-            write(args.out, result)  # after every run: what finished survives an interrupted command
+    for rep, name in measure.alternate(args.loaders, args.reps):
+        left = args.budget - (time.perf_counter() - started)
+        reason = loaders.missing(name)
+        if reason is None and left < longest:
+            reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
+        if reason is not None:
+            runs[name].append({"skipped": reason})
+            print(f"  rep {rep + 1} {name}: skipped ({reason})")
+            continue
+        out, t0 = workdir / f"{name}.json", time.perf_counter()
+        load = os.getloadavg()[0]
+        try:
+            limit = max(min(left, args.run_timeout), 30)
+            command = job_command(args, name, out)
+            proc = subprocess.run(command, timeout=limit, capture_output=True, text=True, check=False)
+            run = json.loads(out.read_text()) if proc.returncode == 0 else {"error": _tail(proc)}
+        except subprocess.TimeoutExpired as e:
+            said = (e.stdout or b"")[-1500:]
+            said = said.decode(errors="replace") if isinstance(said, bytes) else said
+            run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said}"}
+        out.unlink(missing_ok=True)
+        run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
+        if "error" in run:
+            print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
+        else:
+            longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
+            run["summary"] = summary(run)
+            cells = ", ".join(
+                f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
+                for mode, s in run["summary"].items()
+            )
+            print(f"  rep {rep + 1} {name}: {cells}; {run['wall_s']:.0f} s")
+        runs[name].append(run)
+        cli.save(args, result)  # after every run: what finished survives an interrupted command
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
@@ -201,7 +197,7 @@ def medians(result: dict) -> dict:
 
 
 # -- the dataset --------------------------------------------------------------------------------
-def dataset(args) -> dict:
+def images(args) -> dict:
     """Makes (or finds) the dataset and reads every file once, so that it is in the page cache."""
     t0 = time.perf_counter()
     lacking = [m for m in ("PIL", "tqdm") if importlib.util.find_spec(m) is None]
@@ -215,14 +211,10 @@ def dataset(args) -> dict:
                 "made elsewhere (ImageFolder: one folder per class)."
             )
     else:
-        figures = common.dataset_from_args(args)
+        figures = dataset.dataset_from_args(args)
     figures["make_s"] = time.perf_counter() - t0
-    t0, read = time.perf_counter(), 0
-    for folder, _, files in os.walk(figures["root"]):
-        for f in files:
-            with open(os.path.join(folder, f), "rb") as fh:
-                while chunk := fh.read(1 << 20):
-                    read += len(chunk)
+    t0 = time.perf_counter()
+    read = limits.read_through(os.path.join(d, f) for d, _, files in os.walk(figures["root"]) for f in files)
     figures.update(page_cache_read_s=time.perf_counter() - t0, page_cache_read_bytes=read)
     return figures
 
@@ -248,18 +240,10 @@ def _found(root: str) -> dict | None:
 
 
 # -- the command ------------------------------------------------------------------------------
-def write(path: str, result: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def options(p) -> None:
     p.add_argument("--job", choices=loaders.LOADERS, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
-    common.add_dataset_options(p, data=None, images=20000, classes=100)
+    dataset.add_dataset_options(p, data=None, images=20000, classes=100)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads / DataLoader workers (all CPUs)")
     p.add_argument("--epochs", type=int, default=1, help="measured epochs of each mode per run (default: 1)")
@@ -275,13 +259,13 @@ def main() -> int:
         action="store_true",
         help="the CPU side: 64 small images, every loader on the CPU (DataLoader: 2 workers), resnet_tiny, batch 16",
     )
-    p.add_argument("--out", default=str(HERE / "results" / "gpu.json"))
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
     args.modes = args.modes.split(",")
     if args.job:
         args.root = args.data
-        job(args)
-        return 0
+        return job(args)
     started = time.perf_counter()
     args.data = args.data or (SMOKE_DATA if args.cpu_smoke else DATA)
     args.synthetic = args.synthetic or not args.photos  # the photographs do not travel to the GPU machine
@@ -295,17 +279,14 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: run this on a GPU machine, or --cpu-smoke for its CPU side")
-    data = dataset(args)
+    data = images(args)
     args.root = data["root"]
     print(
-        f"dataset: {common.describe(data)}, {data['classes']} classes; made/found in {data['make_s']:.1f} s, "
+        f"dataset: {dataset.describe(data)}, {data['classes']} classes; made/found in {data['make_s']:.1f} s, "
         f"read into the page cache in {data['page_cache_read_s']:.1f} s"
     )
     result = {
-        "benchmark": "gpu",
-        "command": " ".join(["python -m benchmarks.gpu", *sys.argv[1:]]),
         "cpu_smoke": args.cpu_smoke,
-        "machine": {**common.machine(), "load_at_start": os.getloadavg()},
         "dataset": data,
         "config": {
             "batch_size": args.batch_size,
@@ -321,18 +302,17 @@ def main() -> int:
     }
     print(
         f"batch {args.batch_size}, {args.threads} threads/workers, {args.arch}, "
-        f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in a rotating order"
+        f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in ABBA order"
     )
     with tempfile.TemporaryDirectory(prefix="coordl-gpu-") as tmp:
         run_all(args, result, Path(tmp), started)
     result.update(medians(result))
-    result["machine"]["load_at_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - started
-    write(args.out, result)
-    print(table(result))
-    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
-    failed = [n for n, rs in result["runs"].items() for r in rs if "error" in r]
-    return 1 if failed else 0
+    if [r for rs in result["runs"].values() for r in rs if "error" in r]:
+        cli.save(args, result)
+        print(table(result))
+        raise SystemExit(f"a run failed; wrote {args.out}")
+    return result
 
 
 def table(result: dict) -> str:
@@ -351,7 +331,3 @@ def table(result: dict) -> str:
         lines += [f"| {name} | - | {note} | | | |" for note in notes]
     lines += [f"{key}: {r:.3f}" for key, r in result["ratios"].items()]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

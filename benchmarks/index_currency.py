@@ -23,7 +23,7 @@ listing of a page walks every key of the bucket): the figure for ImageNet's 1,00
 
 Deletes the tree, the objects and the saved indexes at the end (``--keep`` keeps the tree).
 
-    python -m benchmarks.index_currency
+    python -m benchmarks index_currency
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.harness import dataset, jobs, limits
 from benchmarks.index_scale import make_tree, remove_tree
-
-HERE = Path(__file__).parent
 
 
 # -- measured in a child ----------------------------------------------------------------------
@@ -71,11 +69,11 @@ def child(what: str, root: str, index_dir: str, threads: int) -> dict:
 
 def run_child(*args: str, env: dict | None = None) -> dict:
     full = dict(os.environ, **(env or {}))
-    full["PYTHONPATH"] = os.pathsep.join([str(common.ROOT / "src"), str(common.ROOT)])
+    full["PYTHONPATH"] = os.pathsep.join([str(dataset.ROOT / "src"), str(dataset.ROOT)])
     p = subprocess.run(
-        common.module_command("index_currency", "--child", *args),
+        jobs.scenario_command("index_currency", "--child", *args),
         env=full,
-        cwd=common.ROOT,
+        cwd=dataset.ROOT,
         capture_output=True,
         text=True,
         check=False,
@@ -110,7 +108,7 @@ def files(args, work: Path) -> dict:
     out["check_warm_by_threads"] = [run_child("check", str(root), index_dir, str(t)) for t in args.threads]
     cold = []
     for t in [] if args.no_cold else args.threads:
-        why = common.drop_page_cache(3)
+        why = limits.drop_page_cache(3)
         if why:
             out["check_cold_skipped"] = why
             break
@@ -197,16 +195,8 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
     }
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        what, root, index_dir, threads = sys.argv[2:6]
-        print(json.dumps(child(what, root, index_dir, int(threads))))
-        return 0
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.index_currency",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def options(p) -> None:
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR THREADS: one measurement
     p.add_argument("--data", default="/var/tmp/coordl-index-scale", help="where the tree is made")
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--per-class", type=int, default=1281)
@@ -219,9 +209,13 @@ def main() -> int:
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--skip", choices=["files", "s3"], action="append", default=[])
     p.add_argument("--keep", action="store_true", help="keep the tree for another run")
-    p.add_argument("--out", default=str(HERE / "results" / "index_currency.json"))
-    args = p.parse_args()
-    result = {"machine": common.machine(), "args": vars(args)}
+
+
+def run(args) -> dict | None:
+    if args.child:
+        what, root, index_dir, threads = args.child
+        return jobs.say(**child(what, root, index_dir, int(threads)))
+    result = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="coordl-index-currency-") as tmp:
         work = Path(tmp)
         try:
@@ -232,10 +226,8 @@ def main() -> int:
                 remove_tree(Path(args.data), Path(args.data) / "train")
         if "s3" not in args.skip:
             result["s3"] = s3(args, work)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1)[:6000])
-    return 0
+    return result
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def table(result: dict) -> str:
+    return json.dumps(result, indent=1)[:6000]

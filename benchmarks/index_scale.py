@@ -15,7 +15,7 @@ step in a fresh Python:
 
 Deletes the tree and the saved indexes at the end (``--keep`` keeps the tree for another run).
 
-    python -m benchmarks.index_scale --before-ref 2b84f86
+    python -m benchmarks index_scale --before-ref 2b84f86
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
-
-HERE = Path(__file__).parent
-
+from benchmarks.harness import dataset, jobs
+from benchmarks.harness.report import mb
 
 # -- the tree ---------------------------------------------------------------------------------
 MARK = ".made-by-index-scale"  # in a tree this script made (and may delete); its size once complete
@@ -172,12 +170,12 @@ def child_load(root: str, index_dir: str, traced: bool) -> dict:
 
 # -- the runner -------------------------------------------------------------------------------
 def run_child(src: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(common.ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(dataset.ROOT)]))
     p = subprocess.run(
-        common.module_command("index_scale", *args),
+        jobs.scenario_command("index_scale", *args),
         check=False,
         env=env,
-        cwd=common.ROOT,
+        cwd=dataset.ROOT,
         capture_output=True,
         text=True,
     )
@@ -211,26 +209,27 @@ def measure(label: str, src: str, root: str, work: Path, loads: int) -> dict:
 def source_of(ref: str, work: Path) -> str:
     """The ``src/`` folder of commit ``ref`` of this repository, extracted under ``work``."""
     out = work / f"src-{ref}"
-    archive = subprocess.run(["git", "-C", str(common.ROOT), "archive", ref, "src"], capture_output=True, check=True)
+    archive = subprocess.run(["git", "-C", str(dataset.ROOT), "archive", ref, "src"], capture_output=True, check=True)
     out.mkdir()
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(out, filter="data")
     return str(out / "src")
 
 
-def table(results: dict) -> str:
+def table(result: dict) -> str:
+    results = result["results"]
     rows = [
         ("scan s", lambda r: f"{r['scan_s']:.1f}"),
         ("save s", lambda r: f"{r['save_s']:.2f}"),
-        ("saved file MB", lambda r: common.mb(r["file_bytes"])),
+        ("saved file MB", lambda r: mb(r["file_bytes"])),
         ("load s (median)", lambda r: f"{r['load_s']:.3f}"),
-        ("process after load: RSS MB", lambda r: common.mb(r["after_load"]["rss"])),
-        ("process after load: anonymous MB", lambda r: common.mb(r["after_load"]["anon"])),
-        ("heap held by the index (tracemalloc) MB", lambda r: common.mb(r["heap_bytes"])),
+        ("process after load: RSS MB", lambda r: mb(r["after_load"]["rss"])),
+        ("process after load: anonymous MB", lambda r: mb(r["after_load"]["anon"])),
+        ("heap held by the index (tracemalloc) MB", lambda r: mb(r["heap_bytes"])),
         ("forked worker: walk of every path and size s", lambda r: f"{r['walk_s']:.2f}"),
-        ("forked worker: pages copied (private dirty) MB", lambda r: common.mb(r["worker_after_walk"]["dirty"])),
-        ("forked worker: USS growth MB", lambda r: common.mb(r["worker_after_walk"]["uss"])),
-        ("forked worker: RSS growth MB", lambda r: common.mb(r["worker_after_walk"]["rss"])),
+        ("forked worker: pages copied (private dirty) MB", lambda r: mb(r["worker_after_walk"]["dirty"])),
+        ("forked worker: USS growth MB", lambda r: mb(r["worker_after_walk"]["uss"])),
+        ("forked worker: RSS growth MB", lambda r: mb(r["worker_after_walk"]["rss"])),
     ]
     labels = list(results)
     lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
@@ -238,25 +237,22 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        what, root, index_dir = sys.argv[2:5]
-        result = child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced")
-        print(json.dumps(result))
-        return 0
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.index_scale",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def options(p) -> None:
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR: one measurement
     p.add_argument("--data", default="/var/tmp/coordl-index-scale", help="where the tree is made")
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--per-class", type=int, default=1281)
     p.add_argument("--loads", type=int, default=3, help="loads of the saved index, each in a fresh process")
     p.add_argument("--before-ref", help="also measure the src/ of this commit (the format before)")
     p.add_argument("--keep", action="store_true", help="keep the tree for another run")
-    p.add_argument("--out", default=str(HERE / "results" / "index_scale.json"))
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
+    if args.child:
+        what, root, index_dir = args.child
+        return jobs.say(
+            **(child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced"))
+        )
     root = Path(args.data) / "train"
     results, made_s = {}, None
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="coordl-index-scale-") as tmp:
@@ -266,20 +262,13 @@ def main() -> int:
             made_s = make_tree(root, args.classes, args.per_class)
             if args.before_ref:
                 results["before"] = measure("before", source_of(args.before_ref, work), str(root), work, args.loads)
-            results["after"] = measure("after", str(common.ROOT / "src"), str(root), work, args.loads)
+            results["after"] = measure("after", str(dataset.ROOT / "src"), str(root), work, args.loads)
         finally:
             if not args.keep:
                 remove_tree(Path(args.data), root)
     result = {
-        "machine": common.machine(),
         "tree": {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s},
         "before_ref": args.before_ref,
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(table(results))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return result

@@ -42,7 +42,6 @@ batches; it is reported as the cold epoch, not used for steady-state figures.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -52,7 +51,8 @@ import time
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.harness import measure
+from benchmarks.harness.jobs import say
 
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
@@ -133,22 +133,26 @@ class PillowImageFolder:
         return self.transform(image), label
 
 
+def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
+    """The DataLoader every Pillow baseline uses: shuffled (seeded), persistent workers."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        generator=generator,
+        **kw,
+    )
+
+
 class TorchLoader:
     def __init__(self, data: str, batch_size: int, workers: int, seed: int):
-        import torch
-        from torch.utils.data import DataLoader
-
         self.dataset = PillowImageFolder(data, TrainAugment())
-        g = torch.Generator()
-        g.manual_seed(seed)
-        self.loader = DataLoader(
-            self.dataset,
-            batch_size=batch_size,
-            shuffle=True,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            generator=g,
-        )
+        self.loader = dataloader(self.dataset, batch_size, workers, seed)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -165,6 +169,20 @@ class TorchLoader:
 
 
 # -- DALI's own file reader ---------------------------------------------------------------------
+def dali_imagenet_train(jpegs, size: int = SIZE):
+    """``imagenet-train``'s ops in DALI, for the DALI baselines: a random-area crop decoded, resized
+    to ``size``, flipped with probability 0.5, normalised to CHW float."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_random_crop(
+        jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
+    )
+    images = fn.resize(images, resize_x=size, resize_y=size)
+    mirror = fn.random.coin_flip(probability=0.5)
+    mean, std = [m * 255 for m in MEAN], [s * 255 for s in STD]
+    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std)
+
+
 class DaliLoader:
     READERS = {
         "dali-shuffle": {"random_shuffle": True},
@@ -173,7 +191,7 @@ class DaliLoader:
     }
 
     def __init__(self, kind: str, data: str, batch_size: int, workers: int, seed: int):
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         reader = self.READERS[kind]
@@ -181,18 +199,7 @@ class DaliLoader:
         @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
             jpegs, labels = fn.readers.file(file_root=data, name="Reader", **reader)
-            images = fn.decoders.image_random_crop(
-                jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
-            )
-            images = fn.resize(images, resize_x=SIZE, resize_y=SIZE)
-            return fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-                mirror=fn.random.coin_flip(probability=0.5),
-                mean=[m * 255 for m in MEAN],
-                std=[s * 255 for s in STD],
-            ), labels
+            return dali_imagenet_train(jpegs), labels
 
         p = pipe()
         p.build()
@@ -349,10 +356,6 @@ class MemoryMeter:
         }
 
 
-def say(**msg) -> None:
-    print(json.dumps(msg), flush=True)
-
-
 def child(args) -> int:
     dev = tuple(int(x) for x in args.device.split(":"))
     memory = MemoryMeter(args.memcg)
@@ -376,7 +379,7 @@ def child(args) -> int:
         if e:
             epoch, samples = loader.epoch(), 0
         memory.start()
-        before = common.sectors_read(dev)
+        before = measure.sectors_read(dev)
         wait = 0.0
         t0 = time.perf_counter()
         while True:
@@ -390,7 +393,7 @@ def child(args) -> int:
             if args.compute_ms:
                 time.sleep(args.compute_ms / 1000)
         seconds = time.perf_counter() - t0
-        disk = common.sectors_read(dev) - before
+        disk = measure.sectors_read(dev) - before
         row = {
             "epoch": e,
             "seconds": round(seconds, 3),

@@ -11,9 +11,9 @@ scenario of the issue "Container and cluster reality":
    the budget chosen, what was cached, the warnings, and whether every epoch delivered every
    sample exactly once.
 
-    python -m benchmarks.memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
-    python -m benchmarks.memory_limit ... --limit 602MiB     # the issue's limit, as measured there
-    python -m benchmarks.memory_limit --data /var/tmp/coordl-bench/memlimit510 --size 510MB --classes 10 \
+    python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
+    python -m benchmarks memory_limit ... --limit 602MiB     # the issue's limit, as measured there
+    python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit510 --size 510MB --classes 10 \
         --image-size 64 --batch-size 16 --num-threads 2 --io-threads 2     # tests/test_memory_limit.py's scenario
 
 Peak RSS over-counts what the cgroup is charged where the libraries' pages were read first by
@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
-from benchmarks.limits import Cgroup, probe
+from benchmarks.harness import dataset, jobs, report
+from benchmarks.harness.limits import Cgroup, probe
 from coordl.units import parse_bytes
 
 MiB = 1 << 20
@@ -113,7 +113,6 @@ def child(args) -> int:
     out["peak_anon"] = peak_anon
     out["peak_charged"] = peak_charged
     print("RESULT " + json.dumps(out), flush=True)
-    return 0
 
 
 def anon_rss() -> int:
@@ -139,7 +138,7 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
     try:
         if limit is not None:
             cg.write("memory.limit_in_bytes", limit)
-        cmd = common.module_command(
+        cmd = jobs.scenario_command(
             "memory_limit",
             "--child",
             "--cgroup",
@@ -182,13 +181,8 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.memory_limit",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/memlimit", images=None, size="158MiB", classes=10)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/memlimit", images=None, size="158MiB", classes=10)
     p.add_argument("--cache", default="auto,1.0", help="cache_bytes values to run, comma-separated")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=32)
@@ -197,49 +191,38 @@ def main() -> int:
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--cache-fraction", type=float, default=0.3, help="room for this fraction of the dataset")
     p.add_argument("--limit", type=parse_bytes, help="the memory limit (default: from the formula above)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_limit.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cgroup", help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
     if args.child:
         return child(args)
 
     ok = probe()
     if not ok["memory"]:
-        print("cannot run: " + "; ".join(ok["notes"]), file=sys.stderr)
-        return 2
-    dataset = common.dataset_from_args(args)
-    print(f"dataset: {common.describe(dataset)}")
+        raise SystemExit("cannot run: " + "; ".join(ok["notes"]))
+    data = dataset.dataset_from_args(args)
+    print(f"dataset: {dataset.describe(data)}")
     own = run_child(args, "own", "0", None)
     if own["returncode"] != 0:
-        print(f"the loader failed without a cache:\n{own.get('stderr')}", file=sys.stderr)
-        return 1
-    limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * dataset["total_bytes"])
+        raise SystemExit(f"the loader failed without a cache:\n{own.get('stderr')}")
+    limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * data["total_bytes"])
     how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
     print(
-        f"own memory with cache_bytes=0: peak RSS {common.mb(own['peak_rss'])} MB, cgroup peak "
-        f"{common.mb(own['max_usage'])} MB; limit ({how}) = {common.mb(limit)} MB"
+        f"own memory with cache_bytes=0: peak RSS {report.mb(own['peak_rss'])} MB, cgroup peak "
+        f"{report.mb(own['max_usage'])} MB; limit ({how}) = {report.mb(limit)} MB"
     )
     rows = [own] + [run_child(args, f"c{k}", c, limit) for k, c in enumerate(args.cache.split(","))]
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "stderr"}))
         if row["returncode"] != 0:
             print(row.get("stderr", ""), file=sys.stderr)
-    result = {
-        "benchmark": "memory_limit",
-        "args": vars(args),
-        "dataset": dataset,
-        "machine": common.machine(),
-        "limit": limit,
-        "runs": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(table(rows))
-    return 0
+    return {"dataset": data, "limit": limit, "runs": rows}
 
 
-def table(rows: list[dict]) -> str:
+def table(result: dict) -> str:
+    rows = result["runs"]
     head = [
         "run",
         "cache_bytes",
@@ -261,19 +244,15 @@ def table(rows: list[dict]) -> str:
             [
                 r["run"],
                 r["cache_bytes"],
-                common.mb(r["limit"]),
+                report.mb(r["limit"]),
                 str(r["returncode"]),
                 str(r["oom_kill"]),
-                common.mb(r["max_usage"]),
-                common.mb(r.get("budget")),
-                common.mb(last.get("cache_bytes")),
+                report.mb(r["max_usage"]),
+                report.mb(r.get("budget")),
+                report.mb(last.get("cache_bytes")),
                 str(stopped),
                 str(once),
             ]
         )
     widths = [max(len(x[k]) for x in lines) for k in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ Each timed epoch starts with the dataset's files read into the page cache (coord
 last, so that no mode pays for building its pipeline. The modes of a repetition run in an order
 that rotates from one repetition to the next, so drift on a shared machine hits all alike.
 
-    python -m benchmarks.miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
+    python -m benchmarks miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
 
 ``--in-flight`` measures instead how many storage reads the loader keeps in flight
 (``Fetch(threads)`` at most, as many as :meth:`Fetcher.concurrency` asks), on idle cores and with
@@ -26,7 +26,7 @@ cgroup (``--throttle``, page cache dropped first; root and cgroup v1). Each epoc
 process in its own cgroup, with ``cache=0``: every sample is read. The two loads alternate. The
 estimate must not depend on the load: a busy node still needs the slow device's reads in flight.
 
-    python -m benchmarks.miss_path --in-flight --data /var/tmp/coordl-bench/inflight --images 4000 --batch-size 64
+    python -m benchmarks miss_path --in-flight --data /var/tmp/coordl-bench/inflight --images 4000 --batch-size 64
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 import coordl
-from benchmarks import common
+from benchmarks.harness import dataset, jobs, limits, measure
+from coordl.units import parse_bytes
 
 MODES = ("dali-reader", "no-cache", "filling", "warm")
 
@@ -153,53 +154,53 @@ def in_flight_epoch(args) -> dict:
     }
 
 
-def in_flight(args, dataset) -> int:
-    import subprocess
+def where(data: dict) -> dict:
+    """What a result says of where it ran: the dataset, the CPUs this process may use, the coordl it imported."""
+    return {"dataset": data, "cpus_allowed": len(os.sched_getaffinity(0)), "coordl": str(Path(coordl.__file__).parent)}
 
-    from benchmarks import limits
+
+def in_flight(args, data) -> dict:
+    import subprocess
 
     caps = limits.probe()
     if args.throttle and not (caps["blkio"] and caps["drop_caches"]):
-        print("--throttle needs root and a v1 blkio cgroup: " + "; ".join(caps["notes"]), file=sys.stderr)
-        return 2
-    device = common.device_of(args.data)
+        raise SystemExit("--throttle needs root and a v1 blkio cgroup: " + "; ".join(caps["notes"]))
+    device = measure.device_of(args.data)
     paths = [os.path.join(d, f) for d, _, fs in os.walk(args.data) for f in fs]
     storages = ["page-cache"] + (["throttled"] if args.throttle else [])
     loads = ["idle", "busy"]
-    child = common.module_command("miss_path", "--in-flight-child", *sys.argv[1:])
+    child = jobs.scenario_command("miss_path", "--in-flight-child", *args._argv)
     runs: dict[str, list] = {f"{s}/{c}": [] for s in storages for c in loads}
-    for rep in range(args.reps):
-        for storage in storages:
-            for load in loads if rep % 2 == 0 else loads[::-1]:
-                lim = limits.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled")
-                spinners = []
-                try:
-                    proc = subprocess.Popen(
-                        child, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=lim.join
-                    )
-                    assert json.loads(proc.stdout.readline()) == {"ready": True}
-                    if storage == "throttled":
-                        common.drop_page_cache()
-                        lim.throttle(device, args.throttle)
-                    else:
-                        warm_page_cache(paths)
-                    if load == "busy":
-                        spin = "print('spinning', flush=True)\nwhile True: pass"
-                        for _ in range(len(os.sched_getaffinity(0))):
-                            spinners.append(subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE))
-                        for s in spinners:
-                            s.stdout.readline()
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                    result = json.loads(proc.stdout.readline())
-                    assert proc.wait(timeout=600) == 0, f"the child failed ({proc.returncode})"
-                finally:
-                    for s in spinners:
-                        s.kill()
-                        s.wait()
-                    lim.remove()
-                runs[f"{storage}/{load}"].append(result)
-                print(f"rep {rep} {storage:10s} {load:4s} {result}", flush=True)
+    for rep, (storage, load) in measure.alternate([(s, c) for s in storages for c in loads], args.reps):
+        lim = limits.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled")
+        spinners = []
+        try:
+            proc = subprocess.Popen(
+                child, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=lim.join
+            )
+            assert json.loads(proc.stdout.readline()) == {"ready": True}
+            if storage == "throttled":
+                limits.drop_page_cache()
+                lim.throttle(device, args.throttle)
+            else:
+                warm_page_cache(paths)
+            if load == "busy":
+                spin = "print('spinning', flush=True)\nwhile True: pass"
+                for _ in range(len(os.sched_getaffinity(0))):
+                    spinners.append(subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE))
+                for s in spinners:
+                    s.stdout.readline()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            result = json.loads(proc.stdout.readline())
+            assert proc.wait(timeout=600) == 0, f"the child failed ({proc.returncode})"
+        finally:
+            for s in spinners:
+                s.kill()
+                s.wait()
+            lim.remove()
+        runs[f"{storage}/{load}"].append(result)
+        print(f"rep {rep} {storage:10s} {load:4s} {result}", flush=True)
 
     def med(key, k):
         values = [r[k] for r in runs[key] if r[k] is not None]
@@ -209,30 +210,15 @@ def in_flight(args, dataset) -> int:
         key: {k: med(key, k) for k in ("estimate", "reads_in_flight", "samples_per_s", "storage_mb_per_s")}
         for key in runs
     }
-    result = {
-        "benchmark": "miss_path --in-flight",
-        "args": vars(args),
-        "dataset": dataset,
-        "machine": common.machine(),
-        "cpus_allowed": len(os.sched_getaffinity(0)),
-        "coordl": str(Path(coordl.__file__).parent),
+    return {
+        **where(data),
         "runs": runs,
         "median": summary,
     }
-    out = args.out.replace("miss_path.json", "miss_path_in_flight.json")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2))
-    for key, m in summary.items():
-        print(f"{key:22s} estimate {m['estimate']}, reads in flight {m['reads_in_flight']}, ", end="")
-        print(f"{m['samples_per_s']} samples/s, {m['storage_mb_per_s']} MB/s from storage")
-    return 0
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.miss_path", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/tiny", images=40000, classes=100, width=32, height=32)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/tiny", images=40000, classes=100, width=32, height=32)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="DALI threads (default: 2)")
     p.add_argument("--resize", type=int, default=16, help="the recipe's output size in pixels (default: 16)")
@@ -244,27 +230,27 @@ def main() -> int:
     )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "miss_path.json"))
     p.add_argument("--in-flight", action="store_true", help="measure the reads in flight, idle and busy (see above)")
     p.add_argument("--fetch-threads", type=int, default=16, help="Fetch(threads) of --in-flight (default: 16)")
     p.add_argument(
         "--throttle",
-        type=common._byte_size,
+        type=parse_bytes,
         default=20 * 10**6,
         help="--in-flight's device throttle in bytes per second (default: 20MB); 0: page cache only",
     )
     p.add_argument("--in-flight-child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
 
     if args.in_flight_child:
-        print(json.dumps(in_flight_epoch(args)), flush=True)
-        return 0
-    dataset = common.dataset_from_args(args)
+        return jobs.say(**in_flight_epoch(args))
+    data = dataset.dataset_from_args(args)
     if args.in_flight:
-        return in_flight(args, dataset)
+        return in_flight(args, data)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
-        p.error(f"unknown modes: {', '.join(sorted(unknown))}")
+        raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     recipe = small_recipe(args.resize)
 
     def loader(cache_bytes):
@@ -284,7 +270,7 @@ def main() -> int:
     n = len(paths)
 
     reader = dali_reader(args.data, args.batch_size, args.threads, args.resize) if "dali-reader" in modes else None
-    prepare = (lambda: common.evict(args.data)) if args.cold else (lambda: warm_page_cache(paths))
+    prepare = (lambda: limits.evict(args.data)) if args.cold else (lambda: warm_page_cache(paths))
 
     def epoch(mode: str) -> tuple[float, dict]:
         prepare()
@@ -311,33 +297,37 @@ def main() -> int:
     details = {m: [] for m in modes}
     if reader is not None:
         timed(reader)  # the reader's first epoch: its threads and buffers
-    for rep in range(args.reps):
-        k = rep % len(modes)
-        for mode in modes[k:] + modes[:k]:
-            rate, stats = epoch(mode)
-            runs[mode].append(round(rate, 1))
-            details[mode].append(stats)
-            print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {stats}", flush=True)
+    for rep, mode in measure.alternate(modes, args.reps):
+        rate, stats = epoch(mode)
+        runs[mode].append(round(rate, 1))
+        details[mode].append(stats)
+        print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {stats}", flush=True)
     med = {m: statistics.median(v) for m, v in runs.items()}
     ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
-    result = {
-        "benchmark": "miss_path",
-        "args": vars(args),
-        "dataset": dataset,
-        "machine": common.machine(),
-        "cpus_allowed": len(os.sched_getaffinity(0)),
-        "coordl": str(Path(coordl.__file__).parent),
+    return {
+        **where(data),
         "samples_per_s": runs,
         "median": med,
         "ratio_to_dali_reader": ratios,
         "stats": details,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print("median samples/s: " + ", ".join(f"{m} {v:.0f}" for m, v in med.items()))
-    print("of DALI's reader: " + ", ".join(f"{m} {r:.3f}x" for m, r in ratios.items()))
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def out_path(args) -> str:
+    """``--in-flight`` writes ``miss_path_in_flight.json`` where the epochs write ``miss_path.json``."""
+    return args.out.replace("miss_path.json", "miss_path_in_flight.json") if args.in_flight else args.out
+
+
+def table(r: dict) -> str:
+    if "runs" in r:  # --in-flight
+        return "\n".join(
+            f"{key:22s} estimate {m['estimate']}, reads in flight {m['reads_in_flight']}, "
+            f"{m['samples_per_s']} samples/s, {m['storage_mb_per_s']} MB/s from storage"
+            for key, m in r["median"].items()
+        )
+    return (
+        "median samples/s: "
+        + ", ".join(f"{m} {v:.0f}" for m, v in r["median"].items())
+        + "\nof DALI's reader: "
+        + ", ".join(f"{m} {x:.3f}x" for m, x in r["ratio_to_dali_reader"].items())
+    )

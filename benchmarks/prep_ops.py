@@ -1,7 +1,8 @@
-"""Where a training sample's prep time goes: DALI's operators of ``imagenet-train`` at 224, alone
-and together, from encoded bytes and from decoded images, on the CPU.
+"""Where a sample's prep time goes: imagenet-train's DALI operators at 224, alone and together, on the CPU.
 
-    python -m benchmarks.prep_ops --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+From encoded bytes and from decoded images.
+
+    python -m benchmarks prep_ops --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 
 Each line is a DALI pipeline fed without a break, from memory, with the same crop windows and
 flips (computed once, outside the pipeline), for ``--seconds``; the milliseconds are per sample
@@ -13,39 +14,39 @@ Writes ``prep_ops.json`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks.harness import cli, dataset
+
+OUT = str(cli.RESULTS)  # a folder: prep_ops.json
 
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def main(argv=None) -> None:
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+    p.add_argument("--samples", type=int, default=640, help="distinct images cycled through")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=3.0, help="timed per pipeline")
+    p.add_argument("--max-short-side", type=int, nargs="*", default=[256])
+
+
+def run(args) -> dict | None:
     from nvidia.dali import fn, pipeline_def, types
 
     from coordl import draws
     from coordl.prep import windows
     from coordl.prep.recipes import IMAGENET_MEAN, IMAGENET_STD
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
-    p.add_argument("--samples", type=int, default=640, help="distinct images cycled through")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=3.0, help="timed per pipeline")
-    p.add_argument("--max-short-side", type=int, nargs="*", default=[256])
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = p.parse_args(argv)
-    dataset = common.dataset_from_args(args)
-    files = sorted(f for f in Path(dataset["root"]).rglob("*") if f.is_file())[: args.samples]
+    data = dataset.dataset_from_args(args)
+    files = sorted(f for f in Path(data["root"]).rglob("*") if f.is_file())[: args.samples]
     encoded = [np.fromfile(f, dtype=np.uint8) for f in files]
     B, T = args.batch, args.threads
     mean = [m * 255 for m in IMAGENET_MEAN]
@@ -161,19 +162,14 @@ def main(argv=None) -> None:
             ),
         ]
     lines = [timed(name, build, feeds) for name, build, feeds in cases]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "machine": common.machine(),
-        "dataset": dataset,
+    return {
+        "dataset": data,
         "samples": len(files),
         "threads": T,
         "batch": B,
         "lines": lines,
     }
-    (out / "prep_ops.json").write_text(json.dumps(result, indent=1))
-    log(f"wrote {out / 'prep_ops.json'}")
 
 
-if __name__ == "__main__":
-    main()
+def out_path(args) -> Path:
+    return Path(args.out) / "prep_ops.json"

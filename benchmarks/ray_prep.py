@@ -1,57 +1,19 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
-The trainer runs pinned to core 0 and a one-CPU Ray node (``ray start --head --num-cpus=1``)
-pinned to core 1, so that "remote" is a core the trainer cannot use. That node is the trainer's
-own, which lends its core on purpose: ``RayPrep(on_trainer_node=True)`` in every remote run. The loop does no work of
-its own: the loader is prep-bound. The dataset is ``--images`` (1,024) JPEGs cropped from
-photographs, about 480x360, read once before the runs so that they stay in the page cache
-(the device bytes of every epoch are recorded to show it). Each loader runs with batch 32,
-``cache=0`` and shuffling. Three configurations per backend:
+The trainer runs pinned to core 0, a one-CPU Ray node (``ray start --head --num-cpus=1``) pinned to
+core 1 (the trainer's own node, lending its core: ``RayPrep(on_trainer_node=True)``), both in a network
+namespace of their own with only loopback up (``unshare -n``). The loop does no work: the loader is
+prep-bound. ``--images`` photo JPEGs in the page cache, batch 32, ``cache=0``. Per backend (``dali``:
+``imagenet-train``; ``torch``: ``ImageFolder`` with ``loaders.TrainAugment``), three configurations:
+``local`` (prep on the trainer alone, no Ray), ``remote`` (``RayPrep(workers=1, local=False)``) and
+``both`` (``RayPrep(workers=1, local=True)``). Each run is a fresh trainer (``--trainer``) for ``--epochs``
+epochs, the first ``--skip`` a warm-up; configurations ABBA for ``--rounds`` rounds. Reported: the median
+steady samples/s, both/local (target >= 1.7) and remote/local (>= 0.9), the unit split, result bytes per
+sample, actor vs trainer seconds per unit, CPU per sample per process, object store spilling. The node is
+stopped by PID (every process of the namespace; never ``ray stop``); the JSON records that none remained.
+Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
 
-- ``local``: prep on the trainer alone (DALI: ``prep=1``, one DALI thread; torch backend:
-  ``num_workers=0``), without Ray;
-- ``remote``: ``RayPrep(workers=1, local=False)``: every batch is made by the one actor;
-- ``both``: ``RayPrep(workers=1, local=True)`` (DALI: ``threads=1``): the actor and the
-  trainer's own pipeline share the units.
-
-Backends: ``dali`` (``pipeline="imagenet-train"``, ``device_id=None``) and ``torch``
-(``coordl.datasets.ImageFolder`` with ``loaders.TrainAugment``: Pillow decode, random-resized
-crop to 224, flip, CHW float, normalise, written with PIL and torch).
-
-Each run is a fresh trainer process, ``taskset -c 0 python -m benchmarks.ray_prep --trainer
-...``, with ``RAY_ADDRESS`` set, for ``--epochs`` (4) epochs. The first ``--skip`` (1) are the
-warm-up: they include the actor's start-up, and after them the trainer waits until the actor is
-ready (in ``both`` the local pipeline may have taken every unit while it started). The steady
-rate is the samples of the other epochs over their seconds; the mid-epoch rate counts only the
-middle half of each epoch's batches (no pipeline filling or draining at the epoch's ends, which
-weigh more in a short epoch than in a real one). The configurations alternate, the order rotated
-every round (A B C, B C A, C A B, ...), DALI's three and then the torch backend's three, for
-``--rounds`` (5) rounds. Reports per configuration the median steady samples/s with its range,
-and the ratios both/local (target: at least 1.7) and remote/local (at least 0.9), of the medians
-and per round. With them, the figures that explain them: the split of units (``remote_units``
-/ ``local_units``), ``remote_result_bytes`` per remotely prepared sample, the seconds a unit
-takes in the actor (its ``read_s + prep_s``, remote-only) beside the trainer's seconds per batch,
-the CPU seconds per sample of the trainer, the actor and the rest of the Ray node (``/proc``),
-and whether Ray's object store spilled (the raylet's cumulative spill and restore requests).
-``--in-flight N`` passes ``RayPrep(in_flight=N)``, ``--output uint8`` ``RayPrep(output="uint8")``
-to DALI's remote and both runs (pixels sent, normalised on the trainer).
-
-Everything runs in a network namespace of its own with only loopback up (``unshare -n``), so
-Ray's traffic stays on loopback (Ray would otherwise use the machine's address). The node gets
-its own ``--temp-dir`` and token authentication off (``RAY_AUTH_MODE=disabled``: nothing outside
-the namespace can reach it, and a token in ``~/.ray`` belongs to whoever made it). It is stopped
-by PID: every process in the namespace (raylet, GCS, workers) gets SIGTERM, then SIGKILL; the
-JSON records that none remained. ``ray stop`` is never used, as other Ray clusters may run on the
-machine. (Should the benchmark itself be killed with SIGKILL, its node's processes are those whose
-command lines name ``/tmp/coordl-raybench-*``, and the ``ray::`` workers of that raylet.) The
-trainer and the actors import coordl from this checkout's ``src/``. Needs root (``unshare``),
-cores 0 and 1, and Ray (``pip install -e ".[ray]"``). Run from the repository root, on an
-otherwise idle machine (about 10 min with the defaults):
-
-    python -m benchmarks.ray_prep
-
-Writes ``benchmarks/results/ray_prep.json`` and prints the table. ``--quick`` (a smoke run for
-the tests: 64 images, 1 round, 2 epochs, under a minute) writes ``ray_prep_quick.json``.
+    python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
 
 from __future__ import annotations
@@ -69,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.harness import cli, dataset, jobs, limits, measure
+from benchmarks.harness.report import mb
 
-HERE = Path(__file__).resolve().parent
+OUT = None  # results/ray_prep.json, or ray_prep_quick.json with --quick (out_path)
 DATA = "/var/tmp/coordl-bench/ray-prep"
 QUICK_DATA = "/var/tmp/coordl-bench/ray-prep-quick"
 BACKENDS = ("dali", "torch")
@@ -102,15 +65,6 @@ def pids_in_my_netns() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and netns(p) == mine]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # -- the trainer: one configuration, in a child pinned to core 0 --------------------------------
 def make_loader(args):
     import coordl
@@ -133,13 +87,13 @@ def make_loader(args):
     return coordl.CoordLoader(ImageFolder(args.data, transform=TrainAugment()), num_workers=0, prep=prep, **common_kw)
 
 
-def trainer(args) -> int:
+def trainer(args) -> None:
     """Runs ``--epochs`` epochs of one configuration; writes per-epoch figures to ``--out``
     (a process connected to Ray has its stdout redirected, so not there)."""
     import torch
 
     torch.set_num_threads(1)  # one core: intra-op threads would only take turns on it
-    dev = common.device_of(args.data)
+    dev = measure.device_of(args.data)
     me, parent = os.getpid(), os.getppid()
     t0 = time.perf_counter()
     loader = make_loader(args)
@@ -147,15 +101,15 @@ def trainer(args) -> int:
     actors: set[int] = set()
 
     def cpu() -> dict:
-        out = {"trainer": cpu_seconds(me), "actor": 0.0, "ray": 0.0}
+        out = {"trainer": measure.process_cpu_seconds(me), "actor": 0.0, "ray": 0.0}
         for pid in pids_in_my_netns():
             if pid not in (me, parent):
-                out["actor" if pid in actors else "ray"] += cpu_seconds(pid)
+                out["actor" if pid in actors else "ray"] += measure.process_cpu_seconds(pid)
         return out
 
     try:
         for epoch in range(args.epochs):
-            c0, d0, t = cpu(), common.sectors_read(dev), time.perf_counter()
+            c0, d0, t = cpu(), measure.sectors_read(dev), time.perf_counter()
             arrivals = []  # (when, samples so far) per batch
             for images, labels in loader:
                 if not arrivals:  # one sample's bytes, as delivered
@@ -166,7 +120,7 @@ def trainer(args) -> int:
             q = len(arrivals) // 4  # the middle half of the epoch: no pipeline filling or draining
             (mid0, n0), (mid1, n1) = arrivals[q], arrivals[-1 - q]
             mid = {"samples": n1 - n0, "seconds": round(mid1 - mid0, 4)} if len(arrivals) >= MID_BATCHES else None
-            c1, d1 = cpu(), common.sectors_read(dev)
+            c1, d1 = cpu(), measure.sectors_read(dev)
             s = loader.stats()
             result["epochs"].append(
                 {
@@ -192,7 +146,6 @@ def trainer(args) -> int:
     finally:
         loader.close()
     Path(args.out).write_text(json.dumps(result))
-    return 0
 
 
 # -- the Ray node, pinned to core 1 -------------------------------------------------------------
@@ -257,7 +210,9 @@ class RayNode:
 # -- the measurement ----------------------------------------------------------------------------
 def child_env(address: str | None) -> dict:
     """This checkout's coordl and benchmarks first on the path (for the actors too), and the node's address."""
-    path = [str(common.ROOT / "src"), str(common.ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    path = [str(dataset.ROOT / "src"), str(dataset.ROOT)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(":") if p
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))}
     env["PYTHONPATH"] = os.pathsep.join(path)
     # Without it, `ray start` turns token auth on when ~/.ray/auth_token exists (another session may have
@@ -268,7 +223,7 @@ def child_env(address: str | None) -> dict:
 
 def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
     out, logfile = work / f"{backend}-{config}.json", work / f"{backend}-{config}.log"
-    cmd = ["taskset", "-c", str(TRAINER_CORE), *common.module_command("ray_prep", "--trainer", backend, config)]
+    cmd = ["taskset", "-c", str(TRAINER_CORE), *jobs.scenario_command("ray_prep", "--trainer", backend, config)]
     cmd += ["--data", args.data, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
     cmd += ["--seed", str(args.seed), "--skip", str(args.skip), "--out", str(out)]
     cmd += ["--in-flight", str(args.in_flight)] if args.in_flight else []
@@ -276,7 +231,9 @@ def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(logfile, "w") as f:
-        status = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=common.ROOT, timeout=args.timeout)
+        status = subprocess.run(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=dataset.ROOT, timeout=args.timeout
+        )
     if status.returncode or not out.exists():
         tail = logfile.read_text()[-4000:]
         raise RuntimeError(f"the trainer ({backend}, {config}) exited with {status.returncode}:\n{tail}")
@@ -313,17 +270,14 @@ def steady(epochs: list[dict], batch_size: int) -> dict:
     return out
 
 
-def measure(args, env: dict, work: Path) -> list[dict]:
-    """``--rounds`` rounds of every backend's configurations, the order rotated every round."""
+def measure_all(args, env: dict, work: Path) -> list[dict]:
+    """``--rounds`` rounds of every backend's configurations, ABBA."""
     runs = []
-    for r in range(args.rounds):
-        for backend in args.backends:
-            k = r % len(CONFIGS)
-            for config in CONFIGS[k:] + CONFIGS[:k]:
-                run = {"round": r, "backend": backend, "config": config, **run_one(args, env, backend, config, work)}
-                runs.append(run)
-                extra = f", remote share {run['remote_share']:.2f}" if "remote_share" in run else ""
-                log(f"round {r} {backend:5s} {config:6s} {run['steady_samples_per_s']:7.1f} samples/s{extra}")
+    for r, (backend, config) in measure.alternate([(b, c) for b in args.backends for c in CONFIGS], args.rounds):
+        run = {"round": r, "backend": backend, "config": config, **run_one(args, env, backend, config, work)}
+        runs.append(run)
+        extra = f", remote share {run['remote_share']:.2f}" if "remote_share" in run else ""
+        log(f"round {r} {backend:5s} {config:6s} {run['steady_samples_per_s']:7.1f} samples/s{extra}")
     return runs
 
 
@@ -369,10 +323,10 @@ def summarise(runs: list[dict], backends) -> dict:
     return out
 
 
-def report(result: dict) -> str:
-    a, d = result["args"], result["dataset"]
+def table(result: dict) -> str:
+    a = result["args"]
     lines = [
-        f"Dataset: {common.describe(d)}; batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node "
+        f"Batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node "
         f"(1 CPU) on core {RAY_CORE}; {a['rounds']} rounds, {a['epochs']} epochs per run, the first "
         f"{a['skip']} left out; RayPrep(in_flight={a['in_flight']}, output={a.get('output', 'pipeline')!r}) on DALI.",
         "",
@@ -410,7 +364,7 @@ def report(result: dict) -> str:
         lines.append(
             f"{backend}: {verdict}; a delivered sample is {f['local']['image_bytes'] / 1e3:.0f} KB"
             + (" (stats() counts no remote_result_bytes for this backend)" if uncounted else "")
-            + f"; the device read at most {common.mb(disk)} MB in a run's steady epochs"
+            + f"; the device read at most {mb(disk)} MB in a run's steady epochs"
         )
     store = result["object_store"]
     lines.append(
@@ -437,11 +391,8 @@ def cannot_run() -> str | None:
     return None
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.ray_prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_dataset_options(
+def options(p) -> None:
+    dataset.add_dataset_options(
         p,
         data=None,
         images=None,
@@ -465,15 +416,16 @@ def main() -> int:
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds a trainer may run (default 600)")
     p.add_argument("--quick", action="store_true", help="a smoke run for the tests: 64 images, 1 round, 2 epochs")
-    p.add_argument("--out", help="the JSON file (default: results/ray_prep.json; --quick: ray_prep_quick.json)")
     p.add_argument("--trainer", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
     p.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
     if args.trainer:
         return trainer(args)
     q = args.quick
     defaults = {"data": QUICK_DATA if q else DATA, "classes": 2 if q else 8, "rounds": 1 if q else 5}
-    defaults |= {"epochs": 2 if q else 4, "out": str(HERE / "results" / f"ray_prep{'_quick' if q else ''}.json")}
+    defaults |= {"epochs": 2 if q else 4, "out": str(cli.RESULTS / f"ray_prep{'_quick' if q else ''}.json")}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -481,51 +433,51 @@ def main() -> int:
         args.images = 64 if q else 1024
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not args.backends or set(args.backends) - set(BACKENDS):
-        p.error(f"--backends takes dali and/or torch, got {args.backends}")
+        raise SystemExit(f"--backends takes dali and/or torch, got {args.backends}")
     if args.rounds < 1 or args.epochs <= args.skip:
-        p.error("--rounds must be at least 1 and --epochs more than --skip")
+        raise SystemExit("--rounds must be at least 1 and --epochs more than --skip")
 
     if not args.in_netns:
         why = cannot_run()
         if why:
-            log(f"ray_prep: {why}")
-            return 2
-        common.dataset_from_args(args)  # made here, with its progress bar; found again inside
-        cmd = ["unshare", "-n", *common.module_command("ray_prep", "--in-netns", *sys.argv[1:])]
-        child = subprocess.Popen(cmd)
+            raise SystemExit(f"ray_prep: {why}")
+        dataset.dataset_from_args(args)  # made here, with its progress bar; found again inside
+        child = subprocess.Popen(["unshare", "-n", *jobs.scenario_command("ray_prep", "--in-netns", *args._argv)])
         try:
-            return child.wait()
+            code = child.wait()
         except KeyboardInterrupt:  # the child got it too: let it stop its Ray node
-            return child.wait()
+            code = child.wait()
+        if code:
+            raise SystemExit(code)
+        return None  # the child wrote the result
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    dataset = common.dataset_from_args(args)
-    for path in Path(args.data).rglob("*"):  # into the page cache
-        if path.is_file():
-            path.read_bytes()
+    data = dataset.dataset_from_args(args)
+    limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
     node = RayNode(child_env(None))
     env = child_env(node.address)
-    log(f"dataset: {common.describe(dataset)}; Ray node at {node.address}, temp dir {node.temp}")
+    log(f"dataset: {dataset.describe(data)}; Ray node at {node.address}, temp dir {node.temp}")
     work = Path(tempfile.mkdtemp(prefix="coordl-raybench-runs-"))
     try:
         node.start()
-        runs = measure(args, env, work)
+        runs = measure_all(args, env, work)
         store = node.spilling(after=time.time())
     finally:
         left = node.stop()
         shutil.rmtree(work, ignore_errors=True)
         if left:
             log(f"ray_prep: processes left in the namespace after SIGKILL: {left}")
-    result = {"benchmark": "ray_prep", "args": vars(args), "dataset": dataset, "machine": common.machine()}
-    result |= {"ray_address": node.address, "ray_processes_left": left, "object_store": store, "runs": runs}
+    args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    result = {
+        "args": args_,
+        "dataset": data,
+        "ray_address": node.address,
+        "ray_processes_left": left,
+        "object_store": store,
+        "runs": runs,
+    }
     result["summary"] = summarise(runs, args.backends)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(report(result))
-    log(f"wrote {out}")
-    return 1 if left else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if left:  # written all the same, with the processes left named
+        cli.save(args, result)
+        raise SystemExit(f"ray_prep: processes left in the namespace: {left}")
+    return result

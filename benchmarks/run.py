@@ -2,7 +2,7 @@
 
 One command runs the whole comparison:
 
-    python -m benchmarks.run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
+    python -m benchmarks run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
 
 For every scenario (a cache fraction of the dataset and a storage bandwidth) and every
 loader (see ``benchmarks.loaders``: ``torch``, ``dali-shuffle``, ``dali-seq``,
@@ -30,13 +30,12 @@ samples/s of the DALI pipelines, or of the Pillow ones when no DALI pipeline run
 relative bandwidths such as ``0.25P`` refer to.
 
 Writes ``results.json`` (after every run, so ``--resume`` can pick up after an interruption),
-``results.md`` and ``results.png`` to ``--out``; prints the ratios. Without root or v1
+``results.md`` and ``results.png`` to the folder ``--out``; prints the ratios. Without root or v1
 cgroups it says so (also in the JSON) and runs unlimited.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -47,12 +46,12 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks import common, limits
+from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, image_folder
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
 
-HERE = Path(__file__).resolve().parent
+OUT = str(cli.RESULTS / "run")  # a folder: results.json, results.md, results.png
 DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 # Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
 PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
@@ -151,42 +150,32 @@ def coordl_limit(need: int) -> int:
     return max(need + MIN_MARGIN, -(-need * 10 // 9))
 
 
-def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
-    total = dataset["total_bytes"]
+def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
+    total = data["total_bytes"]
     cache_bytes = int(round(cell["cache"] * total))
     name = f"coordl-bench-{os.getpid()}-{k}"
     use_cgroups = caps["memory"] or caps["blkio"]
     lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
-    cmd = common.module_command(
-        "loaders",
-        "--loader",
-        loader,
-        "--data",
-        dataset["root"],
-        "--batch-size",
-        str(args.batch_size),
-        "--workers",
-        str(args.workers),
-        "--epochs",
-        str(epochs),
-        "--seed",
-        str(args.seed),
-        "--cache-bytes",
-        str(cache_bytes),
-        "--compute-ms",
-        str(args.compute_ms),
-        "--warmup-batches",
-        str(args.warmup_batches),
-        "--device",
-        f"{dev[0]}:{dev[1]}",
-    )
+    argv = {
+        "loader": loader,
+        "data": data["root"],
+        "batch-size": args.batch_size,
+        "workers": args.workers,
+        "epochs": epochs,
+        "seed": args.seed,
+        "cache-bytes": cache_bytes,
+        "compute-ms": args.compute_ms,
+        "warmup-batches": args.warmup_batches,
+        "device": f"{dev[0]}:{dev[1]}",
+    }
+    cmd = jobs.module_command("loaders", *(x for k, v in argv.items() for x in (f"--{k}", str(v))))
     if lim and lim.memory_path:
         cmd += ["--memcg", lim.memory_path]
     logs = Path(args.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
-        common.drop_page_cache(3)
+        limits.drop_page_cache(3)
     if lim and loader in MEASURE_WHEN_MADE:
         lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
@@ -201,7 +190,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
     try:
         run["ready"] = child.message(args.timeout)
         if caps["drop_caches"]:
-            common.drop_page_cache(3)
+            limits.drop_page_cache(3)
         if lim and lim.memory and cell["name"] != "fits":
             ws = working_set(args, loader, lim)
             run["working_set_bytes"], run["working_set_source"] = ws
@@ -242,7 +231,7 @@ def run_one(args, cell: dict, loader: str, dataset: dict, dev, caps: dict, bandw
         if loader in COORDL_LOADERS:
             ws = max(e["peak_memory_bytes"] for e in steady) - steady[-1]["counters"]["cache_budget"]
         else:
-            ws = max(e["mean_memory_bytes"] for e in steady) - dataset["page_bytes"]
+            ws = max(e["mean_memory_bytes"] for e in steady) - data["page_bytes"]
         args.working_sets[loader] = run["working_set_bytes"] = ws
     if steady:
         run["steady"] = {
@@ -344,8 +333,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"Dataset: {d['files']} files in {d['classes']} classes, {format_bytes(d['total_bytes'], 'MB')}, "
         f"mean {format_bytes(d['mean_bytes'], 'KB')} ({d['source']}) at `{d['root']}`.",
-        f"Machine: {result['machine']['cpus']} cores, {result['machine']['mem_gib']} GiB, "
-        f"kernel {result['machine']['kernel']}; batch {result['args']['batch_size']}, "
+        f"Batch {result['args']['batch_size']}, "
         f"{result['args']['workers']} workers/threads per loader, {result['args']['epochs']} epochs "
         f"({result['args']['fit_epochs']} when everything fits; epoch 0 cold, the rest steady: median time, "
         f"mean bytes), compute step {result['args']['compute_ms']} ms/batch.",
@@ -376,13 +364,13 @@ def markdown(result: dict) -> str:
                 continue
             s = r["steady"]
             vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 500_000 else "-"
-            lim = common.mb(r.get("memory_limit_bytes") or None, digits=0)
+            lim = report.mb(r.get("memory_limit_bytes") or None, digits=0)
             held = s.get("coordl_cache_bytes", s.get("mean_page_cache_bytes"))
             lines.append(
                 f"| {cell['name']} | {fmt_bw(r['bandwidth_bps'])} | {cell['cache']:.0%} | {r['loader']} | "
                 f"{r['epochs'][0]['seconds']:.1f} | {s['seconds']:.2f} | {s['samples_per_s']:.0f} | "
-                f"{common.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {common.mb(held, digits=0)} | "
-                f"{common.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
+                f"{report.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {report.mb(held, digits=0)} | "
+                f"{report.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
             )
     lines += [
         "",
@@ -406,13 +394,10 @@ def _f(x, digits: int = 2) -> str:
 
 
 def plot(result: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
+    return report.plot(path, lambda plt: draw(plt, result))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib, or the 'bench' extra): no plot"
+
+def draw(plt, result: dict):
     groups: dict[str, list[dict]] = {}
     for cell in result["scenarios"]:
         key = "fits" if cell["name"] == "fits" else fmt_bw(cell.get("bandwidth_bps"))
@@ -455,21 +440,14 @@ def plot(result: dict, path: Path) -> str | None:
     axes[0][0].legend(fontsize=8)
     axes[1][0].legend(fontsize=8)
     fig.suptitle(
-        f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; "
-        f"memory = working set + cache; {result['machine']['cpus']} cores"
+        f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; memory = working set + cache"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+    return fig
 
 
 # -- main ------------------------------------------------------------------------------------------
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
     p.add_argument(
         "--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}"
     )
@@ -508,15 +486,16 @@ def main() -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
-    p.add_argument("--out", default=str(HERE / "results" / "run"))
     p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.json")
-    args = p.parse_args()
+
+
+def run(args) -> None:
     args.cache = [float(c) for c in args.cache.split(",") if c]
     args.bandwidth = [b for b in args.bandwidth.split(",") if b]
     args.loaders = [name for name in args.loaders.split(",") if name]
     unknown = set(args.loaders) - set(LOADERS)
     if unknown:
-        p.error(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
+        raise SystemExit(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -526,19 +505,17 @@ def main() -> int:
         caps["notes"].append("--no-memory-limit: no memory cgroup, every loader may cache the whole dataset")
     for n in caps["notes"]:
         log("NOTE:", n)
-    dataset = common.dataset_from_args(args)
-    dev = common.device_of(args.data)
+    data = dataset.dataset_from_args(args)
+    dev = measure.device_of(args.data)
     # what the dataset occupies in the page cache: whole 4 KiB pages per file
-    dataset["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())
+    data["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())
     args.working_sets = {}
-    log(f"dataset: {common.describe(dataset)}; device {dev[0]}:{dev[1]}")
+    log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
 
     cells = scenarios(args)
     result = {
-        "benchmark": "run",
-        "args": {k: v for k, v in vars(args).items() if k != "working_sets"},
-        "dataset": dataset,
-        "machine": common.machine(),
+        "args": {k: v for k, v in vars(args).items() if k != "working_sets" and not k.startswith("_")},
+        "dataset": data,
         "limits": caps,
         "scenarios": cells,
         "working_sets": args.working_sets,
@@ -548,9 +525,9 @@ def main() -> int:
     done: dict[tuple[str, str], dict] = {}
     if args.resume and path.exists():
         old = json.loads(path.read_text())
-        if old["dataset"]["total_bytes"] == dataset["total_bytes"]:
-            done = {(r["scenario"], r["loader"]): r for r in old["runs"] if "steady" in r}
-            args.working_sets.update(old.get("working_sets", {}))
+        if old["dataset"]["total_bytes"] == data["total_bytes"]:
+            done = {(r["scenario"], r["loader"]): r for r in old["results"]["runs"] if "steady" in r}
+            args.working_sets.update(old["results"].get("working_sets", {}))
     p_rate = args.prep_rate
     k = 0
     for ci, cell in enumerate(cells):
@@ -558,22 +535,22 @@ def main() -> int:
             p_rate = prep_rate(result["runs"])
             result["prep_rate_samples_per_s"] = p_rate
             if p_rate:
-                log(f"prep rate P = {p_rate:.0f} samples/s = {format_bytes(p_rate * dataset['mean_bytes'], 'MB')}/s")
-        bw = resolve_bandwidth(cell, p_rate * dataset["mean_bytes"] if p_rate else None)
+                log(f"prep rate P = {p_rate:.0f} samples/s = {format_bytes(p_rate * data['mean_bytes'], 'MB')}/s")
+        bw = resolve_bandwidth(cell, p_rate * data["mean_bytes"] if p_rate else None)
         cell["bandwidth_bps"] = bw
-        order = args.loaders[ci % len(args.loaders) :] + args.loaders[: ci % len(args.loaders)]  # interleave
+        order = args.loaders if ci % 2 == 0 else args.loaders[::-1]  # ABBA across the scenarios
         for loader in order:
             if (cell["name"], loader) in done:
                 result["runs"].append(done[(cell["name"], loader)])
                 continue
             log(f"[{cell['name']}] {loader}: cache {cell['cache']:.0%}, storage {fmt_bw(bw)}")
             k += 1
-            result["runs"].append(run_one(args, cell, loader, dataset, dev, caps, bw, k))
-            path.write_text(json.dumps(result, indent=1))
+            result["runs"].append(run_one(args, cell, loader, data, dev, caps, bw, k))
+            cli.save(args, result, path)
     if p_rate and "prep_rate_samples_per_s" not in result:
         result["prep_rate_samples_per_s"] = p_rate
     result["summary"] = summarise(result)
-    path.write_text(json.dumps(result, indent=1))
+    cli.save(args, result, path)
     md = markdown(result)
     (out / "results.md").write_text(md)
     why = plot(result, out / "results.png")
@@ -594,8 +571,3 @@ def main() -> int:
                 f"-> {row['coordl_torch_speedup_vs_torch']:.2f}x"
             )
     log(f"wrote {path}, {out / 'results.md'}, {out / 'results.png'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

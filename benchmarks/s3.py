@@ -1,36 +1,19 @@
-"""An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's own
-``fn.readers.file`` reading the same s3:// root, per epoch: samples/s, and the requests and bytes
-the store served.
+"""An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's reader of the same root.
 
-    python -m benchmarks.s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy on 127.0.0.1, which
+waits ``--latency`` seconds before forwarding each request and counts what it forwards. The dataset is
+uploaded once (not counted); then, in ``--repeat`` rounds in ABBA order, every configuration runs in a
+fresh process (its own ``COORDL_SHM_DIR`` and ``COORDL_INDEX_DIR``), ``--epochs`` epochs each:
 
-The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy on 127.0.0.1,
-which waits ``--latency`` seconds (default 0.02) before forwarding each request and counts
-what it forwards. The dataset is uploaded once (``--bucket``/``--prefix``, straight to moto, not
-counted); then, in ``--repeat`` rounds whose starting configuration rotates, every configuration
-runs in a fresh process (its own ``COORDL_SHM_DIR`` under /dev/shm and ``COORDL_INDEX_DIR``,
-removed after), ``--epochs`` epochs each (the first and a steady one):
+- ``coordl-0``, ``coordl-0.5``, ``coordl-1``: ``CoordLoader("s3://...", cache=f, pipeline="imagenet-train")``;
+- ``dali-s3``: ``fn.readers.file(file_root="s3://...", random_shuffle=True)`` and the same recipe, as many
+  threads as coordl; ``dali-local``: the same on the local copy (page cache warm), for reference;
+- ``capacity-0`` and ``capacity-<latency>``: no loader, every object GET once with obstore, 64 in flight.
 
-- ``coordl-0``, ``coordl-0.5``, ``coordl-1``: ``CoordLoader("s3://...", cache_bytes=f,
-  pipeline="imagenet-train", device_id=None)``, batch ``--batch``, its default threads and
-  ``COORDL_S3_REQUESTS`` (``--requests`` sets it);
-- ``dali-s3``: ``fn.readers.file(file_root="s3://...", random_shuffle=True)`` and the same
-  recipe (``decoders.image_random_crop``, ``resize`` 224x224, ``crop_mirror_normalize`` with a
-  coin-flip mirror), same batch, as many threads as coordl chose (``os.cpu_count()``),
-  ``DALIGenericIterator``; the AWS SDK for C++ inside DALI reads the same AWS_* variables;
-- ``dali-local``: the same DALI pipeline on the local copy of the dataset (page cache warm), for
-  reference (no requests);
-- ``capacity-0`` and ``capacity-<latency>``: no loader, the server's own capacity: every object
-  of the dataset GET once with obstore, 64 in flight, at latency 0 and at ``--latency``.
+Per epoch: seconds, samples/s, the object GETs and bytes the proxy saw, listings, coordl's counters, and
+the CPU seconds of the loader, the proxy and moto; per run the time to make the loader.
 
-Per epoch: seconds, samples/s, the object GETs and their body bytes the proxy saw (counts reset
-before each epoch), other requests (listings), coordl's ``storage_reads``/``storage_bytes``/
-``cache_hits``, and the CPU seconds of the loader's process, of the proxy (this process) and of
-moto; per run the time to make the loader (coordl: listing and index; DALI: ``build()``, which
-lists) and the requests that took. DALI's pipeline reads ahead across an epoch's end, so its GETs
-per epoch are where they happened, not which epoch's samples they were.
-
-Writes ``--out`` (default ``benchmarks/results/s3.json``) and prints the medians (and ranges).
+    python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
 """
 
 from __future__ import annotations
@@ -39,14 +22,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.harness import dataset, jobs, measure
+from benchmarks.loaders import dali_imagenet_train
 
 COORDL_CACHES = (0.0, 0.5, 1.0)
 
@@ -65,49 +47,25 @@ def config_names(args) -> list[str]:
 
 
 # -- the child: one configuration in a fresh process ----------------------------------------------
-class Parent:
-    """The child's side of the conversation: one JSON line out, then wait for the parent's go-ahead
-    (it reads the proxy's counters and resets them in between)."""
-
-    def say(self, **msg) -> None:
-        sys.stdout.write(json.dumps(msg) + "\n")
-        sys.stdout.flush()
-
-    def wait(self) -> None:
-        if sys.stdin.readline().strip() != "go":
-            raise SystemExit("the parent went away")
-
-
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system
 
 
-def _dali_pipeline(root: str, batch: int, threads: int, size: int = 224):
-    from nvidia.dali import fn, pipeline_def, types
+def _dali_pipeline(root: str, batch: int, threads: int):
+    from nvidia.dali import fn, pipeline_def
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
         jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
-        images = fn.decoders.image_random_crop(
-            jpegs, device="cpu", output_type=types.RGB, random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
-        )
-        images = fn.resize(images, resize_x=size, resize_y=size)
-        return fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mirror=fn.random.coin_flip(probability=0.5),
-            mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-            std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-        ), labels
+        return dali_imagenet_train(jpegs), labels
 
     return pipe()
 
 
 def child_loader(spec: dict) -> None:
     """A coordl or DALI loader: made, then ``epochs`` epochs, each reported and awaited."""
-    parent = Parent()
+    parent = jobs.Parent()
     kind = spec["kind"]
     # Every library either loader uses is imported before the clock starts (``import_s``): making
     # the loader (``create_s``) is then listing, indexing and building the pipeline.
@@ -192,7 +150,7 @@ def child_capacity(spec: dict) -> None:
     import obstore
     from obstore.store import S3Store
 
-    parent = Parent()
+    parent = jobs.Parent()
     keys = spec["keys"]
     store = S3Store(
         spec["bucket"],
@@ -243,13 +201,9 @@ def child_capacity(spec: dict) -> None:
 
 # -- the parent: the server, the rounds, the children ------------------------------------------------
 def _moto_cpu(server) -> float | None:
-    """moto's CPU seconds so far (its process's utime + stime), None when it cannot be read."""
+    """moto's CPU seconds so far, None when it cannot be read."""
     proc = getattr(server, "_proc", None)
-    try:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (AttributeError, OSError, ValueError, IndexError):
-        return None
+    return None if proc is None else measure.process_cpu_seconds(proc.pid)
 
 
 class Meter:
@@ -311,62 +265,30 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
     spec_file = Path(index) / "spec.json"
     spec_file.write_text(json.dumps(spec))
     meter = Meter(server)
-    proc = subprocess.Popen(
-        common.module_command("s3", "--one", str(spec_file)),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
     run = {"config": name, "latency_s": server.latency_s, "epochs": []}
+
+    def heard(event: str, msg: dict) -> None:
+        counts = meter.read()
+        if event == "created":
+            run.update(
+                import_s=msg["import_s"],
+                create_s=msg["create_s"],
+                create_cpu_s=msg["cpu_s"],
+                threads=msg["threads"],
+                create_requests=counts,
+            )
+        else:
+            run["epochs"].append({**msg, "loader_cpu_s": msg.pop("cpu_s"), **counts})
+
     try:
-        while True:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue  # a library's chatter on stdout
-            event = msg.pop("event")
-            if event == "done":
-                break
-            counts = meter.read()
-            if event == "created":
-                run.update(
-                    import_s=msg["import_s"],
-                    create_s=msg["create_s"],
-                    create_cpu_s=msg["cpu_s"],
-                    threads=msg["threads"],
-                    create_requests=counts,
-                )
-            else:
-                msg["loader_cpu_s"] = msg.pop("cpu_s")
-                run["epochs"].append({**msg, **counts})
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        proc.stdin.close()
-        err = proc.stderr.read()
-        proc.wait(60)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+        code, err, _ = jobs.converse(jobs.scenario_command("s3", "--one", str(spec_file)), heard, env=env)
     finally:
         server.latency_s = args.latency
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(index, ignore_errors=True)
-    if proc.returncode != 0 or len(run["epochs"]) < (1 if spec["kind"] == "capacity" else args.epochs):
-        run["error"] = _error_text(err) or f"exit status {proc.returncode}"
+    if code != 0 or len(run["epochs"]) < (1 if spec["kind"] == "capacity" else args.epochs):
+        run["error"] = jobs.error_text(err) or f"exit status {code}"
     return run
-
-
-def _error_text(stderr: str) -> str:
-    """The part of a child's stderr that says what failed (its last traceback, else its tail)."""
-    at = stderr.rfind("Traceback (most recent call last)")
-    text = stderr[at:] if at >= 0 else stderr
-    return text.strip()[-3000:]
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -383,34 +305,13 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         "threads_reading",
     )
     stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
-    out = {}
-    for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        entry: dict = {"rounds": len(rs), "ok": len(ok), "errors": [r["error"] for r in rs if "error" in r]}
-        if ok:
-            entry["import_s"] = _spread([r["import_s"] for r in ok])
-            entry["create_s"] = _spread([r["create_s"] for r in ok])
-            entry["create_listing_requests"] = _spread([r["create_requests"]["listing_requests"] for r in ok])
-            epochs = []
-            for e in range(min(len(r["epochs"]) for r in ok)):
-                rows = [r["epochs"][e] for r in ok]
-                ep = {"epoch": e, "samples": rows[0]["samples"]}
-                for f in fields:
-                    vals = [row[f] for row in rows if row.get(f) is not None]
-                    if vals:
-                        ep[f] = _spread(vals)
-                for f in stats_fields:
-                    vals = [row["stats"][f] for row in rows if "stats" in row]
-                    if vals:
-                        ep[f] = _spread(vals)
-                epochs.append(ep)
-            entry["epochs"] = epochs
-        out[name] = entry
-    return out
 
+    def extra(ok):
+        figures = {"import_s": [r["import_s"] for r in ok], "create_s": [r["create_s"] for r in ok]}
+        figures["create_listing_requests"] = [r["create_requests"]["listing_requests"] for r in ok]
+        return {k: measure.spread_all(v) for k, v in figures.items()}
 
-def _spread(vals: list[float]) -> dict:
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "all": vals}
+    return measure.rounds(runs, fields, stats_fields, measure.spread_all, extra)
 
 
 def table(result: dict) -> str:
@@ -466,11 +367,8 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.s3", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
@@ -489,19 +387,19 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="bench/train")
     p.add_argument("--skip-dali", action="store_true", help="only coordl (and the capacity runs)")
     p.add_argument("--skip-capacity", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "s3.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
-    args = p.parse_args(argv)
+
+
+def run(args) -> dict | None:
     if args.one:
         spec = json.loads(Path(args.one).read_text())
-        (child_capacity if spec["kind"] == "capacity" else child_loader)(spec)  # a failure: its traceback, exit 1
-        return 0
+        return (child_capacity if spec["kind"] == "capacity" else child_loader)(spec)  # a failure: exit 1
 
     from coordl_testing.s3server import S3Server
 
-    dataset = common.dataset_from_args(args)
-    args.data = dataset["root"]
-    log(f"dataset: {common.describe(dataset)}")
+    data = dataset.dataset_from_args(args)
+    args.data = data["root"]
+    log(f"dataset: {dataset.describe(data)}")
     names = config_names(args)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     t_start = time.time()
@@ -512,23 +410,20 @@ def main(argv=None) -> int:
         keys = server.upload_tree(args.data, args.bucket, args.prefix)
         log(f"uploaded {len(keys)} objects to s3://{args.bucket}/{args.prefix} in {time.perf_counter() - t0:.1f} s")
         server.latency_s = args.latency
-        for rnd in range(args.repeat):
-            k = rnd % len(names)
-            for name in names[k:] + names[:k]:  # every round starts elsewhere: drift hits all alike
-                if name == "dali-s3" and runs[name] and all("error" in r for r in runs[name]):
-                    continue  # failed before: the reason is recorded
-                r = run_one(args, server, name, keys)
-                r["round"] = rnd
-                runs[name].append(r)
-                if "error" in r:
-                    log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
-                else:
-                    log(
-                        f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
-                        + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-                    )
+        for rnd, name in measure.alternate(names, args.repeat):
+            if name == "dali-s3" and runs[name] and all("error" in r for r in runs[name]):
+                continue  # failed before: the reason is recorded
+            r = run_one(args, server, name, keys)
+            r["round"] = rnd
+            runs[name].append(r)
+            if "error" in r:
+                log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
+            else:
+                log(
+                    f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
+                    + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
+                )
     result = {
-        "benchmark": "s3",
         "config": {
             "latency_s": args.latency,
             "epochs": args.epochs,
@@ -542,8 +437,7 @@ def main(argv=None) -> int:
             "pipeline": "imagenet-train",
             "configurations": names,
         },
-        "machine": common.machine(),
-        "dataset": dataset,
+        "dataset": data,
         "objects": len(keys),
         "moto_pid": moto_pid,  # stopped when the run ended
         "wall_s": time.time() - t_start,
@@ -553,13 +447,4 @@ def main(argv=None) -> int:
     dali = result["summary"].get("dali-s3")
     if dali is not None:
         result["dali_s3"] = {"works": dali["ok"] > 0, "error": dali["errors"][0] if dali["errors"] else None}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    log(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

@@ -7,7 +7,7 @@ buffers of their sizes, and reports its own CPU time (user + system, all threads
 its GETs per second. The server shares the machine's cores, so GETs/s is the server's bound as
 much as the client's; CPU per GET is the client's alone. Rounds alternate the clients.
 
-    python -m benchmarks.s3_clients --data /var/tmp/coordl-bench/bench --images 4436 --classes 100 --objects 1000
+    python -m benchmarks s3_clients --data /var/tmp/coordl-bench/bench --images 4436 --classes 100 --objects 1000
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks.harness import dataset, jobs, measure
 
 CLIENTS = ("obstore", "boto3")
 BUCKET = "coordl-clients"
@@ -71,30 +69,25 @@ def _one(client: str, keys: list[str], sizes: list[int]) -> dict:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.s3_clients",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+def options(p) -> None:
+    dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
     p.add_argument("--objects", type=int, default=1000, help="objects of the dataset to GET per run")
     p.add_argument("--repeat", type=int, default=3, help="rounds of both clients")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "s3_clients.json"))
     p.add_argument("--one", default="", help=argparse.SUPPRESS)  # a client's run, in a process of its own
-    args = p.parse_args()
+
+
+def run(args) -> dict | None:
     if args.one:
         job = json.loads(Path(args.one).read_text())
-        print(json.dumps(_one(job["client"], job["keys"], job["sizes"])))
-        return 0
+        return jobs.say(**_one(job["client"], job["keys"], job["sizes"]))
 
     from coordl_testing.s3server import S3Server
 
-    dataset = common.dataset_from_args(args)
+    data = dataset.dataset_from_args(args)
     files = sorted(f for f in Path(args.data).rglob("*") if f.is_file())[: args.objects]
     keys = [str(f.relative_to(args.data)) for f in files]
     sizes = [f.stat().st_size for f in files]
-    print(f"dataset: {common.describe(dataset)}; {len(keys)} objects, {sum(sizes) / 1e6:.1f} MB per run")
+    print(f"dataset: {dataset.describe(data)}; {len(keys)} objects, {sum(sizes) / 1e6:.1f} MB per run")
     rows = []
     with S3Server() as server:
         server.create_bucket(BUCKET)
@@ -105,16 +98,11 @@ def main() -> int:
         job.write_text(json.dumps({"keys": keys, "sizes": sizes}))
         env = {**os.environ, **server.env(), "AWS_ENDPOINT_URL": server.direct}  # no proxy: the client alone
         try:
-            for r in range(args.repeat):
-                for name in CLIENTS[r % 2 :] + CLIENTS[: r % 2]:
-                    job.write_text(json.dumps({"client": name, "keys": keys, "sizes": sizes}))
-                    cmd = [sys.executable, "-m", "benchmarks.s3_clients", "--one", str(job)]
-                    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600)
-                    row = json.loads(out.stdout.splitlines()[-1]) | {"round": r}
-                    rows.append(row)
-                    print(
-                        f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s"
-                    )
+            for r, name in measure.alternate(list(CLIENTS), args.repeat):
+                job.write_text(json.dumps({"client": name, "keys": keys, "sizes": sizes}))
+                row = jobs.run_json(jobs.scenario_command("s3_clients", "--one", str(job)), env=env, timeout=600)
+                rows.append(row | {"round": r})
+                print(f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s")
         finally:
             job.unlink(missing_ok=True)
     medians = {
@@ -123,21 +111,17 @@ def main() -> int:
         }
         for name in CLIENTS
     }
-    for name, m in medians.items():
-        print(f"{name:8s} median: {m['cpu_ms_per_get']:.2f} ms CPU per GET, {m['gets_per_s']:.0f} GET/s")
-    result = {
-        "machine": common.machine(),
-        "dataset": dataset,
+    return {
+        "dataset": data,
         "objects": len(keys),
         "in_flight": 64,
         "rows": rows,
         "medians": medians,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(r: dict) -> str:
+    return "\n".join(
+        f"{name:8s} median: {m['cpu_ms_per_get']:.2f} ms CPU per GET, {m['gets_per_s']:.0f} GET/s"
+        for name, m in r["medians"].items()
+    )

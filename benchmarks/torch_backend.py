@@ -1,52 +1,30 @@
-"""coordl's torch backend vs ``torch.utils.data.DataLoader``: warm throughput, and epochs with
-short memory and slow storage.
+"""coordl's torch backend vs DataLoader, the same Python per sample: warm throughput, and short memory and slow storage.
 
-Both loaders (``benchmarks.loaders``) run the same Python per sample in ``--workers`` DataLoader worker
-processes, batch ``--batch-size``: Pillow decodes the file to an RGB image and
-``loaders.TrainAugment`` crops, resizes to 224, flips and normalises it. ``torch`` opens each
-file by path; ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``) gets its
-bytes from coordl, from the MinIO cache or else from storage.
+Both loaders (:mod:`benchmarks.loaders`) run the same Python per sample in ``--workers`` DataLoader workers:
+Pillow decodes, ``loaders.TrainAugment`` crops, resizes to 224, flips and normalises. ``torch`` opens each
+file by path; ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``) gets the bytes from
+coordl's cache or storage.
 
-Part ``warm``: throughput with every byte in memory, the page cache warm for ``torch`` and
-coordl's cache at 100% of the dataset. Both loaders live in this one process: one warm-up
-epoch each (``coordl-torch`` first, since coordl drops the pages of the files it reads from
-storage, which would otherwise cool ``torch``'s page cache), then ``--reps`` epochs each,
-interleaved with the order rotated every rep (A B C, B C A, C A B, ...) so that drift on a shared
-machine and any cost of going first hit both alike. One process is the fairer set-up: each
-loader's persistent workers wait on their queues and use no CPU while the other loader runs,
-both are driven by the same interpreter with the same torch settings, page cache and memory
-state, and nothing but the loaders differs; a child process per loader would add a
-per-epoch handshake and a second main process without isolating anything the worker
-processes do not already isolate. Reports the median samples/s of each loader and the ratio
-coordl-torch / torch (target: at least 0.95). The DALI path (``coordl``: ``CoordLoader`` on the
-folder, ``imagenet-train`` with ``--workers`` DALI threads, sharing the same node cache) runs
-in the same rotation, to compare the two backends on the same data and work. With the bytes the device
-delivered during every timed epoch (``/proc/diskstats``) and coordl's counters, which show that both ran warm.
+Part ``warm``: every byte in memory (page cache for ``torch``, coordl's cache at 100%). The loaders live in
+this one process (their persistent workers idle while the other runs; one interpreter, one page cache): a
+warm-up epoch each (``coordl-torch`` first: coordl drops the pages it reads), then ``--reps`` epochs each,
+ABBA, with the DALI path (``coordl``, ``imagenet-train``) in the same order. The median samples/s, and
+coordl-torch / torch (target: at least 0.95); device bytes and coordl's counters show that all ran warm.
 
-Part ``limited``: the memory-limit / throttled-storage scenario of BENCHMARKING.md at
-``--cache`` (50%) of the dataset, by running ``benchmarks.run --loaders torch,coordl-torch``: each
-loader in a child process in its own memory cgroup (its working set, measured in run.py's
-``fits`` scenario, plus the cache fraction of the dataset) and blkio cgroup (``--bandwidth``,
-by default half the prep rate P that the ``fits`` scenario measures for these Pillow
-pipelines), page cache dropped after the warm-up. Reports per epoch its seconds, the bytes
-from the device and, for coordl-torch, from ``stats()``, the minimum (the dataset less the
-bytes cached: coordl's resident cache for coordl-torch, the memory granted for caching for
-torch; the whole dataset in the cold epoch 0), their ratios, and the ratio of the median
-steady epoch times torch / coordl-torch.
+Part ``limited``: ``python -m benchmarks run --loaders torch,coordl-torch`` at ``--cache`` (50%) and
+``--bandwidth`` (half the prep rate of these Pillow pipelines): per epoch, seconds, device bytes and
+(coordl-torch) ``stats()`` bytes, the minimum (dataset less what is cached) and the ratios to it, and
+the ratio of the median steady epoch times torch / coordl-torch. run's own output goes to
+``torch_backend_run/`` beside the JSON.
 
-Writes ``benchmarks/results/torch_backend.json`` (run.py's own output goes to the folder next
-to it, ``torch_backend_run/``) and prints the tables:
+    python -m benchmarks torch_backend                      # both parts, ~6 min
+    python -m benchmarks torch_backend --part warm          # or --part limited
 
-    python -m benchmarks.torch_backend                      # both parts
-    python -m benchmarks.torch_backend --part warm          # or --part limited
-
-``--quick`` runs a few seconds' worth on a tiny dataset, for the tests, with no memory limit
-(run.py ``--no-memory-limit``: a tiny dataset's cache is smaller than a loader's memory swings).
+``--quick``: a tiny dataset, few epochs, no memory limit (for the tests).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -54,10 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import common, loaders
+from benchmarks import loaders
+from benchmarks.harness import cli, dataset, jobs, measure, report
 from coordl.units import format_bytes, parse_bytes
 
-HERE = Path(__file__).resolve().parent
+OUT = None  # results/torch_backend.json, or torch_backend_quick.json with --quick
 NAMES = ("coordl-torch", "torch")
 WARM = ("coordl-torch", "coordl", "torch")  # coordl-torch first: it drops the page cache of what it reads
 TARGET_RATIO = 0.95
@@ -72,7 +51,7 @@ def log(*a) -> None:
 # -- part warm ---------------------------------------------------------------------------------
 def time_epoch(loader, dev: tuple[int, int]) -> dict:
     """One whole epoch of ``loader``: seconds, samples, samples/s, bytes the device delivered."""
-    before = common.sectors_read(dev)
+    before = measure.sectors_read(dev)
     t0 = time.perf_counter()
     samples = sum(images.shape[0] for images in loader.epoch())
     seconds = time.perf_counter() - t0
@@ -80,13 +59,13 @@ def time_epoch(loader, dev: tuple[int, int]) -> dict:
         "seconds": round(seconds, 3),
         "samples": samples,
         "samples_per_s": round(samples / seconds, 1),
-        "device_bytes": common.sectors_read(dev) - before,
+        "device_bytes": measure.sectors_read(dev) - before,
     }
 
 
-def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
+def warm(args, data: dict, dev: tuple[int, int]) -> dict:
     """Interleaved warm epochs of both loaders in this process (see the module's docstring)."""
-    total, files = dataset["total_bytes"], dataset["files"]
+    total, files = data["total_bytes"], data["files"]
     made = {}
     try:
         for name in WARM:
@@ -103,20 +82,18 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
                 "measurement needs all of them; free space in /dev/shm (see `coordl cache ls`) and run again"
             )
         epochs = []
-        for rep in range(args.reps):
-            k = rep % len(WARM)
-            for name in WARM[k:] + WARM[:k]:
-                row = {"rep": rep, "loader": name, **time_epoch(made[name], dev)}
-                if row["samples"] != files:
-                    raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
-                counters = made[name].counters()
-                if counters is not None:
-                    row["counters"] = counters
-                epochs.append(row)
-                log(
-                    f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
-                    f"device {format_bytes(row['device_bytes'], 'MB'):>9}"
-                )
+        for rep, name in measure.alternate(list(WARM), args.reps):
+            row = {"rep": rep, "loader": name, **time_epoch(made[name], dev)}
+            if row["samples"] != files:
+                raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
+            counters = made[name].counters()
+            if counters is not None:
+                row["counters"] = counters
+            epochs.append(row)
+            log(
+                f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
+                f"device {format_bytes(row['device_bytes'], 'MB'):>9}"
+            )
     finally:
         for loader in made.values():
             loader.close()
@@ -143,42 +120,32 @@ def warm(args, dataset: dict, dev: tuple[int, int]) -> dict:
 
 
 # -- part limited ------------------------------------------------------------------------------
-def limited(args, dataset: dict) -> dict:
+def limited(args, data: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
-    cmd = common.module_command(
-        "run",
-        *common.dataset_argv(args),
-        "--loaders",
-        "torch,coordl-torch",
-        "--cache",
-        str(args.cache),
-        "--bandwidth",
-        args.bandwidth,
-        "--epochs",
-        str(args.epochs),
-        "--fit-epochs",
-        str(args.fit_epochs),
-        "--batch-size",
-        str(args.batch_size),
-        "--workers",
-        str(args.workers),
-        "--warmup-batches",
-        str(args.warmup_batches),
-        "--seed",
-        str(args.seed),
-        "--out",
-        str(out),
-    )
+    argv = {
+        "loaders": "torch,coordl-torch",
+        "cache": args.cache,
+        "bandwidth": args.bandwidth,
+        "epochs": args.epochs,
+        "fit-epochs": args.fit_epochs,
+        "batch-size": args.batch_size,
+        "workers": args.workers,
+        "warmup-batches": args.warmup_batches,
+        "seed": args.seed,
+        "out": out,
+    }
+    options = (x for k, v in argv.items() for x in (f"--{k}", str(v)))
+    cmd = jobs.scenario_command("run", *dataset.dataset_argv(args), *options)
     if args.quick:  # a tiny dataset is smaller than a loader's memory swings: any budget ends in the OOM killer
         cmd.append("--no-memory-limit")
     log(f"[limited] {' '.join(cmd)}")
     status = subprocess.run(cmd, stdout=sys.stderr, check=False).returncode  # run.py's report goes with its progress
     if status:
         raise RuntimeError(f"run.py exited with status {status}; its children's logs are in {out / 'logs'}")
-    res = json.loads((out / "results.json").read_text())
+    whole = json.loads((out / "results.json").read_text())
+    res, total = whole["results"], whole["dataset"]["total_bytes"]
     cell = next(c for c in res["scenarios"] if c["name"] != "fits")
-    total = res["dataset"]["total_bytes"]
     part = {
         "scenario": cell["name"],
         "cache_fraction": cell["cache"],
@@ -238,10 +205,10 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
 
 
 # -- report ------------------------------------------------------------------------------------
-def report(result: dict) -> str:
+def table(result: dict) -> str:
     """The tables of the parts in ``result``, as markdown."""
-    d, a = result["dataset"], result["args"]
-    lines = [f"Dataset: {common.describe(d)}; batch {a['batch_size']}, {a['workers']} workers per loader."]
+    a = result["args"]
+    lines = [f"Batch {a['batch_size']}, {a['workers']} workers per loader."]
     w = result.get("warm")
     if w:
         lines += [
@@ -256,7 +223,7 @@ def report(result: dict) -> str:
             rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in rows)
             lines.append(
                 f"| {name} | {w['median_samples_per_s'][name]:.1f} | {rates} | "
-                f"{common.mb(max(e['device_bytes'] for e in rows))} |"
+                f"{report.mb(max(e['device_bytes'] for e in rows))} |"
             )
         lines += [
             "",
@@ -287,9 +254,9 @@ def report(result: dict) -> str:
             for e in entry["epochs"]:
                 stats = e["storage_bytes"]
                 lines.append(
-                    f"| {name} | {common.mb(limit or None, digits=0)} | {e['epoch']} | {e['seconds']:.2f} | "
-                    f"{e['samples_per_s']:.0f} | {common.mb(e['device_bytes'])} | "
-                    f"{common.mb(stats)} | {common.mb(e['minimum_bytes'])} | "
+                    f"| {name} | {report.mb(limit or None, digits=0)} | {e['epoch']} | {e['seconds']:.2f} | "
+                    f"{e['samples_per_s']:.0f} | {report.mb(e['device_bytes'])} | "
+                    f"{report.mb(stats)} | {report.mb(e['minimum_bytes'])} | "
                     f"{e.get('device_over_min', '-')} | {e.get('storage_over_min', '-')} |"
                 )
         if "ratio_torch_over_coordl_torch" in lim:
@@ -298,12 +265,7 @@ def report(result: dict) -> str:
 
 
 # -- main --------------------------------------------------------------------------------------
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.torch_backend",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def options(p) -> None:
     p.add_argument(
         "--part",
         choices=("both", "warm", "limited"),
@@ -311,7 +273,7 @@ def main() -> int:
         help="what to measure; the JSON keeps the other part from an earlier run on the same dataset",
     )
     # Defaults after parsing: run's dataset (DATA, 500MB, 100 classes), or with --quick QUICK_DATA, 64 images, 4.
-    common.add_dataset_options(
+    dataset.add_dataset_options(
         p,
         data=None,
         images=None,
@@ -339,11 +301,9 @@ def main() -> int:
         "--warmup-batches", type=int, help="limited: batches before the limits apply (default 3; --quick: 1)"
     )
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
-    p.add_argument(
-        "--out",
-        help="the JSON file (default: benchmarks/results/torch_backend.json; with --quick, torch_backend_quick.json)",
-    )
-    args = p.parse_args()
+
+
+def run(args) -> dict:
     q = args.quick
     defaults = {
         "data": QUICK_DATA if q else DATA,
@@ -352,7 +312,7 @@ def main() -> int:
         "epochs": 2 if q else 4,
         "fit_epochs": 2 if q else 3,
         "warmup_batches": 1 if q else 3,
-        "out": str(HERE / "results" / f"torch_backend{'_quick' if q else ''}.json"),
+        "out": str(cli.RESULTS / f"torch_backend{'_quick' if q else ''}.json"),
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -360,32 +320,24 @@ def main() -> int:
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
     if args.reps < 1 or args.epochs < 2 or args.fit_epochs < 2:
-        p.error("--reps must be at least 1, --epochs and --fit-epochs at least 2 (the first epoch is cold)")
+        raise SystemExit("--reps must be at least 1, --epochs and --fit-epochs at least 2 (the first epoch is cold)")
     if "," in args.bandwidth:
-        p.error("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
+        raise SystemExit("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
     if not 0 < args.cache < 1:
-        p.error(f"--cache must be a fraction of the dataset between 0 and 1, got {args.cache}")
+        raise SystemExit(f"--cache must be a fraction of the dataset between 0 and 1, got {args.cache}")
 
-    dataset = common.dataset_from_args(args)
-    dev = common.device_of(args.data)
-    log(f"dataset: {common.describe(dataset)}; device {dev[0]}:{dev[1]}")
+    data = dataset.dataset_from_args(args)
+    dev = measure.device_of(args.data)
+    log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
     out = Path(args.out)
-    result = {"benchmark": "torch_backend", "args": vars(args), "dataset": dataset, "machine": common.machine()}
+    result = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "dataset": data}
     if args.part != "both" and out.exists():
         old = json.loads(out.read_text())
         other = "limited" if args.part == "warm" else "warm"
-        if old.get("dataset", {}).get("total_bytes") == dataset["total_bytes"] and other in old:
-            result[other] = old[other]
+        if old.get("dataset", {}).get("total_bytes") == data["total_bytes"] and other in old["results"]:
+            result[other] = old["results"][other]
     if args.part in ("both", "warm"):
-        result["warm"] = warm(args, dataset, dev)
+        result["warm"] = warm(args, data, dev)
     if args.part in ("both", "limited"):
-        result["limited"] = limited(args, dataset)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(report(result))
-    log(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        result["limited"] = limited(args, data)
+    return result

@@ -1,7 +1,7 @@
 """examples/imagenet/train.py with ``--loader coordl`` vs ``--loader torch``, short memory, slow storage.
 
-    python -m benchmarks.train_example                       # resnet18, 112 px, ~15 min on 2 cores
-    python -m benchmarks.train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
+    python -m benchmarks train_example                       # resnet18, 112 px, ~15 min on 2 cores
+    python -m benchmarks train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
 Both runs are the same command but for ``--loader``, each in its own memory and blkio cgroup:
 
@@ -22,13 +22,11 @@ Both runs are the same command but for ``--loader``, each in its own memory and 
    for data, coordl's fetch/prep split and bytes) and the bytes the device delivered
    (the cgroup's ``blkio.throttle.io_service_bytes``).
 
-Writes ``results/train_example.{json,md}``.
+Writes ``train_example.{json,md}`` (``--quick``: ``train_example_quick.*``) in the folder ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import shutil
@@ -40,11 +38,11 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import common, limits
+from benchmarks.harness import cli, dataset, limits, measure, report
 from coordl.units import format_bytes, parse_bytes
 
-HERE = Path(__file__).resolve().parent
-TRAIN = common.ROOT / "examples" / "imagenet" / "train.py"
+OUT = str(cli.RESULTS)  # a folder
+TRAIN = dataset.ROOT / "examples" / "imagenet" / "train.py"
 SUMMARY = re.compile(r"Epoch \[(\d+)\] summary: .*")
 
 
@@ -155,7 +153,7 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     warm_libraries()
     subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
-    common.evict(args.data)
+    limits.evict(args.data)
     cache_bytes = int(args.cache * dataset_bytes)
     cmd = [
         sys.executable,
@@ -235,7 +233,7 @@ def markdown(result: dict) -> str:
     out = [
         "# examples/imagenet/train.py: `--loader coordl` vs `--loader torch`",
         "",
-        f"`{result['command']}` on {result['machine']['cpus']} cores; `-a {a['arch']}`, "
+        f"`-a {a['arch']}`, "
         f"`--image-size {a['image_size']}`, `-b {a['batch_size']}`, `-j {a['workers']}`, {a['epochs']} epochs.",
         f"Dataset: {result['dataset']['train_files']} training + {result['dataset']['val_files']} validation JPEGs "
         f"({format_bytes(result['dataset']['total_bytes'], 'MB')}, generated"
@@ -259,15 +257,15 @@ def markdown(result: dict) -> str:
     ]
     for r in result["runs"]:
         for e in r["epochs"]:
-            dev = common.mb(e["device_bytes"])
+            dev = report.mb(e["device_bytes"])
             limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
-            limit = common.mb(r["memory_limit_bytes"], digits=0) if limited else "none (warm-up)"
+            limit = report.mb(r["memory_limit_bytes"], digits=0) if limited else "none (warm-up)"
             if limited and r.get("memory_limit_follows"):
                 limit = (
-                    f"own + {common.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
+                    f"own + {report.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
                 )
             held = e.get("mean_data_in_memory_bytes")
-            held = common.mb(held)
+            held = report.mb(held)
             out.append(
                 f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
                 f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |"
@@ -279,14 +277,9 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.train_example",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def options(p) -> None:
     # Large images: the data to cache must be large against the process's own memory swings, ~100-200 MB.
-    common.add_dataset_options(
+    dataset.add_dataset_options(
         p,
         data="/var/tmp/coordl-bench/imagenet-example-1000px",
         images=1200,
@@ -324,49 +317,51 @@ def main() -> int:
     )
     p.add_argument("--loaders", default="coordl,torch")
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
-    p.add_argument("--out", default=str(HERE / "results"))
-    args = p.parse_args()
+
+
+def out_path(args) -> Path:
+    return Path(args.out) / f"train_example{'_quick' if args.quick else ''}.json"
+
+
+def run(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the cgroups are removed
     if args.quick:
         args.arch, args.image_size, args.images, args.size, args.val_images = "resnet_tiny", 64, 128, None, 32
         args.epochs = 2
         args.limit_after, args.width, args.height = 0, 400, 350
         args.bandwidth = parse_bytes("20MB")
-        if args.data == p.get_default("data"):
+        if args.data == "/var/tmp/coordl-bench/imagenet-example-1000px":
             args.data = "/var/tmp/coordl-bench/imagenet-example-quick"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     caps = limits.probe()
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    train = common.dataset_from_args(args, root=os.path.join(args.data, "train"))
-    val = common.dataset_from_args(
+    train = dataset.dataset_from_args(args, root=os.path.join(args.data, "train"))
+    val = dataset.dataset_from_args(
         args, root=os.path.join(args.data, "val"), images=args.val_images, seed=args.dataset_seed + 1
     )
-    dataset = {
+    data = {
         "train_files": train["files"],
         "val_files": val["files"],
         "total_bytes": train["total_bytes"] + val["total_bytes"],
         "source": train["source"],
     }
-    dev = common.device_of(train["root"])
+    dev = measure.device_of(train["root"])
     result = {
-        "command": "python -m benchmarks.train_example " + " ".join(sys.argv[1:]),
-        "machine": common.machine(),
-        "args": vars(args),
-        "dataset": dataset,
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "dataset": data,
         "limits": caps,
         "runs": [],
     }
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)
         result["runs"].append(run_one(args, loader, train["total_bytes"] + val["total_bytes"], dev, caps))
-    name = "train_example_quick" if args.quick else "train_example"
-    (Path(args.out) / f"{name}.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (Path(args.out) / f"{name}.md").write_text(md)
-    print(md)
-    return max(r["returncode"] for r in result["runs"])
+    out_path(args).with_suffix(".md").write_text(markdown(result))
+    if any(r["returncode"] for r in result["runs"]):
+        cli.save(args, result, out_path(args))
+        raise SystemExit(max(r["returncode"] for r in result["runs"]))
+    return result
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def table(result: dict) -> str:
+    return markdown(result)

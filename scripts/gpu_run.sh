@@ -3,7 +3,7 @@
 #   . .gpu/pN/install.sh && bash scripts/gpu_run.sh [tests|bench|all]     (default: all)
 # It installs the wheels of scripts/gpu_extras.sh (.gpu/extra/*.whl, or /tmp/kit/extra/*.whl when they came
 # with an earlier transfer) into /tmp/site, then runs the GPU tests (`pytest -m gpu`) and the GPU benchmark
-# (`python -m benchmarks.gpu`, < 6 minutes), teeing their output into $OUT (the folder whose files come back):
+# (`python -m benchmarks gpu`, < 6 minutes), teeing their output into $OUT (the folder whose files come back):
 # $OUT/gpu_tests.log, $OUT/gpu_bench.log and $OUT/gpu.json. Exits non-zero if either failed.
 #
 # From the session here (see ../shared/gpu/README.md for the kit):
@@ -45,7 +45,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 -m benchmarks.gpu --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu_bench.log"
+  python3 -m benchmarks gpu --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu_bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -1,6 +1,7 @@
 """The benchmarks: the runner's arithmetic (``benchmarks.run``), the Pillow loaders' shared
-augmentation, and small end-to-end runs of the benchmarks, each run as ``python -m benchmarks.X``
-from the repository root."""
+augmentation, the harness's list of scenarios and its result schema, and small end-to-end runs of
+the scenarios, each run as ``python -m benchmarks NAME`` from the repository root; every result
+they write is read back through the schema (``_result``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,67 @@ from pathlib import Path
 import pytest
 
 from benchmarks import loaders, run
+from benchmarks.harness import cli, results
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _result(path, scenario: str) -> dict:
+    """A result file read back through the schema: every field there (``results.load`` raises
+    otherwise), the scenario's name, the command that makes it again, the machine and the commit."""
+    r = results.load(path)
+    assert r["scenario"] == scenario and r["command"].startswith(f"python -m benchmarks {scenario}")
+    assert r["machine"]["cores"] > 0 and r["machine"]["memory_bytes"] > 0 and r["machine"]["python"]
+    assert len(r["commit"]) >= 40 and r["date"][:2] == "20"
+    return r
+
+
+def _figures(path, scenario: str) -> dict:
+    """A scenario's figures (``_result``'s ``results``) with the dataset, command and machine beside them."""
+    r = _result(path, scenario)
+    return {**r["results"], "dataset": r["dataset"], "command": r["command"], "machine": r["machine"]}
+
+
+def test_scenarios_listed():
+    """``python -m benchmarks`` lists every scenario module (one with ``options`` and ``run``) with its
+    one-line description, and nothing else; ``NAME --help`` shows a scenario's options."""
+    modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if "\ndef run(" in p.read_text()}
+    helpers = {"loaders", "gpu_loaders", "small_resnet", "hp_trials", "__init__", "__main__"}
+    helpers |= {p.stem for p in (ROOT / "benchmarks").glob("*_baselines.py")}
+    assert modules and not modules & helpers
+    p = subprocess.run([sys.executable, "-m", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    listed = {}
+    for line in p.stdout.split("scenarios:\n", 1)[1].splitlines():
+        name, what = line.split(None, 1)
+        listed[name] = what
+    assert set(listed) == set(cli.scenarios()) == modules
+    assert all(what.endswith(".") and len(what) > 20 for what in listed.values()), listed
+    h = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "miss_path", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert h.returncode == 0 and "python -m benchmarks miss_path" in h.stdout and "--reps" in h.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "no_such"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "no scenario 'no_such'" in bad.stderr
+
+
+def test_result_schema(tmp_path):
+    """A result written by the harness carries every field of the schema; one without them is refused."""
+    import argparse
+
+    args = argparse.Namespace(out=str(tmp_path / "r.json"), reps=2, _scenario="miss_path", _argv=["--reps", "2"])
+    cli.save(args, {"dataset": {"files": 3}, "median": {"warm": 1.0}})
+    r = _result(tmp_path / "r.json", "miss_path")
+    assert r["command"] == "python -m benchmarks miss_path --reps 2" and r["options"] == {"out": args.out, "reps": 2}
+    assert r["dataset"] == {"files": 3} and r["results"] == {"median": {"warm": 1.0}}
+    assert set(r) == set(results.FIELDS) and set(results.MACHINE) <= set(r["machine"])
+    (tmp_path / "old.json").write_text(json.dumps({"machine": {}, "median": {}}))
+    with pytest.raises(ValueError, match="missing"):
+        results.load(tmp_path / "old.json")
 
 
 def test_bandwidth_specs():
@@ -109,7 +169,8 @@ def test_runner_end_to_end(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.run",
+        "benchmarks",
+        "run",
         "--data",
         str(tmp_path / "ds"),
         "--images",
@@ -141,7 +202,7 @@ def test_runner_end_to_end(tmp_path):
     # headroom the baseline was, now and then, OOM-killed under its measured working set.
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads((out / "results.json").read_text())
+    result = _figures(out / "results.json", "run")
     assert [(r["scenario"], r["loader"]) for r in result["runs"]] == [
         ("fits", "dali-seq"),
         ("fits", "coordl"),
@@ -195,7 +256,7 @@ def test_pillow_loaders_do_the_same_work(tiny_dataset):
 
 @pytest.mark.slow
 def test_torch_backend_quick(tmp_path):
-    """benchmarks.torch_backend --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
+    """torch_backend --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
     fields, coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads
     exactly the dataset less its cache), the tables printed, and no cgroup left behind. (The
     fixture fails the test on shared memory left behind.)"""
@@ -204,7 +265,8 @@ def test_torch_backend_quick(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.torch_backend",
+        "benchmarks",
+        "torch_backend",
         "--quick",
         "--data",
         str(tmp_path / "ds"),
@@ -219,7 +281,7 @@ def test_torch_backend_quick(tmp_path):
     ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "torch_backend")
     total = result["dataset"]["total_bytes"]
     assert result["dataset"]["files"] == 48
 
@@ -251,7 +313,7 @@ def test_torch_backend_quick(tmp_path):
 
 @pytest.mark.slow
 def test_ray_prep_quick(tmp_path):
-    """benchmarks.ray_prep --quick: every configuration of both backends runs on a one-core Ray node in a private
+    """ray_prep --quick: every configuration of both backends runs on a one-core Ray node in a private
     network namespace, the steady epoch's units go where the configuration says, the actor's batches weigh what a
     batch weighs, and no process of the node is left."""
     pytest.importorskip("ray")
@@ -261,10 +323,10 @@ def test_ray_prep_quick(tmp_path):
     if why:
         pytest.skip(why)
     out = tmp_path / "ray_prep.json"
-    command = [sys.executable, "-m", "benchmarks.ray_prep", "--quick", "--data", str(tmp_path / "data")]
+    command = [sys.executable, "-m", "benchmarks", "ray_prep", "--quick", "--data", str(tmp_path / "data")]
     proc = subprocess.run(command + ["--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "ray_prep")
     assert result["ray_processes_left"] == []
     assert result["object_store"]["cumulative spill requests"] == 0  # 4 batches of 19 MB in flight at most
     assert {(r["backend"], r["config"]) for r in result["runs"]} == {
@@ -286,7 +348,7 @@ def test_ray_prep_quick(tmp_path):
 
 
 def test_multinode_quick(tmp_path):
-    """benchmarks.multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
+    """multinode --quick: 2 namespaced nodes, modes a/b/c, storage at the minimum."""
     from coordl_testing import netns
 
     why = netns.unavailable() or (
@@ -301,7 +363,8 @@ def test_multinode_quick(tmp_path):
         [
             sys.executable,
             "-m",
-            "benchmarks.multinode",
+            "benchmarks",
+            "multinode",
             "--quick",
             "--data",
             str(data),
@@ -317,7 +380,7 @@ def test_multinode_quick(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "multinode")
     (check,) = result["checks"]
     assert check["b_storage_at_minimum"] and check["c_storage_at_minimum"] and check["b_storage_bytes"] == 0
     assert check["c_peer_bytes"] < check["b_peer_bytes"]
@@ -325,18 +388,18 @@ def test_multinode_quick(tmp_path):
 
 
 def test_train_example_quick(tmp_path):
-    """benchmarks.train_example --quick: the ImageNet example with both loaders, in cgroups."""
+    """train_example --quick: the ImageNet example with both loaders, in cgroups."""
     data = tmp_path / "data"
     checkpoints = set(Path(tempfile.gettempdir()).glob("coordl-train-example-*"))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train_example", "--quick", "--data", str(data), "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "train_example", "--quick", "--data", str(data), "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "train_example_quick.json").read_text())
+    result = _figures(tmp_path / "train_example_quick.json", "train_example")
     assert [r["loader"] for r in result["runs"]] == ["coordl", "torch"]
     for one in result["runs"]:
         assert one["returncode"] == 0 and [e["epoch"] for e in one["epochs"]] == [0, 1]
@@ -353,13 +416,13 @@ def test_train_example_quick(tmp_path):
 
 
 def test_index_scale_small(tmp_path):
-    """benchmarks.index_scale on a 3 x 20 tree: every figure measured, the tree removed after."""
+    """index_scale on a 3 x 20 tree: every figure measured, the tree removed after."""
     data, out = tmp_path / "data", tmp_path / "index_scale.json"
-    command = [sys.executable, "-m", "benchmarks.index_scale", "--data", str(data), "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "index_scale", "--data", str(data), "--out", str(out)]
     small = ["--classes", "3", "--per-class", "20", "--loads", "1"]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    after = json.loads(out.read_text())["results"]["after"]
+    after = _figures(out, "index_scale")["results"]["after"]
     assert after["samples"] == 60 and after["load_s"] > 0 and after["file_bytes"] > 0
     assert after["worker_after_walk"]["dirty"] < 5e6 and "heap_bytes" in after
     assert not data.exists()
@@ -369,15 +432,15 @@ def test_index_scale_small(tmp_path):
 
 
 def test_index_currency_small(tmp_path):
-    """benchmarks.index_currency on a 3 x 20 tree and 2 s3:// classes of 30 keys: every check measured, the
+    """index_currency on a 3 x 20 tree and 2 s3:// classes of 30 keys: every check measured, the
     rewritten files and the replaced object found, one listing per check, the tree removed after."""
     data, out = tmp_path / "data", tmp_path / "index_currency.json"
-    command = [sys.executable, "-m", "benchmarks.index_currency", "--data", str(data), "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "index_currency", "--data", str(data), "--out", str(out)]
     small = ["--classes", "3", "--per-class", "20", "--loads", "1", "--threads", "1", "4", "--changed", "5"]
     small += ["--no-cold", "--s3-classes", "2", "--s3-per-class", "30", "--latency-ms", "2"]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "index_currency")
     files, s3 = result["files"], result["s3"]
     assert (
         files["scan"]["samples"] == 60 and files["changed"]["changed"] == 5 and files["after_changed"]["changed"] == 0
@@ -389,13 +452,13 @@ def test_index_currency_small(tmp_path):
 
 
 def test_tars_index_small(tmp_path):
-    """benchmarks.tars index on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
+    """tars_index on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
     data, out = tmp_path / "data", tmp_path / "tars_index.json"
-    command = [sys.executable, "-m", "benchmarks.tars", "index", "--data", str(data), "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "tars_index", "--data", str(data), "--out", str(out)]
     small = ["--shards", "4", "--per-shard", "10", "--reps", "1", "--index-dir", str(tmp_path / "ix")]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = _figures(out, "tars_index")["rows"]
     assert {r["processes"].split()[-1] for r in rows} == {"one", "workers"}
     assert all(
         r["samples"] == 40 and r["index_s"] > 0 and r["load_saved_s"] > 0 and r["warm_index_s"] > 0 for r in rows
@@ -406,15 +469,15 @@ def test_tars_index_small(tmp_path):
 
 
 def test_tars_s3_index_small(tmp_path):
-    """benchmarks.tars s3-index on 2 shards of 60 samples, small and large members: every way
+    """tars_s3_index on 2 shards of 60 samples, small and large members: every way
     measured, every sample found; left to choose, the small members' shards are streamed (few GETs)
     and the large members' read by range GETs (few bytes)."""
     out = tmp_path / "s3_index.json"
-    command = [sys.executable, "-m", "benchmarks.tars", "s3-index", "--members", "1KB-2KB,60KB-80KB"]
+    command = [sys.executable, "-m", "benchmarks", "tars_s3_index", "--members", "1KB-2KB,60KB-80KB"]
     command += ["--shards", "2", "--per-shard", "60", "--latency", "0.002", "--reps", "1", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(r["members"], r["how"].split()[0]): r for r in json.loads(out.read_text())["rows"]}
+    rows = {(r["members"], r["how"].split()[0]): r for r in _figures(out, "tars_s3_index")["rows"]}
     assert len(rows) == 6 and all(r["samples"] == 120 for r in rows.values())
     small, large = ("1KB-2KB", "60KB-80KB")
     assert rows[small, "one"]["gets"] == 2 and rows[large, "one"]["gets"] == 2  # one GET a shard
@@ -426,18 +489,18 @@ def test_tars_s3_index_small(tmp_path):
 
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_tars_epochs_small(tmp_path, store):
-    """benchmarks.tars epochs on 48 photos in 4 shards: every loader runs every epoch whole, coordl's
+    """tars_epochs on 48 photos in 4 shards: every loader runs every epoch whole, coordl's
     later epochs read exactly the uncached samples' bytes (its count; on s3 the store's too)."""
     if store == "local" and os.geteuid() != 0:
         pytest.skip("the shards' own file system (a loop device) needs root")
     out = tmp_path / "epochs.json"
-    command = [sys.executable, "-m", "benchmarks.tars", "epochs", "--data", str(tmp_path / "photos")]
+    command = [sys.executable, "-m", "benchmarks", "tars_epochs", "--data", str(tmp_path / "photos")]
     command += ["--images", "48", "--classes", "4", "--width", "160", "--height", "120", "--per-shard", "12"]
     command += ["--shards-dir", str(tmp_path / "shards"), "--epochs", "2", "--batch-size", "16", "--workers", "1"]
     command += ["--cache", "0,1", "--store", store, "--latency", "0.005", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "tars_epochs")
     rows = {r["loader"]: r for r in result["rows"]}
     assert set(rows) == {"coordl cache 0", "coordl cache 1", "webdataset", "dali"}
     assert all(e["samples"] == 48 for r in rows.values() for e in r["epochs"]), rows
@@ -456,13 +519,24 @@ def test_tars_epochs_small(tmp_path, store):
 
 
 def test_miss_path_small(tmp_path):
-    """benchmarks.miss_path on 600 tiny JPEGs: every mode runs, reads what it should, and is compared."""
+    """miss_path on 600 tiny JPEGs: every mode runs, reads what it should, and is compared."""
     data, out = tmp_path / "tiny", tmp_path / "miss_path.json"
-    command = [sys.executable, "-m", "benchmarks.miss_path", "--data", str(data), "--images", "600", "--classes", "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "miss_path",
+        "--data",
+        str(data),
+        "--images",
+        "600",
+        "--classes",
+        "4",
+    ]
     command += ["--synthetic", "--batch-size", "64", "--reps", "1", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "miss_path")
     assert set(result["median"]) == {"dali-reader", "no-cache", "filling", "warm"}
     assert all(v > 0 for v in result["median"].values())
     assert set(result["ratio_to_dali_reader"]) == {"no-cache", "filling", "warm"}
@@ -473,17 +547,17 @@ def test_miss_path_small(tmp_path):
 
 
 def test_decoded_tier_small(tmp_path):
-    """benchmarks.decoded_tier on 96 photo-like JPEGs: every configuration runs, a prediction stands
+    """decoded_tier on 96 photo-like JPEGs: every configuration runs, a prediction stands
     beside each, the tier serves every sample where it holds the dataset, and the plot is drawn.
     (640x480, so that even the capped tier is above the smallest tier "auto" keeps, 16 MiB.)"""
     data, out = tmp_path / "data", tmp_path / "out"
-    command = [sys.executable, "-m", "benchmarks.decoded_tier", "--data", str(data), "--images", "96"]
+    command = [sys.executable, "-m", "benchmarks", "decoded_tier", "--data", str(data), "--images", "96"]
     command += ["--classes", "4", "--width", "640", "--height", "480", "--epochs", "2", "--repeat", "1"]
     command += ["--fractions", "0", "1", "--max-short-side", "256", "--jobs", "2", "--job-epochs", "1"]
     command += ["--batch", "16", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "decoded_tier.json").read_text())
+    result = _figures(out / "decoded_tier.json", "decoded_tier")
     runs = {str(r["fraction"]): r for r in result["split"]["runs"]}
     assert set(runs) == {"auto", "auto-half", "0.0", "1.0", "capped-auto-256", "capped-0-256"}
     assert all(r["predicted_samples_per_s"] > 0 and r["steady_samples_per_s"] > 0 for r in runs.values())
@@ -499,30 +573,30 @@ def test_decoded_tier_small(tmp_path):
 
 
 def test_prep_ops_small(tmp_path):
-    """benchmarks.prep_ops times every pipeline it lists."""
+    """prep_ops times every pipeline it lists."""
     data, out = tmp_path / "data", tmp_path / "out"
-    command = [sys.executable, "-m", "benchmarks.prep_ops", "--data", str(data), "--images", "64", "--classes", "2"]
+    command = [sys.executable, "-m", "benchmarks", "prep_ops", "--data", str(data), "--images", "64", "--classes", "2"]
     command += ["--width", "160", "--height", "120", "--samples", "64", "--batch", "16", "--seconds", "0.2"]
     command += ["--max-short-side", "64", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = json.loads((out / "prep_ops.json").read_text())["lines"]
+    lines = _figures(out / "prep_ops.json", "prep_ops")["lines"]
     assert len(lines) == 8 and all(line["samples_per_s"] > 0 for line in lines)
 
 
 def test_s3_small(tmp_path):
-    """benchmarks.s3 on 96 photo-like JPEGs: every configuration in the JSON, the proxy's object GETs equal to
+    """s3 on 96 photo-like JPEGs: every configuration in the JSON, the proxy's object GETs equal to
     coordl's storage_reads in every epoch (a full cache reads nothing the second time), DALI's s3:// reader
     either measured or its failure recorded, and no moto server left running."""
     data, out = tmp_path / "data", tmp_path / "s3.json"
-    command = [sys.executable, "-m", "benchmarks.s3", "--data", str(data), "--images", "96", "--classes", "4"]
+    command = [sys.executable, "-m", "benchmarks", "s3", "--data", str(data), "--images", "96", "--classes", "4"]
     command += ["--width", "200", "--height", "160", "--repeat", "1", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "s3")
     names = {"coordl-0", "coordl-0.5", "coordl-1", "dali-s3", "dali-local", "capacity-0", "capacity-0.02"}
     assert set(result["runs"]) == names and set(result["summary"]) == names
-    assert result["objects"] == 96 and result["machine"]["cpus"] == os.cpu_count()
+    assert result["objects"] == 96 and result["machine"]["cores"] == os.cpu_count()
     for name in ("coordl-0", "coordl-0.5", "coordl-1", "dali-local", "capacity-0", "capacity-0.02"):
         (run,) = result["runs"][name]
         assert "error" not in run, run["error"]
@@ -550,32 +624,43 @@ def test_s3_small(tmp_path):
 
 
 def test_s3_clients_small(tmp_path):
-    """benchmarks.s3_clients on 24 small JPEGs: both clients GET every object and report their CPU per GET."""
+    """s3_clients on 24 small JPEGs: both clients GET every object and report their CPU per GET."""
     data, out = tmp_path / "data", tmp_path / "s3_clients.json"
-    command = [sys.executable, "-m", "benchmarks.s3_clients", "--data", str(data), "--images", "24", "--classes", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "s3_clients",
+        "--data",
+        str(data),
+        "--images",
+        "24",
+        "--classes",
+        "2",
+    ]
     command += ["--width", "120", "--height", "100", "--objects", "24", "--repeat", "1", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _figures(out, "s3_clients")
     assert sorted(r["client"] for r in result["rows"]) == ["boto3", "obstore"]
     assert all(r["gets"] == 24 and r["cpu_ms_per_get"] > 0 and r["gets_per_s"] > 0 for r in result["rows"])
 
 
 def test_hp_mix_small(tmp_path):
-    """benchmarks.hp_mix on 128 small photos: every scenario runs and compares what it should, every
+    """hp_mix on 128 small photos: every scenario runs and compares what it should, every
     epoch of every job of every run is exactly once, and the jobs leave nothing in shared memory nor in
     the temporary folder (its work folder was left in /tmp by every run before)."""
     out, shm = tmp_path / "hp_mix.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks.hp_mix", "--data", str(tmp_path / "photos"), "--images", "128"]
+    command = [sys.executable, "-m", "benchmarks", "hp_mix", "--data", str(tmp_path / "photos"), "--images", "128"]
     command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
-    command += ["--result", str(out)]
+    command += ["--out", str(out)]
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm, TMPDIR=str(tmp))
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = json.loads(out.read_text())
+        r = _figures(out, "hp_mix")
         assert [row["jobs"] for row in r["same"]] == [2, 4]
         runs = [run for row in r["same"] for m in ("alone", "group") for run in row[m]]
         runs += [run for m in ("alone", "group") for run in r["mix"][m]]
@@ -589,18 +674,18 @@ def test_hp_mix_small(tmp_path):
 
 
 def test_hp_sweep_small(tmp_path):
-    """benchmarks.hp_sweep on 1,024 small photos: in either start order, the shorthand stages 128
+    """hp_sweep on 1,024 small photos: in either start order, the shorthand stages 128
     samples as stage_batch=128 does, every batch of every trial is a view, every epoch exactly once,
     and the trials leave nothing in shared memory."""
     out, shm = tmp_path / "hp_sweep.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks.hp_sweep", "--data", str(tmp_path / "photos"), "--images", "1024"]
+    command = [sys.executable, "-m", "benchmarks", "hp_sweep", "--data", str(tmp_path / "photos"), "--images", "1024"]
     command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
-    command += ["--modes", "shorthand,stage128", "--result", str(out)]
+    command += ["--modes", "shorthand,stage128", "--out", str(out)]
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = json.loads(out.read_text())
+        r = _figures(out, "hp_sweep")
         runs = [
             run for m in ("shorthand", "stage128") for order in ("16-first", "128-first") for run in r["runs"][m][order]
         ]
@@ -613,19 +698,19 @@ def test_hp_sweep_small(tmp_path):
 
 
 def test_detection_smoke(tmp_path):
-    """benchmarks.detection --smoke on 40 small photo JPEGs: every loader of the prep scenario and both
+    """detection --smoke on 40 small photo JPEGs: every loader of the prep scenario and both
     modes of the HP group run every epoch whole, the JSON holds the figures the docs quote, and the
     jobs leave nothing in shared memory."""
     out, shm = tmp_path / "detection.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks.detection", "--smoke", "--data", str(tmp_path / "coco")]
+    command = [sys.executable, "-m", "benchmarks", "detection", "--smoke", "--data", str(tmp_path / "coco")]
     command += ["--out", str(out)]
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = json.loads(out.read_text())
+        r = _figures(out, "detection")
         assert r["dataset"]["files"] == 40 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["boxes"] > 0
-        assert r["command"].startswith("python -m benchmarks.detection --smoke") and r["machine"]["cpus"] > 0
+        assert r["command"].startswith("python -m benchmarks detection --smoke") and r["machine"]["cores"] > 0
         assert r["python_per_batch"]["plan_ms"] > 0 and r["python_per_batch"]["targets_ms"] > 0
         prep = r["prep"]
         assert set(prep["runs"]) == set(prep["median"]) == {"coordl", "dali", "torch"}
@@ -650,14 +735,14 @@ def test_detection_smoke(tmp_path):
 
 
 def test_coco_index_small(tmp_path):
-    """benchmarks.coco_index on 300 images: cold and saved-index times measured, every box indexed, the
+    """coco_index on 300 images: cold and saved-index times measured, every box indexed, the
     files removed after."""
     data, out = tmp_path / "data", tmp_path / "coco_index.json"
-    command = [sys.executable, "-m", "benchmarks.coco_index", "--images", "300", "--loads", "2"]
+    command = [sys.executable, "-m", "benchmarks", "coco_index", "--images", "300", "--loads", "2"]
     command += ["--data", str(data), "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = _figures(out, "coco_index")
     assert r["images"] == 300 and r["boxes"] > 1000 and r["annotations_bytes"] > 0
     assert r["cold_s"] > 0 and len(r["loads_s"]) == 2 and r["load_s"] > 0
     assert r["box_bytes"] > 24 * r["boxes"] and r["index_file_bytes"] > r["box_bytes"]
@@ -665,17 +750,19 @@ def test_coco_index_small(tmp_path):
 
 
 def test_disk_tier_smoke(tmp_path):
-    """benchmarks.disk_tier --smoke on 48 small photos: every configuration runs both epochs whole, the proxy's
+    """disk_tier --smoke on 48 small photos: every configuration runs both epochs whole, the proxy's
     GETs equal coordl's storage reads, the tier's steady epoch GETs nothing and reads the tier (with and without
     O_DIRECT), LitData's cache reads nothing the second time, and the JSON holds the ratios and conversion times."""
     data, out = tmp_path / "data", tmp_path / "disk_tier.json"
-    command = [sys.executable, "-m", "benchmarks.disk_tier", "--smoke", "--no-drop", "--data", str(data)]
+    command = [sys.executable, "-m", "benchmarks", "disk_tier", "--smoke", "--no-drop", "--data", str(data)]
     command += ["--tier-root", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = _figures(out, "disk_tier")
     names = {"no-tier", "tier", "tier-direct", "local", "litdata"}
-    assert r["smoke"] and r["command"].startswith("python -m benchmarks.disk_tier --smoke") and r["machine"]["cpus"] > 0
+    assert (
+        r["smoke"] and r["command"].startswith("python -m benchmarks disk_tier --smoke") and r["machine"]["cores"] > 0
+    )
     assert r["dataset"]["files"] == 48 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["mean_bytes"] > 0
     assert set(r["runs"]) == set(r["summary"]) == names and r["config"]["memory_bytes"] > 0
     conv = r["conversions"]["litdata"]
@@ -716,19 +803,19 @@ def test_disk_tier_smoke(tmp_path):
 
 
 def test_audio_smoke(tmp_path):
-    """benchmarks.audio --smoke on 40 short tones: every loader of the prep scenario and both modes of
+    """audio --smoke on 40 short tones: every loader of the prep scenario and both modes of
     both HP scenarios (M5 steps, no model) run every epoch whole in windows of 32000 samples, the JSON
     holds the figures the docs quote, and the jobs leave nothing in shared memory."""
     out, shm = tmp_path / "audio.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks.audio", "--smoke", "--data", str(tmp_path / "tones")]
+    command = [sys.executable, "-m", "benchmarks", "audio", "--smoke", "--data", str(tmp_path / "tones")]
     command += ["--out", str(out)]
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = json.loads(out.read_text())
+        r = _figures(out, "audio")
         assert r["dataset"]["files"] == 40 and r["dataset"]["total_bytes"] > 0 and r["dataset"]["mean_seconds"] > 0
-        assert r["command"].startswith("python -m benchmarks.audio --smoke") and r["machine"]["cpus"] > 0
+        assert r["command"].startswith("python -m benchmarks audio --smoke") and r["machine"]["cores"] > 0
         prep = r["prep"]
         assert set(prep["runs"]) == set(prep["median"]) == {"coordl", "dali", "torch"}
         assert set(prep["ratios"]) == {"coordl/dali", "coordl/torch"}
@@ -754,20 +841,20 @@ def test_audio_smoke(tmp_path):
 
 
 def test_gpu_smoke(tmp_path):
-    """benchmarks.gpu --cpu-smoke on 64 generated JPEGs: every loader (coordl, DALI's own pipeline, coordl on
+    """gpu --cpu-smoke on 64 generated JPEGs: every loader (coordl, DALI's own pipeline, coordl on
     the CPU, DataLoader) in its CPU form, in both modes (a resnet_tiny training step, prep alone), delivers
     every sample of every epoch; the JSON holds positive rates, stall fractions in [0, 1] and CPU per sample,
     and the runs leave nothing in shared memory."""
     out, shm = tmp_path / "gpu.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks.gpu", "--cpu-smoke", "--data", str(tmp_path / "data")]
+    command = [sys.executable, "-m", "benchmarks", "gpu", "--cpu-smoke", "--data", str(tmp_path / "data")]
     command += ["--out", str(out)]
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = json.loads(out.read_text())
-        assert r["cpu_smoke"] and r["command"].startswith("python -m benchmarks.gpu --cpu-smoke")
-        assert r["machine"]["cpus"] > 0 and r["config"]["device"] == "cpu" and r["config"]["arch"] == "resnet_tiny"
+        r = _figures(out, "gpu")
+        assert r["cpu_smoke"] and r["command"].startswith("python -m benchmarks gpu --cpu-smoke")
+        assert r["machine"]["cores"] > 0 and r["config"]["device"] == "cpu" and r["config"]["arch"] == "resnet_tiny"
         data = r["dataset"]
         assert data["files"] == 64 and data["total_bytes"] > 0 and data["page_cache_read_bytes"] == data["total_bytes"]
         assert set(r["runs"]) == set(r["median"]) == {"coordl", "dali", "coordl-cpu", "torch"}

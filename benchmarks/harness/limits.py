@@ -1,12 +1,11 @@
-"""A memory budget and a storage throttle for one benchmark child: cgroup v1 memory + blkio.
+"""The conditions a scenario sets on the machine: v1 memory and blkio cgroups for one child, and the
+page cache dropped or filled.
 
-The memory cgroup caps everything the child charges: its anonymous memory, the page cache
-of the files it reads and the shared memory (``/dev/shm``) it writes. That is what makes the
-comparison fair: a page-cache loader and coordl's shared-memory cache get the same bytes.
-The blkio cgroup throttles the child's reads from the dataset's block device.
-
-``probe()`` says what this machine allows; a runner that cannot apply a limit records why
-and runs without it.
+The memory cgroup caps everything the child charges: its anonymous memory, the page cache of the
+files it reads and the shared memory (``/dev/shm``) it writes. That is what makes a comparison
+fair: a page-cache loader and coordl's shared-memory cache get the same bytes. The blkio cgroup
+throttles the child's reads from the dataset's block device. :func:`probe` says what this machine
+allows; a scenario that cannot apply a limit records why and runs without it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,40 @@ from pathlib import Path
 V1 = Path("/sys/fs/cgroup")
 
 
+# -- the page cache -------------------------------------------------------------------------
+def drop_page_cache(level: int = 3) -> str | None:
+    """Drops the OS caches (1: page cache, 3: also dentries and inodes); returns why it could not, or None."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write(f"{level}\n")
+        return None
+    except OSError as e:
+        return f"cannot drop the page cache ({e}); run as root for cold-storage numbers"
+
+
+def evict(root: str) -> None:
+    """Drops the files under ``root`` from the page cache (``POSIX_FADV_DONTNEED``), and only them."""
+    for folder, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(folder, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def read_through(paths) -> int:
+    """Reads every file of ``paths`` once (into the page cache); returns the bytes read."""
+    n = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                n += len(chunk)
+    return n
+
+
+# -- cgroups (v1) ----------------------------------------------------------------------------
 def _own_path(controller: str) -> str | None:
     """This process's cgroup path in a v1 hierarchy (``/proc/self/cgroup``), or None."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -29,14 +62,12 @@ def _own_path(controller: str) -> str | None:
 
 def probe() -> dict:
     """What can be applied here: ``{"memory": bool, "blkio": bool, "drop_caches": bool, "notes": [...]}``."""
-    notes = []
-    root = os.geteuid() == 0
+    notes, ok, root = [], {}, os.geteuid() == 0
     if not root:
         notes.append(
             "not root: no memory cgroup, no blkio throttle, no page-cache drop; "
             "results are for an unlimited, unthrottled, possibly warm machine"
         )
-    ok = {}
     for controller, knob in (("memory", "memory.limit_in_bytes"), ("blkio", "blkio.throttle.read_bps_device")):
         path = _own_path(controller)
         base = V1 / controller / (path or "").lstrip("/")

@@ -1,0 +1,45 @@
+"""Tables in Markdown and plots (when matplotlib is installed) of a scenario's results."""
+
+from __future__ import annotations
+
+import sys
+
+from coordl.units import format_bytes
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table; ``None`` cells print as ``-``, floats with up to 3 significant decimals."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cell(x, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}" if abs(x) >= 10 else f"{x:.3g}"
+    return str(x)
+
+
+def mb(n: float | None, digits: int = 1) -> str:
+    """A cell of a table column headed in MB; ``-`` for no value."""
+    return "-" if n is None else format_bytes(n, "MB", digits=digits, with_unit=False)
+
+
+def plot(path, draw) -> str | None:
+    """Calls ``draw(plt)`` and saves the figure to ``path``; returns why not (no matplotlib) or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        why = "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+        print(why, file=sys.stderr)
+        return why
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
