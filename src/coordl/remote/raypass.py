@@ -69,9 +69,7 @@ class Tally:
 
     def add(self, counters: dict, read_s: float, prep_s: float, skipped) -> None:
         with self.lock:
-            c = self.counters
-            for key, value in (counters or {}).items():
-                setattr(c, key, getattr(c, key) + value)
+            self.counters += counters or {}
             self.read_s += read_s
             self.prep_s += prep_s
             self.skipped += list(skipped)
@@ -220,11 +218,7 @@ class RayPass(Pass):
         return t
 
     def _counters(self) -> FetchCounters:
-        mine, theirs = self._res.fetcher.counters, self._tally.counters
-        out = FetchCounters()
-        for key in FetchCounters.__dataclass_fields__:
-            setattr(out, key, getattr(mine, key) + getattr(theirs, key))
-        return out
+        return self._res.fetcher.counters + self._tally.counters
 
     def _figures(self) -> dict:
         t, remote, prep = self._tally, self._remote, self._res.prep

@@ -335,10 +335,7 @@ class GroupPass(Pass):
         now = self.member.resources.fetcher.counters
         if self._before_alone is None:
             return now
-        before = self._before_alone  # the alone pass reset the counters when it began
-        return FetchCounters(
-            **{f.name: getattr(before, f.name) + getattr(now, f.name) for f in dataclasses.fields(now)}
-        )
+        return self._before_alone + now  # the alone pass reset the counters when it began
 
     def _figures(self) -> dict:
         alone = self._alone_pass._figures() if self._alone_pass is not None else {}

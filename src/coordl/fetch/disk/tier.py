@@ -34,6 +34,7 @@ import threading
 import numpy as np
 
 from coordl import errors
+from coordl.fetch.chain import copy_into
 from coordl.fetch.disk.entries import DAMAGED, GOOD, HEADER, crc, entry_name, header, judge, private, walk, write_all
 from coordl.fetch.disk.folder import make_dirs, open_folder
 from coordl.fetch.disk.ledger import Ledger, footprint
@@ -170,12 +171,7 @@ class DiskTier:
         if found is None or found[0] != stamp_:
             return False
         src = np.concatenate([np.frombuffer(v, np.uint8) for v in found[1]]) if len(found[1]) > 1 else found[1][0]
-        src = np.frombuffer(src, np.uint8) if not isinstance(src, np.ndarray) else src
-        at = 0
-        for b in buffers:
-            b = np.frombuffer(b, np.uint8) if not isinstance(b, np.ndarray) else b
-            b[:] = src[at : at + len(b)]
-            at += len(b)
+        copy_into(np.frombuffer(src, np.uint8) if not isinstance(src, np.ndarray) else src, buffers)
         return True
 
     def _read_direct(self, fd: int, head: np.ndarray, views: list, size: int) -> int:
