@@ -213,8 +213,7 @@ class RayPass(Pass):
         if gpu:
             t = t.to(f"cuda:{remote.device_id}", non_blocking=True)
         if remote.normalize is not None:  # in place, as an HP group's consumer normalises (2.6x faster)
-            mean, std = remote.normalize
-            t = t.to(torch.float32).sub_(mean.to(t.device)).div_(std.to(t.device))
+            t = remote.normalize(t)
         return t
 
     def _counters(self) -> FetchCounters:

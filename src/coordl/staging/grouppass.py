@@ -243,9 +243,7 @@ class GroupPass(Pass):
                     torch.index_select(rows, 0, torch.from_numpy(idx), out=src[r : r + len(idx)])
                 r += len(idx)
         if normalize is not None:
-            mean, std = normalize
-            out = src.to(device).to(torch.float32)
-            return out.sub_(mean.to(device)).div_(std.to(device))
+            return normalize(src.to(device))
         return src.to(device, copy=True) if whole else src.to(device)
 
     def _shared_rows(self, st: _Staged) -> torch.Tensor:
