@@ -147,7 +147,8 @@ class RayPass(Pass):
             self._threads.append(threading.Thread(target=target, args=(*extra, *args), name="coordl-prep", daemon=True))
         # started by the first batch asked for
 
-    def _alive(self) -> bool:
+    def _runners_left(self) -> bool:
+        """Whether a thread of this pass that makes units (for the actors, or here) still runs."""
         return any(t.is_alive() for t in self._threads)
 
     def _step(self) -> Step | None:
@@ -156,7 +157,7 @@ class RayPass(Pass):
                 t.start()
         t0 = time.perf_counter()
         while self._n < self.length:
-            result = self._units.take(self._n, self._alive)
+            result = self._units.take(self._n, self._runners_left)
             self._n += 1
             step = self._to_step(result)
             if step is not None:
