@@ -38,6 +38,7 @@ from coordl.fetch.chain import copy_into
 from coordl.fetch.disk.entries import DAMAGED, GOOD, HEADER, crc, entry_name, header, judge, private, walk, write_all
 from coordl.fetch.disk.folder import make_dirs, open_folder
 from coordl.fetch.disk.ledger import Ledger, footprint
+from coordl.fetch.storage import read_whole
 
 __all__ = ["QUEUE", "DiskTier"]
 
@@ -137,7 +138,6 @@ class DiskTier:
         write with ``replace``)."""
         found = np.zeros(len(sizes), dtype=np.uint8)
         head = np.empty(1, HEADER)
-        extra = bytearray(1)
         for k, name in enumerate(names):
             size = int(sizes[k])
             if self._from_pending(name, stamps[k], buffers[k]):
@@ -156,8 +156,7 @@ class DiskTier:
                 elif self.direct:
                     got = self._read_direct(fd, head, buffers[k], size)
                 else:
-                    got = os.readv(fd, [memoryview(head).cast("B"), *buffers[k], extra])
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    got = read_whole(fd, [memoryview(head).cast("B"), *buffers[k]], drop_page_cache=True)
             except OSError:
                 got = -1
             finally:
