@@ -98,6 +98,7 @@ class Resources:
         """
         made = []  # what needs stopping if a later part fails
         try:
+            fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded, disk=disk)
             pool = peer_pool = group = runner = loader = actors = None
             if io_threads:
                 pool = daemon_pool(io_threads, "coordl-io")
@@ -107,7 +108,6 @@ class Resources:
                 made.append(peer_pool.shutdown)
                 group = _peer_group(peers, world, index, cache)
                 made.append(group.close)
-            fetcher = Fetcher(index, cache, drop_page_cache=cache is not None, decoded=decoded, disk=disk, peers=group)
             if prep is not None:
                 from coordl.prep.dali import DaliPrep
 

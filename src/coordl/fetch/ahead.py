@@ -147,10 +147,10 @@ class FetchAhead:
             nodes = self.peers.remote(misses)
             for node in np.unique(nodes[nodes >= 0]).tolist():
                 wanted = misses[nodes == node]
-                reads.append((wanted, self.peer_pool.submit(fetcher.read, wanted, admit(wanted))))
+                reads.append((wanted, self.peer_pool.submit(fetcher.read, wanted, admit(wanted), self.peers)))
             misses = misses[nodes < 0]
         for part in self._parts(misses):
-            reads.append((part, self.pool.submit(fetcher.read, part, admit(part))))
+            reads.append((part, self.pool.submit(fetcher.read, part, admit(part))))  # no node holds these
         return _Pending(ids, hit, reads, kind, number)
 
     def _parts(self, misses: np.ndarray) -> list[np.ndarray]:

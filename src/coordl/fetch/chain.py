@@ -3,7 +3,8 @@
 
 A tier says which samples it holds (:meth:`Link.holds`), reads those it is given into a job's
 buffers (:meth:`Link.read_into`, marking those it served), and once the walk is over keeps what
-the links below it brought (:meth:`Link.admit`). :meth:`Fetcher.read
+the other links served (:meth:`Link.admit`): the memory cache what the local tier and the store
+read, the local tier what the peers and the store sent. :meth:`Fetcher.read
 <coordl.fetch.fetcher.Fetcher.read>` walks the links under the memory cache in the configured
 order: the local-storage tier (:class:`~coordl.fetch.disk.link.DiskLink`), the other nodes'
 caches (:class:`PeerLink`), the store (:class:`~coordl.fetch.store.StoreLink`); the memory
@@ -59,7 +60,6 @@ class Job:
     """
 
     def __init__(self, index, ids: np.ndarray, admit: np.ndarray | None = None):
-        self.index = index
         self.ids = np.asarray(ids, dtype=np.int64)
         n = len(self.ids)
         self.sizes = index.sizes[self.ids]
@@ -105,7 +105,7 @@ class Link(Protocol):
         """Reads the samples ``ks`` of ``job`` (positions), marking those it served."""
 
     def admit(self, job: Job) -> None:
-        """Keeps what the walk brought from the links below this one, as this tier's policy says."""
+        """Once the walk is over: keeps what the other links served, as this tier's policy says."""
 
 
 class MemoryLink:

@@ -36,12 +36,9 @@ class Fetcher:
         drop_page_cache: advise the kernel to drop storage-read pages from the page cache.
         decoded: the node's decoded tier (:class:`~coordl.fetch.decoded.DecodedTier`), or None.
         disk: the node's local-storage tier (:class:`~coordl.fetch.disk.DiskTier`), or None.
-        peers: the partitioned cache (:class:`~coordl.fetch.peer.PeerGroup`), or None.
     """
 
-    def __init__(
-        self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None, disk=None, peers=None
-    ):
+    def __init__(self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None, disk=None):
         self.index = index
         self.cache = cache
         self.decoded = decoded
@@ -53,12 +50,16 @@ class Fetcher:
         self.memory = MemoryLink(cache)
         self.images = DecodedLink(decoded)
         self.store = StoreLink(index, drop_page_cache=drop_page_cache, stop=self.closing)
-        below = [DiskLink(disk, index)] if disk is not None else []
+        self.local = DiskLink(disk, index) if disk is not None else None
+
+    def chain(self, peers=None) -> list:
+        """The links under the memory cache, in the order a miss asks them: the local tier, the other
+        nodes' caches (``peers``, a :class:`~coordl.fetch.peer.PeerGroup`), the store; the peers
+        before the local tier with ``Disk(peers_first=True)``."""
+        links = [self.local] if self.local is not None else []
         if peers is not None:
-            after_disk = disk is not None and not disk.peers_first  # the default: the local disk first
-            below.insert(1 if after_disk else 0, PeerLink(peers))
-        self.chain = [*below, self.store]  # under the memory cache, in the order they are asked
-        self.keepers = [self.memory, *below]  # what admits, in this order: memory first, whose views the disk keeps
+            links.insert(0 if self.local is None or self.local.peers_first else 1, PeerLink(peers))
+        return [*links, self.store]
 
     def _add(self, counters: FetchCounters) -> None:
         with self._lock:
@@ -183,9 +184,10 @@ class Fetcher:
         return self.store.pace.ratio()
 
     def read(
-        self, ids: np.ndarray, admit: np.ndarray | None = None
+        self, ids: np.ndarray, admit: np.ndarray | None = None, peers=None
     ) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
-        """Reads the samples ``ids`` (distinct) that the memory cache missed, walking the chain below it.
+        """Reads the samples ``ids`` (distinct) that the memory cache missed, walking the chain below
+        it (:meth:`chain`; ``peers``: the partitioned cache to ask, None: none).
 
         Each link reads what it holds of what is still missing; the memory cache reserves slots for
         what the local tier and the store read, so their bytes land in it, published and returned
@@ -201,8 +203,9 @@ class Fetcher:
             StoreError: the object store refused the job's credentials (nothing is published).
         """
         job = Job(self.index, ids, admit)
+        chain = self.chain(peers)
         try:
-            for link in self.chain:
+            for link in chain:
                 ks = job.missing()
                 job.asked[ks] |= link.code
                 ks = ks[link.holds(job.ids[ks])] if len(ks) else ks
@@ -213,7 +216,7 @@ class Fetcher:
         except BaseException:
             self.memory.abort(job)
             raise
-        for link in self.keepers:
+        for link in [self.memory, *chain]:  # memory first: the local tier keeps its views
             link.admit(job)
         self._add(job.counters)
         return self._outcome(job)
