@@ -39,12 +39,13 @@ class FetchCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __add__(self, other: FetchCounters | dict) -> FetchCounters:
-        out = FetchCounters(**self.as_dict())
+        out = FetchCounters(**vars(self))
         out += other
         return out
 
     def __iadd__(self, other: FetchCounters | dict) -> FetchCounters:
-        items = other.items() if isinstance(other, dict) else other.as_dict().items()
-        for key, value in items:
-            setattr(self, key, getattr(self, key) + value)
+        # On every read of the fetcher: its fields as they are (vars), and only those that count.
+        for key, value in (other if isinstance(other, dict) else vars(other)).items():
+            if value:
+                setattr(self, key, getattr(self, key) + value)
         return self
