@@ -380,3 +380,25 @@ def test_two_nodes_read_their_own_tier_before_the_other_node_s_memory_unless_tol
     # The tier first: nothing is asked of the other node; the other node's memory first: it serves some.
     assert all(s["peer_reads"] == 0 for s in runs[0][1]), runs[0]
     assert all(s["peer_reads"] > 0 for s in runs[1][1]), runs[1]
+
+
+def test_samples_a_node_receives_from_peers_reach_its_local_tier(tiny_dataset, tmp_path):
+    """A node's tier keeps what the other node's memory sends it, as it keeps what the store sends:
+    in a job's second epoch every sample a rank takes from a peer or the store goes to its tier's
+    writer, so a second job, peers off and its memory empty, reads none of the two epochs' samples
+    from the store."""
+    remote = Path(os.environ["COORDL_SHM_DIR"]) / "remote"  # another file system than the tiers' (tmp)
+    subprocess.run(["cp", "-r", str(tiny_dataset), str(remote)], check=True)
+    try:
+        tiers = tmp_path / "tiers"
+        first = _two_nodes(remote, tmp_path / "first", tiers)
+        again = _two_nodes(remote, tmp_path / "again", tiers, "--peers", "off")
+    finally:
+        subprocess.run(["rm", "-rf", str(remote)], check=True)
+    assert sum(s["storage_reads"] for s in first[0]) == N and all(s["peer_reads"] == 0 for s in first[0])
+    assert all(s["peer_reads"] > 0 for s in first[1]), first  # the other node's memory served some...
+    for s in first[1]:  # ...and they went to the tier, with what the store sent
+        assert s["disk_admitted"] == s["storage_reads"] + s["peer_reads"], first
+    for e in again:
+        for s in e:
+            assert s["storage_reads"] == 0 and s["cache_hits"] + s["disk_reads"] == s["samples"], again

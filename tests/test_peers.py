@@ -308,9 +308,10 @@ class _HolderMap:
         self.client = client
 
 
-def _fetch_ahead(index, peers, pool) -> FetchAhead:
-    """A pass's fetching without a cache: misses held by a peer from it, the rest from storage."""
-    fetcher = Fetcher(index, None, drop_page_cache=False)
+def _fetch_ahead(index, peers, pool, disk=None) -> FetchAhead:
+    """A pass's fetching without a cache: misses held by a peer from it, the rest from storage (and
+    ``disk``, a local-storage tier, where given)."""
+    fetcher = Fetcher(index, None, drop_page_cache=False, disk=disk)
     return FetchAhead(
         fetcher,
         [],
@@ -459,6 +460,41 @@ def test_a_peer_that_answers_part_of_a_request_then_stalls_costs_one_timeout(tin
     assert (c.peer_reads, c.storage_reads) == (len(first), len(ids) - len(first))
     assert timeout <= took < timeout + GUARD, took
     assert not client.alive(1)
+
+
+@pytest.mark.parametrize("peers_first", [False, True], ids=["tier-first", "peers-first"])
+def test_a_peer_s_samples_are_written_to_the_local_tier_once(served, tmp_path, peers_first):
+    """docs/disk-tier.md: what another node's memory sends is handed to the local tier's writer with
+    what storage sends, so the tier holds every sample after one pass; the next pass reads them all
+    from the tier, or (Disk(peers_first=True)) takes the peer's from the peer again and writes none of
+    them twice. Node 1 is a real server holding the even samples."""
+    from coordl.fetch.disk import DiskTier
+
+    index, server = served
+    client = _client(index, server)
+    tier = DiskTier(str(tmp_path / "tier"), peers_first=peers_first)
+    ids = np.arange(N, dtype=np.int64)
+    passes = []
+    try:
+        for _ in range(2):
+            with cf.ThreadPoolExecutor(2) as pool:
+                ahead = _fetch_ahead(index, _HolderMap(N, np.arange(0, N, 2), client), pool, disk=tier)
+                batch = ahead.collect(ids)
+            assert _exact(index, batch, ids)
+            assert tier.flush(WAIT)
+            passes.append(ahead.fetcher.counters)
+        entries = [p for p in (tmp_path / "tier").rglob("*") if p.is_file() and len(p.name) == 32]
+    finally:
+        client.close()
+        tier.close()
+    first, second = passes
+    assert (first.peer_reads, first.storage_reads, first.disk_admitted) == (N // 2, N // 2, N)
+    assert len(entries) == N and tier.written == N
+    if peers_first:  # asked first again: what the peer sends is in the tier already, and not written again
+        assert (second.peer_reads, second.disk_reads, second.disk_admitted) == (N // 2, N // 2, 0)
+    else:
+        assert (second.peer_reads, second.disk_reads, second.disk_admitted) == (0, N, 0)
+    assert second.storage_reads == 0
 
 
 # -- lingering -----------------------------------------------------------------------------------

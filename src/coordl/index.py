@@ -295,7 +295,7 @@ class Index:
         root = os.fspath(data) if isinstance(data, (str, os.PathLike)) else None
         image = tuple(e.lower().lstrip(".") for e in image)
         index_dir = default_index_dir() if index_dir is None else index_dir
-        stamps = tars.stamps(files)
+        made_from = tars.made_from(files)
         saved = None
         if index_dir and label is None:
             key = ["tars", files, list(image), skip] + (["boxes"] if boxes else [])
@@ -304,21 +304,21 @@ class Index:
             saved = os.path.join(index_dir, f"index-{saved_store.name(key)}{indexfile.SUFFIX}")
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
             opened = saved_store.load(saved, cls)
-            if opened is not None and opened[0].shards is not None and opened[1] == stamps:
+            if opened is not None and opened[0].shards is not None and opened[1] == made_from:
                 return dataclasses.replace(opened[0], saved_path=saved)
             if opened is not None:
                 log.info("coordl: shards of %s changed since the index was saved; indexing again", root or files[0])
         label = tars.JSON if boxes else label
-        paths, labels, sizes, shards = tars.index(files, stamps, image=image, label=label, skip=skip, stream=stream)
+        paths, labels, sizes, shards = tars.index(files, made_from, image=image, label=label, skip=skip, stream=stream)
         table = None
         if boxes:
             from coordl.detection import dataset
 
             table = dataset.boxes_of_members(paths, labels, on_error="skip" if skip else "raise")
             labels = np.zeros(len(paths), dtype=np.int64)
-        mtimes = None if shards.etags is not None else np.array([s[1] for s in stamps], np.int64)[shards.of]
+        mtimes = None if shards.etags is not None else np.array([s[1] for s in made_from], np.int64)[shards.of]
         index = cls.build(paths, labels, sizes, (), root, shards=shards, boxes=table, mtimes=mtimes)
-        return saved_store.publish(index, stamps, saved) if saved else index
+        return saved_store.publish(index, made_from, saved) if saved else index
 
     @classmethod
     def from_coco(
@@ -357,7 +357,7 @@ class Index:
         images = s3url.normalize(images) if s3url.is_url(images) else os.path.abspath(os.fspath(images))
         annotations = os.path.abspath(os.fspath(annotations))
         index_dir = default_index_dir() if index_dir is None else index_dir
-        stamps = dataset.stamps(images, annotations)
+        made_from = dataset.made_from(images, annotations)
         saved = None
         if index_dir:
             key = ["coco", images, annotations, skip_empty, on_error]
@@ -367,7 +367,7 @@ class Index:
         if saved and not (rebuild or env.flag("COORDL_REINDEX")):
 
             def check(index: Index, dirs: list) -> Index | None:
-                if index.boxes is None or dirs != stamps:
+                if index.boxes is None or dirs != made_from:
                     return None
                 return saved_store.renewed(index, currency.of_samples(index), dirs, saved, images)
 
@@ -379,7 +379,7 @@ class Index:
         index = cls.build(
             found.paths, labels, found.sizes, (), images, etags=found.etags, boxes=found.boxes, mtimes=found.mtimes
         )
-        return saved_store.publish(index, stamps, saved) if saved else index
+        return saved_store.publish(index, made_from, saved) if saved else index
 
     @classmethod
     def scan(

@@ -123,12 +123,12 @@ def load(path: str, cls: type[Index]) -> tuple[Index, list] | None:
     return index, dirs
 
 
-def _shards(saved, stamps) -> Shards | None:
-    """The shards of a saved index, with the ETags of ``s3://`` shards from their stamps."""
+def _shards(saved, made_from) -> Shards | None:
+    """The shards of a saved index, with the ETags of ``s3://`` shards from what it was made from."""
     if saved is None:
         return None
     files, of, offsets = saved
-    etags = PathTable.from_strings([str(s[1]) for s in stamps]) if len(files) and s3url.is_url(files[0]) else None
+    etags = PathTable.from_strings([str(s[1]) for s in made_from]) if len(files) and s3url.is_url(files[0]) else None
     return Shards(files, of, offsets, etags)
 
 

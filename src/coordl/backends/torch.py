@@ -364,9 +364,7 @@ class TorchPass(Pass):
         return Step(out, len(fetched.ids), self.start + self._k, fetch=fetch)
 
     def _account(self, f: Fetched) -> None:
-        c = self._fetched
-        for key, value in (f.counters or {}).items():
-            setattr(c, key, getattr(c, key) + value)
+        self._fetched += f.counters or {}
         self._read_s += f.read_s
         self._prep_s += f.prep_s
         for i, path, why in f.skipped:  # logged here: a worker's log records may go nowhere

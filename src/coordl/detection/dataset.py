@@ -1,5 +1,5 @@
 """Where a detection dataset's samples are: the image files of a COCO annotations file (a folder
-or an ``s3://`` prefix), their sizes and the stamps that say a saved index is still the dataset's;
+or an ``s3://`` prefix), their sizes and what a saved index of it is made from (which says it is still the dataset's);
 and the boxes of tar shards' ``.json`` members."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from coordl.detection.boxes import Boxes
 from coordl.errors import AnnotationError
 from coordl.s3 import url as s3url
 
-__all__ = ["Found", "boxes_of_members", "coco_samples", "stamps"]
+__all__ = ["Found", "boxes_of_members", "coco_samples", "made_from"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Found:
     mtimes: list[int] | None = None
 
 
-def stamps(images: str, annotations: str) -> list:
+def made_from(images: str, annotations: str) -> list:
     """What a saved index of the dataset was made from: the annotations file's size and
     modification time, and (a folder) the images folder's modification time, which changes when
     a file is added or removed.

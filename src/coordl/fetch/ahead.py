@@ -1,9 +1,10 @@
 """Fetches the raw bytes of the next few batches ahead of pre-processing.
 
 Cache hits are views taken in the calling thread; misses are read by a thread
-pool, so storage always has work queued while earlier batches are decoded. With the
-partitioned cache, the misses another node holds go to that node in one request per
-batch (on a pool of their own); whatever it does not deliver is read from storage.
+pool (:meth:`Fetcher.read <coordl.fetch.fetcher.Fetcher.read>`, which walks the tiers under
+memory), so storage always has work queued while earlier batches are decoded. With the
+partitioned cache, the misses another node holds are read on a pool of their own, one read
+per node and batch; what that node does not deliver is read further down the chain.
 """
 
 from __future__ import annotations
@@ -137,21 +138,19 @@ class FetchAhead:
             kind[np.isin(ids, claimed)] = DECODE_KEEP
         hit = fetcher.cached(ids) & ~decoded
         misses = np.unique(ids[~hit & ~decoded])  # a padded batch may repeat a sample: read once
+        # Bytes bound for the decoded tier are not admitted into the encoded one as well.
+        admit = (lambda part: ~np.isin(part, claimed)) if len(claimed) else (lambda part: None)
         reads = []
         if self.peers is not None and len(misses):
-            # The local-storage tier before the other nodes' memory, unless Disk(peers_first=True).
-            local = fetcher.on_disk(misses) if fetcher.disk is not None and not fetcher.disk.peers_first else None
+            # Those another node holds: one read a node, on the peers' pool (its chain asks the
+            # local tier first, unless Disk(peers_first=True)).
             nodes = self.peers.remote(misses)
-            if local is not None:
-                nodes[local] = -1
             for node in np.unique(nodes[nodes >= 0]).tolist():
                 wanted = misses[nodes == node]
-                reads.append((wanted, self.peer_pool.submit(self._from_peer, node, wanted)))
+                reads.append((wanted, self.peer_pool.submit(fetcher.read, wanted, admit(wanted), self.peers)))
             misses = misses[nodes < 0]
         for part in self._parts(misses):
-            # Bytes bound for the decoded tier are not admitted into the encoded one as well.
-            admit = ~np.isin(part, claimed) if len(claimed) else None
-            reads.append((part, self.pool.submit(fetcher.read, part, admit)))
+            reads.append((part, self.pool.submit(fetcher.read, part, admit(part))))  # no node holds these
         return _Pending(ids, hit, reads, kind, number)
 
     def _parts(self, misses: np.ndarray) -> list[np.ndarray]:
@@ -168,18 +167,6 @@ class FetchAhead:
         parts = min(self.threads, max(1, round(want)))
         parts = max(1, min(parts, len(misses) // MIN_PART))
         return np.array_split(misses, parts)
-
-    def _from_peer(self, node: int, ids: np.ndarray) -> tuple[list, dict]:
-        """Asks ``node`` for ``ids``; what it does not deliver is read from storage."""
-        got = self.fetcher.from_peer(self.peers.client, node, ids)
-        data = [got.get(i) for i in ids.tolist()]
-        rest = np.array([k for k, v in enumerate(data) if v is None], dtype=np.int64)
-        errors = {}
-        if len(rest):
-            read, errors = self.fetcher.read(ids[rest])
-            for k, v in zip(rest.tolist(), read):
-                data[k] = v
-        return data, errors
 
     def receive(self, pending: _Pending) -> RawBatch:
         """The batch :meth:`submit` started, once its reads are done (skipping or raising as

@@ -1,132 +1,69 @@
-"""The fetcher: raw encoded bytes of samples from the node's MinIO cache first, then storage;
-and the node's decoded tier, whose images it serves and fills.
+"""The fetcher: sample bytes through the node's tiers, walked as a chain (:mod:`coordl.fetch.chain`):
+the memory cache, the decoded tier, the local-storage tier, the other nodes' caches, the store.
 
-:class:`Fetcher` is the only way the rest of coordl gets sample bytes. Only storage
-reads admit items into the cache, and caching never changes which samples are
-read, only where their bytes come from. With the partitioned cache, another node's
-cache sits between the local one and storage (:meth:`Fetcher.from_peer`); bytes from
-peers are not admitted, so every node keeps the part it filled from storage.
+:class:`Fetcher` is the only way the rest of coordl gets sample bytes. A miss in memory walks the
+links below it in the configured order (the local tier before the peers, unless
+``Disk(peers_first=True)``), each reading what it holds of what is still missing; then each tier
+admits what it keeps: the memory cache what the local tier and the store read (never a peer's
+bytes, so every node keeps the part it filled from storage), the local tier what the store and the
+peers delivered. Caching never changes which samples are read, only where their bytes come from.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, fields
 
 import numpy as np
 
 from coordl.errors import DatasetChangedError, SampleError
-from coordl.fetch import disk, samples
 from coordl.fetch.cache import NodeCache
-from coordl.fetch.disk import entries
+from coordl.fetch.chain import DecodedLink, Job, MemoryLink, PeerLink
+from coordl.fetch.counters import FetchCounters
+from coordl.fetch.disk.link import DiskLink
+from coordl.fetch.store import StoreLink
 from coordl.index import Index
 from coordl.threads import Signal
 
 __all__ = ["FetchCounters", "Fetcher"]
 
 
-@dataclass
-class FetchCounters:
-    """Where one process's bytes came from since the counters were reset."""
-
-    cache_hits: int = 0
-    cache_hit_bytes: int = 0
-    storage_reads: int = 0
-    storage_bytes: int = 0
-    storage_ns: int = 0  # time spent in storage reads, summed over threads
-    admitted: int = 0
-    peer_reads: int = 0  # samples received from other nodes' caches
-    peer_bytes: int = 0
-    peer_ns: int = 0  # time spent in peer requests, summed over threads
-    decoded_hits: int = 0  # samples served as decoded images from the node's decoded tier
-    decoded_hit_bytes: int = 0
-    decoded_admitted: int = 0  # images this process decoded and put into the decoded tier
-    disk_reads: int = 0  # samples read from the node's local-storage tier
-    disk_bytes: int = 0
-    disk_ns: int = 0  # time spent reading it, summed over threads
-    disk_admitted: int = 0  # samples read from storage that this process handed to the tier's writer
-    disk_repaired: int = 0  # of those, samples whose entry was damaged (cut, flipped): written again
-    disk_replaced: int = 0  # of those, samples whose entry held another version (stale): replaced
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class _Pace:
-    """Storage reads' time, less their thread's waits for a CPU, against the thread's time on a CPU,
-    averaged over recent calls: how long a read takes, on idle cores, per CPU second it costs."""
-
-    MIN_FILES = 16  # a call of fewer files is not measured (it would cost more than it tells)
-    WEIGHT = 0.2  # of the latest call in the running averages
-
-    def __init__(self):
-        self._wall = self._busy = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, wall_ns: int, busy_ns: int) -> None:
-        """``wall_ns``: a call's time less its waits for a CPU; ``busy_ns``: its time on a CPU."""
-        with self._lock:
-            if self._busy == 0:
-                self._wall, self._busy = float(wall_ns), float(max(busy_ns, 1))
-            else:
-                w = self.WEIGHT
-                self._wall += w * (wall_ns - self._wall)
-                self._busy += w * (max(busy_ns, 1) - self._busy)
-
-    def ratio(self) -> float | None:
-        return self._wall / self._busy if self._busy else None
-
-
-def _schedstat() -> tuple[int, int]:
-    """This thread's time spent runnable, waiting for a CPU, and how many times it got one
-    (``/proc/thread-self/schedstat``'s second and third fields; zeros where there is none)."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            _, waited, runs = f.read().split()[:3]
-        return int(waited), int(runs)
-    except (OSError, ValueError):
-        return 0, 0
-
-
-def _stamp() -> tuple[int, int, int]:
-    """The wall clock, and at the same instant this thread's time on a CPU and its time spent
-    runnable, waiting for one. What a read's wall time has beyond the two, it spent waiting for
-    the storage (or for the GIL, while another thread holds it).
-
-    The kernel adds a wait to the thread's total only when the thread gets a CPU again, so a
-    thread preempted between reading the total and the clock would count that wait in one and
-    not the other (a busy machine preempts at exactly such system calls): the clock is read
-    between two readings of the total that saw no preemption in between."""
-    for _ in range(4):
-        waited, runs = _schedstat()
-        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
-        waited2, runs2 = _schedstat()
-        if runs2 == runs:
-            break
-    return wall, cpu, waited2
-
-
 class Fetcher:
-    """Reads sample bytes through the cache.
+    """Reads sample bytes through the node's tiers.
 
     Args:
         index: the dataset.
         cache: the node's MinIO cache, or None to read storage only.
         drop_page_cache: advise the kernel to drop storage-read pages from the page cache.
         decoded: the node's decoded tier (:class:`~coordl.fetch.decoded.DecodedTier`), or None.
+        disk: the node's local-storage tier (:class:`~coordl.fetch.disk.DiskTier`), or None.
     """
 
     def __init__(self, index: Index, cache: NodeCache | None, *, drop_page_cache: bool, decoded=None, disk=None):
         self.index = index
         self.cache = cache
         self.decoded = decoded
-        self.disk = disk  # the node's local-storage tier (coordl.fetch.disk.DiskTier), or None
+        self.disk = disk
         self.drop_page_cache = drop_page_cache
         self.counters = FetchCounters()
         self.closing = Signal()  # set when the loader closes: reads still waiting for a store end at once
         self._lock = threading.Lock()
-        self._pace = _Pace()
+        self.memory = MemoryLink(cache)
+        self.images = DecodedLink(decoded)
+        self.store = StoreLink(index, drop_page_cache=drop_page_cache, stop=self.closing)
+        self.local = DiskLink(disk, index) if disk is not None else None
+
+    def chain(self, peers=None) -> list:
+        """The links under the memory cache, in the order a miss asks them: the local tier, the other
+        nodes' caches (``peers``, a :class:`~coordl.fetch.peer.PeerGroup`), the store; the peers
+        before the local tier with ``Disk(peers_first=True)``."""
+        links = [self.local] if self.local is not None else []
+        if peers is not None:
+            links.insert(0 if self.local is None or self.local.peers_first else 1, PeerLink(peers))
+        return [*links, self.store]
+
+    def _add(self, counters: FetchCounters) -> None:
+        with self._lock:
+            self.counters += counters
 
     def reset_counters(self) -> FetchCounters:
         """Returns the counters so far and starts new ones."""
@@ -136,26 +73,24 @@ class Fetcher:
 
     def cached(self, ids: np.ndarray) -> np.ndarray:
         """A mask of the ids whose bytes are in the node's cache right now."""
-        if self.cache is None:
-            return np.zeros(len(ids), dtype=bool)
-        return self.cache.ready_mask(ids)
+        return self.memory.holds(ids)
 
     def hits(self, ids: np.ndarray) -> list[np.ndarray]:
         """Read-only views of the bytes of ``ids``, which must all be in the cache (:meth:`cached`)."""
+        return self._views(self.memory, ids)
+
+    def _views(self, link, ids: np.ndarray) -> list[np.ndarray]:
         if not len(ids):
             return []
-        out = self.cache.views(ids)
-        with self._lock:
-            self.counters.cache_hits += len(ids)
-            self.counters.cache_hit_bytes += int(self.index.sizes[ids].sum())
-        return out
+        job = Job(self.index, ids)
+        link.read_into(job, np.arange(len(ids)))
+        self._add(job.counters)
+        return job.data
 
     # -- the decoded tier ----------------------------------------------------------------------
     def decoded_ready(self, ids: np.ndarray) -> np.ndarray:
         """A mask of the ids whose decoded images are in the node's decoded tier right now."""
-        if self.decoded is None:
-            return np.zeros(len(ids), dtype=bool)
-        return self.decoded.ready_mask(ids)
+        return self.images.holds(ids)
 
     def all_decoded(self, ids: np.ndarray | None = None) -> bool:
         """Whether every sample of ``ids`` (default: of the dataset) is in the node's decoded tier
@@ -167,13 +102,7 @@ class Fetcher:
 
     def decoded_images(self, ids: np.ndarray) -> list[np.ndarray]:
         """Read-only ``(H, W, 3)`` views of the decoded images of ``ids`` (all in the tier)."""
-        if not len(ids):
-            return []
-        out = self.decoded.images(ids)
-        with self._lock:
-            self.counters.decoded_hits += len(ids)
-            self.counters.decoded_hit_bytes += sum(a.nbytes for a in out)
-        return out
+        return self._views(self.images, ids)
 
     def claim(self, ids: np.ndarray) -> np.ndarray:
         """Claims the distinct ``ids`` for this process to decode into the decoded tier: a mask of
@@ -182,9 +111,9 @@ class Fetcher:
 
     def fill(self, ids: np.ndarray, images: list[np.ndarray]) -> None:
         """Puts the decoded images of claimed ``ids`` into the decoded tier (those that fit)."""
-        published = self.decoded.fill_many(ids, images)
-        with self._lock:
-            self.counters.decoded_admitted += int(np.count_nonzero(published))
+        counters = FetchCounters()
+        self.images.fill(ids, images, counters)
+        self._add(counters)
 
     def abort(self, ids: np.ndarray) -> None:
         """Gives up this process's claims among ``ids`` (others' are left alone)."""
@@ -252,57 +181,18 @@ class Fetcher:
         cache; ~10 for NVMe's latency; more for network storage). Their time leaves out their
         thread's waits for a CPU, so busy cores do not change the answer: the storage's latency is
         what it was. None until there are reads to judge by."""
-        return self._pace.ratio()
-
-    def _from_disk(self, ids, names, stamps, sizes, slots) -> np.ndarray:
-        """Reads what the local-storage tier holds of ``ids`` into ``slots``: what was found for each
-        (:mod:`coordl.fetch.disk.entries`: ``GOOD`` for those read, ``ABSENT``, ``STALE``, ``DAMAGED``)."""
-        present = self.disk.present(names)
-        found = np.full(len(ids), entries.ABSENT, dtype=np.uint8)
-        if not present.any():
-            return found
-        where = np.flatnonzero(present)
-        t0 = time.perf_counter_ns()
-        found[where] = self.disk.read_into(
-            [names[k] for k in where], [stamps[k] for k in where], sizes[where], [slots[k] for k in where]
-        )
-        dt = time.perf_counter_ns() - t0
-        got = found == entries.GOOD
-        with self._lock:
-            c = self.counters
-            c.disk_ns += dt
-            c.disk_reads += int(got.sum())
-            c.disk_bytes += int(sizes[got].sum())
-        return found
-
-    def from_peer(self, client, node: int, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """The bytes of those of ``ids`` that ``node`` delivers (see :class:`~coordl.fetch.peer_client.PeerClient`)."""
-        t0 = time.perf_counter_ns()
-        got = client.fetch(node, ids)
-        dt = time.perf_counter_ns() - t0
-        with self._lock:
-            c = self.counters
-            c.peer_ns += dt
-            c.peer_reads += len(got)
-            c.peer_bytes += sum(len(v) for v in got.values())
-        return got
-
-    def on_disk(self, ids: np.ndarray) -> np.ndarray:
-        """A mask of the ids that the node's local-storage tier has an entry for."""
-        if self.disk is None or not len(ids):
-            return np.zeros(len(ids), dtype=bool)
-        return self.disk.present(disk.keys(self.index, ids)[0])
+        return self.store.pace.ratio()
 
     def read(
-        self, ids: np.ndarray, admit: np.ndarray | None = None
+        self, ids: np.ndarray, admit: np.ndarray | None = None, peers=None
     ) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
-        """Reads the samples ``ids`` (distinct) from the node's local-storage tier where it holds them,
-        else from storage, admitting into the cache those it takes; what storage delivered is handed to
-        the local-storage tier's writer.
+        """Reads the samples ``ids`` (distinct) that the memory cache missed, walking the chain below
+        it (:meth:`chain`; ``peers``: the partitioned cache to ask, None: none).
 
-        Admitted samples are read straight into their cache slots and returned as read-only
-        views of them; the others are read into one buffer for them all. ``admit`` (a mask)
-        limits admission to some of ``ids`` (those bound for the decoded tier stay out).
+        Each link reads what it holds of what is still missing; the memory cache reserves slots for
+        what the local tier and the store read, so their bytes land in it, published and returned
+        as read-only views; the others are read into one buffer. ``admit`` (a mask) limits the
+        memory cache's admission to some of ``ids`` (those bound for the decoded tier stay out).
 
         Returns:
             the bytes of each of ``ids`` (None for one that failed), and the failures by sample.
@@ -312,87 +202,38 @@ class Fetcher:
                 index is stale (the other samples are read and published first).
             StoreError: the object store refused the job's credentials (nothing is published).
         """
-        ids = np.asarray(ids, dtype=np.int64)
-        sizes = self.index.sizes[ids]
-        slots: list = [None] * len(ids)
-        if self.cache is not None:
-            where = np.arange(len(ids)) if admit is None else np.flatnonzero(admit)
-            for k, slot in zip(where.tolist(), self.cache.reserve_many(ids[where])):
-                slots[k] = slot
-        in_cache = np.array([v is not None for v in slots], dtype=bool)
-        data: list[np.ndarray | None] = [None] * len(ids)
-        outside = np.flatnonzero(~in_cache)
-        if len(outside):
-            ends = np.cumsum(sizes[outside])
-            buffer = np.empty(int(ends[-1]), dtype=np.uint8)
-            for k, a, b in zip(outside.tolist(), [0, *ends[:-1].tolist()], ends.tolist()):
-                data[k] = buffer[a:b]
-                slots[k] = [data[k]]
-        found = np.full(len(ids), entries.ABSENT, dtype=np.uint8)  # what the local-storage tier held
-        names = stamps = None
-        if self.disk is not None:
-            names, stamps = disk.keys(self.index, ids)
-            found = self._from_disk(ids, names, stamps, sizes, slots)
-        local = found == entries.GOOD  # read from the local-storage tier
-        store = np.flatnonzero(~local)
-        paced = len(store) >= _Pace.MIN_FILES
-        w0, c0, q0 = _stamp() if paced else (0, 0, 0)
-        t0 = time.perf_counter_ns()
+        job = Job(self.index, ids, admit)
+        chain = self.chain(peers)
         try:
-            failed = {}
-            if len(store):
-                got = samples.read_many(
-                    self.index, ids[store], [slots[k] for k in store], drop_page_cache=self.drop_page_cache,
-                    stop=self.closing,
-                )  # fmt: skip
-                failed = {int(store[j]): e for j, e in got.items()}
+            for link in chain:
+                ks = job.missing()
+                job.asked[ks] |= link.code
+                ks = ks[link.holds(job.ids[ks])] if len(ks) else ks
+                if len(ks):
+                    if link.cached:
+                        self.memory.reserve(job, ks)
+                    link.read_into(job, ks)
         except BaseException:
-            if in_cache.any():
-                self.cache.abort_many(ids[in_cache])
+            self.memory.abort(job)
             raise
-        dt = time.perf_counter_ns() - t0
-        if paced:
-            w1, c1, q1 = _stamp()
-            self._pace.add((w1 - w0) - (q1 - q0), c1 - c0)
-        ok = np.ones(len(ids), dtype=bool)
-        ok[list(failed)] = False
-        admitted = np.flatnonzero(in_cache & ok)
-        if len(admitted):
-            self.cache.publish_many(ids[admitted])
-            for k, view in zip(admitted.tolist(), self.cache.views(ids[admitted])):
-                data[k] = view
-        aborted = np.flatnonzero(in_cache & ~ok)
-        if len(aborted):
-            self.cache.abort_many(ids[aborted])  # their bytes stay theirs, for the next read
+        for link in [self.memory, *chain]:  # memory first: the local tier keeps its views
+            link.admit(job)
+        self._add(job.counters)
+        return self._outcome(job)
+
+    def _outcome(self, job: Job) -> tuple[list[np.ndarray | None], dict[int, SampleError]]:
+        """The job's bytes and its failures as :class:`SampleError`, or the stale index's error."""
         errors: dict[int, SampleError] = {}
         changed = None
-        for k, e in failed.items():
-            i = int(ids[k])
-            data[k] = None
+        for k, e in job.failed.items():
+            i = int(job.ids[k])
             if isinstance(e, DatasetChangedError):
                 changed = changed or e
             else:
                 path = self.index.paths[i]
                 errors[i] = SampleError(f"cannot read sample {i} ({path}): {e.strerror or e}", path=path, index=i)
                 errors[i].__cause__ = e
-        stored = ok & ~local
-        filling = self.disk is not None and self.disk.filling
-        if filling and stored.any():
-            # A stale or damaged entry is replaced by the bytes just read (moved aside first).
-            where = np.flatnonzero(stored).tolist()
-            again = [bool(found[k] != entries.ABSENT) for k in where]
-            self.disk.put([names[k] for k in where], [stamps[k] for k in where], [data[k] for k in where], again)
-        with self._lock:
-            c = self.counters
-            c.storage_ns += dt
-            c.storage_reads += int(stored.sum())
-            c.storage_bytes += int(sizes[stored].sum())
-            c.admitted += len(admitted)
-            if filling:
-                c.disk_admitted += int(stored.sum())
-                c.disk_repaired += int((stored & (found == entries.DAMAGED)).sum())
-                c.disk_replaced += int((stored & (found == entries.STALE)).sum())
         if changed is not None:
             self.index.forget_saved()  # so that the restart the error asks for rescans the tree
             raise changed
-        return data, errors
+        return [d if b else None for d, b in zip(job.data, job.by.tolist())], errors

@@ -19,10 +19,22 @@ from collections.abc import Sequence
 
 from coordl.errors import DatasetChangedError
 
-__all__ = ["read_many"]
+__all__ = ["read_many", "read_ranges", "read_whole"]
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
 _DONTNEED = os.POSIX_FADV_DONTNEED
+_SPARE = bytearray(1)  # the byte after a file's end; its value is never read
+
+
+def read_whole(fd: int, views: list, *, drop_page_cache: bool) -> int:
+    """Reads the open file ``fd`` from its start into ``views`` with one byte more, so that a file
+    longer than they hold is seen without an ``fstat`` (the count is one more than they hold); then,
+    when asked, drops its pages from the page cache. Returns the bytes read (one ``readv``: fewer
+    than they hold for a file that is shorter, or a short read)."""
+    n = os.readv(fd, [*views, _SPARE])
+    if drop_page_cache:
+        os.posix_fadvise(fd, 0, 0, _DONTNEED)
+    return n
 
 
 def read_many(
@@ -37,8 +49,7 @@ def read_many(
         other files are read whatever happens to these.
     """
     failed: dict[int, Exception] = {}
-    extra = bytearray(1)
-    readv, close, fadvise = os.readv, os.close, os.posix_fadvise
+    close = os.close
     for k, path in enumerate(paths):
         try:
             fd = os.open(path, _FLAGS)
@@ -48,11 +59,11 @@ def read_many(
         try:
             size = sizes[k]
             views = buffers[k]
-            n = readv(fd, [*views, extra])
+            n = read_whole(fd, views, drop_page_cache=drop_page_cache)
             if n != size:
                 _rest(fd, os.fsdecode(path), size, views, n)
-            if drop_page_cache:
-                fadvise(fd, 0, 0, _DONTNEED)
+                if drop_page_cache:
+                    os.posix_fadvise(fd, 0, 0, _DONTNEED)  # the rest's pages too
         except (OSError, DatasetChangedError) as e:
             failed[k] = e
         finally:

@@ -11,11 +11,10 @@ import logging
 import math
 import time
 
-import torch
-
 from coordl.options import RayPrep
 from coordl.remote.cluster import DEPTH, WorkerPool, trainer_only
 from coordl.remote.worker import Job
+from coordl.staging.pixels import Normaliser
 
 __all__ = ["DEPTH", "RemotePrep", "scale_step"]
 
@@ -66,7 +65,7 @@ class RemotePrep:
         options: the loader's :class:`~coordl.RayPrep`.
         job: what the actors prepare.
         device_id: the trainer's GPU (None: the CPU): batches from actors are moved there.
-        normalize: ``(mean, std)`` of the recipe (x255, NCHW), when actors send uint8 pixels
+        normalize: the recipe's :class:`~coordl.staging.pixels.Normaliser`, when actors send uint8 pixels
             (``RayPrep(output="uint8")``: units ask for the recipe's pixels).
     """
 
@@ -88,11 +87,7 @@ class RemotePrep:
         cls, options: RayPrep, *, backend: str, index, config, cache, recipe, items, torch_options, device_id
     ):
         """The remote prep of a loader's settings (its actors start now)."""
-        normalize = None
-        if backend == "dali" and options.output == "uint8":
-            mean = torch.tensor([m * 255 for m in recipe.mean]).view(1, 3, 1, 1)
-            std = torch.tensor([s * 255 for s in recipe.std]).view(1, 3, 1, 1)
-            normalize = (mean, std)
+        normalize = Normaliser.of(recipe) if backend == "dali" and options.output == "uint8" else None
         from coordl.remote import versions
         from coordl.remote.cluster import actor_env
 

@@ -400,7 +400,7 @@ class WorkerPool:
         except Exception:  # noqa: BLE001 - the cluster is going away
             pass
         while pids and time.monotonic() < deadline:  # Ray reports a killed actor dead before its process is gone
-            pids = [pid for pid in pids if _alive(pid)]
+            pids = [pid for pid in pids if _may_hold_files(pid)]
             time.sleep(0.02)
         from coordl.shm import reaper
 
@@ -428,7 +428,7 @@ class WorkerPool:
             time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def _may_hold_files(pid: int) -> bool:
     """Whether process ``pid`` may still hold files: it runs, or it is a zombie whose other threads
     are still exiting (the first thread of a killed process turns zombie before the others are
     gone, and the files they share are closed, and their locks released, by the last)."""

@@ -69,9 +69,7 @@ class Tally:
 
     def add(self, counters: dict, read_s: float, prep_s: float, skipped) -> None:
         with self.lock:
-            c = self.counters
-            for key, value in (counters or {}).items():
-                setattr(c, key, getattr(c, key) + value)
+            self.counters += counters or {}
             self.read_s += read_s
             self.prep_s += prep_s
             self.skipped += list(skipped)
@@ -149,7 +147,8 @@ class RayPass(Pass):
             self._threads.append(threading.Thread(target=target, args=(*extra, *args), name="coordl-prep", daemon=True))
         # started by the first batch asked for
 
-    def _alive(self) -> bool:
+    def _runners_left(self) -> bool:
+        """Whether a thread of this pass that makes units (for the actors, or here) still runs."""
         return any(t.is_alive() for t in self._threads)
 
     def _step(self) -> Step | None:
@@ -158,7 +157,7 @@ class RayPass(Pass):
                 t.start()
         t0 = time.perf_counter()
         while self._n < self.length:
-            result = self._units.take(self._n, self._alive)
+            result = self._units.take(self._n, self._runners_left)
             self._n += 1
             step = self._to_step(result)
             if step is not None:
@@ -215,16 +214,11 @@ class RayPass(Pass):
         if gpu:
             t = t.to(f"cuda:{remote.device_id}", non_blocking=True)
         if remote.normalize is not None:  # in place, as an HP group's consumer normalises (2.6x faster)
-            mean, std = remote.normalize
-            t = t.to(torch.float32).sub_(mean.to(t.device)).div_(std.to(t.device))
+            t = remote.normalize(t)
         return t
 
     def _counters(self) -> FetchCounters:
-        mine, theirs = self._res.fetcher.counters, self._tally.counters
-        out = FetchCounters()
-        for key in FetchCounters.__dataclass_fields__:
-            setattr(out, key, getattr(mine, key) + getattr(theirs, key))
-        return out
+        return self._res.fetcher.counters + self._tally.counters
 
     def _figures(self) -> dict:
         t, remote, prep = self._tally, self._remote, self._res.prep

@@ -243,9 +243,7 @@ class GroupPass(Pass):
                     torch.index_select(rows, 0, torch.from_numpy(idx), out=src[r : r + len(idx)])
                 r += len(idx)
         if normalize is not None:
-            mean, std = normalize
-            out = src.to(device).to(torch.float32)
-            return out.sub_(mean.to(device)).div_(std.to(device))
+            return normalize(src.to(device))
         return src.to(device, copy=True) if whole else src.to(device)
 
     def _shared_rows(self, st: _Staged) -> torch.Tensor:
@@ -335,10 +333,7 @@ class GroupPass(Pass):
         now = self.member.resources.fetcher.counters
         if self._before_alone is None:
             return now
-        before = self._before_alone  # the alone pass reset the counters when it began
-        return FetchCounters(
-            **{f.name: getattr(before, f.name) + getattr(now, f.name) for f in dataclasses.fields(now)}
-        )
+        return self._before_alone + now  # the alone pass reset the counters when it began
 
     def _figures(self) -> dict:
         alone = self._alone_pass._figures() if self._alone_pass is not None else {}

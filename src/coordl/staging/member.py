@@ -25,6 +25,7 @@ from coordl.schedule import Schedule
 from coordl.shm import names, own, segment
 from coordl.staging.area import Claim, StagingArea
 from coordl.staging.layout import default_unit
+from coordl.staging.pixels import Normaliser
 
 __all__ = ["EMPTY_GROUP_STATS", "GroupMember", "Producer", "warn_alone"]
 
@@ -233,13 +234,9 @@ class GroupMember:
         return known[key]
 
     def _normalizer(self):
-        """``(mean, std)`` (x255, shaped for NCHW) when staged pixels still need normalising."""
-        r = self.recipe
-        if self.area.dtype == "uint8" and r.normalisation() is not None:
-            mean = torch.tensor([m * 255 for m in r.mean]).view(1, 3, 1, 1)
-            std = torch.tensor([s * 255 for s in r.std]).view(1, 3, 1, 1)
-            return mean, std
-        return None
+        """The recipe's :class:`Normaliser` when staged pixels still need normalising."""
+        uint8 = self.area.dtype == "uint8" and self.recipe.normalisation() is not None
+        return Normaliser.of(self.recipe) if uint8 else None
 
     @property
     def prep(self):

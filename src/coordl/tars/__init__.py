@@ -16,7 +16,17 @@ positioned read (:func:`coordl.fetch.storage.read_ranges`). Its path, in message
 """
 
 from coordl.tars.format import IMAGE_EXTENSIONS, JSON, scan_shard
-from coordl.tars.scan import index, stamps
+from coordl.tars.scan import index, made_from
 from coordl.tars.shards import Shards, expand, is_tar_data, shard_list
 
-__all__ = ["IMAGE_EXTENSIONS", "JSON", "Shards", "expand", "index", "is_tar_data", "scan_shard", "shard_list", "stamps"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "JSON",
+    "Shards",
+    "expand",
+    "index",
+    "is_tar_data",
+    "made_from",
+    "scan_shard",
+    "shard_list",
+]

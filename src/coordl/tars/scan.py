@@ -28,7 +28,7 @@ from coordl.tars.format import IMAGE_EXTENSIONS, JSON, scan_object, scan_shard
 from coordl.tars.shards import Shards
 from coordl.threads import daemon_pool
 
-__all__ = ["index", "stamps"]
+__all__ = ["index", "made_from"]
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,10 @@ S3_SHARDS = 32  # s3:// shards indexed at once
 IO_THREADS = 16  # local shards indexed at once by a process (their reads overlap; the parsing holds the GIL)
 
 
-def stamps(files: list[str]) -> list[list]:
-    """What says that a shard is unchanged: ``[size, mtime_ns]`` of a file, ``[size, ETag]`` of an
-    ``s3://`` object (one listing request per thousand shards of a prefix).
+def made_from(files: list[str]) -> list[list]:
+    """What an index of the shards is made from, which says that a shard is unchanged: ``[size,
+    mtime_ns]`` of a file, ``[size, ETag]`` of an ``s3://`` object (one listing request per thousand
+    shards of a prefix).
 
     Raises:
         FileNotFoundError: a shard is missing.
@@ -64,8 +65,8 @@ def stamps(files: list[str]) -> list[list]:
     return out
 
 
-def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=None):
-    """The samples of ``files``, in order, whose :func:`stamps` are ``stamped``: their paths
+def index(files: list[str], made: list[list], *, image=IMAGE_EXTENSIONS, label=None, skip=False, stream=None):
+    """The samples of ``files``, in order, whose :func:`made_from` is ``made``: their paths
     (``<shard>:<member>``), labels, sizes and :class:`Shards`, what :meth:`Index.from_tars
     <coordl.index.Index.from_tars>` builds an index of; ``stream``: how ``s3://`` shards are read
     (:func:`~coordl.tars.format.scan_object`).
@@ -80,30 +81,30 @@ def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, labe
     by_name = label is None or label == JSON  # a label function may not survive the trip to a worker
     workers = 0 if in_store or not by_name else min(cpus.available(), len(files) // PARALLEL_SHARDS)
     if in_store:
-        scanned = _from_store(files, stamped, image, label, skip, stream)
+        scanned = _from_store(files, made, image, label, skip, stream)
     elif workers > 1:
         scanned = _in_workers(files, list(image), skip, workers, label)
     else:
         scanned = _here(files, image, label, skip)
     paths, labels, sizes, of, offsets, moved = [], [], [], [], [], 0
-    for k, (f, (names, lab, size, offset, stamp)) in enumerate(zip(files, scanned, strict=True)):
+    for k, (f, (names, lab, size, offset, seen)) in enumerate(zip(files, scanned, strict=True)):
         paths += [f"{f}:{name}" for name in names]
         labels += lab
         sizes += size
         offsets += offset
         of += [k] * len(names)
-        moved += stamp if in_store else 0
-        if not in_store and list(stamp) != list(stamped[k]):
+        moved += seen if in_store else 0
+        if not in_store and list(seen) != list(made[k]):
             raise DatasetChangedError(f"{f} changed while it was indexed; index it again")
     if not paths:
         raise FileNotFoundError(f"the {len(files)} shards ({files[0]}, ...) hold no sample")
-    etags = PathTable.from_strings([str(s[1]) for s in stamped]) if in_store else None
+    etags = PathTable.from_strings([str(s[1]) for s in made]) if in_store else None
     shards = Shards(
         PathTable.from_strings(files), np.array(of, dtype=np.int64), np.array(offsets, dtype=np.int64), etags
     )
     how = f" ({workers} processes)" if workers > 1 else ""
     if in_store:
-        total = sum(int(s[0]) for s in stamped)
+        total = sum(int(s[0]) for s in made)
         way = {True: "streamed", False: "headers by range GETs", None: "range GETs or streamed, per shard"}[stream]
         how = f" ({moved / 1e6:.1f} MB read of {total / 1e6:.1f} MB, {way})"
     log.info("coordl: indexed %d samples in %d shards in %.1f s%s", len(paths), len(files), time.monotonic() - t0, how)
@@ -113,10 +114,10 @@ def index(files: list[str], stamped: list[list], *, image=IMAGE_EXTENSIONS, labe
 def _one(f: str, image, label, skip: bool):
     """One shard's image members' names, labels, sizes and offsets, and its ``(size, mtime_ns)``."""
     try:
-        found, stamp = scan_shard(f, image=image, label=label, skip=skip)
+        found, seen = scan_shard(f, image=image, label=label, skip=skip)
     except FileNotFoundError:
         raise FileNotFoundError(f"shard {f} does not exist") from None
-    return _columns(found, stamp)
+    return _columns(found, seen)
 
 
 def _columns(found, extra):
@@ -129,12 +130,12 @@ def _columns(found, extra):
     )
 
 
-def _from_store(files, stamped, image, label, skip, stream):
-    """:func:`_one` of every ``s3://`` shard (with the bytes it moved in place of its stamp)."""
+def _from_store(files, made, image, label, skip, stream):
+    """:func:`_one` of every ``s3://`` shard (with the bytes it moved in place of its size and mtime)."""
 
     def one(k):
         found, moved = scan_object(
-            files[k], int(stamped[k][0]), str(stamped[k][1]), stream=stream, image=image, label=label, skip=skip
+            files[k], int(made[k][0]), str(made[k][1]), stream=stream, image=image, label=label, skip=skip
         )
         return _columns(found, moved)
 

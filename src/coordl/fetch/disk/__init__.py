@@ -5,8 +5,8 @@ job and run of the node.
 CoorDL's own architecture ("if the data resides on a remote storage service, it is cached in local
 storage when first accessed"), under the MinIO policy: what enters stays, the tier is filled once,
 and it is never evicted (``coordl cache clean --disk PATH`` empties it). It lies under the memory
-cache: a sample the memory cache misses is read from here when it is here, else from the store and
-then written here, off the training path, by this process's writer thread.
+cache: a sample the memory cache misses is read from here when it is here, else from another node's
+memory or the store and then written here, off the training path, by this process's writer thread.
 
 Layout of the folder ``<path>/coordl-disk-<uid>/`` (0700): one file per sample (0600), named by the
 SHA-256 of the sample's path (``ab/cd/abcd...``), holding a header and the sample's bytes;
@@ -25,6 +25,8 @@ How the parts fit:
   free on its file system, and the reservations of live and dead writers.
 - :mod:`.tier`: :class:`DiskTier`, a process's attachment: reads, and the writer that fills the tier
   and replaces damaged and stale entries.
+- :mod:`.link`: :class:`~coordl.fetch.disk.link.DiskLink`, the tier as a link of the fetcher's chain
+  (:mod:`coordl.fetch.chain`): what it reads, and what its writer takes (from the store and peers).
 - :mod:`.opening`: :func:`spec_for` and :class:`DiskSpec`, how a loader and its workers open it.
 - :mod:`.upkeep`: ``coordl cache ls / clean / verify --disk``.
 """

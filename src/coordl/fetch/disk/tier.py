@@ -34,9 +34,11 @@ import threading
 import numpy as np
 
 from coordl import errors
+from coordl.fetch.chain import copy_into
 from coordl.fetch.disk.entries import DAMAGED, GOOD, HEADER, crc, entry_name, header, judge, private, walk, write_all
 from coordl.fetch.disk.folder import make_dirs, open_folder
 from coordl.fetch.disk.ledger import Ledger, footprint
+from coordl.fetch.storage import read_whole
 
 __all__ = ["QUEUE", "DiskTier"]
 
@@ -136,7 +138,6 @@ class DiskTier:
         write with ``replace``)."""
         found = np.zeros(len(sizes), dtype=np.uint8)
         head = np.empty(1, HEADER)
-        extra = bytearray(1)
         for k, name in enumerate(names):
             size = int(sizes[k])
             if self._from_pending(name, stamps[k], buffers[k]):
@@ -155,8 +156,7 @@ class DiskTier:
                 elif self.direct:
                     got = self._read_direct(fd, head, buffers[k], size)
                 else:
-                    got = os.readv(fd, [memoryview(head).cast("B"), *buffers[k], extra])
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    got = read_whole(fd, [memoryview(head).cast("B"), *buffers[k]], drop_page_cache=True)
             except OSError:
                 got = -1
             finally:
@@ -170,12 +170,7 @@ class DiskTier:
         if found is None or found[0] != stamp_:
             return False
         src = np.concatenate([np.frombuffer(v, np.uint8) for v in found[1]]) if len(found[1]) > 1 else found[1][0]
-        src = np.frombuffer(src, np.uint8) if not isinstance(src, np.ndarray) else src
-        at = 0
-        for b in buffers:
-            b = np.frombuffer(b, np.uint8) if not isinstance(b, np.ndarray) else b
-            b[:] = src[at : at + len(b)]
-            at += len(b)
+        copy_into(np.frombuffer(src, np.uint8) if not isinstance(src, np.ndarray) else src, buffers)
         return True
 
     def _read_direct(self, fd: int, head: np.ndarray, views: list, size: int) -> int:
