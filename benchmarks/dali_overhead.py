@@ -96,7 +96,7 @@ def run(args) -> dict | None:
     )
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
-    reader = loaders.DaliLoader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
+    reader = loaders.Loader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
     epochs = {"coordl": lambda: loader, "dali": lambda: bare, "dali-reader": reader.epoch}
     try:
         time_epoch(loader)  # fills the cache

@@ -44,32 +44,10 @@ MODES = {
     "c": ("partitioned + locality", ["--locality", "1"]),
 }
 STAT_KEYS = (
-    "samples",
-    "samples_per_s",
-    "elapsed_s",
-    "stall_s",
-    "storage_reads",
-    "storage_bytes",
-    "peer_reads",
-    "peer_bytes",
-    "peer_served_reads",
-    "peer_served_bytes",
-    "cache_hits",
-    "cache_hit_bytes",
-    "cache_bytes",
-    "cache_items",
-    "cache_budget",
-    "admitted",
-)
-SUMMED = (
-    "storage_bytes",
-    "blkio_read_bytes",
-    "proc_read_bytes",
-    "peer_bytes",
-    "peer_served_bytes",
-    "cache_hit_bytes",
-    "samples",
-)
+    "samples samples_per_s elapsed_s stall_s storage_reads storage_bytes peer_reads peer_bytes peer_served_reads "
+    "peer_served_bytes cache_hits cache_hit_bytes cache_bytes cache_items cache_budget admitted"
+).split()
+SUMMED = "storage_bytes blkio_read_bytes proc_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
 
 
 def options(p) -> None:
@@ -268,22 +246,13 @@ class Run:
         }
 
     def result(self, ranks: list[dict], run_blkio: list[int], wall: float) -> dict:
-        per_node = [
-            {
-                "node": r["rank"],
-                "epochs": [
-                    {
-                        "epoch": e["stats"]["epoch"],
-                        "time_s": round(e["time_s"], 3),
-                        "blkio_read_bytes": e["blkio_read_bytes"],
-                        "proc_read_bytes": e["proc_read_bytes"],
-                        **{k: e["stats"][k] for k in STAT_KEYS},
-                    }
-                    for e in r["epochs"]
-                ],
+        def row(e):
+            io = {k: e[k] for k in ("blkio_read_bytes", "proc_read_bytes")}
+            return {"epoch": e["stats"]["epoch"], "time_s": round(e["time_s"], 3), **io} | {
+                k: e["stats"][k] for k in STAT_KEYS
             }
-            for r in ranks
-        ]
+
+        per_node = [{"node": r["rank"], "epochs": [row(e) for e in r["epochs"]]} for r in ranks]
         totals, link = [], _rate_bytes(self.args.rate)
         for k in range(len(per_node[0]["epochs"])):
             rows = [n["epochs"][k] for n in per_node]
@@ -491,43 +460,21 @@ def _ints(values: list) -> str:
 
 
 def node_table(run: dict) -> str:
-    head = [
-        "node",
-        "epoch",
-        "time s",
-        "samples/s",
-        "storage MB (loader)",
-        "blkio MB",
-        "peer MB in",
-        "peer MB served",
-        "cache hit MB",
-        "cached MB",
-    ]
+    head = "node|epoch|time s|samples/s|storage MB (loader)|blkio MB|peer MB in|peer MB served|cache hit MB|cached MB"
     keys = ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes", "cache_hit_bytes")
     rows = [
-        [
-            n["node"],
-            e["epoch"],
-            f"{e['time_s']:.2f}",
-            f"{e['samples_per_s']:.1f}",
-            *(_mb(e[k]) for k in keys),
-            _mb(e["cache_bytes"]),
-        ]
+        [n["node"], e["epoch"], f"{e['time_s']:.2f}", f"{e['samples_per_s']:.1f}", *(_mb(e[k]) for k in keys)]
+        + [_mb(e["cache_bytes"])]
         for n in run["per_node"]
         for e in n["epochs"]
     ]
+    minimum = "minimum storage {}".format
     rows += [
-        [
-            "all",
-            t["epoch"],
-            f"{t['time_s']:.2f} (max)",
-            "",
-            *(_mb(t[k]) for k in keys),
-            f"minimum storage {_mb(t['minimum_storage_bytes'])}",
-        ]
+        ["all", t["epoch"], f"{t['time_s']:.2f} (max)", "", *(_mb(t[k]) for k in keys)]
+        + [minimum(_mb(t["minimum_storage_bytes"]))]
         for t in run["epochs"]
     ]
-    return report.table(head, rows)
+    return report.table(head.split("|"), rows)
 
 
 def print_run(run: dict) -> None:
@@ -551,20 +498,11 @@ def print_run(run: dict) -> None:
 
 
 def runs_table(runs: list[dict]) -> str:
-    head = [
-        "nodes",
-        "aggregate",
-        "mode",
-        "rep",
-        "budget/node MB",
-        "epoch 0 s",
-        "steady s",
-        "bounds s (storage / network / prep)",
-        "steady storage MB (loader / blkio / minimum)",
-        "steady peer MB",
-        "steady peer samples (measured / model: delivered, plain, least)",
-        "run blkio MB / loader MB",
-    ]
+    head = (
+        "nodes|aggregate|mode|rep|budget/node MB|epoch 0 s|steady s|bounds s (storage / network / prep)|steady storage"
+        " MB (loader / blkio / minimum)|steady peer MB|steady peer samples (measured / model: delivered, plain, least)"
+        "|run blkio MB / loader MB"
+    ).split("|")
     rows = []
     for r in runs:
         s, peers = r["summary"], "-"
@@ -574,60 +512,31 @@ def runs_table(runs: list[dict]) -> str:
         storage = " / ".join(
             _mb(s[f"steady_{k}"]) for k in ("storage_bytes", "blkio_read_bytes", "minimum_storage_bytes")
         )
-        rows.append(
-            [
-                r["nodes"],
-                f"{r['aggregate_cache']:.0%}",
-                f"{r['mode']} ({r['mode_name']})",
-                r["repetition"] + 1,
-                _mb(r["budget_per_node"]),
-                f"{s['epoch0_time_s']:.2f}",
-                f"{s['steady_time_s']:.2f}",
-                bounds,
-                storage,
-                _mb(s["steady_peer_bytes"]),
-                peers,
-                f"{_mb(s['run_blkio_read_bytes'])} / {_mb(s['loader_storage_bytes_all_epochs'])}",
-            ]
-        )
+        run_io = f"{_mb(s['run_blkio_read_bytes'])} / {_mb(s['loader_storage_bytes_all_epochs'])}"
+        mode, times = f"{r['mode']} ({r['mode_name']})", (f"{s['epoch0_time_s']:.2f}", f"{s['steady_time_s']:.2f}")
+        rows.append([r["nodes"], f"{r['aggregate_cache']:.0%}", mode, r["repetition"] + 1, _mb(r["budget_per_node"])])
+        rows[-1] += [*times, bounds, storage, _mb(s["steady_peer_bytes"]), peers, run_io]
     return report.table(head, rows)
 
 
 def checks_table(rows: list[dict]) -> str:
-    head = [
-        "nodes",
-        "aggregate",
-        "reps",
-        "b storage / minimum MB",
-        "c storage / minimum MB",
-        "b, c at minimum",
-        "c peer / b peer MB",
-        "c / b (<= 0.1)",
-        "a time / b time (per rep)",
-        "model a / b (slowest bounds)",
-        "a time / c time (per rep)",
-        "b >= 2x faster than a",
-    ]
+    head = (
+        "nodes|aggregate|reps|b storage / minimum MB|c storage / minimum MB|b, c at minimum|c peer / b peer MB|"
+        "c / b (<= 0.1)|a time / b time (per rep)|model a / b (slowest bounds)|a time / c time (per rep)|"
+        "b >= 2x faster than a"
+    ).split("|")
     out = []
     for r in rows:
         g = r.get
         per = {x: ", ".join(str(v) for v in g(f"a_time_over_{x}_time_per_rep", [])) for x in "bc"}
-        out.append(
-            [
-                r["nodes"],
-                f"{r['aggregate_cache']:.0%}",
-                r["repetitions"],
-                f"{_mb(g('b_storage_bytes'))} / {_mb(g('b_minimum_bytes'))}",
-                f"{_mb(g('c_storage_bytes'))} / {_mb(g('c_minimum_bytes'))}",
-                f"{g('b_storage_at_minimum')}, {g('c_storage_at_minimum')}",
-                f"{_mb(g('c_peer_bytes'))} / {_mb(g('b_peer_bytes'))}",
-                f"{g('c_peer_over_b_peer')} ({g('c_peer_at_most_10pct_of_b')})",
-                f"{g('a_time_over_b_time')} ({per['b']})",
-                g("model_a_time_over_b_time"),
-                f"{g('a_time_over_c_time')} ({per['c']})",
-                g("b_at_least_2x_faster_than_a", "n/a (50%)"),
-            ]
-        )
+        pair = "{} / {}".format
+        out.append([r["nodes"], f"{r['aggregate_cache']:.0%}", r["repetitions"]])
+        out[-1] += [pair(_mb(g(f"{x}_storage_bytes")), _mb(g(f"{x}_minimum_bytes"))) for x in "bc"]
+        out[-1] += [f"{g('b_storage_at_minimum')}, {g('c_storage_at_minimum')}"]
+        out[-1] += [pair(_mb(g("c_peer_bytes")), _mb(g("b_peer_bytes")))]
+        out[-1] += [f"{g('c_peer_over_b_peer')} ({g('c_peer_at_most_10pct_of_b')})"]
+        out[-1] += [f"{g('a_time_over_b_time')} ({per['b']})", g("model_a_time_over_b_time")]
+        out[-1] += [f"{g('a_time_over_c_time')} ({per['c']})", g("b_at_least_2x_faster_than_a", "n/a (50%)")]
     return report.table(head, out)
 
 
@@ -651,12 +560,8 @@ def render(result: dict) -> str:
         report.table(
             ["nodes", "steady samples/s per node (min-max)", "MB/s per node", "throttle MB/s per node"],
             [
-                [
-                    n,
-                    f"{p['samples_per_s_per_node']} ({p['min_samples_per_s']}-{p['max_samples_per_s']})",
-                    _mb(p["bytes_per_s_per_node"]),
-                    _mb(p["throttle_bps_per_node"]),
-                ]
+                [n, f"{p['samples_per_s_per_node']} ({p['min_samples_per_s']}-{p['max_samples_per_s']})"]
+                + [_mb(p["bytes_per_s_per_node"]), _mb(p["throttle_bps_per_node"])]
                 for n, p in result["prep"].items()
             ],
         ),
@@ -675,12 +580,7 @@ def render(result: dict) -> str:
     for nodes, pr in result["prep"].items():
         md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", node_table(pr["run"]), ""]
     for r in result["runs"]:
-        md += [
-            f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
-            f"repetition {r['repetition'] + 1}, wall {r['wall_s']} s",
-            "",
-            node_table(r),
-            "",
-        ]
+        head = f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
+        md += [head + f"repetition {r['repetition'] + 1}, wall {r['wall_s']} s", "", node_table(r), ""]
         md += [f"- node {k}: `{line}`" for k, lines in enumerate(r.get("warnings", [])) for line in lines]
     return "\n".join(md) + "\n"

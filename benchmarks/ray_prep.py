@@ -1,17 +1,12 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
-The trainer runs pinned to core 0, a one-CPU Ray node (``ray start --head --num-cpus=1``) pinned to
-core 1 (the trainer's own node, lending its core: ``RayPrep(on_trainer_node=True)``), both in a network
-namespace of their own with only loopback up (``unshare -n``). The loop does no work: the loader is
-prep-bound. ``--images`` photo JPEGs in the page cache, batch 32, ``cache=0``. Per backend (``dali``:
-``imagenet-train``; ``torch``: ``ImageFolder`` with ``loaders.TrainAugment``), three configurations:
-``local`` (prep on the trainer alone, no Ray), ``remote`` (``RayPrep(workers=1, local=False)``) and
-``both`` (``RayPrep(workers=1, local=True)``). Each run is a fresh trainer (``--trainer``) for ``--epochs``
-epochs, the first ``--skip`` a warm-up; configurations ABBA for ``--rounds`` rounds. Reported: the median
-steady samples/s, both/local (target >= 1.7) and remote/local (>= 0.9), the unit split, result bytes per
-sample, actor vs trainer seconds per unit, CPU per sample per process, object store spilling. The node is
-stopped by PID (every process of the namespace; never ``ray stop``); the JSON records that none remained.
-Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
+The trainer pinned to core 0, a one-CPU Ray node (``ray start``) pinned to core 1 (the trainer's own:
+``RayPrep(on_trainer_node=True)``), both in a network namespace with only loopback up. The loop does no
+work. Per backend (``dali``: ``imagenet-train``; ``torch``: ``ImageFolder`` + ``loaders.TrainAugment``):
+``local`` (no Ray), ``remote`` (``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh
+trainer per run, ``--skip`` warm-up epochs, configurations ABBA for ``--rounds``. Targets: both/local
+>= 1.7, remote/local >= 0.9. The node is stopped by PID (never ``ray stop``); the JSON records that none
+remained. Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
 
     python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
@@ -122,18 +117,10 @@ def trainer(args) -> None:
             mid = {"samples": n1 - n0, "seconds": round(mid1 - mid0, 4)} if len(arrivals) >= MID_BATCHES else None
             c1, d1 = cpu(), measure.sectors_read(dev)
             s = loader.stats()
-            result["epochs"].append(
-                {
-                    "epoch": epoch,
-                    "seconds": round(seconds, 4),
-                    "samples": samples,
-                    "samples_per_s": round(samples / seconds, 1),
-                    "mid": mid,
-                    "device_bytes": d1 - d0,
-                    "cpu_s": {who: round(c1[who] - c0[who], 3) for who in c0},
-                    "stats": {k: s[k] for k in STATS + REMOTE_STATS if k in s},
-                }
-            )
+            e = {"epoch": epoch, "seconds": round(seconds, 4), "samples": samples, "mid": mid}
+            e |= {"samples_per_s": round(samples / seconds, 1), "device_bytes": d1 - d0}
+            e |= {"cpu_s": {who: round(c1[who] - c0[who], 3) for who in c0}}
+            result["epochs"].append(e | {"stats": {k: s[k] for k in STATS + REMOTE_STATS if k in s}})
             if args.trainer[1] != "local" and epoch + 1 == args.skip:
                 # The actor starts in the background and may still be starting (its imports, its pipeline)
                 # when the warm-up epochs end, above all where the local pipeline takes every unit meanwhile.
@@ -210,9 +197,7 @@ class RayNode:
 # -- the measurement ----------------------------------------------------------------------------
 def child_env(address: str | None) -> dict:
     """This checkout's coordl and benchmarks first on the path (for the actors too), and the node's address."""
-    path = [str(dataset.ROOT / "src"), str(dataset.ROOT)] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(":") if p
-    ]
+    path = [str(dataset.ROOT / "src"), str(dataset.ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))}
     env["PYTHONPATH"] = os.pathsep.join(path)
     # Without it, `ray start` turns token auth on when ~/.ray/auth_token exists (another session may have
@@ -392,15 +377,8 @@ def cannot_run() -> str | None:
 
 
 def options(p) -> None:
-    dataset.add_dataset_options(
-        p,
-        data=None,
-        images=None,
-        classes=None,
-        width=480,
-        height=360,
-        data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})",
-    )
+    root = f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})"
+    dataset.add_dataset_options(p, data=None, images=None, classes=None, width=480, height=360, data_help=root)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, help="rounds of every configuration, alternated (default 5; --quick: 1)")
     p.add_argument("--epochs", type=int, help="epochs per run, the first --skip left out (default 4; --quick: 2)")
@@ -408,12 +386,8 @@ def options(p) -> None:
     p.add_argument("--backends", default="dali,torch", help="dali, torch or both (default: dali,torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-flight", type=int, help="RayPrep(in_flight) of remote and both (default: RayPrep's own)")
-    p.add_argument(
-        "--output",
-        choices=["pipeline", "uint8"],
-        default="pipeline",
-        help="RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer",
-    )
+    uint8 = "RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer"
+    p.add_argument("--output", choices=["pipeline", "uint8"], default="pipeline", help=uint8)
     p.add_argument("--timeout", type=float, default=600, help="seconds a trainer may run (default 600)")
     p.add_argument("--quick", action="store_true", help="a smoke run for the tests: 64 images, 1 round, 2 epochs")
     p.add_argument("--trainer", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
@@ -468,14 +442,8 @@ def run(args) -> dict | None:
         if left:
             log(f"ray_prep: processes left in the namespace after SIGKILL: {left}")
     args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    result = {
-        "args": args_,
-        "dataset": data,
-        "ray_address": node.address,
-        "ray_processes_left": left,
-        "object_store": store,
-        "runs": runs,
-    }
+    result = {"args": args_, "dataset": data, "ray_address": node.address, "ray_processes_left": left}
+    result |= {"object_store": store, "runs": runs}
     result["summary"] = summarise(runs, args.backends)
     if left:  # written all the same, with the processes left named
         cli.save(args, result)
