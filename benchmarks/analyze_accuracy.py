@@ -24,14 +24,11 @@ import uuid
 from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness.report import log
 from benchmarks.harness.report import table as md_table
 from coordl.analyze import report as rep
 from coordl.analyze.run import run_phase
 from coordl.units import format_bytes
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def settle(root: str) -> None:

@@ -105,10 +105,10 @@ def job(a) -> None:
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
-        dev0, io0, t0 = _blkio_read(a.blkio, a.device), _proc_read_bytes(), time.perf_counter()
+        dev0, io0, t0 = limits.blkio_read(a.blkio, a.device), _proc_read_bytes(), time.perf_counter()
         batches = [ids.tolist() for _, _, ids in loader]
         seconds = time.perf_counter() - t0
-        dev1, io1 = _blkio_read(a.blkio, a.device), _proc_read_bytes()
+        dev1, io1 = limits.blkio_read(a.blkio, a.device), _proc_read_bytes()
         # What the node's cache holds now: the holder map every rank learns at the next pass.
         cached = loader.node_cache.ready_mask(np.arange(len(loader.index))) if loader.node_cache else []
         record["epochs"].append(
@@ -129,17 +129,6 @@ def job(a) -> None:
     dist.barrier()
     loader.close()
     dist.destroy_process_group()
-
-
-def _blkio_read(path: str | None, device: str) -> int | None:
-    """Bytes read from ``device`` by the cgroup so far, or None without a cgroup."""
-    if not path:
-        return None
-    for line in Path(path).read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == device and parts[1] == "Read":
-            return int(parts[2])
-    return 0  # nothing read from that device yet
 
 
 def _proc_read_bytes() -> int:
@@ -175,7 +164,7 @@ class Run:
             counters = [str(cg.path / "blkio.throttle.io_service_bytes") for cg in cgroups]
             os.sync()  # evict() cannot drop dirty pages (a dataset just written)
             limits.evict(self.data["root"])
-            before = [_blkio_read(c, self.device) for c in counters]
+            before = [limits.blkio_read(c, self.device) for c in counters]
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
             t0 = time.perf_counter()
             with netns.Cluster(self.nodes, rate=self.args.rate, shm_bytes=self.budget + (256 << 20)) as c:
@@ -188,7 +177,7 @@ class Run:
                 deadline = time.monotonic() + self.args.run_timeout
                 codes = [_wait(p, deadline) for p in procs]
             wall = time.perf_counter() - t0
-            after = [_blkio_read(c, self.device) for c in counters]
+            after = [limits.blkio_read(c, self.device) for c in counters]
             texts = [(out / f"node{k}.log").read_text() for k in range(self.nodes)]
             if any(code != 0 for code in codes):
                 raise RuntimeError(f"exit codes {codes}; logs:\n" + "\n----\n".join(t[-3000:] for t in texts))

@@ -14,19 +14,15 @@ Writes ``prep_ops.json`` to ``--out``.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.harness import cli, dataset
+from benchmarks.harness.report import log
 
 OUT = str(cli.RESULTS)  # a folder: prep_ops.json
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def options(p) -> None:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure
-from benchmarks.harness.report import mb
+from benchmarks.harness.report import log, mb
 
 OUT = None  # results/ray_prep.json, or ray_prep_quick.json with --quick (out_path)
 DATA = "/var/tmp/coordl-bench/ray-prep"
@@ -39,10 +39,6 @@ TRAINER_CORE, RAY_CORE = 0, 1
 MID_BATCHES = 8  # the fewest batches in an epoch for a mid-epoch rate (its middle half)
 STATS = ("samples", "batches", "elapsed_s", "stall_s", "read_s", "prep_s", "storage_reads", "storage_bytes")
 REMOTE_STATS = ("remote_units", "local_units", "remote_workers", "remote_retried", "remote_result_bytes")
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 # -- processes, by network namespace -----------------------------------------------------------
@@ -397,12 +393,8 @@ def options(p) -> None:
 def run(args) -> dict | None:
     if args.trainer:
         return trainer(args)
-    q = args.quick
-    defaults = {"data": QUICK_DATA if q else DATA, "classes": 2 if q else 8, "rounds": 1 if q else 5}
-    defaults |= {"epochs": 2 if q else 4, "out": str(cli.RESULTS / f"ray_prep{'_quick' if q else ''}.json")}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    q, out = args.quick, str(cli.RESULTS / f"ray_prep{'_quick' if args.quick else ''}.json")
+    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(8, 2), rounds=(5, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images = 64 if q else 1024
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]

@@ -24,11 +24,11 @@ import queue
 import re
 import statistics
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness.report import log
 from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, image_folder
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
@@ -37,10 +37,6 @@ OUT = str(cli.RESULTS / "run")  # a folder: results.json, results.md, results.pn
 DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 # Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
 PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 # -- scenarios ------------------------------------------------------------------------------------

@@ -22,19 +22,15 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, measure
+from benchmarks.harness import dataset, jobs, measure, report
+from benchmarks.harness.report import log
 from benchmarks.loaders import dali_imagenet_train
 
 COORDL_CACHES = (0.0, 0.5, 1.0)
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def config_names(args) -> list[str]:
@@ -264,13 +260,7 @@ def table(result: dict) -> str:
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def cell(d, fmt="{:.0f}", rng=False):
-        if d is None:
-            return "-"
-        m = fmt.format(d["median"])
-        return f"{m} [{fmt.format(d['min'])}-{fmt.format(d['max'])}]" if rng and d["min"] != d["max"] else m
-
+    cell = report.spread
     for name, s in result["summary"].items():
         if name.startswith("capacity-"):
             continue
@@ -279,13 +269,12 @@ def table(result: dict) -> str:
             continue
         for ep in s["epochs"]:
             listing = s["create_listing_requests"] if ep["epoch"] == 0 else ep.get("listing_requests")
-            mbs = {k: v / 1e6 for k, v in ep["get_bytes"].items() if k != "all"} if "get_bytes" in ep else None
             cpu = " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
             make = cell(s["create_s"], "{:.1f}") if ep["epoch"] == 0 else ""
-            flight = cell(ep.get("threads_reading"), "{:.1f}")
+            flight, mbs = cell(ep.get("threads_reading"), "{:.1f}"), cell(ep.get("get_bytes"), "{:.1f}", scale=1e6)
             lines.append(
                 f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} | {cell(ep['seconds'], '{:.1f}')} | "
-                f"{make} | {cell(ep.get('gets'))} | {cell(mbs, '{:.1f}')} | {cell(listing)} | "
+                f"{make} | {cell(ep.get('gets'))} | {mbs} | {cell(listing)} | "
                 f"{cell(ep.get('storage_reads'))} | {cell(ep.get('cache_hits'))} | {flight} | {cpu} |"
             )
     caps = [(n, s) for n, s in result["summary"].items() if n.startswith("capacity-") and s["ok"]]
@@ -336,7 +325,6 @@ def run(args) -> dict | None:
     args.data = data["root"]
     log(f"dataset: {dataset.describe(data)}")
     names = config_names(args)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     t_start = time.time()
     with S3Server() as server:
         moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
@@ -345,19 +333,9 @@ def run(args) -> dict | None:
         keys = server.upload_tree(args.data, args.bucket, args.prefix)
         log(f"uploaded {len(keys)} objects to s3://{args.bucket}/{args.prefix} in {time.perf_counter() - t0:.1f} s")
         server.latency_s = args.latency
-        for rnd, name in measure.alternate(names, args.repeat):
-            if name == "dali-s3" and runs[name] and all("error" in r for r in runs[name]):
-                continue  # failed before: the reason is recorded
-            r = run_one(args, server, name, keys)
-            r["round"] = rnd
-            runs[name].append(r)
-            if "error" in r:
-                log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
-            else:
-                log(
-                    f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
-                    + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-                )
+        # dali-s3 failed before: the reason is recorded, it is not tried again
+        failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
+        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys), log, failed)
     config = {"latency_s": args.latency, "epochs": args.epochs, "repeat": args.repeat, "batch": args.batch}
     config |= {"caches": args.caches, "dali_threads": args.threads, "coordl_s3_requests": args.requests or 64}
     config |= {"capacity_inflight": args.capacity_inflight, "url": f"s3://{args.bucket}/{args.prefix}"}
