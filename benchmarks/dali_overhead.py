@@ -59,8 +59,7 @@ def bare_dali(index, batch_size: int, threads: int, size: int):
         jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
         return loaders.dali_imagenet_train(jpegs, size), labs
 
-    p = pipe()
-    p.build()
+    (p := pipe()).build()
     return DALIGenericIterator(p, ["images", "labels"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
 
 
@@ -82,18 +81,10 @@ def options(p) -> None:
 
 
 def run(args) -> dict | None:
-
     data = dataset.dataset_from_args(args)
     recipe = coordl.ImageNetTrain(size=args.crop)
-    loader = coordl.CoordLoader(
-        args.data,
-        batch_size=args.batch_size,
-        pipeline=recipe,
-        device_id=None,
-        cache=1.0,
-        prep=args.threads,
-        shuffle=True,
-    )
+    kw = {"pipeline": recipe, "device_id": None, "cache": 1.0, "prep": args.threads, "shuffle": True}
+    loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw)
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
     reader = loaders.Loader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
@@ -114,16 +105,9 @@ def run(args) -> dict | None:
     finally:
         loader.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    ratio = med["coordl"] / med["dali"]
-    ratio_reader = med["coordl"] / med["dali-reader"]
-    result = {
-        "dataset": data,
-        "samples_per_s": runs,
-        "median": med,
-        "ratio_coordl_over_dali": round(ratio, 4),
-        "ratio_coordl_over_dali_reader": round(ratio_reader, 4),
-    }
-    return result
+    ratios = {"ratio_coordl_over_dali": round(med["coordl"] / med["dali"], 4)}
+    ratios["ratio_coordl_over_dali_reader"] = round(med["coordl"] / med["dali-reader"], 4)
+    return {"dataset": data, "samples_per_s": runs, "median": med, **ratios}
 
 
 def table(r: dict) -> str:

@@ -52,13 +52,8 @@ SUMMED = "storage_bytes blkio_read_bytes proc_read_bytes peer_bytes peer_served_
 
 def options(p) -> None:
     p.add_argument("--job", nargs=2, metavar=("DATA", "OUT"), help="one rank (started by torchrun)")
-    dataset.add_dataset_options(
-        p,
-        data=None,
-        images=2048,
-        classes=16,
-        data_help="dataset root (default: /var/tmp/coordl-bench/multinode-<images>)",
-    )
+    root = "dataset root (default: /var/tmp/coordl-bench/multinode-<images>)"
+    dataset.add_dataset_options(p, data=None, images=2048, classes=16, data_help=root)
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
     p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
@@ -90,18 +85,9 @@ def job(a) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     peers = coordl.Peers(enabled="auto" if a.peers != "off" else False, locality_aware=a.locality == "1")
-    loader = coordl.CoordLoader(
-        data,
-        batch_size=a.batch_size,
-        pipeline=coordl.ImageNetTrain(size=a.crop),
-        device_id=None,
-        return_index=True,
-        seed=a.seed,
-        cache=int(a.cache),
-        prep=a.threads,
-        peers=peers,
-        shuffle=True,
-    )
+    kw = {"pipeline": coordl.ImageNetTrain(size=a.crop), "device_id": None, "return_index": True, "seed": a.seed}
+    kw |= {"cache": int(a.cache), "prep": a.threads, "peers": peers, "shuffle": True}
+    loader = coordl.CoordLoader(data, batch_size=a.batch_size, **kw)
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)

@@ -205,10 +205,8 @@ def child_env(address: str | None) -> dict:
 def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
     out, logfile = work / f"{backend}-{config}.json", work / f"{backend}-{config}.log"
     cmd = ["taskset", "-c", str(TRAINER_CORE), *jobs.scenario_command("ray_prep", "--trainer", backend, config)]
-    cmd += ["--data", args.data, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
-    cmd += ["--seed", str(args.seed), "--skip", str(args.skip), "--out", str(out)]
-    cmd += ["--in-flight", str(args.in_flight)] if args.in_flight else []
-    cmd += ["--output", args.output]
+    kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "seed": args.seed, "skip": args.skip}
+    cmd += jobs.flags(**kw, out=out, in_flight=args.in_flight or None, output=args.output)
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(logfile, "w") as f:
@@ -315,30 +313,28 @@ def table(result: dict) -> str:
         "remote share | result KB/sample | actor s/unit | trainer s/batch | CPU ms/sample: trainer, actor, ray |",
         "|" + "---|" * 12,
     ]
+
+    def cell(value, fmt=".3f"):
+        return "-" if value is None else format(value, fmt)
+
     for backend, s in result["summary"].items():
         mid = s.get("mid_epoch", {"median": {}, "ratio": {}})
         for c in CONFIGS:
-            f = s["figures"][c]
+            f, kb = s["figures"][c], s["figures"][c].get("remote_result_bytes_per_sample")
             cpu = ", ".join(f"{1e3 * f['cpu_s_per_sample'][k]:.1f}" for k in ("trainer", "actor", "ray"))
-
-            def cell(value, fmt=".3f"):
-                return "-" if value is None else format(value, fmt)
-
-            result_kb = f.get("remote_result_bytes_per_sample")
-            result_kb = None if result_kb is None else result_kb / 1e3
             per_round = ", ".join(f"{x:.2f}" for x in s["ratio_per_round"].get(c, [])) or "-"
-            lines.append(
-                f"| {backend} | {c} | {s['median'][c]:.1f} [{s['min'][c]:.0f}-{s['max'][c]:.0f}] | "
-                f"{cell(s['ratio'].get(c))} | {per_round} | {cell(mid['median'].get(c), '.1f')} | "
-                f"{cell(mid['ratio'].get(c))} | {cell(f.get('remote_share'), '.2f')} | {cell(result_kb, '.0f')} | "
-                f"{cell(f.get('actor_s_per_unit'))} | {cell(f.get('trainer_s_per_batch'))} | {cpu} |"
-            )
+            cells = [f"{s['median'][c]:.1f} [{s['min'][c]:.0f}-{s['max'][c]:.0f}]", cell(s["ratio"].get(c)), per_round]
+            cells += [cell(mid["median"].get(c), ".1f"), cell(mid["ratio"].get(c)), cell(f.get("remote_share"), ".2f")]
+            cells += [cell(None if kb is None else kb / 1e3, ".0f"), cell(f.get("actor_s_per_unit"))]
+            cells += [cell(f.get("trainer_s_per_batch")), cpu]
+            lines.append(f"| {backend} | {c} | " + " | ".join(cells) + " |")
     lines.append("")
     for backend, s in result["summary"].items():
-        verdict = ", ".join(
+        verdict = [
             f"{c}/local {s['ratio'][c]:.3f} ({'meets' if s['meets_target'][c] else 'MISSES'} >= {t})"
             for c, t in TARGETS.items()
-        )
+        ]
+        verdict = ", ".join(verdict)
         f = s["figures"]
         disk = max(x["device_bytes_max"] for x in f.values())
         uncounted = any(x.get("remote_result_bytes_per_sample") == 0 for x in f.values())
@@ -347,11 +343,8 @@ def table(result: dict) -> str:
             + (" (stats() counts no remote_result_bytes for this backend)" if uncounted else "")
             + f"; the device read at most {mb(disk)} MB in a run's steady epochs"
         )
-    store = result["object_store"]
-    lines.append(
-        "Ray's object store over all runs: "
-        + (", ".join(f"{k} {v}" for k, v in store.items()) if store else "no figures (no debug_state.txt)")
-    )
+    store = ", ".join(f"{k} {v}" for k, v in result["object_store"].items()) or "no figures (no debug_state.txt)"
+    lines.append(f"Ray's object store over all runs: {store}")
     lines.append(f"Ray processes left after the node was stopped: {len(result['ray_processes_left'])}")
     return "\n".join(lines) + "\n"
 

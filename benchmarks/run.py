@@ -124,10 +124,10 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     use_cgroups = caps["memory"] or caps["blkio"]
     lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
-    argv = {"loader": loader, "data": data["root"], "batch-size": args.batch_size, "workers": args.workers}
-    argv |= {"epochs": epochs, "seed": args.seed, "cache-bytes": cache_bytes, "compute-ms": args.compute_ms}
-    argv |= {"warmup-batches": args.warmup_batches, "device": f"{dev[0]}:{dev[1]}"}
-    cmd = jobs.module_command("loaders", *(x for k, v in argv.items() for x in (f"--{k}", str(v))))
+    kw = {"batch_size": args.batch_size, "workers": args.workers, "epochs": epochs, "seed": args.seed}
+    kw |= {"cache_bytes": cache_bytes, "compute_ms": args.compute_ms, "warmup_batches": args.warmup_batches}
+    kw |= {"loader": loader, "data": data["root"], "device": f"{dev[0]}:{dev[1]}"}
+    cmd = jobs.module_command("loaders", *jobs.flags(**kw))
     if lim and lim.memory_path:
         cmd += ["--memcg", lim.memory_path]
     logs = Path(args.out) / "logs"
@@ -268,18 +268,15 @@ def fmt_bw(bps: int | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    d = result["dataset"]
+    d, a, yes = result["dataset"], result["args"], {k: "yes" if v else "NO" for k, v in result["limits"].items()}
     lines = [
         f"Dataset: {d['files']} files in {d['classes']} classes, {format_bytes(d['total_bytes'], 'MB')}, "
         f"mean {format_bytes(d['mean_bytes'], 'KB')} ({d['source']}) at `{d['root']}`.",
-        f"Batch {result['args']['batch_size']}, "
-        f"{result['args']['workers']} workers/threads per loader, {result['args']['epochs']} epochs "
-        f"({result['args']['fit_epochs']} when everything fits; epoch 0 cold, the rest steady: median time, "
-        f"mean bytes), compute step {result['args']['compute_ms']} ms/batch.",
-        f"Limits: memory cgroup {'yes' if result['limits']['memory'] else 'NO'}, blkio throttle "
-        f"{'yes' if result['limits']['blkio'] else 'NO'}, page cache dropped "
-        f"{'yes' if result['limits']['drop_caches'] else 'NO'}; "
-        f"slack {format_bytes(result['args']['slack'], 'MiB', digits=0)}.",
+        f"Batch {a['batch_size']}, {a['workers']} workers/threads per loader, {a['epochs']} epochs ({a['fit_epochs']} "
+        "when everything fits; epoch 0 cold, the rest steady: median time, mean bytes), compute step "
+        f"{a['compute_ms']} ms/batch.",
+        f"Limits: memory cgroup {yes['memory']}, blkio throttle {yes['blkio']}, page cache dropped "
+        f"{yes['drop_caches']}; slack {format_bytes(a['slack'], 'MiB', digits=0)}.",
     ]
     if result.get("prep_rate_samples_per_s"):
         p = result["prep_rate_samples_per_s"]
@@ -305,12 +302,15 @@ def markdown(result: dict) -> str:
             vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 500_000 else "-"
             lim = report.mb(r.get("memory_limit_bytes") or None, digits=0)
             held = s.get("coordl_cache_bytes", s.get("mean_page_cache_bytes"))
-            lines.append(
-                f"| {cell['name']} | {fmt_bw(r['bandwidth_bps'])} | {cell['cache']:.0%} | {r['loader']} | "
-                f"{r['epochs'][0]['seconds']:.1f} | {s['seconds']:.2f} | {s['samples_per_s']:.0f} | "
-                f"{report.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {report.mb(held, digits=0)} | "
-                f"{report.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
-            )
+            cells = [
+                fmt_bw(r["bandwidth_bps"]),
+                f"{cell['cache']:.0%}",
+                r["loader"],
+                f"{r['epochs'][0]['seconds']:.1f}",
+            ]
+            cells += [f"{s['seconds']:.2f}", f"{s['samples_per_s']:.0f}", report.mb(s["device_bytes"]), vs]
+            cells += [f"{s['wait_s']:.1f}", report.mb(held, digits=0), report.mb(s["peak_memory_bytes"], digits=0), lim]
+            lines.append(f"| {cell['name']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
@@ -319,12 +319,10 @@ def markdown(result: dict) -> str:
     ]
     for row in result["summary"]:
         g = row.get
-        lines.append(
-            f"| {row['scenario']} | {fmt_bw(g('bandwidth_bps'))} | {row['cache_fraction']:.0%} | "
-            f"{g('best_baseline', '-')} | {_f(g('best_baseline_s'))} | {_f(g('coordl_s'))} | "
-            f"{_f(g('speedup_vs_best'), 3)}x | {_f(g('coordl_device_over_min'), 3)} | {_f(g('bound_s'))} | "
-            f"{_f(g('coordl_over_bound'), 3)} |"
-        )
+        cells = [fmt_bw(g("bandwidth_bps")), f"{row['cache_fraction']:.0%}", g("best_baseline", "-")]
+        cells += [_f(g("best_baseline_s")), _f(g("coordl_s")), f"{_f(g('speedup_vs_best'), 3)}x"]
+        cells += [_f(g("coordl_device_over_min"), 3), _f(g("bound_s")), _f(g("coordl_over_bound"), 3)]
+        lines.append(f"| {row['scenario']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -294,13 +294,10 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
         for rep in range(args.reps):
             for loader, cache in configs if rep % 2 == 0 else configs[::-1]:  # ABBA
                 lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
-                extra = ["--cache-fraction", str(cache)] if cache is not None else []
-                command = jobs.scenario_command(
-                    "tars_epochs", "--child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),
-                    "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-                    "--shard-list", str(shard_list), *extra,
-                    *(["--dali-index", str(scratch / "dali_index.json")] if dali_index else []),
-                )  # fmt: skip
+                kw = {"pattern": pattern, "loader": loader, "epochs": args.epochs, "batch_size": args.batch_size}
+                kw |= {"workers": args.workers, "shard_list": shard_list, "cache_fraction": cache}
+                kw["dali_index"] = scratch / "dali_index.json" if dali_index else None
+                command = jobs.scenario_command("tars_epochs", *jobs.flags(child=True, **kw))
                 try:
                     made_s, made, epochs = one_run(args, command, env, lim, server, (device, throttle))
                 finally:

@@ -98,13 +98,11 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
 def limited(args, data: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
-    argv = {"loaders": "torch,coordl-torch", "cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs}
-    argv |= {"fit-epochs": args.fit_epochs, "batch-size": args.batch_size, "workers": args.workers}
-    argv |= {"warmup-batches": args.warmup_batches, "seed": args.seed, "out": out}
-    options = (x for k, v in argv.items() for x in (f"--{k}", str(v)))
+    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "fit_epochs": args.fit_epochs}
+    kw |= {"batch_size": args.batch_size, "workers": args.workers, "warmup_batches": args.warmup_batches}
+    # --quick: no memory limit (a tiny dataset is smaller than a loader's memory swings: any budget ends in OOM)
+    options = jobs.flags(loaders="torch,coordl-torch", **kw, seed=args.seed, out=out, no_memory_limit=args.quick)
     cmd = jobs.scenario_command("run", *dataset.dataset_argv(args), *options)
-    if args.quick:  # a tiny dataset is smaller than a loader's memory swings: any budget ends in the OOM killer
-        cmd.append("--no-memory-limit")
     log(f"[limited] {' '.join(cmd)}")
     status = subprocess.run(cmd, stdout=sys.stderr, check=False).returncode  # run.py's report goes with its progress
     if status:
