@@ -30,7 +30,6 @@ from benchmarks.harness import dataset, measure
 
 def bare_dali(index, batch_size: int, threads: int, size: int):
     from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     encoded = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
     labels = index.labels
@@ -59,8 +58,7 @@ def bare_dali(index, batch_size: int, threads: int, size: int):
         jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
         return loaders.dali_imagenet_train(jpegs, size), labs
 
-    (p := pipe()).build()
-    return DALIGenericIterator(p, ["images", "labels"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    return loaders.dali_iterator(pipe(), reader=None)
 
 
 def time_epoch(it) -> tuple[float, int]:

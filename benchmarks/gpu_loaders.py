@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from benchmarks.loaders import MEAN, SIZE, STD
+from benchmarks.loaders import MEAN, SIZE, STD, dali_iterator
 
 LOADERS = ("coordl", "dali", "coordl-cpu", "torch")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
@@ -54,7 +54,6 @@ class Loader:
             self.n = len(self.loader.index)
         elif name == "dali":
             from nvidia.dali import fn, pipeline_def, types
-            from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
             @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=seed)
             def pipe():
@@ -70,10 +69,8 @@ class Loader:
                 kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, "mean": mean, "std": std}
                 return fn.crop_mirror_normalize(images, **kw), labels.gpu() if gpu else labels
 
-            (p := pipe()).build()
+            self.loader = dali_iterator(p := pipe())
             self.n = p.reader_meta("Reader")["epoch_size"]
-            kw = {"reader_name": "Reader", "last_batch_policy": LastBatchPolicy.PARTIAL, "auto_reset": True}
-            self.loader = DALIGenericIterator(p, ["images", "labels"], **kw)
         elif name == "torch":
             from benchmarks.loaders import PillowImageFolder, TrainAugment, dataloader
 

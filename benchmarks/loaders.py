@@ -124,6 +124,15 @@ def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
 
 
 # -- DALI's own file reader ---------------------------------------------------------------------
+def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader"):
+    """The pipeline built, and its torch iterator: the last batch partial, reset at each epoch's end."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    pipe.build()  # a second build() does nothing
+    kw = {"reader_name": reader} if reader else {}
+    return DALIGenericIterator(pipe, list(names), last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True, **kw)
+
+
 def dali_imagenet_train(jpegs, size: int = SIZE):
     """``imagenet-train``'s ops in DALI, for the DALI baselines: a random-area crop decoded, resized
     to ``size``, flipped with probability 0.5, normalised to CHW float."""
@@ -162,17 +171,14 @@ class Loader:
             self.loader = dataloader(dataset, batch_size, workers, seed)
         elif kind in DALI_READERS:
             from nvidia.dali import fn, pipeline_def
-            from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
             @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
             def pipe():
                 jpegs, labels = fn.readers.file(file_root=data, name="Reader", **DALI_READERS[kind])
                 return dali_imagenet_train(jpegs), labels
 
-            (p := pipe()).build()
+            self.loader = dali_iterator(p := pipe())
             self.n = p.reader_meta("Reader")["epoch_size"]
-            kw = {"reader_name": "Reader", "last_batch_policy": LastBatchPolicy.PARTIAL, "auto_reset": True}
-            self.loader = DALIGenericIterator(p, ["images", "labels"], **kw)
         elif kind == "coordl-torch":
             from coordl.datasets import ImageFolder
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import coordl
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.loaders import dali_iterator
 from coordl.units import parse_bytes
 
 MODES = ("dali-reader", "no-cache", "filling", "warm")
@@ -48,7 +49,6 @@ def small_recipe(size: int):
 
 def dali_reader(root: str, batch_size: int, threads: int, size: int):
     from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
@@ -56,9 +56,7 @@ def dali_reader(root: str, batch_size: int, threads: int, size: int):
         images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
         return fn.resize(images, resize_x=size, resize_y=size), labels
 
-    (p := pipe()).build()
-    kw = {"reader_name": "reader", "last_batch_policy": LastBatchPolicy.PARTIAL, "auto_reset": True}
-    return DALIGenericIterator(p, ["images", "labels"], **kw)
+    return dali_iterator(pipe(), reader="reader")
 
 
 def warm_page_cache(paths) -> None:

@@ -47,6 +47,16 @@ STAT_KEYS = (
     "samples samples_per_s elapsed_s stall_s storage_reads storage_bytes peer_reads peer_bytes peer_served_reads "
     "peer_served_bytes cache_hits cache_hit_bytes cache_bytes cache_items cache_budget admitted"
 ).split()
+RUNS_HEAD = (
+    "nodes|aggregate|mode|rep|budget/node MB|epoch 0 s|steady s|bounds s (storage / network / prep)|steady storage"
+    " MB (loader / blkio / minimum)|steady peer MB|steady peer samples (measured / model: delivered, plain, least)"
+    "|run blkio MB / loader MB"
+)
+CHECKS_HEAD = (
+    "nodes|aggregate|reps|b storage / minimum MB|c storage / minimum MB|b, c at minimum|c peer / b peer MB|"
+    "c / b (<= 0.1)|a time / b time (per rep)|model a / b (slowest bounds)|a time / c time (per rep)|"
+    "b >= 2x faster than a"
+)
 SUMMED = "storage_bytes blkio_read_bytes proc_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
 
 
@@ -233,15 +243,11 @@ class Run:
             rows = [n["epochs"][k] for n in per_node]
             ids = {i for r in ranks for b in r["epochs"][k]["batches"] for i in b}
             cached = sum(n["epochs"][k - 1]["cache_bytes"] for n in per_node) if k else 0
-            t = {
-                "epoch": k,
-                "time_s": max(x["time_s"] for x in rows),
-                "cached_bytes_start": cached,
-                # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
-                "minimum_storage_bytes": self.data["total_bytes"] - cached if self.mode != "a" else None,
-                "covers_dataset": len(ids) == self.data["files"],
-                **{key: sum(x[key] or 0 for x in rows) for key in SUMMED},
-            }
+            # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
+            least = self.data["total_bytes"] - cached if self.mode != "a" else None
+            t = {"epoch": k, "time_s": max(x["time_s"] for x in rows), "cached_bytes_start": cached}
+            t |= {"minimum_storage_bytes": least, "covers_dataset": len(ids) == self.data["files"]}
+            t |= {key: sum(x[key] or 0 for x in rows) for key in SUMMED}
             # What each resource alone needs for this epoch (the slowest node): storage at the throttle,
             # the node's link at the tbf rate, decoding at the measured prep rate.
             moved = max(max(x["peer_bytes"], x["peer_served_bytes"]) for x in rows)
@@ -270,18 +276,9 @@ class Run:
         }
         if self.mode != "a":
             summary.update(self.traffic(ranks))
-        return {
-            "nodes": self.nodes,
-            "mode": self.mode,
-            "mode_name": MODES[self.mode][0],
-            "budget_per_node": self.budget,
-            "throttle_bps": self.throttle,
-            "wall_s": round(wall, 1),
-            "per_node": per_node,
-            "epochs": totals,
-            "run_blkio_read_bytes_per_node": run_blkio,
-            "summary": summary,
-        }
+        out = {"nodes": self.nodes, "mode": self.mode, "mode_name": MODES[self.mode][0], "budget_per_node": self.budget}
+        out |= {"throttle_bps": self.throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
+        return out | {"run_blkio_read_bytes_per_node": run_blkio, "summary": summary}
 
 
 def _wait(p: subprocess.Popen, deadline: float) -> int | None:
@@ -449,7 +446,7 @@ def node_table(run: dict) -> str:
         + [minimum(_mb(t["minimum_storage_bytes"]))]
         for t in run["epochs"]
     ]
-    return report.table(head.split("|"), rows)
+    return report.table(head, rows)
 
 
 def print_run(run: dict) -> None:
@@ -473,11 +470,6 @@ def print_run(run: dict) -> None:
 
 
 def runs_table(runs: list[dict]) -> str:
-    head = (
-        "nodes|aggregate|mode|rep|budget/node MB|epoch 0 s|steady s|bounds s (storage / network / prep)|steady storage"
-        " MB (loader / blkio / minimum)|steady peer MB|steady peer samples (measured / model: delivered, plain, least)"
-        "|run blkio MB / loader MB"
-    ).split("|")
     rows = []
     for r in runs:
         s, peers = r["summary"], "-"
@@ -491,15 +483,10 @@ def runs_table(runs: list[dict]) -> str:
         mode, times = f"{r['mode']} ({r['mode_name']})", (f"{s['epoch0_time_s']:.2f}", f"{s['steady_time_s']:.2f}")
         rows.append([r["nodes"], f"{r['aggregate_cache']:.0%}", mode, r["repetition"] + 1, _mb(r["budget_per_node"])])
         rows[-1] += [*times, bounds, storage, _mb(s["steady_peer_bytes"]), peers, run_io]
-    return report.table(head, rows)
+    return report.table(RUNS_HEAD, rows)
 
 
 def checks_table(rows: list[dict]) -> str:
-    head = (
-        "nodes|aggregate|reps|b storage / minimum MB|c storage / minimum MB|b, c at minimum|c peer / b peer MB|"
-        "c / b (<= 0.1)|a time / b time (per rep)|model a / b (slowest bounds)|a time / c time (per rep)|"
-        "b >= 2x faster than a"
-    ).split("|")
     out = []
     for r in rows:
         g = r.get
@@ -512,7 +499,7 @@ def checks_table(rows: list[dict]) -> str:
         out[-1] += [f"{g('c_peer_over_b_peer')} ({g('c_peer_at_most_10pct_of_b')})"]
         out[-1] += [f"{g('a_time_over_b_time')} ({per['b']})", g("model_a_time_over_b_time")]
         out[-1] += [f"{g('a_time_over_c_time')} ({per['c']})", g("b_at_least_2x_faster_than_a", "n/a (50%)")]
-    return report.table(head, out)
+    return report.table(CHECKS_HEAD, out)
 
 
 def table(results: dict) -> str:

@@ -303,8 +303,8 @@ def summarise(runs: list[dict], backends) -> dict:
 
 
 def table(result: dict) -> str:
-    a = result["args"]
-    lines = [
+    a, lines = result["args"], []
+    lines += [
         f"Batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node "
         f"(1 CPU) on core {RAY_CORE}; {a['rounds']} rounds, {a['epochs']} epochs per run, the first "
         f"{a['skip']} left out; RayPrep(in_flight={a['in_flight']}, output={a.get('output', 'pipeline')!r}) on DALI.",

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, measure, report
 from benchmarks.harness.report import log
-from benchmarks.loaders import dali_imagenet_train
+from benchmarks.loaders import dali_imagenet_train, dali_iterator
 
 COORDL_CACHES = (0.0, 0.5, 1.0)
 
@@ -70,7 +70,6 @@ def child_loader(spec: dict) -> None:
     import nvidia.dali.fn  # noqa: F401
     import obstore  # noqa: F401
     import torch  # noqa: F401
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     import coordl
 
@@ -92,9 +91,7 @@ def child_loader(spec: dict) -> None:
         def epoch():
             nonlocal iterator
             if iterator is None:  # made at the first epoch: it starts the pipeline's read-ahead
-                policy = LastBatchPolicy.PARTIAL
-                kw = {"reader_name": "Reader", "last_batch_policy": policy, "auto_reset": True}
-                iterator = DALIGenericIterator(pipe, ["images", "labels"], **kw)
+                iterator = dali_iterator(pipe)
             return iterator
 
     created = {"create_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0, "threads": threads, "import_s": import_s}

@@ -12,8 +12,10 @@ def log(*a, end: str = "\n") -> None:
     print(*a, file=sys.stderr, flush=True, end=end)
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    """A Markdown table; ``None`` cells print as ``-``, floats with up to 3 significant decimals."""
+def table(headers: list[str] | str, rows: list[list]) -> str:
+    """A Markdown table (``headers`` a list, or one string split at ``|``); ``None`` cells print as ``-``,
+    floats with up to 3 significant decimals."""
+    headers = headers.split("|") if isinstance(headers, str) else headers
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
