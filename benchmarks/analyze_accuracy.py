@@ -24,14 +24,11 @@ import uuid
 from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness.report import log
 from benchmarks.harness.report import table as md_table
 from coordl.analyze import report as rep
 from coordl.analyze.run import run_phase
 from coordl.units import format_bytes
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def settle(root: str) -> None:
@@ -60,12 +57,8 @@ def options(p) -> None:
     p.add_argument("--storage-factor", type=float, default=0.4)
     p.add_argument("--bandwidth", type=float, help="storage bytes/s (default: from --storage-factor)")
     p.add_argument("--working-set", type=float, default=1.6e9, help="memory the script needs besides the cache")
-    p.add_argument(
-        "--threads",
-        default="1,1",
-        help="the model's torch threads and DALI's threads, e.g. 1,1 (one core each, the default) "
-        "or 0,0 (each library's default: both use every core)",
-    )
+    threads = "the model's torch threads and DALI's threads: 1,1 (one core each, the default) or 0,0 (every core)"
+    p.add_argument("--threads", default="1,1", help=threads)
     p.add_argument("--quick", action="store_true", help="tiny dataset, few steps: checks the harness only")
 
 
@@ -91,16 +84,8 @@ def run(args) -> dict | None:
 
     # 1. The throttle: a fraction of what training on cached data needs.
     if args.bandwidth is None:
-        res = run_phase(
-            script + ["--cache", "0"],
-            "P",
-            out=str(out_dir),
-            steps=args.steps,
-            warmup=5,
-            run_id=uuid.uuid4().hex[:12],
-            timeout=900,
-            extra={"subset_batches": 16},
-        )
+        kw = {"out": str(out_dir), "steps": args.steps, "warmup": 5, "run_id": uuid.uuid4().hex[:12], "timeout": 900}
+        res = run_phase(script + ["--cache", "0"], "P", **kw, extra={"subset_batches": 16})
         R = sum(r["R_samples_per_s"] for r in res)
         args.bandwidth = args.storage_factor * R * b
         log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {format_bytes(args.bandwidth, 'MB')}/s")
@@ -115,22 +100,8 @@ def run(args) -> dict | None:
     report_path = out_dir / "report.json"
     t0 = time.perf_counter()
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "coordl.cli",
-            "analyze",
-            "--steps",
-            str(args.steps),
-            "--out",
-            str(out_dir),
-            "--json",
-            str(report_path),
-            "--",
-            *script,
-            "--cache",
-            str(args.analyze_cache),
-        ]
+        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir)]
+        cmd += ["--json", str(report_path), "--", *script, "--cache", str(args.analyze_cache)]
         subprocess.run(cmd, check=True, preexec_fn=lim.join)
     finally:
         lim.remove()
@@ -146,46 +117,28 @@ def run(args) -> dict | None:
         memory = int(args.working_set + x * total)
         lim = limited(args, f"coordl-analyze-m-{os.getpid()}", memory, bw, dev, caps)
         try:
-            proc = subprocess.run(
-                script + ["--cache", str(x), "--epochs", str(args.epochs)],
-                check=True,
-                capture_output=True,
-                text=True,
-                preexec_fn=lim.join,
-            )
+            cmd = script + ["--cache", str(x), "--epochs", str(args.epochs)]
+            proc = subprocess.run(cmd, check=True, capture_output=True, text=True, preexec_fn=lim.join)
         finally:
             lim.remove()
         epochs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         steady = epochs[1:]
         measured = statistics.median(e["samples"] / e["elapsed_s"] for e in steady)
         predicted = model.throughput(x)
+        row = {"cache_fraction": x, "predicted_samples_per_s": predicted, "measured_samples_per_s": measured}
+        row |= {"error": predicted / measured - 1, "bound": model.bound(x)}
         rows.append(
-            {
-                "cache_fraction": x,
-                "predicted_samples_per_s": predicted,
-                "measured_samples_per_s": measured,
-                "error": predicted / measured - 1,
-                "bound": model.bound(x),
-                "storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady),
-                "epochs": epochs,
-            }
+            row | {"storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady), "epochs": epochs}
         )
         log(
             f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s "
             f"({100 * (predicted / measured - 1):+.1f}%), {model.bound(x)}-bound"
         )
 
-    result = {
-        "dataset": data,
-        "limits": caps,
-        "storage_bytes_per_s": bw,
-        "analyze_cache_fraction": args.analyze_cache,
-        "threads": {"torch": torch_threads or "default", "dali": prep_threads or "default"},
-        "analyze_seconds": analyze_s,
-        "rates": report["rates"],
-        "rows": rows,
-        "max_abs_error": max(abs(r["error"]) for r in rows),
-    }
+    threads = {"torch": torch_threads or "default", "dali": prep_threads or "default"}
+    result = {"dataset": data, "limits": caps, "storage_bytes_per_s": bw, "analyze_cache_fraction": args.analyze_cache}
+    result |= {"threads": threads, "analyze_seconds": analyze_s, "rates": report["rates"], "rows": rows}
+    result["max_abs_error"] = max(abs(r["error"]) for r in rows)
     png = Path(args.out).with_suffix(".png")
     try:
         rep.plot(
@@ -201,13 +154,8 @@ def run(args) -> dict | None:
 
 def table(result: dict) -> str:
     rows = [
-        [
-            f"{r['cache_fraction']:.0%}",
-            f"{r['predicted_samples_per_s']:.0f}",
-            f"{r['measured_samples_per_s']:.0f}",
-            f"{100 * r['error']:+.1f}%",
-            r["bound"],
-        ]
+        [f"{r['cache_fraction']:.0%}", f"{r['predicted_samples_per_s']:.0f}", f"{r['measured_samples_per_s']:.0f}"]
+        + [f"{100 * r['error']:+.1f}%", r["bound"]]
         for r in result["rows"]
     ]
     g = result["rates"]

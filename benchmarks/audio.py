@@ -55,24 +55,22 @@ def clips(args) -> dict:
         s = make_clips(args.data, args.clips, classes=args.classes, seconds=args.seconds, format=args.format, seed=seed)
         kind = f"music-like clips by coordl.tools.datagen.music.make_clips: 44.1 kHz stereo, {args.format}"
     rs = s.records
-    return {
-        "root": s.root,
-        "files": len(rs),
-        "classes": len(s.classes),
-        "total_bytes": s.total_bytes,
+    out = {"root": s.root, "files": len(rs), "classes": len(s.classes), "total_bytes": s.total_bytes}
+    out |= {
         "mean_bytes": round(s.total_bytes / len(rs)),
         "mean_seconds": round(statistics.mean(r.frames / r.rate for r in rs), 3),
-        "formats": sorted({r.format for r in rs}),
-        "rates": sorted({r.rate for r in rs}),
-        "channels": sorted({r.channels for r in rs}),
-        "source": kind,
     }
+    out |= {
+        k: sorted({getattr(r, a) for r in rs})
+        for k, a in (("formats", "format"), ("rates", "rate"), ("channels", "channels"))
+    }
+    return out | {"source": kind}
 
 
 def command(args):
-    argv = ["--batch-size", str(args.batch_size), "--threads", str(args.threads), "--data", args.data]
-    argv += ["--clips", str(args.clips), "--classes", str(args.classes), "--seconds", str(args.seconds)]
-    argv += ["--format", args.format, "--dataset-seed", str(args.dataset_seed), *(["--smoke"] if args.smoke else [])]
+    kw = {"batch_size": args.batch_size, "threads": args.threads, "data": args.data, "clips": args.clips}
+    kw |= {"classes": args.classes, "seconds": args.seconds, "format": args.format, "dataset_seed": args.dataset_seed}
+    argv = jobs.flags(**kw, smoke=args.smoke)
     return lambda name, *extra: jobs.scenario_command("audio", "--job", name, *argv, *extra)
 
 

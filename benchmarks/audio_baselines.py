@@ -89,7 +89,8 @@ class DaliAudio:
     def __init__(self, root: str, batch_size: int, threads: int, seed: int = 1):
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali import math as dmath
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        from benchmarks.loaders import dali_iterator
 
         @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
@@ -108,11 +109,7 @@ class DaliAudio:
             )
             return fn.reshape(window, shape=[1, SAMPLES]), fn.cast(labels, dtype=types.INT64)
 
-        p = pipe()
-        p.build()
-        self.it = DALIGenericIterator(
-            p, ["waveforms", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
-        )
+        self.it = dali_iterator(pipe(), ["waveforms", "labels"])
 
     def __iter__(self):
         for (out,) in self.it:
@@ -124,17 +121,10 @@ def coordl_loader(root: str, batch_size: int, threads: int, group: str | None = 
     the whole dataset (filled by the first epoch), in the HP group ``group`` when given."""
     import coordl
 
-    return coordl.CoordLoader(
-        root,
-        batch_size=batch_size,
-        shuffle=True,
-        pipeline=coordl.AudioTrain(sample_rate=RATE, samples=SAMPLES),
-        device_id=None,
-        cache=coordl.Cache(size=1.0),
-        prep=coordl.Prep(threads=threads),
-        seed=seed,
-        **({"hp_group": group} if group else {}),
-    )
+    recipe = coordl.AudioTrain(sample_rate=RATE, samples=SAMPLES)
+    kw = {"pipeline": recipe, "device_id": None, "cache": coordl.Cache(size=1.0), "prep": coordl.Prep(threads=threads)}
+    kw |= {"seed": seed, **({"hp_group": group} if group else {})}
+    return coordl.CoordLoader(root, batch_size=batch_size, shuffle=True, **kw)
 
 
 def m5(classes: int):

@@ -20,14 +20,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import dataset
+from benchmarks.harness import dataset, jobs
 
 CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
@@ -67,28 +66,16 @@ def make(data: Path, images: int, per_image: float, seed: int) -> tuple[Path, Pa
             bw, bh = float(rng.uniform(2, w / 2)), float(rng.uniform(2, h / 2))
             x, y = float(rng.uniform(0, w - bw)), float(rng.uniform(0, h - bh))
             ann_id += 1
-            doc["annotations"].append(
-                {
-                    "id": ann_id,
-                    "image_id": i + 1,
-                    "category_id": int(rng.choice(CATEGORIES)),
-                    "bbox": [round(x, 2), round(y, 2), round(bw, 2), round(bh, 2)],
-                    "area": bw * bh,
-                    "iscrowd": int(rng.random() < 0.01),
-                }
-            )
+            box, category = [round(x, 2), round(y, 2), round(bw, 2), round(bh, 2)], int(rng.choice(CATEGORIES))
+            one = {"id": ann_id, "image_id": i + 1, "category_id": category, "bbox": box, "area": bw * bh}
+            doc["annotations"].append(one | {"iscrowd": int(rng.random() < 0.01)})
     ann.write_text(json.dumps(doc))
     return folder, ann, time.perf_counter() - t0
 
 
 def step(folder: Path, ann: Path, index_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dataset.ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run(
-        [sys.executable, "-c", STEP, str(folder), str(ann), str(index_dir)], capture_output=True, text=True, env=env
-    )
-    if p.returncode != 0:
-        raise SystemExit(p.stderr)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return jobs.run_json([sys.executable, "-c", STEP, str(folder), str(ann), str(index_dir)], env=env)
 
 
 def options(p) -> None:
@@ -117,13 +104,10 @@ def run(a) -> dict:
         "made_s": made_s,
         "images": cold["images"],
         "boxes": cold["boxes"],
-        "cold_s": cold["seconds"],
-        "load_s": statistics.median(r["seconds"] for r in loads),
-        "loads_s": [r["seconds"] for r in loads],
-        "box_bytes": cold["box_bytes"],
-        "index_file_bytes": cold["file_bytes"],
     }
-    return result
+    result |= {"cold_s": cold["seconds"], "load_s": statistics.median(r["seconds"] for r in loads)}
+    result |= {"loads_s": [r["seconds"] for r in loads], "box_bytes": cold["box_bytes"]}
+    return result | {"index_file_bytes": cold["file_bytes"]}
 
 
 def table(r: dict) -> str:

@@ -30,7 +30,6 @@ from benchmarks.harness import dataset, measure
 
 def bare_dali(index, batch_size: int, threads: int, size: int):
     from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     encoded = [np.fromfile(p, dtype=np.uint8) for p in index.paths]
     labels = index.labels
@@ -59,9 +58,7 @@ def bare_dali(index, batch_size: int, threads: int, size: int):
         jpegs, labs = fn.external_source(source=Source(), num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
         return loaders.dali_imagenet_train(jpegs, size), labs
 
-    p = pipe()
-    p.build()
-    return DALIGenericIterator(p, ["images", "labels"], last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    return loaders.dali_iterator(pipe(), reader=None)
 
 
 def time_epoch(it) -> tuple[float, int]:
@@ -82,21 +79,13 @@ def options(p) -> None:
 
 
 def run(args) -> dict | None:
-
     data = dataset.dataset_from_args(args)
     recipe = coordl.ImageNetTrain(size=args.crop)
-    loader = coordl.CoordLoader(
-        args.data,
-        batch_size=args.batch_size,
-        pipeline=recipe,
-        device_id=None,
-        cache=1.0,
-        prep=args.threads,
-        shuffle=True,
-    )
+    kw = {"pipeline": recipe, "device_id": None, "cache": 1.0, "prep": args.threads, "shuffle": True}
+    loader = coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw)
     bare = bare_dali(loader.index, args.batch_size, args.threads, args.crop)
     # DALI's own file reader, a fresh permutation every epoch, files in the (warm) page cache
-    reader = loaders.DaliLoader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
+    reader = loaders.Loader("dali-epoch-shuffle", args.data, args.batch_size, args.threads, seed=1)
     epochs = {"coordl": lambda: loader, "dali": lambda: bare, "dali-reader": reader.epoch}
     try:
         time_epoch(loader)  # fills the cache
@@ -114,16 +103,9 @@ def run(args) -> dict | None:
     finally:
         loader.close()
     med = {k: statistics.median(v) for k, v in runs.items()}
-    ratio = med["coordl"] / med["dali"]
-    ratio_reader = med["coordl"] / med["dali-reader"]
-    result = {
-        "dataset": data,
-        "samples_per_s": runs,
-        "median": med,
-        "ratio_coordl_over_dali": round(ratio, 4),
-        "ratio_coordl_over_dali_reader": round(ratio_reader, 4),
-    }
-    return result
+    ratios = {"ratio_coordl_over_dali": round(med["coordl"] / med["dali"], 4)}
+    ratios["ratio_coordl_over_dali_reader"] = round(med["coordl"] / med["dali-reader"], 4)
+    return {"dataset": data, "samples_per_s": runs, "median": med, **ratios}
 
 
 def table(r: dict) -> str:

@@ -1,26 +1,19 @@
 """The decoded tier: steady samples/s against the cache's split beside the model's, and concurrent jobs.
 
-The split of the node's cache between encoded and decoded samples, the model's prediction beside
-each point; and concurrent independent jobs against ``decoded_cache=0`` and an ``hp_group``.
-
     python -m benchmarks decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 
-The dataset is held in memory (its files are read once before, and the encoded tier holds them
-all), so what is measured is prep: ``imagenet-train`` at 224 on the CPU with DALI. Every run is a
-fresh process with a shm folder of its own.
+The dataset is in memory (read once before; the encoded tier holds it all): what is measured is prep,
+``imagenet-train`` at 224 on the CPU, each run a fresh process with a shm folder of its own.
 
-1. **split**: one job; the node's budget is the dataset's files plus ``f`` of its decoded images,
-   ``decoded_cache`` = that share, for ``f`` in ``--fractions``; plus ``decoded_cache="auto"``
-   with a budget that holds the decoded dataset, and with half of it; and ``"auto"`` with
-   ``ImageNetTrain(max_short_side=N)`` (``--max-short-side``: images capped at a shorter side of
-   N, a change to the data). Epoch 0 fills the tiers; the median of the epochs after it is the
-   steady rate. The prediction is the model's (:func:`coordl.analyze.model.tier_throughput`)
-   from the rates ``"auto"`` measured when its loader was made (a capped run: its own).
-2. **jobs**: ``N`` jobs at once (``--jobs``), each ``--job-epochs`` epochs with its own seed:
-   makespan with ``decoded_cache=0``, with the decoded dataset in the tier, and as an ``hp_group``
-   (one fetch and one prep for all).
+1. **split**: one job whose budget is the dataset's files plus ``f`` of its decoded images (that share the
+   ``decoded_cache``), ``f`` in ``--fractions``; ``decoded_cache="auto"`` with a budget for the whole
+   decoded dataset and for half; ``"auto"`` and ``0`` with ``ImageNetTrain(max_short_side=N)``
+   (``--max-short-side``: a change to the data). Epoch 0 fills; the median of the rest is the steady rate,
+   beside the model's (:func:`coordl.analyze.model.tier_throughput`) from the rates ``"auto"`` measured.
+2. **jobs**: ``--jobs`` jobs at once, ``--job-epochs`` each, own seeds: makespan with ``decoded_cache=0``,
+   with the decoded dataset in the tier, and as an ``hp_group``.
 
-Writes ``decoded_tier.json`` and ``decoded_tier.png`` (split against throughput) to the folder ``--out``.
+Writes ``decoded_tier.json`` and ``decoded_tier.png`` to the folder ``--out``.
 """
 
 from __future__ import annotations
@@ -36,8 +29,10 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, limits, report
+from benchmarks.harness.report import log
 
 OUT = str(cli.RESULTS)  # a folder: decoded_tier.json, decoded_tier.png
+DECODE = ("encoded", "decoded", "decoded_only")  # the prep rates TierRates takes after storage and cache
 
 CHILD = textwrap.dedent(
     """
@@ -63,21 +58,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
 def start(args, **kw) -> subprocess.Popen:
     shm = kw.pop("shm")
     spec = {"data": args.data, "batch": args.batch, "threads": args.threads, "seed": 0, **kw}
     env = {**os.environ, "COORDL_SHM_DIR": shm}
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, text=True, **pipes)
 
 
 def finish(p: subprocess.Popen) -> dict:
@@ -129,31 +115,18 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
                 r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
             steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
             repeats[f].append({"steady_samples_per_s": steady, "epochs": r["epochs"], "tiers": r["tiers"]})
-            log(
-                f"  [{rep + 1}/{args.repeat}] {f!s:>16}: {steady:7.1f} samples/s  (epochs: "
-                + ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"])
-                + ")"
-            )
+            epochs = ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"])
+            log(f"  [{rep + 1}/{args.repeat}] {f!s:>16}: {steady:7.1f} samples/s  (epochs: {epochs})")
     n = repeats["auto"][0]["epochs"][0]["samples"]
 
     def rates_of(f) -> dict:  # the median of what the runs of f measured when their loaders were made
         measured = [r["tiers"]["rates"] for r in repeats[f]]
-        return {
-            k: statistics.median(m[k] for m in measured)
-            for k in ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")
-        }
+        keys = ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")
+        return {k: statistics.median(m[k] for m in measured) for k in keys}
 
     def model_of(rates: dict, decoded_bytes: float) -> TierRates:
-        return TierRates(
-            n,
-            dataset_bytes / n,
-            decoded_bytes,
-            rates["storage"],
-            float("inf"),
-            rates["encoded"],
-            rates["decoded"],
-            rates["decoded_only"],
-        )
+        r = rates
+        return TierRates(n, dataset_bytes / n, decoded_bytes, r["storage"], float("inf"), *(r[k] for k in DECODE))
 
     # The model with the rates "auto" measured and the decoded dataset's true size: the fixed
     # shares are shares of it, where "auto" knows it only from a few samples.
@@ -166,30 +139,22 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         # A capped run is another dataset: the capped "auto" runs' rates predict it.
         own = model_of(rates_of(f"capped-auto-{kw['cap']}"), n_decoded[kw["cap"]] / n) if "cap" in kw else model
         y = statistics.median(r["tiers"]["decoded_budget"] for r in repeats[f])
-        run = {
-            "fraction": f,
-            **kw,
-            "threads": repeats[f][0]["tiers"].get("threads") or kw.get("threads") or args.threads,
-            "steady_samples_per_s": statistics.median(r["steady_samples_per_s"] for r in repeats[f]),
-            "steady_each": [r["steady_samples_per_s"] for r in repeats[f]],
-            "predicted_samples_per_s": tier_throughput(own, kw["cache_bytes"], y),
-            "repeats": repeats[f],
-            "tiers": repeats[f][0]["tiers"],
-        }
+        threads = repeats[f][0]["tiers"].get("threads") or kw.get("threads") or args.threads
+        steady = [r["steady_samples_per_s"] for r in repeats[f]]
+        run = {"fraction": f, **kw, "threads": threads, "steady_samples_per_s": statistics.median(steady)}
+        run |= {"steady_each": steady, "predicted_samples_per_s": tier_throughput(own, kw["cache_bytes"], y)}
+        run |= {"repeats": repeats[f], "tiers": repeats[f][0]["tiers"]}
         run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
         runs.append(run)
+        each = ", ".join(f"{v:.0f}" for v in run["steady_each"])
         log(
-            f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: "
-            + ", ".join(f"{v:.0f}" for v in run["steady_each"])
-            + f"), predicted {run['predicted_samples_per_s']:6.0f}"
-            f" samples/s ({run['error']:+.1%})"
+            f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: {each}), "
+            f"predicted {run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})"
         )
+    points = [decoded * k / 50 for k in range(51)]
     curve = [
-        {
-            "decoded_bytes": int(decoded * k / 50),
-            "predicted_samples_per_s": tier_throughput(model, dataset_bytes + decoded * k / 50, decoded * k / 50),
-        }
-        for k in range(51)
+        {"decoded_bytes": int(y), "predicted_samples_per_s": tier_throughput(model, dataset_bytes + y, y)}
+        for y in points
     ]
     return {"runs": runs, "rates": rates, "predicted_curve": curve}
 
@@ -222,40 +187,26 @@ def plot(result: dict, path: Path) -> None:
 def draw(plt, result: dict):
     s = result["split"]
     fig, ax = plt.subplots(figsize=(6.4, 4))
+    curve = s["predicted_curve"]
     ax.plot(
-        [p["decoded_bytes"] / 1e9 for p in s["predicted_curve"]],
-        [p["predicted_samples_per_s"] for p in s["predicted_curve"]],
-        "-",
+        [p["decoded_bytes"] / 1e9 for p in curve],
+        [p["predicted_samples_per_s"] for p in curve],
         label="predicted (model)",
     )
+
+    def point(r, marker, label, **kw):
+        ax.plot([r["tiers"]["decoded_budget"] / 1e9], [r["steady_samples_per_s"]], marker, label=label, **kw)
+
     pts = [r for r in s["runs"] if isinstance(r["fraction"], float)]
-    ax.plot(
-        [r["tiers"]["decoded_budget"] / 1e9 for r in pts],
-        [r["steady_samples_per_s"] for r in pts],
-        "o",
-        label="measured",
-    )
-    auto = next(r for r in s["runs"] if r["fraction"] == "auto")
-    ax.plot([auto["tiers"]["decoded_budget"] / 1e9], [auto["steady_samples_per_s"]], "*", ms=12, label='"auto"')
+    xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
+    ax.plot(xs, ys, "o", label="measured")
+    point(next(r for r in s["runs"] if r["fraction"] == "auto"), "*", '"auto"', ms=12)
     for r in s["runs"]:
         if str(r["fraction"]).startswith("capped-auto"):
             cap = r["fraction"].rsplit("-", 1)[1]
-            ax.plot(
-                [r["tiers"]["decoded_budget"] / 1e9],
-                [r["steady_samples_per_s"]],
-                "D",
-                ms=8,
-                label=f'"auto", max_short_side={cap} (other pixels)',
-            )
-    half = next((r for r in s["runs"] if r["fraction"] == "auto-half"), None)
-    if half is not None:
-        ax.plot(
-            [half["tiers"]["decoded_budget"] / 1e9],
-            [half["steady_samples_per_s"]],
-            "^",
-            ms=9,
-            label='"auto", node budget = half the decoded dataset',
-        )
+            point(r, "D", f'"auto", max_short_side={cap} (other pixels)', ms=8)
+        if r["fraction"] == "auto-half":
+            point(r, "^", '"auto", node budget = half the decoded dataset', ms=9)
     ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
     ax.set_ylabel("steady samples/s")
     ax.set_ylim(bottom=0)
@@ -273,14 +224,8 @@ def options(p) -> None:
     p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
     p.add_argument("--job-epochs", type=int, default=5)
     p.add_argument("--skip-jobs", action="store_true", help="only the split")
-    p.add_argument(
-        "--max-short-side",
-        type=int,
-        nargs="*",
-        default=[256],
-        help='also ImageNetTrain(max_short_side=N), a change to the data, with "auto" and with '
-        "decoded_cache=0 (default: 256)",
-    )
+    cap = 'also ImageNetTrain(max_short_side=N), a change to the data, with "auto" and decoded_cache=0 (default: 256)'
+    p.add_argument("--max-short-side", type=int, nargs="*", default=[256], help=cap)
     p.add_argument("--repeat", type=int, default=3, help="rounds of the split's runs (the median is reported)")
 
 
@@ -291,13 +236,8 @@ def run(args) -> dict | None:
     dataset_bytes = limits.read_through(f for f in Path(args.data).rglob("*") if f.is_file())
     decoded = decoded_bytes(args.data)
     log(f"dataset: {dataset.describe(data)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
-    result = {
-        "dataset": data,
-        "dataset_bytes": dataset_bytes,
-        "decoded_bytes": decoded,
-        "batch": args.batch,
-        "threads": args.threads,
-    }
+    result = {"dataset": data, "dataset_bytes": dataset_bytes, "decoded_bytes": decoded}
+    result |= {"batch": args.batch, "threads": args.threads}
     log("split (one job):")
     result["split"] = split(args, dataset_bytes, decoded)
     if not args.skip_jobs:

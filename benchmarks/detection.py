@@ -49,39 +49,24 @@ def coco(args) -> dict:
 
     photos = dataset.photos_of(args)
     spread = lambda m: (m - m // 8, m + m // 8)  # noqa: E731
-    s = make_coco(
-        args.data,
-        args.images,
-        seed=args.dataset_seed,
-        width=spread(args.width),
-        height=spread(args.height),
-        boxes=(1, 8),
-        quality=args.quality,
-        photos_dir=photos,
-    )
+    kw = {"seed": args.dataset_seed, "width": spread(args.width), "height": spread(args.height), "boxes": (1, 8)}
+    s = make_coco(args.data, args.images, quality=args.quality, photos_dir=photos, **kw)
     truths = list(s.truths.values())
-    n = len(truths)
-    return {
-        "root": s.root,
-        "images": s.images,
-        "annotations": s.annotations,
-        "files": n,
-        "total_bytes": s.total_bytes,
-        "mean_bytes": round(s.total_bytes / n),
-        "bytes_per_pixel": round(s.total_bytes / sum(t.width * t.height for t in truths), 3),
+    n, pixels = len(truths), sum(t.width * t.height for t in truths)
+    out = {"root": s.root, "images": s.images, "annotations": s.annotations, "files": n, "total_bytes": s.total_bytes}
+    out |= {"mean_bytes": round(s.total_bytes / n), "bytes_per_pixel": round(s.total_bytes / pixels, 3)}
+    out |= {
         "mean_width": round(sum(t.width for t in truths) / n),
         "mean_height": round(sum(t.height for t in truths) / n),
-        "boxes": sum(len(t.boxes) for t in truths),
-        "empty_images": sum(not t.boxes for t in truths),
-        "jpeg_quality": args.quality,
-        "source": "photographs" if photos else "generated",
     }
+    out |= {"boxes": sum(len(t.boxes) for t in truths), "empty_images": sum(not t.boxes for t in truths)}
+    return out | {"jpeg_quality": args.quality, "source": "photographs" if photos else "generated"}
 
 
 def command(args):
-    argv = ["--batch-size", str(args.batch_size), "--threads", str(args.threads), "--data", args.data]
-    argv += ["--images", str(args.images), "--width", str(args.width), "--height", str(args.height)]
-    argv += ["--quality", str(args.quality), "--dataset-seed", str(args.dataset_seed), *dataset.source_argv(args)]
+    kw = {"batch_size": args.batch_size, "threads": args.threads, "data": args.data, "images": args.images}
+    kw |= {"width": args.width, "height": args.height, "quality": args.quality, "dataset_seed": args.dataset_seed}
+    argv = [*jobs.flags(**kw), *dataset.source_argv(args)]
     return lambda name, *extra: jobs.scenario_command("detection", "--job", name, *argv, *extra)
 
 
@@ -101,7 +86,8 @@ def job(args) -> None:
 
 
 def python_per_batch(args) -> dict:
-    """Milliseconds of Python per coordl batch outside DALI: ``crops.plan`` and ``targets``."""
+    """Milliseconds of Python per coordl batch outside DALI: ``crops.plan`` and ``targets.targets`` (the
+    batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
     import numpy as np
 
     import coordl
@@ -111,12 +97,20 @@ def python_per_batch(args) -> dict:
     index = coordl.Index.from_coco(c["images"], c["annotations"])
     recipe, b = coordl.SSDTrain(size=baselines.SIZE), min(args.batch_size, len(index))
     ids = np.random.default_rng(0).permutation(len(index))[:b]
+    plans = [crops.plan(recipe, index.boxes, 0, epoch, ids) for epoch in range(50)]
+    image_ids = index.boxes.image_ids[ids].tolist()
+    steps = {
+        "plan": lambda epoch: crops.plan(recipe, index.boxes, 0, epoch, ids),
+        "targets": lambda epoch: targets.targets(
+            plans[epoch].xyxy, plans[epoch].labels, plans[epoch].counts, image_ids
+        ),
+    }
     out = {"batch": b}
-    for name, f in (("plan", crops.plan), ("targets", targets.targets)):
+    for name, f in steps.items():
         times = []
         for epoch in range(50):
             t0 = time.perf_counter()
-            f(recipe, index.boxes, 0, epoch, ids)
+            f(epoch)
             times.append(time.perf_counter() - t0)
         out[f"{name}_ms"] = 1000 * statistics.median(times)
     return out

@@ -142,27 +142,15 @@ class DaliCoco:
 
         @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
+            # avoid_class_remapping: COCO's category ids, as coordl's labels
+            kw = {"ratio": True, "ltrb": True, "random_shuffle": True, "skip_empty": False, "image_ids": True}
+            kw |= {"avoid_class_remapping": True}
             jpegs, bboxes, labels, ids = fn.readers.coco(
-                name="Reader",
-                file_root=images,
-                annotations_file=annotations,
-                ratio=True,
-                ltrb=True,
-                random_shuffle=True,
-                skip_empty=False,
-                image_ids=True,
-                avoid_class_remapping=True,  # COCO's category ids, as coordl's labels
+                name="Reader", file_root=images, annotations_file=annotations, **kw
             )
-            begin, size, bboxes, labels = fn.random_bbox_crop(
-                bboxes,
-                labels,
-                aspect_ratio=[0.5, 2.0],
-                thresholds=[0, *THRESHOLDS],
-                scaling=[0.3, 1.0],
-                bbox_layout="xyXY",
-                allow_no_crop=True,
-                num_attempts=attempts,
-            )
+            kw = {"aspect_ratio": [0.5, 2.0], "thresholds": [0, *THRESHOLDS], "scaling": [0.3, 1.0]}
+            kw |= {"bbox_layout": "xyXY", "allow_no_crop": True, "num_attempts": attempts}
+            begin, size, bboxes, labels = fn.random_bbox_crop(bboxes, labels, **kw)
             pixels = fn.decoders.image_slice(jpegs, begin, size, output_type=types.RGB)
             flip = fn.random.coin_flip(probability=0.5)
             bboxes = fn.bb_flip(bboxes, ltrb=True, horizontal=flip)
@@ -170,41 +158,24 @@ class DaliCoco:
             hue, saturation = fn.random.uniform(range=[-18.0, 18.0]), fn.random.uniform(range=[0.5, 1.5])
             pixels = fn.hsv(pixels, dtype=types.FLOAT, hue=hue, saturation=saturation)
             brightness, contrast = fn.random.uniform(range=[0.875, 1.125]), fn.random.uniform(range=[0.5, 1.5])
-            pixels = fn.brightness_contrast(
-                pixels, contrast_center=128, dtype=types.UINT8, brightness=brightness, contrast=contrast
-            )
-            pixels = fn.crop_mirror_normalize(
-                pixels,
-                mean=[m * 255 for m in MEAN],
-                std=[s * 255 for s in STD],
-                mirror=flip,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-            )
+            kw = {"contrast_center": 128, "dtype": types.UINT8, "brightness": brightness, "contrast": contrast}
+            pixels = fn.brightness_contrast(pixels, **kw)
+            mean, std = [m * 255 for m in MEAN], [s * 255 for s in STD]
+            kw = {"mean": mean, "std": std, "mirror": flip, "dtype": types.FLOAT, "output_layout": "CHW"}
+            pixels = fn.crop_mirror_normalize(pixels, **kw)
             return pixels, bboxes * float(SIZE), labels, ids
 
-        p = pipe()
-        p.build()
-        tags = [DALIRaggedIterator.DENSE_TAG, DALIRaggedIterator.SPARSE_LIST_TAG]
-        self.it = DALIRaggedIterator(
-            p,
-            ["images", "boxes", "labels", "ids"],
-            reader_name="Reader",
-            output_types=tags + [DALIRaggedIterator.SPARSE_LIST_TAG, DALIRaggedIterator.DENSE_TAG],
-            last_batch_policy=LastBatchPolicy.PARTIAL,
-            auto_reset=True,
-        )
+        (p := pipe()).build()
+        dense, ragged = DALIRaggedIterator.DENSE_TAG, DALIRaggedIterator.SPARSE_LIST_TAG
+        kw = {"reader_name": "Reader", "output_types": [dense, ragged, ragged, dense]}
+        kw |= {"last_batch_policy": LastBatchPolicy.PARTIAL, "auto_reset": True}
+        self.it = DALIRaggedIterator(p, ["images", "boxes", "labels", "ids"], **kw)
 
     def __iter__(self):
         for (out,) in self.it:
             ids = out["ids"].flatten().tolist()
-            yield (
-                out["images"],
-                [
-                    {"boxes": b, "labels": c.long(), "image_id": i}
-                    for b, c, i in zip(out["boxes"], out["labels"], ids, strict=True)
-                ],
-            )
+            targets = zip(out["boxes"], out["labels"], ids, strict=True)
+            yield out["images"], [{"boxes": b, "labels": c.long(), "image_id": i} for b, c, i in targets]
 
 
 def coordl_loader(index, batch_size: int, threads: int, group: str | None = None, seed: int = 0):
@@ -212,14 +183,6 @@ def coordl_loader(index, batch_size: int, threads: int, group: str | None = None
     first epoch), in the HP group ``group`` when given."""
     import coordl
 
-    return coordl.CoordLoader(
-        index,
-        batch_size=batch_size,
-        shuffle=True,
-        pipeline=coordl.SSDTrain(size=SIZE),
-        device_id=None,
-        cache=coordl.Cache(size=1.0),
-        prep=coordl.Prep(threads=threads),
-        seed=seed,
-        **({"hp_group": group} if group else {}),
-    )
+    kw = {"pipeline": coordl.SSDTrain(size=SIZE), "device_id": None, "cache": coordl.Cache(size=1.0), "seed": seed}
+    kw |= {"prep": coordl.Prep(threads=threads), **({"hp_group": group} if group else {})}
+    return coordl.CoordLoader(index, batch_size=batch_size, shuffle=True, **kw)

@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks import disk_tier_baselines
-from benchmarks.harness import cli, dataset, jobs, limits, measure
+from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness.report import log
 from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
@@ -44,10 +45,6 @@ BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
 SMOKE = ["--data", "/var/tmp/coordl-bench/disk-tier-smoke", "--images", "48", "--classes", "4", "--width", "160"]
 SMOKE += ["--height", "120", "--epochs", "2", "--repeat", "1", "--chunk", "1MB", "--configs", ",".join(CONFIGS[:-1])]
 SMOKE += ["--out", os.path.join(tempfile.gettempdir(), "disk_tier_smoke.json")]
-
-
-def log(*a, end="\n") -> None:
-    print(*a, file=sys.stderr, flush=True, end=end)
 
 
 # -- what the machine holds -------------------------------------------------------------------------
@@ -106,15 +103,8 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(read, files))
     seconds = time.perf_counter() - t0
-    return {
-        "threads": threads,
-        "direct": direct,
-        "files": len(files),
-        "bytes": total,
-        "seconds": seconds,
-        "bytes_per_s": total / seconds,
-        "files_per_s": len(files) / seconds,
-    }
+    out = {"threads": threads, "direct": direct, "files": len(files), "bytes": total, "seconds": seconds}
+    return out | {"bytes_per_s": total / seconds, "files_per_s": len(files) / seconds}
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -135,14 +125,8 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         tier = local if name.startswith("tier") else None
         if tier is not None:
             os.makedirs(tier, exist_ok=True)  # Disk(path) must exist: the tier is its sub-folder
-        spec = {
-            **base,
-            "kind": "coordl",
-            "url": url,
-            "memory": ctx["memory"],
-            "tier": tier,
-            "direct": name == "tier-direct",
-        }
+        spec = {**base, "kind": "coordl", "url": url, "memory": ctx["memory"], "tier": tier}
+        spec["direct"] = name == "tier-direct"
     env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm}
     env.update(COORDL_INDEX_DIR=os.path.join(work, "index"), TMPDIR=tmp)
     spec_file = Path(work) / "spec.json"
@@ -171,10 +155,8 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         code, err, done = jobs.converse(jobs.scenario_command("disk_tier", "--one", str(spec_file)), heard, env=env)
         run["close_s"] = done.get("close_s")
         if name.startswith("tier") and code == 0 and args.read_threads:
-            for threads in args.read_threads:  # the disk's rate for the tier's entries, the loader gone
-                run.setdefault("tier_read", []).append(
-                    tier_capacity(local, name == "tier-direct", threads, not args.no_drop)
-                )
+            direct = name == "tier-direct"  # the disk's rate for the tier's entries, the loader gone
+            run["tier_read"] = [tier_capacity(local, direct, t, not args.no_drop) for t in args.read_threads]
     finally:
         leftovers = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith("coordl-"))
         for folder in (shm, work, tmp):
@@ -206,16 +188,8 @@ def convert(args, server, kind: str, data: str, work: str) -> dict:
     chunks = [p for p in files if p.suffix in (".bin", ".mds")]
     size = sum(p.stat().st_size for p in files)
     shutil.rmtree(out)
-    return {
-        "seconds": timed["convert_s"],
-        "import_s": timed["import_s"],
-        "process_s": seconds,
-        "upload_s": upload_s,
-        "files": len(files),
-        "chunks": len(chunks),
-        "bytes": size,
-        "url": f"s3://{args.bucket}/{kind}",
-    }
+    out = {"seconds": timed["convert_s"], "import_s": timed["import_s"], "process_s": seconds, "upload_s": upload_s}
+    return out | {"files": len(files), "chunks": len(chunks), "bytes": size, "url": f"s3://{args.bucket}/{kind}"}
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -226,10 +200,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
 
     def extra(ok):
-        return {
-            "create_s": measure.spread_all([r["create_s"] for r in ok]),
-            "steady_samples_per_s": measure.spread_all([steady(r) for r in ok]),
-        }
+        figures = {"create_s": [r["create_s"] for r in ok], "steady_samples_per_s": [steady(r) for r in ok]}
+        return {k: measure.spread_all(v) for k, v in figures.items()}
 
     return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
@@ -265,10 +237,7 @@ def table(result: dict) -> str:
     ]
 
     def cell(d, scale=1.0, fmt="{:.0f}", rng=False):
-        if d is None:
-            return "-"
-        lo, med, hi = (fmt.format(d[k] / scale) for k in ("min", "median", "max"))
-        return f"{med} [{lo}-{hi}]" if rng and lo != hi else med
+        return report.spread(d, fmt, rng, scale)
 
     for name, s in result["summary"].items():
         if not s["ok"]:
@@ -319,19 +288,11 @@ def options(p) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="LitData's and Mosaic's DataLoader workers (default: 2)")
-    p.add_argument(
-        "--chunk",
-        default="8MB",
-        help="LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
-        "2 workers share chunks, which it reads whole per item instead of mapping them)",
-    )
+    chunk = "LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
+    p.add_argument("--chunk", default="8MB", help=chunk + "2 workers share chunks, which it reads whole per item)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
-    p.add_argument(
-        "--read-threads",
-        type=lambda t: [int(x) for x in t.split(",") if x],
-        default=[1, 8],
-        help="after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)",
-    )
+    threads = "after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)"
+    p.add_argument("--read-threads", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8], help=threads)
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
     p.add_argument("--bucket", default="coordl-disk-tier")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in this JSON file
@@ -354,7 +315,6 @@ def run(args) -> dict | None:
     ctx = {"data": data["root"], "url": f"s3://{args.bucket}/raw/train", "conversions": {}}
     ctx["memory"], ctx["files"] = int(args.memory * data["total_bytes"]), data["files"]
     ctx["device"] = measure.device_of(args.tier_root)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     t_start = time.time()
     work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-convert-")
     try:
@@ -370,48 +330,21 @@ def run(args) -> dict | None:
                     log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks), ", end="")
                     log(f"uploaded in {conv['upload_s']:.1f} s")
             server.latency_s = args.latency
-            for rnd, name in measure.alternate(names, args.repeat):
-                r = run_one(args, server, name, ctx)
-                r["round"] = rnd
-                runs[name].append(r)
-                what = (
-                    r["error"].splitlines()[-1][:300]
-                    if "error" in r
-                    else ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-                )
-                log(f"  [{rnd + 1}/{args.repeat}] {name:>11}: {what}")
+            runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarise(runs)
+    config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "memory_fraction": args.memory}
+    config |= {"memory_bytes": ctx["memory"], "tier_root": args.tier_root, "epochs": args.epochs}
+    config |= {"repeat": args.repeat, "batch": args.batch, "workers": args.workers, "chunk": args.chunk}
+    config |= {"configurations": names, "read_threads": args.read_threads, "drop_page_cache": not args.no_drop}
+    # cgroups None: no memory or blkio limit, the tier's disk as it is, the page cache measured instead
+    config |= {"tier_device": "{}:{}".format(*ctx["device"]), "cgroups": None, "pipeline": "imagenet-train"}
     result = {
         "smoke": args.smoke,
         "fincore": shutil.which("fincore") is not None,
-        "config": {
-            "latency_s": args.latency,
-            "bandwidth_bps": parse_bytes(args.bandwidth),
-            "memory_fraction": args.memory,
-            "memory_bytes": ctx["memory"],
-            "tier_root": args.tier_root,
-            "epochs": args.epochs,
-            "repeat": args.repeat,
-            "batch": args.batch,
-            "workers": args.workers,
-            "chunk": args.chunk,
-            "configurations": names,
-            "read_threads": args.read_threads,
-            "drop_page_cache": not args.no_drop,
-            "tier_device": "{}:{}".format(*ctx["device"]),
-            "cgroups": None,  # no memory or blkio limit: the tier's disk as it is, the page cache measured instead
-            "pipeline": "imagenet-train",
-            "url": ctx["url"],
-        },
-        "dataset": data,
-        "upload_s": upload_s,
-        "conversions": ctx["conversions"],
-        "moto_pid": moto_pid,
-        "wall_s": time.time() - t_start,
-        "runs": runs,
-        "summary": summary,
-        "ratios": ratios(runs, summary),
+        "config": config | {"url": ctx["url"]},
     }
+    result |= {"dataset": data, "upload_s": upload_s, "conversions": ctx["conversions"], "moto_pid": moto_pid}
+    result |= {"wall_s": time.time() - t_start, "runs": runs, "summary": summary, "ratios": ratios(runs, summary)}
     return result

@@ -3,30 +3,19 @@
 Loaders (:mod:`benchmarks.gpu_loaders`, the same augmentation, batch size and CPU threads/workers):
 ``coordl`` (GPU decode: DALI ``mixed``), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the
 CPU, batches copied to the GPU) and ``torch`` (``DataLoader``, ``--threads`` Pillow workers, ``pin_memory``).
-Modes: ``train`` (a ResNet-50 step per batch: torchvision's model when it imports, else
-``examples/imagenet/models.py``'s, bf16 autocast, channels_last, SGD) and ``prep`` (the batches alone, on the
-GPU). Each loader runs in a child process of its own: a warm-up epoch (training: loader, CUDA, cuDNN's
-autotuning) that is not counted, then ``--epochs`` epochs of each mode, alternating train, prep, train, ...;
-the loaders follow one another in ABBA order for ``--reps`` rounds. Per loader and mode: samples/s over
-the measured epochs (the GPU synchronised at each epoch's end), the stall fraction (time spent waiting in
-``next()`` / epoch time; coordl's own ``stats()["stall_s"]`` / epoch time beside it), CPU seconds per sample
-(the process, its threads and its children: DALI's threads, the DataLoader's workers). A loader that cannot
-run here (``torch`` without Pillow) is reported as skipped with the reason; a run that fails or overruns is
-reported with its error and the rest go on; the JSON is written after every run.
+Modes: ``train`` (a ResNet-50 step per batch: torchvision's model, else ``examples/imagenet/models.py``'s;
+bf16 autocast, channels_last, SGD) and ``prep`` (the batches alone, on the GPU). Each loader runs in a child:
+a warm-up epoch not counted, then ``--epochs`` epochs of each mode, alternating; loaders ABBA for ``--reps``.
+Per loader and mode: samples/s (GPU synchronised at each epoch's end), the stall fraction (time in ``next()``
+/ epoch time; coordl's ``stats()["stall_s"]`` beside it), CPU seconds per sample (process tree). A loader that
+cannot run here is reported skipped with the reason, a failed or overrun run with its error; the JSON is
+written after every run. The dataset: ``--images`` generated JPEGs of about 400x350 (the photographs do not
+travel to the GPU machine), made once under ``--data``, read into the page cache before anything is measured.
 
-The dataset: ``--images`` JPEGs of about 400x350 (~110 KB, generated images: the photographs do not travel
-to the GPU machine), made once under ``--data`` and found again by a later run, then read once so that it is
-in the page cache before anything is measured.
-
-Budget on a 16-core machine with an H200, the defaults (20,000 images, 2.2 GB; batch 256; 16 threads/workers;
-1 warm-up epoch and 1 epoch of each mode per loader; 1 rep), estimated from this 2-core VM's figures: making
-the data ~35 s (28 ms of a core per image, measured here at 400x350), reading it into the page cache ~2 s;
-per loader a child of ~12 s before its first batch (torch, CUDA, DALI, 16 workers), a warm-up training epoch
-and a training epoch of ~7 s each (eager ResNet-50 at ~3,000 samples/s; the DataLoader at ~4 ms of a core per
-sample, ~3,500/s on 16 workers) and a prep epoch of 2-6 s: ~35 s, ~140 s for the four. About 3 minutes in
-all; ``--budget`` (default 330 s, data included) skips a run that would start too late to finish inside it
-and ends one that overruns (``--run-timeout``, default 120 s, ends a run that hangs), so the command stays
-under 6 minutes whatever the GPU's rates.
+The defaults (20,000 images, 2.2 GB; batch 256; 16 threads; 1 warm-up and 1 epoch per mode; 1 rep) take
+about 3 minutes on 16 cores and an H200 (estimated from this 2-core VM: ~35 s of data, ~35 s per loader);
+``--budget`` (330 s, data included) skips a run that would start too late and ``--run-timeout`` (120 s) ends
+one that hangs, so the command stays under 6 minutes whatever the GPU's rates.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
@@ -112,12 +101,8 @@ def summary(run: dict) -> dict:
         if not es:
             continue
         seconds, n = sum(e["seconds"] for e in es), sum(e["samples"] for e in es)
-        s = {
-            "epochs": len(es),
-            "samples_per_s": n / seconds,
-            "stall_fraction": sum(e["wait_s"] for e in es) / seconds,
-            "cpu_s_per_sample": sum(e["cpu_s"] for e in es) / n,
-        }
+        s = {"epochs": len(es), "samples_per_s": n / seconds, "cpu_s_per_sample": sum(e["cpu_s"] for e in es) / n}
+        s["stall_fraction"] = sum(e["wait_s"] for e in es) / seconds
         if all("stats" in e for e in es):  # coordl's own accounting
             s["stats_stall_fraction"] = sum(e["stats"]["stall_s"] for e in es) / seconds
         out[mode] = s
@@ -126,10 +111,9 @@ def summary(run: dict) -> dict:
 
 # -- the runs -----------------------------------------------------------------------------------
 def job_command(args, name: str, out: Path) -> list[str]:
-    argv = ["--job", name, "--out", str(out), "--batch-size", str(args.batch_size), "--threads", str(args.threads)]
-    argv += ["--epochs", str(args.epochs), "--warmup", str(args.warmup), "--modes", ",".join(args.modes)]
-    argv += ["--arch", args.arch, "--device-id", str(args.device_id), "--data", args.root]
-    return jobs.scenario_command("gpu", *argv, *(["--cpu-smoke"] if args.cpu_smoke else []))
+    kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
+    kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
+    return jobs.scenario_command("gpu", *jobs.flags(job=name, out=out, **kw, cpu_smoke=args.cpu_smoke))
 
 
 def run_all(args, result: dict, workdir: Path, started: float) -> None:
@@ -162,10 +146,11 @@ def run_all(args, result: dict, workdir: Path, started: float) -> None:
         else:
             longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
             run["summary"] = summary(run)
-            cells = ", ".join(
+            cells = [
                 f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
                 for mode, s in run["summary"].items()
-            )
+            ]
+            cells = ", ".join(cells)
             print(f"  rep {rep + 1} {name}: {cells}; {run['wall_s']:.0f} s")
         runs[name].append(run)
         cli.save(args, result)  # after every run: what finished survives an interrupted command
@@ -229,11 +214,8 @@ def _found(root: str) -> dict | None:
     if not len(index):
         return None
     total = sum(os.path.getsize(p) for p in index.paths)
-    return {
-        "root": root,
-        "files": len(index),
-        "classes": len(index.classes),
-        "total_bytes": total,
+    out = {"root": root, "files": len(index), "classes": len(index.classes), "total_bytes": total}
+    return out | {
         "mean_bytes": round(total / len(index)),
         "source": "found (made before; Pillow is not installed here)",
     }
@@ -254,11 +236,8 @@ def options(p) -> None:
     p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the runs, data included (default: 330)")
     p.add_argument("--run-timeout", type=float, default=120.0, help="seconds one loader's run may take (default: 120)")
-    p.add_argument(
-        "--cpu-smoke",
-        action="store_true",
-        help="the CPU side: 64 small images, every loader on the CPU (DataLoader: 2 workers), resnet_tiny, batch 16",
-    )
+    smoke = "the CPU side: 64 small images, every loader on the CPU (DataLoader: 2 workers), resnet_tiny, batch 16"
+    p.add_argument("--cpu-smoke", action="store_true", help=smoke)
 
 
 def run(args) -> dict | None:
@@ -285,21 +264,9 @@ def run(args) -> dict | None:
         f"dataset: {dataset.describe(data)}, {data['classes']} classes; made/found in {data['make_s']:.1f} s, "
         f"read into the page cache in {data['page_cache_read_s']:.1f} s"
     )
-    result = {
-        "cpu_smoke": args.cpu_smoke,
-        "dataset": data,
-        "config": {
-            "batch_size": args.batch_size,
-            "threads": args.threads,
-            "epochs": args.epochs,
-            "warmup": args.warmup,
-            "reps": args.reps,
-            "modes": args.modes,
-            "arch": args.arch,
-            "device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}",
-            "budget_s": args.budget,
-        },
-    }
+    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "modes", "arch")}
+    config |= {"device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}", "budget_s": args.budget}
+    result = {"cpu_smoke": args.cpu_smoke, "dataset": data, "config": config}
     print(
         f"batch {args.batch_size}, {args.threads} threads/workers, {args.arch}, "
         f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in ABBA order"

@@ -13,9 +13,8 @@ device, one epoch per iteration:
 ``coordl-cpu``
     ``CoordLoader(..., device_id=None)``: DALI on the CPU; each batch is then copied to the GPU.
 ``torch``
-    ``DataLoader`` over :class:`benchmarks.loaders.PillowImageFolder` with
-    :class:`~benchmarks.loaders.TrainAugment` (Pillow decode), ``pin_memory``, persistent workers; each batch
-    copied to the GPU with ``non_blocking=True``.
+    ``benchmarks.loaders.dataloader`` over ``PillowImageFolder`` with ``TrainAugment`` (Pillow decode),
+    ``pin_memory``, persistent workers; each batch copied to the GPU with ``non_blocking=True``.
 
 With ``device=None`` (``--cpu-smoke``) the same classes run with DALI on the CPU (``device_id=None``, CPU ops)
 and nothing is copied. :class:`TrainStep` is one ResNet-50 training step: bf16 autocast, channels_last, SGD.
@@ -26,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from benchmarks.loaders import MEAN, SIZE, STD
+from benchmarks.loaders import MEAN, SIZE, STD, dali_iterator
 
 LOADERS = ("coordl", "dali", "coordl-cpu", "torch")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
@@ -39,16 +38,70 @@ def missing(name: str) -> str | None:
     return None
 
 
-def make(name: str, root: str, batch_size: int, threads: int, device_id: int | None):
-    """Loader ``name`` (one of :data:`LOADERS`) over the folder ``root``; ``device_id`` None: all on the CPU."""
-    if name in ("coordl", "coordl-cpu"):
-        gpu = device_id if name == "coordl" else None
-        return CoordlLoader(root, batch_size, threads, gpu, device_id)
-    if name == "dali":
-        return DaliLoader(root, batch_size, threads, device_id)
-    if name == "torch":
-        return TorchLoader(root, batch_size, threads, device_id)
-    raise ValueError(f"unknown loader {name!r}; choose from {', '.join(LOADERS)}")
+class Loader:
+    """Loader ``name`` (one of :data:`LOADERS`) over the folder ``root``, batches delivered to GPU ``device_id``
+    (None: all on the CPU): ``n``, ``epoch(k)`` (``(images, labels)``), ``stats()`` (coordl's) and ``close()``."""
+
+    def __init__(self, name: str, root: str, batch_size: int, threads: int, device_id: int | None, seed: int = 1):
+        """``seed``: DALI's pipeline's (the DataLoader's generator is seeded 0)."""
+        self.name, self.device_id, gpu = name, device_id, device_id is not None
+        if name in ("coordl", "coordl-cpu"):  # coordl-cpu: DALI on the CPU, batches copied to the GPU
+            import coordl
+
+            decode_on = device_id if name == "coordl" else None
+            kw = {"pipeline": "imagenet-train", "device_id": decode_on, "prep": threads}
+            self.loader = coordl.CoordLoader(root, batch_size=batch_size, shuffle=True, **kw)
+            self.n = len(self.loader.index)
+        elif name == "dali":
+            from nvidia.dali import fn, pipeline_def, types
+
+            @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=seed)
+            def pipe():
+                jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
+                images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+                area, aspect = [0.08, 1.0], [3 / 4, 4 / 3]
+                images = fn.random_resized_crop(images, size=[SIZE, SIZE], random_area=area, random_aspect_ratio=aspect)
+                mean, std, mirror = (
+                    [m * 255 for m in MEAN],
+                    [s * 255 for s in STD],
+                    fn.random.coin_flip(probability=0.5),
+                )
+                kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, "mean": mean, "std": std}
+                return fn.crop_mirror_normalize(images, **kw), labels.gpu() if gpu else labels
+
+            self.loader = dali_iterator(p := pipe())
+            self.n = p.reader_meta("Reader")["epoch_size"]
+        elif name == "torch":
+            from benchmarks.loaders import PillowImageFolder, TrainAugment, dataloader
+
+            self.n = len(dataset := PillowImageFolder(root, TrainAugment()))
+            self.loader = dataloader(dataset, batch_size, threads, 0, pin_memory=gpu)
+        else:
+            raise ValueError(f"unknown loader {name!r}; choose from {', '.join(LOADERS)}")
+        if name.startswith("coordl"):
+            self.stats = self._stats
+
+    def epoch(self, epoch: int):
+        if self.name == "dali":
+            yield from ((out["images"], out["labels"].flatten().long()) for (out,) in self.loader)
+            return
+        if self.name != "torch":
+            self.loader.set_epoch(epoch)
+        for images, labels in self.loader:
+            yield _to(self.device_id, images, labels, non_blocking=self.name == "torch")
+
+    def _stats(self) -> dict:
+        s = self.loader.stats()
+        keys = ("stall_s", "elapsed_s", "samples", "cache_hits", "storage_reads", "cache_items", "cache_budget")
+        return {k: s.get(k) for k in keys}
+
+    def close(self) -> None:
+        if self.name.startswith("coordl"):
+            self.loader.close()
+        del self.loader
+
+
+make = Loader
 
 
 def _to(device_id: int | None, *tensors, non_blocking: bool = False) -> tuple:
@@ -58,107 +111,6 @@ def _to(device_id: int | None, *tensors, non_blocking: bool = False) -> tuple:
         return tensors
     device = f"cuda:{device_id}"
     return tuple(t if t.is_cuda else t.to(device, non_blocking=non_blocking) for t in tensors)
-
-
-class CoordlLoader:
-    """``CoordLoader`` decoding on ``decode_on`` (a GPU, or None: the CPU); batches delivered to ``device_id``."""
-
-    def __init__(self, root: str, batch_size: int, threads: int, decode_on: int | None, device_id: int | None):
-        import coordl
-
-        self.device_id = device_id
-        self.loader = coordl.CoordLoader(
-            root,
-            batch_size=batch_size,
-            shuffle=True,
-            pipeline="imagenet-train",
-            device_id=decode_on,
-            prep=threads,
-        )
-        self.n = len(self.loader.index)
-
-    def epoch(self, epoch: int):
-        self.loader.set_epoch(epoch)
-        for images, labels in self.loader:
-            yield _to(self.device_id, images, labels)
-
-    def stats(self) -> dict:
-        s = self.loader.stats()
-        keys = ("stall_s", "elapsed_s", "samples", "cache_hits", "storage_reads", "cache_items", "cache_budget")
-        return {k: s.get(k) for k in keys}
-
-    def close(self) -> None:
-        self.loader.close()
-
-
-class DaliLoader:
-    """DALI's own training pipeline, decoding with ``mixed`` on GPU ``device_id`` (None: all on the CPU)."""
-
-    def __init__(self, root: str, batch_size: int, threads: int, device_id: int | None, seed: int = 1):
-        from nvidia.dali import fn, pipeline_def, types
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
-        gpu = device_id is not None
-
-        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=seed)
-        def pipe():
-            jpegs, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
-            images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
-            images = fn.random_resized_crop(
-                images, size=[SIZE, SIZE], random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3]
-            )
-            images = fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-                mirror=fn.random.coin_flip(probability=0.5),
-                mean=[m * 255 for m in MEAN],
-                std=[s * 255 for s in STD],
-            )
-            return images, labels.gpu() if gpu else labels
-
-        p = pipe()
-        p.build()
-        self.n = p.reader_meta("Reader")["epoch_size"]
-        self.it = DALIGenericIterator(
-            p, ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
-        )
-
-    def epoch(self, epoch: int):
-        for (out,) in self.it:
-            yield out["images"], out["labels"].flatten().long()
-
-    def close(self) -> None:
-        del self.it
-
-
-class TorchLoader:
-    """``DataLoader`` with ``workers`` Pillow workers, pinned batches copied to GPU ``device_id`` (None: stay)."""
-
-    def __init__(self, root: str, batch_size: int, workers: int, device_id: int | None, seed: int = 0):
-        import torch
-
-        from benchmarks.loaders import PillowImageFolder, TrainAugment
-
-        self.device_id = device_id
-        dataset = PillowImageFolder(root, TrainAugment())
-        self.n = len(dataset)
-        self.loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=True,
-            num_workers=workers,
-            pin_memory=device_id is not None,
-            persistent_workers=workers > 0,
-            generator=torch.Generator().manual_seed(seed),
-        )
-
-    def epoch(self, epoch: int):
-        for images, labels in self.loader:
-            yield _to(self.device_id, images, labels, non_blocking=True)
-
-    def close(self) -> None:
-        del self.loader
 
 
 def resnet(arch: str, classes: int):

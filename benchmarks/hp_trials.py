@@ -21,17 +21,8 @@ from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, measure
 
-STATS = (
-    "produced",
-    "consumed_shared",
-    "detached",
-    "alone_batches",
-    "order_epoch",
-    "hp_members",
-    "storage_bytes",
-    "staging_peak_bytes",
-    "staging_bound",
-)
+STATS = "produced consumed_shared detached alone_batches order_epoch hp_members storage_bytes staging_peak_bytes"
+STATS = (*STATS.split(), "staging_bound")
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -69,16 +60,9 @@ def trial(args) -> None:
     if group and args.stage_batch:
         group = coordl.HPGroup(group, stage_batch=args.stage_batch)
     out = {"epochs": [], "take_s": [], "read_s": [], "times": [], "views": 0, "batches": 0}
-    with coordl.CoordLoader(
-        args.data,
-        batch_size=args.batch_size,
-        shuffle=True,
-        pipeline="imagenet-train",
-        device_id=None,
-        return_index=True,
-        cache=coordl.Cache(size=1.0, keep=True),
-        **({"hp_group": group} if group else {}),
-    ) as loader:
+    kw = {"pipeline": "imagenet-train", "device_id": None, "return_index": True, "shuffle": True}
+    kw |= {"cache": coordl.Cache(size=1.0, keep=True), **({"hp_group": group} if group else {})}
+    with coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw) as loader:
         jobs.wait_for_go(args.ready, args.go)
         _wait_file(args.after)
         for epoch in range(args.epochs):
@@ -112,14 +96,9 @@ def trial(args) -> None:
                     time.sleep(args.sleep_per_batch)
             s = loader.stats()
             out["stage_batch"] = s.get("stage_batch")
-            out["epochs"].append(
-                {
-                    "seconds": time.perf_counter() - t0,
-                    "samples": len(seen),
-                    "exactly_once": len(seen) == len(set(seen)) == args.images,
-                    **{k: s.get(k) for k in STATS},
-                }
-            )
+            once = len(seen) == len(set(seen)) == args.images
+            e = {"seconds": time.perf_counter() - t0, "samples": len(seen), "exactly_once": once}
+            out["epochs"].append(e | {k: s.get(k) for k in STATS})
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_s"] = {"user": ru.ru_utime, "sys": ru.ru_stime}
     Path(args.out).write_text(json.dumps(out))
@@ -128,11 +107,16 @@ def trial(args) -> None:
 def command(args, scenario: str, spec: dict) -> list[str]:
     """The command of one trial of ``spec``: ``batch`` and optionally ``group``, ``stage_batch``,
     ``sleep``, ``epochs``, and the files ``after``, ``entered``, ``last``, ``progress``."""
-    argv = ["--trial", "--data", args.data, "--images", str(args.images), "--batch-size", str(spec["batch"])]
-    argv += ["--epochs", str(spec.get("epochs", args.epochs)), "--sleep-per-batch", str(spec.get("sleep", 0.0))]
-    argv += ["--stage-batch", str(spec.get("stage_batch") or 0)]
-    for key in ("group", "after", "entered", "last", "progress"):
-        argv += [f"--{key}", str(spec[key])] if spec.get(key) else []
+    kw = {
+        "data": args.data,
+        "images": args.images,
+        "batch_size": spec["batch"],
+        "epochs": spec.get("epochs", args.epochs),
+    }
+    kw |= {"sleep_per_batch": spec.get("sleep", 0.0), "stage_batch": spec.get("stage_batch") or 0}
+    argv = jobs.flags(
+        trial=True, **kw, **{k: spec.get(k) or None for k in ("group", "after", "entered", "last", "progress")}
+    )
     return jobs.scenario_command(scenario, *argv)
 
 
@@ -148,13 +132,10 @@ def rate(out: dict) -> float:
 
 
 def summary(outs: list[dict]) -> dict:
-    return {
-        "per_job_samples_per_s": [rate(o) for o in outs],
-        "exactly_once": all(e["exactly_once"] for o in outs for e in o["epochs"]),
-        "take_ms_median": [1000 * statistics.median(o["take_s"]) for o in outs],
-        "read_ms_median": [1000 * statistics.median(o["read_s"]) for o in outs],
-        "epochs": [o["epochs"] for o in outs],
-    }
+    out = {"per_job_samples_per_s": [rate(o) for o in outs]}
+    out["exactly_once"] = all(e["exactly_once"] for o in outs for e in o["epochs"])
+    out |= {f"{k}_ms_median": [1000 * statistics.median(o[f"{k}_s"]) for o in outs] for k in ("take", "read")}
+    return out | {"epochs": [o["epochs"] for o in outs]}
 
 
 def mean(xs) -> float:

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,30 +56,14 @@ def child(what: str, root: str, index_dir: str, threads: int) -> dict:
         client.boto3_client()
     c0, t0 = time.process_time(), time.perf_counter()
     index = Index.scan(root, index_dir=index_dir, rebuild=what == "scan")
-    return {
-        "seconds": time.perf_counter() - t0,
-        "cpu_s": time.process_time() - c0,
-        "samples": len(index),
-        "changed": index.changed,
-        "version": index.version,
-        "threads": currency.STAT_THREADS,
-    }
+    out = {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "samples": len(index)}
+    return out | {"changed": index.changed, "version": index.version, "threads": currency.STAT_THREADS}
 
 
 def run_child(*args: str, env: dict | None = None) -> dict:
     full = dict(os.environ, **(env or {}))
     full["PYTHONPATH"] = os.pathsep.join([str(dataset.ROOT / "src"), str(dataset.ROOT)])
-    p = subprocess.run(
-        jobs.scenario_command("index_currency", "--child", *args),
-        env=full,
-        cwd=dataset.ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if p.returncode:
-        raise SystemExit(f"child {args} failed:\n{p.stdout}{p.stderr}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return jobs.run_json(jobs.scenario_command("index_currency", "--child", *args), env=full, cwd=dataset.ROOT)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -180,19 +163,11 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
     rounds = math.ceil(classes / LIST_THREADS) * math.ceil(per_class / 1000) + 1
     latency_s = rounds * latency_ms / 1000
     cpu_s = pages_big * per_page_cpu
-    return {
-        "what": (
-            f"{classes} classes x {per_class} keys: {pages_big} pages, {rounds} rounds of {LIST_THREADS} classes at "
-            f"{latency_ms:g} ms; the client's CPU per page as measured here"
-        ),
-        "pages": pages_big,
-        "latency_bound_s": latency_s,
-        "client_cpu_s": cpu_s,
-        "measured_pages": pages,
-        "client_cpu_per_page_ms": 1000 * per_page_cpu,
-        "wall_per_page_no_latency_ms": 1000 * per_page_wall,
-        "estimate_s": max(latency_s, cpu_s),
-    }
+    what = f"{classes} classes x {per_class} keys: {pages_big} pages, {rounds} rounds of {LIST_THREADS} classes at "
+    out = {"what": what + f"{latency_ms:g} ms; the client's CPU per page as measured here", "pages": pages_big}
+    out |= {"latency_bound_s": latency_s, "client_cpu_s": cpu_s, "measured_pages": pages}
+    out |= {"client_cpu_per_page_ms": 1000 * per_page_cpu, "wall_per_page_no_latency_ms": 1000 * per_page_wall}
+    return out | {"estimate_s": max(latency_s, cpu_s)}
 
 
 def options(p) -> None:

@@ -84,13 +84,8 @@ def memory() -> dict:
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
         key, value = line.split(":", 1)
         f[key] = int(value.split()[0]) * 1024
-    return {
-        "rss": f["Rss"],
-        "pss": f["Pss"],
-        "uss": f["Private_Clean"] + f["Private_Dirty"],
-        "dirty": f["Private_Dirty"],
-        "anon": f["Anonymous"],
-    }
+    out = {"rss": f["Rss"], "pss": f["Pss"], "uss": f["Private_Clean"] + f["Private_Dirty"]}
+    return out | {"dirty": f["Private_Dirty"], "anon": f["Anonymous"]}
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -111,14 +106,9 @@ def child_scan(root: str, index_dir: str) -> dict:
     t1 = time.perf_counter()
     save(index, dirs, tree_path(index_dir, root, ix.IMG_EXTENSIONS))
     t2 = time.perf_counter()
-    saved = [p for p in Path(index_dir).iterdir()]
-    return {
-        "samples": len(index),
-        "fingerprint": index.fingerprint,
-        "scan_s": t1 - t0,
-        "save_s": t2 - t1,
-        "file_bytes": sum(p.stat().st_size for p in saved),
-    }
+    saved = sum(p.stat().st_size for p in Path(index_dir).iterdir())
+    out = {"samples": len(index), "fingerprint": index.fingerprint, "scan_s": t1 - t0, "save_s": t2 - t1}
+    return out | {"file_bytes": saved}
 
 
 def child_load(root: str, index_dir: str, traced: bool) -> dict:
@@ -171,17 +161,7 @@ def child_load(root: str, index_dir: str, traced: bool) -> dict:
 # -- the runner -------------------------------------------------------------------------------
 def run_child(src: str, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(dataset.ROOT)]))
-    p = subprocess.run(
-        jobs.scenario_command("index_scale", *args),
-        check=False,
-        env=env,
-        cwd=dataset.ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if p.returncode:
-        raise SystemExit(f"child {args} with {src} failed:\n{p.stdout}{p.stderr}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return jobs.run_json(jobs.scenario_command("index_scale", *args), env=env, cwd=dataset.ROOT)
 
 
 def measure(label: str, src: str, root: str, work: Path, loads: int) -> dict:
@@ -194,16 +174,9 @@ def measure(label: str, src: str, root: str, work: Path, loads: int) -> dict:
     assert all(r["fingerprint"] == scan["fingerprint"] for r in runs + [traced]), "a load rescanned"
     best = min(runs, key=lambda r: r["load_s"])
     shutil.rmtree(index_dir)
-    return {
-        "src": src,
-        **scan,
-        "load_s": statistics.median(r["load_s"] for r in runs),
-        "load_s_all": [r["load_s"] for r in runs],
-        "after_load": best["after_load"],
-        "heap_bytes": traced["heap_bytes"],
-        "walk_s": best["walk_s"],
-        "worker_after_walk": best["worker_after_walk"],
-    }
+    loaded = {"load_s": statistics.median(r["load_s"] for r in runs), "load_s_all": [r["load_s"] for r in runs]}
+    walked = {k: best[k] for k in ("after_load", "walk_s", "worker_after_walk")}
+    return {"src": src, **scan, **loaded, **walked, "heap_bytes": traced["heap_bytes"]}
 
 
 def source_of(ref: str, work: Path) -> str:
@@ -250,9 +223,8 @@ def options(p) -> None:
 def run(args) -> dict | None:
     if args.child:
         what, root, index_dir = args.child
-        return jobs.say(
-            **(child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced"))
-        )
+        measured = child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced")
+        return jobs.say(**measured)
     root = Path(args.data) / "train"
     results, made_s = {}, None
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="coordl-index-scale-") as tmp:
@@ -266,9 +238,5 @@ def run(args) -> dict | None:
         finally:
             if not args.keep:
                 remove_tree(Path(args.data), root)
-    result = {
-        "tree": {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s},
-        "before_ref": args.before_ref,
-        "results": results,
-    }
-    return result
+    tree = {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s}
+    return {"tree": tree, "before_ref": args.before_ref, "results": results}

@@ -1,42 +1,22 @@
-"""The loaders the benchmark compares, and the child process that runs one of them.
+"""The loaders the benchmarks compare, and the child process that runs one of them.
 
-Every loader runs the same ImageNet training augmentation (random-resized crop to 224 with
-scale 0.08-1 and aspect 3/4-4/3, horizontal flip, normalise, CHW float32) with the same
-batch size and the same number of CPU workers/threads:
+Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1,
+aspect 3/4-4/3, horizontal flip, normalise, CHW float32), batch size and CPU workers/threads:
 
-``torch``
-    ``torch.utils.data.DataLoader`` over an ImageFolder-style dataset that opens each file by
-    path; Pillow (or Pillow-SIMD when installed) decodes in ``workers`` worker processes and
-    :class:`TrainAugment` augments; shuffled by ``RandomSampler``, persistent workers.
-``dali-shuffle``
-    ``fn.readers.file(random_shuffle=True)``: DALI shuffles the file list once (a fixed
-    seed) and samples from a 1024-sample buffer, so every epoch reads the files in the
-    same random order.
-``dali-seq``
-    ``fn.readers.file()`` with its default sequential reading (files in sorted order). The
-    file reader has no buffer-only shuffle: samples arrive in file order, which changes
-    nothing for I/O and throughput but would not do for training.
-``dali-epoch-shuffle``
-    ``fn.readers.file(shuffle_after_epoch=True)``: a fresh permutation every epoch, the
-    access pattern of PyTorch's sampler.
-``coordl``
-    ``coordl.CoordLoader`` with its MinIO cache at the given budget.
-``coordl-auto``
-    ``coordl`` with ``decoded_cache="auto"``: the same budget, split between encoded bytes and
-    decoded images as the model predicts is fastest.
-``coordl-torch``
-    ``coordl.CoordLoader`` over ``coordl.datasets.ImageFolder(data, transform=TrainAugment())``:
-    coordl's torch backend, whose ``DataLoader`` workers read the bytes through the MinIO cache
-    (at the given budget), decode them with Pillow and run the same :class:`TrainAugment` as
-    ``torch``; ``workers`` worker processes, persistent workers.
+- ``torch``: ``DataLoader`` over files opened by path, Pillow decode, :class:`TrainAugment`, shuffled,
+  persistent workers;
+- ``dali-shuffle``: ``fn.readers.file(random_shuffle=True)`` (a 1024-sample buffer over a file list
+  shuffled once: every epoch reads in the same order); ``dali-seq``: its default sequential order (fine
+  for I/O and throughput, not for training); ``dali-epoch-shuffle``: ``shuffle_after_epoch=True`` (a
+  fresh permutation per epoch, PyTorch's sampler's access pattern);
+- ``coordl``: ``CoordLoader`` with its MinIO cache at the budget; ``coordl-auto``: the same budget split
+  between encoded bytes and decoded images by the model (``decoded_cache="auto"``); ``coordl-torch``:
+  coordl's torch backend, ``ImageFolder(data, transform=TrainAugment())``, bytes through the cache.
 
-Run as a module (``python -m benchmarks.loaders``), this is the child the runner
-(``benchmarks.run``) starts in a memory and blkio cgroup, with ``--data`` the dataset the
-runner made. It builds the loader, runs a few warm-up batches (imports, worker processes, DALI's
-buffers), prints ``{"ready": ...}``, waits for ``go`` on stdin (the runner then drops the
-page cache, sets the memory limit and the throttle), finishes epoch 0 and runs the other
-epochs, printing one JSON line per epoch. Epoch 0 is therefore short of the warm-up
-batches; it is reported as the cold epoch, not used for steady-state figures.
+Run as ``python -m benchmarks.loaders``, this is the child ``benchmarks.run`` starts in its cgroups: it
+makes the loader, runs warm-up batches, prints ``{"ready": ...}``, waits for ``go`` on stdin (the runner
+drops the page cache, sets the memory limit and throttle), then prints one JSON line per epoch. Epoch 0
+(short of the warm-up batches) is the cold epoch, left out of the steady figures.
 """
 
 from __future__ import annotations
@@ -137,38 +117,22 @@ def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
     """The DataLoader every Pillow baseline uses: shuffled (seeded), persistent workers."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    kw |= {"num_workers": workers, "persistent_workers": workers > 0}
     return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        generator=generator,
-        **kw,
+        dataset, batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), **kw
     )
 
 
-class TorchLoader:
-    def __init__(self, data: str, batch_size: int, workers: int, seed: int):
-        self.dataset = PillowImageFolder(data, TrainAugment())
-        self.loader = dataloader(self.dataset, batch_size, workers, seed)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def epoch(self):
-        for images, _ in self.loader:
-            yield images
-
-    def counters(self) -> dict | None:
-        return None
-
-    def close(self) -> None:
-        del self.loader
-
-
 # -- DALI's own file reader ---------------------------------------------------------------------
+def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader"):
+    """The pipeline built, and its torch iterator: the last batch partial, reset at each epoch's end."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    pipe.build()  # a second build() does nothing
+    kw = {"reader_name": reader} if reader else {}
+    return DALIGenericIterator(pipe, list(names), last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True, **kw)
+
+
 def dali_imagenet_train(jpegs, size: int = SIZE):
     """``imagenet-train``'s ops in DALI, for the DALI baselines: a random-area crop decoded, resized
     to ``size``, flipped with probability 0.5, normalised to CHW float."""
@@ -183,120 +147,70 @@ def dali_imagenet_train(jpegs, size: int = SIZE):
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std)
 
 
-class DaliLoader:
-    READERS = {
-        "dali-shuffle": {"random_shuffle": True},
-        "dali-seq": {},
-        "dali-epoch-shuffle": {"shuffle_after_epoch": True},
-    }
+DALI_READERS = {
+    "dali-shuffle": {"random_shuffle": True},
+    "dali-seq": {},
+    "dali-epoch-shuffle": {"shuffle_after_epoch": True},
+}
+COUNTERS = (
+    "cache_hits storage_reads storage_bytes cache_bytes cache_items cache_budget stall_s fetch_wait_s decoded_hits"
+)
+COUNTERS = (*COUNTERS.split(), "decoded_cache_budget")
 
-    def __init__(self, kind: str, data: str, batch_size: int, workers: int, seed: int):
-        from nvidia.dali import fn, pipeline_def
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        reader = self.READERS[kind]
+class Loader:
+    """One of ``LOADERS``: its size, ``epoch()`` (the batches' images), ``counters()`` (coordl's, else
+    None) and ``close()``. ``cache_bytes`` is the budget of the coordl loaders' cache."""
 
-        @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
-        def pipe():
-            jpegs, labels = fn.readers.file(file_root=data, name="Reader", **reader)
-            return dali_imagenet_train(jpegs), labels
+    def __init__(self, kind: str, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int = 0):
+        self.kind = kind
+        if kind in COORDL_LOADERS:
+            import coordl  # not in the baselines' children: their memory is theirs alone
+        if kind == "torch":
+            self.n = len(dataset := PillowImageFolder(data, TrainAugment()))
+            self.loader = dataloader(dataset, batch_size, workers, seed)
+        elif kind in DALI_READERS:
+            from nvidia.dali import fn, pipeline_def
 
-        p = pipe()
-        p.build()
-        self.n = p.reader_meta("Reader")["epoch_size"]
-        self.it = DALIGenericIterator(
-            p, ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
-        )
+            @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=None, seed=seed, prefetch_queue_depth=2)
+            def pipe():
+                jpegs, labels = fn.readers.file(file_root=data, name="Reader", **DALI_READERS[kind])
+                return dali_imagenet_train(jpegs), labels
+
+            self.loader = dali_iterator(p := pipe())
+            self.n = p.reader_meta("Reader")["epoch_size"]
+        elif kind == "coordl-torch":
+            from coordl.datasets import ImageFolder
+
+            kw = {"num_workers": workers, "persistent_workers": workers > 0, "cache": cache_bytes}
+            dataset = ImageFolder(data, transform=TrainAugment())
+            self.loader = coordl.CoordLoader(dataset, batch_size=batch_size, seed=seed, shuffle=True, **kw)
+        elif kind in COORDL_LOADERS:  # coordl-auto: the budget split between encoded and decoded by the model
+            cache = coordl.Cache(size=cache_bytes, decoded="auto" if kind == "coordl-auto" else 0)
+            kw = {"device_id": None, "seed": seed, "cache": cache, "prep": workers, "pipeline": "imagenet-train"}
+            self.loader = coordl.CoordLoader(data, batch_size=batch_size, shuffle=True, **kw)
+        else:
+            raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}")
+        if kind in COORDL_LOADERS:
+            self.n = len(self.loader.index)
 
     def __len__(self) -> int:
         return self.n
 
     def epoch(self):
-        for batch in self.it:
-            yield batch[0]["images"]
+        for batch in self.loader:
+            yield batch[0]["images"] if self.kind in DALI_READERS else batch[0]
 
     def counters(self) -> dict | None:
-        return None
+        return {k: self.loader.stats()[k] for k in COUNTERS} if self.kind in COORDL_LOADERS else None
 
     def close(self) -> None:
-        del self.it
+        if self.kind in COORDL_LOADERS:
+            self.loader.close()
+        del self.loader
 
 
-# -- coordl -------------------------------------------------------------------------------------
-class CoordlLoader:
-    def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int, decoded_cache=0):
-        import coordl
-
-        self.loader = coordl.CoordLoader(
-            data,
-            batch_size=batch_size,
-            device_id=None,
-            seed=seed,
-            cache=coordl.Cache(size=cache_bytes, decoded=decoded_cache),
-            prep=workers,
-            shuffle=True,
-            pipeline="imagenet-train",
-        )
-
-    def __len__(self) -> int:
-        return len(self.loader.index)
-
-    def epoch(self):
-        for images, _ in self.loader:
-            yield images
-
-    def counters(self) -> dict | None:
-        s = self.loader.stats()
-        keys = (
-            "cache_hits",
-            "storage_reads",
-            "storage_bytes",
-            "cache_bytes",
-            "cache_items",
-            "cache_budget",
-            "stall_s",
-            "fetch_wait_s",
-            "decoded_hits",
-            "decoded_cache_budget",
-        )
-        return {k: s[k] for k in keys}
-
-    def close(self) -> None:
-        self.loader.close()
-
-
-class CoordlTorchLoader(CoordlLoader):
-    """coordl's torch backend: ``CoordLoader`` over coordl's ``ImageFolder`` with :class:`TrainAugment`."""
-
-    def __init__(self, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
-        import coordl
-        from coordl.datasets import ImageFolder
-
-        dataset = ImageFolder(data, transform=TrainAugment())
-        self.loader = coordl.CoordLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            seed=seed,
-            cache=cache_bytes,
-            shuffle=True,
-        )
-
-
-def make(kind: str, data: str, batch_size: int, workers: int, seed: int, cache_bytes: int):
-    """A loader of ``kind`` (one of ``LOADERS``); ``cache_bytes`` is the budget of the coordl loaders' cache."""
-    if kind == "torch":
-        return TorchLoader(data, batch_size, workers, seed)
-    if kind in DaliLoader.READERS:
-        return DaliLoader(kind, data, batch_size, workers, seed)
-    if kind == "coordl":
-        return CoordlLoader(data, batch_size, workers, seed, cache_bytes)
-    if kind == "coordl-auto":  # the same budget, split between encoded bytes and decoded images by the model
-        return CoordlLoader(data, batch_size, workers, seed, cache_bytes, decoded_cache="auto")
-    if kind == "coordl-torch":
-        return CoordlTorchLoader(data, batch_size, workers, seed, cache_bytes)
-    raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}")
+make = Loader
 
 
 # -- the child process --------------------------------------------------------------------------
@@ -338,22 +252,16 @@ class MemoryMeter:
         if not self.cgroup:
             import resource
 
-            kb = (
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-            )
+            kb = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
             return {"peak_memory_bytes": kb * 1024, "peak_memory_kind": "rss"}
         self._stop.set()
         self._thread.join()
         samples = self.samples or [self._stat()]
         with open(os.path.join(self.cgroup, "memory.max_usage_in_bytes")) as f:
             peak = int(f.read())
-        return {
-            "peak_memory_bytes": peak,
-            "peak_memory_kind": "cgroup",
-            "mean_memory_bytes": sum(u for u, _ in samples) // len(samples),
-            "mean_file_cache_bytes": sum(c for _, c in samples) // len(samples),
-        }
+        mean = [sum(x[i] for x in samples) // len(samples) for i in (0, 1)]
+        out = {"peak_memory_bytes": peak, "peak_memory_kind": "cgroup"}
+        return out | {"mean_memory_bytes": mean[0], "mean_file_cache_bytes": mean[1]}
 
 
 def child(args) -> int:
@@ -366,12 +274,8 @@ def child(args) -> int:
     for _ in range(args.warmup_batches):
         samples += next(epoch).shape[0]
     extra = loader.counters() or {}
-    say(
-        ready=True,
-        build_s=round(time.perf_counter() - t_build, 2),
-        warmup_samples=samples,
-        cache_bytes=extra.get("cache_bytes", 0),
-    )
+    build_s = round(time.perf_counter() - t_build, 2)
+    say(ready=True, build_s=build_s, warmup_samples=samples, cache_bytes=extra.get("cache_bytes", 0))
     if sys.stdin.readline().strip() != "go":
         loader.close()
         return 1
@@ -399,10 +303,8 @@ def child(args) -> int:
             "seconds": round(seconds, 3),
             "samples": samples,
             "samples_per_s": round(samples / seconds, 1),
-            "device_bytes": disk,
-            "wait_s": round(wait, 3),
-            **memory.stop(),
         }
+        row |= {"device_bytes": disk, "wait_s": round(wait, 3), **memory.stop()}
         counters = loader.counters()
         if counters is not None:
             row["counters"] = counters  # epoch 0's include the warm-up batches
@@ -413,10 +315,8 @@ def child(args) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.loaders",
-        description="one benchmark loader in a child process (started by benchmarks.run)",
-    )
+    what = "one benchmark loader in a child process (started by benchmarks.run)"
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loaders", description=what)
     p.add_argument("--loader", choices=LOADERS, required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--batch-size", type=int, default=64)

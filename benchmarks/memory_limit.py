@@ -72,17 +72,10 @@ def child(args) -> int:
     peak_charged = charged(args.cgroup)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
+        recipe, fetch = coordl.ImageNetTrain(size=args.image_size), coordl.Fetch(threads=args.io_threads)
+        kw = {"pipeline": recipe, "device_id": None, "return_index": True, "seed": 0, "cache": cache, "fetch": fetch}
         with coordl.CoordLoader(
-            args.data,
-            batch_size=args.batch_size,
-            pipeline=coordl.ImageNetTrain(size=args.image_size),
-            device_id=None,
-            return_index=True,
-            seed=0,
-            cache=cache,
-            prep=args.num_threads,
-            fetch=coordl.Fetch(threads=args.io_threads),
-            shuffle=True,
+            args.data, batch_size=args.batch_size, prep=args.num_threads, shuffle=True, **kw
         ) as loader:
             n = len(loader.index)
             out["budget"] = loader.node_cache.budget if loader.node_cache is not None else 0
@@ -96,16 +89,10 @@ def child(args) -> int:
                     peak_charged = max(peak_charged, charged(args.cgroup))
                 ids = np.concatenate(got)
                 s = loader.stats()
+                once = bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n)))
+                e = {"epoch": epoch, "seconds": round(time.perf_counter() - t0, 2), "exactly_once": once}
                 out["epochs"].append(
-                    {
-                        "epoch": epoch,
-                        "seconds": round(time.perf_counter() - t0, 2),
-                        "exactly_once": bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n))),
-                        "storage_reads": s["storage_reads"],
-                        "cache_hits": s["cache_hits"],
-                        "cache_items": s["cache_items"],
-                        "cache_bytes": s["cache_bytes"],
-                    }
+                    e | {k: s[k] for k in ("storage_reads", "cache_hits", "cache_items", "cache_bytes")}
                 )
     out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + messages
     status = Path("/proc/self/status").read_text()
@@ -138,35 +125,15 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
     try:
         if limit is not None:
             cg.write("memory.limit_in_bytes", limit)
-        cmd = jobs.scenario_command(
-            "memory_limit",
-            "--child",
-            "--cgroup",
-            str(cg.path),
-            "--cache",
-            cache,
-            "--data",
-            args.data,
-            "--epochs",
-            str(args.epochs),
-            "--batch-size",
-            str(args.batch_size),
-            "--image-size",
-            str(args.image_size),
-            "--io-threads",
-            str(args.io_threads),
-            *(["--num-threads", str(args.num_threads)] if args.num_threads else []),
-        )
+        kw = {"epochs": args.epochs, "batch_size": args.batch_size, "image_size": args.image_size}
+        kw |= {"io_threads": args.io_threads, "num_threads": args.num_threads or None}
+        argv = jobs.flags(child=True, cgroup=cg.path, cache=cache, data=args.data, **kw)
+        cmd = jobs.scenario_command("memory_limit", *argv)
         t0 = time.perf_counter()
         env = {**os.environ, "COORDL_SHM_DIR": shm}
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, env=env)
-        row = {
-            "run": name,
-            "cache_bytes": cache,
-            "limit": limit,
-            "returncode": r.returncode,
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
+        row = {"run": name, "cache_bytes": cache, "limit": limit, "returncode": r.returncode}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
         row["max_usage"] = int(cg.read("memory.max_usage_in_bytes"))
         row["failcnt"] = int(cg.read("memory.failcnt"))
         oom = dict(line.split() for line in cg.read("memory.oom_control").splitlines())
@@ -223,36 +190,13 @@ def run(args) -> dict | None:
 
 def table(result: dict) -> str:
     rows = result["runs"]
-    head = [
-        "run",
-        "cache_bytes",
-        "limit MB",
-        "exit",
-        "oom kills",
-        "peak MB",
-        "budget MB",
-        "cached MB",
-        "stopped",
-        "exactly once",
-    ]
-    lines = [head]
+    lines = ["run|cache_bytes|limit MB|exit|oom kills|peak MB|budget MB|cached MB|stopped|exactly once".split("|")]
     for r in rows:
         last = (r.get("epochs") or [{}])[-1]
         stopped = any("stopped growing" in m for m in r.get("warnings", []))
         once = bool(r.get("epochs")) and all(e["exactly_once"] for e in r["epochs"])
-        lines.append(
-            [
-                r["run"],
-                r["cache_bytes"],
-                report.mb(r["limit"]),
-                str(r["returncode"]),
-                str(r["oom_kill"]),
-                report.mb(r["max_usage"]),
-                report.mb(r.get("budget")),
-                report.mb(last.get("cache_bytes")),
-                str(stopped),
-                str(once),
-            ]
-        )
-    widths = [max(len(x[k]) for x in lines) for k in range(len(head))]
+        mbs = [report.mb(x) for x in (r["limit"], r["max_usage"], r.get("budget"), last.get("cache_bytes"))]
+        lines.append([r["run"], r["cache_bytes"], mbs[0], str(r["returncode"]), str(r["oom_kill"]), *mbs[1:]])
+        lines[-1] += [str(stopped), str(once)]
+    widths = [max(len(x[k]) for x in lines) for k in range(len(lines[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in lines)

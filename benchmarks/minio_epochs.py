@@ -60,27 +60,13 @@ def run(args) -> dict | None:
             disk = measure.sectors_read(dev) - before
             s = loader.stats()
             minimum = data["total_bytes"] - s["cache_bytes"] if epoch else data["total_bytes"]
-            row = {
-                "epoch": epoch,
-                "seconds": round(seconds, 2),
-                "samples_per_s": round(s["samples"] / seconds, 1),
-                "storage_bytes_stats": s["storage_bytes"],
-                "storage_bytes_disk": disk,
-                "minimum_bytes": minimum,
-                "stats_over_min": round(s["storage_bytes"] / minimum, 4),
-                "disk_over_min": round(disk / minimum, 4),
-                "cache_hits": s["cache_hits"],
-                "storage_reads": s["storage_reads"],
-                "cache_bytes": s["cache_bytes"],
-            }
+            row = {"epoch": epoch, "seconds": round(seconds, 2), "samples_per_s": round(s["samples"] / seconds, 1)}
+            row |= {"storage_bytes_stats": s["storage_bytes"], "storage_bytes_disk": disk, "minimum_bytes": minimum}
+            row |= {"stats_over_min": round(s["storage_bytes"] / minimum, 4), "disk_over_min": round(disk / minimum, 4)}
+            row |= {k: s[k] for k in ("cache_hits", "storage_reads", "cache_bytes")}
             rows.append(row)
             print(json.dumps(row))
-    result = {
-        "dataset": data,
-        "notes": notes,
-        "epochs": rows,
-    }
-    return result
+    return {"dataset": data, "notes": notes, "epochs": rows}
 
 
 def table(result) -> str:

@@ -1,30 +1,19 @@
 """The miss path: coordl reading samples from storage against DALI's own file reader.
 
-Every mode runs the same small recipe (decode, resize to ``--resize`` pixels square) with the
-same batch size and DALI threads, on files held in the page cache, and hands torch tensors to
-the loop, so what differs is how the encoded bytes reach the decoder:
-
-- ``dali-reader``: ``fn.readers.file(shuffle_after_epoch=True)``, DALI's C++ file reader;
-- ``no-cache``: coordl with ``cache_bytes=0``: every sample a miss, read by coordl;
-- ``filling``: coordl's first epoch with a cache of ``--fill`` of the dataset (a new, empty
-  cache each time): the misses are read, half of them written into shared memory, and every
-  file read is dropped from the page cache (``POSIX_FADV_DONTNEED``, so bytes are not held twice);
-- ``warm``: coordl's second epoch with a cache of the whole dataset (the first, which fills it, is
-  not timed).
-
-Each timed epoch starts with the dataset's files read into the page cache (coordl's
-``DONTNEED`` drops them), runs in the same process, and is timed from its first batch to its
-last, so that no mode pays for building its pipeline. The modes of a repetition run in an order
-that rotates from one repetition to the next, so drift on a shared machine hits all alike.
+Every mode runs the same small recipe (decode, resize to ``--resize`` square), batch size and DALI threads
+on files in the page cache, torch tensors out; what differs is how the bytes reach the decoder:
+``dali-reader`` (``fn.readers.file(shuffle_after_epoch=True)``); ``no-cache`` (coordl, ``cache=0``: every
+sample a miss); ``filling`` (coordl's first epoch with a new cache of ``--fill`` of the dataset: misses read,
+half written to shared memory, every file read dropped from the page cache); ``warm`` (coordl's second
+epoch, the whole dataset cached). Each timed epoch starts with the files read into the page cache
+(``--cold``: dropped), runs in this process, and is timed from its first batch to its last; modes ABBA.
 
     python -m benchmarks miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
 
-``--in-flight`` measures instead how many storage reads the loader keeps in flight
-(``Fetch(threads)`` at most, as many as :meth:`Fetcher.concurrency` asks), on idle cores and with
-one busy loop per core, for files in the page cache and for files on a device throttled by a blkio
-cgroup (``--throttle``, page cache dropped first; root and cgroup v1). Each epoch runs in a child
-process in its own cgroup, with ``cache=0``: every sample is read. The two loads alternate. The
-estimate must not depend on the load: a busy node still needs the slow device's reads in flight.
+``--in-flight`` measures instead the storage reads the loader keeps in flight (at most ``Fetch(threads)``,
+as :meth:`Fetcher.concurrency` asks), on idle cores and with one busy loop per core, for files in the page
+cache and on a device throttled in a blkio cgroup (``--throttle``; root, cgroup v1), each epoch a child with
+``cache=0``. The estimate must not depend on the load: a busy node still needs the slow device's reads.
 
     python -m benchmarks miss_path --in-flight --data /var/tmp/coordl-bench/inflight --images 4000 --batch-size 64
 """
@@ -41,6 +30,7 @@ from pathlib import Path
 
 import coordl
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.loaders import dali_iterator
 from coordl.units import parse_bytes
 
 MODES = ("dali-reader", "no-cache", "filling", "warm")
@@ -59,7 +49,6 @@ def small_recipe(size: int):
 
 def dali_reader(root: str, batch_size: int, threads: int, size: int):
     from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
@@ -67,19 +56,12 @@ def dali_reader(root: str, batch_size: int, threads: int, size: int):
         images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
         return fn.resize(images, resize_x=size, resize_y=size), labels
 
-    p = pipe()
-    p.build()
-    return DALIGenericIterator(
-        p, ["images", "labels"], reader_name="reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
-    )
+    return dali_iterator(pipe(), reader="reader")
 
 
 def warm_page_cache(paths) -> None:
     """Reads every file once, so that the epoch finds it in the page cache."""
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.read(1 << 20):
-                pass
+    limits.read_through(paths)
 
 
 def timed(batches) -> tuple[float, int]:
@@ -124,16 +106,9 @@ def in_flight_epoch(args) -> dict:
             state["estimates"].append(self.concurrency())
 
     Fetcher.read = counted
-    ld = coordl.CoordLoader(
-        args.data,
-        batch_size=args.batch_size,
-        pipeline=small_recipe(args.resize),
-        device_id=None,
-        cache=0,
-        prep=args.threads,
-        fetch=coordl.Fetch(threads=args.fetch_threads),
-        shuffle=True,
-    )
+    kw = {"pipeline": small_recipe(args.resize), "device_id": None, "cache": 0, "prep": args.threads}
+    kw |= {"fetch": coordl.Fetch(threads=args.fetch_threads), "shuffle": True}
+    ld = coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw)
     try:
         for _ in ld:  # the first epoch: the pipeline, DALI's buffers and the estimate's start
             break
@@ -144,14 +119,10 @@ def in_flight_epoch(args) -> dict:
     finally:
         ld.close()
     late = [e for e in state["estimates"][len(state["estimates"]) // 2 :] if e is not None]
-    return {
-        "samples_per_s": round(rate, 1),
-        "samples": got,
-        "storage_mb_per_s": round(s["storage_bytes"] / 1e6 / (got / rate), 2) if rate else None,
-        "reads_in_flight": round(state["weighted"] / state["busy_s"], 2) if state["busy_s"] else None,
-        "estimate": round(statistics.median(late), 2) if late else None,
-        "read_calls": len(state["estimates"]),
-    }
+    out = {"samples_per_s": round(rate, 1), "samples": got, "read_calls": len(state["estimates"])}
+    out["storage_mb_per_s"] = round(s["storage_bytes"] / 1e6 / (got / rate), 2) if rate else None
+    out["reads_in_flight"] = round(state["weighted"] / state["busy_s"], 2) if state["busy_s"] else None
+    return out | {"estimate": round(statistics.median(late), 2) if late else None}
 
 
 def where(data: dict) -> dict:
@@ -206,15 +177,8 @@ def in_flight(args, data) -> dict:
         values = [r[k] for r in runs[key] if r[k] is not None]
         return statistics.median(values) if values else None
 
-    summary = {
-        key: {k: med(key, k) for k in ("estimate", "reads_in_flight", "samples_per_s", "storage_mb_per_s")}
-        for key in runs
-    }
-    return {
-        **where(data),
-        "runs": runs,
-        "median": summary,
-    }
+    keys = ("estimate", "reads_in_flight", "samples_per_s", "storage_mb_per_s")
+    return {**where(data), "runs": runs, "median": {key: {k: med(key, k) for k in keys} for key in runs}}
 
 
 def options(p) -> None:
@@ -223,26 +187,18 @@ def options(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="DALI threads (default: 2)")
     p.add_argument("--resize", type=int, default=16, help="the recipe's output size in pixels (default: 16)")
     p.add_argument("--fill", type=float, default=0.5, help="the filling epoch's cache budget (default: 0.5)")
-    p.add_argument(
-        "--cold",
-        action="store_true",
-        help="drop the files from the page cache before each epoch instead of reading them in",
-    )
+    cold = "drop the files from the page cache before each epoch instead of reading them in"
+    p.add_argument("--cold", action="store_true", help=cold)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--in-flight", action="store_true", help="measure the reads in flight, idle and busy (see above)")
     p.add_argument("--fetch-threads", type=int, default=16, help="Fetch(threads) of --in-flight (default: 16)")
-    p.add_argument(
-        "--throttle",
-        type=parse_bytes,
-        default=20 * 10**6,
-        help="--in-flight's device throttle in bytes per second (default: 20MB); 0: page cache only",
-    )
+    throttle = "--in-flight's device throttle in bytes per second (default: 20MB); 0: page cache only"
+    p.add_argument("--throttle", type=parse_bytes, default=20 * 10**6, help=throttle)
     p.add_argument("--in-flight-child", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args) -> dict | None:
-
     if args.in_flight_child:
         return jobs.say(**in_flight_epoch(args))
     data = dataset.dataset_from_args(args)
@@ -254,15 +210,8 @@ def run(args) -> dict | None:
     recipe = small_recipe(args.resize)
 
     def loader(cache_bytes):
-        return coordl.CoordLoader(
-            args.data,
-            batch_size=args.batch_size,
-            pipeline=recipe,
-            device_id=None,
-            cache=cache_bytes,
-            prep=args.threads,
-            shuffle=True,
-        )
+        kw = {"pipeline": recipe, "device_id": None, "cache": cache_bytes, "prep": args.threads, "shuffle": True}
+        return coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw)
 
     index = loader(0)
     paths = list(index.index.paths)
@@ -304,13 +253,7 @@ def run(args) -> dict | None:
         print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {stats}", flush=True)
     med = {m: statistics.median(v) for m, v in runs.items()}
     ratios = {m: round(med[m] / med["dali-reader"], 3) for m in modes if "dali-reader" in med and m != "dali-reader"}
-    return {
-        **where(data),
-        "samples_per_s": runs,
-        "median": med,
-        "ratio_to_dali_reader": ratios,
-        "stats": details,
-    }
+    return {**where(data), "samples_per_s": runs, "median": med, "ratio_to_dali_reader": ratios, "stats": details}
 
 
 def out_path(args) -> str:

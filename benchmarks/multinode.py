@@ -44,43 +44,26 @@ MODES = {
     "c": ("partitioned + locality", ["--locality", "1"]),
 }
 STAT_KEYS = (
-    "samples",
-    "samples_per_s",
-    "elapsed_s",
-    "stall_s",
-    "storage_reads",
-    "storage_bytes",
-    "peer_reads",
-    "peer_bytes",
-    "peer_served_reads",
-    "peer_served_bytes",
-    "cache_hits",
-    "cache_hit_bytes",
-    "cache_bytes",
-    "cache_items",
-    "cache_budget",
-    "admitted",
+    "samples samples_per_s elapsed_s stall_s storage_reads storage_bytes peer_reads peer_bytes peer_served_reads "
+    "peer_served_bytes cache_hits cache_hit_bytes cache_bytes cache_items cache_budget admitted"
+).split()
+RUNS_HEAD = (
+    "nodes|aggregate|mode|rep|budget/node MB|epoch 0 s|steady s|bounds s (storage / network / prep)|steady storage"
+    " MB (loader / blkio / minimum)|steady peer MB|steady peer samples (measured / model: delivered, plain, least)"
+    "|run blkio MB / loader MB"
 )
-SUMMED = (
-    "storage_bytes",
-    "blkio_read_bytes",
-    "proc_read_bytes",
-    "peer_bytes",
-    "peer_served_bytes",
-    "cache_hit_bytes",
-    "samples",
+CHECKS_HEAD = (
+    "nodes|aggregate|reps|b storage / minimum MB|c storage / minimum MB|b, c at minimum|c peer / b peer MB|"
+    "c / b (<= 0.1)|a time / b time (per rep)|model a / b (slowest bounds)|a time / c time (per rep)|"
+    "b >= 2x faster than a"
 )
+SUMMED = "storage_bytes blkio_read_bytes proc_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
 
 
 def options(p) -> None:
     p.add_argument("--job", nargs=2, metavar=("DATA", "OUT"), help="one rank (started by torchrun)")
-    dataset.add_dataset_options(
-        p,
-        data=None,
-        images=2048,
-        classes=16,
-        data_help="dataset root (default: /var/tmp/coordl-bench/multinode-<images>)",
-    )
+    root = "dataset root (default: /var/tmp/coordl-bench/multinode-<images>)"
+    dataset.add_dataset_options(p, data=None, images=2048, classes=16, data_help=root)
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
     p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
@@ -112,25 +95,16 @@ def job(a) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     peers = coordl.Peers(enabled="auto" if a.peers != "off" else False, locality_aware=a.locality == "1")
-    loader = coordl.CoordLoader(
-        data,
-        batch_size=a.batch_size,
-        pipeline=coordl.ImageNetTrain(size=a.crop),
-        device_id=None,
-        return_index=True,
-        seed=a.seed,
-        cache=int(a.cache),
-        prep=a.threads,
-        peers=peers,
-        shuffle=True,
-    )
+    kw = {"pipeline": coordl.ImageNetTrain(size=a.crop), "device_id": None, "return_index": True, "seed": a.seed}
+    kw |= {"cache": int(a.cache), "prep": a.threads, "peers": peers, "shuffle": True}
+    loader = coordl.CoordLoader(data, batch_size=a.batch_size, **kw)
     record = {"rank": rank, "world_size": dist.get_world_size(), "epochs": []}
     for epoch in range(a.epochs):
         loader.set_epoch(epoch)
-        dev0, io0, t0 = _blkio_read(a.blkio, a.device), _proc_read_bytes(), time.perf_counter()
+        dev0, io0, t0 = limits.blkio_read(a.blkio, a.device), _proc_read_bytes(), time.perf_counter()
         batches = [ids.tolist() for _, _, ids in loader]
         seconds = time.perf_counter() - t0
-        dev1, io1 = _blkio_read(a.blkio, a.device), _proc_read_bytes()
+        dev1, io1 = limits.blkio_read(a.blkio, a.device), _proc_read_bytes()
         # What the node's cache holds now: the holder map every rank learns at the next pass.
         cached = loader.node_cache.ready_mask(np.arange(len(loader.index))) if loader.node_cache else []
         record["epochs"].append(
@@ -151,17 +125,6 @@ def job(a) -> None:
     dist.barrier()
     loader.close()
     dist.destroy_process_group()
-
-
-def _blkio_read(path: str | None, device: str) -> int | None:
-    """Bytes read from ``device`` by the cgroup so far, or None without a cgroup."""
-    if not path:
-        return None
-    for line in Path(path).read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == device and parts[1] == "Read":
-            return int(parts[2])
-    return 0  # nothing read from that device yet
 
 
 def _proc_read_bytes() -> int:
@@ -197,7 +160,7 @@ class Run:
             counters = [str(cg.path / "blkio.throttle.io_service_bytes") for cg in cgroups]
             os.sync()  # evict() cannot drop dirty pages (a dataset just written)
             limits.evict(self.data["root"])
-            before = [_blkio_read(c, self.device) for c in counters]
+            before = [limits.blkio_read(c, self.device) for c in counters]
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
             t0 = time.perf_counter()
             with netns.Cluster(self.nodes, rate=self.args.rate, shm_bytes=self.budget + (256 << 20)) as c:
@@ -210,7 +173,7 @@ class Run:
                 deadline = time.monotonic() + self.args.run_timeout
                 codes = [_wait(p, deadline) for p in procs]
             wall = time.perf_counter() - t0
-            after = [_blkio_read(c, self.device) for c in counters]
+            after = [limits.blkio_read(c, self.device) for c in counters]
             texts = [(out / f"node{k}.log").read_text() for k in range(self.nodes)]
             if any(code != 0 for code in codes):
                 raise RuntimeError(f"exit codes {codes}; logs:\n" + "\n----\n".join(t[-3000:] for t in texts))
@@ -268,36 +231,23 @@ class Run:
         }
 
     def result(self, ranks: list[dict], run_blkio: list[int], wall: float) -> dict:
-        per_node = [
-            {
-                "node": r["rank"],
-                "epochs": [
-                    {
-                        "epoch": e["stats"]["epoch"],
-                        "time_s": round(e["time_s"], 3),
-                        "blkio_read_bytes": e["blkio_read_bytes"],
-                        "proc_read_bytes": e["proc_read_bytes"],
-                        **{k: e["stats"][k] for k in STAT_KEYS},
-                    }
-                    for e in r["epochs"]
-                ],
+        def row(e):
+            io = {k: e[k] for k in ("blkio_read_bytes", "proc_read_bytes")}
+            return {"epoch": e["stats"]["epoch"], "time_s": round(e["time_s"], 3), **io} | {
+                k: e["stats"][k] for k in STAT_KEYS
             }
-            for r in ranks
-        ]
+
+        per_node = [{"node": r["rank"], "epochs": [row(e) for e in r["epochs"]]} for r in ranks]
         totals, link = [], _rate_bytes(self.args.rate)
         for k in range(len(per_node[0]["epochs"])):
             rows = [n["epochs"][k] for n in per_node]
             ids = {i for r in ranks for b in r["epochs"][k]["batches"] for i in b}
             cached = sum(n["epochs"][k - 1]["cache_bytes"] for n in per_node) if k else 0
-            t = {
-                "epoch": k,
-                "time_s": max(x["time_s"] for x in rows),
-                "cached_bytes_start": cached,
-                # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
-                "minimum_storage_bytes": self.data["total_bytes"] - cached if self.mode != "a" else None,
-                "covers_dataset": len(ids) == self.data["files"],
-                **{key: sum(x[key] or 0 for x in rows) for key in SUMMED},
-            }
+            # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
+            least = self.data["total_bytes"] - cached if self.mode != "a" else None
+            t = {"epoch": k, "time_s": max(x["time_s"] for x in rows), "cached_bytes_start": cached}
+            t |= {"minimum_storage_bytes": least, "covers_dataset": len(ids) == self.data["files"]}
+            t |= {key: sum(x[key] or 0 for x in rows) for key in SUMMED}
             # What each resource alone needs for this epoch (the slowest node): storage at the throttle,
             # the node's link at the tbf rate, decoding at the measured prep rate.
             moved = max(max(x["peer_bytes"], x["peer_served_bytes"]) for x in rows)
@@ -326,18 +276,9 @@ class Run:
         }
         if self.mode != "a":
             summary.update(self.traffic(ranks))
-        return {
-            "nodes": self.nodes,
-            "mode": self.mode,
-            "mode_name": MODES[self.mode][0],
-            "budget_per_node": self.budget,
-            "throttle_bps": self.throttle,
-            "wall_s": round(wall, 1),
-            "per_node": per_node,
-            "epochs": totals,
-            "run_blkio_read_bytes_per_node": run_blkio,
-            "summary": summary,
-        }
+        out = {"nodes": self.nodes, "mode": self.mode, "mode_name": MODES[self.mode][0], "budget_per_node": self.budget}
+        out |= {"throttle_bps": self.throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
+        return out | {"run_blkio_read_bytes_per_node": run_blkio, "summary": summary}
 
 
 def _wait(p: subprocess.Popen, deadline: float) -> int | None:
@@ -491,40 +432,18 @@ def _ints(values: list) -> str:
 
 
 def node_table(run: dict) -> str:
-    head = [
-        "node",
-        "epoch",
-        "time s",
-        "samples/s",
-        "storage MB (loader)",
-        "blkio MB",
-        "peer MB in",
-        "peer MB served",
-        "cache hit MB",
-        "cached MB",
-    ]
+    head = "node|epoch|time s|samples/s|storage MB (loader)|blkio MB|peer MB in|peer MB served|cache hit MB|cached MB"
     keys = ("storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes", "cache_hit_bytes")
     rows = [
-        [
-            n["node"],
-            e["epoch"],
-            f"{e['time_s']:.2f}",
-            f"{e['samples_per_s']:.1f}",
-            *(_mb(e[k]) for k in keys),
-            _mb(e["cache_bytes"]),
-        ]
+        [n["node"], e["epoch"], f"{e['time_s']:.2f}", f"{e['samples_per_s']:.1f}", *(_mb(e[k]) for k in keys)]
+        + [_mb(e["cache_bytes"])]
         for n in run["per_node"]
         for e in n["epochs"]
     ]
+    minimum = "minimum storage {}".format
     rows += [
-        [
-            "all",
-            t["epoch"],
-            f"{t['time_s']:.2f} (max)",
-            "",
-            *(_mb(t[k]) for k in keys),
-            f"minimum storage {_mb(t['minimum_storage_bytes'])}",
-        ]
+        ["all", t["epoch"], f"{t['time_s']:.2f} (max)", "", *(_mb(t[k]) for k in keys)]
+        + [minimum(_mb(t["minimum_storage_bytes"]))]
         for t in run["epochs"]
     ]
     return report.table(head, rows)
@@ -551,20 +470,6 @@ def print_run(run: dict) -> None:
 
 
 def runs_table(runs: list[dict]) -> str:
-    head = [
-        "nodes",
-        "aggregate",
-        "mode",
-        "rep",
-        "budget/node MB",
-        "epoch 0 s",
-        "steady s",
-        "bounds s (storage / network / prep)",
-        "steady storage MB (loader / blkio / minimum)",
-        "steady peer MB",
-        "steady peer samples (measured / model: delivered, plain, least)",
-        "run blkio MB / loader MB",
-    ]
     rows = []
     for r in runs:
         s, peers = r["summary"], "-"
@@ -574,61 +479,27 @@ def runs_table(runs: list[dict]) -> str:
         storage = " / ".join(
             _mb(s[f"steady_{k}"]) for k in ("storage_bytes", "blkio_read_bytes", "minimum_storage_bytes")
         )
-        rows.append(
-            [
-                r["nodes"],
-                f"{r['aggregate_cache']:.0%}",
-                f"{r['mode']} ({r['mode_name']})",
-                r["repetition"] + 1,
-                _mb(r["budget_per_node"]),
-                f"{s['epoch0_time_s']:.2f}",
-                f"{s['steady_time_s']:.2f}",
-                bounds,
-                storage,
-                _mb(s["steady_peer_bytes"]),
-                peers,
-                f"{_mb(s['run_blkio_read_bytes'])} / {_mb(s['loader_storage_bytes_all_epochs'])}",
-            ]
-        )
-    return report.table(head, rows)
+        run_io = f"{_mb(s['run_blkio_read_bytes'])} / {_mb(s['loader_storage_bytes_all_epochs'])}"
+        mode, times = f"{r['mode']} ({r['mode_name']})", (f"{s['epoch0_time_s']:.2f}", f"{s['steady_time_s']:.2f}")
+        rows.append([r["nodes"], f"{r['aggregate_cache']:.0%}", mode, r["repetition"] + 1, _mb(r["budget_per_node"])])
+        rows[-1] += [*times, bounds, storage, _mb(s["steady_peer_bytes"]), peers, run_io]
+    return report.table(RUNS_HEAD, rows)
 
 
 def checks_table(rows: list[dict]) -> str:
-    head = [
-        "nodes",
-        "aggregate",
-        "reps",
-        "b storage / minimum MB",
-        "c storage / minimum MB",
-        "b, c at minimum",
-        "c peer / b peer MB",
-        "c / b (<= 0.1)",
-        "a time / b time (per rep)",
-        "model a / b (slowest bounds)",
-        "a time / c time (per rep)",
-        "b >= 2x faster than a",
-    ]
     out = []
     for r in rows:
         g = r.get
         per = {x: ", ".join(str(v) for v in g(f"a_time_over_{x}_time_per_rep", [])) for x in "bc"}
-        out.append(
-            [
-                r["nodes"],
-                f"{r['aggregate_cache']:.0%}",
-                r["repetitions"],
-                f"{_mb(g('b_storage_bytes'))} / {_mb(g('b_minimum_bytes'))}",
-                f"{_mb(g('c_storage_bytes'))} / {_mb(g('c_minimum_bytes'))}",
-                f"{g('b_storage_at_minimum')}, {g('c_storage_at_minimum')}",
-                f"{_mb(g('c_peer_bytes'))} / {_mb(g('b_peer_bytes'))}",
-                f"{g('c_peer_over_b_peer')} ({g('c_peer_at_most_10pct_of_b')})",
-                f"{g('a_time_over_b_time')} ({per['b']})",
-                g("model_a_time_over_b_time"),
-                f"{g('a_time_over_c_time')} ({per['c']})",
-                g("b_at_least_2x_faster_than_a", "n/a (50%)"),
-            ]
-        )
-    return report.table(head, out)
+        pair = "{} / {}".format
+        out.append([r["nodes"], f"{r['aggregate_cache']:.0%}", r["repetitions"]])
+        out[-1] += [pair(_mb(g(f"{x}_storage_bytes")), _mb(g(f"{x}_minimum_bytes"))) for x in "bc"]
+        out[-1] += [f"{g('b_storage_at_minimum')}, {g('c_storage_at_minimum')}"]
+        out[-1] += [pair(_mb(g("c_peer_bytes")), _mb(g("b_peer_bytes")))]
+        out[-1] += [f"{g('c_peer_over_b_peer')} ({g('c_peer_at_most_10pct_of_b')})"]
+        out[-1] += [f"{g('a_time_over_b_time')} ({per['b']})", g("model_a_time_over_b_time")]
+        out[-1] += [f"{g('a_time_over_c_time')} ({per['c']})", g("b_at_least_2x_faster_than_a", "n/a (50%)")]
+    return report.table(CHECKS_HEAD, out)
 
 
 def table(results: dict) -> str:
@@ -651,12 +522,8 @@ def render(result: dict) -> str:
         report.table(
             ["nodes", "steady samples/s per node (min-max)", "MB/s per node", "throttle MB/s per node"],
             [
-                [
-                    n,
-                    f"{p['samples_per_s_per_node']} ({p['min_samples_per_s']}-{p['max_samples_per_s']})",
-                    _mb(p["bytes_per_s_per_node"]),
-                    _mb(p["throttle_bps_per_node"]),
-                ]
+                [n, f"{p['samples_per_s_per_node']} ({p['min_samples_per_s']}-{p['max_samples_per_s']})"]
+                + [_mb(p["bytes_per_s_per_node"]), _mb(p["throttle_bps_per_node"])]
                 for n, p in result["prep"].items()
             ],
         ),
@@ -675,12 +542,7 @@ def render(result: dict) -> str:
     for nodes, pr in result["prep"].items():
         md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", node_table(pr["run"]), ""]
     for r in result["runs"]:
-        md += [
-            f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
-            f"repetition {r['repetition'] + 1}, wall {r['wall_s']} s",
-            "",
-            node_table(r),
-            "",
-        ]
+        head = f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
+        md += [head + f"repetition {r['repetition'] + 1}, wall {r['wall_s']} s", "", node_table(r), ""]
         md += [f"- node {k}: `{line}`" for k, lines in enumerate(r.get("warnings", [])) for line in lines]
     return "\n".join(md) + "\n"

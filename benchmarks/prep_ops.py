@@ -14,19 +14,15 @@ Writes ``prep_ops.json`` to ``--out``.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.harness import cli, dataset
+from benchmarks.harness.report import log
 
 OUT = str(cli.RESULTS)  # a folder: prep_ops.json
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def options(p) -> None:
@@ -102,9 +98,8 @@ def run(args) -> dict | None:
 
     def tail(images, mirror):
         images = fn.resize(images, resize_x=224, resize_y=224)
-        return fn.crop_mirror_normalize(
-            images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std
-        )
+        kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, "mean": mean, "std": std}
+        return fn.crop_mirror_normalize(images, **kw)
 
     def windows_of(images):
         h, w = np.array([im.shape[:2] for im in images]).T
@@ -119,9 +114,8 @@ def run(args) -> dict | None:
         ]
 
     def islice(d, a, s):
-        return fn.decoders.image_slice(
-            d, a, s, axis_names="WH", normalized_anchor=False, normalized_shape=False, output_type=types.RGB
-        )
+        kw = {"axis_names": "WH", "normalized_anchor": False, "normalized_shape": False, "output_type": types.RGB}
+        return fn.decoders.image_slice(d, a, s, **kw)
 
     def slice_(d, a, s):
         return fn.slice(d, a, s, axis_names="WH", normalized_anchor=False, normalized_shape=False)
@@ -130,18 +124,11 @@ def run(args) -> dict | None:
     anchor, size, mirror = windows_of(decoded)
     crops = cut(decoded, anchor, size)
     log(f"{len(files)} images, {T} threads, batch {B}:")
+    full = lambda cut: lambda d, a, s, m: tail(cut(d, a, s), m)  # noqa: E731 - the window cut, resize, normalise
     cases = [
-        (
-            "encoded: decode window, resize, normalise",
-            lambda d, a, s, m: tail(islice(d, a, s), m),
-            [encoded, anchor, size, mirror],
-        ),
+        ("encoded: decode window, resize, normalise", full(islice), [encoded, anchor, size, mirror]),
         ("encoded: decode window", islice, [encoded, anchor, size]),
-        (
-            "decoded: slice, resize, normalise",
-            lambda d, a, s, m: tail(slice_(d, a, s), m),
-            [decoded, anchor, size, mirror],
-        ),
+        ("decoded: slice, resize, normalise", full(slice_), [decoded, anchor, size, mirror]),
         ("decoded: slice", slice_, [decoded, anchor, size]),
         ("window given: resize, normalise", tail, [crops, mirror]),
         ("window given: resize", lambda c: fn.resize(c, resize_x=224, resize_y=224), [crops]),
@@ -149,26 +136,13 @@ def run(args) -> dict | None:
     for cap in args.max_short_side:
         capped = run_once(encoded, lambda x, cap=cap: decode(x, cap))
         c_anchor, c_size, c_mirror = windows_of(capped)
+        capped_cut = full(lambda d, a, s, cap=cap: slice_(decode(d, cap), a, s))
         cases += [
-            (
-                f"capped {cap}, encoded: decode, cap, slice, ...",
-                lambda d, a, s, m, cap=cap: tail(slice_(decode(d, cap), a, s), m),
-                [encoded, c_anchor, c_size, c_mirror],
-            ),
-            (
-                f"capped {cap}, decoded: slice, resize, normalise",
-                lambda d, a, s, m: tail(slice_(d, a, s), m),
-                [capped, c_anchor, c_size, c_mirror],
-            ),
+            (f"capped {cap}, encoded: decode, cap, slice, ...", capped_cut, [encoded, c_anchor, c_size, c_mirror]),
+            (f"capped {cap}, decoded: slice, resize, normalise", full(slice_), [capped, c_anchor, c_size, c_mirror]),
         ]
     lines = [timed(name, build, feeds) for name, build, feeds in cases]
-    return {
-        "dataset": data,
-        "samples": len(files),
-        "threads": T,
-        "batch": B,
-        "lines": lines,
-    }
+    return {"dataset": data, "samples": len(files), "threads": T, "batch": B, "lines": lines}
 
 
 def out_path(args) -> Path:

@@ -1,17 +1,12 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
-The trainer runs pinned to core 0, a one-CPU Ray node (``ray start --head --num-cpus=1``) pinned to
-core 1 (the trainer's own node, lending its core: ``RayPrep(on_trainer_node=True)``), both in a network
-namespace of their own with only loopback up (``unshare -n``). The loop does no work: the loader is
-prep-bound. ``--images`` photo JPEGs in the page cache, batch 32, ``cache=0``. Per backend (``dali``:
-``imagenet-train``; ``torch``: ``ImageFolder`` with ``loaders.TrainAugment``), three configurations:
-``local`` (prep on the trainer alone, no Ray), ``remote`` (``RayPrep(workers=1, local=False)``) and
-``both`` (``RayPrep(workers=1, local=True)``). Each run is a fresh trainer (``--trainer``) for ``--epochs``
-epochs, the first ``--skip`` a warm-up; configurations ABBA for ``--rounds`` rounds. Reported: the median
-steady samples/s, both/local (target >= 1.7) and remote/local (>= 0.9), the unit split, result bytes per
-sample, actor vs trainer seconds per unit, CPU per sample per process, object store spilling. The node is
-stopped by PID (every process of the namespace; never ``ray stop``); the JSON records that none remained.
-Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
+The trainer pinned to core 0, a one-CPU Ray node (``ray start``) pinned to core 1 (the trainer's own:
+``RayPrep(on_trainer_node=True)``), both in a network namespace with only loopback up. The loop does no
+work. Per backend (``dali``: ``imagenet-train``; ``torch``: ``ImageFolder`` + ``loaders.TrainAugment``):
+``local`` (no Ray), ``remote`` (``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh
+trainer per run, ``--skip`` warm-up epochs, configurations ABBA for ``--rounds``. Targets: both/local
+>= 1.7, remote/local >= 0.9. The node is stopped by PID (never ``ray stop``); the JSON records that none
+remained. Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
 
     python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
@@ -32,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure
-from benchmarks.harness.report import mb
+from benchmarks.harness.report import log, mb
 
 OUT = None  # results/ray_prep.json, or ray_prep_quick.json with --quick (out_path)
 DATA = "/var/tmp/coordl-bench/ray-prep"
@@ -44,10 +39,6 @@ TRAINER_CORE, RAY_CORE = 0, 1
 MID_BATCHES = 8  # the fewest batches in an epoch for a mid-epoch rate (its middle half)
 STATS = ("samples", "batches", "elapsed_s", "stall_s", "read_s", "prep_s", "storage_reads", "storage_bytes")
 REMOTE_STATS = ("remote_units", "local_units", "remote_workers", "remote_retried", "remote_result_bytes")
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 # -- processes, by network namespace -----------------------------------------------------------
@@ -122,18 +113,10 @@ def trainer(args) -> None:
             mid = {"samples": n1 - n0, "seconds": round(mid1 - mid0, 4)} if len(arrivals) >= MID_BATCHES else None
             c1, d1 = cpu(), measure.sectors_read(dev)
             s = loader.stats()
-            result["epochs"].append(
-                {
-                    "epoch": epoch,
-                    "seconds": round(seconds, 4),
-                    "samples": samples,
-                    "samples_per_s": round(samples / seconds, 1),
-                    "mid": mid,
-                    "device_bytes": d1 - d0,
-                    "cpu_s": {who: round(c1[who] - c0[who], 3) for who in c0},
-                    "stats": {k: s[k] for k in STATS + REMOTE_STATS if k in s},
-                }
-            )
+            e = {"epoch": epoch, "seconds": round(seconds, 4), "samples": samples, "mid": mid}
+            e |= {"samples_per_s": round(samples / seconds, 1), "device_bytes": d1 - d0}
+            e |= {"cpu_s": {who: round(c1[who] - c0[who], 3) for who in c0}}
+            result["epochs"].append(e | {"stats": {k: s[k] for k in STATS + REMOTE_STATS if k in s}})
             if args.trainer[1] != "local" and epoch + 1 == args.skip:
                 # The actor starts in the background and may still be starting (its imports, its pipeline)
                 # when the warm-up epochs end, above all where the local pipeline takes every unit meanwhile.
@@ -210,9 +193,7 @@ class RayNode:
 # -- the measurement ----------------------------------------------------------------------------
 def child_env(address: str | None) -> dict:
     """This checkout's coordl and benchmarks first on the path (for the actors too), and the node's address."""
-    path = [str(dataset.ROOT / "src"), str(dataset.ROOT)] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(":") if p
-    ]
+    path = [str(dataset.ROOT / "src"), str(dataset.ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))}
     env["PYTHONPATH"] = os.pathsep.join(path)
     # Without it, `ray start` turns token auth on when ~/.ray/auth_token exists (another session may have
@@ -224,10 +205,8 @@ def child_env(address: str | None) -> dict:
 def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
     out, logfile = work / f"{backend}-{config}.json", work / f"{backend}-{config}.log"
     cmd = ["taskset", "-c", str(TRAINER_CORE), *jobs.scenario_command("ray_prep", "--trainer", backend, config)]
-    cmd += ["--data", args.data, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
-    cmd += ["--seed", str(args.seed), "--skip", str(args.skip), "--out", str(out)]
-    cmd += ["--in-flight", str(args.in_flight)] if args.in_flight else []
-    cmd += ["--output", args.output]
+    kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "seed": args.seed, "skip": args.skip}
+    cmd += jobs.flags(**kw, out=out, in_flight=args.in_flight or None, output=args.output)
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(logfile, "w") as f:
@@ -324,8 +303,8 @@ def summarise(runs: list[dict], backends) -> dict:
 
 
 def table(result: dict) -> str:
-    a = result["args"]
-    lines = [
+    a, lines = result["args"], []
+    lines += [
         f"Batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node "
         f"(1 CPU) on core {RAY_CORE}; {a['rounds']} rounds, {a['epochs']} epochs per run, the first "
         f"{a['skip']} left out; RayPrep(in_flight={a['in_flight']}, output={a.get('output', 'pipeline')!r}) on DALI.",
@@ -334,30 +313,28 @@ def table(result: dict) -> str:
         "remote share | result KB/sample | actor s/unit | trainer s/batch | CPU ms/sample: trainer, actor, ray |",
         "|" + "---|" * 12,
     ]
+
+    def cell(value, fmt=".3f"):
+        return "-" if value is None else format(value, fmt)
+
     for backend, s in result["summary"].items():
         mid = s.get("mid_epoch", {"median": {}, "ratio": {}})
         for c in CONFIGS:
-            f = s["figures"][c]
+            f, kb = s["figures"][c], s["figures"][c].get("remote_result_bytes_per_sample")
             cpu = ", ".join(f"{1e3 * f['cpu_s_per_sample'][k]:.1f}" for k in ("trainer", "actor", "ray"))
-
-            def cell(value, fmt=".3f"):
-                return "-" if value is None else format(value, fmt)
-
-            result_kb = f.get("remote_result_bytes_per_sample")
-            result_kb = None if result_kb is None else result_kb / 1e3
             per_round = ", ".join(f"{x:.2f}" for x in s["ratio_per_round"].get(c, [])) or "-"
-            lines.append(
-                f"| {backend} | {c} | {s['median'][c]:.1f} [{s['min'][c]:.0f}-{s['max'][c]:.0f}] | "
-                f"{cell(s['ratio'].get(c))} | {per_round} | {cell(mid['median'].get(c), '.1f')} | "
-                f"{cell(mid['ratio'].get(c))} | {cell(f.get('remote_share'), '.2f')} | {cell(result_kb, '.0f')} | "
-                f"{cell(f.get('actor_s_per_unit'))} | {cell(f.get('trainer_s_per_batch'))} | {cpu} |"
-            )
+            cells = [f"{s['median'][c]:.1f} [{s['min'][c]:.0f}-{s['max'][c]:.0f}]", cell(s["ratio"].get(c)), per_round]
+            cells += [cell(mid["median"].get(c), ".1f"), cell(mid["ratio"].get(c)), cell(f.get("remote_share"), ".2f")]
+            cells += [cell(None if kb is None else kb / 1e3, ".0f"), cell(f.get("actor_s_per_unit"))]
+            cells += [cell(f.get("trainer_s_per_batch")), cpu]
+            lines.append(f"| {backend} | {c} | " + " | ".join(cells) + " |")
     lines.append("")
     for backend, s in result["summary"].items():
-        verdict = ", ".join(
+        verdict = [
             f"{c}/local {s['ratio'][c]:.3f} ({'meets' if s['meets_target'][c] else 'MISSES'} >= {t})"
             for c, t in TARGETS.items()
-        )
+        ]
+        verdict = ", ".join(verdict)
         f = s["figures"]
         disk = max(x["device_bytes_max"] for x in f.values())
         uncounted = any(x.get("remote_result_bytes_per_sample") == 0 for x in f.values())
@@ -366,11 +343,8 @@ def table(result: dict) -> str:
             + (" (stats() counts no remote_result_bytes for this backend)" if uncounted else "")
             + f"; the device read at most {mb(disk)} MB in a run's steady epochs"
         )
-    store = result["object_store"]
-    lines.append(
-        "Ray's object store over all runs: "
-        + (", ".join(f"{k} {v}" for k, v in store.items()) if store else "no figures (no debug_state.txt)")
-    )
+    store = ", ".join(f"{k} {v}" for k, v in result["object_store"].items()) or "no figures (no debug_state.txt)"
+    lines.append(f"Ray's object store over all runs: {store}")
     lines.append(f"Ray processes left after the node was stopped: {len(result['ray_processes_left'])}")
     return "\n".join(lines) + "\n"
 
@@ -392,15 +366,8 @@ def cannot_run() -> str | None:
 
 
 def options(p) -> None:
-    dataset.add_dataset_options(
-        p,
-        data=None,
-        images=None,
-        classes=None,
-        width=480,
-        height=360,
-        data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})",
-    )
+    root = f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})"
+    dataset.add_dataset_options(p, data=None, images=None, classes=None, width=480, height=360, data_help=root)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, help="rounds of every configuration, alternated (default 5; --quick: 1)")
     p.add_argument("--epochs", type=int, help="epochs per run, the first --skip left out (default 4; --quick: 2)")
@@ -408,12 +375,8 @@ def options(p) -> None:
     p.add_argument("--backends", default="dali,torch", help="dali, torch or both (default: dali,torch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-flight", type=int, help="RayPrep(in_flight) of remote and both (default: RayPrep's own)")
-    p.add_argument(
-        "--output",
-        choices=["pipeline", "uint8"],
-        default="pipeline",
-        help="RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer",
-    )
+    uint8 = "RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer"
+    p.add_argument("--output", choices=["pipeline", "uint8"], default="pipeline", help=uint8)
     p.add_argument("--timeout", type=float, default=600, help="seconds a trainer may run (default 600)")
     p.add_argument("--quick", action="store_true", help="a smoke run for the tests: 64 images, 1 round, 2 epochs")
     p.add_argument("--trainer", nargs=2, metavar=("BACKEND", "CONFIG"), help=argparse.SUPPRESS)
@@ -423,12 +386,8 @@ def options(p) -> None:
 def run(args) -> dict | None:
     if args.trainer:
         return trainer(args)
-    q = args.quick
-    defaults = {"data": QUICK_DATA if q else DATA, "classes": 2 if q else 8, "rounds": 1 if q else 5}
-    defaults |= {"epochs": 2 if q else 4, "out": str(cli.RESULTS / f"ray_prep{'_quick' if q else ''}.json")}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    q, out = args.quick, str(cli.RESULTS / f"ray_prep{'_quick' if args.quick else ''}.json")
+    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(8, 2), rounds=(5, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images = 64 if q else 1024
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -468,14 +427,8 @@ def run(args) -> dict | None:
         if left:
             log(f"ray_prep: processes left in the namespace after SIGKILL: {left}")
     args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    result = {
-        "args": args_,
-        "dataset": data,
-        "ray_address": node.address,
-        "ray_processes_left": left,
-        "object_store": store,
-        "runs": runs,
-    }
+    result = {"args": args_, "dataset": data, "ray_address": node.address, "ray_processes_left": left}
+    result |= {"object_store": store, "runs": runs}
     result["summary"] = summarise(runs, args.backends)
     if left:  # written all the same, with the processes left named
         cli.save(args, result)

@@ -1,37 +1,19 @@
 """Epoch time and storage bytes of coordl vs DataLoader and DALI, with short memory and slow storage.
 
-One command runs the whole comparison:
-
     python -m benchmarks run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
 
-For every scenario (a cache fraction of the dataset and a storage bandwidth) and every
-loader (see ``benchmarks.loaders``: ``torch``, ``dali-shuffle``, ``dali-seq``,
-``dali-epoch-shuffle``, ``coordl`` by default; ``coordl-torch``, coordl's torch backend, on
-request), a child process runs the same training-shaped loop for several epochs in its own
-memory cgroup and blkio cgroup:
+Per scenario (a cache fraction of the dataset and a storage bandwidth) and loader
+(``benchmarks.loaders``), a child runs the same loop for several epochs in its own memory and blkio
+cgroup: it makes its loader and runs warm-up batches; the runner drops the page cache, sets the memory
+limit to ``working set + slack + cache fraction * dataset`` (so every loader gets the same memory for
+data: the page cache, or coordl's cache) and throttles the dataset's device (``coordl-auto``, which
+measures storage when made, from its start); the child then reports per epoch seconds, samples/s,
+device bytes (``/proc/diskstats``), waits, peak memory and coordl's counters. The first scenario,
+``fits`` (whole dataset's memory, no throttle), is the overhead check and measures the prep rate P
+(fastest steady DALI pipeline, else Pillow one) that bandwidths such as ``0.25P`` refer to.
 
-1. the child builds its loader and runs a few warm-up batches (libraries, worker processes
-   and buffers are loaded before anything is limited or measured);
-2. the runner drops the page cache, reads the child's working set (its cgroup's usage,
-   less coordl's shared-memory cache), sets the memory limit to
-   ``working set + slack + cache fraction * dataset`` and throttles reads from the
-   dataset's device (``coordl-auto``, which measures the storage when its loader is made, is
-   throttled from its start);
-3. the child finishes epoch 0 (cold) and runs the rest, reporting per epoch: seconds,
-   samples/s, bytes the device delivered (``/proc/diskstats``), time waiting for
-   batches, the cgroup's peak memory, and coordl's own counters.
-
-So every loader gets the same memory for caching data beyond what it needs itself: the
-page cache for DataLoader and DALI, the MinIO cache for coordl.
-
-The first scenario, ``fits``, gives every loader the whole dataset's worth of memory and no
-throttle: it is the overhead check, and it measures the prep rate P (the fastest steady
-samples/s of the DALI pipelines, or of the Pillow ones when no DALI pipeline runs) that
-relative bandwidths such as ``0.25P`` refer to.
-
-Writes ``results.json`` (after every run, so ``--resume`` can pick up after an interruption),
-``results.md`` and ``results.png`` to the folder ``--out``; prints the ratios. Without root or v1
-cgroups it says so (also in the JSON) and runs unlimited.
+Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and ``results.png`` to
+``--out``. Without root or v1 cgroups it says so (also in the JSON) and runs unlimited.
 """
 
 from __future__ import annotations
@@ -42,11 +24,11 @@ import queue
 import re
 import statistics
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness.report import log
 from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, image_folder
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
@@ -55,10 +37,6 @@ OUT = str(cli.RESULTS / "run")  # a folder: results.json, results.md, results.pn
 DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 # Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
 PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 # -- scenarios ------------------------------------------------------------------------------------
@@ -75,13 +53,12 @@ def parse_bandwidth(spec: str) -> tuple[float, str] | None:
 
 
 def scenarios(args) -> list[dict]:
-    cells = []
-    if not args.no_fit:
-        cells.append({"name": "fits", "cache": 1.0, "bandwidth": None, "label": "fits in memory, unthrottled"})
+    fits = {"name": "fits", "cache": 1.0, "bandwidth": None, "label": "fits in memory, unthrottled"}
+    cells = [] if args.no_fit else [fits]
     for spec in args.bandwidth:
-        bw = parse_bandwidth(spec)
-        for c in args.cache:
-            cells.append({"name": f"{spec}@{c:g}", "cache": c, "bandwidth": bw, "spec": spec})
+        cells += [
+            {"name": f"{spec}@{c:g}", "cache": c, "bandwidth": parse_bandwidth(spec), "spec": spec} for c in args.cache
+        ]
     return cells
 
 
@@ -90,13 +67,9 @@ def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
     if bw is None:
         return None
     value, unit = bw
-    if unit == "P":
-        if prep_bps is None:
-            raise SystemExit(
-                f"scenario {cell['name']} needs the prep rate: keep the 'fits' scenario or pass --prep-rate"
-            )
-        return int(value * prep_bps)
-    return int(value)
+    if unit == "P" and prep_bps is None:
+        raise SystemExit(f"scenario {cell['name']} needs the prep rate: keep the 'fits' scenario or pass --prep-rate")
+    return int(value * prep_bps) if unit == "P" else int(value)
 
 
 # -- one run ---------------------------------------------------------------------------------------
@@ -105,14 +78,8 @@ class Child:
 
     def __init__(self, cmd: list[str], lim: limits.Limits | None, logfile: Path):
         self.log = open(logfile, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            preexec_fn=lim.join if lim else None,
-        )
+        popen = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": self.log, "text": True}
+        self.proc = subprocess.Popen(cmd, preexec_fn=lim.join if lim else None, **popen)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -157,19 +124,10 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     use_cgroups = caps["memory"] or caps["blkio"]
     lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use_cgroups else None
     epochs = args.fit_epochs if cell["name"] == "fits" else args.epochs
-    argv = {
-        "loader": loader,
-        "data": data["root"],
-        "batch-size": args.batch_size,
-        "workers": args.workers,
-        "epochs": epochs,
-        "seed": args.seed,
-        "cache-bytes": cache_bytes,
-        "compute-ms": args.compute_ms,
-        "warmup-batches": args.warmup_batches,
-        "device": f"{dev[0]}:{dev[1]}",
-    }
-    cmd = jobs.module_command("loaders", *(x for k, v in argv.items() for x in (f"--{k}", str(v))))
+    kw = {"batch_size": args.batch_size, "workers": args.workers, "epochs": epochs, "seed": args.seed}
+    kw |= {"cache_bytes": cache_bytes, "compute_ms": args.compute_ms, "warmup_batches": args.warmup_batches}
+    kw |= {"loader": loader, "data": data["root"], "device": f"{dev[0]}:{dev[1]}"}
+    cmd = jobs.module_command("loaders", *jobs.flags(**kw))
     if lim and lim.memory_path:
         cmd += ["--memcg", lim.memory_path]
     logs = Path(args.out) / "logs"
@@ -179,14 +137,8 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     if lim and loader in MEASURE_WHEN_MADE:
         lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     child = Child(cmd, lim, logs / f"{cell['name'].replace('/', '_')}-{loader}.log")
-    run = {
-        "scenario": cell["name"],
-        "loader": loader,
-        "cache_fraction": cell["cache"],
-        "cache_bytes": cache_bytes,
-        "bandwidth_bps": bandwidth,
-        "epochs": [],
-    }
+    run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes}
+    run |= {"bandwidth_bps": bandwidth, "epochs": []}
     try:
         run["ready"] = child.message(args.timeout)
         if caps["drop_caches"]:
@@ -234,15 +186,12 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
             ws = max(e["mean_memory_bytes"] for e in steady) - data["page_bytes"]
         args.working_sets[loader] = run["working_set_bytes"] = ws
     if steady:
-        run["steady"] = {
-            "seconds": statistics.median(e["seconds"] for e in steady),
-            "samples_per_s": statistics.median(e["samples_per_s"] for e in steady),
-            "device_bytes": sum(e["device_bytes"] for e in steady) / len(steady),
-            "wait_s": sum(e["wait_s"] for e in steady) / len(steady),
-            "peak_memory_bytes": max(e["peak_memory_bytes"] for e in steady),
-        }
+        mean = lambda key: sum(e[key] for e in steady) / len(steady)  # noqa: E731
+        run["steady"] = {k: statistics.median(e[k] for e in steady) for k in ("seconds", "samples_per_s")}
+        run["steady"] |= {"device_bytes": mean("device_bytes"), "wait_s": mean("wait_s")}
+        run["steady"]["peak_memory_bytes"] = max(e["peak_memory_bytes"] for e in steady)
         if all("mean_file_cache_bytes" in e for e in steady):
-            run["steady"]["mean_page_cache_bytes"] = sum(e["mean_file_cache_bytes"] for e in steady) / len(steady)
+            run["steady"]["mean_page_cache_bytes"] = mean("mean_file_cache_bytes")
         if steady[-1].get("counters"):
             run["steady"]["coordl_cache_bytes"] = steady[-1]["counters"]["cache_bytes"]
             run["steady"]["coordl_storage_bytes"] = sum(e["counters"]["storage_bytes"] for e in steady) / len(steady)
@@ -263,13 +212,9 @@ def prep_rate(runs: list[dict]) -> float | None:
     """P in samples/s: the fastest steady rate with everything in memory of the DALI pipelines,
     or of the Pillow pipelines (``torch``, ``coordl-torch``) when no DALI pipeline ran."""
     for family in PIPELINES_OF_P:
-        rates = [
-            r["steady"]["samples_per_s"]
-            for r in runs
-            if r["scenario"] == "fits" and r["loader"] in family and "steady" in r
-        ]
-        if rates:
-            return max(rates)
+        ok = [r for r in runs if r["scenario"] == "fits" and r["loader"] in family and "steady" in r]
+        if ok:
+            return max(r["steady"]["samples_per_s"] for r in ok)
     return None
 
 
@@ -289,21 +234,15 @@ def summarise(result: dict) -> list[dict]:
         if not runs:
             continue
         minimum = total - int(round(cell["cache"] * total))
-        row = {
-            "scenario": cell["name"],
-            "cache_fraction": cell["cache"],
-            "bandwidth_bps": cell.get("bandwidth_bps"),
-            "minimum_bytes": minimum,
-        }
+        row = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": cell.get("bandwidth_bps")}
+        row["minimum_bytes"] = minimum
         if base:
             best = min(base, key=lambda r: r["steady"]["seconds"])
             row.update(best_baseline=best["loader"], best_baseline_s=best["steady"]["seconds"])
         if mine:
-            row.update(
-                coordl_s=mine["steady"]["seconds"],
-                coordl_device_bytes=mine["steady"]["device_bytes"],
-                coordl_storage_bytes=mine["steady"].get("coordl_storage_bytes"),
-            )
+            steady = mine["steady"]
+            row |= {"coordl_s": steady["seconds"], "coordl_device_bytes": steady["device_bytes"]}
+            row["coordl_storage_bytes"] = steady.get("coordl_storage_bytes")
             if minimum:
                 row["coordl_device_over_min"] = mine["steady"]["device_bytes"] / minimum
             if base:
@@ -329,18 +268,15 @@ def fmt_bw(bps: int | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    d = result["dataset"]
+    d, a, yes = result["dataset"], result["args"], {k: "yes" if v else "NO" for k, v in result["limits"].items()}
     lines = [
         f"Dataset: {d['files']} files in {d['classes']} classes, {format_bytes(d['total_bytes'], 'MB')}, "
         f"mean {format_bytes(d['mean_bytes'], 'KB')} ({d['source']}) at `{d['root']}`.",
-        f"Batch {result['args']['batch_size']}, "
-        f"{result['args']['workers']} workers/threads per loader, {result['args']['epochs']} epochs "
-        f"({result['args']['fit_epochs']} when everything fits; epoch 0 cold, the rest steady: median time, "
-        f"mean bytes), compute step {result['args']['compute_ms']} ms/batch.",
-        f"Limits: memory cgroup {'yes' if result['limits']['memory'] else 'NO'}, blkio throttle "
-        f"{'yes' if result['limits']['blkio'] else 'NO'}, page cache dropped "
-        f"{'yes' if result['limits']['drop_caches'] else 'NO'}; "
-        f"slack {format_bytes(result['args']['slack'], 'MiB', digits=0)}.",
+        f"Batch {a['batch_size']}, {a['workers']} workers/threads per loader, {a['epochs']} epochs ({a['fit_epochs']} "
+        "when everything fits; epoch 0 cold, the rest steady: median time, mean bytes), compute step "
+        f"{a['compute_ms']} ms/batch.",
+        f"Limits: memory cgroup {yes['memory']}, blkio throttle {yes['blkio']}, page cache dropped "
+        f"{yes['drop_caches']}; slack {format_bytes(a['slack'], 'MiB', digits=0)}.",
     ]
     if result.get("prep_rate_samples_per_s"):
         p = result["prep_rate_samples_per_s"]
@@ -366,12 +302,15 @@ def markdown(result: dict) -> str:
             vs = f"{s['device_bytes'] / minimum:.3f}" if minimum > 500_000 else "-"
             lim = report.mb(r.get("memory_limit_bytes") or None, digits=0)
             held = s.get("coordl_cache_bytes", s.get("mean_page_cache_bytes"))
-            lines.append(
-                f"| {cell['name']} | {fmt_bw(r['bandwidth_bps'])} | {cell['cache']:.0%} | {r['loader']} | "
-                f"{r['epochs'][0]['seconds']:.1f} | {s['seconds']:.2f} | {s['samples_per_s']:.0f} | "
-                f"{report.mb(s['device_bytes'])} | {vs} | {s['wait_s']:.1f} | {report.mb(held, digits=0)} | "
-                f"{report.mb(s['peak_memory_bytes'], digits=0)} | {lim} |"
-            )
+            cells = [
+                fmt_bw(r["bandwidth_bps"]),
+                f"{cell['cache']:.0%}",
+                r["loader"],
+                f"{r['epochs'][0]['seconds']:.1f}",
+            ]
+            cells += [f"{s['seconds']:.2f}", f"{s['samples_per_s']:.0f}", report.mb(s["device_bytes"]), vs]
+            cells += [f"{s['wait_s']:.1f}", report.mb(held, digits=0), report.mb(s["peak_memory_bytes"], digits=0), lim]
+            lines.append(f"| {cell['name']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| scenario | storage | cache | best baseline | its s | coordl s | speedup | "
@@ -380,12 +319,10 @@ def markdown(result: dict) -> str:
     ]
     for row in result["summary"]:
         g = row.get
-        lines.append(
-            f"| {row['scenario']} | {fmt_bw(g('bandwidth_bps'))} | {row['cache_fraction']:.0%} | "
-            f"{g('best_baseline', '-')} | {_f(g('best_baseline_s'))} | {_f(g('coordl_s'))} | "
-            f"{_f(g('speedup_vs_best'), 3)}x | {_f(g('coordl_device_over_min'), 3)} | {_f(g('bound_s'))} | "
-            f"{_f(g('coordl_over_bound'), 3)} |"
-        )
+        cells = [fmt_bw(g("bandwidth_bps")), f"{row['cache_fraction']:.0%}", g("best_baseline", "-")]
+        cells += [_f(g("best_baseline_s")), _f(g("coordl_s")), f"{_f(g('speedup_vs_best'), 3)}x"]
+        cells += [_f(g("coordl_device_over_min"), 3), _f(g("bound_s")), _f(g("coordl_over_bound"), 3)]
+        lines.append(f"| {row['scenario']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -403,6 +340,7 @@ def draw(plt, result: dict):
         key = "fits" if cell["name"] == "fits" else fmt_bw(cell.get("bandwidth_bps"))
         groups.setdefault(key, []).append(cell)
     loaders = [name for name in LOADERS if any(r["loader"] == name for r in result["runs"])]
+    done = {(r["scenario"], r["loader"]): r for r in result["runs"] if "steady" in r}
     fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
     width = 0.8 / max(1, len(loaders))
     total = result["dataset"]["total_bytes"]
@@ -412,28 +350,15 @@ def draw(plt, result: dict):
             for j, name in enumerate(loaders):
                 xs, ys = [], []
                 for i, cell in enumerate(cells):
-                    r = next(
-                        (
-                            r
-                            for r in result["runs"]
-                            if r["scenario"] == cell["name"] and r["loader"] == name and "steady" in r
-                        ),
-                        None,
-                    )
+                    r = done.get((cell["name"], name))
                     if r:
                         xs.append(i + (j - (len(loaders) - 1) / 2) * width)
                         ys.append(r["steady"][metric] / (1e6 if metric == "device_bytes" else 1))
                 ax.bar(xs, ys, width, label=name)
             if metric == "device_bytes":
                 for i, cell in enumerate(cells):
-                    ax.hlines(
-                        total * (1 - cell["cache"]) / 1e6,
-                        i - 0.45,
-                        i + 0.45,
-                        colors="k",
-                        linestyles="--",
-                        label="minimum" if i == 0 else None,
-                    )
+                    label = "minimum" if i == 0 else None
+                    ax.hlines(total * (1 - cell["cache"]) / 1e6, i - 0.45, i + 0.45, "k", "--", label=label)
             ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
             ax.set_title(key if row == 0 else "")
             ax.set_ylabel("steady epoch s" if metric == "seconds" else "device MB per steady epoch")
@@ -448,15 +373,10 @@ def draw(plt, result: dict):
 # -- main ------------------------------------------------------------------------------------------
 def options(p) -> None:
     dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
-    p.add_argument(
-        "--loaders", default=",".join(DEFAULT_LOADERS), help=f"comma-separated subset of {','.join(LOADERS)}"
-    )
+    loaders, bandwidth = ",".join(DEFAULT_LOADERS), "storage throttles: '20MB' (per second), or a multiple of P, '0.5P'"
+    p.add_argument("--loaders", default=loaders, help=f"comma-separated subset of {','.join(LOADERS)}")
     p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
-    p.add_argument(
-        "--bandwidth",
-        default="0.25P,0.5P,2P",
-        help="storage throttles: '20MB' (per second), or a multiple of the measured prep rate, '0.5P'",
-    )
+    p.add_argument("--bandwidth", default="0.25P,0.5P,2P", help=bandwidth)
     p.add_argument("--no-fit", action="store_true", help="skip the everything-fits scenario (needs --prep-rate)")
     p.add_argument("--prep-rate", type=float, help="prep rate P in samples/s, instead of measuring it")
     p.add_argument("--epochs", type=int, default=3)
@@ -471,19 +391,10 @@ def options(p) -> None:
         help="no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on "
         "datasets smaller than a loader's memory swings, where any budget ends in the OOM killer",
     )
-    p.add_argument(
-        "--slack",
-        type=parse_bytes,
-        default=32 << 20,
-        help="memory beyond coordl's peak working set + cache (OOM headroom)",
-    )
-    p.add_argument(
-        "--baseline-slack",
-        type=parse_bytes,
-        default=0,
-        help="memory beyond a baseline's working set + cache (default none: its page cache would use it "
-        "for data); for smoke runs on datasets smaller than a baseline's memory swings",
-    )
+    slack = "memory beyond coordl's peak working set + cache (OOM headroom)"
+    p.add_argument("--slack", type=parse_bytes, default=32 << 20, help=slack)
+    slack = "memory beyond a baseline's working set + cache (default none: its page cache would use it for data)"
+    p.add_argument("--baseline-slack", type=parse_bytes, default=0, help=slack + "; for smoke runs on tiny datasets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds without word from a child before giving up")
     p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.json")
@@ -513,14 +424,9 @@ def run(args) -> None:
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
 
     cells = scenarios(args)
-    result = {
-        "args": {k: v for k, v in vars(args).items() if k != "working_sets" and not k.startswith("_")},
-        "dataset": data,
-        "limits": caps,
-        "scenarios": cells,
-        "working_sets": args.working_sets,
-        "runs": [],
-    }
+    args_ = {k: v for k, v in vars(args).items() if k != "working_sets" and not k.startswith("_")}
+    result = {"args": args_, "dataset": data, "limits": caps, "scenarios": cells, "working_sets": args.working_sets}
+    result["runs"] = []
     path = out / "results.json"
     done: dict[tuple[str, str], dict] = {}
     if args.resume and path.exists():

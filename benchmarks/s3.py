@@ -22,19 +22,15 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, measure
-from benchmarks.loaders import dali_imagenet_train
+from benchmarks.harness import dataset, jobs, measure, report
+from benchmarks.harness.report import log
+from benchmarks.loaders import dali_imagenet_train, dali_iterator
 
 COORDL_CACHES = (0.0, 0.5, 1.0)
-
-
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
 
 
 def config_names(args) -> list[str]:
@@ -74,21 +70,14 @@ def child_loader(spec: dict) -> None:
     import nvidia.dali.fn  # noqa: F401
     import obstore  # noqa: F401
     import torch  # noqa: F401
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     import coordl
 
     import_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), _cpu()
     if kind == "coordl":
-        loader = coordl.CoordLoader(
-            spec["url"],
-            batch_size=spec["batch"],
-            device_id=None,
-            pipeline="imagenet-train",
-            cache=spec["cache"],
-            shuffle=True,
-        )
+        kw = {"batch_size": spec["batch"], "cache": spec["cache"], "shuffle": True}
+        loader = coordl.CoordLoader(spec["url"], device_id=None, pipeline="imagenet-train", **kw)
         threads = loader.num_threads
 
         def epoch():
@@ -102,18 +91,11 @@ def child_loader(spec: dict) -> None:
         def epoch():
             nonlocal iterator
             if iterator is None:  # made at the first epoch: it starts the pipeline's read-ahead
-                iterator = DALIGenericIterator(
-                    pipe,
-                    ["images", "labels"],
-                    reader_name="Reader",
-                    last_batch_policy=LastBatchPolicy.PARTIAL,
-                    auto_reset=True,
-                )
+                iterator = dali_iterator(pipe)
             return iterator
 
-    parent.say(
-        event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads, import_s=import_s
-    )
+    created = {"create_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0, "threads": threads, "import_s": import_s}
+    parent.say(event="created", **created)
     parent.wait()
     for e in range(spec["epochs"]):
         t0, c0 = time.perf_counter(), _cpu()
@@ -121,14 +103,8 @@ def child_loader(spec: dict) -> None:
         for batch in epoch():
             n += len(batch[1]) if kind == "coordl" else batch[0]["labels"].shape[0]
         seconds = time.perf_counter() - t0
-        row = {
-            "event": "epoch",
-            "epoch": e,
-            "samples": n,
-            "seconds": seconds,
-            "samples_per_s": n / seconds,
-            "cpu_s": _cpu() - c0,
-        }
+        row = {"event": "epoch", "epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds}
+        row["cpu_s"] = _cpu() - c0
         if kind == "coordl":
             s = loader.stats()
             row["stats"] = {k: v for k, v in s.items() if k != "skipped_paths"}
@@ -152,21 +128,10 @@ def child_capacity(spec: dict) -> None:
 
     parent = jobs.Parent()
     keys = spec["keys"]
-    store = S3Store(
-        spec["bucket"],
-        config={
-            "endpoint": os.environ["AWS_ENDPOINT_URL"],
-            "region": os.environ["AWS_DEFAULT_REGION"],
-            "access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
-            "secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
-            "virtual_hosted_style_request": False,
-        },
-        client_options={
-            "allow_http": True,
-            "pool_max_idle_per_host": str(spec["inflight"]),
-            "timeout": timedelta(seconds=60),
-        },
-    )
+    env = {k: os.environ[f"AWS_{k.upper()}"] for k in ("access_key_id", "secret_access_key")}
+    env |= {"endpoint": os.environ["AWS_ENDPOINT_URL"], "region": os.environ["AWS_DEFAULT_REGION"]}
+    client = {"allow_http": True, "pool_max_idle_per_host": str(spec["inflight"]), "timeout": timedelta(seconds=60)}
+    store = S3Store(spec["bucket"], config=env | {"virtual_hosted_style_request": False}, client_options=client)
 
     async def run(store) -> int:
         sem = asyncio.Semaphore(spec["inflight"])
@@ -183,15 +148,8 @@ def child_capacity(spec: dict) -> None:
     t0, c0 = time.perf_counter(), _cpu()
     nbytes = asyncio.run(run(store))
     seconds = time.perf_counter() - t0
-    parent.say(
-        event="epoch",
-        epoch=0,
-        samples=len(keys),
-        seconds=seconds,
-        samples_per_s=len(keys) / seconds,
-        cpu_s=_cpu() - c0,
-        bytes=nbytes,
-    )
+    epoch = {"epoch": 0, "samples": len(keys), "seconds": seconds, "samples_per_s": len(keys) / seconds}
+    parent.say(event="epoch", **epoch, cpu_s=_cpu() - c0, bytes=nbytes)
     parent.wait()
     # The store goes (its connections close) while the interpreter is whole, as coordl's clients do
     # at exit (coordl.s3.client.close): nothing of obstore's runtime is left working into its end.
@@ -238,23 +196,13 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
     """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
     url = f"s3://{args.bucket}/{args.prefix}"
     if name.startswith("coordl-"):
-        spec = {
-            "kind": "coordl",
-            "url": url,
-            "cache": float(name.split("-", 1)[1]),
-            "batch": args.batch,
-            "epochs": args.epochs,
-        }
+        spec = {"kind": "coordl", "url": url, "cache": float(name.split("-", 1)[1]), "batch": args.batch}
     elif name.startswith("dali-"):
-        spec = {
-            "kind": "dali",
-            "url": url if name == "dali-s3" else args.data,
-            "batch": args.batch,
-            "threads": args.threads,
-            "epochs": args.epochs,
-        }
+        spec = {"kind": "dali", "url": url if name == "dali-s3" else args.data, "batch": args.batch}
+        spec["threads"] = args.threads
     else:
         spec = {"kind": "capacity", "bucket": args.bucket, "keys": keys, "inflight": args.capacity_inflight}
+    spec["epochs"] = args.epochs
     server.latency_s = float(name.split("-", 1)[1]) if name.startswith("capacity-") else args.latency
     shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-")
     index = tempfile.mkdtemp(prefix="coordl-s3bench-index-")
@@ -270,13 +218,8 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
     def heard(event: str, msg: dict) -> None:
         counts = meter.read()
         if event == "created":
-            run.update(
-                import_s=msg["import_s"],
-                create_s=msg["create_s"],
-                create_cpu_s=msg["cpu_s"],
-                threads=msg["threads"],
-                create_requests=counts,
-            )
+            run.update(import_s=msg["import_s"], create_s=msg["create_s"], create_cpu_s=msg["cpu_s"])
+            run.update(threads=msg["threads"], create_requests=counts)
         else:
             run["epochs"].append({**msg, "loader_cpu_s": msg.pop("cpu_s"), **counts})
 
@@ -293,17 +236,7 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
     """Per configuration and epoch: the median and range of every measured value over the rounds."""
-    fields = (
-        "seconds",
-        "samples_per_s",
-        "gets",
-        "get_bytes",
-        "listing_requests",
-        "loader_cpu_s",
-        "proxy_cpu_s",
-        "moto_cpu_s",
-        "threads_reading",
-    )
+    fields = "seconds samples_per_s gets get_bytes listing_requests loader_cpu_s proxy_cpu_s moto_cpu_s threads_reading"
     stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
 
     def extra(ok):
@@ -311,7 +244,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         figures["create_listing_requests"] = [r["create_requests"]["listing_requests"] for r in ok]
         return {k: measure.spread_all(v) for k, v in figures.items()}
 
-    return measure.rounds(runs, fields, stats_fields, measure.spread_all, extra)
+    return measure.rounds(runs, fields.split(), stats_fields, measure.spread_all, extra)
 
 
 def table(result: dict) -> str:
@@ -324,13 +257,7 @@ def table(result: dict) -> str:
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def cell(d, fmt="{:.0f}", rng=False):
-        if d is None:
-            return "-"
-        m = fmt.format(d["median"])
-        return f"{m} [{fmt.format(d['min'])}-{fmt.format(d['max'])}]" if rng and d["min"] != d["max"] else m
-
+    cell = report.spread
     for name, s in result["summary"].items():
         if name.startswith("capacity-"):
             continue
@@ -339,13 +266,12 @@ def table(result: dict) -> str:
             continue
         for ep in s["epochs"]:
             listing = s["create_listing_requests"] if ep["epoch"] == 0 else ep.get("listing_requests")
-            mbs = {k: v / 1e6 for k, v in ep["get_bytes"].items() if k != "all"} if "get_bytes" in ep else None
             cpu = " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
             make = cell(s["create_s"], "{:.1f}") if ep["epoch"] == 0 else ""
-            flight = cell(ep.get("threads_reading"), "{:.1f}")
+            flight, mbs = cell(ep.get("threads_reading"), "{:.1f}"), cell(ep.get("get_bytes"), "{:.1f}", scale=1e6)
             lines.append(
                 f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} | {cell(ep['seconds'], '{:.1f}')} | "
-                f"{make} | {cell(ep.get('gets'))} | {cell(mbs, '{:.1f}')} | {cell(listing)} | "
+                f"{make} | {cell(ep.get('gets'))} | {mbs} | {cell(listing)} | "
                 f"{cell(ep.get('storage_reads'))} | {cell(ep.get('cache_hits'))} | {flight} | {cpu} |"
             )
     caps = [(n, s) for n, s in result["summary"].items() if n.startswith("capacity-") and s["ok"]]
@@ -373,13 +299,8 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument(
-        "--caches",
-        type=float,
-        nargs="+",
-        default=list(COORDL_CACHES),
-        help="coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)",
-    )
+    caches = "coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)"
+    p.add_argument("--caches", type=float, nargs="+", default=list(COORDL_CACHES), help=caches)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI's threads (default: os.cpu_count())")
     p.add_argument("--requests", type=int, help="COORDL_S3_REQUESTS for coordl (default: coordl's own, 64)")
     p.add_argument("--capacity-inflight", type=int, default=64, help="GETs in flight for the capacity runs")
@@ -401,7 +322,6 @@ def run(args) -> dict | None:
     args.data = data["root"]
     log(f"dataset: {dataset.describe(data)}")
     names = config_names(args)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     t_start = time.time()
     with S3Server() as server:
         moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
@@ -410,40 +330,15 @@ def run(args) -> dict | None:
         keys = server.upload_tree(args.data, args.bucket, args.prefix)
         log(f"uploaded {len(keys)} objects to s3://{args.bucket}/{args.prefix} in {time.perf_counter() - t0:.1f} s")
         server.latency_s = args.latency
-        for rnd, name in measure.alternate(names, args.repeat):
-            if name == "dali-s3" and runs[name] and all("error" in r for r in runs[name]):
-                continue  # failed before: the reason is recorded
-            r = run_one(args, server, name, keys)
-            r["round"] = rnd
-            runs[name].append(r)
-            if "error" in r:
-                log(f"  [{rnd + 1}/{args.repeat}] {name:>14}: FAILED: {r['error'].splitlines()[-1][:300]}")
-            else:
-                log(
-                    f"  [{rnd + 1}/{args.repeat}] {name:>14}: "
-                    + ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-                )
-    result = {
-        "config": {
-            "latency_s": args.latency,
-            "epochs": args.epochs,
-            "repeat": args.repeat,
-            "batch": args.batch,
-            "caches": args.caches,
-            "dali_threads": args.threads,
-            "coordl_s3_requests": args.requests or 64,
-            "capacity_inflight": args.capacity_inflight,
-            "url": f"s3://{args.bucket}/{args.prefix}",
-            "pipeline": "imagenet-train",
-            "configurations": names,
-        },
-        "dataset": data,
-        "objects": len(keys),
-        "moto_pid": moto_pid,  # stopped when the run ended
-        "wall_s": time.time() - t_start,
-        "runs": runs,
-        "summary": summarise(runs),
-    }
+        # dali-s3 failed before: the reason is recorded, it is not tried again
+        failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
+        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys), log, failed)
+    config = {"latency_s": args.latency, "epochs": args.epochs, "repeat": args.repeat, "batch": args.batch}
+    config |= {"caches": args.caches, "dali_threads": args.threads, "coordl_s3_requests": args.requests or 64}
+    config |= {"capacity_inflight": args.capacity_inflight, "url": f"s3://{args.bucket}/{args.prefix}"}
+    config |= {"pipeline": "imagenet-train", "configurations": names}
+    result = {"config": config, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}  # moto: stopped at the end
+    result |= {"wall_s": time.time() - t_start, "runs": runs, "summary": summarise(runs)}
     dali = result["summary"].get("dali-s3")
     if dali is not None:
         result["dali_s3"] = {"works": dali["ok"] > 0, "error": dali["errors"][0] if dali["errors"] else None}

@@ -61,12 +61,8 @@ def _one(client: str, keys: list[str], sizes: list[int]) -> dict:
             c0, t0 = _cpu(), time.perf_counter()
             list(pool.map(get, range(len(keys))))
             c1, t1 = _cpu(), time.perf_counter()
-    return {
-        "client": client,
-        "gets": len(keys),
-        "cpu_ms_per_get": 1e3 * (c1 - c0) / len(keys),
-        "gets_per_s": len(keys) / (t1 - t0),
-    }
+    gets = len(keys)
+    return {"client": client, "gets": gets, "cpu_ms_per_get": 1e3 * (c1 - c0) / gets, "gets_per_s": gets / (t1 - t0)}
 
 
 def options(p) -> None:
@@ -105,19 +101,12 @@ def run(args) -> dict | None:
                 print(f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s")
         finally:
             job.unlink(missing_ok=True)
-    medians = {
-        name: {
-            m: statistics.median(x[m] for x in rows if x["client"] == name) for m in ("cpu_ms_per_get", "gets_per_s")
-        }
-        for name in CLIENTS
-    }
-    return {
-        "dataset": data,
-        "objects": len(keys),
-        "in_flight": 64,
-        "rows": rows,
-        "medians": medians,
-    }
+
+    def median(name, m):
+        return statistics.median(x[m] for x in rows if x["client"] == name)
+
+    medians = {name: {m: median(name, m) for m in ("cpu_ms_per_get", "gets_per_s")} for name in CLIENTS}
+    return {"dataset": data, "objects": len(keys), "in_flight": 64, "rows": rows, "medians": medians}
 
 
 def table(r: dict) -> str:

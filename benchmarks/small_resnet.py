@@ -55,11 +55,8 @@ class SmallResNet(nn.Module):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.small_resnet",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m benchmarks.small_resnet", description=__doc__, formatter_class=raw)
     p.add_argument("data")
     p.add_argument("--cache", type=float, default=0.5, help="cache budget, fraction of the dataset")
     p.add_argument("--epochs", type=int, default=3)
@@ -73,15 +70,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    with coordl.CoordLoader(
-        args.data,
-        batch_size=args.batch_size,
-        pipeline=coordl.ImageNetTrain(size=args.size),
-        device_id=None,
-        cache=args.cache,
-        prep=args.prep_threads,
-        shuffle=True,
-    ) as loader:
+    kw = {"pipeline": coordl.ImageNetTrain(size=args.size), "device_id": None, "cache": args.cache, "shuffle": True}
+    with coordl.CoordLoader(args.data, batch_size=args.batch_size, prep=args.prep_threads, **kw) as loader:
         classes = int(loader.index.labels.max()) + 1
         model = SmallResNet(classes, args.width)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)

@@ -71,10 +71,8 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
         for s in range(n):
             with tarfile.open(out / f"shard-{s:06d}.tar", "w", format=tarfile.GNU_FORMAT) as tf:
                 for i in range(s * per_shard, min(len(index), (s + 1) * per_shard)):
-                    for ext, data in (
-                        ("jpg", Path(index.paths[i]).read_bytes()),
-                        ("cls", str(int(index.labels[i])).encode()),
-                    ):
+                    label = str(int(index.labels[i])).encode()
+                    for ext, data in (("jpg", Path(index.paths[i]).read_bytes()), ("cls", label)):
                         info = tarfile.TarInfo(f"{i:09d}.{ext}")
                         info.size = len(data)
                         tf.addfile(info, io.BytesIO(data))
@@ -90,9 +88,8 @@ def child(args) -> None:
     if args.loader == "coordl":
         import coordl
 
-        loader = coordl.CoordLoader(
-            pattern, batch_size=bs, shuffle=True, pipeline="imagenet-train", device_id=None, cache=args.cache_fraction
-        )
+        kw = {"pipeline": "imagenet-train", "device_id": None, "cache": args.cache_fraction}
+        loader = coordl.CoordLoader(pattern, batch_size=bs, shuffle=True, **kw)
         make = lambda e: (loader.set_epoch(e), iter(loader))[1]  # noqa: E731
         stats = loader.stats
     elif args.loader == "webdataset":
@@ -143,12 +140,8 @@ def _webdataset(args):
         from botocore.config import Config
 
         s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # the AWS_* variables
-        urls = [
-            "pipe:curl -s -f '{}'".format(
-                s3.generate_presigned_url("get_object", Params=dict(zip(("Bucket", "Key"), u[5:].split("/", 1))))
-            )
-            for u in urls
-        ]
+        where = [dict(zip(("Bucket", "Key"), u[5:].split("/", 1))) for u in urls]
+        urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = (
         wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
         .shuffle(1000)
@@ -171,9 +164,8 @@ def _dali(args):
     @pipeline_def(batch_size=args.batch_size, num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
         # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
-        jpg, cls = fn.readers.webdataset(
-            paths=urls, index_paths=index, ext=["jpg", "cls"], random_shuffle=True, dont_use_mmap=True, name="reader"
-        )
+        kw = {"index_paths": index, "ext": ["jpg", "cls"], "random_shuffle": True, "dont_use_mmap": True}
+        jpg, cls = fn.readers.webdataset(paths=urls, name="reader", **kw)
         images = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)
         images = fn.resize(images, size=(224, 224))
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, mirror=fn.random.coin_flip())
@@ -196,9 +188,8 @@ def own_device(folder: Path, size: int):
         f.truncate(size)
     try:
         subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-        loop = subprocess.run(
-            ["losetup", "--find", "--show", "--direct-io=on", str(image)], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        losetup = ["losetup", "--find", "--show", "--direct-io=on", str(image)]
+        loop = subprocess.run(losetup, capture_output=True, text=True, check=True).stdout.strip()
         try:
             subprocess.run(["mount", loop, str(folder)], check=True)
             try:
@@ -294,11 +285,8 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
     if not local:  # without index files, DALI's reader infers them by reading every s3:// shard's headers
         for f in sorted(Path(args.shards_dir).glob("*.tar")):
             dali_index.append(str(scratch / f"{f.stem}.idx"))
-            subprocess.run(
-                [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]],
-                check=True,
-                capture_output=True,
-            )
+            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
+            subprocess.run(wds2idx, check=True, capture_output=True)
         (scratch / "dali_index.json").write_text(json.dumps(dali_index))
     env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
     rows = []
@@ -306,13 +294,10 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
         for rep in range(args.reps):
             for loader, cache in configs if rep % 2 == 0 else configs[::-1]:  # ABBA
                 lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
-                extra = ["--cache-fraction", str(cache)] if cache is not None else []
-                command = jobs.scenario_command(
-                    "tars_epochs", "--child", "--pattern", pattern, "--loader", loader, "--epochs", str(args.epochs),
-                    "--batch-size", str(args.batch_size), "--workers", str(args.workers),
-                    "--shard-list", str(shard_list), *extra,
-                    *(["--dali-index", str(scratch / "dali_index.json")] if dali_index else []),
-                )  # fmt: skip
+                kw = {"pattern": pattern, "loader": loader, "epochs": args.epochs, "batch_size": args.batch_size}
+                kw |= {"workers": args.workers, "shard_list": shard_list, "cache_fraction": cache}
+                kw["dali_index"] = scratch / "dali_index.json" if dali_index else None
+                command = jobs.scenario_command("tars_epochs", *jobs.flags(child=True, **kw))
                 try:
                     made_s, made, epochs = one_run(args, command, env, lim, server, (device, throttle))
                 finally:
@@ -321,14 +306,9 @@ def _epoch_rows(args, data, pattern, shards, server, where) -> list[dict]:
                     if server:
                         server.reset()
                 steady = [e["samples"] / e["seconds"] for e in epochs[1:] or epochs]
-                row = {
-                    "rep": rep,
-                    "loader": loader if cache is None else f"coordl cache {cache:g}",
-                    "steady_samples_per_s": round(statistics.median(steady), 1),
-                    "made_s": round(made_s, 2),
-                    "made": made,
-                    "epochs": epochs,
-                }
+                name = loader if cache is None else f"coordl cache {cache:g}"
+                row = {"rep": rep, "loader": name, "steady_samples_per_s": round(statistics.median(steady), 1)}
+                row |= {"made_s": round(made_s, 2), "made": made, "epochs": epochs}
                 if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
                     row["least_bytes"] = data["total_bytes"] - epochs[-1]["cache_bytes"]
                 rows.append(row)

@@ -53,14 +53,8 @@ def _store_index(args, server, n: int, prefix: str = "s3://tars/shards") -> list
                     f.unlink()
                 server.reset()
                 made = jobs.run_json(child_command(prefix, n, "--index-dir", index_dir, "--stream", way), env=env)
-                row = {
-                    "rep": rep,
-                    "how": WAYS[way],
-                    "index_s": made["seconds"],
-                    "samples": made["samples"],
-                    "gets": server.count(),
-                    "bytes": server.bytes_sent(),
-                }
+                row = {"rep": rep, "how": WAYS[way], "index_s": made["seconds"], "samples": made["samples"]}
+                row |= {"gets": server.count(), "bytes": server.bytes_sent()}
                 rows.append(row)
                 print(row, flush=True)
     server.reset()

@@ -1,26 +1,18 @@
 """coordl's torch backend vs DataLoader, the same Python per sample: warm throughput, and short memory and slow storage.
 
-Both loaders (:mod:`benchmarks.loaders`) run the same Python per sample in ``--workers`` DataLoader workers:
-Pillow decodes, ``loaders.TrainAugment`` crops, resizes to 224, flips and normalises. ``torch`` opens each
-file by path; ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``) gets the bytes from
-coordl's cache or storage.
+Both loaders (:mod:`benchmarks.loaders`) run Pillow and ``loaders.TrainAugment`` in ``--workers`` DataLoader
+workers; ``torch`` opens each file by path, ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``)
+gets the bytes from coordl's cache or storage.
 
-Part ``warm``: every byte in memory (page cache for ``torch``, coordl's cache at 100%). The loaders live in
-this one process (their persistent workers idle while the other runs; one interpreter, one page cache): a
-warm-up epoch each (``coordl-torch`` first: coordl drops the pages it reads), then ``--reps`` epochs each,
-ABBA, with the DALI path (``coordl``, ``imagenet-train``) in the same order. The median samples/s, and
-coordl-torch / torch (target: at least 0.95); device bytes and coordl's counters show that all ran warm.
+``warm``: every byte in memory (page cache; coordl's cache at 100%), the loaders in this one process: a warm-up
+epoch each (``coordl-torch`` first: coordl drops the pages it reads), then ``--reps`` epochs each, ABBA, with
+the DALI path (``coordl``) too: median samples/s, coordl-torch / torch (target: at least 0.95).
+``limited``: ``python -m benchmarks run --loaders torch,coordl-torch`` at ``--cache`` and ``--bandwidth``
+(into ``torch_backend_run/``): per epoch seconds, device and ``stats()`` bytes against the minimum (dataset
+less what is cached), and torch / coordl-torch of the median steady epoch times.
 
-Part ``limited``: ``python -m benchmarks run --loaders torch,coordl-torch`` at ``--cache`` (50%) and
-``--bandwidth`` (half the prep rate of these Pillow pipelines): per epoch, seconds, device bytes and
-(coordl-torch) ``stats()`` bytes, the minimum (dataset less what is cached) and the ratios to it, and
-the ratio of the median steady epoch times torch / coordl-torch. run's own output goes to
-``torch_backend_run/`` beside the JSON.
-
-    python -m benchmarks torch_backend                      # both parts, ~6 min
-    python -m benchmarks torch_backend --part warm          # or --part limited
-
-``--quick``: a tiny dataset, few epochs, no memory limit (for the tests).
+    python -m benchmarks torch_backend                      # both parts, ~6 min; --part warm or limited
+    python -m benchmarks torch_backend --quick              # tiny dataset, few epochs, no memory limit (tests)
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ from pathlib import Path
 
 from benchmarks import loaders
 from benchmarks.harness import cli, dataset, jobs, measure, report
+from benchmarks.harness.report import log
 from coordl.units import format_bytes, parse_bytes
 
 OUT = None  # results/torch_backend.json, or torch_backend_quick.json with --quick
@@ -44,10 +37,6 @@ DATA = "/var/tmp/coordl-bench/bench"  # run.py's dataset
 QUICK_DATA = "/var/tmp/coordl-bench/quick"
 
 
-def log(*a) -> None:
-    print(*a, file=sys.stderr, flush=True)
-
-
 # -- part warm ---------------------------------------------------------------------------------
 def time_epoch(loader, dev: tuple[int, int]) -> dict:
     """One whole epoch of ``loader``: seconds, samples, samples/s, bytes the device delivered."""
@@ -55,12 +44,8 @@ def time_epoch(loader, dev: tuple[int, int]) -> dict:
     t0 = time.perf_counter()
     samples = sum(images.shape[0] for images in loader.epoch())
     seconds = time.perf_counter() - t0
-    return {
-        "seconds": round(seconds, 3),
-        "samples": samples,
-        "samples_per_s": round(samples / seconds, 1),
-        "device_bytes": measure.sectors_read(dev) - before,
-    }
+    row = {"seconds": round(seconds, 3), "samples": samples, "samples_per_s": round(samples / seconds, 1)}
+    return row | {"device_bytes": measure.sectors_read(dev) - before}
 
 
 def warm(args, data: dict, dev: tuple[int, int]) -> dict:
@@ -86,14 +71,11 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
             row = {"rep": rep, "loader": name, **time_epoch(made[name], dev)}
             if row["samples"] != files:
                 raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
-            counters = made[name].counters()
-            if counters is not None:
+            if (counters := made[name].counters()) is not None:
                 row["counters"] = counters
             epochs.append(row)
-            log(
-                f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  "
-                f"device {format_bytes(row['device_bytes'], 'MB'):>9}"
-            )
+            device = format_bytes(row["device_bytes"], "MB")
+            log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  device {device:>9}")
     finally:
         for loader in made.values():
             loader.close()
@@ -107,38 +89,20 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
             f"{len(cold)} timed epochs saw the device deliver more than 1% of the dataset: the page cache "
             "was not warm, or another process read the disk (the count is the whole device's)"
         )
-    return {
-        "cache_bytes": total,
-        "reps": args.reps,
-        "warmup": warmup,
-        "epochs": epochs,
-        "median_samples_per_s": median,
-        "ratio_coordl_torch_over_torch": round(median["coordl-torch"] / median["torch"], 4),
-        "target_ratio": TARGET_RATIO,
-        "notes": notes,
-    }
+    ratio = round(median["coordl-torch"] / median["torch"], 4)
+    out = {"cache_bytes": total, "reps": args.reps, "warmup": warmup, "epochs": epochs, "median_samples_per_s": median}
+    return out | {"ratio_coordl_torch_over_torch": ratio, "target_ratio": TARGET_RATIO, "notes": notes}
 
 
 # -- part limited ------------------------------------------------------------------------------
 def limited(args, data: dict) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = run_dir(args.out)
-    argv = {
-        "loaders": "torch,coordl-torch",
-        "cache": args.cache,
-        "bandwidth": args.bandwidth,
-        "epochs": args.epochs,
-        "fit-epochs": args.fit_epochs,
-        "batch-size": args.batch_size,
-        "workers": args.workers,
-        "warmup-batches": args.warmup_batches,
-        "seed": args.seed,
-        "out": out,
-    }
-    options = (x for k, v in argv.items() for x in (f"--{k}", str(v)))
+    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "fit_epochs": args.fit_epochs}
+    kw |= {"batch_size": args.batch_size, "workers": args.workers, "warmup_batches": args.warmup_batches}
+    # --quick: no memory limit (a tiny dataset is smaller than a loader's memory swings: any budget ends in OOM)
+    options = jobs.flags(loaders="torch,coordl-torch", **kw, seed=args.seed, out=out, no_memory_limit=args.quick)
     cmd = jobs.scenario_command("run", *dataset.dataset_argv(args), *options)
-    if args.quick:  # a tiny dataset is smaller than a loader's memory swings: any budget ends in the OOM killer
-        cmd.append("--no-memory-limit")
     log(f"[limited] {' '.join(cmd)}")
     status = subprocess.run(cmd, stdout=sys.stderr, check=False).returncode  # run.py's report goes with its progress
     if status:
@@ -146,18 +110,10 @@ def limited(args, data: dict) -> dict:
     whole = json.loads((out / "results.json").read_text())
     res, total = whole["results"], whole["dataset"]["total_bytes"]
     cell = next(c for c in res["scenarios"] if c["name"] != "fits")
-    part = {
-        "scenario": cell["name"],
-        "cache_fraction": cell["cache"],
-        "bandwidth_bps": cell["bandwidth_bps"],
-        "prep_rate_samples_per_s": res.get("prep_rate_samples_per_s"),
-        "limits": res["limits"],
-        "run_results": str(out / "results.json"),
-        "fits_samples_per_s": {
-            r["loader"]: r["steady"]["samples_per_s"] for r in res["runs"] if r["scenario"] == "fits" and "steady" in r
-        },
-        "loaders": {},
-    }
+    part = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": cell["bandwidth_bps"]}
+    part |= {"prep_rate_samples_per_s": res.get("prep_rate_samples_per_s"), "limits": res["limits"]}
+    fits = {r["loader"]: r["steady"]["samples_per_s"] for r in res["runs"] if r["scenario"] == "fits" and "steady" in r}
+    part |= {"run_results": str(out / "results.json"), "fits_samples_per_s": fits, "loaders": {}}
     for r in (r for r in res["runs"] if r["scenario"] == cell["name"]):
         entry = {key: r.get(key) for key in ("cache_bytes", "memory_limit_bytes", "working_set_bytes", "error")}
         entry["epochs"] = [epoch_row(e, total, r["cache_bytes"]) for e in r["epochs"]]
@@ -185,16 +141,8 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
     has none: the warm-up batches and the batches the workers fetched ahead of them were read
     before its measurement began (its ``stats()`` bytes include them, its device bytes do not)."""
     c = e.get("counters")
-    row = {
-        "epoch": e["epoch"],
-        "seconds": e["seconds"],
-        "samples_per_s": e["samples_per_s"],
-        "device_bytes": e["device_bytes"],
-        "storage_bytes": c["storage_bytes"] if c else None,
-        "minimum_bytes": None,
-        "wait_s": e["wait_s"],
-        "peak_memory_bytes": e["peak_memory_bytes"],
-    }
+    row = {k: e[k] for k in ("epoch", "seconds", "samples_per_s", "device_bytes", "wait_s", "peak_memory_bytes")}
+    row |= {"storage_bytes": c["storage_bytes"] if c else None, "minimum_bytes": None}
     minimum = total - (c["cache_bytes"] if c else cache_bytes)
     if e["epoch"] > 0 and minimum > 0:
         row["minimum_bytes"] = minimum
@@ -266,57 +214,30 @@ def table(result: dict) -> str:
 
 # -- main --------------------------------------------------------------------------------------
 def options(p) -> None:
-    p.add_argument(
-        "--part",
-        choices=("both", "warm", "limited"),
-        default="both",
-        help="what to measure; the JSON keeps the other part from an earlier run on the same dataset",
-    )
+    what = "what to measure; the JSON keeps the other part from an earlier run on the same dataset"
+    p.add_argument("--part", choices=("both", "warm", "limited"), default="both", help=what)
     # Defaults after parsing: run's dataset (DATA, 500MB, 100 classes), or with --quick QUICK_DATA, 64 images, 4.
-    dataset.add_dataset_options(
-        p,
-        data=None,
-        images=None,
-        size=None,
-        classes=None,
-        data_help=f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})",
-    )
+    root = f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})"
+    dataset.add_dataset_options(p, data=None, images=None, size=None, classes=None, data_help=root)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per loader")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, help="warm: timed epochs per loader (default 4; --quick: 1)")
     p.add_argument("--cache", type=float, default=0.5, help="limited: cache fraction of the dataset")
-    p.add_argument(
-        "--bandwidth",
-        default="0.5P",
-        help="limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'",
-    )
+    throttle = "limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'"
+    p.add_argument("--bandwidth", default="0.5P", help=throttle)
     p.add_argument("--epochs", type=int, help="limited: epochs, the first cold (default 4; --quick: 2)")
-    p.add_argument(
-        "--fit-epochs",
-        type=int,
-        help="limited: epochs of run.py's 'fits' scenario, which measures working sets and P (default 3; --quick: 2)",
-    )
-    p.add_argument(
-        "--warmup-batches", type=int, help="limited: batches before the limits apply (default 3; --quick: 1)"
-    )
+    fits = "limited: epochs of run.py's 'fits' scenario, which measures working sets and P (default 3; --quick: 2)"
+    p.add_argument("--fit-epochs", type=int, help=fits)
+    warmup = "limited: batches before the limits apply (default 3; --quick: 1)"
+    p.add_argument("--warmup-batches", type=int, help=warmup)
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
 
 
 def run(args) -> dict:
-    q = args.quick
-    defaults = {
-        "data": QUICK_DATA if q else DATA,
-        "classes": 4 if q else 100,
-        "reps": 1 if q else 4,
-        "epochs": 2 if q else 4,
-        "fit_epochs": 2 if q else 3,
-        "warmup_batches": 1 if q else 3,
-        "out": str(cli.RESULTS / f"torch_backend{'_quick' if q else ''}.json"),
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    q, out = args.quick, str(cli.RESULTS / f"torch_backend{'_quick' if args.quick else ''}.json")
+    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), fit_epochs=(3, 2))
+    cli.defaults(args, q, warmup_batches=(3, 1), out=(out, out))
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
     if args.reps < 1 or args.epochs < 2 or args.fit_epochs < 2:

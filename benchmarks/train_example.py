@@ -3,26 +3,14 @@
     python -m benchmarks train_example                       # resnet18, 112 px, ~15 min on 2 cores
     python -m benchmarks train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
-Both runs are the same command but for ``--loader``, each in its own memory and blkio cgroup:
-
-1. the libraries are read into the page cache outside the run's cgroups, and the dataset
-   (``--data``/``train/`` of ``--images`` and ``--data``/``val/`` of ``--val-images``, generated
-   from the photographs, the validation split with the next seed) is evicted from it; the storage
-   throttle applies from the start;
-2. the first ``--limit-after`` epochs (2) and their validation run with no memory limit:
-   epoch 0 reads every byte from storage either way, and the process's own memory (PyTorch's
-   allocator, DALI's buffers) grows for 2-3 epochs before it levels off;
-3. then the memory limit is set to what the run held for itself at its peak, sampled every
-   50 ms (anonymous memory: the model, the optimiser, a step's activations, DALI or the
-   DataLoader workers; and the libraries it maps), plus
-   ``--cache`` of the dataset, plus ``--slack`` for coordl: coordl gets ``--cache`` as its
-   cache budget, the DataLoader the same bytes for the page cache (its limit follows its own
-   memory every 50 ms, see ``limit_memory``);
-4. the later epochs run under it; they are the ones to compare. Per epoch: the script's own summary line (time, wait
-   for data, coordl's fetch/prep split and bytes) and the bytes the device delivered
-   (the cgroup's ``blkio.throttle.io_service_bytes``).
-
-Writes ``train_example.{json,md}`` (``--quick``: ``train_example_quick.*``) in the folder ``--out``.
+The same command but for ``--loader``, each in its own memory and blkio cgroup: the libraries are read
+into the page cache outside them and the dataset (``DATA/train``, ``DATA/val`` with the next seed) evicted;
+the throttle applies from the start. The first ``--limit-after`` epochs run with no memory limit (the
+process's own memory grows for 2-3 epochs); then the limit is the run's own peak memory (anonymous and
+mapped, sampled every 50 ms) plus ``--cache`` of the dataset, plus ``--slack`` for coordl (whose cache
+budget is ``--cache``); the DataLoader's limit follows its own memory every 50 ms (``limit_memory``). The
+later epochs are the ones to compare: per epoch the script's summary line and the device bytes (the
+cgroup's ``blkio.throttle.io_service_bytes``). Writes ``train_example{,_quick}.{json,md}`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -47,13 +35,7 @@ SUMMARY = re.compile(r"Epoch \[(\d+)\] summary: .*")
 
 
 def blkio_read(lim: limits.Limits, dev: tuple[int, int]) -> int | None:
-    if not lim or not lim.blkio:
-        return None
-    for line in lim.blkio.read("blkio.throttle.io_service_bytes").splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == f"{dev[0]}:{dev[1]}" and parts[1] == "Read":
-            return int(parts[2])
-    return 0
+    return limits.blkio_read(lim and lim.blkio and lim.blkio.path, f"{dev[0]}:{dev[1]}")
 
 
 def warm_libraries() -> None:
@@ -67,11 +49,9 @@ def warm_libraries() -> None:
             if name.split(".")[0] in ("torch", "nvidia", "numpy", "PIL", "pillow", "lib-dynload") or name.endswith(
                 ".libs"
             ):
-                for folder, _, files in os.walk(os.path.join(base, name)):
-                    for f in files:
-                        with open(os.path.join(folder, f), "rb") as fh:
-                            while fh.read(1 << 22):
-                                pass
+                limits.read_through(
+                    os.path.join(d, f) for d, _, files in os.walk(os.path.join(base, name)) for f in files
+                )
 
 
 class OwnMemory:
@@ -145,42 +125,17 @@ def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: 
 
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
-    lim = (
-        limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"])
-        if caps["memory"] or caps["blkio"]
-        else None
-    )
+    name, use = f"coordl-train-{os.getpid()}-{loader}", caps["memory"] or caps["blkio"]
+    lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use else None
     warm_libraries()
     subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
     limits.evict(args.data)
     cache_bytes = int(args.cache * dataset_bytes)
-    cmd = [
-        sys.executable,
-        "-u",
-        str(TRAIN),
-        args.data,
-        "-a",
-        args.arch,
-        "--epochs",
-        str(args.epochs),
-        "-b",
-        str(args.batch_size),
-        "-j",
-        str(args.workers),
-        "--image-size",
-        str(args.image_size),
-        "--seed",
-        "0",
-        "--loader",
-        loader,
-        "--cache",
-        str(args.cache),
-        "-p",
-        "1000000",
-        "--checkpoint-dir",
-        tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-"),
-    ]
+    cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs)]
+    cmd += ["-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size), "--seed", "0"]
+    cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir"]
+    cmd += [tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-")]
     run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
     if lim:
         lim.throttle(dev, args.bandwidth)
@@ -192,12 +147,8 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
         last = blkio_read(lim, dev)
         for line in proc.stdout:
             log.write(line)
-            if (
-                lim
-                and lim.memory
-                and "memory_limit_bytes" not in run
-                and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line)
-            ):
+            start = re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line)
+            if lim and lim.memory and "memory_limit_bytes" not in run and start:
                 limit_memory(args, run, lim, loader, cache_bytes, meter)
             m = SUMMARY.match(line.strip())
             if not m:
@@ -264,8 +215,7 @@ def markdown(result: dict) -> str:
                 limit = (
                     f"own + {report.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
                 )
-            held = e.get("mean_data_in_memory_bytes")
-            held = report.mb(held)
+            held = report.mb(e.get("mean_data_in_memory_bytes"))
             out.append(
                 f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
                 f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |"
@@ -279,42 +229,28 @@ def markdown(result: dict) -> str:
 
 def options(p) -> None:
     # Large images: the data to cache must be large against the process's own memory swings, ~100-200 MB.
-    dataset.add_dataset_options(
-        p,
-        data="/var/tmp/coordl-bench/imagenet-example-1000px",
-        images=1200,
-        classes=10,
-        width=1000,
-        height=875,
-        data_help="holds (or gets) train/, of --images or --size, and val/",
+    root, where = (
+        "/var/tmp/coordl-bench/imagenet-example-1000px",
+        "holds (or gets) train/, of --images or --size, and val/",
     )
+    dataset.add_dataset_options(p, data=root, images=1200, classes=10, width=1000, height=875, data_help=where)
     p.add_argument("--val-images", type=int, default=100, help="validation JPEGs, in DATA/val (default: 100)")
     p.add_argument("-a", "--arch", default="resnet18")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("-b", "--batch-size", type=int, default=32)
     p.add_argument("-j", "--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=6)
-    p.add_argument(
-        "--limit-after",
-        type=int,
-        default=2,
-        help="epochs (and their validation) that run without a memory limit: PyTorch's and DALI's "
-        "memory grows for the first 2-3 epochs, then levels off",
-    )
+    limit = "epochs (and their validation) run without a memory limit: its memory grows for 2-3 epochs, then levels"
+    p.add_argument("--limit-after", type=int, default=2, help=limit)
     p.add_argument("--cache", type=float, default=0.5, help="fraction of the dataset the memory limit leaves for data")
     p.add_argument("--bandwidth", type=parse_bytes, default="8MB", help="storage throttle, bytes per second")
-    p.add_argument(
-        "--slack", type=parse_bytes, default="192MiB", help="coordl's memory beyond its own peak (OOM headroom)"
-    )
+    slack = "coordl's memory beyond its own peak (OOM headroom)"
+    p.add_argument("--slack", type=parse_bytes, default="192MiB", help=slack)
     p.add_argument(
         "--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its page cache uses it)"
     )
-    p.add_argument(
-        "--no-follow",
-        dest="follow",
-        action="store_false",
-        help="a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)",
-    )
+    fixed = "a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)"
+    p.add_argument("--no-follow", dest="follow", action="store_false", help=fixed)
     p.add_argument("--loaders", default="coordl,torch")
     p.add_argument("--quick", action="store_true", help="resnet_tiny at 64 px on 128+32 images, 2 epochs")
 
@@ -337,22 +273,13 @@ def run(args) -> dict:
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
     train = dataset.dataset_from_args(args, root=os.path.join(args.data, "train"))
-    val = dataset.dataset_from_args(
-        args, root=os.path.join(args.data, "val"), images=args.val_images, seed=args.dataset_seed + 1
-    )
-    data = {
-        "train_files": train["files"],
-        "val_files": val["files"],
-        "total_bytes": train["total_bytes"] + val["total_bytes"],
-        "source": train["source"],
-    }
+    val_root = os.path.join(args.data, "val")
+    val = dataset.dataset_from_args(args, root=val_root, images=args.val_images, seed=args.dataset_seed + 1)
+    data = {"train_files": train["files"], "val_files": val["files"], "source": train["source"]}
+    data["total_bytes"] = train["total_bytes"] + val["total_bytes"]
     dev = measure.device_of(train["root"])
-    result = {
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "dataset": data,
-        "limits": caps,
-        "runs": [],
-    }
+    args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    result = {"args": args_, "dataset": data, "limits": caps, "runs": []}
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)
         result["runs"].append(run_one(args, loader, train["total_bytes"] + val["total_bytes"], dev, caps))

@@ -42,6 +42,13 @@ def save(args: argparse.Namespace, results: dict, path: str | Path | None = None
     return schema.write(path or args.out, result)
 
 
+def defaults(args: argparse.Namespace, quick: bool, **values: tuple) -> None:
+    """Sets each option left None to its ``(default, with --quick)`` value in ``values``."""
+    for key, (normal, small) in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, small if quick else normal)
+
+
 def parser(name: str, module) -> argparse.ArgumentParser:
     doc = module.__doc__ or ""
     p = argparse.ArgumentParser(

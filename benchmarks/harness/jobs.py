@@ -24,6 +24,15 @@ def scenario_command(name: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "benchmarks", name, *args]
 
 
+def flags(**options) -> list[str]:
+    """``--name value`` for each option (``batch_size`` as ``--batch-size``): None left out, True a bare flag."""
+    out = []
+    for name, value in options.items():
+        if value is not None and value is not False:
+            out += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return out
+
+
 def module_command(module: str, *args: str) -> list[str]:
     """The command that runs a helper module of ``benchmarks`` (not a scenario) in a child Python."""
     return [sys.executable, "-m", f"benchmarks.{module}", *args]

@@ -80,6 +80,19 @@ def probe() -> dict:
     return {"memory": ok["memory"], "blkio": ok["blkio"], "drop_caches": root, "notes": notes}
 
 
+def blkio_read(path: str | Path | None, device: str) -> int | None:
+    """Bytes a v1 blkio cgroup read from ``device`` (``MAJ:MIN``) so far, from its
+    ``blkio.throttle.io_service_bytes`` file at ``path`` (a cgroup folder or the file); None without one."""
+    if not path:
+        return None
+    path = Path(path)
+    path = path / "blkio.throttle.io_service_bytes" if path.is_dir() else path
+    for parts in (line.split() for line in path.read_text().splitlines()):
+        if len(parts) == 3 and parts[0] == device and parts[1] == "Read":
+            return int(parts[2])
+    return 0  # nothing read from that device yet
+
+
 class Cgroup:
     """A fresh v1 cgroup below this process's own, in one controller; removed by ``remove()``."""
 

@@ -120,6 +120,25 @@ def spread_all(values: list[float]) -> dict:
     return {**spread(values), "all": values}
 
 
+def in_rounds(names: list[str], reps: int, run_one, log, skip=lambda name, done: False) -> dict[str, list[dict]]:
+    """Runs ``run_one(name)`` for every name, ``reps`` rounds in ABBA order (each run's ``round`` set), unless
+    ``skip(name, its runs so far)``; logs each run's epochs' samples/s and GETs, or its error.
+    Returns the runs per name."""
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rnd, name in alternate(names, reps):
+        if skip(name, runs[name]):
+            continue
+        r = run_one(name)
+        r["round"] = rnd
+        runs[name].append(r)
+        epochs = ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
+        log(
+            f"  [{rnd + 1}/{reps}] {name:>14}: "
+            + (f"FAILED: {r['error'].splitlines()[-1][:300]}" if "error" in r else epochs)
+        )
+    return runs
+
+
 def rounds(runs: dict[str, list[dict]], fields, counters=(), spread=spread, extra=None) -> dict:
     """Per configuration over its rounds: how many ran and failed (with the errors); ``extra(ok)`` of
     the runs that did not fail; and per epoch the spread of each of ``fields`` and of the ``stats``'

@@ -7,8 +7,15 @@ import sys
 from coordl.units import format_bytes
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    """A Markdown table; ``None`` cells print as ``-``, floats with up to 3 significant decimals."""
+def log(*a, end: str = "\n") -> None:
+    """Progress, on standard error (standard output carries a child's JSON, or the tables)."""
+    print(*a, file=sys.stderr, flush=True, end=end)
+
+
+def table(headers: list[str] | str, rows: list[list]) -> str:
+    """A Markdown table (``headers`` a list, or one string split at ``|``); ``None`` cells print as ``-``,
+    floats with up to 3 significant decimals."""
+    headers = headers.split("|") if isinstance(headers, str) else headers
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -43,3 +50,12 @@ def plot(path, draw) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def spread(d: dict | None, fmt: str = "{:.0f}", rng: bool = False, scale: float = 1.0) -> str:
+    """A cell of a :func:`benchmarks.harness.measure.spread`: its median (over ``scale``), and with ``rng``
+    ``[min-max]`` when they differ; ``-`` for none."""
+    if d is None:
+        return "-"
+    lo, med, hi = (fmt.format(d[k] / scale) for k in ("min", "median", "max"))
+    return f"{med} [{lo}-{hi}]" if rng and lo != hi else med
