@@ -68,6 +68,12 @@ def recovery(args, workdir: Path) -> list[dict]:
         t = json.loads(out.read_text())["times"]
         before = [b - a for a, b in zip(t, t[1:]) if b < killed_at]
         after = [b - a for a, b in zip(t, t[1:]) if a >= killed_at - 1 and b >= killed_at]
+        if not before or not after:
+            when = "after" if not before else "before"
+            raise SystemExit(
+                f"the survivors' batches all came {when} the kill: the dataset ({args.images} images, batch "
+                f"{args.batch_size}) is too small to measure the recovery: give more --images"
+            )
         typical = sorted(before)[len(before) // 2]
         gaps.append({"typical_gap_s": typical, "max_gap_after_kill_s": max(after), "lost_s": max(after) - typical})
     return gaps
