@@ -52,7 +52,7 @@ def job(args) -> None:
         torch.backends.cudnn.benchmark = True
     sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)
     t0 = time.perf_counter()
-    loader = loaders.make(args.job, args.data, args.batch_size, args.threads, device_id)
+    loader = loaders.Loader(args.job, args.data, args.batch_size, args.threads, device_id)
     out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}
     step = None
     if "train" in args.modes:

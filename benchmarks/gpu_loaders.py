@@ -101,9 +101,6 @@ class Loader:
         del self.loader
 
 
-make = Loader
-
-
 def _to(device_id: int | None, *tensors, non_blocking: bool = False) -> tuple:
     """``tensors`` on GPU ``device_id`` (None: left where they are); coordl's labels stay on the CPU even
     when its images come from the GPU."""

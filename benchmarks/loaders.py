@@ -210,9 +210,6 @@ class Loader:
         del self.loader
 
 
-make = Loader
-
-
 # -- the child process --------------------------------------------------------------------------
 class MemoryMeter:
     """Memory of this process's v1 memory cgroup during an epoch: the kernel's peak
@@ -268,7 +265,7 @@ def child(args) -> int:
     dev = tuple(int(x) for x in args.device.split(":"))
     memory = MemoryMeter(args.memcg)
     t_build = time.perf_counter()
-    loader = make(args.loader, args.data, args.batch_size, args.workers, args.seed, args.cache_bytes)
+    loader = Loader(args.loader, args.data, args.batch_size, args.workers, args.seed, args.cache_bytes)
     epoch = loader.epoch()
     samples = 0
     for _ in range(args.warmup_batches):

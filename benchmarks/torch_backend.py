@@ -54,7 +54,7 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
     made = {}
     try:
         for name in WARM:
-            made[name] = loaders.make(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
+            made[name] = loaders.Loader(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
         warmup = {}
         for name in WARM:
             log(f"[warm] warm-up epoch: {name}")
