@@ -510,7 +510,9 @@ def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tin
     kw = {"batch_size": 4}
     procs(_member_signalling, str(tiny_dataset), group, 3, kw, q_a, progress, enrolled)
     assert progress.wait(WAIT)  # A is in the middle of its first epoch, and waits for B to join
-    procs(_member, str(tiny_dataset), group, 2, kw, None, q_b, 0.0, None, None, enrolled)
+    # B trains at A's pace: a B that trained faster would detach A as a laggard at the start of the
+    # next pass (GroupPass), and then share only the few batches A's producer made before that.
+    procs(_member, str(tiny_dataset), group, 2, kw, None, q_b, STEP_S, None, None, enrolled)
     a, b = result(q_a, 120), result(q_b, 120)
     _check_epochs(a)
     _check_epochs(b)
@@ -524,7 +526,7 @@ def test_a_member_joining_mid_epoch_gets_whole_epochs_from_the_next_boundary(tin
 
 def _member_signalling(root, group, epochs, kw, q, progress, enrolled):
     """Member A: stops in the middle of its first epoch until B has joined the group's passes, and
-    trains slowly (STEP_S a batch), so that B shares batches A's producer made."""
+    trains STEP_S a batch, as B does, so that B shares batches A's producer made."""
 
     def body():
         out = {"ids": [], "stats": []}
