@@ -1,47 +1,30 @@
 """A COCO-sized detection index: Index.from_coco cold and from its saved file, and its boxes' memory.
 
-Writes an annotations file shaped like COCO's ``instances_train2017.json`` (``--images``
-118,287 images and about ``--boxes-per-image`` 7.3 boxes each, 1% of them crowd, category ids
-1..90 with gaps as COCO's, random widths and heights around 640x480) and an empty file per image
-in ``--data`` (``from_coco`` reads sizes, not pixels), then, each in a fresh Python:
-
-- ``cold``: ``Index.from_coco`` with no saved index: parse the JSON, check every field, stat every
-  image, save the index;
-- ``load``: the same call finding the saved index (``--loads`` times, median).
-
-Deletes the files at the end unless ``--keep``.
+An annotations file shaped like COCO's ``instances_train2017.json`` (``--images`` 118,287 images,
+about ``--boxes-per-image`` 7.3 boxes each, 1% crowd, COCO's 80 category ids, sizes around 640x480)
+and an empty file per image in ``--data`` (``from_coco`` reads sizes, not pixels); then, each in a
+fresh Python, ``Index.from_coco`` cold (parse, check, stat every image, save) and finding the saved
+index (``--loads`` times, median). The files are deleted at the end unless ``--keep``.
 
     python -m benchmarks coco_index
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import dataset, jobs
+from benchmarks.harness import jobs
+from benchmarks.index_scale import fresh
 
 CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
-
-STEP = """
-import json, os, sys, time
-import coordl
-images, annotations, index_dir = sys.argv[1:4]
-t0 = time.perf_counter()
-index = coordl.Index.from_coco(images, annotations, index_dir=index_dir)
-seconds = time.perf_counter() - t0
-b = index.boxes
-arrays = sum(a.nbytes for a in (b.offsets, b.xyxy, b.labels, b.image_sizes, b.image_ids))
-print(json.dumps({"seconds": seconds, "images": len(index), "boxes": int(len(b.labels)), "box_bytes": arrays,
-                  "file_bytes": os.path.getsize(index.saved_path)}))
-"""
 
 
 def make(data: Path, images: int, per_image: float, seed: int) -> tuple[Path, Path, float]:
@@ -73,9 +56,15 @@ def make(data: Path, images: int, per_image: float, seed: int) -> tuple[Path, Pa
     return folder, ann, time.perf_counter() - t0
 
 
-def step(folder: Path, ann: Path, index_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dataset.ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    return jobs.run_json([sys.executable, "-c", STEP, str(folder), str(ann), str(index_dir)], env=env)
+def child(images: str, annotations: str, index_dir: str) -> dict:
+    import coordl
+
+    t0 = time.perf_counter()
+    index = coordl.Index.from_coco(images, annotations, index_dir=index_dir)
+    seconds, b = time.perf_counter() - t0, index.boxes
+    arrays = sum(a.nbytes for a in (b.offsets, b.xyxy, b.labels, b.image_sizes, b.image_ids))
+    out = {"seconds": seconds, "images": len(index), "boxes": int(len(b.labels)), "box_bytes": arrays}
+    return out | {"file_bytes": os.path.getsize(index.saved_path)}
 
 
 def options(p) -> None:
@@ -85,29 +74,30 @@ def options(p) -> None:
     p.add_argument("--loads", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # IMAGES ANNOTATIONS INDEX_DIR: one from_coco
 
 
-def run(a) -> dict:
+def run(a) -> dict | None:
+    if a.child:
+        return jobs.say(**child(*a.child))
     folder, ann, made_s = make(a.data, a.images, a.boxes_per_image, a.seed)
-    annotations_bytes = ann.stat().st_size
-    index_dir = a.data / "index"
+    index_dir, annotations_bytes = a.data / "index", ann.stat().st_size
     shutil.rmtree(index_dir, ignore_errors=True)
     try:
-        cold = step(folder, ann, index_dir)
-        loads = [step(folder, ann, index_dir) for _ in range(a.loads)]
+        cold, *loads = (
+            fresh("coco_index", "--child", str(folder), str(ann), str(index_dir)) for _ in range(1 + a.loads)
+        )
     finally:
         shutil.rmtree(index_dir, ignore_errors=True)
         if not a.keep:
             shutil.rmtree(a.data, ignore_errors=True)
-    result = {
-        "annotations_bytes": annotations_bytes,
-        "made_s": made_s,
-        "images": cold["images"],
-        "boxes": cold["boxes"],
+    r = {"annotations_bytes": annotations_bytes, "made_s": made_s}
+    r |= {k: cold[k] for k in ("images", "boxes", "box_bytes")} | {"index_file_bytes": cold["file_bytes"]}
+    return r | {
+        "cold_s": cold["seconds"],
+        "load_s": statistics.median(x["seconds"] for x in loads),
+        "loads_s": [x["seconds"] for x in loads],
     }
-    result |= {"cold_s": cold["seconds"], "load_s": statistics.median(r["seconds"] for r in loads)}
-    result |= {"loads_s": [r["seconds"] for r in loads], "box_bytes": cold["box_bytes"]}
-    return result | {"index_file_bytes": cold["file_bytes"]}
 
 
 def table(r: dict) -> str:

@@ -1,19 +1,16 @@
 """The local-storage tier (Cache(disk=...)) on an s3:// dataset 4x the memory cache behind a slow store.
 
-The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s counting proxy, ``--latency``
-(20 ms) before each request, bodies at ``--bandwidth`` (20 MB/s, all connections together). The dataset is
-uploaded once as files and once as LitData's and Mosaic's chunks (conversions timed apart, not counted).
-In ``--repeat`` rounds, ABBA, every configuration runs in a fresh process (its own shm, index, TMPDIR and
-cache folders; page cache dropped first unless ``--no-drop``), ``--epochs`` epochs, batch 64:
-
-- ``no-tier``: ``CoordLoader("s3://...", cache=Cache(size=M))``, M = ``--memory`` (1/4) of the dataset;
-- ``tier``: ``Cache(size=M, disk=Disk(<folder in --tier-root>))`` (reads dropped behind them);
-  ``tier-direct``: ``Disk(..., direct=True)``; ``local``: the same loader on the local folder (the bound);
-- ``litdata``, ``mosaic``: :mod:`benchmarks.disk_tier_baselines`, their caches 4x their chunks' bytes.
-
-After each tier's run its entries are read back from ``--read-threads`` threads (1,8). Per epoch: seconds,
-samples/s, GETs and bytes, coordl's counters, CPU, device reads and writes of ``--tier-root``, the page
-cache and the configuration's files in it (``fincore``). Ratios of (b) to the others' steady samples/s.
+The store: moto's S3 server behind ``S3Server``'s counting proxy, ``--latency`` before each request,
+bodies at ``--bandwidth`` (all connections together); the dataset uploaded as files and as LitData's
+and Mosaic's chunks (conversions timed apart). ``--repeat`` rounds, ABBA, each configuration in a
+fresh process (its own shm, index, TMPDIR and folders; page cache dropped unless ``--no-drop``),
+``--epochs`` epochs, batch 64: ``no-tier`` (``Cache(size=M)``, M = ``--memory`` of the dataset);
+``tier`` (``disk=Disk(folder in --tier-root)``); ``tier-direct`` (``direct=True``); ``local`` (the
+same loader on the local folder: the bound); ``litdata``, ``mosaic`` (:mod:`.disk_tier_baselines`,
+caches 4x their chunks). After a tier's run its entries are read back from ``--read-threads``
+threads. Per epoch: seconds, GETs and bytes, coordl's counters, CPU, the device's reads and writes,
+the page cache and the configuration's files in it (``fincore``); ratios of the tiers' steady
+samples/s to the others'.
 
     python -m benchmarks disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
 """
@@ -37,7 +34,7 @@ from pathlib import Path
 
 from benchmarks import disk_tier_baselines
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
-from benchmarks.harness.report import log
+from benchmarks.harness.report import log, mb
 from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
@@ -225,56 +222,43 @@ def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
     return out
 
 
+COLUMNS = {"samples/s": ("samples_per_s", 1, "{:.0f}"), "s": ("seconds", 1, "{:.1f}"), "GETs": ("gets", 1, "{:.0f}")}
+COLUMNS |= {"store MB": ("get_bytes", 1e6, "{:.1f}"), "cache hits": ("cache_hits", 1, "{:.0f}")}
+COLUMNS |= {"tier reads": ("disk_reads", 1, "{:.0f}"), "device MB read": ("device_read", 1e6, "{:.0f}")}
+COLUMNS |= {"device MB written": ("device_written", 1e6, "{:.0f}")}
+COLUMNS |= {"local files in page cache MB": ("resident_bytes", 1e6, "{:.1f}")}
+COLUMNS |= {"page cache delta MB": ("page_cache_delta", 1e6, "{:.1f}")}
+
+
 def table(result: dict) -> str:
-    c = result["config"]
-    lines = [
-        f"memory cache {c['memory_bytes'] / 1e6:.1f} MB; "
-        f"{c['latency_s'] * 1e3:g} ms per request, {c['bandwidth_bps'] / 1e6:g} MB/s; {c['repeat']} round(s); "
-        "medians [min-max]",
-        "| config | epoch | samples/s | s | GETs | store MB | cache hits | tier reads | device MB read / written "
-        "| local files in page cache MB | page cache delta MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def cell(d, scale=1.0, fmt="{:.0f}", rng=False):
-        return report.spread(d, fmt, rng, scale)
-
+    c, rows, lines = result["config"], [], [""]
     for name, s in result["summary"].items():
         if not s["ok"]:
-            lines.append(f"| {name} | - | failed: {s['errors'][0].splitlines()[-1][:150]} | | | | | | | | |")
-            continue
-        for ep in s["epochs"]:
-            dev = f"{cell(ep.get('device_read'), 1e6)} / {cell(ep.get('device_written'), 1e6)}"
-            lines.append(
-                f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} "
-                f"| {cell(ep['seconds'], fmt='{:.1f}')} "
-                f"| {cell(ep['gets'])} | {cell(ep['get_bytes'], 1e6, '{:.1f}')} | {cell(ep.get('cache_hits'))} "
-                f"| {cell(ep.get('disk_reads'))} | {dev} | {cell(ep.get('resident_bytes'), 1e6, '{:.1f}')} "
-                f"| {cell(ep.get('page_cache_delta'), 1e6, '{:.1f}')} |"
-            )
-    lines.append("")
-    for name, s in result["summary"].items():
+            rows.append([name, "-", f"failed: {s['errors'][0].splitlines()[-1][:150]}"])
+        for ep in s.get("epochs", []):
+            cells = (report.spread(ep.get(k), f, k == "samples_per_s", sc) for k, sc, f in COLUMNS.values())
+            rows.append([name, ep["epoch"], *cells])
         if s["ok"]:
-            lines.append(f"steady samples/s {name}: {cell(s['steady_samples_per_s'], rng=True)}")
+            lines.append(f"steady samples/s {name}: {report.spread(s['steady_samples_per_s'], rng=True)}")
     for key, r in result["ratios"].items():
         lines.append(f"{key}: {r['of_medians']:.3f} (per round: {', '.join(f'{x:.3f}' for x in r['per_round'])})")
     for name, rs in result["runs"].items():
         reads = [x for r in rs for x in r.get("tier_read", [])]
         for threads in sorted({x["threads"] for x in reads}):
             rates = [x["bytes_per_s"] / 1e6 for x in reads if x["threads"] == threads]
-            files = [x["files_per_s"] for x in reads if x["threads"] == threads]
+            files = statistics.median(x["files_per_s"] for x in reads if x["threads"] == threads)
             lines.append(
-                f"{name} entries read back, {threads} thread(s), page cache dropped: "
-                f"{statistics.median(rates):.0f} MB/s ({', '.join(f'{x:.0f}' for x in rates)}), "
-                f"{statistics.median(files):.0f} entries/s"
+                f"{name} entries read back, {threads} thread(s), page cache dropped: {statistics.median(rates):.0f} "
+                f"MB/s ({', '.join(f'{x:.0f}' for x in rates)}), {files:.0f} entries/s"
             )
     for name, conv in result["conversions"].items():
         lines.append(
-            f"{name} conversion: {conv['seconds']:.1f} s ({conv['process_s']:.1f} s with Python's start and "
-            f"imports), {conv['chunks']} chunks, {conv['bytes'] / 1e6:.1f} MB; "
-            f"upload {conv['upload_s']:.1f} s"
+            f"{name} conversion: {conv['seconds']:.1f} s ({conv['process_s']:.1f} s with Python's start and imports), "
+            f"{conv['chunks']} chunks, {mb(conv['bytes'])} MB; upload {conv['upload_s']:.1f} s"
         )
-    return "\n".join(lines)
+    head = f"memory cache {mb(c['memory_bytes'])} MB; {c['latency_s'] * 1e3:g} ms per request, "
+    head += f"{c['bandwidth_bps'] / 1e6:g} MB/s; {c['repeat']} round(s); medians [min-max]\n"
+    return head + report.table(["config", "epoch", *COLUMNS], rows) + "\n".join(lines)
 
 
 def options(p) -> None:

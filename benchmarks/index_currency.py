@@ -1,27 +1,15 @@
 """What a run's check of its saved index against the dataset costs (:mod:`coordl.currency`).
 
-**Files.** The tree of :mod:`benchmarks.index_scale` (``--classes`` x ``--per-class`` tiny ``.jpg``
-files, 1000 x 1281 = 1,281,000 by default) on the local disk, in ``--data``; each step in a fresh
-Python:
-
-- ``scan``: ``Index.scan(root)`` made anew: the tree listed, every file stat'ed, the index saved;
-- ``check, warm``: ``Index.scan(root)`` reusing the saved index: its folders' times, then a stat of
-  every file on ``coordl.currency.STAT_THREADS`` threads (``--loads`` times, median; and once with each
-  of ``--threads``);
-- ``check, cold``: the same after ``sync; echo 3 > /proc/sys/vm/drop_caches`` (pages, dentries and
-  inodes dropped), once with each of ``--threads`` (root; ``--no-cold`` skips it);
-- ``changed``: ``--changed`` files rewritten in place at their size with a later time: the check that
-  finds them and saves the index again; then a check that finds nothing.
-
-**s3://** ``--s3-classes`` x ``--s3-per-class`` objects of 3 bytes in moto's server
-(:mod:`coordl_testing.s3server`) behind a proxy that adds ``--latency-ms`` to every request: a new
-listing (``Index.scan(root, rebuild=True)``) and the check at reuse (``Index.scan(root)``), each
-``--loads`` times, with the proxy's request count and the process's CPU time; the same check without
-the latency; and one object replaced, found by the check. 1.28M keys in moto are impractical (its
-listing of a page walks every key of the bucket): the figure for ImageNet's 1,000 classes of
-1,281 keys is extrapolated from the measured pages (see the JSON's ``s3.extrapolated``).
-
-Deletes the tree, the objects and the saved indexes at the end (``--keep`` keeps the tree).
+**Files**: the tree of :mod:`benchmarks.index_scale` in ``--data``; each step in a fresh Python: a new
+``scan`` (list, stat, save); the ``check`` at reuse, warm (``--loads`` times, median; and once with
+each of ``--threads`` stat threads) and cold (after ``drop_caches`` 3, root; ``--no-cold`` skips it);
+the check finding ``--changed`` files rewritten at their size with a later time, then one finding
+nothing. **s3://**: ``--s3-classes`` x ``--s3-per-class`` objects of 3 bytes in moto's server behind a
+proxy adding ``--latency-ms`` a request: a new listing and the check at reuse (``--loads`` times, with
+the proxy's requests and the process's CPU), the check without the latency, and one object replaced.
+1.28M keys in moto are impractical (its listing of a page walks the bucket), so ImageNet's 1,000
+classes of 1,281 keys are extrapolated from the pages measured (``s3.extrapolated``). The tree, the
+objects (with moto's server) and the saved indexes are deleted at the end (``--keep`` keeps the tree).
 
     python -m benchmarks index_currency
 """
@@ -33,17 +21,16 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, limits
-from benchmarks.index_scale import make_tree, remove_tree
+from benchmarks.harness import jobs, limits
+from benchmarks.harness.report import log
+from benchmarks.index_scale import fresh, make_tree, remove_tree, tree_options
 
 
-# -- measured in a child ----------------------------------------------------------------------
 def child(what: str, root: str, index_dir: str, threads: int) -> dict:
     from coordl import currency
     from coordl.index import Index
@@ -61,50 +48,44 @@ def child(what: str, root: str, index_dir: str, threads: int) -> dict:
 
 
 def run_child(*args: str, env: dict | None = None) -> dict:
-    full = dict(os.environ, **(env or {}))
-    full["PYTHONPATH"] = os.pathsep.join([str(dataset.ROOT / "src"), str(dataset.ROOT)])
-    return jobs.run_json(jobs.scenario_command("index_currency", "--child", *args), env=full, cwd=dataset.ROOT)
+    return fresh("index_currency", "--child", *args, env=env)
 
 
 # -- files ------------------------------------------------------------------------------------
 def rewrite_some(root: Path, classes: int, per_class: int, n: int) -> None:
     """Rewrites ``n`` files spread over the tree in place, at their size, 5 s later in time."""
-    step = max(1, classes * per_class // n)
-    for k in range(0, classes * per_class, step)[:n]:
-        name = f"n{k // per_class:08d}"
-        path = root / name / f"{name}_{k % per_class}.jpg"
+    for k in range(0, classes * per_class, max(1, classes * per_class // n))[:n]:
+        path = root / f"n{k // per_class:08d}" / f"n{k // per_class:08d}_{k % per_class}.jpg"
         st = path.stat()
-        body = path.read_bytes()
-        path.write_bytes(body[::-1])
+        path.write_bytes(path.read_bytes()[::-1])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
 
 
 def files(args, work: Path) -> dict:
     root = Path(args.data) / "train"
-    index_dir = str(work / "index-files")
-    print(f"making {args.classes} x {args.per_class} files in {root}", file=sys.stderr)
+    log(f"making {args.classes} x {args.per_class} files in {root}")
     made_s = make_tree(root, args.classes, args.per_class)
-    out: dict = {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s}
-    out["scan"] = run_child("scan", str(root), index_dir, "0")
-    warm = [run_child("check", str(root), index_dir, "0") for _ in range(args.loads)]
+
+    def check(threads: int = 0, what: str = "check") -> dict:
+        return run_child(what, str(root), str(work / "index-files"), str(threads))
+
+    out: dict = {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s, "scan": check(0, "scan")}
+    warm = [check() for _ in range(args.loads)]
     out["check_warm"] = {"median_s": statistics.median(r["seconds"] for r in warm), "runs": warm}
-    out["check_warm_by_threads"] = [run_child("check", str(root), index_dir, str(t)) for t in args.threads]
-    cold = []
+    out["check_warm_by_threads"] = [check(t) for t in args.threads]
+    out["check_cold_by_threads"] = []
     for t in [] if args.no_cold else args.threads:
-        why = limits.drop_page_cache(3)
-        if why:
+        if why := limits.drop_page_cache(3):
             out["check_cold_skipped"] = why
             break
-        cold.append(run_child("check", str(root), index_dir, str(t)))
-    out["check_cold_by_threads"] = cold
+        out["check_cold_by_threads"].append(check(t))
     rewrite_some(root, args.classes, args.per_class, args.changed)
-    out["changed"] = run_child("check", str(root), index_dir, "0")
-    out["after_changed"] = run_child("check", str(root), index_dir, "0")
-    assert out["changed"]["changed"] == args.changed and out["after_changed"]["changed"] == 0, out
+    out["changed"], out["after_changed"] = check(), check()
+    if out["changed"]["changed"] != args.changed or out["after_changed"]["changed"]:
+        raise SystemExit(f"the checks found {out['changed']['changed']}, then {out['after_changed']['changed']}")
     return out
 
 
-# -- s3:// ------------------------------------------------------------------------------------
 BUCKET = "coordl-currency-bench"
 
 
@@ -116,14 +97,12 @@ def s3(args, work: Path) -> dict:
         server.create_bucket(BUCKET)
         keys = [f"train/n{c:08d}/n{c:08d}_{i}.jpg" for c in range(classes) for i in range(per_class)]
         s3c = server.client()
-        print(f"putting {len(keys)} objects into moto", file=sys.stderr)
+        log(f"putting {len(keys)} objects into moto")
         t0 = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda k: s3c.put_object(Bucket=BUCKET, Key=k, Body=b"\xff\xd8x"), keys))
         put_s = time.perf_counter() - t0
-        root = f"s3://{BUCKET}/train"
-        env = server.env()
-        index_dir = str(work / "index-s3")
+        root, env, index_dir = f"s3://{BUCKET}/train", server.env(), str(work / "index-s3")
 
         def measured(what: str, latency_ms: float) -> dict:
             server.latency_s = latency_ms / 1000
@@ -140,10 +119,8 @@ def s3(args, work: Path) -> dict:
         out["check_no_latency"] = [measured("check", 0.0) for _ in range(args.loads)]
         s3c.put_object(Bucket=BUCKET, Key=keys[len(keys) // 2], Body=b"\xff\xd8y")
         out["changed"] = measured("check", args.latency_ms)
-        assert out["changed"]["changed"] == 1, out["changed"]
-        print("deleting the objects", file=sys.stderr)
-        for start in range(0, len(keys), 1000):
-            s3c.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]})
+        if out["changed"]["changed"] != 1:
+            raise SystemExit(f"the check found {out['changed']['changed']} objects changed, not 1")
     out["extrapolated"] = extrapolate(out, args.latency_ms)
     return out
 
@@ -171,11 +148,7 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
 
 
 def options(p) -> None:
-    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR THREADS: one measurement
-    p.add_argument("--data", default="/var/tmp/coordl-index-scale", help="where the tree is made")
-    p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--per-class", type=int, default=1281)
-    p.add_argument("--loads", type=int, default=3, help="repetitions of each warm measurement")
+    tree_options(p)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 8, 32], help="stat threads to compare")
     p.add_argument("--changed", type=int, default=1000, help="files rewritten before the last check")
     p.add_argument("--no-cold", action="store_true", help="skip the cold checks (which drop the machine's caches)")
@@ -183,7 +156,7 @@ def options(p) -> None:
     p.add_argument("--s3-per-class", type=int, default=1281)
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--skip", choices=["files", "s3"], action="append", default=[])
-    p.add_argument("--keep", action="store_true", help="keep the tree for another run")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR THREADS: one measurement
 
 
 def run(args) -> dict | None:
@@ -192,15 +165,14 @@ def run(args) -> dict | None:
         return jobs.say(**child(what, root, index_dir, int(threads)))
     result = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="coordl-index-currency-") as tmp:
-        work = Path(tmp)
         try:
             if "files" not in args.skip:
-                result["files"] = files(args, work)
+                result["files"] = files(args, Path(tmp))
         finally:
             if not args.keep:
-                remove_tree(Path(args.data), Path(args.data) / "train")
+                remove_tree(Path(args.data))
         if "s3" not in args.skip:
-            result["s3"] = s3(args, work)
+            result["s3"] = s3(args, Path(tmp))
     return result
 
 

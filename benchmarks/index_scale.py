@@ -1,19 +1,12 @@
 """An ImageNet-sized index: scan, save and load times, and the index's memory per process.
 
-Makes a tree of ``--classes`` x ``--per-class`` tiny ``.jpg`` files (1000 x 1281 = 1,281,000
-by default, a few bytes each: the scan reads sizes, not contents) in ``--data``, then, for
-this checkout's ``src/`` and (with ``--before-ref``) the ``src/`` of an earlier commit, each
-step in a fresh Python:
-
-- ``scan``: listing the tree (``coordl.index._scan``) and saving the index (``_save``);
-- ``load``: ``Index.scan(root)`` finding the saved index fresh (``--loads`` times, median);
-  the process's memory before and after (``/proc/self/smaps_rollup``: RSS, PSS and USS, the
-  private pages), and the heap the index holds (``tracemalloc``, in a separate load);
-- ``walk``: a forked child (as a ``DataLoader`` worker is) reads ``index.paths[i]`` and
-  ``index.sizes[i]`` of every sample; its USS before and after is the memory the walk
-  copied out of the parent (pytorch/pytorch#13246).
-
-Deletes the tree and the saved indexes at the end (``--keep`` keeps the tree for another run).
+A tree of ``--classes`` x ``--per-class`` tiny ``.jpg`` files (1000 x 1281 = 1,281,000 by default; the
+scan reads sizes, not contents) in ``--data``; for this checkout's ``src/`` and (``--before-ref``) an
+earlier commit's, each step in a fresh Python: ``scan`` (list the tree, save the index); ``load``
+(``Index.scan(root)`` finding the saved index, ``--loads`` times, median; the process's memory from
+``/proc/self/smaps_rollup``, and in another load the heap the index holds, by ``tracemalloc``);
+``walk`` (a forked child, as a ``DataLoader`` worker is, reads every path and size: the pages it
+copies out of the parent, pytorch/pytorch#13246). The tree is deleted at the end unless ``--keep``.
 
     python -m benchmarks index_scale --before-ref 2b84f86
 """
@@ -28,22 +21,20 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs
-from benchmarks.harness.report import mb
+from benchmarks.harness import dataset, jobs, report
+from benchmarks.harness.report import log, mb
 
-# -- the tree ---------------------------------------------------------------------------------
-MARK = ".made-by-index-scale"  # in a tree this script made (and may delete); its size once complete
+MARK = ".made-by-index-scale"  # in a tree this scenario made (and may delete); its size once complete
 
 
 def make_tree(root: Path, classes: int, per_class: int) -> float:
-    """Writes the tree (ImageNet's names: ``n<8 digits>/n<8 digits>_<i>.jpg``) unless a complete
-    one is there; returns the seconds it took (0 for a tree made by an earlier ``--keep`` run)."""
+    """Writes the tree (ImageNet's names: ``n<8 digits>/n<8 digits>_<i>.jpg``) unless a complete one is
+    there; returns the seconds it took (0 for a tree an earlier ``--keep`` run made)."""
     mark = root / MARK
     if mark.exists() and mark.read_text() == f"{classes} {per_class}":
         return 0.0
@@ -55,35 +46,34 @@ def make_tree(root: Path, classes: int, per_class: int) -> float:
     mark.write_text("incomplete")
     t0 = time.perf_counter()
     for c in range(classes):
-        name = f"n{c:08d}"
-        folder = root / name
-        folder.mkdir()
+        (root / f"n{c:08d}").mkdir()
         for i in range(per_class):
-            fd = os.open(folder / f"{name}_{i}.jpg", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.write(fd, b"\xff\xd8" + b"x" * (i % 13))
-            os.close(fd)
+            (root / f"n{c:08d}" / f"n{c:08d}_{i}.jpg").write_bytes(b"\xff\xd8" + b"x" * (i % 13))
     mark.write_text(f"{classes} {per_class}")
     return time.perf_counter() - t0
 
 
-def remove_tree(data: Path, root: Path) -> None:
-    """Deletes the tree if this script made it, then ``data`` if that leaves it empty."""
-    if (root / MARK).exists():
-        shutil.rmtree(root)
+def remove_tree(data: Path) -> None:
+    """Deletes ``data``'s tree if this scenario made it, then ``data`` if that leaves it empty."""
+    if (data / "train" / MARK).exists():
+        shutil.rmtree(data / "train")
     with contextlib.suppress(OSError):
         data.rmdir()
 
 
-# -- measured in a child ----------------------------------------------------------------------
+def fresh(scenario: str, *args: str, src: str | None = None, env: dict | None = None) -> dict:
+    """``python -m benchmarks SCENARIO ARGS`` in a fresh Python importing coordl from ``src`` (default:
+    this checkout's); the JSON it says last."""
+    path = os.pathsep.join([src or str(dataset.ROOT / "src"), str(dataset.ROOT)])
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+    return jobs.run_json(jobs.scenario_command(scenario, *args), env=env, cwd=dataset.ROOT)
+
+
 def memory() -> dict:
-    """This process's memory in bytes (``/proc/self/smaps_rollup``): ``rss``; ``pss``; ``uss``, the
-    pages only it maps (private clean + dirty: clean ones include page-cache pages of a file
-    no other process maps now, which are no copy); ``dirty``, private dirty pages (its heap,
-    and the pages a forked child copied by writing them); ``anon``, anonymous memory."""
-    f = {}
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        f[key] = int(value.split()[0]) * 1024
+    """This process's memory in bytes: RSS, PSS, USS (the pages only it maps), private dirty pages (its
+    heap, and what a forked child copied by writing), anonymous memory."""
+    lines = Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]
+    f = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines}
     out = {"rss": f["Rss"], "pss": f["Pss"], "uss": f["Private_Clean"] + f["Private_Dirty"]}
     return out | {"dirty": f["Private_Dirty"], "anon": f["Anonymous"]}
 
@@ -93,8 +83,7 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def child_scan(root: str, index_dir: str) -> dict:
-    # The private functions, to time listing and saving apart (saving in coordl.saved since the index
-    # checks its files when it is loaded; in coordl.index before).
+    """Listing and saving timed apart (saving is in coordl.saved now, in coordl.index before)."""
     from coordl import index as ix
 
     try:
@@ -105,10 +94,9 @@ def child_scan(root: str, index_dir: str) -> dict:
     index, dirs = ix._scan(root, ix.IMG_EXTENSIONS)
     t1 = time.perf_counter()
     save(index, dirs, tree_path(index_dir, root, ix.IMG_EXTENSIONS))
-    t2 = time.perf_counter()
     saved = sum(p.stat().st_size for p in Path(index_dir).iterdir())
-    out = {"samples": len(index), "fingerprint": index.fingerprint, "scan_s": t1 - t0, "save_s": t2 - t1}
-    return out | {"file_bytes": saved}
+    out = {"samples": len(index), "fingerprint": index.fingerprint, "scan_s": t1 - t0}
+    return out | {"save_s": time.perf_counter() - t1, "file_bytes": saved}
 
 
 def child_load(root: str, index_dir: str, traced: bool) -> dict:
@@ -122,31 +110,19 @@ def child_load(root: str, index_dir: str, traced: bool) -> dict:
     gc.collect()
     if traced:
         tracemalloc.start()
-    m0 = memory()
-    t0 = time.perf_counter()
+    m0, t0 = memory(), time.perf_counter()
     index = Index.scan(root, index_dir=index_dir)
-    t1 = time.perf_counter()
+    out = {"load_s": time.perf_counter() - t0, "samples": len(index), "fingerprint": index.fingerprint}
     gc.collect()
-    out = {
-        "load_s": t1 - t0,
-        "samples": len(index),
-        "fingerprint": index.fingerprint,
-        "after_load": delta(memory(), m0),
-    }
+    out["after_load"] = delta(memory(), m0)
     if traced:
-        out["heap_bytes"] = tracemalloc.get_traced_memory()[0]
-        return out
+        return out | {"heap_bytes": tracemalloc.get_traced_memory()[0]}
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the worker: walks every path and size, reports its memory growth
-        os.close(r)
+    if (pid := os.fork()) == 0:  # the worker: walks every path and size, reports its memory's growth
         try:
-            w0 = memory()
-            t = time.perf_counter()
-            total = 0
+            w0, t = memory(), time.perf_counter()
             paths, sizes = index.paths, index.sizes
-            for i in range(len(index)):
-                total += len(paths[i]) + int(sizes[i])
+            total = sum(len(paths[i]) + int(sizes[i]) for i in range(len(index)))
             walk = {"walk_s": time.perf_counter() - t, "worker_after_walk": delta(memory(), w0), "check": total}
             os.write(w, json.dumps(walk).encode())
         finally:
@@ -158,22 +134,16 @@ def child_load(root: str, index_dir: str, traced: bool) -> dict:
     return out
 
 
-# -- the runner -------------------------------------------------------------------------------
-def run_child(src: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(dataset.ROOT)]))
-    return jobs.run_json(jobs.scenario_command("index_scale", *args), env=env, cwd=dataset.ROOT)
-
-
 def measure(label: str, src: str, root: str, work: Path, loads: int) -> dict:
     index_dir = work / f"index-{label}"
     index_dir.mkdir()
-    print(f"[{label}] scanning {root} with {src}", file=sys.stderr)
-    scan = run_child(src, "--child", "scan", root, str(index_dir))
-    runs = [run_child(src, "--child", "load", root, str(index_dir)) for _ in range(loads)]
-    traced = run_child(src, "--child", "traced", root, str(index_dir))
-    assert all(r["fingerprint"] == scan["fingerprint"] for r in runs + [traced]), "a load rescanned"
+    log(f"[{label}] scanning {root} with {src}")
+    scan = fresh("index_scale", "--child", "scan", root, str(index_dir), src=src)
+    runs = [fresh("index_scale", "--child", "load", root, str(index_dir), src=src) for _ in range(loads)]
+    traced = fresh("index_scale", "--child", "traced", root, str(index_dir), src=src)
+    if any(r["fingerprint"] != scan["fingerprint"] for r in runs + [traced]):
+        raise SystemExit("a load scanned the tree again")
     best = min(runs, key=lambda r: r["load_s"])
-    shutil.rmtree(index_dir)
     loaded = {"load_s": statistics.median(r["load_s"] for r in runs), "load_s_all": [r["load_s"] for r in runs]}
     walked = {k: best[k] for k in ("after_load", "walk_s", "worker_after_walk")}
     return {"src": src, **scan, **loaded, **walked, "heap_bytes": traced["heap_bytes"]}
@@ -181,62 +151,64 @@ def measure(label: str, src: str, root: str, work: Path, loads: int) -> dict:
 
 def source_of(ref: str, work: Path) -> str:
     """The ``src/`` folder of commit ``ref`` of this repository, extracted under ``work``."""
-    out = work / f"src-{ref}"
     archive = subprocess.run(["git", "-C", str(dataset.ROOT), "archive", ref, "src"], capture_output=True, check=True)
-    out.mkdir()
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(out, filter="data")
-    return str(out / "src")
+        tar.extractall(work / f"src-{ref}", filter="data")
+    return str(work / f"src-{ref}" / "src")
+
+
+ROWS = {
+    "scan s": lambda r: f"{r['scan_s']:.1f}",
+    "save s": lambda r: f"{r['save_s']:.2f}",
+    "saved file MB": lambda r: mb(r["file_bytes"]),
+    "load s (median)": lambda r: f"{r['load_s']:.3f}",
+    "process after load: RSS MB": lambda r: mb(r["after_load"]["rss"]),
+    "process after load: anonymous MB": lambda r: mb(r["after_load"]["anon"]),
+    "heap held by the index (tracemalloc) MB": lambda r: mb(r["heap_bytes"]),
+    "forked worker: walk of every path and size s": lambda r: f"{r['walk_s']:.2f}",
+    "forked worker: pages copied (private dirty) MB": lambda r: mb(r["worker_after_walk"]["dirty"]),
+    "forked worker: USS growth MB": lambda r: mb(r["worker_after_walk"]["uss"]),
+    "forked worker: RSS growth MB": lambda r: mb(r["worker_after_walk"]["rss"]),
+}
 
 
 def table(result: dict) -> str:
-    results = result["results"]
-    rows = [
-        ("scan s", lambda r: f"{r['scan_s']:.1f}"),
-        ("save s", lambda r: f"{r['save_s']:.2f}"),
-        ("saved file MB", lambda r: mb(r["file_bytes"])),
-        ("load s (median)", lambda r: f"{r['load_s']:.3f}"),
-        ("process after load: RSS MB", lambda r: mb(r["after_load"]["rss"])),
-        ("process after load: anonymous MB", lambda r: mb(r["after_load"]["anon"])),
-        ("heap held by the index (tracemalloc) MB", lambda r: mb(r["heap_bytes"])),
-        ("forked worker: walk of every path and size s", lambda r: f"{r['walk_s']:.2f}"),
-        ("forked worker: pages copied (private dirty) MB", lambda r: mb(r["worker_after_walk"]["dirty"])),
-        ("forked worker: USS growth MB", lambda r: mb(r["worker_after_walk"]["uss"])),
-        ("forked worker: RSS growth MB", lambda r: mb(r["worker_after_walk"]["rss"])),
-    ]
-    labels = list(results)
-    lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    lines += [f"| {name} | " + " | ".join(cell(results[k]) for k in labels) + " |" for name, cell in rows]
-    return "\n".join(lines)
+    runs = result["results"]
+    return report.table(["", *runs], [[name, *(f(r) for r in runs.values())] for name, f in ROWS.items()])
 
 
-def options(p) -> None:
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR: one measurement
+def tree_options(p) -> None:
+    """The tree's options, which :mod:`benchmarks.index_currency` shares."""
     p.add_argument("--data", default="/var/tmp/coordl-index-scale", help="where the tree is made")
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--per-class", type=int, default=1281)
-    p.add_argument("--loads", type=int, default=3, help="loads of the saved index, each in a fresh process")
-    p.add_argument("--before-ref", help="also measure the src/ of this commit (the format before)")
+    p.add_argument("--loads", type=int, default=3, help="repetitions of each load, each in a fresh process")
     p.add_argument("--keep", action="store_true", help="keep the tree for another run")
+
+
+def options(p) -> None:
+    tree_options(p)
+    p.add_argument("--before-ref", help="also measure the src/ of this commit (the format before)")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # WHAT ROOT INDEX_DIR: one measurement
 
 
 def run(args) -> dict | None:
     if args.child:
         what, root, index_dir = args.child
-        measured = child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced")
-        return jobs.say(**measured)
-    root = Path(args.data) / "train"
-    results, made_s = {}, None
+        return jobs.say(
+            **(child_scan(root, index_dir) if what == "scan" else child_load(root, index_dir, what == "traced"))
+        )
+    root, results, made_s = Path(args.data) / "train", {}, None
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="coordl-index-scale-") as tmp:
-        work = Path(tmp)
         try:
-            print(f"making {args.classes} x {args.per_class} files in {root}", file=sys.stderr)
+            log(f"making {args.classes} x {args.per_class} files in {root}")
             made_s = make_tree(root, args.classes, args.per_class)
             if args.before_ref:
-                results["before"] = measure("before", source_of(args.before_ref, work), str(root), work, args.loads)
-            results["after"] = measure("after", str(dataset.ROOT / "src"), str(root), work, args.loads)
+                src = source_of(args.before_ref, Path(tmp))
+                results["before"] = measure("before", src, str(root), Path(tmp), args.loads)
+            results["after"] = measure("after", str(dataset.ROOT / "src"), str(root), Path(tmp), args.loads)
         finally:
             if not args.keep:
-                remove_tree(Path(args.data), root)
+                remove_tree(Path(args.data))
     tree = {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s}
     return {"tree": tree, "before_ref": args.before_ref, "results": results}
