@@ -39,6 +39,7 @@ from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
 BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
+BUCKET = "coordl-disk-tier"
 SMOKE = ["--data", "/var/tmp/coordl-bench/disk-tier-smoke", "--images", "48", "--classes", "4", "--width", "160"]
 SMOKE += ["--height", "120", "--epochs", "2", "--repeat", "1", "--chunk", "1MB", "--configs", ",".join(CONFIGS[:-1])]
 SMOKE += ["--out", os.path.join(tempfile.gettempdir(), "disk_tier_smoke.json")]
@@ -55,13 +56,10 @@ def resident(folder: str | None) -> int | None:
     """Bytes of the files under ``folder`` in the page cache (util-linux ``fincore``); None without either."""
     if folder is None or shutil.which("fincore") is None:
         return None
-    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
-    total = 0
-    for k in range(0, len(files), 500):
-        cmd = ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files[k : k + 500]]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
-        total += sum(int(x) for x in out.split())
-    return total
+    files, cmd = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names], ["fincore", "--bytes"]
+    cmd += ["--noheadings", "--raw", "--output", "RES"]
+    outs = (subprocess.run(cmd + files[k : k + 500], capture_output=True, text=True) for k in range(0, len(files), 500))
+    return sum(int(x) for out in outs for x in out.stdout.split())
 
 
 def device_io(dev: tuple[int, int]) -> tuple[int, int]:
@@ -168,25 +166,20 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
 
 def convert(args, server, kind: str, data: str, work: str) -> dict:
     """``kind``'s chunks of the dataset, made in a child (timed), uploaded straight to moto (timed)."""
-    out = os.path.join(work, kind)
-    t0 = time.perf_counter()
-    cmd = jobs.module_command("disk_tier_baselines", "convert", kind, data, out, args.chunk)
-    tmp = tempfile.mkdtemp(prefix="coordl-dt-")
-    try:
-        done = subprocess.run(cmd, check=True, env={**os.environ, "TMPDIR": tmp}, capture_output=True, text=True)
+    out, tmp, t0 = os.path.join(work, kind), tempfile.mkdtemp(prefix="coordl-dt-"), time.perf_counter()
+    try:  # the conversion alone, and its imports, timed in the child
+        cmd = jobs.scenario_command("disk_tier", "--convert", kind, data, out, args.chunk)
+        timed = jobs.run_json(cmd, env={**os.environ, "TMPDIR": tmp})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    timed = json.loads(done.stdout.strip().splitlines()[-1])  # the conversion alone, and its imports
+    r = {"seconds": timed["convert_s"], "import_s": timed["import_s"], "process_s": time.perf_counter() - t0}
     files = [p for p in Path(out).rglob("*") if p.is_file()]
+    r |= {"files": len(files), "chunks": sum(p.suffix in (".bin", ".mds") for p in files)}
+    r |= {"bytes": sum(p.stat().st_size for p in files), "url": f"s3://{BUCKET}/{kind}"}
     t0 = time.perf_counter()
-    server.upload_tree(out, args.bucket, kind)
-    upload_s = time.perf_counter() - t0
-    chunks = [p for p in files if p.suffix in (".bin", ".mds")]
-    size = sum(p.stat().st_size for p in files)
+    server.upload_tree(out, BUCKET, kind)
     shutil.rmtree(out)
-    out = {"seconds": timed["convert_s"], "import_s": timed["import_s"], "process_s": seconds, "upload_s": upload_s}
-    return out | {"files": len(files), "chunks": len(chunks), "bytes": size, "url": f"s3://{args.bucket}/{kind}"}
+    return r | {"upload_s": time.perf_counter() - t0}
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -278,13 +271,15 @@ def options(p) -> None:
     threads = "after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)"
     p.add_argument("--read-threads", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8], help=threads)
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
-    p.add_argument("--bucket", default="coordl-disk-tier")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in this JSON file
+    p.add_argument("--convert", nargs=4, help=argparse.SUPPRESS)  # a child: KIND SRC OUT SIZE, one conversion
 
 
 def run(args) -> dict | None:
     if args.one:
         return disk_tier_baselines.child(json.loads(Path(args.one).read_text()), jobs.Parent())
+    if args.convert:
+        return jobs.say(**disk_tier_baselines.convert(*args.convert))
     if args.smoke:  # the smoke's dataset, where the command line did not name one
         vars(args).update(vars(cli.parser("disk_tier", sys.modules[__name__]).parse_args(SMOKE + args._argv)))
 
@@ -296,7 +291,7 @@ def run(args) -> dict | None:
         raise SystemExit(f"unknown configurations {sorted(unknown)}: pick from {','.join(CONFIGS)}")
     data = dataset.dataset_from_args(args)
     log(f"dataset: {dataset.describe(data)}")
-    ctx = {"data": data["root"], "url": f"s3://{args.bucket}/raw/train", "conversions": {}}
+    ctx = {"data": data["root"], "url": f"s3://{BUCKET}/raw/train", "conversions": {}}
     ctx["memory"], ctx["files"] = int(args.memory * data["total_bytes"]), data["files"]
     ctx["device"] = measure.device_of(args.tier_root)
     t_start = time.time()
@@ -304,9 +299,9 @@ def run(args) -> dict | None:
     try:
         with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
             moto_pid = server._proc.pid
-            server.create_bucket(args.bucket)
+            server.create_bucket(BUCKET)
             t0 = time.perf_counter()
-            server.upload_tree(data["root"], args.bucket, "raw/train")
+            server.upload_tree(data["root"], BUCKET, "raw/train")
             upload_s = time.perf_counter() - t0
             for kind in ("litdata", "mosaic"):
                 if kind in names:

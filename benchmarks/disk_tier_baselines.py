@@ -18,41 +18,26 @@ and the local caches of LitData and Mosaic Streaming, whose chunk files :func:`c
 
 LitData and Mosaic decode with Pillow (RGB) and augment with :class:`benchmarks.loaders.TrainAugment`
 (random-resized crop 224, flip, normalise: numpy and torch, no torchvision). A conversion runs as
-``python -m benchmarks.disk_tier_baselines convert {litdata,mosaic} SRC OUT SIZE``.
+``python -m benchmarks disk_tier --convert {litdata,mosaic} SRC OUT SIZE``.
 """
 
 from __future__ import annotations
 
+import functools
 import io
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness.measure import cpu_seconds  # with the DataLoader workers'
 from benchmarks.loaders import TrainAugment
 
 AUGMENT = TrainAugment()
 
 
-def _files(src: str) -> list[Path]:
-    """The dataset's JPEGs in sorted order; a label is the rank of its class folder."""
-    return sorted(p for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
-def _labels(files: list[Path]) -> dict[str, int]:
-    return {c: k for k, c in enumerate(sorted({p.parent.name for p in files}))}
-
-
-class _Item:
-    """One sample of the conversion: the file's bytes and its label (a class: optimize's workers pickle it)."""
-
-    def __init__(self, labels: dict[str, int]):
-        self.labels = labels
-
-    def __call__(self, path: str) -> dict:
-        p = Path(path)
-        return {"image": p.read_bytes(), "label": self.labels[p.parent.name]}
+def _item(labels: dict[str, int], path: str) -> dict:
+    """One sample of the conversion: the file's bytes and its label (the rank of its class folder)."""
+    return {"image": Path(path).read_bytes(), "label": labels[Path(path).parent.name]}
 
 
 def convert(kind: str, src: str, out: str, size: str) -> dict:
@@ -65,15 +50,14 @@ def convert(kind: str, src: str, out: str, size: str) -> dict:
         stub_torchvision()
         from streaming import MDSWriter
     t1 = time.perf_counter()
-    files = _files(src)
-    item = _Item(_labels(files))
+    files = sorted(str(p) for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
+    item = functools.partial(_item, {c: k for k, c in enumerate(sorted({Path(p).parent.name for p in files}))})
     if kind == "litdata":
-        paths = [str(p) for p in files]
-        litdata.optimize(fn=item, inputs=paths, output_dir=out, chunk_bytes=size, num_workers=2, verbose=False)
+        litdata.optimize(fn=item, inputs=files, output_dir=out, chunk_bytes=size, num_workers=2, verbose=False)
     else:
         with MDSWriter(out=out, columns={"image": "bytes", "label": "int"}, size_limit=size.lower()) as w:
             for p in files:
-                w.write(item(str(p)))
+                w.write(item(p))
     return {"import_s": t1 - t0, "convert_s": time.perf_counter() - t1}
 
 
@@ -109,11 +93,6 @@ def decode(sample: dict):
     with Image.open(io.BytesIO(sample["image"])) as im:
         image = im.convert("RGB")
     return AUGMENT(image), int(sample["label"])
-
-
-def _cpu() -> float:
-    t = os.times()  # DataLoader workers end with their epoch and are waited for: their CPU time counts
-    return t.user + t.system + t.children_user + t.children_system
 
 
 def _imports(kind: str):
@@ -172,16 +151,16 @@ def child(spec: dict, parent) -> None:
     t0 = time.perf_counter()
     make = _imports(spec["kind"])
     import_s = time.perf_counter() - t0
-    t0, c0 = time.perf_counter(), _cpu()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     loader = make(spec)
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, import_s=import_s)
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu_seconds() - c0, import_s=import_s)
     parent.wait()
     for e in range(spec["epochs"]):
-        t0, c0, n = time.perf_counter(), _cpu(), 0
+        t0, c0, n = time.perf_counter(), cpu_seconds(), 0
         for batch in loader:
             n += len(batch[1])  # (images, labels)
         seconds = time.perf_counter() - t0
-        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": _cpu() - c0}
+        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": cpu_seconds() - c0}
         if spec["kind"] == "coordl":
             row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
         parent.say(event="epoch", **row)
@@ -190,9 +169,3 @@ def child(spec: dict, parent) -> None:
     if spec["kind"] == "coordl":
         loader.close()  # the tier's writer finishes what it was given
     parent.say(event="done", close_s=time.perf_counter() - t0)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 6 or sys.argv[1] != "convert" or sys.argv[2] not in ("litdata", "mosaic"):
-        raise SystemExit("usage: python -m benchmarks.disk_tier_baselines convert {litdata,mosaic} SRC OUT SIZE")
-    print(json.dumps(convert(*sys.argv[2:])))

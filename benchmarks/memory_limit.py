@@ -1,26 +1,18 @@
 """The cache under a memory limit: a loader in a v1 memory cgroup that leaves room for part of the dataset.
 
-Shared memory is charged to the memory cgroup of the process that writes it and cannot be
-reclaimed, so a cache sized from /dev/shm alone gets a container killed. This runs the
-scenario of the issue "Container and cluster reality":
-
-1. the loader's own memory: a child with ``cache_bytes=0`` in an unlimited cgroup (peak RSS);
-2. limit = own memory x 1.2 + 64 MiB + 30% of the dataset (or ``--limit``);
-3. one child per ``--cache`` value (default ``auto`` and ``1.0``) in a fresh cgroup with that
-   limit, ``--epochs`` epochs each: exit status, the cgroup's peak usage, failcnt and OOM kills,
-   the budget chosen, what was cached, the warnings, and whether every epoch delivered every
-   sample exactly once.
+Shared memory is charged to the memory cgroup of the process that writes it and cannot be reclaimed,
+so a cache sized from /dev/shm alone gets a container killed. (1) The loader's own memory: a child
+with ``cache_bytes=0`` in an unlimited cgroup (peak RSS; RSS over-counts the libraries' pages that
+another process read first, so the cgroup's own peak is beside it). (2) The limit: own memory x 1.2 +
+64 MiB + ``--cache-fraction`` of the dataset, or ``--limit``. (3) One child per ``--cache`` value in a
+fresh cgroup with that limit, ``--epochs`` epochs: exit status, the cgroup's peak, failcnt and OOM
+kills, the budget, what was cached, the warnings, every sample exactly once per epoch. Root and a v1
+memory cgroup (``memory:`` in ``/proc/self/cgroup``); says so and stops otherwise.
 
     python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
     python -m benchmarks memory_limit ... --limit 602MiB     # the issue's limit, as measured there
     python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit510 --size 510MB --classes 10 \
         --image-size 64 --batch-size 16 --num-threads 2 --io-threads 2     # tests/test_memory_limit.py's scenario
-
-Peak RSS over-counts what the cgroup is charged where the libraries' pages were read first by
-another process (they are charged to it): the cgroup's own peak is reported beside it.
-
-Needs root and a v1 memory cgroup (``/proc/self/cgroup`` lists ``memory:``); says so and stops
-otherwise. Writes ``benchmarks/results/memory_limit.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +30,7 @@ from pathlib import Path
 
 from benchmarks.harness import dataset, jobs, report
 from benchmarks.harness.limits import Cgroup, probe
+from benchmarks.harness.report import mb
 from coordl.units import parse_bytes
 
 MiB = 1 << 20
@@ -63,12 +56,8 @@ def child(args) -> int:
     logging.getLogger("coordl").addHandler(Keep(logging.WARNING))
     warnings.simplefilter("always")
     cache = args.cache  # "auto", "40MB", an int of bytes or a float fraction, as CoordLoader takes it
-    if cache.isdigit():
-        cache = int(cache)
-    elif re.fullmatch(r"[0-9]*\.[0-9]+", cache):
-        cache = float(cache)
+    cache = int(cache) if cache.isdigit() else float(cache) if re.fullmatch(r"[0-9]*\.[0-9]+", cache) else cache
     out = {"cache_bytes": args.cache, "epochs": []}
-    peak_anon = anon_rss()
     peak_charged = charged(args.cgroup)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -81,14 +70,11 @@ def child(args) -> int:
             out["budget"] = loader.node_cache.budget if loader.node_cache is not None else 0
             for epoch in range(args.epochs):
                 loader.set_epoch(epoch)
-                t0 = time.perf_counter()
-                got = []
+                t0, got = time.perf_counter(), []
                 for batch in loader:
                     got.append(batch[2].numpy())
-                    peak_anon = max(peak_anon, anon_rss())
                     peak_charged = max(peak_charged, charged(args.cgroup))
-                ids = np.concatenate(got)
-                s = loader.stats()
+                ids, s = np.concatenate(got), loader.stats()
                 once = bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n)))
                 e = {"epoch": epoch, "seconds": round(time.perf_counter() - t0, 2), "exactly_once": once}
                 out["epochs"].append(
@@ -97,16 +83,8 @@ def child(args) -> int:
     out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + messages
     status = Path("/proc/self/status").read_text()
     out["peak_rss"] = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) * 1024
-    out["peak_anon"] = peak_anon
     out["peak_charged"] = peak_charged
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def anon_rss() -> int:
-    """This process's anonymous and shared-memory resident bytes (RssAnon + RssShmem): the memory its
-    cgroup is charged for and cannot reclaim, unlike the file pages of its libraries that RSS also counts."""
-    fields = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines() if ":" in ln)
-    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
 
 
 def charged(cgroup: str | None) -> int:
@@ -128,10 +106,8 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
         kw = {"epochs": args.epochs, "batch_size": args.batch_size, "image_size": args.image_size}
         kw |= {"io_threads": args.io_threads, "num_threads": args.num_threads or None}
         argv = jobs.flags(child=True, cgroup=cg.path, cache=cache, data=args.data, **kw)
-        cmd = jobs.scenario_command("memory_limit", *argv)
-        t0 = time.perf_counter()
-        env = {**os.environ, "COORDL_SHM_DIR": shm}
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, env=env)
+        cmd, t0 = jobs.scenario_command("memory_limit", *argv), time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "COORDL_SHM_DIR": shm})
         row = {"run": name, "cache_bytes": cache, "limit": limit, "returncode": r.returncode}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         row["max_usage"] = int(cg.read("memory.max_usage_in_bytes"))
@@ -177,8 +153,8 @@ def run(args) -> dict | None:
     limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * data["total_bytes"])
     how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
     print(
-        f"own memory with cache_bytes=0: peak RSS {report.mb(own['peak_rss'])} MB, cgroup peak "
-        f"{report.mb(own['max_usage'])} MB; limit ({how}) = {report.mb(limit)} MB"
+        f"own memory with cache_bytes=0: peak RSS {mb(own['peak_rss'])} MB, cgroup peak "
+        f"{mb(own['max_usage'])} MB; limit ({how}) = {mb(limit)} MB"
     )
     rows = [own] + [run_child(args, f"c{k}", c, limit) for k, c in enumerate(args.cache.split(","))]
     for row in rows:
@@ -189,14 +165,12 @@ def run(args) -> dict | None:
 
 
 def table(result: dict) -> str:
-    rows = result["runs"]
-    lines = ["run|cache_bytes|limit MB|exit|oom kills|peak MB|budget MB|cached MB|stopped|exactly once".split("|")]
-    for r in rows:
-        last = (r.get("epochs") or [{}])[-1]
-        stopped = any("stopped growing" in m for m in r.get("warnings", []))
+    rows = []
+    for r in result["runs"]:
+        last, warned = (r.get("epochs") or [{}])[-1], r.get("warnings", [])
         once = bool(r.get("epochs")) and all(e["exactly_once"] for e in r["epochs"])
-        mbs = [report.mb(x) for x in (r["limit"], r["max_usage"], r.get("budget"), last.get("cache_bytes"))]
-        lines.append([r["run"], r["cache_bytes"], mbs[0], str(r["returncode"]), str(r["oom_kill"]), *mbs[1:]])
-        lines[-1] += [str(stopped), str(once)]
-    widths = [max(len(x[k]) for x in lines) for k in range(len(lines[0]))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in lines)
+        mbs = [mb(x) for x in (r["limit"], r["max_usage"], r.get("budget"), last.get("cache_bytes"))]
+        rows.append([r["run"], r["cache_bytes"], mbs[0], r["returncode"], r["oom_kill"], *mbs[1:]])
+        rows[-1] += [any("stopped growing" in m for m in warned), once]
+    head = "run|cache_bytes|limit MB|exit|oom kills|peak MB|budget MB|cached MB|stopped|exactly once"
+    return report.table(head, rows)
