@@ -25,50 +25,47 @@ import time
 
 import numpy as np
 
-from benchmarks.harness import jobs, measure
+from benchmarks.harness import jobs, measure, report
 
 
 def one(module: str | None, root: str, entries: int, size: int) -> dict:
     """One write epoch and one read epoch in this process; ``module``: a file to take the tier from."""
     if module:
         spec = importlib.util.spec_from_file_location("disk_before", module)
-        disk = importlib.util.module_from_spec(spec)
-        sys.modules["disk_before"] = disk
+        disk = sys.modules["disk_before"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(disk)
     else:
         from coordl.fetch import disk
-    base = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root)
+    base, rng = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root), np.random.default_rng(0)
+
+    def per_entry(cpu: float, t: float) -> tuple[float, float]:  # CPU and wall microseconds an entry
+        cpu = measure.process_cpu_seconds(os.getpid()) - cpu
+        return cpu / entries * 1e6, (time.perf_counter() - t) / entries * 1e6
+
     try:
         tier = disk.DiskTier(disk.tier_folder(base))
-        rng = np.random.default_rng(0)
-        data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(entries)]
+        data = [rng.integers(0, 256, size, np.uint8) for _ in range(entries)]
         names = [f"s3://bucket/train/{k:07d}.jpg" for k in range(entries)]
-        stamps = [disk.stamp(n, size, "etag") for n in names]
-        out = {}
-        t, c = time.perf_counter(), _cpu()
+        stamps, out = [disk.stamp(n, size, "etag") for n in names], {}
+        c, t = measure.process_cpu_seconds(os.getpid()), time.perf_counter()
         for k in range(0, entries, 64):
             tier.put(names[k : k + 64], stamps[k : k + 64], data[k : k + 64])
-        assert tier.flush(600) and tier.written == entries
-        out["write_us"], out["write_wall_us"] = (_cpu() - c) / entries * 1e6, (time.perf_counter() - t) / entries * 1e6
-        order = rng.permutation(entries)
-        into = [np.empty(size, np.uint8) for _ in range(entries)]
-        t, c = time.perf_counter(), _cpu()
-        for k in range(0, entries, 64):
-            ids = order[k : k + 64].tolist()
+        if not tier.flush(600) or tier.written != entries:
+            raise SystemExit(f"the tier wrote {tier.written} of {entries} entries")
+        out["write_us"], out["write_wall_us"] = per_entry(c, t)
+        order, into = rng.permutation(entries), [np.empty(size, np.uint8) for _ in range(entries)]
+        c, t = measure.process_cpu_seconds(os.getpid()), time.perf_counter()
+        for ids in (order[k : k + 64].tolist() for k in range(0, entries, 64)):
             got = tier.read_into(
                 [names[i] for i in ids], [stamps[i] for i in ids], [size] * len(ids), [[into[i]] for i in ids]
             )
-            assert np.all(np.asarray(got) == 1)  # GOOD (True in the version before the checks)
-        out["read_us"], out["read_wall_us"] = (_cpu() - c) / entries * 1e6, (time.perf_counter() - t) / entries * 1e6
+            if not np.all(np.asarray(got) == 1):  # GOOD (True in the version before the checks)
+                raise SystemExit(f"the tier read back {got}")
+        out["read_us"], out["read_wall_us"] = per_entry(c, t)
         tier.close()
         return out
     finally:
         shutil.rmtree(base)
-
-
-def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def options(p) -> None:
@@ -85,16 +82,13 @@ def run(args) -> dict | None:
         return jobs.say(**one(args.one or None, args.root, args.entries, args.size))
     runs: dict[str, list[dict]] = {"now": [], "before": []}
     for _, which in measure.alternate(["before", "now"] if args.before else ["now"], args.rounds):
-        extra = ["--one", args.before] if which == "before" else ["--one"]
-        child = ["--root", args.root, "--entries", str(args.entries), "--size", str(args.size), *extra]
-        runs[which].append(jobs.run_json(jobs.scenario_command("disk_tier_ops", *child)))
+        child = jobs.flags(root=args.root, entries=args.entries, size=args.size) + ["--one"]
+        command = jobs.scenario_command("disk_tier_ops", *child, *[args.before] * (which == "before"))
+        runs[which].append(jobs.run_json(command))
     medians = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items() if rs}
     return {"runs": runs, "medians": medians}
 
 
 def table(r: dict) -> str:
-    return "\n".join(
-        f"{which:>6}: write {m['write_us']:.0f} us CPU/entry ({m['write_wall_us']:.0f} wall), "
-        f"read {m['read_us']:.1f} us CPU/entry ({m['read_wall_us']:.1f} wall)"
-        for which, m in r["medians"].items()
-    )
+    rows = [[w, m["write_us"], m["write_wall_us"], m["read_us"], m["read_wall_us"]] for w, m in r["medians"].items()]
+    return report.table("tier|write us CPU/entry|write us wall/entry|read us CPU/entry|read us wall/entry", rows)

@@ -14,6 +14,7 @@ import time
 
 import coordl
 from benchmarks.harness import dataset, limits, measure, report
+from benchmarks.harness.report import log, mb
 
 
 def options(p) -> None:
@@ -21,62 +22,41 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--cache", type=float, default=0.5, help="cache budget as a fraction of the dataset")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument(
-        "--drop-level",
-        type=int,
-        default=3,
-        choices=(1, 3),
-        help="drop_caches level before each epoch: 3 (pages, dentries, inodes) or 1 (pages only)",
-    )
+    levels = "drop_caches level before each epoch: 3 (pages, dentries, inodes) or 1 (pages only)"
+    p.add_argument("--drop-level", type=int, default=3, choices=(1, 3), help=levels)
 
 
 def run(args) -> dict | None:
-
-    data = dataset.dataset_from_args(args)
-    dev = measure.device_of(args.data)
-    print(f"dataset: {dataset.describe(data)}; device {dev}")
+    data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
+    log(f"dataset: {dataset.describe(data)}; device {dev}")
     rows, notes = [], []
-    # Warm-up: load DALI's libraries and build a pipeline before anything is measured,
-    # so that the first epoch's device reads are the dataset's, not the libraries'.
-    with coordl.CoordLoader(
-        args.data, batch_size=args.batch_size, device_id=None, cache=0, shuffle=True, pipeline="imagenet-train"
-    ) as warm:
-        for k, _ in enumerate(warm):
-            if k == 2:
-                break
-    with coordl.CoordLoader(
-        args.data, batch_size=args.batch_size, device_id=None, cache=args.cache, shuffle=True, pipeline="imagenet-train"
-    ) as loader:
+    kw = {"batch_size": args.batch_size, "device_id": None, "shuffle": True, "pipeline": "imagenet-train"}
+    # Warm-up: DALI's libraries loaded and a pipeline built first, so that epoch 0's device reads are the dataset's.
+    with coordl.CoordLoader(args.data, cache=0, **kw) as warm:
+        for _ in zip(range(3), warm):  # three batches
+            pass
+    with coordl.CoordLoader(args.data, cache=args.cache, **kw) as loader:
         for epoch in range(args.epochs):
-            why = limits.drop_page_cache(args.drop_level)
-            if why and why not in notes:
+            if (why := limits.drop_page_cache(args.drop_level)) and why not in notes:
                 notes.append(why)
-            before = measure.sectors_read(dev)
-            t0 = time.perf_counter()
+            before, t0 = measure.sectors_read(dev), time.perf_counter()
             loader.set_epoch(epoch)
             for _ in loader:
                 pass
-            seconds = time.perf_counter() - t0
-            disk = measure.sectors_read(dev) - before
-            s = loader.stats()
+            seconds, disk, s = time.perf_counter() - t0, measure.sectors_read(dev) - before, loader.stats()
             minimum = data["total_bytes"] - s["cache_bytes"] if epoch else data["total_bytes"]
             row = {"epoch": epoch, "seconds": round(seconds, 2), "samples_per_s": round(s["samples"] / seconds, 1)}
             row |= {"storage_bytes_stats": s["storage_bytes"], "storage_bytes_disk": disk, "minimum_bytes": minimum}
             row |= {"stats_over_min": round(s["storage_bytes"] / minimum, 4), "disk_over_min": round(disk / minimum, 4)}
-            row |= {k: s[k] for k in ("cache_hits", "storage_reads", "cache_bytes")}
-            rows.append(row)
-            print(json.dumps(row))
+            rows.append(row | {k: s[k] for k in ("cache_hits", "storage_reads", "cache_bytes")})
+            log(json.dumps(rows[-1]))
     return {"dataset": data, "notes": notes, "epochs": rows}
 
 
 def table(result) -> str:
-    rows = result["epochs"]
-    head = "| epoch | s | samples/s | storage MB (stats) | device MB (diskstats) | minimum MB | stats/min | disk/min |"
-    lines = [head, "|" + "---|" * 8]
-    for r in rows:
-        lines.append(
-            f"| {r['epoch']} | {r['seconds']} | {r['samples_per_s']} | {report.mb(r['storage_bytes_stats'])} | "
-            f"{report.mb(r['storage_bytes_disk'])} | {report.mb(r['minimum_bytes'])} | {r['stats_over_min']:.4f} | "
-            f"{r['disk_over_min']:.4f} |"
-        )
-    return "\n".join(lines + [f"NOTE: {n}" for n in result["notes"]])
+    rows = [[r["epoch"], r["seconds"], r["samples_per_s"]] for r in result["epochs"]]
+    for row, r in zip(rows, result["epochs"]):
+        row += [mb(r[k]) for k in ("storage_bytes_stats", "storage_bytes_disk", "minimum_bytes")]
+        row += [f"{r['stats_over_min']:.4f}", f"{r['disk_over_min']:.4f}"]
+    head = "epoch|s|samples/s|storage MB (stats)|device MB (diskstats)|minimum MB|stats/min|disk/min"
+    return "\n".join([report.table(head, rows)] + [f"NOTE: {n}" for n in result["notes"]])
