@@ -313,12 +313,9 @@ def run(args) -> dict | None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarise(runs)
-    config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "memory_fraction": args.memory}
-    config |= {"memory_bytes": ctx["memory"], "tier_root": args.tier_root, "epochs": args.epochs}
-    config |= {"repeat": args.repeat, "batch": args.batch, "workers": args.workers, "chunk": args.chunk}
-    config |= {"configurations": names, "read_threads": args.read_threads, "drop_page_cache": not args.no_drop}
-    # cgroups None: no memory or blkio limit, the tier's disk as it is, the page cache measured instead
-    config |= {"tier_device": "{}:{}".format(*ctx["device"]), "cgroups": None, "pipeline": "imagenet-train"}
+    # the options are in the result's own field; cgroups None: no memory or blkio limit, the page cache measured
+    config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "repeat": args.repeat}
+    config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"]), "cgroups": None}
     result = {
         "smoke": args.smoke,
         "fincore": shutil.which("fincore") is not None,
