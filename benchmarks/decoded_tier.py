@@ -180,33 +180,21 @@ def concurrent(args, dataset_bytes: int, decoded: int) -> list[dict]:
     return out
 
 
-def plot(result: dict, path: Path) -> None:
-    report.plot(path, lambda plt: draw(plt, result))
-
-
 def draw(plt, result: dict):
-    s = result["split"]
+    """The model's curve of steady samples/s over the decoded tier's size, and the runs measured on it."""
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    curve = s["predicted_curve"]
-    ax.plot(
-        [p["decoded_bytes"] / 1e9 for p in curve],
-        [p["predicted_samples_per_s"] for p in curve],
-        label="predicted (model)",
-    )
-
-    def point(r, marker, label, **kw):
-        ax.plot([r["tiers"]["decoded_budget"] / 1e9], [r["steady_samples_per_s"]], marker, label=label, **kw)
-
-    pts = [r for r in s["runs"] if isinstance(r["fraction"], float)]
-    xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
-    ax.plot(xs, ys, "o", label="measured")
-    point(next(r for r in s["runs"] if r["fraction"] == "auto"), "*", '"auto"', ms=12)
-    for r in s["runs"]:
-        if str(r["fraction"]).startswith("capped-auto"):
-            cap = r["fraction"].rsplit("-", 1)[1]
-            point(r, "D", f'"auto", max_short_side={cap} (other pixels)', ms=8)
-        if r["fraction"] == "auto-half":
-            point(r, "^", '"auto", node budget = half the decoded dataset', ms=9)
+    curve, runs = result["split"]["predicted_curve"], result["split"]["runs"]
+    x = [p["decoded_bytes"] / 1e9 for p in curve]
+    ax.plot(x, [p["predicted_samples_per_s"] for p in curve], label="predicted (model)")
+    marks = [(lambda f: isinstance(f, float), "o", "measured", {})]
+    marks += [(lambda f: f == "auto", "*", '"auto"', {"ms": 12})]
+    marks += [(lambda f: str(f).startswith("capped-auto"), "D", '"auto", max_short_side={} (other pixels)', {"ms": 8})]
+    marks += [(lambda f: f == "auto-half", "^", '"auto", node budget = half the decoded dataset', {"ms": 9})]
+    for chosen, marker, label, kw in marks:
+        pts = [r for r in runs if chosen(r["fraction"])]
+        xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
+        if pts:
+            ax.plot(xs, ys, marker, label=label.format(str(pts[0]["fraction"]).rsplit("-", 1)[-1]), **kw)
     ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
     ax.set_ylabel("steady samples/s")
     ax.set_ylim(bottom=0)
@@ -244,7 +232,7 @@ def run(args) -> dict | None:
         log("concurrent jobs:")
         result["jobs"] = concurrent(args, dataset_bytes, decoded)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(result, Path(args.out) / "decoded_tier.png")
+    report.plot(Path(args.out) / "decoded_tier.png", lambda plt: draw(plt, result))
     return result
 
 

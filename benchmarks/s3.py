@@ -1,4 +1,4 @@
-"""An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's reader of the same root.
+"""An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's reader; clients' CPU per GET.
 
 The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy on 127.0.0.1, which
 waits ``--latency`` seconds before forwarding each request and counts what it forwards. The dataset is
@@ -14,6 +14,14 @@ Per epoch: seconds, samples/s, the object GETs and bytes the proxy saw, listings
 the CPU seconds of the loader, the proxy and moto; per run the time to make the loader.
 
     python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
+
+``--clients`` measures instead the client CPU time per GET, obstore (coordl's data plane) against boto3: on
+a machine whose cores also decode images, the CPU a client spends per request is taken from prep. Each
+client GETs the same ``--objects`` objects, 64 in flight, into buffers of their sizes, in a process of its
+own against moto's server (no proxy), rounds alternated; GETs/s is the server's bound as much as the
+client's, CPU per GET the client's alone.
+
+    python -m benchmarks s3 --clients --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 """
 
 from __future__ import annotations
@@ -22,32 +30,51 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.harness import dataset, jobs, measure, report
 from benchmarks.harness.report import log
 from benchmarks.loaders import dali_imagenet_train, dali_iterator
 
-COORDL_CACHES = (0.0, 0.5, 1.0)
+CLIENTS = ("obstore", "boto3")
 
 
-def config_names(args) -> list[str]:
-    names = [f"coordl-{c:g}" for c in args.caches]
-    if not args.skip_dali:
-        names += ["dali-s3", "dali-local"]
-    if not args.skip_capacity:
-        names += ["capacity-0", f"capacity-{args.latency:g}"]
-    return names
-
-
-# -- the child: one configuration in a fresh process ----------------------------------------------
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system
 
 
+def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
+    """``get(ks)``: GETs the keys at positions ``ks`` with ``client`` into buffers of their sizes; with
+    obstore through coordl's reads (``COORDL_S3_REQUESTS`` in flight), with boto3 from 64 threads."""
+    buffers = [np.empty(s, dtype=np.uint8) for s in sizes]
+    if client == "obstore":
+        from coordl.s3 import reads
+
+        def get(ks):
+            urls, n = [f"s3://{bucket}/{keys[k]}" for k in ks], len(ks)
+            failed = reads.read_many(urls, [sizes[k] for k in ks], [None] * n, [[buffers[k]] for k in ks])
+            assert not failed, failed
+
+        return get
+    import concurrent.futures as cf
+
+    from coordl.s3 import client as s3client
+
+    s3, pool = s3client.boto3_client(), cf.ThreadPoolExecutor(64)
+
+    def one(k: int) -> None:
+        memoryview(buffers[k]).cast("B")[:] = s3.get_object(Bucket=bucket, Key=keys[k])["Body"].read()
+
+    return lambda ks: list(pool.map(one, ks))
+
+
+# -- the children: one configuration in a fresh process ----------------------------------------------
 def _dali_pipeline(root: str, batch: int, threads: int):
     from nvidia.dali import fn, pipeline_def
 
@@ -59,10 +86,25 @@ def _dali_pipeline(root: str, batch: int, threads: int):
     return pipe()
 
 
-def child_loader(spec: dict) -> None:
-    """A coordl or DALI loader: made, then ``epochs`` epochs, each reported and awaited."""
-    parent = jobs.Parent()
-    kind = spec["kind"]
+def child(spec: dict) -> None:
+    """A coordl or DALI loader made, then ``epochs`` epochs; or every key GET once (``capacity``, one
+    epoch; ``client``, its CPU per GET): each reported and awaited."""
+    parent, kind = jobs.Parent(), spec["kind"]
+    if kind in ("capacity", "client"):
+        get, n = getter(spec.get("client", "obstore"), spec["bucket"], spec["keys"], spec["sizes"]), len(spec["keys"])
+        get(range(8))  # the client made, its first connections open
+        if kind == "capacity":
+            parent.say(event="created", create_s=0.0, cpu_s=0.0, threads=None, import_s=0.0)
+            parent.wait()
+        t0, c0 = time.perf_counter(), _cpu()
+        get(range(n))
+        seconds, cpu = time.perf_counter() - t0, _cpu() - c0
+        if kind == "client":  # its figures, the last line of its output
+            return jobs.say(client=spec["client"], gets=n, cpu_ms_per_get=1e3 * cpu / n, gets_per_s=n / seconds)
+        row = {"epoch": 0, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": cpu}
+        parent.say(event="epoch", **row, bytes=sum(spec["sizes"]))
+        parent.wait()
+        return parent.say(event="done")
     # Every library either loader uses is imported before the clock starts (``import_s``): making
     # the loader (``create_s``) is then listing, indexing and building the pipeline.
     t0 = time.perf_counter()
@@ -78,82 +120,32 @@ def child_loader(spec: dict) -> None:
     if kind == "coordl":
         kw = {"batch_size": spec["batch"], "cache": spec["cache"], "shuffle": True}
         loader = coordl.CoordLoader(spec["url"], device_id=None, pipeline="imagenet-train", **kw)
-        threads = loader.num_threads
-
-        def epoch():
-            return loader
+        threads, epoch = loader.num_threads, lambda: loader
     else:
         threads = spec["threads"]
         pipe = _dali_pipeline(spec["url"], spec["batch"], threads)
         pipe.build()  # lists the root (an s3:// one with ListObjectsV2)
-        iterator = None
-
-        def epoch():
-            nonlocal iterator
-            if iterator is None:  # made at the first epoch: it starts the pipeline's read-ahead
-                iterator = dali_iterator(pipe)
-            return iterator
-
-    created = {"create_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0, "threads": threads, "import_s": import_s}
-    parent.say(event="created", **created)
+        made = []  # the iterator, made at the first epoch: it starts the pipeline's read-ahead
+        epoch = lambda: made[0] if made else made.append(dali_iterator(pipe)) or made[0]  # noqa: E731
+    parent.say(
+        event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads, import_s=import_s
+    )
     parent.wait()
     for e in range(spec["epochs"]):
         t0, c0 = time.perf_counter(), _cpu()
-        n = 0
-        for batch in epoch():
-            n += len(batch[1]) if kind == "coordl" else batch[0]["labels"].shape[0]
+        n = sum(len(batch[1]) if kind == "coordl" else batch[0]["labels"].shape[0] for batch in epoch())
         seconds = time.perf_counter() - t0
-        row = {"event": "epoch", "epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds}
-        row["cpu_s"] = _cpu() - c0
+        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": _cpu() - c0}
         if kind == "coordl":
             s = loader.stats()
             row["stats"] = {k: v for k, v in s.items() if k != "skipped_paths"}
             # read_s sums the time coordl's io threads spent in storage reads (each a call with many GETs in
             # flight): over the epoch's seconds, how many of those threads were reading on average
             row["threads_reading"] = s["read_s"] / seconds
-        parent.say(**row)
+        parent.say(event="epoch", **row)
         parent.wait()
     if kind == "coordl":
         loader.close()
-    parent.say(event="done")
-
-
-def child_capacity(spec: dict) -> None:
-    """Every key GET once with obstore, ``inflight`` at a time: the server's rate, not a loader's."""
-    import asyncio
-    from datetime import timedelta
-
-    import obstore
-    from obstore.store import S3Store
-
-    parent = jobs.Parent()
-    keys = spec["keys"]
-    env = {k: os.environ[f"AWS_{k.upper()}"] for k in ("access_key_id", "secret_access_key")}
-    env |= {"endpoint": os.environ["AWS_ENDPOINT_URL"], "region": os.environ["AWS_DEFAULT_REGION"]}
-    client = {"allow_http": True, "pool_max_idle_per_host": str(spec["inflight"]), "timeout": timedelta(seconds=60)}
-    store = S3Store(spec["bucket"], config=env | {"virtual_hosted_style_request": False}, client_options=client)
-
-    async def run(store) -> int:
-        sem = asyncio.Semaphore(spec["inflight"])
-
-        async def one(key: str) -> int:
-            async with sem:
-                r = await obstore.get_async(store, key)
-                return len(await r.bytes_async())
-
-        return sum(await asyncio.gather(*(one(k) for k in keys)))
-
-    parent.say(event="created", create_s=0.0, cpu_s=0.0, threads=None, import_s=0.0)
-    parent.wait()
-    t0, c0 = time.perf_counter(), _cpu()
-    nbytes = asyncio.run(run(store))
-    seconds = time.perf_counter() - t0
-    epoch = {"epoch": 0, "samples": len(keys), "seconds": seconds, "samples_per_s": len(keys) / seconds}
-    parent.say(event="epoch", **epoch, cpu_s=_cpu() - c0, bytes=nbytes)
-    parent.wait()
-    # The store goes (its connections close) while the interpreter is whole, as coordl's clients do
-    # at exit (coordl.s3.client.close): nothing of obstore's runtime is left working into its end.
-    del store
     parent.say(event="done")
 
 
@@ -192,26 +184,23 @@ class Meter:
         return out
 
 
-def run_one(args, server, name: str, keys: list[str]) -> dict:
+def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
-    url = f"s3://{args.bucket}/{args.prefix}"
-    if name.startswith("coordl-"):
-        spec = {"kind": "coordl", "url": url, "cache": float(name.split("-", 1)[1]), "batch": args.batch}
-    elif name.startswith("dali-"):
-        spec = {"kind": "dali", "url": url if name == "dali-s3" else args.data, "batch": args.batch}
-        spec["threads"] = args.threads
-    else:
-        spec = {"kind": "capacity", "bucket": args.bucket, "keys": keys, "inflight": args.capacity_inflight}
-    spec["epochs"] = args.epochs
-    server.latency_s = float(name.split("-", 1)[1]) if name.startswith("capacity-") else args.latency
+    url, kind = f"s3://{args.bucket}/{args.prefix}", name.split("-", 1)[0]
+    spec = {"kind": kind, "url": url, "batch": args.batch, "threads": args.threads, "epochs": args.epochs}
+    spec |= {"bucket": args.bucket, "keys": keys, "sizes": sizes}
+    if kind == "coordl":
+        spec["cache"] = float(name.split("-", 1)[1])
+    if name == "dali-local":
+        spec["url"] = args.data
+    server.latency_s = float(name.split("-", 1)[1]) if kind == "capacity" else args.latency
     shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-")
     index = tempfile.mkdtemp(prefix="coordl-s3bench-index-")
     env = {**os.environ, **server.env(), "COORDL_SHM_DIR": shm, "COORDL_INDEX_DIR": index}
     env.pop("COORDL_S3_REQUESTS", None)
-    if args.requests:
-        env["COORDL_S3_REQUESTS"] = str(args.requests)
-    spec_file = Path(index) / "spec.json"
-    spec_file.write_text(json.dumps(spec))
+    if args.requests or kind == "capacity":
+        env["COORDL_S3_REQUESTS"] = str(args.capacity_inflight if kind == "capacity" else args.requests)
+    (spec_file := Path(index) / "spec.json").write_text(json.dumps(spec))
     meter = Meter(server)
     run = {"config": name, "latency_s": server.latency_s, "epochs": []}
 
@@ -229,7 +218,7 @@ def run_one(args, server, name: str, keys: list[str]) -> dict:
         server.latency_s = args.latency
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(index, ignore_errors=True)
-    if code != 0 or len(run["epochs"]) < (1 if spec["kind"] == "capacity" else args.epochs):
+    if code != 0 or len(run["epochs"]) < (1 if kind == "capacity" else args.epochs):
         run["error"] = jobs.error_text(err) or f"exit status {code}"
     return run
 
@@ -248,59 +237,59 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def table(result: dict) -> str:
-    lat = result["config"]["latency_s"]
-    lines = [
-        f"latency {lat * 1000:g} ms per request; {result['config']['repeat']} round(s); medians, [min-max] over rounds",
-        (
-            "| config | epoch | samples/s | s | make s | object GETs | MB | listing reqs | storage_reads | "
-            "cache_hits | io threads reading | CPU s loader / proxy / moto |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    cell = report.spread
+    if "medians" in result:  # --clients
+        ms = result["medians"].items()
+        return "\n".join(
+            f"{c:8s} median: {m['cpu_ms_per_get']:.2f} ms CPU per GET, {m['gets_per_s']:.0f} GET/s" for c, m in ms
+        )
+    cell, rows, caps = report.spread, [], []
     for name, s in result["summary"].items():
-        if name.startswith("capacity-"):
-            continue
-        if not s["ok"]:
-            lines.append(f"| {name} | - | failed: {s['errors'][0].splitlines()[-1][:120]} | | | | | | | | | |")
-            continue
-        for ep in s["epochs"]:
-            listing = s["create_listing_requests"] if ep["epoch"] == 0 else ep.get("listing_requests")
+        for ep in s.get("epochs", []) if not name.startswith("capacity-") else []:
+            first = ep["epoch"] == 0
             cpu = " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
-            make = cell(s["create_s"], "{:.1f}") if ep["epoch"] == 0 else ""
-            flight, mbs = cell(ep.get("threads_reading"), "{:.1f}"), cell(ep.get("get_bytes"), "{:.1f}", scale=1e6)
-            lines.append(
-                f"| {name} | {ep['epoch']} | {cell(ep['samples_per_s'], rng=True)} | {cell(ep['seconds'], '{:.1f}')} | "
-                f"{make} | {cell(ep.get('gets'))} | {mbs} | {cell(listing)} | "
-                f"{cell(ep.get('storage_reads'))} | {cell(ep.get('cache_hits'))} | {flight} | {cpu} |"
+            rows.append(
+                [name, ep["epoch"], cell(ep["samples_per_s"], rng=True), cell(ep["seconds"], "{:.1f}")]
+                + [cell(s["create_s"], "{:.1f}") if first else "", cell(ep.get("gets"))]
+                + [
+                    cell(ep.get("get_bytes"), "{:.1f}", scale=1e6),
+                    cell(s["create_listing_requests"] if first else ep.get("listing_requests")),
+                ]
+                + [
+                    cell(ep.get("storage_reads")),
+                    cell(ep.get("cache_hits")),
+                    cell(ep.get("threads_reading"), "{:.1f}"),
+                    cpu,
+                ]
             )
-    caps = [(n, s) for n, s in result["summary"].items() if n.startswith("capacity-") and s["ok"]]
-    if caps:
-        lines += [
-            "",
-            f"server capacity (obstore, {result['config']['capacity_inflight']} GETs in flight, every object once):",
-        ]
-        for name, s in caps:
+        if name.startswith("capacity-") and s["ok"]:
             ep = s["epochs"][0]
-            lines.append(
+            caps.append(
                 f"  latency {name.split('-', 1)[1]} s: {cell(ep['samples_per_s'], rng=True)} GETs/s, "
                 f"{ep['get_bytes']['median'] / ep['seconds']['median'] / 1e6:.0f} MB/s; CPU s client / proxy / moto "
                 + " / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
             )
-    for name, s in result["summary"].items():
         if s["ok"] < s["rounds"]:
-            lines += ["", f"{name}: {s['rounds'] - s['ok']} of {s['rounds']} run(s) failed:", s["errors"][0]]
-    return "\n".join(lines)
+            caps += [f"{name}: {s['rounds'] - s['ok']} of {s['rounds']} run(s) failed:", s["errors"][0]]
+    head = "config|epoch|samples/s|s|make s|object GETs|MB|listing reqs|storage_reads|cache_hits|io threads reading"
+    lat = result["config"]["latency_s"]
+    return "\n".join(
+        [f"latency {lat * 1000:g} ms per request; {result['config']['repeat']} round(s); medians, [min-max]"]
+        + [report.table(head + "|CPU s loader / proxy / moto", rows), ""]
+        + [f"server capacity (obstore, {result['config']['capacity_inflight']} GETs in flight, every object once):"]
+        + caps
+    )
 
 
 def options(p) -> None:
     dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=4436, classes=100)
+    p.add_argument("--clients", action="store_true", help="the clients' CPU per GET instead (see above)")
+    p.add_argument("--objects", type=int, default=1000, help="--clients: objects GET per run (default: 1000)")
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
     p.add_argument("--batch", type=int, default=64)
     caches = "coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)"
-    p.add_argument("--caches", type=float, nargs="+", default=list(COORDL_CACHES), help=caches)
+    p.add_argument("--caches", type=float, nargs="+", default=[0.0, 0.5, 1.0], help=caches)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI's threads (default: os.cpu_count())")
     p.add_argument("--requests", type=int, help="COORDL_S3_REQUESTS for coordl (default: coordl's own, 64)")
     p.add_argument("--capacity-inflight", type=int, default=64, help="GETs in flight for the capacity runs")
@@ -311,17 +300,35 @@ def options(p) -> None:
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
 
 
+def clients(args, server, keys: list[str], sizes: list[int]) -> dict:
+    """Each client in a process of its own against moto alone (no proxy), rounds alternated."""
+    folder = Path(tempfile.mkdtemp(prefix="coordl-s3-clients-"))
+    env = {**os.environ, **server.env(), "AWS_ENDPOINT_URL": server.direct, "COORDL_S3_REQUESTS": "64"}
+    rows = []
+    try:
+        for r, name in measure.alternate(list(CLIENTS), args.repeat):
+            spec = {"kind": "client", "client": name, "bucket": args.bucket, "keys": keys, "sizes": sizes}
+            (folder / "spec.json").write_text(json.dumps(spec))
+            command = jobs.scenario_command("s3", "--one", str(folder / "spec.json"))
+            rows.append(row := jobs.run_json(command, env=env, timeout=600) | {"round": r})
+            log(f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s")
+    finally:
+        shutil.rmtree(folder)
+    figures = ("cpu_ms_per_get", "gets_per_s")
+    medians = {c: {k: statistics.median(x[k] for x in rows if x["client"] == c) for k in figures} for c in CLIENTS}
+    return {"objects": len(keys), "in_flight": 64, "rows": rows, "medians": medians}
+
+
 def run(args) -> dict | None:
     if args.one:
-        spec = json.loads(Path(args.one).read_text())
-        return (child_capacity if spec["kind"] == "capacity" else child_loader)(spec)  # a failure: exit 1
-
+        return child(json.loads(Path(args.one).read_text()))  # a failure: exit 1
     from coordl_testing.s3server import S3Server
 
     data = dataset.dataset_from_args(args)
     args.data = data["root"]
     log(f"dataset: {dataset.describe(data)}")
-    names = config_names(args)
+    names = [f"coordl-{c:g}" for c in args.caches] + ([] if args.skip_dali else ["dali-s3", "dali-local"])
+    names += [] if args.skip_capacity else ["capacity-0", f"capacity-{args.latency:g}"]
     t_start = time.time()
     with S3Server() as server:
         moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
@@ -329,10 +336,14 @@ def run(args) -> dict | None:
         t0 = time.perf_counter()
         keys = server.upload_tree(args.data, args.bucket, args.prefix)
         log(f"uploaded {len(keys)} objects to s3://{args.bucket}/{args.prefix} in {time.perf_counter() - t0:.1f} s")
+        sizes = [Path(args.data, k[len(args.prefix) + 1 :]).stat().st_size for k in keys]
+        if args.clients:
+            return {"dataset": data, **clients(args, server, keys[: args.objects], sizes[: args.objects])}
         server.latency_s = args.latency
         # dali-s3 failed before: the reason is recorded, it is not tried again
         failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
-        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys), log, failed)
+        one = lambda name: run_one(args, server, name, keys, sizes)  # noqa: E731
+        runs = measure.in_rounds(names, args.repeat, one, log, failed)
     config = {"latency_s": args.latency, "epochs": args.epochs, "repeat": args.repeat, "batch": args.batch}
     config |= {"caches": args.caches, "dali_threads": args.threads, "coordl_s3_requests": args.requests or 64}
     config |= {"capacity_inflight": args.capacity_inflight, "url": f"s3://{args.bucket}/{args.prefix}"}
@@ -343,3 +354,8 @@ def run(args) -> dict | None:
     if dali is not None:
         result["dali_s3"] = {"works": dali["ok"] > 0, "error": dali["errors"][0] if dali["errors"] else None}
     return result
+
+
+def out_path(args) -> str:
+    """``--clients`` writes ``s3_clients.json`` where the loaders write ``s3.json``."""
+    return args.out.replace("s3.json", "s3_clients.json") if args.clients else args.out

@@ -624,24 +624,15 @@ def test_s3_small(tmp_path):
 
 
 def test_s3_clients_small(tmp_path):
-    """s3_clients on 24 small JPEGs: both clients GET every object and report their CPU per GET."""
+    """s3 --clients on 24 small JPEGs: both clients GET every object and report their CPU per GET."""
     data, out = tmp_path / "data", tmp_path / "s3_clients.json"
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "s3_clients",
-        "--data",
-        str(data),
-        "--images",
-        "24",
-        "--classes",
-        "2",
-    ]
-    command += ["--width", "120", "--height", "100", "--objects", "24", "--repeat", "1", "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "s3", "--clients", "--data", str(data), "--images", "24"]
+    command += ["--classes", "2", "--width", "120", "--height", "100", "--objects", "24", "--repeat", "1"]
+    command += ["--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = _figures(out, "s3_clients")
+    result = _figures(out, "s3")
+    assert result["command"].startswith("python -m benchmarks s3 --clients")
     assert sorted(r["client"] for r in result["rows"]) == ["boto3", "obstore"]
     assert all(r["gets"] == 24 and r["cpu_ms_per_get"] > 0 and r["gets_per_s"] > 0 for r in result["rows"])
 
