@@ -1,20 +1,16 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
-Loaders (:mod:`benchmarks.loaders`, the same augmentation, batch size and CPU threads/workers, batches
-delivered on the GPU): ``coordl`` (GPU decode: DALI ``mixed``; the node's cache at its default size),
-``dali`` (DALI's own GPU pipeline: ``fn.readers.file(random_shuffle=True)``, ``fn.decoders.image(device=
-"mixed")``, ``fn.random_resized_crop``, ``fn.crop_mirror_normalize``), ``coordl-cpu`` (DALI on the CPU,
-batches copied to the GPU) and ``torch`` (``DataLoader``, ``--threads`` Pillow workers, ``pin_memory``,
-copied with ``non_blocking``). Modes: ``train`` (a ResNet-50 step per batch: torchvision's model, else
-``examples/imagenet/models.py``'s; bf16 autocast, channels_last, SGD with momentum) and ``prep`` (the
-batches alone, on the GPU). Each loader runs in a child: a warm-up epoch not counted, then ``--epochs``
-epochs of each mode, alternating; loaders ABBA for ``--reps``. Per loader and mode: samples/s (GPU
-synchronised at each epoch's end), the stall fraction (time in ``next()`` / epoch time; coordl's
-``stats()["stall_s"]`` beside it), CPU seconds per sample (process tree). A loader that cannot run here is
-reported skipped with the reason, a failed or overrun run with its error; the JSON is written after every
-run. The dataset: ``--images`` generated JPEGs of about 400x350 (the photographs do not travel to the GPU
-machine), made once under ``--data``, read into the page cache before anything is measured. With
-``--cpu-smoke`` every loader runs on the CPU (DALI with ``device_id=None``) and nothing is copied.
+Loaders (:mod:`benchmarks.loaders`: the same augmentation, batch size and CPU threads/workers, batches
+delivered on the GPU): ``coordl`` (GPU decode, DALI ``mixed``; the node's cache at its default size), ``dali``
+(DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``torch``
+(``DataLoader``, Pillow workers, ``pin_memory``). Modes: ``train`` (a ResNet-50 step per batch: torchvision's
+model, else ``examples/imagenet/models.py``'s; bf16 autocast, channels_last, SGD) and ``prep`` (the batches
+alone). Each loader runs in a child: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating;
+loaders ABBA for ``--reps``. Per loader and mode: samples/s (GPU synchronised at each epoch's end), the stall
+fraction (time in ``next()`` / epoch time; coordl's ``stats()["stall_s"]`` beside it), CPU seconds per sample
+(process tree); a loader that cannot run here is reported skipped, a failed or overrun run with its error; the
+JSON is written after every run. The dataset: ``--images`` generated JPEGs (the photographs do not travel to
+the GPU machine), read into the page cache first. ``--cpu-smoke``: every loader on the CPU, nothing copied.
 
 The defaults (20,000 images, 2.2 GB; batch 256; 16 threads; 1 warm-up and 1 epoch per mode; 1 rep) take
 about 3 minutes on 16 cores and an H200 (estimated from this 2-core VM: ~35 s of data, ~35 s per loader);
