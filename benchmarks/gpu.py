@@ -1,16 +1,16 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
-Loaders (:mod:`benchmarks.gpu_loaders`, the same augmentation, batch size and CPU threads/workers):
-``coordl`` (GPU decode: DALI ``mixed``), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the
-CPU, batches copied to the GPU) and ``torch`` (``DataLoader``, ``--threads`` Pillow workers, ``pin_memory``).
-Modes: ``train`` (a ResNet-50 step per batch: torchvision's model, else ``examples/imagenet/models.py``'s;
-bf16 autocast, channels_last, SGD) and ``prep`` (the batches alone, on the GPU). Each loader runs in a child:
-a warm-up epoch not counted, then ``--epochs`` epochs of each mode, alternating; loaders ABBA for ``--reps``.
-Per loader and mode: samples/s (GPU synchronised at each epoch's end), the stall fraction (time in ``next()``
-/ epoch time; coordl's ``stats()["stall_s"]`` beside it), CPU seconds per sample (process tree). A loader that
-cannot run here is reported skipped with the reason, a failed or overrun run with its error; the JSON is
-written after every run. The dataset: ``--images`` generated JPEGs of about 400x350 (the photographs do not
-travel to the GPU machine), made once under ``--data``, read into the page cache before anything is measured.
+Loaders (:mod:`benchmarks.loaders`: the same augmentation, batch size and CPU threads/workers, batches
+delivered on the GPU): ``coordl`` (GPU decode, DALI ``mixed``; the node's cache at its default size), ``dali``
+(DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``torch``
+(``DataLoader``, Pillow workers, ``pin_memory``). Modes: ``train`` (a ResNet-50 step per batch: torchvision's
+model, else ``examples/imagenet/models.py``'s; bf16 autocast, channels_last, SGD) and ``prep`` (the batches
+alone). Each loader runs in a child: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating;
+loaders ABBA for ``--reps``. Per loader and mode: samples/s (GPU synchronised at each epoch's end), the stall
+fraction (time in ``next()`` / epoch time; coordl's ``stats()["stall_s"]`` beside it), CPU seconds per sample
+(process tree); a loader that cannot run here is reported skipped, a failed or overrun run with its error; the
+JSON is written after every run. The dataset: ``--images`` generated JPEGs (the photographs do not travel to
+the GPU machine), read into the page cache first. ``--cpu-smoke``: every loader on the CPU, nothing copied.
 
 The defaults (20,000 images, 2.2 GB; batch 256; 16 threads; 1 warm-up and 1 epoch per mode; 1 rep) take
 about 3 minutes on 16 cores and an H200 (estimated from this 2-core VM: ~35 s of data, ~35 s per loader);
@@ -25,25 +25,50 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
+import statistics
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks import gpu_loaders as loaders
-from benchmarks.harness import cli, dataset, jobs, limits, measure
-from benchmarks.harness.measure import cpu_seconds
+from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.loaders import Loader, model
 
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/gpu", "/var/tmp/coordl-bench/gpu-smoke"
+LOADERS = ("coordl", "dali", "coordl-cpu", "torch")
 MODES = ("train", "prep")
 CLASSES = 1000  # the model's outputs: ImageNet's head, whatever the dataset's folders
 
 
 # -- one run (a child process) ----------------------------------------------------------------
+class TrainStep:
+    """One training step of ``arch`` per batch: forward and loss under bf16 autocast, channels_last
+    activations, backward, SGD with momentum; on GPU ``device_id`` or (None) the CPU."""
+
+    def __init__(self, arch: str, device_id: int | None):
+        import torch
+
+        torch.manual_seed(0)
+        self.device = torch.device("cpu" if device_id is None else f"cuda:{device_id}")
+        net, self.origin = model(arch, CLASSES)
+        self.model = net.to(self.device, memory_format=torch.channels_last).train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        self.loss = torch.nn.CrossEntropyLoss()
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def __call__(self, images, labels) -> None:
+        import torch
+
+        images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.loss(self.model(images), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()  # no .item(): the loop does not wait for the GPU between steps
+
+
 def job(args) -> None:
-    """One loader in this process: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating."""
+    """One loader in this process: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating;
+    prints its figures as JSON, last."""
     import torch
 
     device_id = None if args.cpu_smoke else args.device_id
@@ -52,11 +77,10 @@ def job(args) -> None:
         torch.backends.cudnn.benchmark = True
     sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)
     t0 = time.perf_counter()
-    loader = loaders.Loader(args.job, args.data, args.batch_size, args.threads, device_id)
-    out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}
-    step = None
+    loader = Loader(args.job, args.data, args.batch_size, args.threads, seed=1, device_id=device_id)
+    out, step = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}, None
     if "train" in args.modes:
-        step = loaders.TrainStep(args.arch, CLASSES, device_id)
+        step = TrainStep(args.arch, device_id)
         out.update(model=args.arch, model_from=step.origin, params=step.params)
     out["build_s"] = time.perf_counter() - t0
     first = "train" if step is not None else args.modes[0]
@@ -64,25 +88,24 @@ def job(args) -> None:
     try:
         for k, (mode, warmup) in enumerate(schedule):
             sync()
-            cpu, t0, n, wait, shape = cpu_seconds(), time.perf_counter(), 0, 0.0, None
-            batches = loader.epoch(k)
+            cpu, t0, n, wait, batches = measure.cpu_seconds(), time.perf_counter(), 0, 0.0, loader.batches(k)
             while True:
                 t = time.perf_counter()
-                try:
-                    images, labels = next(batches)
-                except StopIteration:
+                if (batch := next(batches, None)) is None:
                     break
                 wait += time.perf_counter() - t
                 if mode == "train":
-                    step(images, labels)
-                n, shape = n + len(images), list(images.shape)
+                    step(*batch)
+                n, images = n + len(batch[0]), batch[0]
             sync()
             seconds = time.perf_counter() - t0
-            e = {"mode": mode, "warmup": warmup, "seconds": seconds, "samples": n, "wait_s": wait, "shape": shape}
-            e["cpu_s"] = cpu_seconds() - cpu
-            e["device"] = str(images.device) if n else None
-            if hasattr(loader, "stats"):
-                e["stats"] = loader.stats()
+            e = {"mode": mode, "warmup": warmup, "seconds": seconds, "samples": n, "wait_s": wait}
+            e |= {
+                "cpu_s": measure.cpu_seconds() - cpu,
+                **({"shape": list(images.shape), "device": str(images.device)} if n else {}),
+            }
+            if (stats := loader.counters()) is not None:
+                e["stats"] = stats
             out["epochs"].append(e)
             print(f"    {args.job} epoch {k} {mode}{' (warm-up)' if warmup else ''}: {n / seconds:.1f} samples/s")
     finally:
@@ -90,7 +113,7 @@ def job(args) -> None:
     if device_id is not None:
         out["gpu"] = torch.cuda.get_device_name(device_id)
         out["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device_id)
-    Path(args.out).write_text(json.dumps(out))
+    jobs.say(**out)
 
 
 def summary(run: dict) -> dict:
@@ -98,48 +121,38 @@ def summary(run: dict) -> dict:
     out = {}
     for mode in MODES:
         es = [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]
-        if not es:
-            continue
-        seconds, n = sum(e["seconds"] for e in es), sum(e["samples"] for e in es)
-        s = {"epochs": len(es), "samples_per_s": n / seconds, "cpu_s_per_sample": sum(e["cpu_s"] for e in es) / n}
-        s["stall_fraction"] = sum(e["wait_s"] for e in es) / seconds
-        if all("stats" in e for e in es):  # coordl's own accounting
-            s["stats_stall_fraction"] = sum(e["stats"]["stall_s"] for e in es) / seconds
-        out[mode] = s
+        if es:
+            seconds = sum(e["seconds"] for e in es)
+            out[mode] = {"epochs": len(es), **measure.steady({"epochs": es})}
+            out[mode]["stall_fraction"] = sum(e["wait_s"] for e in es) / seconds
+            if all("stats" in e for e in es):  # coordl's own accounting
+                out[mode]["stats_stall_fraction"] = sum(e["stats"]["stall_s"] for e in es) / seconds
     return out
 
 
 # -- the runs -----------------------------------------------------------------------------------
-def job_command(args, name: str, out: Path) -> list[str]:
+def run_all(args, result: dict, started: float) -> None:
+    runs, longest = result.setdefault("runs", {name: [] for name in args.loaders}), 0.0
     kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
     kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
-    return jobs.scenario_command("gpu", *jobs.flags(job=name, out=out, **kw, cpu_smoke=args.cpu_smoke))
-
-
-def run_all(args, result: dict, workdir: Path, started: float) -> None:
-    runs = result["runs"] = {name: [] for name in args.loaders}
-    longest = 0.0
     for rep, name in measure.alternate(args.loaders, args.reps):
         left = args.budget - (time.perf_counter() - started)
-        reason = loaders.missing(name)
+        reason = missing(name)
         if reason is None and left < longest:
             reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
         if reason is not None:
             runs[name].append({"skipped": reason})
             print(f"  rep {rep + 1} {name}: skipped ({reason})")
             continue
-        out, t0 = workdir / f"{name}.json", time.perf_counter()
-        load = os.getloadavg()[0]
+        t0, load = time.perf_counter(), os.getloadavg()[0]
+        command = jobs.scenario_command("gpu", *jobs.flags(job=name, **kw, cpu_smoke=args.cpu_smoke))
         try:
-            limit = max(min(left, args.run_timeout), 30)
-            command = job_command(args, name, out)
-            proc = subprocess.run(command, timeout=limit, capture_output=True, text=True, check=False)
-            run = json.loads(out.read_text()) if proc.returncode == 0 else {"error": _tail(proc)}
+            run = jobs.run_json(command, timeout=max(min(left, args.run_timeout), 30))
+        except SystemExit as e:
+            run = {"error": str(e)}
         except subprocess.TimeoutExpired as e:
-            said = (e.stdout or b"")[-1500:]
-            said = said.decode(errors="replace") if isinstance(said, bytes) else said
-            run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said}"}
-        out.unlink(missing_ok=True)
+            said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+            run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said[-1500:]}"}
         run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
         if "error" in run:
             print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
@@ -147,90 +160,62 @@ def run_all(args, result: dict, workdir: Path, started: float) -> None:
             longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
             run["summary"] = summary(run)
             cells = [
-                f"{mode} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
-                for mode, s in run["summary"].items()
+                f"{m} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
+                for m, s in run["summary"].items()
             ]
-            cells = ", ".join(cells)
-            print(f"  rep {rep + 1} {name}: {cells}; {run['wall_s']:.0f} s")
+            print(f"  rep {rep + 1} {name}: {', '.join(cells)}; {run['wall_s']:.0f} s")
         runs[name].append(run)
         cli.save(args, result)  # after every run: what finished survives an interrupted command
 
 
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}: " + (proc.stdout[-1500:] + proc.stderr[-3000:]).strip()
+def missing(name: str) -> str | None:
+    """Why loader ``name`` cannot run here, or None: ``torch`` needs Pillow (the GPU machine may lack it)."""
+    if name == "torch" and importlib.util.find_spec("PIL") is None:
+        return "Pillow is not installed: the DataLoader baseline decodes with it (scripts/gpu_extras.sh fetches it)"
+    return None
 
 
 def medians(result: dict) -> dict:
     """Per loader and mode, the median of the runs' figures; and coordl's ratios to each other loader."""
-    import statistics
-
     med: dict[str, dict] = {}
     for name, runs in result["runs"].items():
-        done = [r["summary"] for r in runs if "summary" in r]
         for mode in MODES:
-            cells = [s[mode] for s in done if mode in s]
-            if cells:
+            if cells := [r["summary"][mode] for r in runs if mode in r.get("summary", {})]:
                 keys = [k for k in cells[0] if k != "epochs"]
                 med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
     ratios = {}
-    for other in loaders.LOADERS[1:]:
+    for other in LOADERS[1:]:
         for mode in MODES:
-            a, b = med.get("coordl", {}).get(mode), med.get(other, {}).get(mode)
-            if a and b:
+            if (a := med.get("coordl", {}).get(mode)) and (b := med.get(other, {}).get(mode)):
                 ratios[f"coordl/{other} {mode}"] = a["samples_per_s"] / b["samples_per_s"]
     return {"median": med, "ratios": ratios}
 
 
-# -- the dataset --------------------------------------------------------------------------------
 def images(args) -> dict:
     """Makes (or finds) the dataset and reads every file once, so that it is in the page cache."""
+    if lacking := [m for m in ("PIL", "tqdm") if importlib.util.find_spec(m) is None]:
+        raise SystemExit(
+            f"cannot make the dataset: {' and '.join(lacking)} not installed (coordl.tools.datagen writes the JPEGs "
+            "with Pillow and shows its progress with tqdm). Install them (on the GPU machine: scripts/gpu_extras.sh "
+            "here, then scripts/gpu_run.sh there)."
+        )
     t0 = time.perf_counter()
-    lacking = [m for m in ("PIL", "tqdm") if importlib.util.find_spec(m) is None]
-    if lacking:
-        figures = _found(args.data)
-        if figures is None:
-            raise SystemExit(
-                f"cannot make the dataset: {' and '.join(lacking)} not installed (coordl.tools.datagen writes the "
-                "JPEGs with Pillow and shows its progress with tqdm). Install them (on the GPU machine: "
-                "scripts/gpu_extras.sh here, then scripts/gpu_run.sh there), or pass --data a folder of JPEGs "
-                "made elsewhere (ImageFolder: one folder per class)."
-            )
-    else:
-        figures = dataset.dataset_from_args(args)
-    figures["make_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    figures = dataset.dataset_from_args(args)
+    figures["make_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     read = limits.read_through(os.path.join(d, f) for d, _, files in os.walk(figures["root"]) for f in files)
-    figures.update(page_cache_read_s=time.perf_counter() - t0, page_cache_read_bytes=read)
-    return figures
-
-
-def _found(root: str) -> dict | None:
-    """The figures of a dataset made before (found without Pillow), or None if ``root`` holds no images."""
-    from coordl.index import Index
-
-    if not os.path.isdir(root):
-        return None
-    index = Index.scan(root, index_dir="")
-    if not len(index):
-        return None
-    total = sum(os.path.getsize(p) for p in index.paths)
-    out = {"root": root, "files": len(index), "classes": len(index.classes), "total_bytes": total}
-    return out | {
-        "mean_bytes": round(total / len(index)),
-        "source": "found (made before; Pillow is not installed here)",
-    }
+    return figures | {"page_cache_read_s": time.perf_counter() - t0, "page_cache_read_bytes": read}
 
 
 # -- the command ------------------------------------------------------------------------------
 def options(p) -> None:
-    p.add_argument("--job", choices=loaders.LOADERS, help=argparse.SUPPRESS)
+    p.add_argument("--job", choices=LOADERS, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     dataset.add_dataset_options(p, data=None, images=20000, classes=100)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads / DataLoader workers (all CPUs)")
     p.add_argument("--epochs", type=int, default=1, help="measured epochs of each mode per run (default: 1)")
     p.add_argument("--reps", type=int, default=1, help="rounds of runs, in a rotating order (default: 1)")
-    p.add_argument("--loaders", default=",".join(loaders.LOADERS), help="(default: %(default)s)")
+    p.add_argument("--loaders", default=",".join(LOADERS), help="(default: %(default)s)")
     p.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
     p.add_argument("--arch", default="resnet50", help="the model (default: resnet50; --cpu-smoke: resnet_tiny)")
     p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
@@ -243,7 +228,6 @@ def options(p) -> None:
 def run(args) -> dict | None:
     args.modes = args.modes.split(",")
     if args.job:
-        args.root = args.data
         return job(args)
     started = time.perf_counter()
     args.data = args.data or (SMOKE_DATA if args.cpu_smoke else DATA)
@@ -271,9 +255,8 @@ def run(args) -> dict | None:
         f"batch {args.batch_size}, {args.threads} threads/workers, {args.arch}, "
         f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in ABBA order"
     )
-    with tempfile.TemporaryDirectory(prefix="coordl-gpu-") as tmp:
-        run_all(args, result, Path(tmp), started)
-    result.update(medians(result))
+    run_all(args, result, started)
+    result |= medians(result)
     result["wall_s"] = time.perf_counter() - started
     if [r for rs in result["runs"].values() for r in rs if "error" in r]:
         cli.save(args, result)
@@ -283,18 +266,11 @@ def run(args) -> dict | None:
 
 
 def table(result: dict) -> str:
-    lines = [
-        "| loader | mode | samples/s | stall (next) | stall (stats) | CPU-ms/sample |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, runs in result["runs"].items():
-        notes = [r.get("skipped") or r["error"].splitlines()[0] for r in runs if "summary" not in r]
         for mode, m in result["median"].get(name, {}).items():
-            stats = m.get("stats_stall_fraction")
-            lines.append(
-                f"| {name} | {mode} | {m['samples_per_s']:.1f} | {m['stall_fraction']:.3f} | "
-                f"{'-' if stats is None else f'{stats:.3f}'} | {1000 * m['cpu_s_per_sample']:.2f} |"
-            )
-        lines += [f"| {name} | - | {note} | | | |" for note in notes]
-    lines += [f"{key}: {r:.3f}" for key, r in result["ratios"].items()]
-    return "\n".join(lines)
+            rows.append([name, mode, m["samples_per_s"], f"{m['stall_fraction']:.3f}"])
+            rows[-1] += [m.get("stats_stall_fraction"), f"{1000 * m['cpu_s_per_sample']:.2f}"]
+        rows += [[name, "-", r.get("skipped") or r["error"].splitlines()[0]] for r in runs if "summary" not in r]
+    head = "loader|mode|samples/s|stall (next)|stall (stats)|CPU-ms/sample"
+    return "\n".join([report.table(head, rows), *(f"{key}: {r:.3f}" for key, r in result["ratios"].items())])

@@ -15,6 +15,7 @@ cgroup's ``blkio.throttle.io_service_bytes``). Writes ``train_example{,_quick}.{
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -22,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,12 +30,9 @@ from benchmarks.harness import cli, dataset, limits, measure, report
 from coordl.units import format_bytes, parse_bytes
 
 OUT = str(cli.RESULTS)  # a folder
+DATA = "/var/tmp/coordl-bench/imagenet-example-1000px"
 TRAIN = dataset.ROOT / "examples" / "imagenet" / "train.py"
 SUMMARY = re.compile(r"Epoch \[(\d+)\] summary: .*")
-
-
-def blkio_read(lim: limits.Limits, dev: tuple[int, int]) -> int | None:
-    return limits.blkio_read(lim and lim.blkio and lim.blkio.path, f"{dev[0]}:{dev[1]}")
 
 
 def warm_libraries() -> None:
@@ -49,52 +46,32 @@ def warm_libraries() -> None:
             if name.split(".")[0] in ("torch", "nvidia", "numpy", "PIL", "pillow", "lib-dynload") or name.endswith(
                 ".libs"
             ):
-                limits.read_through(
-                    os.path.join(d, f) for d, _, files in os.walk(os.path.join(base, name)) for f in files
-                )
+                limits.read_through(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(base, name)) for f in fs)
 
 
 class OwnMemory:
-    """Samples the run's own memory while it runs without a limit: the peak of its anonymous
-    memory (a training step's activations come and go) plus the libraries it maps, not the
-    data it caches (the page cache of the dataset, coordl's shared memory)."""
+    """Samples the run's own memory every 50 ms while it runs without a limit: the peak of its anonymous
+    memory (a training step's activations come and go) plus the libraries it maps, not the data it caches
+    (the page cache of the dataset, coordl's shared memory); once :meth:`peak` is taken and ``follow`` set,
+    the limit follows the own memory with ``follow`` bytes beyond it."""
 
     def __init__(self, lim: limits.Limits):
-        self.lim, self.anon, self.mapped = lim, 0, 0
-        self.frozen = False
-        self.follow: int | None = None  # bytes beyond the current own memory the limit follows with
-        self.limits_set: list[int] = []
-        self.data_samples: list[int] = []  # page cache + shared memory: the data it holds
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self.lim, self.anon, self.mapped, self.frozen, self.follow = lim, 0, 0, False, None
+        self.sampler = measure.Sampler(self.sample, 0.05)
 
-    def _run(self) -> None:
-        while not self.stop.wait(0.05):
-            try:
-                stat = {k: self.lim.stat(k) for k in ("total_rss", "total_mapped_file", "total_shmem", "total_cache")}
-            except (OSError, TypeError):  # the cgroup is being removed
-                return
-            own = stat["total_rss"] + max(0, stat["total_mapped_file"] - stat["total_shmem"])
-            if not self.frozen:
-                self.anon = max(self.anon, stat["total_rss"])
-                self.mapped = max(self.mapped, stat["total_mapped_file"] - stat["total_shmem"])
-            elif self.follow is not None:
-                try:  # lowering it below the usage makes the kernel reclaim page cache now
-                    self.lim.limit_memory(own + self.follow)
-                    self.limits_set.append(own + self.follow)
-                except OSError:
-                    pass
-            self.data_samples.append(stat["total_cache"])
+    def sample(self) -> int:
+        stat = {k: self.lim.stat(k) for k in ("total_rss", "total_mapped_file", "total_shmem", "total_cache")}
+        mapped = stat["total_mapped_file"] - stat["total_shmem"]
+        if not self.frozen:
+            self.anon, self.mapped = max(self.anon, stat["total_rss"]), max(self.mapped, mapped)
+        elif self.follow is not None:
+            with contextlib.suppress(OSError):  # lowering it below the usage makes the kernel reclaim page cache now
+                self.lim.limit_memory(stat["total_rss"] + max(0, mapped) + self.follow)
+        return stat["total_cache"]  # page cache + shared memory: the data it holds
 
     def peak(self) -> int:
         self.frozen = True
         return self.anon + max(0, self.mapped)
-
-    def mean_data(self) -> float | None:
-        """Mean page cache + shared memory since the last call (the data held in memory)."""
-        samples, self.data_samples = self.data_samples, []
-        return sum(samples) / len(samples) if samples else None
 
 
 def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: int, meter: OwnMemory) -> None:
@@ -106,69 +83,64 @@ def limit_memory(args, run: dict, lim: limits.Limits, loader: str, cache_bytes: 
     the process leaves free at the moment, so with ``--follow`` (the default) its limit follows
     its own memory every 50 ms, holding its page cache to the same cache fraction (+ its slack).
     """
-    own = meter.peak()
-    run["working_set_bytes"] = own
+    own = run["working_set_bytes"] = meter.peak()
     slack = args.slack if loader == "coordl" else args.baseline_slack
     run["memory_limit_bytes"] = own + slack + cache_bytes
     lim.limit_memory(run["memory_limit_bytes"])
     if args.follow and loader != "coordl":
-        meter.follow = slack + cache_bytes
-        run["memory_limit_follows"] = True
-    if run.get("memory_limit_follows"):
-        how = "follows own memory +"
-    else:
-        how = f"{format_bytes(run['memory_limit_bytes'], 'MB', digits=0)} = own {format_bytes(own, 'MB', digits=0)} +"
-    print(
-        f"  {loader}: memory limit {how} slack {format_bytes(slack, 'MB', digits=0)} + {args.cache:.0%} of the dataset",
-        flush=True,
+        meter.follow, run["memory_limit_follows"] = slack + cache_bytes, True
+    mb = lambda n: format_bytes(n, "MB", digits=0)  # noqa: E731
+    how = (
+        "follows own memory +"
+        if run.get("memory_limit_follows")
+        else f"{mb(own + slack + cache_bytes)} = own {mb(own)} +"
     )
+    print(f"  {loader}: memory limit {how} slack {mb(slack)} + {args.cache:.0%} of the dataset", flush=True)
 
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
-    name, use = f"coordl-train-{os.getpid()}-{loader}", caps["memory"] or caps["blkio"]
-    lim = limits.Limits(name, caps["memory"], caps["blkio"]) if use else None
+    use, device = caps["memory"] or caps["blkio"], f"{dev[0]}:{dev[1]}"
+    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) if use else None
     warm_libraries()
     subprocess.run(["coordl", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)  # no cache from an earlier run
     os.sync()
     limits.evict(args.data)
-    cache_bytes = int(args.cache * dataset_bytes)
+    cache_bytes, checkpoints = (
+        int(args.cache * dataset_bytes),
+        tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-"),
+    )
     cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs)]
     cmd += ["-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size), "--seed", "0"]
-    cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir"]
-    cmd += [tempfile.mkdtemp(prefix=f"coordl-train-example-{loader}-")]
+    cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir", checkpoints]
     run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
     if lim:
         lim.throttle(dev, args.bandwidth)
     log = open(Path(args.out) / f"train_example-{loader}.log", "w")
-    t0 = time.perf_counter()
-    meter = OwnMemory(lim) if lim and lim.memory else None
+    t0, meter = time.perf_counter(), OwnMemory(lim) if lim and lim.memory else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=lim.join if lim else None)
     try:
-        last = blkio_read(lim, dev)
+        last = limits.blkio_read(lim and lim.blkio and lim.blkio.path, device)
         for line in proc.stdout:
             log.write(line)
             start = re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line)
-            if lim and lim.memory and "memory_limit_bytes" not in run and start:
+            if meter and "memory_limit_bytes" not in run and start:
                 limit_memory(args, run, lim, loader, cache_bytes, meter)
-            m = SUMMARY.match(line.strip())
-            if not m:
-                continue
-            now = blkio_read(lim, dev)
-            epoch = {"epoch": int(m[1]), "line": line.strip(), "device_bytes": None if now is None else now - last}
-            last = now
-            if meter:
-                epoch["mean_data_in_memory_bytes"] = meter.mean_data()
-            run["epochs"].append(epoch)
-            device = "" if now is None else f"; device {format_bytes(epoch['device_bytes'], 'MB')}"
-            print(f"  {loader}: {line.strip()}{device}", flush=True)
+            if m := SUMMARY.match(line.strip()):
+                now = limits.blkio_read(lim and lim.blkio and lim.blkio.path, device)
+                run["epochs"].append({"epoch": int(m[1]), "line": line.strip()})
+                run["epochs"][-1]["device_bytes"], last = None if now is None else now - last, now
+                if meter:  # the mean page cache + shared memory since the epoch before: the data in memory
+                    data = meter.sampler.take()
+                    run["epochs"][-1]["mean_data_in_memory_bytes"] = sum(data) / len(data) if data else None
+                device_mb = "" if now is None else f"; device {format_bytes(run['epochs'][-1]['device_bytes'], 'MB')}"
+                print(f"  {loader}: {line.strip()}{device_mb}", flush=True)
         run["returncode"] = proc.wait()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.kill()
+        proc.wait()
         if meter:
-            meter.stop.set()
-        shutil.rmtree(cmd[-1], ignore_errors=True)
+            meter.sampler.stop()
+        shutil.rmtree(checkpoints, ignore_errors=True)
         log.close()
         if lim:
             lim.remove()
@@ -180,60 +152,51 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    a = result["args"]
-    out = [
-        "# examples/imagenet/train.py: `--loader coordl` vs `--loader torch`",
-        "",
-        f"`-a {a['arch']}`, "
-        f"`--image-size {a['image_size']}`, `-b {a['batch_size']}`, `-j {a['workers']}`, {a['epochs']} epochs.",
-        f"Dataset: {result['dataset']['train_files']} training + {result['dataset']['val_files']} validation JPEGs "
-        f"({format_bytes(result['dataset']['total_bytes'], 'MB')}, generated"
-        f"{' from photographs' if result['dataset'].get('source') == 'photographs' else ''}). Storage throttled to "
-        f"{format_bytes(a['bandwidth'], 'MB')}/s (blkio). From epoch {a['limit_after'] + 1} memory is limited to leave "
-        f"{a['cache']:.0%} of the dataset for data: coordl (`--cache {a['cache']}`) at its peak own memory + the cache "
-        f"+ {format_bytes(a['slack'], 'MiB', digits=0)} of headroom its fixed cache cannot use; the DataLoader at "
-        f"its own memory + {a['cache']:.0%} + {format_bytes(a['baseline_slack'], 'MiB', digits=0)}, "
-        + (
-            "the limit following its own memory every 50 ms, so that its page cache holds that much."
-            if a.get("follow", True)
-            else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."
-        ),
-        "Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k "
-        "(epoch k's training and epoch k-1's validation). Data in memory: the mean of the cgroup's page cache "
-        "and shared memory over the same window (coordl: its cache in /dev/shm; the DataLoader: the page cache).",
-        "",
-        "| loader | epoch | seconds | samples/s | waited for data s | device MB | data in memory MB "
-        "| memory limit MB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    a, d = result["args"], result["dataset"]
+    photos = " from photographs" if d.get("source") == "photographs" else ""
+    follows = (
+        "the limit following its own memory every 50 ms, so that its page cache holds that much."
+        if a.get("follow", True)
+        else "fixed at its peak own memory (its page cache then also uses what the process leaves free)."
+    )
+    rows = []
     for r in result["runs"]:
         for e in r["epochs"]:
-            dev = report.mb(e["device_bytes"])
             limited = e["epoch"] > a["limit_after"] and "memory_limit_bytes" in r
             limit = report.mb(r["memory_limit_bytes"], digits=0) if limited else "none (warm-up)"
             if limited and r.get("memory_limit_follows"):
-                limit = (
-                    f"own + {report.mb(a['baseline_slack'] + a['cache'] * result['dataset']['total_bytes'], digits=0)}"
-                )
-            held = report.mb(e.get("mean_data_in_memory_bytes"))
-            out.append(
-                f"| {r['loader']} | {e['epoch']} | {e['seconds']:.1f} | {e['samples_per_s']:.1f} | "
-                f"{e['wait_s']:.1f} | {dev} | {held} | {limit} |"
-            )
-    out += ["", "The summary lines the script printed:", "", "```"]
-    for r in result["runs"]:
-        out += [e["line"] for e in r["epochs"]]
-    out += ["```", ""]
-    return "\n".join(out)
+                limit = f"own + {report.mb(a['baseline_slack'] + a['cache'] * d['total_bytes'], digits=0)}"
+            cells = [e["seconds"], e["samples_per_s"], e["wait_s"], report.mb(e["device_bytes"])]
+            rows.append([r["loader"], e["epoch"], *cells, report.mb(e.get("mean_data_in_memory_bytes")), limit])
+    head = "loader|epoch|seconds|samples/s|waited for data s|device MB|data in memory MB|memory limit MB"
+    lines = [e["line"] for r in result["runs"] for e in r["epochs"]]
+    return f"""# examples/imagenet/train.py: `--loader coordl` vs `--loader torch`
+
+`-a {a["arch"]}`, `--image-size {a["image_size"]}`, `-b {a["batch_size"]}`, `-j {a["workers"]}`, {a["epochs"]} epochs.
+Dataset: {d["train_files"]} training + {d["val_files"]} validation JPEGs ({format_bytes(d["total_bytes"], "MB")}, \
+generated{photos}). Storage throttled to {format_bytes(a["bandwidth"], "MB")}/s (blkio). From epoch \
+{a["limit_after"] + 1} memory is limited to leave {a["cache"]:.0%} of the dataset for data: coordl (`--cache \
+{a["cache"]}`) at its peak own memory + the cache + {format_bytes(a["slack"], "MiB", digits=0)} of headroom its \
+fixed cache cannot use; the DataLoader at its own memory + {a["cache"]:.0%} + \
+{format_bytes(a["baseline_slack"], "MiB", digits=0)}, {follows}
+Device MB of epoch k: what the device delivered between the summary lines of epochs k-1 and k (epoch k's \
+training and epoch k-1's validation). Data in memory: the mean of the cgroup's page cache and shared memory over \
+the same window (coordl: its cache in /dev/shm; the DataLoader: the page cache).
+
+{report.table(head, rows)}
+
+The summary lines the script printed:
+
+```
+{chr(10).join(lines)}
+```
+"""
 
 
 def options(p) -> None:
     # Large images: the data to cache must be large against the process's own memory swings, ~100-200 MB.
-    root, where = (
-        "/var/tmp/coordl-bench/imagenet-example-1000px",
-        "holds (or gets) train/, of --images or --size, and val/",
-    )
-    dataset.add_dataset_options(p, data=root, images=1200, classes=10, width=1000, height=875, data_help=where)
+    where = "holds (or gets) train/, of --images or --size, and val/"
+    dataset.add_dataset_options(p, data=DATA, images=1200, classes=10, width=1000, height=875, data_help=where)
     p.add_argument("--val-images", type=int, default=100, help="validation JPEGs, in DATA/val (default: 100)")
     p.add_argument("-a", "--arch", default="resnet18")
     p.add_argument("--image-size", type=int, default=112)
@@ -246,9 +209,7 @@ def options(p) -> None:
     p.add_argument("--bandwidth", type=parse_bytes, default="8MB", help="storage throttle, bytes per second")
     slack = "coordl's memory beyond its own peak (OOM headroom)"
     p.add_argument("--slack", type=parse_bytes, default="192MiB", help=slack)
-    p.add_argument(
-        "--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its page cache uses it)"
-    )
+    p.add_argument("--baseline-slack", type=parse_bytes, default="32MiB", help="the DataLoader's (its cache uses it)")
     fixed = "a fixed limit for the DataLoader too (its page cache then uses what its process leaves free)"
     p.add_argument("--no-follow", dest="follow", action="store_false", help=fixed)
     p.add_argument("--loaders", default="coordl,torch")
@@ -263,26 +224,21 @@ def run(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the cgroups are removed
     if args.quick:
         args.arch, args.image_size, args.images, args.size, args.val_images = "resnet_tiny", 64, 128, None, 32
-        args.epochs = 2
-        args.limit_after, args.width, args.height = 0, 400, 350
-        args.bandwidth = parse_bytes("20MB")
-        if args.data == "/var/tmp/coordl-bench/imagenet-example-1000px":
-            args.data = "/var/tmp/coordl-bench/imagenet-example-quick"
+        args.epochs, args.limit_after, args.width, args.height, args.bandwidth = 2, 0, 400, 350, parse_bytes("20MB")
+        args.data = "/var/tmp/coordl-bench/imagenet-example-quick" if args.data == DATA else args.data
     Path(args.out).mkdir(parents=True, exist_ok=True)
     caps = limits.probe()
     for note in caps["notes"]:
         print(f"note: {note}", file=sys.stderr)
     train = dataset.dataset_from_args(args, root=os.path.join(args.data, "train"))
-    val_root = os.path.join(args.data, "val")
-    val = dataset.dataset_from_args(args, root=val_root, images=args.val_images, seed=args.dataset_seed + 1)
+    val = dataset.dataset_from_args(args, root=f"{args.data}/val", images=args.val_images, seed=args.dataset_seed + 1)
     data = {"train_files": train["files"], "val_files": val["files"], "source": train["source"]}
     data["total_bytes"] = train["total_bytes"] + val["total_bytes"]
-    dev = measure.device_of(train["root"])
-    args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    result = {"args": args_, "dataset": data, "limits": caps, "runs": []}
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    result = {"args": options, "dataset": data, "limits": caps, "runs": []}
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)
-        result["runs"].append(run_one(args, loader, train["total_bytes"] + val["total_bytes"], dev, caps))
+        result["runs"].append(run_one(args, loader, data["total_bytes"], measure.device_of(train["root"]), caps))
     out_path(args).with_suffix(".md").write_text(markdown(result))
     if any(r["returncode"] for r in result["runs"]):
         cli.save(args, result, out_path(args))
@@ -290,5 +246,4 @@ def run(args) -> dict:
     return result
 
 
-def table(result: dict) -> str:
-    return markdown(result)
+table = markdown

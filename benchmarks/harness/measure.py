@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -159,3 +160,28 @@ def rounds(runs: dict[str, list[dict]], fields, counters=(), spread=spread, extr
                 entry["epochs"].append(ep)
         out[name] = entry
     return out
+
+
+class Sampler:
+    """Calls ``sample()`` every ``every`` seconds in a thread of its own until :meth:`stop`; ``values``
+    holds what it returned (memory read from a cgroup while a loader runs, say)."""
+
+    def __init__(self, sample, every: float):
+        self.values: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sample, every), daemon=True)
+        self._thread.start()
+
+    def _run(self, sample, every: float) -> None:
+        while not self._stop.wait(every):
+            self.values.append(sample())
+
+    def take(self) -> list:
+        """The values since the last ``take``."""
+        values, self.values = self.values, []
+        return values
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join()
+        return self.values
