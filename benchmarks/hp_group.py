@@ -65,7 +65,7 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
-    results = json.loads(Path(args.out).read_text())["results"] if os.path.exists(args.out) else {}
+    results = json.loads(Path(args.out).read_text()).get("results", {}) if os.path.exists(args.out) else {}
     results |= {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
