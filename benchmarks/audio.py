@@ -1,12 +1,15 @@
 """Audio on the CPU: coordl's AudioTrain against DALI's audio pipeline and a DataLoader; HP groups of M5 trials.
 
-Scenarios (``--scenarios``), as :mod:`benchmarks.detection`'s, with :mod:`benchmarks.audio_baselines`'
-loaders, each decoding, downmixing, resampling to 8 kHz and cutting a random 4 s window:
+Scenarios (``--scenarios``), run as :mod:`benchmarks.harness.compare` says, each loader decoding a clip,
+downmixing it to mono, resampling it to 8 kHz and cutting a random 4 s window (zeros after a short clip),
+yielding float32 ``(B, 1, 32000)`` and int64 labels:
 
-- ``prep``: ``coordl`` (``AudioTrain(sample_rate=8000, samples=32000)``), ``dali`` (``fn.readers.file`` +
-  ``fn.decoders.audio`` + ``fn.slice``) and ``torch`` (soundfile + ``scipy.signal.resample_poly``), the
-  dataset cached, no training step, a child process per run, ABBA ``--reps`` times;
-- ``hp``: two coordl trials training M5 (one torch thread) in the HP group ``bench-audio`` vs apart;
+- ``prep``: ``coordl`` (``AudioTrain(sample_rate=8000, samples=32000)``, the node's cache holding the encoded
+  clips), ``dali`` (``fn.readers.file``, ``fn.decoders.audio(sample_rate=8000, downmix=True)``: libsndfile,
+  windowed-sinc resampling at DALI's default quality; a start drawn by ``fn.random.uniform``,
+  ``fn.slice(out_of_bounds_policy="pad")``) and ``torch`` (a ``DataLoader`` over :class:`SoundfileClips`:
+  ``soundfile.read``, the channels' mean, ``scipy.signal.resample_poly`` up 80 down 441), no training step;
+- ``hp``: two coordl trials training M5 (:func:`m5`, one torch thread) in the HP group ``bench-audio`` vs apart;
 - ``hp-prep``: the same with no model step (``x.sum()`` per batch).
 
 The dataset is FMA-like (``coordl.tools.datagen.music.make_clips``): ``--clips`` clips of 30 s, 44.1 kHz
@@ -18,13 +21,15 @@ stereo, Ogg Vorbis, in 8 genre folders (``--smoke``: 40 short tones of ``datagen
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 
-from benchmarks import audio_baselines as baselines
-from benchmarks.harness import compare, jobs
+import numpy as np
 
-LOADERS = ("coordl", "dali", "torch")
-GROUP = "bench-audio"
+from benchmarks.harness import compare
+
+RATE, SAMPLES = 8000, 32000
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/fma", "/var/tmp/coordl-bench/audio-smoke"
 
 
@@ -36,83 +41,140 @@ def options(p) -> None:
     g.add_argument("--seconds", type=float, default=30.0, help="each clip's duration (default: %(default)s)")
     g.add_argument("--format", default="ogg", help="ogg (Vorbis), opus, flac or wav (default: %(default)s)")
     g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
-    compare.add_options(p, LOADERS, hp_epochs=2)
-    p.add_argument("--scenarios", default="prep,hp,hp-prep", help="of prep, hp, hp-prep (default: %(default)s)")
-    p.add_argument("--smoke", action="store_true", help="40 short tones, batch 16, 1 rep, 1 epoch: a test's run")
+    compare.add_options(p, ("coordl", "dali", "torch"), ("coordl", "dali", "torch"), "prep,hp,hp-prep")
+
+
+def run(args) -> dict | None:
+    args.data = args.data or (SMOKE_DATA if args.smoke else DATA)
+    result = compare.run(args, clips, make, {"hp": "m5", "hp-prep": "touch"}, "bench-audio", hp_epochs=2)
+    return result and {**result, "recipe": {"sample_rate": RATE, "samples": SAMPLES}}
+
+
+table = compare.table
 
 
 def clips(args) -> dict:
-    """Generates (or finds) the dataset (with ``--smoke``, a small set of 1-6 s tones); returns its figures."""
-    if args.smoke:
-        from coordl.tools.datagen.tones import make_tones
+    """Generates (or finds) the dataset (with ``--smoke``, 40 tones of 1-6 s); returns its figures."""
+    from coordl.tools.datagen import music, tones
 
-        s = make_tones(args.data, classes=4, per_class=10, seed=args.dataset_seed)
+    if args.smoke:
+        s = tones.make_tones(args.data, classes=4, per_class=10, seed=args.dataset_seed)
         kind = "tones by coordl.tools.datagen.tones.make_tones: 16/22.05/44.1 kHz, mono/stereo, WAV/FLAC/Ogg Vorbis"
     else:
-        from coordl.tools.datagen.music import make_clips
-
-        seed = args.dataset_seed
-        s = make_clips(args.data, args.clips, classes=args.classes, seconds=args.seconds, format=args.format, seed=seed)
+        kw = {"classes": args.classes, "seconds": args.seconds, "format": args.format, "seed": args.dataset_seed}
+        s = music.make_clips(args.data, args.clips, **kw)
         kind = f"music-like clips by coordl.tools.datagen.music.make_clips: 44.1 kHz stereo, {args.format}"
     rs = s.records
     out = {"root": s.root, "files": len(rs), "classes": len(s.classes), "total_bytes": s.total_bytes}
     out |= {
         "mean_bytes": round(s.total_bytes / len(rs)),
-        "mean_seconds": round(statistics.mean(r.frames / r.rate for r in rs), 3),
-    }
-    out |= {
-        k: sorted({getattr(r, a) for r in rs})
-        for k, a in (("formats", "format"), ("rates", "rate"), ("channels", "channels"))
+        "mean_seconds": statistics.mean(r.frames / r.rate for r in rs),
     }
     return out | {"source": kind}
 
 
-def command(args):
-    kw = {"batch_size": args.batch_size, "threads": args.threads, "data": args.data, "clips": args.clips}
-    kw |= {"classes": args.classes, "seconds": args.seconds, "format": args.format, "dataset_seed": args.dataset_seed}
-    argv = jobs.flags(**kw, smoke=args.smoke)
-    return lambda name, *extra: jobs.scenario_command("audio", "--job", name, *argv, *extra)
-
-
-def job(args) -> None:
+def make(args, data):
+    """The child's loader (``--job``) and training step (``--step``: ``m5``, ``touch`` or none)."""
     import torch
 
-    c = clips(args)
+    import coordl
+    from benchmarks.loaders import dataloader
+
     torch.set_num_threads(1)  # a trial's model step, and nothing of the loaders' own
     if args.job == "dali":
-        loader = baselines.DaliAudio(c["root"], args.batch_size, args.threads)
+        loader = DaliAudio(data["root"], args.batch_size, args.threads)
     elif args.job == "torch":
-        loader = baselines.torch_loader(c["root"], args.batch_size, args.threads)
+        loader = dataloader(SoundfileClips(data["root"]), args.batch_size, args.threads, 0)
     else:
-        loader = baselines.coordl_loader(c["root"], args.batch_size, args.threads, group=args.group)
-    step = None
-    if args.step == "m5":
-        m5 = baselines.M5Step(c["classes"])
-        step = lambda b: m5(*b)  # noqa: E731
-    elif args.step == "touch":
-        step = lambda b: b[0].sum()  # noqa: E731  # a trivial training step
-    compare.job(args, loader, step)
+        loader = compare.coordl_loader(data["root"], coordl.AudioTrain(sample_rate=RATE, samples=SAMPLES), args)
+    steps = {"m5": lambda: M5Step(data["classes"]), "touch": lambda: compare.touch}
+    return loader, steps[args.step]() if args.step in steps else None
 
 
-def run(args) -> dict | None:
-    args.data = args.data or (SMOKE_DATA if args.smoke else DATA)
-    if args.job:
-        return job(args)
-    if args.smoke:
-        args.batch_size, args.reps, args.epochs, args.hp_epochs = 16, 1, 1, 2
-    args.loaders, scenarios = args.loaders.split(","), args.scenarios.split(",")
-    c = clips(args)
-    print(f"dataset: {c['files']} files, {c['total_bytes'] / 1e6:.1f} MB, mean {c['mean_seconds']:.1f} s")
-    result = {"dataset": c, "recipe": {"sample_rate": baselines.RATE, "samples": baselines.SAMPLES}}
-    if "prep" in scenarios:
-        print(f"prep-bound, batch {args.batch_size}, {args.threads} threads/workers, runs alternating")
-        result["prep"] = compare.prep(args, command(args))
-    for name, step in (("hp", "m5"), ("hp-prep", "touch")):
-        if name in scenarios:
-            print(f"two trials ({'M5 steps' if step == 'm5' else 'no model'}), hp_group={GROUP!r} vs separate")
-            result[name] = compare.hp(args, command(args), GROUP, step)
-    return result
+class SoundfileClips(compare.ForkedRng):
+    """A map-style ``Dataset`` of an ImageFolder-style tree of clips as a torchaudio-style M5 script reads
+    them, with soundfile and scipy: ``dataset[i]`` is ``(waveform (1, SAMPLES) float32, label)``."""
+
+    def __init__(self, root: str):
+        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+        found = [
+            (os.path.join(root, c, f), k) for k, c in enumerate(classes) for f in sorted(os.listdir(f"{root}/{c}"))
+        ]
+        self.clips = [(p, k) for p, k in found if p.lower().endswith((".wav", ".flac", ".ogg", ".oga", ".opus"))]
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def __getitem__(self, i: int):
+        import soundfile
+        import torch
+        from scipy.signal import resample_poly
+
+        data, rate = soundfile.read(self.clips[i][0], dtype="float32", always_2d=True)
+        mono = data.mean(axis=1)
+        if rate != RATE:
+            g = math.gcd(rate, RATE)
+            mono = resample_poly(mono, RATE // g, rate // g)  # 44100 -> 8000: up 80, down 441
+        start = int(self.rng().integers(max(len(mono) - SAMPLES, 0) + 1))
+        window = np.zeros(SAMPLES, dtype=np.float32)
+        piece = mono[start : start + SAMPLES]
+        window[: len(piece)] = piece
+        return torch.from_numpy(window).reshape(1, SAMPLES), self.clips[i][1]
 
 
-def table(results: dict) -> str:
-    return compare.table(results, ("hp", "hp-prep"))
+class DaliAudio:
+    """DALI's own audio pipeline on the CPU (``device_id=None``); iterate for one epoch of ``(waveforms, labels)``."""
+
+    def __init__(self, root: str, batch_size: int, threads: int, seed: int = 1):
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import math as dmath
+
+        from benchmarks.loaders import dali_iterator
+
+        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
+        def pipe():
+            encoded, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
+            audio, _ = fn.decoders.audio(encoded, sample_rate=float(RATE), downmix=True, dtype=types.FLOAT)
+            length = fn.cast(audio.shape(), dtype=types.FLOAT)[0]
+            room = dmath.max(length - float(SAMPLES), 0.0)  # the starts there are, less one
+            start = dmath.floor(fn.random.uniform(range=[0.0, 1.0]) * (room + 1.0))
+            start = fn.cast(fn.reshape(start, shape=[1]), dtype=types.INT32)
+            kw = {"shape": [SAMPLES], "axes": [0], "out_of_bounds_policy": "pad", "fill_values": 0.0}
+            window = fn.slice(audio, start=start, **kw)
+            return fn.reshape(window, shape=[1, SAMPLES]), fn.cast(labels, dtype=types.INT64)
+
+        self.it = dali_iterator(pipe(), ["waveforms", "labels"])
+
+    def __iter__(self):
+        for (out,) in self.it:
+            yield out["waveforms"], out["labels"].flatten()
+
+
+def m5(classes: int):
+    """M5 (Dai et al., 2017, as torchaudio's tutorial builds it): a strided Conv1d(1, 32, 80, stride 4), then
+    three Conv1d(k=3) of 32, 64 and 64 channels, each with BatchNorm, ReLU and MaxPool(4); global
+    average pooling and a Linear layer to ``classes``."""
+    from torch import nn
+
+    layers, channels = [], 1
+    for out, kernel, stride in ((32, 80, 4), (32, 3, 1), (64, 3, 1), (64, 3, 1)):
+        layers += [nn.Conv1d(channels, out, kernel, stride=stride), nn.BatchNorm1d(out), nn.ReLU(), nn.MaxPool1d(4)]
+        channels = out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
+
+
+class M5Step:
+    """One training step of :func:`m5` per batch: forward, cross-entropy, backward, Adam."""
+
+    def __init__(self, classes: int, seed: int = 0):
+        import torch
+
+        torch.manual_seed(seed)
+        self.model = m5(classes)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, weight_decay=1e-4)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def __call__(self, batch) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(self.model(batch[0]), batch[1]).backward()
+        self.optimizer.step()

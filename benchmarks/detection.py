@@ -1,13 +1,18 @@
 """Object detection on the CPU: coordl's SSDTrain against DALI's COCO pipeline and a DataLoader; an HP group.
 
-Scenarios (``--scenarios``):
+Scenarios (``--scenarios``), run as :mod:`benchmarks.harness.compare` says, each loader doing SSD300 v1.1's
+training augmentation and yielding ``(images, targets)``:
 
 - ``prep``: prep-bound, the whole dataset in memory (page cache warm, coordl's cache holding it), no
-  training step: ``coordl`` (``SSDTrain(size=300)``), ``dali`` (NVIDIA's SSD300 pipeline) and ``torch``
-  (``DataLoader(CocoDetection(transforms=PythonSSD()))``), see :mod:`benchmarks.detection_baselines`;
-  ``--loaders ...,dali-1`` adds DALI's with ``num_attempts=1``. A child process per run: a warm-up
-  epoch, then ``--epochs`` epochs for samples/s and CPU seconds per sample (process tree); ABBA,
-  ``--reps`` times; the medians, coordl/dali and coordl/torch.
+  training step: ``coordl`` (``SSDTrain(size=300)``); ``dali``, DALI's own COCO pipeline as NVIDIA's SSD300
+  reference builds it (DeepLearningExamples' ``ssd/coco_pipeline.py``: ``fn.readers.coco``,
+  ``fn.random_bbox_crop``, ``fn.decoders.image_slice``, ``fn.bb_flip``, ``fn.resize``, ``fn.hsv``,
+  ``fn.brightness_contrast``, ``fn.crop_mirror_normalize``; boxes as coordl's targets, without the anchor
+  encoding coordl does not do); ``dali-1``, the same with ``num_attempts=1`` (DALI tries that many windows
+  per minimum IoU it draws; the reference and coordl draw again for every window: not in the default
+  set); ``torch``, ``DataLoader(CocoDetection(transforms=PythonSSD()))`` with torchvision's detection
+  collate. A child per run: a warm-up epoch, then ``--epochs``; ABBA ``--reps`` times; the medians,
+  coordl/dali and coordl/torch.
 - ``hp``: two coordl trials (``x.sum()`` per batch) in the HP group ``bench-detect`` vs apart, ABBA:
   per-trial samples/s after the first epoch; speedup = group / separate.
 
@@ -23,24 +28,38 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks import detection_baselines as baselines
-from benchmarks.harness import compare, dataset, jobs
+import numpy as np
 
-LOADERS = ("coordl", "dali", "torch")  # the default set; also "dali-1"
+from benchmarks.harness import cli, compare, dataset
+
+SIZE = 300
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def options(p) -> None:
     g = p.add_argument_group("dataset", "generated under --data if missing, found again by a later run")
     g.add_argument("--data", default="/var/tmp/coordl-bench/coco", help="dataset root (default: %(default)s)")
-    g.add_argument("--images", type=int, default=1500, help="JPEGs to generate (default: %(default)s)")
+    g.add_argument("--images", type=int, help="JPEGs to generate (default: 1500; 40 with --smoke)")
     dataset.add_source_options(g)
-    g.add_argument("--width", type=int, default=640, help="mean image width, +-12.5%% (default: %(default)s)")
-    g.add_argument("--height", type=int, default=480, help="mean image height, +-12.5%% (default: %(default)s)")
+    g.add_argument("--width", type=int, help="mean image width, +-12.5%% (default: 640; 320 with --smoke)")
+    g.add_argument("--height", type=int, help="mean image height, +-12.5%% (default: 480; 240 with --smoke)")
     g.add_argument("--quality", type=int, default=90, help="JPEG quality (default: %(default)s)")
     g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
-    compare.add_options(p, LOADERS, jobs_of=(*LOADERS, "dali-1"))
-    p.add_argument("--scenarios", default="prep,hp", help="prep, hp or both (default: prep,hp)")
-    p.add_argument("--smoke", action="store_true", help="40 small images, batch 16, 1 rep, 1 epoch: a test's run")
+    loaders = ("coordl", "dali", "torch")
+    compare.add_options(p, loaders, (*loaders, "dali-1"), "prep,hp")
+
+
+def run(args) -> dict | None:
+    cli.defaults(args, args.smoke, images=(1500, 40), width=(640, 320), height=(480, 240))
+    result = compare.run(args, coco, make, {"hp": "touch"}, "bench-detect")
+    return result and {**result, "python_per_batch": python_per_batch(args)}
+
+
+def table(results: dict) -> str:
+    pb = results["python_per_batch"]
+    head = f"coordl's Python per batch of {pb['batch']}: plan {pb['plan_ms']:.2f} ms, targets {pb['targets_ms']:.2f} ms"
+    return head + "\n" + compare.table(results)
 
 
 def coco(args) -> dict:
@@ -55,55 +74,42 @@ def coco(args) -> dict:
     n, pixels = len(truths), sum(t.width * t.height for t in truths)
     out = {"root": s.root, "images": s.images, "annotations": s.annotations, "files": n, "total_bytes": s.total_bytes}
     out |= {"mean_bytes": round(s.total_bytes / n), "bytes_per_pixel": round(s.total_bytes / pixels, 3)}
-    out |= {
-        "mean_width": round(sum(t.width for t in truths) / n),
-        "mean_height": round(sum(t.height for t in truths) / n),
-    }
     out |= {"boxes": sum(len(t.boxes) for t in truths), "empty_images": sum(not t.boxes for t in truths)}
     return out | {"jpeg_quality": args.quality, "source": "photographs" if photos else "generated"}
 
 
-def command(args):
-    kw = {"batch_size": args.batch_size, "threads": args.threads, "data": args.data, "images": args.images}
-    kw |= {"width": args.width, "height": args.height, "quality": args.quality, "dataset_seed": args.dataset_seed}
-    argv = [*jobs.flags(**kw), *dataset.source_argv(args)]
-    return lambda name, *extra: jobs.scenario_command("detection", "--job", name, *argv, *extra)
-
-
-def job(args) -> None:
+def make(args, data):
+    """The child's loader (``--job``); its step: ``x.sum()`` with ``--step touch``."""
     import coordl
+    from benchmarks.loaders import dataloader
 
-    c = coco(args)
+    images, annotations = data["images"], data["annotations"]
     if args.job.startswith("dali"):
         attempts = 1 if args.job == "dali-1" else 50
-        loader = baselines.DaliCoco(c["images"], c["annotations"], args.batch_size, args.threads, attempts=attempts)
+        loader = DaliCoco(images, annotations, args.batch_size, args.threads, attempts=attempts)
     elif args.job == "torch":
-        loader = baselines.torch_loader(c["images"], c["annotations"], args.batch_size, args.threads)
+        coco_data = coordl.datasets.CocoDetection(images, annotations, transforms=PythonSSD())
+        loader = dataloader(coco_data, args.batch_size, args.threads, 0, collate_fn=lambda b: tuple(zip(*b)))
     else:
-        index = coordl.Index.from_coco(c["images"], c["annotations"])
-        loader = baselines.coordl_loader(index, args.batch_size, args.threads, group=args.group)
-    compare.job(args, loader, (lambda b: b[0].sum()) if args.step == "touch" else None)
+        loader = compare.coordl_loader(coordl.Index.from_coco(images, annotations), coordl.SSDTrain(size=SIZE), args)
+    return loader, compare.touch if args.step == "touch" else None
 
 
 def python_per_batch(args) -> dict:
-    """Milliseconds of Python per coordl batch outside DALI: ``crops.plan`` and ``targets.targets`` (the
-    batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
-    import numpy as np
-
+    """Milliseconds of Python per coordl batch outside DALI (medians of 50 epochs): ``crops.plan`` and
+    ``targets.targets`` (the batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
     import coordl
     from coordl.detection import crops, targets
 
     c = coco(args)
     index = coordl.Index.from_coco(c["images"], c["annotations"])
-    recipe, b = coordl.SSDTrain(size=baselines.SIZE), min(args.batch_size, len(index))
+    recipe, b = coordl.SSDTrain(size=SIZE), min(args.batch_size, len(index))
     ids = np.random.default_rng(0).permutation(len(index))[:b]
     plans = [crops.plan(recipe, index.boxes, 0, epoch, ids) for epoch in range(50)]
     image_ids = index.boxes.image_ids[ids].tolist()
     steps = {
         "plan": lambda epoch: crops.plan(recipe, index.boxes, 0, epoch, ids),
-        "targets": lambda epoch: targets.targets(
-            plans[epoch].xyxy, plans[epoch].labels, plans[epoch].counts, image_ids
-        ),
+        "targets": lambda e: targets.targets(plans[e].xyxy, plans[e].labels, plans[e].counts, image_ids),
     }
     out = {"batch": b}
     for name, f in steps.items():
@@ -116,26 +122,126 @@ def python_per_batch(args) -> dict:
     return out
 
 
-def run(args) -> dict | None:
-    if args.job:
-        return job(args)
-    if args.smoke:
-        args.images, args.width, args.height, args.batch_size = 40, 320, 240, 16
-        args.reps, args.epochs, args.hp_epochs = 1, 1, 2
-    args.loaders, scenarios = args.loaders.split(","), args.scenarios.split(",")
-    c = coco(args)
-    print(f"dataset: {c['files']} files, {c['total_bytes'] / 1e6:.1f} MB, {c['boxes']} boxes ({c['source']})")
-    result = {"dataset": c, "python_per_batch": python_per_batch(args)}
-    if "prep" in scenarios:
-        print(f"prep-bound, batch {args.batch_size}, {args.threads} threads/workers, runs alternating")
-        result["prep"] = compare.prep(args, command(args))
-    if "hp" in scenarios:
-        print("two trials, hp_group='bench-detect' vs separate")
-        result["hp"] = compare.hp(args, command(args), "bench-detect")
-    return result
+class PythonSSD(compare.ForkedRng):
+    """SSD300 v1.1's training augmentation in Pillow and numpy: ``transforms(image, target)``.
+
+    The crop is the reference's ``SSDCropping``: a try picks "no crop", a minimum IoU or "any
+    window" uniformly; a window of 0.3-1.0 of each side with ``w / h`` in [0.5, 2] is placed
+    uniformly and taken when every box overlaps it by more than the minimum and a box's centre lies
+    inside it; after ``tries`` tries the whole image. Boxes whose centre is in the window are kept,
+    clipped, moved and scaled. Then a resize to ``size`` (bilinear), a horizontal flip of pixels and
+    boxes with probability 0.5, hue (degrees) and saturation in HSV (one round trip), brightness and
+    contrast around 128 back to the uint8 range, normalise, CHW float32: coordl's SSDTrain's order.
+    """
+
+    def __init__(self, size: int = SIZE, tries: int = 50):
+        self.size, self.tries = size, tries
+        self._mean = np.array(MEAN, dtype=np.float32) * 255
+        self._inv_std = 1 / (np.array(STD, dtype=np.float32) * 255)
+
+    def window(self, rng, boxes: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
+        """The crop window ``x0, y0, x1, y1`` in whole pixels (the whole image: no crop)."""
+        options = (None, *THRESHOLDS, -np.inf)
+        if len(boxes):
+            area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+            cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+            for _ in range(self.tries):
+                minimum = options[rng.integers(len(options))]
+                if minimum is None:
+                    break
+                w, h = rng.uniform(0.3, 1.0), rng.uniform(0.3, 1.0)
+                left, top = rng.uniform(0, 1 - w), rng.uniform(0, 1 - h)
+                if not 0.5 <= w / h <= 2:
+                    continue
+                x0, y0 = int(left * width), int(top * height)
+                x1, y1 = int((left + w) * width), int((top + h) * height)
+                iw = np.clip(np.minimum(boxes[:, 2], x1) - np.maximum(boxes[:, 0], x0), 0, None)
+                ih = np.clip(np.minimum(boxes[:, 3], y1) - np.maximum(boxes[:, 1], y0), 0, None)
+                inter = iw * ih
+                iou = inter / (area + (x1 - x0) * (y1 - y0) - inter)
+                inside = (cx > x0) & (cx < x1) & (cy > y0) & (cy < y1)
+                if x1 > x0 and y1 > y0 and (iou > minimum).all() and inside.any():
+                    return x0, y0, x1, y1
+        return 0, 0, width, height
+
+    def __call__(self, image, target):
+        import torch
+        from PIL import Image
+
+        rng, size = self.rng(), self.size
+        boxes = target["boxes"].numpy().astype(np.float64).reshape(-1, 4)
+        labels = target["labels"]
+        width, height = image.size
+        x0, y0, x1, y1 = self.window(rng, boxes, width, height)
+        if (x0, y0, x1, y1) != (0, 0, width, height):
+            image = image.crop((x0, y0, x1, y1))
+        cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+        keep = (cx > x0) & (cx < x1) & (cy > y0) & (cy < y1)
+        boxes = boxes[keep]
+        boxes[:, [0, 2]] = (np.clip(boxes[:, [0, 2]], x0, x1) - x0) * (size / (x1 - x0))
+        boxes[:, [1, 3]] = (np.clip(boxes[:, [1, 3]], y0, y1) - y0) * (size / (y1 - y0))
+        image = image.resize((size, size), Image.BILINEAR)
+        if rng.random() < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+            boxes[:, [0, 2]] = size - boxes[:, [2, 0]]
+        brightness, contrast, saturation = rng.uniform(0.875, 1.125), rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5)
+        hue = rng.uniform(-18.0, 18.0)
+        hsv = np.array(image.convert("HSV"))  # torchvision's adjust_hue for PIL images, with saturation too
+        hsv[..., 0] += np.uint8(round(hue / 360 * 255) % 256)  # wraps around, as hue does
+        hsv[..., 1] = np.clip(hsv[..., 1] * saturation, 0, 255).astype(np.uint8)
+        pixels = np.asarray(Image.fromarray(hsv, "HSV").convert("RGB"), dtype=np.float32)
+        pixels *= brightness * contrast  # brightness * (128 + contrast * (x - 128)), to uint8 as DALI does
+        pixels += brightness * 128 * (1 - contrast)
+        np.clip(pixels, 0, 255, out=pixels)
+        np.rint(pixels, out=pixels)
+        pixels -= self._mean
+        pixels *= self._inv_std
+        chw = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        out = {"boxes": torch.from_numpy(boxes.astype(np.float32)), "labels": labels[torch.from_numpy(keep)]}
+        return chw, {**out, "image_id": target["image_id"]}
 
 
-def table(results: dict) -> str:
-    pb = results["python_per_batch"]
-    head = f"coordl's Python per batch of {pb['batch']}: plan {pb['plan_ms']:.2f} ms, targets {pb['targets_ms']:.2f} ms"
-    return head + "\n" + compare.table(results)
+class DaliCoco:
+    """NVIDIA's SSD300 COCO pipeline on DALI's CPU (``device_id=None``); iterate for one epoch of
+    ``(images, targets)``, ``targets`` as coordl's (boxes in pixels of the output)."""
+
+    def __init__(self, images: str, annotations: str, batch_size: int, threads: int, seed: int = 1, attempts: int = 50):
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIRaggedIterator, LastBatchPolicy
+
+        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
+        def pipe():
+            # avoid_class_remapping: COCO's category ids, as coordl's labels
+            kw = {"ratio": True, "ltrb": True, "random_shuffle": True, "skip_empty": False, "image_ids": True}
+            kw |= {"avoid_class_remapping": True}
+            jpegs, bboxes, labels, ids = fn.readers.coco(
+                name="Reader", file_root=images, annotations_file=annotations, **kw
+            )
+            kw = {"aspect_ratio": [0.5, 2.0], "thresholds": [0, *THRESHOLDS], "scaling": [0.3, 1.0]}
+            kw |= {"bbox_layout": "xyXY", "allow_no_crop": True, "num_attempts": attempts}
+            begin, size, bboxes, labels = fn.random_bbox_crop(bboxes, labels, **kw)
+            pixels = fn.decoders.image_slice(jpegs, begin, size, output_type=types.RGB)
+            flip = fn.random.coin_flip(probability=0.5)
+            bboxes = fn.bb_flip(bboxes, ltrb=True, horizontal=flip)
+            pixels = fn.resize(pixels, resize_x=SIZE, resize_y=SIZE)
+            hue, saturation = fn.random.uniform(range=[-18.0, 18.0]), fn.random.uniform(range=[0.5, 1.5])
+            pixels = fn.hsv(pixels, dtype=types.FLOAT, hue=hue, saturation=saturation)
+            brightness, contrast = fn.random.uniform(range=[0.875, 1.125]), fn.random.uniform(range=[0.5, 1.5])
+            kw = {"contrast_center": 128, "dtype": types.UINT8, "brightness": brightness, "contrast": contrast}
+            pixels = fn.brightness_contrast(pixels, **kw)
+            mean, std = [m * 255 for m in MEAN], [s * 255 for s in STD]
+            kw = {"mean": mean, "std": std, "mirror": flip, "dtype": types.FLOAT, "output_layout": "CHW"}
+            pixels = fn.crop_mirror_normalize(pixels, **kw)
+            return pixels, bboxes * float(SIZE), labels, ids
+
+        (p := pipe()).build()
+        dense, ragged = DALIRaggedIterator.DENSE_TAG, DALIRaggedIterator.SPARSE_LIST_TAG
+        kw = {"reader_name": "Reader", "output_types": [dense, ragged, ragged, dense]}
+        kw |= {"last_batch_policy": LastBatchPolicy.PARTIAL, "auto_reset": True}
+        self.it = DALIRaggedIterator(p, ["images", "boxes", "labels", "ids"], **kw)
+
+    def __iter__(self):
+        for (out,) in self.it:
+            ids = out["ids"].flatten().tolist()
+            targets = zip(out["boxes"], out["labels"], ids, strict=True)
+            yield out["images"], [{"boxes": b, "labels": c.long(), "image_id": i} for b, c, i in targets]

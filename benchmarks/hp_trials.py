@@ -1,10 +1,9 @@
-"""The trials the HP-group scenarios (:mod:`benchmarks.hp_group`, :mod:`benchmarks.hp_mix`,
-:mod:`benchmarks.hp_sweep`) start together: each a child process with one CoordLoader over the same
-ImageNet-like dataset, the MinIO cache warm and kept (``Cache(size=1.0, keep=True)``), the standard
+"""The trials :mod:`benchmarks.hp_group` starts together: each a child process with one CoordLoader over the
+same ImageNet-like dataset, the MinIO cache warm and kept (``Cache(size=1.0, keep=True)``), the standard
 training recipe at 224 on the CPU (prep-bound), reading each batch (``x.sum()``) and sleeping
-``--sleep`` seconds per batch (its training step).
+``--sleep-per-batch`` seconds per batch (its training step).
 
-A trial records per epoch its seconds, samples, whether it saw every sample exactly once and its
+A trial records per epoch its seconds, samples, batches, whether it saw every sample exactly once and its
 ``stats()``; per batch the time ``next()`` took, the first read, when it arrived, and whether it was
 a view of a staged slot (no copy); its first batch's latency and its CPU seconds.
 """
@@ -23,32 +22,18 @@ from benchmarks.harness import dataset, jobs, measure
 
 STATS = "produced consumed_shared detached alone_batches order_epoch hp_members storage_bytes staging_peak_bytes"
 STATS = (*STATS.split(), "staging_bound")
+SPEC = ("group", "after", "entered", "last", "progress")  # a trial's options beside its batch, epochs, sleep
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    """The dataset, ``--epochs``, and a trial's own options (hidden): the scenario's ``run`` calls
-    :func:`trial` when ``--trial`` is given."""
+    """The dataset, ``--epochs``, and a trial's own options (hidden, with ``--trial``)."""
     dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/train")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
-    for a in ("--group", "--ready", "--go", "--after", "--entered", "--last", "--progress"):
-        p.add_argument(a, help=argparse.SUPPRESS)
-    p.add_argument("--batch-size", type=int, default=64, help=argparse.SUPPRESS)
-    p.add_argument("--stage-batch", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--sleep-per-batch", type=float, default=0.0, help=argparse.SUPPRESS)
-
-
-def images(args) -> dict:
-    """The dataset (made or found); ``args.images`` becomes its count, which a trial checks against."""
-    data = dataset.dataset_from_args(args)
-    args.images = data["files"]
-    print(f"dataset: {dataset.describe(data)}")
-    return data
-
-
-def _wait_file(path: str | None) -> None:
-    while path and not os.path.exists(path):
-        time.sleep(0.001)
+    for a in (*SPEC, "ready", "go"):
+        p.add_argument(f"--{a}", help=argparse.SUPPRESS)
+    for a, kind in (("batch-size", int), ("stage-batch", int), ("sleep-per-batch", float)):
+        p.add_argument(f"--{a}", type=kind, default=0, help=argparse.SUPPRESS)
 
 
 def trial(args) -> None:
@@ -59,7 +44,7 @@ def trial(args) -> None:
     group = args.group
     if group and args.stage_batch:
         group = coordl.HPGroup(group, stage_batch=args.stage_batch)
-    out = {"epochs": [], "take_s": [], "read_s": [], "times": [], "views": 0, "batches": 0}
+    out = {"group": args.group, "epochs": [], "take_s": [], "read_s": [], "times": [], "views": 0, "batches": 0}
     kw = {"pipeline": "imagenet-train", "device_id": None, "return_index": True, "shuffle": True}
     kw |= {"cache": coordl.Cache(size=1.0, keep=True), **({"hp_group": group} if group else {})}
     with coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw) as loader:
@@ -67,62 +52,68 @@ def trial(args) -> None:
         _wait_file(args.after)
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
-            t0 = time.perf_counter()
+            t0, b0 = time.monotonic(), out["batches"]
             it = iter(loader)
             if epoch == 0 and args.entered:
                 Path(args.entered).touch()
                 _wait_file(args.last)  # every trial is a member of the group's first pass
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
             seen = []
-            while True:
-                t = time.perf_counter()
-                try:
-                    x, _, ids = next(it)
-                except StopIteration:
-                    break
-                t1 = time.perf_counter()
-                x.sum()
+            for ids in _timed(it, out):
                 if not seen and epoch == 0:
-                    out["first_batch_s"] = t1 - t0
-                out["take_s"].append(t1 - t)
-                out["read_s"].append(time.perf_counter() - t1)
-                out["times"].append(time.monotonic())
-                out["views"] += not x.untyped_storage().resizable()  # a mapping of the slot, not a copy
-                out["batches"] += 1
+                    out["first_batch_s"] = out["times"][-1] - t0
                 seen += ids.tolist()
                 if args.progress:
                     Path(args.progress).write_text(str(out["batches"]))
-                if args.sleep_per_batch:
-                    time.sleep(args.sleep_per_batch)
+                time.sleep(args.sleep_per_batch)
             s = loader.stats()
             out["stage_batch"] = s.get("stage_batch")
             once = len(seen) == len(set(seen)) == args.images
-            e = {"seconds": time.perf_counter() - t0, "samples": len(seen), "exactly_once": once}
-            out["epochs"].append(e | {k: s.get(k) for k in STATS})
+            e = {"seconds": time.monotonic() - t0, "samples": len(seen), "batches": out["batches"] - b0}
+            out["epochs"].append(e | {"exactly_once": once} | {k: s.get(k) for k in STATS})
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out["cpu_s"] = {"user": ru.ru_utime, "sys": ru.ru_stime}
-    Path(args.out).write_text(json.dumps(out))
+    Path(args.out).write_text(json.dumps(out | {"cpu_s": ru.ru_utime + ru.ru_stime}))
 
 
-def command(args, scenario: str, spec: dict) -> list[str]:
-    """The command of one trial of ``spec``: ``batch`` and optionally ``group``, ``stage_batch``,
-    ``sleep``, ``epochs``, and the files ``after``, ``entered``, ``last``, ``progress``."""
+def _timed(it, out: dict):
+    """The sample ids of each batch of ``it``, its ``next()`` and first read timed (in ``out``)."""
+    while True:
+        t = time.monotonic()
+        try:
+            x, _, ids = next(it)
+        except StopIteration:
+            return
+        t1 = time.monotonic()
+        x.sum()
+        out["take_s"].append(t1 - t)
+        out["read_s"].append(time.monotonic() - t1)
+        out["times"].append(t1)
+        out["views"] += not x.untyped_storage().resizable()  # a mapping of the slot, not a copy
+        out["batches"] += 1
+        yield ids
+
+
+def _wait_file(path: str | None) -> None:
+    while path and not os.path.exists(path):
+        time.sleep(0.001)
+
+
+def command(args, spec: dict) -> list[str]:
+    """The command of one trial of ``spec``: ``batch`` and optionally ``stage_batch``, ``sleep``, ``epochs``
+    and those of ``SPEC`` (the group, and the files a trial waits for or writes)."""
     kw = {
         "data": args.data,
         "images": args.images,
         "batch_size": spec["batch"],
         "epochs": spec.get("epochs", args.epochs),
     }
-    kw |= {"sleep_per_batch": spec.get("sleep", 0.0), "stage_batch": spec.get("stage_batch") or 0}
-    argv = jobs.flags(
-        trial=True, **kw, **{k: spec.get(k) or None for k in ("group", "after", "entered", "last", "progress")}
-    )
-    return jobs.scenario_command(scenario, *argv)
+    kw |= {"sleep_per_batch": spec.get("sleep"), "stage_batch": spec.get("stage_batch")}
+    return jobs.scenario_command("hp_group", *jobs.flags(trial=True, **kw, **{k: spec.get(k) for k in SPEC}))
 
 
-def launch(args, scenario: str, workdir: Path, specs: list[dict]) -> list[dict]:
+def launch(args, workdir: Path, specs: list[dict], before_go=None) -> list[dict]:
     """Runs trials of ``specs`` together (:func:`command`); returns what each wrote."""
-    return jobs.run_together([command(args, scenario, s) for s in specs], workdir)
+    return jobs.run_together([command(args, s) for s in specs], workdir, before_go)
 
 
 def rate(out: dict) -> float:
@@ -132,29 +123,30 @@ def rate(out: dict) -> float:
 
 
 def summary(outs: list[dict]) -> dict:
-    out = {"per_job_samples_per_s": [rate(o) for o in outs]}
-    out["exactly_once"] = all(e["exactly_once"] for o in outs for e in o["epochs"])
+    """Trials run together: per-trial samples/s, whether every epoch was exactly once, the medians of
+    ``next()`` and of the first read; for the machine per epoch, batches decoded (a member's ``produced``,
+    whichever epoch it was counted in) and CPU seconds; the staging memory's peak after the first epoch."""
+    n, every = len(outs[0]["epochs"]), [e for o in outs for e in o["epochs"]]
+    out = {"per_job_samples_per_s": [rate(o) for o in outs], "exactly_once": all(e["exactly_once"] for e in every)}
     out |= {f"{k}_ms_median": [1000 * statistics.median(o[f"{k}_s"]) for o in outs] for k in ("take", "read")}
+    out["batches_decoded_per_epoch"] = (
+        sum(e["produced"] if o["group"] else e["batches"] for o in outs for e in o["epochs"]) / n
+    )
+    out["cpu_s_per_epoch"] = sum(o["cpu_s"] for o in outs) / n
+    out["staging_peak_bytes"] = max(e["staging_peak_bytes"] or 0 for o in outs for e in o["epochs"][1:])
     return out | {"epochs": [o["epochs"] for o in outs]}
 
 
-def mean(xs) -> float:
-    return sum(xs) / len(xs)
-
-
-def compare(args, scenario: str, workdir: Path, modes: dict[str, list[dict]]) -> dict:
+def compare(args, workdir: Path, modes: dict[str, list[dict]]) -> dict:
     """Runs each mode's trials ``--reps`` times, the modes ABBA; per mode its runs' :func:`summary`."""
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r, m in measure.alternate(list(modes), args.reps):
-        s = summary(launch(args, scenario, workdir, modes[m]))
-        runs[m].append(s)
+        runs[m].append(s := summary(launch(args, workdir, modes[m])))
         print(f"  rep {r + 1} {m:>8}: per job {[round(x) for x in s['per_job_samples_per_s']]} samples/s")
     return runs
 
 
 def ratios(runs: dict, a: str = "alone", b: str = "group") -> list[float]:
     """Per rep, the mean per-trial rate of mode ``b`` over mode ``a``'s."""
-    return [
-        mean(y["per_job_samples_per_s"]) / mean(x["per_job_samples_per_s"])
-        for x, y in zip(runs[a], runs[b], strict=True)
-    ]
+    mean = statistics.mean
+    return [mean(y["per_job_samples_per_s"]) / mean(x["per_job_samples_per_s"]) for x, y in zip(runs[a], runs[b])]

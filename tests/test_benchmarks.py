@@ -638,20 +638,21 @@ def test_s3_clients_small(tmp_path):
 
 
 def test_hp_mix_small(tmp_path):
-    """hp_mix on 128 small photos: every scenario runs and compares what it should, every
-    epoch of every job of every run is exactly once, and the jobs leave nothing in shared memory nor in
-    the temporary folder (its work folder was left in /tmp by every run before)."""
+    """hp_group's scenarios same, mix, handoff and slow (once hp_mix) on 128 small photos: every
+    scenario runs and compares what it should, every epoch of every job of every run is exactly once,
+    and the jobs leave nothing in shared memory nor in the temporary folder (its work folder was left in
+    /tmp by every run before)."""
     out, shm = tmp_path / "hp_mix.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks", "hp_mix", "--data", str(tmp_path / "photos"), "--images", "128"]
+    command = [sys.executable, "-m", "benchmarks", "hp_group", "--data", str(tmp_path / "photos"), "--images", "128"]
     command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
-    command += ["--out", str(out)]
+    command += ["--scenarios", "same,mix,handoff,slow", "--out", str(out)]
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm, TMPDIR=str(tmp))
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = _figures(out, "hp_mix")
+        r = _figures(out, "hp_group")
         assert [row["jobs"] for row in r["same"]] == [2, 4]
         runs = [run for row in r["same"] for m in ("alone", "group") for run in row[m]]
         runs += [run for m in ("alone", "group") for run in r["mix"][m]]
@@ -665,18 +666,18 @@ def test_hp_mix_small(tmp_path):
 
 
 def test_hp_sweep_small(tmp_path):
-    """hp_sweep on 1,024 small photos: in either start order, the shorthand stages 128
-    samples as stage_batch=128 does, every batch of every trial is a view, every epoch exactly once,
-    and the trials leave nothing in shared memory."""
+    """hp_group's scenario sweep (once hp_sweep) on 1,024 small photos: in either start order, the
+    shorthand stages 128 samples as stage_batch=128 does, every batch of every trial is a view, every
+    epoch exactly once, and the trials leave nothing in shared memory."""
     out, shm = tmp_path / "hp_sweep.json", tempfile.mkdtemp(prefix="coordl-test-", dir="/dev/shm")
-    command = [sys.executable, "-m", "benchmarks", "hp_sweep", "--data", str(tmp_path / "photos"), "--images", "1024"]
+    command = [sys.executable, "-m", "benchmarks", "hp_group", "--data", str(tmp_path / "photos"), "--images", "1024"]
     command += ["--classes", "4", "--width", "160", "--height", "120", "--epochs", "2", "--reps", "1"]
-    command += ["--modes", "shorthand,stage128", "--out", str(out)]
+    command += ["--scenarios", "sweep", "--modes", "shorthand,stage128", "--out", str(out)]
     try:
         env = dict(os.environ, COORDL_SHM_DIR=shm)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        r = _figures(out, "hp_sweep")
+        r = _figures(out, "hp_group")["sweep"]
         runs = [
             run for m in ("shorthand", "stage128") for order in ("16-first", "128-first") for run in r["runs"][m][order]
         ]

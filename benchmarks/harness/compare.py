@@ -1,10 +1,10 @@
 """Loaders compared in child processes, alternated ABBA, and two trials in an HP group vs apart.
 
-The shape :mod:`benchmarks.detection`, :mod:`benchmarks.audio` and :mod:`benchmarks.gpu` share: a
-scenario's ``run(args)`` with ``args.job`` set is one child (:func:`job`: its loader, a warm-up
-epoch, the measured epochs, written to ``--out``); :func:`prep` runs each of ``args.loaders`` alone,
-``args.reps`` times in ABBA order; :func:`hp` starts two coordl trials together, in the HP group
-vs without one.
+The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`run`): the dataset made
+or found; ``prep``: each of ``--loaders`` alone in a child (the scenario again with ``--job NAME``:
+:func:`job`, a warm-up epoch then ``--epochs``), ``--reps`` times in ABBA order, the medians and
+coordl/each other; each HP comparison: two coordl trials started together, in an HP group vs without
+one, ABBA, per-trial samples/s after the first epoch and speedup = group / separate.
 """
 
 from __future__ import annotations
@@ -17,36 +17,86 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import jobs, measure
+import numpy as np
+
+from . import cli, jobs, measure, report
 
 
-def add_options(p: argparse.ArgumentParser, loaders: tuple[str, ...], *, jobs_of=None, epochs=2, hp_epochs=3) -> None:
-    """The comparison's options, and the hidden ones of a child job (``--job`` one of ``jobs_of``)."""
-    p.add_argument("--job", choices=jobs_of or loaders, help=argparse.SUPPRESS)
+def add_options(p: argparse.ArgumentParser, loaders: tuple[str, ...], jobs_of, scenarios: str) -> None:
+    """The comparison's options (None: set by :func:`run`, smaller with ``--smoke``) and a child's (hidden)."""
+    p.add_argument("--job", choices=jobs_of, help=argparse.SUPPRESS)
     for a in ("--group", "--ready", "--go"):
         p.add_argument(a, help=argparse.SUPPRESS)
-    p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--step", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, help="default: 64 (16 with --smoke)")
     p.add_argument("--threads", type=int, default=2, help="DALI threads / DataLoader workers (default: 2)")
-    p.add_argument("--epochs", type=int, default=epochs, help=f"measured epochs per run (default: {epochs})")
-    p.add_argument("--hp-epochs", type=int, default=hp_epochs, help=f"epochs per hp trial (default: {hp_epochs})")
-    p.add_argument("--reps", type=int, default=3, help="alternated repetitions (default: 3)")
+    p.add_argument("--epochs", type=int, help="measured epochs per run (default: 2; 1 with --smoke)")
+    p.add_argument("--hp-epochs", type=int, help="epochs per HP trial, the first not measured (default: 3 or 2)")
+    p.add_argument("--reps", type=int, help="alternated repetitions (default: 3; 1 with --smoke)")
     p.add_argument("--loaders", default=",".join(loaders), help="of the prep scenario (default: %(default)s)")
+    p.add_argument("--scenarios", default=scenarios, help="(default: %(default)s)")
+    p.add_argument("--smoke", action="store_true", help="a small dataset, batch 16, 1 rep, 1 epoch: a test's run")
 
 
-def job(args, loader, step=None, **extra) -> None:
+def run(args, dataset, make, hps: dict[str, str], group: str, hp_epochs: int = 3) -> dict | None:
+    """``dataset(args)`` made or found; in a child, ``make(args, dataset) -> (loader, step)`` run by :func:`job`;
+    else ``prep`` and each HP comparison of ``hps`` (name: the trials' step) that ``--scenarios`` names."""
+    cli.defaults(args, args.smoke, batch_size=(64, 16), epochs=(2, 1), hp_epochs=(hp_epochs, 2), reps=(3, 1))
+    data = dataset(args)
+    if args.job:
+        return job(args, *make(args, data))
+    args.loaders, scenarios = args.loaders.split(","), args.scenarios.split(",")
+    print(f"dataset: {data['files']} files, {data['total_bytes'] / 1e6:.1f} MB ({data['source']})")
+    result = {"dataset": data}
+
+    def command(name, *extra):  # the scenario again, as this one was called, with the child's options after
+        return jobs.scenario_command(args._scenario, *args._argv, "--job", name, *extra)
+
+    if "prep" in scenarios:
+        print(f"prep-bound, batch {args.batch_size}, {args.threads} threads/workers, runs alternating")
+        result["prep"] = prep(args, command)
+    for name, step in hps.items():
+        if name in scenarios:
+            print(f"two trials (step: {step}), hp_group={group!r} vs separate")
+            result[name] = hp(args, command, group, step)
+    return result
+
+
+def job(args, loader, step=None) -> None:
     """A child's run of ``loader``: wait for the go (trials), warm-up and measured epochs, to ``--out``."""
     try:
         jobs.wait_for_go(args.ready, args.go)
-        es = measure.epochs(
-            loader, args.epochs, warmup=args.warmup, step=step, keys=(*measure.STATS, "consumed_shared")
-        )
+        es = measure.epochs(loader, args.epochs, warmup=1, step=step, keys=(*measure.STATS, "consumed_shared"))
     finally:
         if hasattr(loader, "close"):
             loader.close()
-    out = {"loader": args.job, "group": args.group, "step": args.step, **extra, "epochs": es}
-    Path(args.out).write_text(json.dumps(out))
+    Path(args.out).write_text(json.dumps({"loader": args.job, "group": args.group, "step": args.step, "epochs": es}))
+
+
+def touch(batch) -> None:
+    """A trivial training step: read the batch."""
+    batch[0].sum()
+
+
+def coordl_loader(data, recipe, args, seed: int = 0):
+    """``CoordLoader(data, pipeline=recipe)``, its cache the whole dataset (filled by the first epoch),
+    ``--threads`` DALI threads, in the HP group ``--group`` when given."""
+    import coordl
+
+    kw = {"device_id": None, "cache": coordl.Cache(size=1.0), "prep": coordl.Prep(threads=args.threads), "seed": seed}
+    kw |= {"hp_group": args.group} if args.group else {}
+    return coordl.CoordLoader(data, batch_size=args.batch_size, pipeline=recipe, shuffle=True, **kw)
+
+
+class ForkedRng:
+    """A Python baseline's random stream: a forked DataLoader worker draws its own, not its parent's copy."""
+
+    seed, _pid = 0, None
+
+    def rng(self) -> np.random.Generator:
+        if self._pid != os.getpid():
+            self._rng, self._pid = np.random.default_rng([self.seed, os.getpid()]), os.getpid()
+        return self._rng
 
 
 def prep(args, command) -> dict:
@@ -60,15 +110,12 @@ def prep(args, command) -> dict:
             run = {**json.loads(out.read_text()), "load_before": load, "load_after": os.getloadavg()[0]}
             run.update(measure.steady(run))
             runs[name].append(run)
-            print(
-                f"  rep {rep + 1} {name:>10}: {run['samples_per_s']:7.1f} samples/s, "
-                f"{1000 * run['cpu_s_per_sample']:.2f} CPU-ms/sample"
-            )
+            print(f"  rep {rep + 1} {name:>10}: {run['samples_per_s']:7.1f} samples/s")
     median = measure.medians(runs)
     return {"runs": runs, "median": median, "ratios": measure.ratios(median)}
 
 
-def hp(args, command, group: str, step: str = "touch") -> dict:
+def hp(args, command, group: str, step: str) -> dict:
     """Two coordl trials (``command("coordl", *extra)``) doing ``step`` per batch, in the HP group
     ``group`` vs separate, ABBA for ``args.reps``: per-trial rates and speedups."""
     runs: dict[str, list[dict]] = {"separate": [], "group": []}
@@ -84,10 +131,8 @@ def hp(args, command, group: str, step: str = "touch") -> dict:
                 {"per_trial_samples_per_s": rates, "cpu_s_per_sample": cpu, "jobs": trials, "load_before": load}
             )
             print(f"  rep {rep + 1} {mode:>8}: per trial {[round(r, 1) for r in rates]} samples/s")
-    speedups = [
-        statistics.mean(g["per_trial_samples_per_s"]) / statistics.mean(s["per_trial_samples_per_s"])
-        for s, g in zip(runs["separate"], runs["group"], strict=True)
-    ]
+    means = {m: [statistics.mean(r["per_trial_samples_per_s"]) for r in rs] for m, rs in runs.items()}
+    speedups = [g / s for s, g in zip(means["separate"], means["group"], strict=True)]
     return {
         "trials": 2,
         "group": group,
@@ -98,26 +143,17 @@ def hp(args, command, group: str, step: str = "touch") -> dict:
     }
 
 
-def table(results: dict, hp_names=("hp",)) -> str:
-    """The prep comparison's medians and runs, its ratios, and each HP scenario's per-trial speedups."""
+def table(results: dict) -> str:
+    """The prep comparison's medians and ratios, and each HP comparison's per-trial speedups (the runs
+    are printed as they end)."""
     lines = []
-    if "prep" in results:
-        lines += ["| loader | median samples/s | runs | median CPU-ms/sample | runs |", "|---|---|---|---|---|"]
-        for name, rs in results["prep"]["runs"].items():
-            m = results["prep"]["median"][name]
-            rates = ", ".join(f"{r['samples_per_s']:.1f}" for r in rs)
-            cpus = ", ".join(f"{1000 * r['cpu_s_per_sample']:.2f}" for r in rs)
-            lines.append(
-                f"| {name} | {m['samples_per_s']:.1f} | {rates} | {1000 * m['cpu_s_per_sample']:.2f} | {cpus} |"
-            )
-        for key, r in results["prep"]["ratios"].items():
-            lines.append(f"{key}: samples/s {r['samples_per_s']:.3f}, CPU/sample {r['cpu_s_per_sample']:.3f}")
-    for name in (n for n in hp_names if n in results):
-        h = results[name]
-        for mode in ("separate", "group"):
-            rates = "; ".join(", ".join(f"{x:.1f}" for x in r["per_trial_samples_per_s"]) for r in h[mode])
-            cpus = ", ".join(f"{1000 * r['cpu_s_per_sample']:.2f}" for r in h[mode])
-            lines.append(f"{name} {mode}: per-trial samples/s {rates}; CPU-ms per trial sample {cpus}")
-        speedups = ", ".join(f"{s:.2f}" for s in h["speedups"])
-        lines.append(f"{name} per-trial speedup ({h['step']}): median {h['speedup_median']:.2f} ({speedups})")
+    if p := results.get("prep"):
+        rows = [[n, m["samples_per_s"], 1000 * m["cpu_s_per_sample"]] for n, m in p["median"].items()]
+        lines.append(report.table("loader|median samples/s|median CPU-ms/sample", rows))
+        for k, r in p["ratios"].items():
+            lines.append(f"{k}: samples/s {r['samples_per_s']:.3f}, CPU/sample {r['cpu_s_per_sample']:.3f}")
+    for name, h in results.items():
+        if isinstance(h, dict) and "speedups" in h:
+            speedups = ", ".join(f"{s:.2f}" for s in h["speedups"])
+            lines.append(f"{name} per-trial speedup ({h['step']}): median {h['speedup_median']:.2f} ({speedups})")
     return "\n".join(lines)
