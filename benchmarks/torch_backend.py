@@ -87,8 +87,8 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
 def limited(args) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
     out = Path(args.out).with_name(Path(args.out).stem + "_run")  # run.py's own results, beside ours
-    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "fit_epochs": args.fit_epochs}
-    kw |= {"batch_size": args.batch_size, "workers": args.workers, "warmup_batches": args.warmup_batches}
+    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "batch_size": args.batch_size}
+    kw |= {"workers": args.workers, "fit_epochs": 2 if args.quick else 3, "warmup_batches": 1 if args.quick else 3}
     # --quick: no memory limit (a tiny dataset is smaller than a loader's memory swings: any budget ends in OOM)
     options = jobs.flags(loaders="torch,coordl-torch", **kw, seed=args.seed, out=out, no_memory_limit=args.quick)
     cmd = jobs.scenario_command("run", *dataset.dataset_argv(args), *options)
@@ -183,22 +183,16 @@ def options(p) -> None:
     throttle = "limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'"
     p.add_argument("--bandwidth", default="0.5P", help=throttle)
     p.add_argument("--epochs", type=int, help="limited: epochs, the first cold (default 4; --quick: 2)")
-    fits = "limited: epochs of run.py's 'fits' scenario, which measures working sets and P (default 3; --quick: 2)"
-    p.add_argument("--fit-epochs", type=int, help=fits)
-    p.add_argument(
-        "--warmup-batches", type=int, help="limited: batches before the limits apply (default 3; --quick: 1)"
-    )
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
 
 
 def run(args) -> dict:
     q, out = args.quick, str(cli.RESULTS / f"torch_backend{'_quick' if args.quick else ''}.json")
-    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), fit_epochs=(3, 2))
-    cli.defaults(args, q, warmup_batches=(3, 1), out=(out, out))
+    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
-    if args.reps < 1 or args.epochs < 2 or args.fit_epochs < 2:
-        raise SystemExit("--reps must be at least 1, --epochs and --fit-epochs at least 2 (the first epoch is cold)")
+    if args.reps < 1 or args.epochs < 2:
+        raise SystemExit("--reps must be at least 1, --epochs at least 2 (the first epoch is cold)")
     if "," in args.bandwidth:
         raise SystemExit("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
     if not 0 < args.cache < 1:
