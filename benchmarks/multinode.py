@@ -34,16 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, limits, measure, report
+from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.harness.report import mb
 from coordl_testing import netns
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
-MODES = {
-    "a": ("no peer cache", ["--peers", "off"]),
-    "b": ("partitioned", ["--locality", "0"]),
-    "c": ("partitioned + locality", ["--locality", "1"]),
-}
+MODES = {"a": "no peer cache", "b": "partitioned", "c": "partitioned + locality"}
 STAT_KEYS = "epoch samples samples_per_s stall_s storage_bytes peer_reads peer_bytes peer_served_bytes".split()
 STAT_KEYS += "cache_hits cache_hit_bytes cache_bytes cache_items cache_budget".split()
 SUMMED = "storage_bytes blkio_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
@@ -69,7 +65,7 @@ def options(p) -> None:
     p.add_argument("--throttle-frac", type=float, default=0.1, help="storage throttle, x the node's prep rate")
     p.add_argument("--close-first", action="store_true", help="close each loader before the final barrier")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
-    for name in ("--cache", "--peers", "--locality", "--blkio", "--device"):  # a rank's
+    for name in ("--cache", "--mode", "--blkio", "--device"):  # a rank's
         p.add_argument(name, help=argparse.SUPPRESS)
 
 
@@ -81,7 +77,7 @@ def job(a) -> None:
     import coordl
 
     dist.init_process_group("gloo")
-    peers = coordl.Peers(enabled="auto" if a.peers != "off" else False, locality_aware=a.locality == "1")
+    peers = coordl.Peers(enabled="auto" if a.mode != "a" else False, locality_aware=a.mode == "c")
     kw = {"pipeline": coordl.ImageNetTrain(size=a.crop), "device_id": None, "seed": a.seed, "shuffle": True}
     loader = coordl.CoordLoader(a.job[0], batch_size=a.batch_size, cache=int(a.cache), prep=1, peers=peers, **kw)
     record = {"rank": dist.get_rank(), "epochs": []}
@@ -107,20 +103,10 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     (``throttle`` bytes/s of the dataset's device); ``prep_sps``: the prep rate, for the bounds."""
     work, logs, cgroups = Path(tempfile.mkdtemp(prefix="cdl-mn-")), [], []
     device = "{}:{}".format(*measure.device_of(data["root"]))
-    argv = [
-        "--master_port",
-        port,
-        "-m",
-        "benchmarks",
-        "multinode",
-        "--job",
-        data["root"],
-        work,
-        "--epochs",
-        args.epochs,
-    ]
-    argv += ["-b", args.batch_size, "--cache", budget, "--crop", args.crop, "--seed", args.seed, "--device", device]
-    argv = [str(x) for x in argv] + MODES[mode][1] + ["--close-first"] * args.close_first
+    job = ["-m", "benchmarks", "multinode", "--job", data["root"], str(work), "--mode", mode, "--device", device]
+    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget, crop=args.crop, seed=args.seed)
+    job += ["--close-first"] * args.close_first
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", str(nodes)]
     try:
         cgroups += [limits.Cgroup("blkio", f"cdl-mn{os.getpid()}-{port}-{k}") for k in range(nodes)]
         for cg in cgroups if throttle else []:
@@ -132,19 +118,9 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
             procs = []
             for k, cg in enumerate(cgroups):
                 logs.append(open(work / f"node{k}.log", "w"))  # noqa: SIM115 - closed below
-                counter = ["--blkio", str(cg.path / "blkio.throttle.io_service_bytes")]
-                rank = [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes",
-                    str(nodes),
-                    "--node_rank",
-                    str(k),
-                    "--nproc_per_node",
-                    "1",
-                ]
-                rank += ["--master_addr", c.address(0), *argv, *counter]
+                counter = str(cg.path / "blkio.throttle.io_service_bytes")
+                where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port)]
+                rank = [*torchrun, *where, *job, "--blkio", counter]
                 procs.append(
                     c.popen(k, rank, env=env, cgroups=[str(cg.path)], stdout=logs[k], stderr=subprocess.STDOUT)
                 )
@@ -172,7 +148,7 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     for key in STEADY + BOUNDS:  # means over the steady epochs
         summary[f"steady_{key}"] = None if steady[0][key] is None else statistics.mean(t[key] for t in steady)
     summary["aggregate_cached_bytes"] = sum(n["epochs"][-1]["cache_bytes"] for n in per_node)
-    out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode][0], "budget_per_node": budget}
+    out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode], "budget_per_node": budget}
     out |= {"throttle_bps": throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
     return out | {"summary": summary, "warnings": warnings}
 
@@ -308,22 +284,14 @@ def render(a, result: dict) -> str:
     what = f"{a.reps} repetition(s), modes ABBA; tbf {a.rate}; batch {a.batch_size} per rank; crops of {a.crop} px;"
     what += f" 1 DALI thread; throttle {a.throttle_frac} x the prep rate; {result['total_wall_s'] / 60:.1f} min."
     prep = [{"nodes": n, **p} for n, p in result["prep"].items()]
-    md = [
-        "# Partitioned cache across nodes (`python -m benchmarks multinode`)",
-        "",
-        what,
-        "",
-        "## Prep rate and throttle",
-    ]
+    md = ["# Partitioned cache across nodes (`python -m benchmarks multinode`)", "", what, ""]
+    md += ["## Prep rate and throttle"]
     md += ["", rows_table(prep, ["samples_per_s_per_node", "throttle_bps_per_node"], ["nodes"]), ""]
     md += ["## Target checks (steady epochs; means over repetitions)", "", table(result), ""]
     keys = ["epoch0_time_s", *(f"steady_{k}" for k in STEADY + BOUNDS)]
-    runs = [{**r, **r["summary"], "repetition": r["repetition"] + 1} for r in result["runs"]]
-    md += [
-        "## Per run (steady = mean over epochs 1..)",
-        "",
-        rows_table(runs, keys, ("nodes", "aggregate_cache", "mode", "repetition")),
-    ]
+    runs = [{**r, **r["summary"], "mode": f"{r['mode']}, rep {r['repetition'] + 1}"} for r in result["runs"]]
+    md += ["## Per run (steady = mean over epochs 1..)", ""]
+    md += [rows_table(runs, keys, ("nodes", "aggregate_cache", "mode"))]
     md += ["", "## Per node and epoch", ""]
     for nodes, pr in result["prep"].items():
         md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", node_table(pr["run"]), ""]

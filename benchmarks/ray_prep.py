@@ -172,20 +172,18 @@ def child_env(address: str | None) -> dict:
     return env | ({"RAY_ADDRESS": address} if address else {})
 
 
-def run_one(args, env: dict, backend: str, config: str, work: Path) -> dict:
-    out, logfile = work / f"{backend}-{config}.json", work / f"{backend}-{config}.log"
-    cmd = ["taskset", "-c", str(TRAINER_CORE), *jobs.scenario_command("ray_prep", "--trainer", backend, config)]
+def run_one(args, env: dict, r: int, backend: str, config: str, work: Path) -> dict:
+    """Round ``r`` of one configuration: a fresh trainer on ``TRAINER_CORE``; its figures and :func:`steady`'s."""
+    out, logfile = work / f"{backend}-{config}-{r}.json", work / f"{backend}-{config}-{r}.log"
     kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "seed": args.seed, "skip": args.skip}
-    out.unlink(missing_ok=True)
-    t0 = time.perf_counter()
+    cmd = jobs.scenario_command("ray_prep", "--trainer", backend, config)
+    cmd += jobs.flags(**kw, out=out, output=args.output)
     with open(logfile, "w") as f:
-        code = subprocess.run(
-            cmd + jobs.flags(**kw, out=out, output=args.output), env=env, stdout=f, stderr=f
-        ).returncode
+        code = subprocess.run(["taskset", "-c", str(TRAINER_CORE), *cmd], env=env, stdout=f, stderr=f).returncode
     if code or not out.exists():
         raise RuntimeError(f"the trainer ({backend}, {config}) exited with {code}:\n{logfile.read_text()[-4000:]}")
-    run = {"backend": backend, "config": config, **json.loads(out.read_text())}
-    return run | {"wall_s": round(time.perf_counter() - t0, 2)} | steady(run["epochs"][args.skip :], args.batch_size)
+    run = {"round": r, "backend": backend, "config": config, **json.loads(out.read_text())}
+    return run | steady(run["epochs"][args.skip :], args.batch_size)
 
 
 def steady(epochs: list[dict], batch_size: int) -> dict:
@@ -250,10 +248,8 @@ def table(result: dict) -> str:
             rows[-1] += [f[c].get("remote_share"), None if kb is None else kb / 1e3, f[c].get("actor_s_per_unit")]
             cpu = ", ".join(f"{1e3 * f[c]['cpu_s_per_sample'][k]:.1f}" for k in WHO)
             rows[-1] += [f[c]["trainer_s_per_batch"], cpu]
-        meets = {c: "meets" if s["meets_target"][c] else "MISSES" for c in TARGETS}
-        line = f"{backend}: " + ", ".join(
-            f"{c}/local {s['ratio'][c]:.3f} ({meets[c]} >= {t})" for c, t in TARGETS.items()
-        )
+        meets = {c: "meets" if ok else "MISSES" for c, ok in s["meets_target"].items()}
+        line = f"{backend}: " + ", ".join(f"{c}/local {s['ratio'][c]:.3f} ({meets[c]} >= {TARGETS[c]})" for c in meets)
         line += f"; a delivered sample is {f['local']['image_bytes'] / 1e3:.0f} KB"
         if any(x.get("remote_result_bytes_per_sample") == 0 for x in f.values()):
             line += " (stats() counts no remote_result_bytes for this backend)"
@@ -332,7 +328,7 @@ def run(args) -> dict | None:
         log(f"dataset: {dataset.describe(data)}; Ray node at {address}, temp dir {temp}")
         work.mkdir()
         for r, (backend, config) in measure.alternate([(b, c) for b in BACKENDS for c in CONFIGS], args.rounds):
-            runs.append({"round": r, **run_one(args, child_env(address), backend, config, work)})
+            runs.append(run_one(args, child_env(address), r, backend, config, work))
             share = f", remote share {runs[-1]['remote_share']:.2f}" if "remote_share" in runs[-1] else ""
             log(f"round {r} {backend:5s} {config:6s} {runs[-1]['steady_samples_per_s']:7.1f} samples/s{share}")
         store = spilling(temp, after=time.time())

@@ -143,18 +143,17 @@ def table(result: dict) -> str:
             rows.append([name, median, rates, mb(max(e["device_bytes"] for e in es))])
         out += ["", f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.", ""]
         out += [report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows), ""]
-        out += [
-            f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** (target: at least {w['target_ratio']})"
-        ]
+        ratio = f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}**"
+        out += [f"{ratio} (target: at least {w['target_ratio']})"]
         out += [f"**NOTE:** {n}" for n in w["notes"]]
     if lim := result.get("limited"):
         bw = lim["bandwidth_bps"]
+        storage = format_bytes(bw, "MB") + "/s" if bw else "unthrottled"
         out += [
             "",
-            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage "
-            f"{format_bytes(bw, 'MB') + '/s' if bw else 'unthrottled'}; epoch 0 cold, partly read before its "
-            "measurement (warm-up), so without a minimum.",
+            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage {storage}; epoch 0 cold, partly",
         ]
+        out[-1] += " read before its measurement (warm-up), so without a minimum."
         out += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
         rows = []
         for name, entry in lim["loaders"].items():
