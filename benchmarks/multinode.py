@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
@@ -141,7 +142,8 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
             cg.remove()
         shutil.rmtree(work)
     # coordl's warnings in a node's log (peer failures, above all), each once, with a count.
-    warnings = [[f"{n} x {line}" for line, n in _count(t).items()] for t in texts]
+    counts = [Counter(ln.strip() for ln in t.splitlines() if "coordl:" in ln) for t in texts]
+    warnings = [[f"{n} x {line}" for line, n in c.items()] for c in counts]
     totals = epoch_totals(args, data, per_node, mode, throttle, prep_sps)
     steady = totals[1:] or totals
     summary = {"epoch0_time_s": totals[0]["time_s"], "epoch0_storage_bytes": totals[0]["storage_bytes"]}
@@ -151,13 +153,6 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode], "budget_per_node": budget}
     out |= {"throttle_bps": throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
     return out | {"summary": summary, "warnings": warnings}
-
-
-def _count(log: str) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for line in (ln.strip() for ln in log.splitlines() if "coordl:" in ln):
-        counts[line] = counts.get(line, 0) + 1
-    return counts
 
 
 def epoch_totals(args, data: dict, per_node: list[dict], mode: str, throttle, prep_sps) -> list[dict]:
