@@ -252,9 +252,12 @@ def run(args) -> dict | None:
 # -- output ------------------------------------------------------------------------------------
 def rows_table(rows: list[dict], keys: list[str], first=()) -> str:
     """A table of ``rows`` (dicts): the ``first`` columns, then ``keys``; bytes in MB, two decimals."""
-    heads = [*first, *(k.replace("_bytes", " MB").replace("steady_", "") for k in keys)]
-    cells = [[r.get(k) for k in first] + [mb(r.get(k), 2) if "bytes" in k else r.get(k) for k in keys] for r in rows]
-    return report.table(heads, cells)
+    heads = [*first, *(k.replace("_bytes", " MB").replace("_bps", " MB/s").replace("steady_", "") for k in keys)]
+
+    def cell(key, x):
+        return mb(x, 2) if re.search(r"_(bytes|bps)(_|$)", key) else x
+
+    return report.table(heads, [[*map(r.get, first), *(cell(k, r.get(k)) for k in keys)] for r in rows])
 
 
 def node_table(run: dict) -> str:

@@ -78,9 +78,8 @@ def trainer(args) -> None:
     import torch
 
     torch.set_num_threads(1)  # one core: intra-op threads would only take turns on it
-    dev, me, parent, t0 = measure.device_of(args.data), os.getpid(), os.getppid(), time.perf_counter()
-    loader = make_loader(args)
-    result, actors = {"made_s": round(time.perf_counter() - t0, 3), "epochs": []}, set()
+    dev, me, parent, loader = measure.device_of(args.data), os.getpid(), os.getppid(), make_loader(args)
+    result, actors = {"epochs": []}, set()
 
     def cpu() -> dict:
         out = dict.fromkeys(WHO, 0.0) | {"trainer": measure.process_cpu_seconds(me)}
@@ -106,9 +105,8 @@ def trainer(args) -> None:
             if args.trainer[1] != "local" and epoch + 1 == args.skip:
                 # The actor starts in the background and may still be starting (its imports, its pipeline)
                 # when the warm-up epochs end, above all where the local pipeline takes every unit meanwhile.
-                t, pool = time.perf_counter(), loader.resources.remote.pool
+                pool = loader.resources.remote.pool
                 pool.wait_ready(timeout=300)
-                result["actor_ready_wait_s"] = round(time.perf_counter() - t, 3)
                 actors = {int(info["worker"].rsplit(":", 1)[1]) for info in pool.ready.values()}
                 result["actor_pids"] = sorted(actors)  # their CPU counts from the next epoch
     finally:
