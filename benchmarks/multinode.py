@@ -225,7 +225,7 @@ def run(args) -> dict | None:
         port, full = port + 1, min(total, int(total * args.margin / nodes))
         print(f"\n== {nodes} nodes: prep rate (mode b, {args.margin:.0%} aggregate cache, no throttle)", flush=True)
         prep = one_run(args, data, nodes, full, "b", port)
-        print_run(prep)
+        print(node_table(prep), flush=True)
         rates = [e["samples_per_s"] for n in prep["per_node"] for e in n["epochs"][1:] or n["epochs"]]
         sps = statistics.mean(rates)  # per node, served from the caches
         throttle = int(args.throttle_frac * sps * data["mean_bytes"])
@@ -239,7 +239,8 @@ def run(args) -> dict | None:
                 print(f"\n== {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode}, rep {rep + 1}")
                 one = one_run(args, data, nodes, budget, mode, port, throttle, sps)
                 one["aggregate_cache"], one["repetition"] = agg, rep
-                print_run(one)
+                warnings = [f"node {k}: {w}" for k, ws in enumerate(one["warnings"]) for w in ws]
+                print(node_table(one), *warnings, sep="\n", flush=True)
                 runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(one)
                 result["runs"].append(one)
                 result["checks"] = checks(runs)
@@ -264,11 +265,6 @@ def node_table(run: dict) -> str:
     keys = ["time_s", "samples_per_s", *SUMMED[:-1], "minimum_storage_bytes", "cache_bytes"]
     per_node = [{"node": n["rank"], **e} for n in run["per_node"] for e in n["epochs"]]
     return rows_table(per_node + [{"node": "all (time: max)", **t} for t in run["epochs"]], keys, ("node", "epoch"))
-
-
-def print_run(run: dict) -> None:
-    print(node_table(run), *(f"node {k}: {w}" for k, ws in enumerate(run["warnings"]) for w in ws), sep="\n")
-    print(rows_table([run["summary"]], list(run["summary"])), f"wall {run['wall_s']} s", sep="\n", flush=True)
 
 
 def table(results: dict) -> str:
