@@ -14,11 +14,11 @@ remained. Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,9 +40,9 @@ STATS += ("remote_units", "local_units", "remote_workers", "remote_retried", "re
 WHO = ("trainer", "actor", "ray")  # whose CPU seconds: the trainer's process, the actor's, Ray's others
 
 
-def pids_in_my_netns() -> list[int]:
-    """Every live process in this process's network namespace: in a private one, only what this
-    benchmark started."""
+def others_in_my_netns() -> list[int]:
+    """Every other live process in this process's network namespace: in a private one, only what
+    this benchmark started."""
 
     def netns(pid) -> str | None:
         try:
@@ -51,7 +51,7 @@ def pids_in_my_netns() -> list[int]:
             return None
 
     mine = netns("self")
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and netns(p) == mine]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and netns(p) == mine and int(p) != os.getpid()]
 
 
 # -- the trainer: one configuration, in a child pinned to core 0 --------------------------------
@@ -83,7 +83,7 @@ def trainer(args) -> None:
 
     def cpu() -> dict:
         out = dict.fromkeys(WHO, 0.0) | {"trainer": measure.process_cpu_seconds(me)}
-        for pid in set(pids_in_my_netns()) - {me, parent}:
+        for pid in set(others_in_my_netns()) - {parent}:
             out["actor" if pid in actors else "ray"] += measure.process_cpu_seconds(pid)
         return out
 
@@ -116,17 +116,15 @@ def trainer(args) -> None:
 
 # -- the Ray node, pinned to core 1 -------------------------------------------------------------
 def start_node(env: dict, temp: str) -> str:
-    """Starts a one-CPU Ray head on ``RAY_CORE`` with its temp dir ``temp``; returns its address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Starts a one-CPU Ray head on ``RAY_CORE`` with its temp dir ``temp``; returns its address (Ray's
+    default port: nothing else listens in this network namespace)."""
     ray = Path(sys.executable).with_name("ray")
     cmd = ["taskset", "-c", str(RAY_CORE), str(ray if ray.exists() else "ray"), "start", "--head", "--num-cpus=1"]
-    cmd += [f"--port={port}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
-    p = subprocess.run(cmd + ["--node-ip-address=127.0.0.1"], env=env, capture_output=True, text=True, timeout=180)
+    cmd += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--node-ip-address=127.0.0.1"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if p.returncode:
         raise RuntimeError(f"`{' '.join(cmd)}` exited with {p.returncode}:\n{(p.stdout + p.stderr)[-3000:]}")
-    return f"127.0.0.1:{port}"
+    return "127.0.0.1:6379"
 
 
 def spilling(temp: str, after: float) -> dict:
@@ -145,17 +143,14 @@ def stop_all() -> list[int]:
     those still there, which should be none."""
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         deadline = time.monotonic() + wait
-        for pid in (pids := [p for p in pids_in_my_netns() if p != os.getpid()]):
-            try:
+        for pid in others_in_my_netns():
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        while pids and time.monotonic() < deadline:
+        while (left := others_in_my_netns()) and time.monotonic() < deadline:
             time.sleep(0.2)
-            pids = [p for p in pids_in_my_netns() if p != os.getpid()]
-        if not pids:
+        if not left:
             break
-    return [p for p in pids_in_my_netns() if p != os.getpid()]
+    return others_in_my_netns()
 
 
 # -- the measurement ----------------------------------------------------------------------------
