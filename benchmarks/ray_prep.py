@@ -298,19 +298,11 @@ def run(args) -> dict | None:
         args.images = 64 if q else 1024
     if args.rounds < 1 or args.epochs <= args.skip:
         raise SystemExit("--rounds must be at least 1 and --epochs more than --skip")
-    if not args.in_netns:  # this process: the dataset, then the rest in a network namespace of its own
+    if not args.in_netns:  # here the dataset (with its progress bar); the rest in a network namespace of its own
         if why := cannot_run():
             raise SystemExit(f"ray_prep: {why}")
-        dataset.dataset_from_args(args)  # made here, with its progress bar; found again inside
-        child = subprocess.Popen(["unshare", "-n", *jobs.scenario_command("ray_prep", "--in-netns", *args._argv)])
-        try:
-            code = child.wait()
-        except KeyboardInterrupt:  # the child got it too: let it stop its Ray node
-            code = child.wait()
-        if code:
-            raise SystemExit(code)
-        return None  # the child wrote the result
-
+        dataset.dataset_from_args(args)
+        os.execvp("unshare", ["unshare", "-n", *jobs.scenario_command("ray_prep", "--in-netns", *args._argv)])
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     data = dataset.dataset_from_args(args)
     limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
