@@ -26,22 +26,18 @@ from pathlib import Path
 
 from benchmarks import loaders
 from benchmarks.harness import cli, dataset, jobs, measure, report
-from benchmarks.harness.report import log
+from benchmarks.harness.report import log, mb
 from coordl.units import format_bytes, parse_bytes
 
 OUT = None  # results/torch_backend.json, or torch_backend_quick.json with --quick
-NAMES = ("coordl-torch", "torch")
 WARM = ("coordl-torch", "coordl", "torch")  # coordl-torch first: it drops the page cache of what it reads
 TARGET_RATIO = 0.95
-DATA = "/var/tmp/coordl-bench/bench"  # run.py's dataset
-QUICK_DATA = "/var/tmp/coordl-bench/quick"
+DATA, QUICK_DATA = "/var/tmp/coordl-bench/bench", "/var/tmp/coordl-bench/quick"  # run.py's dataset; --quick's
 
 
-# -- part warm ---------------------------------------------------------------------------------
 def time_epoch(loader, dev: tuple[int, int]) -> dict:
     """One whole epoch of ``loader``: seconds, samples, samples/s, bytes the device delivered."""
-    before = measure.sectors_read(dev)
-    t0 = time.perf_counter()
+    before, t0 = measure.sectors_read(dev), time.perf_counter()
     samples = sum(images.shape[0] for images in loader.epoch())
     seconds = time.perf_counter() - t0
     row = {"seconds": round(seconds, 3), "samples": samples, "samples_per_s": round(samples / seconds, 1)}
@@ -49,21 +45,17 @@ def time_epoch(loader, dev: tuple[int, int]) -> dict:
 
 
 def warm(args, data: dict, dev: tuple[int, int]) -> dict:
-    """Interleaved warm epochs of both loaders in this process (see the module's docstring)."""
-    total, files = data["total_bytes"], data["files"]
-    made = {}
+    """A warm-up epoch of every loader, then ``--reps`` epochs each, ABBA, in this process."""
+    total, files, made = data["total_bytes"], data["files"], {}
     try:
         for name in WARM:
             made[name] = loaders.Loader(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
-        warmup = {}
-        for name in WARM:
-            log(f"[warm] warm-up epoch: {name}")
-            warmup[name] = time_epoch(made[name], dev)
-        counters = made["coordl-torch"].counters()
-        if counters["cache_items"] != files:
+        warmup = {name: time_epoch(made[name], dev) for name in WARM}
+        held = made["coordl-torch"].counters()
+        if held["cache_items"] != files:
             raise RuntimeError(
-                f"coordl's cache holds {counters['cache_items']} of {files} samples after its first epoch "
-                f"(budget {format_bytes(counters['cache_budget'], 'MB')} of {format_bytes(total, 'MB')}): the warm "
+                f"coordl's cache holds {held['cache_items']} of {files} samples after its first epoch "
+                f"(budget {format_bytes(held['cache_budget'], 'MB')} of {format_bytes(total, 'MB')}): the warm "
                 "measurement needs all of them; free space in /dev/shm (see `coordl cache ls`) and run again"
             )
         epochs = []
@@ -74,38 +66,26 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
             if (counters := made[name].counters()) is not None:
                 row["counters"] = counters
             epochs.append(row)
-            device = format_bytes(row["device_bytes"], "MB")
-            log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  device {device:>9}")
+            log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  device {mb(row['device_bytes'])}")
     finally:
         for loader in made.values():
             loader.close()
     median = {name: statistics.median(e["samples_per_s"] for e in epochs if e["loader"] == name) for name in WARM}
-    notes = []
-    if any(e["counters"]["storage_reads"] for e in epochs if "counters" in e):
-        notes.append("a coordl loader read storage during a timed epoch: its cache was not complete")
-    cold = [e for e in epochs if e["device_bytes"] > 0.01 * total]
-    if cold:
-        notes.append(
-            f"{len(cold)} timed epochs saw the device deliver more than 1% of the dataset: the page cache "
-            "was not warm, or another process read the disk (the count is the whole device's)"
-        )
     ratio = round(median["coordl-torch"] / median["torch"], 4)
     out = {"cache_bytes": total, "reps": args.reps, "warmup": warmup, "epochs": epochs, "median_samples_per_s": median}
-    return out | {"ratio_coordl_torch_over_torch": ratio, "target_ratio": TARGET_RATIO, "notes": notes}
+    return out | {"ratio_coordl_torch_over_torch": ratio, "target_ratio": TARGET_RATIO}
 
 
-# -- part limited ------------------------------------------------------------------------------
-def limited(args, data: dict) -> dict:
+def limited(args) -> dict:
     """run.py's ``fits`` scenario and one limited scenario for torch and coordl-torch, per epoch."""
-    out = run_dir(args.out)
-    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "fit_epochs": args.fit_epochs}
-    kw |= {"batch_size": args.batch_size, "workers": args.workers, "warmup_batches": args.warmup_batches}
+    out = Path(args.out).with_name(Path(args.out).stem + "_run")  # run.py's own results, beside ours
+    kw = {"cache": args.cache, "bandwidth": args.bandwidth, "epochs": args.epochs, "batch_size": args.batch_size}
+    kw |= {"workers": args.workers, "fit_epochs": 2 if args.quick else 3, "warmup_batches": 1 if args.quick else 3}
     # --quick: no memory limit (a tiny dataset is smaller than a loader's memory swings: any budget ends in OOM)
     options = jobs.flags(loaders="torch,coordl-torch", **kw, seed=args.seed, out=out, no_memory_limit=args.quick)
     cmd = jobs.scenario_command("run", *dataset.dataset_argv(args), *options)
     log(f"[limited] {' '.join(cmd)}")
-    status = subprocess.run(cmd, stdout=sys.stderr, check=False).returncode  # run.py's report goes with its progress
-    if status:
+    if status := subprocess.run(cmd, stdout=sys.stderr, check=False).returncode:  # run.py's report: progress
         raise RuntimeError(f"run.py exited with status {status}; its children's logs are in {out / 'logs'}")
     whole = json.loads((out / "results.json").read_text())
     res, total = whole["results"], whole["dataset"]["total_bytes"]
@@ -117,20 +97,13 @@ def limited(args, data: dict) -> dict:
     for r in (r for r in res["runs"] if r["scenario"] == cell["name"]):
         entry = {key: r.get(key) for key in ("cache_bytes", "memory_limit_bytes", "working_set_bytes", "error")}
         entry["epochs"] = [epoch_row(e, total, r["cache_bytes"]) for e in r["epochs"]]
-        steady = entry["epochs"][1:]
-        if steady:
+        if steady := entry["epochs"][1:]:
             entry["steady_seconds"] = statistics.median(e["seconds"] for e in steady)
         part["loaders"][r["loader"]] = entry
     secs = [part["loaders"].get(name, {}).get("steady_seconds") for name in ("torch", "coordl-torch")]
     if all(secs):
         part["ratio_torch_over_coordl_torch"] = round(secs[0] / secs[1], 4)
     return part
-
-
-def run_dir(out: str) -> Path:
-    """Where run.py writes its own results for the JSON file ``out``: a folder next to it."""
-    path = Path(out)
-    return path.with_name(path.stem + "_run")
 
 
 def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
@@ -145,79 +118,52 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
     row |= {"storage_bytes": c["storage_bytes"] if c else None, "minimum_bytes": None}
     minimum = total - (c["cache_bytes"] if c else cache_bytes)
     if e["epoch"] > 0 and minimum > 0:
-        row["minimum_bytes"] = minimum
-        row["device_over_min"] = round(e["device_bytes"] / minimum, 4)
+        row |= {"minimum_bytes": minimum, "device_over_min": round(e["device_bytes"] / minimum, 4)}
         if c:
             row["storage_over_min"] = round(c["storage_bytes"] / minimum, 4)
     return row
 
 
-# -- report ------------------------------------------------------------------------------------
 def table(result: dict) -> str:
-    """The tables of the parts in ``result``, as markdown."""
     a = result["args"]
-    lines = [f"Batch {a['batch_size']}, {a['workers']} workers per loader."]
-    w = result.get("warm")
-    if w:
-        lines += [
-            "",
-            f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.",
-            "",
-            "| loader | median samples/s | samples/s per epoch | device MB per epoch (max) |",
-            "|---|---|---|---|",
-        ]
-        for name in w["median_samples_per_s"]:
-            rows = [e for e in w["epochs"] if e["loader"] == name]
-            rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in rows)
-            lines.append(
-                f"| {name} | {w['median_samples_per_s'][name]:.1f} | {rates} | "
-                f"{report.mb(max(e['device_bytes'] for e in rows))} |"
-            )
-        lines += [
-            "",
-            f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** "
-            f"(target: at least {w['target_ratio']})",
-        ]
-        lines += [f"**NOTE:** {n}" for n in w["notes"]]
-    lim = result.get("limited")
-    if lim:
+    out = [f"Batch {a['batch_size']}, {a['workers']} workers per loader."]
+    if w := result.get("warm"):
+        rows = []
+        for name, median in w["median_samples_per_s"].items():
+            es = [e for e in w["epochs"] if e["loader"] == name]
+            rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in es)
+            rows.append([name, median, rates, mb(max(e["device_bytes"] for e in es))])
+        out += ["", f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.", ""]
+        out += [report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows), ""]
+        ratio = f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}**"
+        out += [f"{ratio} (target: at least {w['target_ratio']})"]
+    if lim := result.get("limited"):
         bw = lim["bandwidth_bps"]
-        lines += [
+        storage = format_bytes(bw, "MB") + "/s" if bw else "unthrottled"
+        out += [
             "",
-            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage "
-            f"{format_bytes(bw, 'MB') + '/s' if bw else 'unthrottled'}; epoch 0 cold, partly read "
-            "before its measurement (warm-up), so without a minimum.",
+            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage {storage}; epoch 0 cold, partly",
         ]
-        lines += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
-        lines += [
-            "",
-            "| loader | memory limit MB | epoch | s | samples/s | device MB | stats MB | minimum MB | "
-            "device/min | stats/min |",
-            "|" + "---|" * 10,
-        ]
+        out[-1] += " read before its measurement (warm-up), so without a minimum."
+        out += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
+        rows = []
         for name, entry in lim["loaders"].items():
-            limit = entry["memory_limit_bytes"]
-            if entry["error"]:
-                lines.append(f"| {name} | failed: {entry['error']} |" + " |" * 8)
+            rows += [[name, f"failed: {entry['error']}"]] if entry["error"] else []
             for e in entry["epochs"]:
-                stats = e["storage_bytes"]
-                lines.append(
-                    f"| {name} | {report.mb(limit or None, digits=0)} | {e['epoch']} | {e['seconds']:.2f} | "
-                    f"{e['samples_per_s']:.0f} | {report.mb(e['device_bytes'])} | "
-                    f"{report.mb(stats)} | {report.mb(e['minimum_bytes'])} | "
-                    f"{e.get('device_over_min', '-')} | {e.get('storage_over_min', '-')} |"
-                )
+                rows.append([name, mb(entry["memory_limit_bytes"] or None, 0), e["epoch"], f"{e['seconds']:.2f}"])
+                rows[-1] += [f"{e['samples_per_s']:.0f}", mb(e["device_bytes"]), mb(e["storage_bytes"])]
+                rows[-1] += [mb(e["minimum_bytes"]), e.get("device_over_min"), e.get("storage_over_min")]
+        head = "loader|memory limit MB|epoch|s|samples/s|device MB|stats MB|minimum MB|device/min|stats/min"
+        out += ["", report.table(head, rows)]
         if "ratio_torch_over_coordl_torch" in lim:
-            lines += ["", f"**steady epoch time torch / coordl-torch: {lim['ratio_torch_over_coordl_torch']:.3f}**"]
-    return "\n".join(lines) + "\n"
+            out += ["", f"**steady epoch time torch / coordl-torch: {lim['ratio_torch_over_coordl_torch']:.3f}**"]
+    return "\n".join(out) + "\n"
 
 
-# -- main --------------------------------------------------------------------------------------
 def options(p) -> None:
     what = "what to measure; the JSON keeps the other part from an earlier run on the same dataset"
     p.add_argument("--part", choices=("both", "warm", "limited"), default="both", help=what)
-    # Defaults after parsing: run's dataset (DATA, 500MB, 100 classes), or with --quick QUICK_DATA, 64 images, 4.
-    root = f"dataset root (default: {DATA}; with --quick, {QUICK_DATA})"
+    root = f"dataset root (default: {DATA}, 500MB, 100 classes; with --quick, {QUICK_DATA}, 64 images, 4)"
     dataset.add_dataset_options(p, data=None, images=None, size=None, classes=None, data_help=root)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per loader")
@@ -227,38 +173,30 @@ def options(p) -> None:
     throttle = "limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'"
     p.add_argument("--bandwidth", default="0.5P", help=throttle)
     p.add_argument("--epochs", type=int, help="limited: epochs, the first cold (default 4; --quick: 2)")
-    fits = "limited: epochs of run.py's 'fits' scenario, which measures working sets and P (default 3; --quick: 2)"
-    p.add_argument("--fit-epochs", type=int, help=fits)
-    warmup = "limited: batches before the limits apply (default 3; --quick: 1)"
-    p.add_argument("--warmup-batches", type=int, help=warmup)
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
 
 
 def run(args) -> dict:
     q, out = args.quick, str(cli.RESULTS / f"torch_backend{'_quick' if args.quick else ''}.json")
-    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), fit_epochs=(3, 2))
-    cli.defaults(args, q, warmup_batches=(3, 1), out=(out, out))
+    cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
-    if args.reps < 1 or args.epochs < 2 or args.fit_epochs < 2:
-        raise SystemExit("--reps must be at least 1, --epochs and --fit-epochs at least 2 (the first epoch is cold)")
+    if args.reps < 1 or args.epochs < 2:
+        raise SystemExit("--reps must be at least 1, --epochs at least 2 (the first epoch is cold)")
     if "," in args.bandwidth:
         raise SystemExit("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
     if not 0 < args.cache < 1:
         raise SystemExit(f"--cache must be a fraction of the dataset between 0 and 1, got {args.cache}")
-
-    data = dataset.dataset_from_args(args)
-    dev = measure.device_of(args.data)
+    data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
-    out = Path(args.out)
     result = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "dataset": data}
-    if args.part != "both" and out.exists():
-        old = json.loads(out.read_text())
-        other = "limited" if args.part == "warm" else "warm"
+    other = {"warm": "limited", "limited": "warm"}.get(args.part)
+    if other and Path(args.out).exists():  # keep the other part of an earlier run on the same dataset
+        old = json.loads(Path(args.out).read_text())
         if old.get("dataset", {}).get("total_bytes") == data["total_bytes"] and other in old["results"]:
             result[other] = old["results"][other]
     if args.part in ("both", "warm"):
         result["warm"] = warm(args, data, dev)
     if args.part in ("both", "limited"):
-        result["limited"] = limited(args, data)
+        result["limited"] = limited(args)
     return result
