@@ -23,7 +23,8 @@ per-trial samples/s over the epochs after the first; compared modes ABBA, ``--re
   ``stage128`` (``stage_batch=128``), ``first16`` (``stage_batch=16``, 16 first only): per-trial samples/s
   (shorthand within 5% of stage128's), batches that were views, staged batch, first batch's latency.
 
-The scenarios run before in ``--out`` stay in it, those run now replace theirs.
+The scenarios run before in ``--out`` stay in it, each named under ``"earlier"`` with the command, commit
+and date that made it; those run now replace theirs.
 
     python -m benchmarks hp_group --data /var/tmp/coordl-bench/train --images 2000 --scenarios same,mix   # ~15 min
 """
@@ -65,7 +66,8 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
-    results = json.loads(Path(args.out).read_text()).get("results", {}) if os.path.exists(args.out) else {}
+    measured = [f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios]
+    results = kept(args.out, measured)
     results |= {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
@@ -79,6 +81,21 @@ def run(args) -> dict | None:
         reaper.reap(include_kept=True)
         shutil.rmtree(workdir, ignore_errors=True)  # the trials' go/ready files and outputs
     return {**results, "dataset": data}
+
+
+def kept(out: str, measured: list[str]) -> dict:
+    """The scenarios of an earlier result at ``out`` that this run does not measure again, each named
+    in ``"earlier"`` with the command, commit and date it came from: the file's own envelope is this
+    run's."""
+    if not os.path.exists(out):
+        return {}
+    before = json.loads(Path(out).read_text())
+    results = {k: v for k, v in before.get("results", {}).items() if k not in ("epochs", "reps")}
+    origin = {k: before[k] for k in ("command", "commit", "date") if k in before}
+    earlier = results.pop("earlier", {})
+    earlier |= {k: origin for k in results if k not in earlier}
+    kept = {k: v for k, v in results.items() if k not in measured}
+    return {**kept, "earlier": {k: v for k, v in earlier.items() if k in kept}} if kept else {}
 
 
 def same(args, workdir: Path) -> list[dict]:

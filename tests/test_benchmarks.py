@@ -660,6 +660,21 @@ def test_hp_mix_small(tmp_path):
         assert runs and all(run["exactly_once"] for run in runs)
         assert [len(run["per_job_samples_per_s"]) for run in r["slow_sleep_0"]["trio"]] == [3]
         assert [(h["batch"], h["staged"]) for h in r["handoff"]] == [(64, 64), (16, 64), (64, 16)]
+        assert "earlier" not in r
+        # A second run into the same file keeps the scenarios it does not measure, each naming the
+        # command it came from: the file's envelope is the second run's.
+        first = results.load(out)["command"]
+        again = [*command[: command.index("--scenarios")], "--scenarios", "handoff", "--out", str(out)]
+        proc = subprocess.run(again, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        r2 = _figures(out, "hp_group")
+        assert sorted(r2["earlier"]) == ["mix", "same", "slow_sleep_0"]
+        assert {e["command"] for e in r2["earlier"].values()} == {first} != {results.load(out)["command"]}
+        assert r2["same"] == r["same"] and [(h["batch"], h["staged"]) for h in r2["handoff"]] == [
+            (64, 64),
+            (16, 64),
+            (64, 16),
+        ]
         assert os.listdir(shm) == [] and os.listdir(tmp) == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
