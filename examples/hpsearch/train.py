@@ -71,10 +71,9 @@ def train(args) -> None:
 def report(args, epoch: int, loss: float, acc: float, samples_per_s: float, s: dict) -> None:
     """Prints an epoch's line for people, then its JSON line for the tool that runs the trial."""
     shared = f", {s['consumed_shared']}/{s['batches']} batches made by other trials" if args.hp_group else ""
-    print(
+    say(
         f"lr={args.lr:g} epoch {epoch}: loss {loss:.3f}, train acc {acc:.1%}, {samples_per_s:.0f} samples/s, "
-        f"waited {s['stall_s']:.1f} s for data{shared}",
-        flush=True,
+        f"waited {s['stall_s']:.1f} s for data{shared}"
     )
     line = {"event": "epoch", "lr": args.lr, "epoch": epoch, "epochs": args.epochs, "loss": loss, "acc": acc}
     keys = (
@@ -90,7 +89,15 @@ def report(args, epoch: int, loss: float, acc: float, samples_per_s: float, s: d
     line.update({k: s[k] for k in keys if k in s})
     line = {k: round(v, 4) if isinstance(v, float) else v for k, v in line.items()}
     line.update(pid=os.getpid(), time=round(time.time(), 3))
-    print(json.dumps(line), flush=True)
+    say(json.dumps(line))
+
+
+def say(text: str) -> None:
+    """Writes one whole line at once. Trials started together share their launcher's stdout, and print()
+    writes a line and its newline in two calls when Python runs unbuffered (PYTHONUNBUFFERED, -u): another
+    trial's line could land between them and join two lines into one the tool cannot parse."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def main() -> int:
