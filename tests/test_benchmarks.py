@@ -416,13 +416,13 @@ def test_train_example_quick(tmp_path):
 
 
 def test_index_scale_small(tmp_path):
-    """index_scale on a 3 x 20 tree: every figure measured, the tree removed after."""
+    """index --what scale on a 3 x 20 tree: every figure measured, the tree removed after."""
     data, out = tmp_path / "data", tmp_path / "index_scale.json"
-    command = [sys.executable, "-m", "benchmarks", "index_scale", "--data", str(data), "--out", str(out)]
-    small = ["--classes", "3", "--per-class", "20", "--loads", "1"]
+    command = [sys.executable, "-m", "benchmarks", "index", "--what", "scale", "--data", str(data), "--out", str(out)]
+    small = ["--classes", "3", "--per-class", "20", "--reps", "1"]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    after = _figures(out, "index_scale")["results"]["after"]
+    after = _figures(out, "index")
     assert after["samples"] == 60 and after["load_s"] > 0 and after["file_bytes"] > 0
     assert after["worker_after_walk"]["dirty"] < 5e6 and "heap_bytes" in after
     assert not data.exists()
@@ -432,15 +432,16 @@ def test_index_scale_small(tmp_path):
 
 
 def test_index_currency_small(tmp_path):
-    """index_currency on a 3 x 20 tree and 2 s3:// classes of 30 keys: every check measured, the
+    """index --what currency on a 3 x 20 tree and 2 s3:// classes of 30 keys: every check measured, the
     rewritten files and the replaced object found, one listing per check, the tree removed after."""
     data, out = tmp_path / "data", tmp_path / "index_currency.json"
-    command = [sys.executable, "-m", "benchmarks", "index_currency", "--data", str(data), "--out", str(out)]
-    small = ["--classes", "3", "--per-class", "20", "--loads", "1", "--threads", "1", "4", "--changed", "5"]
+    command = [sys.executable, "-m", "benchmarks", "index", "--what", "currency", "--data", str(data)]
+    command += ["--out", str(out)]
+    small = ["--classes", "3", "--per-class", "20", "--reps", "1", "--threads", "1", "4", "--changed", "5"]
     small += ["--no-cold", "--s3-classes", "2", "--s3-per-class", "30", "--latency-ms", "2"]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = _figures(out, "index_currency")
+    result = _figures(out, "index")
     files, s3 = result["files"], result["s3"]
     assert (
         files["scan"]["samples"] == 60 and files["changed"]["changed"] == 5 and files["after_changed"]["changed"] == 0
@@ -452,32 +453,32 @@ def test_index_currency_small(tmp_path):
 
 
 def test_tars_index_small(tmp_path):
-    """tars_index on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
+    """index --what tars on 4 sparse shards of 10 samples: both ways of indexing measured, every sample found."""
     data, out = tmp_path / "data", tmp_path / "tars_index.json"
-    command = [sys.executable, "-m", "benchmarks", "tars_index", "--data", str(data), "--out", str(out)]
-    small = ["--shards", "4", "--per-shard", "10", "--reps", "1", "--index-dir", str(tmp_path / "ix")]
+    command = [sys.executable, "-m", "benchmarks", "index", "--what", "tars", "--data", str(data), "--out", str(out)]
+    small = ["--shards", "4", "--per-shard", "10", "--reps", "1", "--keep"]
     proc = subprocess.run(command + small, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = _figures(out, "tars_index")["rows"]
+    rows = _figures(out, "index")["rows"]
     assert {r["processes"].split()[-1] for r in rows} == {"one", "workers"}
     assert all(
         r["samples"] == 40 and r["index_s"] > 0 and r["load_saved_s"] > 0 and r["warm_index_s"] > 0 for r in rows
     )
     (alone,) = [r for r in rows if "reads" in r]
     assert alone["reads"] == 4 * (10 + 1)  # a shard's start, then after each image: where the window moves
-    assert os.path.getsize(data / "shard-000000.tar") > 10 * 60_000  # the images' bytes are holes, not missing
+    assert os.path.getsize(data / "tars" / "shard-000000.tar") > 10 * 60_000  # the images' bytes are holes, not missing
 
 
 def test_tars_s3_index_small(tmp_path):
-    """tars_s3_index on 2 shards of 60 samples, small and large members: every way
+    """index --what tars-s3 on 2 shards of 60 samples, small and large members: every way
     measured, every sample found; left to choose, the small members' shards are streamed (few GETs)
     and the large members' read by range GETs (few bytes)."""
     out = tmp_path / "s3_index.json"
-    command = [sys.executable, "-m", "benchmarks", "tars_s3_index", "--members", "1KB-2KB,60KB-80KB"]
-    command += ["--shards", "2", "--per-shard", "60", "--latency", "0.002", "--reps", "1", "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks", "index", "--what", "tars-s3", "--members", "1KB-2KB,60KB-80KB"]
+    command += ["--shards", "2", "--per-shard", "60", "--latency-ms", "2", "--reps", "1", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(r["members"], r["how"].split()[0]): r for r in _figures(out, "tars_s3_index")["rows"]}
+    rows = {(r["members"], r["how"].split()[0]): r for r in _figures(out, "index")["rows"]}
     assert len(rows) == 6 and all(r["samples"] == 120 for r in rows.values())
     small, large = ("1KB-2KB", "60KB-80KB")
     assert rows[small, "one"]["gets"] == 2 and rows[large, "one"]["gets"] == 2  # one GET a shard
@@ -742,14 +743,14 @@ def test_detection_smoke(tmp_path):
 
 
 def test_coco_index_small(tmp_path):
-    """coco_index on 300 images: cold and saved-index times measured, every box indexed, the
+    """index --what coco on 300 images: cold and saved-index times measured, every box indexed, the
     files removed after."""
     data, out = tmp_path / "data", tmp_path / "coco_index.json"
-    command = [sys.executable, "-m", "benchmarks", "coco_index", "--images", "300", "--loads", "2"]
+    command = [sys.executable, "-m", "benchmarks", "index", "--what", "coco", "--images", "300", "--reps", "2"]
     command += ["--data", str(data), "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = _figures(out, "coco_index")
+    r = _figures(out, "index")
     assert r["images"] == 300 and r["boxes"] > 1000 and r["annotations_bytes"] > 0
     assert r["cold_s"] > 0 and len(r["loads_s"]) == 2 and r["load_s"] > 0
     assert r["box_bytes"] > 24 * r["boxes"] and r["index_file_bytes"] > r["box_bytes"]
