@@ -71,9 +71,9 @@ def scan_and_save(root: str, index_dir: str) -> dict:
 
 
 def walk(index) -> dict:
-    """A forked child (as a ``DataLoader`` worker is) reads every path and size: its time, its memory's growth."""
+    """A forked child (a ``DataLoader`` worker) reads every path and size: the pages it copies (pytorch#13246)."""
     global WALKED
-    WALKED = index
+    WALKED = index  # the worker is forked with it: nothing pickled
     with multiprocessing.get_context("fork").Pool(1) as pool:
         return pool.apply(walked)
 
