@@ -1,19 +1,11 @@
 """The loaders the benchmarks compare, on the CPU or delivering to a GPU, and the model they train.
 
-Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1,
-aspect 3/4-4/3, horizontal flip, normalise, CHW float32), batch size and CPU workers/threads:
-
-- ``torch``: ``DataLoader`` over files opened by path, Pillow decode, :class:`TrainAugment`, shuffled,
-  persistent workers (``pin_memory`` when it delivers to a GPU);
-- ``dali-shuffle``: ``fn.readers.file(random_shuffle=True)`` (a 1024-sample buffer over a file list
-  shuffled once: every epoch reads in the same order); ``dali-seq``: its default sequential order (fine
-  for I/O and throughput, not for training); ``dali-epoch-shuffle``: ``shuffle_after_epoch=True`` (a
-  fresh permutation per epoch, PyTorch's sampler's access pattern); ``dali`` (:mod:`benchmarks.gpu`'s):
-  ``random_shuffle=True``, ``fn.decoders.image`` (``mixed`` on a GPU) and ``fn.random_resized_crop``;
-- ``coordl``: ``CoordLoader`` with its MinIO cache at the budget (on a GPU: decoding there, ``mixed``);
-  ``coordl-auto``: the same budget split between encoded bytes and decoded images by the model
-  (``decoded_cache="auto"``); ``coordl-cpu``: DALI on the CPU, batches copied to the GPU;
-  ``coordl-torch``: coordl's torch backend, ``ImageFolder(data, transform=TrainAugment())``.
+Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1, aspect
+3/4-4/3, flip, normalise, CHW float32), batch size and CPU workers/threads (docs/benchmarks.md describes
+them): ``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders
+(``dali-shuffle``, ``dali-seq``, ``dali-epoch-shuffle``) and :mod:`benchmarks.gpu`'s ``dali`` (decoded
+whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there), ``coordl-auto`` (``decoded_cache="auto"``),
+``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``coordl-torch`` (coordl's torch backend).
 """
 
 from __future__ import annotations
@@ -186,9 +178,6 @@ class Loader:
             raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}, dali, coordl-cpu")
         if kind.startswith("coordl"):
             self.n = len(self.loader.index)
-
-    def __len__(self) -> int:
-        return self.n
 
     def batches(self, epoch: int | None = None):
         """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU:

@@ -185,3 +185,20 @@ class Sampler:
         self._stop.set()
         self._thread.join()
         return self.values
+
+
+def timed(batches, step=None, sync=None) -> dict:
+    """One epoch of the iterator ``batches`` (tuples, the samples first), ``step(batch)`` after each and
+    ``sync()`` at the end: seconds, samples, seconds waiting in ``next()`` and the last batch."""
+    t0, n, wait, last = time.perf_counter(), 0, 0.0, None
+    while True:
+        t = time.perf_counter()
+        if (batch := next(batches, None)) is None:
+            break
+        wait += time.perf_counter() - t
+        if step is not None:
+            step(batch)
+        n, last = n + len(batch[0]), batch
+    if sync is not None:
+        sync()
+    return {"seconds": time.perf_counter() - t0, "samples": n, "wait_s": wait, "last": last}
