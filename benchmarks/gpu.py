@@ -70,7 +70,7 @@ def job(args) -> None:
     if device_id is not None:
         torch.cuda.set_device(device_id)
         torch.backends.cudnn.benchmark = True
-    sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)  # GPU work done
     t0 = time.perf_counter()
     loader = Loader(args.job, args.data, args.batch_size, args.threads, seed=1, device_id=device_id)
     out, step = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}, None
@@ -82,14 +82,8 @@ def job(args) -> None:
     schedule = [(first, True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in args.modes]
     try:
         for k, (mode, warmup) in enumerate(schedule):
-            sync()
-            cpu = measure.cpu_seconds()
-            e = {
-                "mode": mode,
-                "warmup": warmup,
-                **measure.timed(loader.batches(k), step if mode == "train" else None, sync),
-            }
-            e["cpu_s"] = measure.cpu_seconds() - cpu
+            e = measure.timed(loader.batches(k), step if mode == "train" else None, sync)
+            e |= {"mode": mode, "warmup": warmup}
             if last := e.pop("last"):
                 e |= {"shape": list(last[0].shape), "device": str(last[0].device)}
             if (stats := loader.counters()) is not None:

@@ -2,16 +2,12 @@
 
     python -m benchmarks run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
 
-Per scenario (a cache fraction of the dataset and a storage bandwidth) and loader (``benchmarks.loaders``),
-a child (``--job LOADER``) makes its loader and runs warm-up batches in its own memory and blkio cgroup;
-the runner drops the page cache, limits memory to ``working set + slack + cache fraction * dataset`` (the
-same memory for data for every loader: the page cache, or coordl's cache) and throttles the dataset's
-device (``coordl-auto``, which measures storage when made, from its start); the child reports per epoch
-seconds, device bytes (``/proc/diskstats``), waits, memory and coordl's counters. The first scenario,
-``fits`` (no limit, no throttle), is the overhead check, measures each loader's working set and the prep
-rate P (fastest steady DALI pipeline, else Pillow one) that bandwidths such as ``0.25P`` refer to.
-Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and ``results.png`` to ``--out``;
-docs/benchmarks.md has the method. Without root or v1 cgroups it says so (also in the JSON), unlimited.
+Per scenario (a cache fraction and a storage bandwidth) and loader (:mod:`benchmarks.loaders`), a child in its
+own memory and blkio cgroup, the page cache dropped, memory limited to ``working set + slack + cache fraction *
+dataset``, storage throttled; per epoch seconds, device bytes, waits, memory and coordl's counters. ``fits`` (no
+limits) measures the overhead, the working sets and the prep rate P of bandwidths such as ``0.25P``; the method
+is in docs/benchmarks.md. Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and
+``results.png`` to ``--out``. Without root or v1 cgroups it says so (also in the JSON) and runs unlimited.
 """
 
 from __future__ import annotations
@@ -81,10 +77,11 @@ def memory(cgroup: str | None, samples: list) -> dict:
         kb = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return {"peak_memory_bytes": kb * 1024, "peak_memory_kind": "rss"}
     mean = [sum(x[i] for x in samples) // len(samples) for i in (0, 1)] if samples else usage(cgroup)
-    peak = int(Path(cgroup, "memory.max_usage_in_bytes").read_text())
-    return {"peak_memory_bytes": peak, "peak_memory_kind": "cgroup", "mean_memory_bytes": mean[0]} | {
-        "mean_file_cache_bytes": mean[1]
+    peak = {
+        "peak_memory_bytes": int(Path(cgroup, "memory.max_usage_in_bytes").read_text()),
+        "peak_memory_kind": "cgroup",
     }
+    return peak | {"mean_memory_bytes": mean[0], "mean_file_cache_bytes": mean[1]}
 
 
 def job(args) -> None:

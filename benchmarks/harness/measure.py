@@ -187,10 +187,11 @@ class Sampler:
         return self.values
 
 
-def timed(batches, step=None, sync=None) -> dict:
-    """One epoch of the iterator ``batches`` (tuples, the samples first), ``step(batch)`` after each and
-    ``sync()`` at the end: seconds, samples, seconds waiting in ``next()`` and the last batch."""
-    t0, n, wait, last = time.perf_counter(), 0, 0.0, None
+def timed(batches, step=None, sync=lambda: None) -> dict:
+    """One epoch of the iterator ``batches`` (tuples, the samples first) between two ``sync()``, ``step(batch)``
+    after each batch: seconds, samples, seconds waiting in ``next()``, CPU seconds and the last batch."""
+    sync()
+    cpu, t0, n, wait, last = cpu_seconds(), time.perf_counter(), 0, 0.0, None
     while True:
         t = time.perf_counter()
         if (batch := next(batches, None)) is None:
@@ -199,6 +200,6 @@ def timed(batches, step=None, sync=None) -> dict:
         if step is not None:
             step(batch)
         n, last = n + len(batch[0]), batch
-    if sync is not None:
-        sync()
-    return {"seconds": time.perf_counter() - t0, "samples": n, "wait_s": wait, "last": last}
+    sync()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "samples": n, "wait_s": wait, "cpu_s": cpu_seconds() - cpu, "last": last}
