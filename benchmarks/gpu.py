@@ -159,11 +159,8 @@ def medians(result: dict) -> dict:
             if cells := [r["summary"][mode] for r in runs if mode in r.get("summary", {})]:
                 keys = [k for k in cells[0] if k != "epochs"]
                 med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
-    ratios = {}
-    for other in LOADERS[1:]:
-        for mode in MODES:
-            if (a := med.get("coordl", {}).get(mode)) and (b := med.get(other, {}).get(mode)):
-                ratios[f"coordl/{other} {mode}"] = a["samples_per_s"] / b["samples_per_s"]
+    pairs = [(o, m) for o in LOADERS[1:] for m in MODES if m in med.get("coordl", {}) and m in med.get(o, {})]
+    ratios = {f"coordl/{o} {m}": med["coordl"][m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
     return {"median": med, "ratios": ratios}
 
 
