@@ -1,15 +1,11 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
-Loaders (:mod:`benchmarks.loaders`, batches delivered on the GPU): ``coordl`` (GPU decode, its cache at the
-default size), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the CPU, batches copied) and ``torch``
-(``DataLoader``, Pillow, ``pin_memory``). Modes: ``train`` (a ResNet-50 step per batch: bf16 autocast,
-channels_last, SGD) and ``prep`` (the batches alone). Each loader runs in a child: a warm-up epoch, then
-``--epochs`` of each mode, alternating; loaders ABBA for ``--reps``. Per loader and mode: samples/s (GPU
-synchronised at each epoch's end), the stall fraction (time in ``next()`` / epoch time; coordl's
-``stats()["stall_s"]`` beside it), CPU seconds per sample; a loader that cannot run is reported skipped, a
-failed run with its error; the JSON is written after every run. ``--images`` generated JPEGs, read into the
-page cache first. The defaults (20,000 images, batch 256, 16 threads) take about 3 minutes on 16 cores and an
-H200; ``--budget`` skips a run that would start too late, ``--run-timeout`` ends one that hangs.
+``coordl`` (GPU decode), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (batches copied to the GPU) and
+``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a
+bf16 ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``.
+Per loader and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch
+time), CPU seconds per sample; the JSON written after every run. ``--budget`` skips a run that would start too
+late, ``--run-timeout`` ends one that hangs; benchmarks/README.md has the rest.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores

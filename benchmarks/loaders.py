@@ -35,10 +35,8 @@ COUNTERS = (*COUNTERS.split(), "decoded_hits", "decoded_cache_budget")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
 
 
-# -- torch: DataLoader + Pillow ---------------------------------------------------------------
 def image_folder(root: str):
-    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan follows
-    ImageFolder's rules, checked against them in tests/test_index.py); not saved anywhere."""
+    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan), not saved anywhere."""
     from coordl.index import Index
 
     return Index.scan(root, index_dir="")
@@ -106,7 +104,6 @@ def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
     )
 
 
-# -- DALI's own pipelines ---------------------------------------------------------------------
 def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader"):
     """The pipeline built, and its torch iterator: the last batch partial, reset at each epoch's end."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -134,7 +131,6 @@ def dali_imagenet_train(jpegs, size: int = SIZE, decode: str | None = None):
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std)
 
 
-# -- one loader of the table ------------------------------------------------------------------
 class Loader:
     """Loader ``kind`` (of :data:`LOADERS`, or ``dali`` / ``coordl-cpu``) over the folder ``data``: ``n``,
     ``batches(epoch)`` (``(images, labels)`` on GPU ``device_id``; None: on the CPU), ``epoch()`` (the
@@ -180,8 +176,7 @@ class Loader:
             self.n = len(self.loader.index)
 
     def batches(self, epoch: int | None = None):
-        """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU:
-        coordl's labels stay on the CPU even when its images come from the GPU."""
+        """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU if any."""
         if epoch is not None and self.kind.startswith("coordl"):
             self.loader.set_epoch(epoch)
         for batch in self.loader:

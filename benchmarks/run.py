@@ -170,15 +170,12 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
 
 
 def limit_memory(args, run: dict, lim: limits.Limits) -> None:
-    """Working set (measured in 'fits', else the usage after warm-up) + cache fraction + slack. coordl's cache
-    is fixed at the budget: its slack only keeps its peaks from the OOM killer, beside the margin coordl keeps
-    free under a limit (:func:`coordl.shm.limits.margin`: 10%, at least 256 MiB). The page cache would use
-    any slack for data: the others get ``--baseline-slack`` (none)."""
+    """Working set (measured in 'fits', else the usage after warm-up) + cache fraction + slack: coordl's, OOM
+    headroom, beside the margin it keeps free under a limit (10%, at least 256 MiB); the page cache's none."""
     coordl = run["loader"] in COORDL_LOADERS
-    if (ws := args.working_sets.get(run["loader"])) is None:  # coordl's cache is not its working set
+    ws, source = args.working_sets.get(run["loader"]), "fits-peak"
+    if ws is None:  # coordl's cache is not its working set
         ws, source = lim.usage() - (lim.stat("total_shmem") if coordl else 0), "after-warmup"
-    else:
-        source = "fits-peak"
     run["working_set_bytes"], run["working_set_source"] = ws, source
     need = ws + run["cache_bytes"] + (args.slack if coordl else args.baseline_slack)
     run["memory_limit_bytes"] = max(need + MIN_MARGIN, -(-need * 10 // 9)) if coordl else need
@@ -186,9 +183,8 @@ def limit_memory(args, run: dict, lim: limits.Limits) -> None:
 
 
 def steady(args, run: dict, data: dict, working_set: bool) -> None:
-    """The steady epochs' median time and rate, mean bytes and waits; with ``working_set`` ('fits', limited),
-    the loader's working set: its memory with the dataset cached, less the dataset. coordl's cache cannot
-    shrink, so its peak; the page cache shrinks and grows around the others', so their mean."""
+    """The steady epochs' median time and rate, mean bytes and waits; with ``working_set``, the loader's memory
+    with the dataset cached less the dataset: coordl's peak (its cache cannot shrink), the others' mean."""
     if not (es := run["epochs"][1:]):
         return
     if working_set:

@@ -3,12 +3,10 @@
     python -m benchmarks train_example                       # resnet18, 112 px, ~15 min on 2 cores
     python -m benchmarks train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
-The same command but for ``--loader``, each in its own memory and blkio cgroup (throttled from the start), the
-libraries read into the page cache outside them and the dataset (``DATA/train``, ``DATA/val``) evicted. The
-first ``--limit-after`` epochs run with no memory limit; then the limit is the run's own peak memory plus
-``--cache`` of the dataset plus a slack (:func:`limit_memory`). Per epoch: the script's summary line and the
-device bytes (blkio). Writes ``train_example{,_quick}.{json,md}`` in ``--out``; examples/imagenet/README.md
-has the method and the figures.
+Each run in its own memory and blkio cgroup, throttled, the dataset evicted; after ``--limit-after`` epochs
+memory is limited to the run's own peak + ``--cache`` of the dataset + a slack (:meth:`OwnMemory.limit`). Per
+epoch the script's summary line and the device bytes. Writes ``train_example{,_quick}.{json,md}`` in ``--out``;
+examples/imagenet/README.md has the method and the figures.
 """
 
 from __future__ import annotations
