@@ -84,7 +84,6 @@ class OwnMemory:
 
 def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     use, device = caps["memory"] or caps["blkio"], f"{dev[0]}:{dev[1]}"
-    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) if use else None
     warm_libraries()
     # no cache from an earlier run
     subprocess.run([sys.executable, "-m", "coordl.cli", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)
@@ -94,6 +93,8 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
     cmd += ["-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size), "--seed", "0"]
     cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir", checkpoints]
     run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
+    # the cgroups made after what may fail before the run starts: no cgroup is left behind then
+    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) if use else None
     if lim:
         lim.throttle(dev, args.bandwidth)
     log = open(Path(args.out) / f"train_example-{loader}.log", "w")
