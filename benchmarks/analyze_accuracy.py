@@ -1,13 +1,10 @@
 """How well ``coordl analyze`` predicts training speed at other cache sizes.
 
-One ``coordl analyze`` run of ``benchmarks.small_resnet`` (a small ResNet trained on the CPU) under a
-memory cgroup and a blkio throttle predicts the steady-epoch throughput at cache sizes 25%,
-50%, 75% and 100%; then each of them is measured: the same script, the same limits, one cold
-epoch and two steady ones.
-
-The throttle is chosen so that the no-cache case is I/O-bound: an unthrottled phase P
-measures R (training on cached data) first, and storage is set to ``--storage-factor`` x R x
-the mean sample size (0.4: fetch-bound below about 60% cache, prep/compute-bound above).
+One ``coordl analyze`` run of ``benchmarks.small_resnet`` (a small ResNet trained on the CPU) under a memory
+cgroup and a blkio throttle predicts the steady-epoch throughput at cache sizes 25%, 50%, 75% and 100%; then
+each is measured: the same script, the same limits, one cold epoch and two steady ones. The throttle makes
+the no-cache case I/O-bound: ``--storage-factor`` x R (training on cached data, measured unthrottled first)
+x the mean sample size (0.4: fetch-bound below about 60% cache). docs/analyze.md has the figures.
 
     python -m benchmarks analyze_accuracy            # ~10 minutes on 2 cores
 """
@@ -23,28 +20,27 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness import dataset, jobs, limits, measure, report
 from benchmarks.harness.report import log
-from benchmarks.harness.report import table as md_table
-from coordl.analyze import report as rep
+from coordl.analyze import report as analysis
 from coordl.analyze.run import run_phase
 from coordl.units import format_bytes
 
 
-def settle(root: str) -> None:
-    """Libraries in the page cache (each phase starts a fresh Python that imports torch and DALI,
-    which must not crawl through the storage throttle), the dataset's files out of it."""
+def limited(root: str, command: list[str], memory: int, bandwidth: int, dev, caps, **kw):
+    """Runs ``command`` in a memory and blkio cgroup of its own, the libraries in the page cache (each phase
+    starts a Python that imports torch and DALI, which must not crawl through the throttle), the dataset out."""
     subprocess.run(
         [sys.executable, "-c", "import torch, nvidia.dali, coordl.prep.dali, coordl.analyze.run"], check=True
     )
     limits.evict(root)
-
-
-def limited(args, name: str, memory: int, bandwidth: int, dev, caps):
-    lim = limits.Limits(name, caps["memory"], caps["blkio"])
-    lim.limit_memory(memory)
-    lim.throttle(dev, bandwidth)
-    return lim
+    lim = limits.Limits(f"coordl-analyze-{os.getpid()}", caps["memory"], caps["blkio"])
+    try:
+        lim.limit_memory(memory)
+        lim.throttle(dev, bandwidth)
+        return subprocess.run(command, check=True, preexec_fn=lim.join, **kw)
+    finally:
+        lim.remove()
 
 
 def options(p) -> None:
@@ -66,101 +62,70 @@ def run(args) -> dict | None:
     if args.quick:
         args.images, args.size, args.classes, args.steps, args.epochs, args.fractions = 192, None, 4, 4, 2, "0.5,1.0"
         args.batch_size, args.data = 16, args.data + "-quick"
-
-    data = dataset.dataset_from_args(args)
-    root, total = data["root"], data["total_bytes"]
+    data, caps = dataset.dataset_from_args(args), limits.probe()
+    root, total, dev = data["root"], data["total_bytes"], measure.device_of(data["root"])
     b = total / data["files"]
-    caps = limits.probe()
-    dev = measure.device_of(root)
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
     script = jobs.module_command("small_resnet", root, "--batch-size", str(args.batch_size))
     torch_threads, prep_threads = (int(v) for v in args.threads.split(","))
-    if torch_threads:
-        script += ["--threads", str(torch_threads)]
-    if prep_threads:
-        script += ["--prep-threads", str(prep_threads)]
+    script += ["--threads", str(torch_threads)] if torch_threads else []
+    script += ["--prep-threads", str(prep_threads)] if prep_threads else []
     log(f"dataset {dataset.describe(data)}; limits: {caps}")
 
-    # 1. The throttle: a fraction of what training on cached data needs.
-    if args.bandwidth is None:
+    if args.bandwidth is None:  # 1. the throttle: a fraction of what training on cached data needs
         kw = {"out": str(out_dir), "steps": args.steps, "warmup": 5, "run_id": uuid.uuid4().hex[:12], "timeout": 900}
-        res = run_phase(script + ["--cache", "0"], "P", **kw, extra={"subset_batches": 16})
-        R = sum(r["R_samples_per_s"] for r in res)
+        R = sum(
+            r["R_samples_per_s"] for r in run_phase(script + ["--cache", "0"], "P", **kw, extra={"subset_batches": 16})
+        )
         args.bandwidth = args.storage_factor * R * b
         log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {format_bytes(args.bandwidth, 'MB')}/s")
-    bw = int(args.bandwidth)
-    if args.quick:  # storage need not be slow to check the harness
-        bw = max(bw, 200_000_000)
+    bw = max(int(args.bandwidth), 200_000_000 if args.quick else 0)  # --quick: storage need not be slow
 
     # 2. One analysis, at the job's cache size.
-    settle(root)
-    memory = int(args.working_set + args.analyze_cache * total + 16 * args.batch_size * b * 1.1)
-    lim = limited(args, f"coordl-analyze-{os.getpid()}", memory, bw, dev, caps)
-    report_path = out_dir / "report.json"
-    t0 = time.perf_counter()
-    try:
-        cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir)]
-        cmd += ["--json", str(report_path), "--", *script, "--cache", str(args.analyze_cache)]
-        subprocess.run(cmd, check=True, preexec_fn=lim.join)
-    finally:
-        lim.remove()
-    analyze_s = time.perf_counter() - t0
-    report = json.loads(report_path.read_text())
+    memory, t0 = (
+        int(args.working_set + args.analyze_cache * total + 16 * args.batch_size * b * 1.1),
+        time.perf_counter(),
+    )
+    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir)]
+    cmd += ["--json", str(out_dir / "report.json"), "--", *script, "--cache", str(args.analyze_cache)]
+    limited(root, cmd, memory, bw, dev, caps)
+    analyze_s, got = time.perf_counter() - t0, json.loads((out_dir / "report.json").read_text())
 
     # 3. Measure each cache size.
-    fractions = [float(x) for x in args.fractions.split(",")]
-    model = rep.Model(rep.rates_from(report["phases"]))
-    rows = []
-    for x in fractions:
-        settle(root)
-        memory = int(args.working_set + x * total)
-        lim = limited(args, f"coordl-analyze-m-{os.getpid()}", memory, bw, dev, caps)
-        try:
-            cmd = script + ["--cache", str(x), "--epochs", str(args.epochs)]
-            proc = subprocess.run(cmd, check=True, capture_output=True, text=True, preexec_fn=lim.join)
-        finally:
-            lim.remove()
+    model, rows = analysis.Model(analysis.rates_from(got["phases"])), []
+    for x in (float(x) for x in args.fractions.split(",")):
+        cmd = script + ["--cache", str(x), "--epochs", str(args.epochs)]
+        proc = limited(root, cmd, int(args.working_set + x * total), bw, dev, caps, capture_output=True, text=True)
         epochs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        steady = epochs[1:]
-        measured = statistics.median(e["samples"] / e["elapsed_s"] for e in steady)
-        predicted = model.throughput(x)
+        measured = statistics.median(e["samples"] / e["elapsed_s"] for e in epochs[1:])
+        predicted, bound = model.throughput(x), model.bound(x)
         row = {"cache_fraction": x, "predicted_samples_per_s": predicted, "measured_samples_per_s": measured}
-        row |= {"error": predicted / measured - 1, "bound": model.bound(x)}
-        rows.append(
-            row | {"storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in steady), "epochs": epochs}
-        )
-        log(
-            f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s "
-            f"({100 * (predicted / measured - 1):+.1f}%), {model.bound(x)}-bound"
-        )
+        row |= {"error": predicted / measured - 1, "bound": bound, "epochs": epochs}
+        rows.append(row | {"storage_bytes_per_epoch": statistics.mean(e["storage_bytes"] for e in epochs[1:])})
+        log(f"cache {x:.0%}: predicted {predicted:.0f}, measured {measured:.0f} samples/s, {bound}-bound")
 
     threads = {"torch": torch_threads or "default", "dali": prep_threads or "default"}
     result = {"dataset": data, "limits": caps, "storage_bytes_per_s": bw, "analyze_cache_fraction": args.analyze_cache}
-    result |= {"threads": threads, "analyze_seconds": analyze_s, "rates": report["rates"], "rows": rows}
-    result["max_abs_error"] = max(abs(r["error"]) for r in rows)
-    png = Path(args.out).with_suffix(".png")
+    result |= {"threads": threads, "analyze_seconds": analyze_s, "rates": got["rates"], "rows": rows}
+    result |= {"max_abs_error": max(abs(r["error"]) for r in rows), "plot": str(Path(args.out).with_suffix(".png"))}
+    title = f"small ResNet on 2 CPU cores, storage {format_bytes(bw, 'MB')}/s: predicted vs measured"
     try:
-        rep.plot(
-            report,
-            str(png),
-            measured=[(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows],
-            title=f"small ResNet on 2 CPU cores, storage {format_bytes(bw, 'MB')}/s: predicted vs measured",
-        )
+        analysis.plot(got, result["plot"], [(r["cache_fraction"], r["measured_samples_per_s"]) for r in rows], title)
     except ImportError:
-        png = None
-    return {**result, "plot": str(png) if png else None}
+        result["plot"] = None
+    return result
 
 
 def table(result: dict) -> str:
     rows = [
-        [f"{r['cache_fraction']:.0%}", f"{r['predicted_samples_per_s']:.0f}", f"{r['measured_samples_per_s']:.0f}"]
-        + [f"{100 * r['error']:+.1f}%", r["bound"]]
+        [f"{r['cache_fraction']:.0%}", round(r["predicted_samples_per_s"]), round(r["measured_samples_per_s"])]
+        + [f"{r['error']:+.1%}", r["bound"]]
         for r in result["rows"]
     ]
-    g = result["rates"]
+    g, head = result["rates"], "cache|predicted samples/s|measured samples/s|error|bound"
     return (
-        md_table(["cache", "predicted samples/s", "measured samples/s", "error", "bound"], rows)
+        report.table(head, rows)
         + f"\nrates: G {g['G']:.0f}, P {g['P']:.0f}, R {g['R']:.0f} samples/s; S {format_bytes(g['S'], 'MB')}/s;"
         f" analysis took {result['analyze_seconds']:.0f} s; plot: {result['plot']}"
     )

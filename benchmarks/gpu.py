@@ -1,21 +1,11 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
-Loaders (:mod:`benchmarks.loaders`: the same augmentation, batch size and CPU threads/workers, batches
-delivered on the GPU): ``coordl`` (GPU decode, DALI ``mixed``; the node's cache at its default size), ``dali``
-(DALI's own GPU pipeline), ``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``torch``
-(``DataLoader``, Pillow workers, ``pin_memory``). Modes: ``train`` (a ResNet-50 step per batch: torchvision's
-model, else ``examples/imagenet/models.py``'s; bf16 autocast, channels_last, SGD) and ``prep`` (the batches
-alone). Each loader runs in a child: a warm-up epoch, then ``--epochs`` epochs of each mode, alternating;
-loaders ABBA for ``--reps``. Per loader and mode: samples/s (GPU synchronised at each epoch's end), the stall
-fraction (time in ``next()`` / epoch time; coordl's ``stats()["stall_s"]`` beside it), CPU seconds per sample
-(process tree); a loader that cannot run here is reported skipped, a failed or overrun run with its error; the
-JSON is written after every run. The dataset: ``--images`` generated JPEGs (the photographs do not travel to
-the GPU machine), read into the page cache first. ``--cpu-smoke``: every loader on the CPU, nothing copied.
-
-The defaults (20,000 images, 2.2 GB; batch 256; 16 threads; 1 warm-up and 1 epoch per mode; 1 rep) take
-about 3 minutes on 16 cores and an H200 (estimated from this 2-core VM: ~35 s of data, ~35 s per loader);
-``--budget`` (330 s, data included) skips a run that would start too late and ``--run-timeout`` (120 s) ends
-one that hangs, so the command stays under 6 minutes whatever the GPU's rates.
+``coordl`` (GPU decode), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (batches copied to the GPU) and
+``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a
+bf16 ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``.
+Per loader and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch
+time), CPU seconds per sample; the JSON written after every run. ``--budget`` skips a run that would start too
+late, ``--run-timeout`` ends one that hangs; benchmarks/README.md has the rest.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
@@ -55,9 +45,10 @@ class TrainStep:
         self.loss = torch.nn.CrossEntropyLoss()
         self.params = sum(p.numel() for p in self.model.parameters())
 
-    def __call__(self, images, labels) -> None:
+    def __call__(self, batch) -> None:
         import torch
 
+        images, labels = batch
         images = images.contiguous(memory_format=torch.channels_last)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.loss(self.model(images), labels)
@@ -75,7 +66,7 @@ def job(args) -> None:
     if device_id is not None:
         torch.cuda.set_device(device_id)
         torch.backends.cudnn.benchmark = True
-    sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)  # GPU work done
     t0 = time.perf_counter()
     loader = Loader(args.job, args.data, args.batch_size, args.threads, seed=1, device_id=device_id)
     out, step = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}, None
@@ -87,27 +78,15 @@ def job(args) -> None:
     schedule = [(first, True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in args.modes]
     try:
         for k, (mode, warmup) in enumerate(schedule):
-            sync()
-            cpu, t0, n, wait, batches = measure.cpu_seconds(), time.perf_counter(), 0, 0.0, loader.batches(k)
-            while True:
-                t = time.perf_counter()
-                if (batch := next(batches, None)) is None:
-                    break
-                wait += time.perf_counter() - t
-                if mode == "train":
-                    step(*batch)
-                n, images = n + len(batch[0]), batch[0]
-            sync()
-            seconds = time.perf_counter() - t0
-            e = {"mode": mode, "warmup": warmup, "seconds": seconds, "samples": n, "wait_s": wait}
-            e |= {
-                "cpu_s": measure.cpu_seconds() - cpu,
-                **({"shape": list(images.shape), "device": str(images.device)} if n else {}),
-            }
+            e = measure.timed(loader.batches(k), step if mode == "train" else None, sync)
+            e |= {"mode": mode, "warmup": warmup}
+            if last := e.pop("last"):
+                e |= {"shape": list(last[0].shape), "device": str(last[0].device)}
             if (stats := loader.counters()) is not None:
                 e["stats"] = stats
             out["epochs"].append(e)
-            print(f"    {args.job} epoch {k} {mode}{' (warm-up)' if warmup else ''}: {n / seconds:.1f} samples/s")
+            rate = e["samples"] / e["seconds"]
+            print(f"    {args.job} epoch {k} {mode}{' (warm-up)' if warmup else ''}: {rate:.1f} samples/s")
     finally:
         loader.close()
     if device_id is not None:
@@ -137,9 +116,13 @@ def run_all(args, result: dict, started: float) -> None:
     kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
     for rep, name in measure.alternate(args.loaders, args.reps):
         left = args.budget - (time.perf_counter() - started)
-        reason = missing(name)
-        if reason is None and left < longest:
-            reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
+        reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
+        if name == "torch" and importlib.util.find_spec("PIL") is None:  # the GPU machine may lack it
+            reason = (
+                "Pillow is not installed: the DataLoader baseline decodes with it (scripts/gpu_extras.sh fetches it)"
+            )
+        elif left >= longest:
+            reason = None
         if reason is not None:
             runs[name].append({"skipped": reason})
             print(f"  rep {rep + 1} {name}: skipped ({reason})")
@@ -159,20 +142,9 @@ def run_all(args, result: dict, started: float) -> None:
         else:
             longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
             run["summary"] = summary(run)
-            cells = [
-                f"{m} {s['samples_per_s']:.1f} samples/s (stall {s['stall_fraction']:.2f})"
-                for m, s in run["summary"].items()
-            ]
-            print(f"  rep {rep + 1} {name}: {', '.join(cells)}; {run['wall_s']:.0f} s")
+            print(f"  rep {rep + 1} {name}: {run['summary']}; {run['wall_s']:.0f} s")
         runs[name].append(run)
         cli.save(args, result)  # after every run: what finished survives an interrupted command
-
-
-def missing(name: str) -> str | None:
-    """Why loader ``name`` cannot run here, or None: ``torch`` needs Pillow (the GPU machine may lack it)."""
-    if name == "torch" and importlib.util.find_spec("PIL") is None:
-        return "Pillow is not installed: the DataLoader baseline decodes with it (scripts/gpu_extras.sh fetches it)"
-    return None
 
 
 def medians(result: dict) -> dict:
@@ -183,22 +155,16 @@ def medians(result: dict) -> dict:
             if cells := [r["summary"][mode] for r in runs if mode in r.get("summary", {})]:
                 keys = [k for k in cells[0] if k != "epochs"]
                 med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
-    ratios = {}
-    for other in LOADERS[1:]:
-        for mode in MODES:
-            if (a := med.get("coordl", {}).get(mode)) and (b := med.get(other, {}).get(mode)):
-                ratios[f"coordl/{other} {mode}"] = a["samples_per_s"] / b["samples_per_s"]
+    pairs = [(o, m) for o in LOADERS[1:] for m in MODES if m in med.get("coordl", {}) and m in med.get(o, {})]
+    ratios = {f"coordl/{o} {m}": med["coordl"][m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
     return {"median": med, "ratios": ratios}
 
 
 def images(args) -> dict:
     """Makes (or finds) the dataset and reads every file once, so that it is in the page cache."""
     if lacking := [m for m in ("PIL", "tqdm") if importlib.util.find_spec(m) is None]:
-        raise SystemExit(
-            f"cannot make the dataset: {' and '.join(lacking)} not installed (coordl.tools.datagen writes the JPEGs "
-            "with Pillow and shows its progress with tqdm). Install them (on the GPU machine: scripts/gpu_extras.sh "
-            "here, then scripts/gpu_run.sh there)."
-        )
+        lacking = " and ".join(lacking)  # coordl.tools.datagen writes JPEGs with Pillow, shows progress with tqdm
+        raise SystemExit(f"cannot make the dataset: {lacking} not installed (GPU machine: scripts/gpu_extras.sh)")
     t0 = time.perf_counter()
     figures = dataset.dataset_from_args(args)
     figures["make_s"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -244,17 +210,11 @@ def run(args) -> dict | None:
             raise SystemExit("no CUDA device: run this on a GPU machine, or --cpu-smoke for its CPU side")
     data = images(args)
     args.root = data["root"]
-    print(
-        f"dataset: {dataset.describe(data)}, {data['classes']} classes; made/found in {data['make_s']:.1f} s, "
-        f"read into the page cache in {data['page_cache_read_s']:.1f} s"
-    )
+    print(f"dataset: {dataset.describe(data)}, in the page cache after {data['page_cache_read_s']:.1f} s")
     config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "modes", "arch")}
     config |= {"device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}", "budget_s": args.budget}
     result = {"cpu_smoke": args.cpu_smoke, "dataset": data, "config": config}
-    print(
-        f"batch {args.batch_size}, {args.threads} threads/workers, {args.arch}, "
-        f"{args.warmup} warm-up + {args.epochs} epoch(s) per mode, runs in ABBA order"
-    )
+    print(f"{config}: runs in ABBA order")
     run_all(args, result, started)
     result |= medians(result)
     result["wall_s"] = time.perf_counter() - started

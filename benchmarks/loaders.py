@@ -1,19 +1,11 @@
 """The loaders the benchmarks compare, on the CPU or delivering to a GPU, and the model they train.
 
-Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1,
-aspect 3/4-4/3, horizontal flip, normalise, CHW float32), batch size and CPU workers/threads:
-
-- ``torch``: ``DataLoader`` over files opened by path, Pillow decode, :class:`TrainAugment`, shuffled,
-  persistent workers (``pin_memory`` when it delivers to a GPU);
-- ``dali-shuffle``: ``fn.readers.file(random_shuffle=True)`` (a 1024-sample buffer over a file list
-  shuffled once: every epoch reads in the same order); ``dali-seq``: its default sequential order (fine
-  for I/O and throughput, not for training); ``dali-epoch-shuffle``: ``shuffle_after_epoch=True`` (a
-  fresh permutation per epoch, PyTorch's sampler's access pattern); ``dali`` (:mod:`benchmarks.gpu`'s):
-  ``random_shuffle=True``, ``fn.decoders.image`` (``mixed`` on a GPU) and ``fn.random_resized_crop``;
-- ``coordl``: ``CoordLoader`` with its MinIO cache at the budget (on a GPU: decoding there, ``mixed``);
-  ``coordl-auto``: the same budget split between encoded bytes and decoded images by the model
-  (``decoded_cache="auto"``); ``coordl-cpu``: DALI on the CPU, batches copied to the GPU;
-  ``coordl-torch``: coordl's torch backend, ``ImageFolder(data, transform=TrainAugment())``.
+Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1, aspect
+3/4-4/3, flip, normalise, CHW float32), batch size and CPU workers/threads (docs/benchmarks.md describes
+them): ``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders
+(``dali-shuffle``, ``dali-seq``, ``dali-epoch-shuffle``) and :mod:`benchmarks.gpu`'s ``dali`` (decoded
+whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there), ``coordl-auto`` (``decoded_cache="auto"``),
+``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``coordl-torch`` (coordl's torch backend).
 """
 
 from __future__ import annotations
@@ -43,10 +35,8 @@ COUNTERS = (*COUNTERS.split(), "decoded_hits", "decoded_cache_budget")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
 
 
-# -- torch: DataLoader + Pillow ---------------------------------------------------------------
 def image_folder(root: str):
-    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan follows
-    ImageFolder's rules, checked against them in tests/test_index.py); not saved anywhere."""
+    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan), not saved anywhere."""
     from coordl.index import Index
 
     return Index.scan(root, index_dir="")
@@ -114,7 +104,6 @@ def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
     )
 
 
-# -- DALI's own pipelines ---------------------------------------------------------------------
 def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader"):
     """The pipeline built, and its torch iterator: the last batch partial, reset at each epoch's end."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -142,7 +131,6 @@ def dali_imagenet_train(jpegs, size: int = SIZE, decode: str | None = None):
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror, mean=mean, std=std)
 
 
-# -- one loader of the table ------------------------------------------------------------------
 class Loader:
     """Loader ``kind`` (of :data:`LOADERS`, or ``dali`` / ``coordl-cpu``) over the folder ``data``: ``n``,
     ``batches(epoch)`` (``(images, labels)`` on GPU ``device_id``; None: on the CPU), ``epoch()`` (the
@@ -187,12 +175,8 @@ class Loader:
         if kind.startswith("coordl"):
             self.n = len(self.loader.index)
 
-    def __len__(self) -> int:
-        return self.n
-
     def batches(self, epoch: int | None = None):
-        """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU:
-        coordl's labels stay on the CPU even when its images come from the GPU."""
+        """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU if any."""
         if epoch is not None and self.kind.startswith("coordl"):
             self.loader.set_epoch(epoch)
         for batch in self.loader:

@@ -2,11 +2,9 @@
 
     python -m benchmarks.small_resnet /var/tmp/coordl-bench/train --cache 0.5 --epochs 3
 
-The model is ``examples/imagenet/models.py``'s ``resnet_tiny`` (one basic block per stage at a quarter of
-ResNet-18's width). Prints one JSON line per epoch (the loader's ``stats()`` plus the epoch's loss). It is
-an ordinary script: ``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged. Like
-``examples/imagenet/train.py`` it takes the path of a dataset made beforehand, not the benchmarks' dataset
-options.
+``examples/imagenet/models.py``'s ``resnet_tiny`` (ResNet-18's plan, one basic block per stage, a quarter of its
+width); one JSON line per epoch (``stats()`` and the loss). An ordinary script on a dataset made beforehand:
+``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged.
 """
 
 from __future__ import annotations

@@ -185,3 +185,21 @@ class Sampler:
         self._stop.set()
         self._thread.join()
         return self.values
+
+
+def timed(batches, step=None, sync=lambda: None) -> dict:
+    """One epoch of the iterator ``batches`` (tuples, the samples first) between two ``sync()``, ``step(batch)``
+    after each batch: seconds, samples, seconds waiting in ``next()``, CPU seconds and the last batch."""
+    sync()
+    cpu, t0, n, wait, last = cpu_seconds(), time.perf_counter(), 0, 0.0, None
+    while True:
+        t = time.perf_counter()
+        if (batch := next(batches, None)) is None:
+            break
+        wait += time.perf_counter() - t
+        if step is not None:
+            step(batch)
+        n, last = n + len(batch[0]), batch
+    sync()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "samples": n, "wait_s": wait, "cpu_s": cpu_seconds() - cpu, "last": last}
