@@ -160,9 +160,7 @@ def draw(plt, result: dict):
         xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
         if pts:
             ax.plot(xs, ys, marker, label=label.format(str(pts[0]["fraction"]).rsplit("-", 1)[-1]), **kw)
-    ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
-    ax.set_ylabel("steady samples/s")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="decoded tier (GB); encoded tier holds every file", ylabel="steady samples/s", ylim=(0, None))
     ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
     ax.legend()
     return fig
