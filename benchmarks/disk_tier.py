@@ -199,7 +199,7 @@ N, M = (1, "{:.0f}"), (1e6, "{:.1f}")  # a count, megabytes
 COLUMNS = {"samples/s": ("samples_per_s", *N), "GETs": ("gets", *N), "store MB": ("get_bytes", *M)}
 COLUMNS |= {"tier reads": ("disk_reads", *N), "CPU s": ("loader_cpu_s", 1, "{:.1f}")}
 COLUMNS |= {"device MB read": ("device_read", *M), "device MB written": ("device_written", *M)}
-COLUMNS |= {"tier files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
+COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
 
 
 def table(result: dict) -> str:
