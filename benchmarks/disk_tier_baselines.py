@@ -1,24 +1,17 @@
-"""The loaders of ``benchmarks.disk_tier``, each run in a fresh process (:func:`child`): coordl's,
-and the local caches of LitData and Mosaic Streaming, whose chunk files :func:`convert` makes.
+"""The loaders of ``benchmarks.disk_tier``, each run in a fresh process (:func:`child`): coordl's, and the
+local caches of LitData and Mosaic Streaming over the chunks :func:`convert` makes of the same files.
 
 - ``coordl``: ``CoordLoader(url, cache=Cache(size=M, disk=None or Disk(tier, direct=...)),
   pipeline="imagenet-train", device_id=None, shuffle=True)``.
 - ``litdata``: ``litdata.optimize`` (``chunk_bytes``, 2 workers) writes chunks of ``{"image": the
   JPEG's bytes, "label": int}``; ``StreamingDataset("s3://...", cache_dir=..., max_cache_size=...,
-  shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers. LitData 0.2.76 reads chunks
-  with obstore, whose store it builds without ``allow_http``, so an ``http://`` endpoint fails with
-  "builder error: BadScheme": the child adds ``allow_http`` to LitData's obstore client options
-  (``litdata.streaming.downloader._OBSTORE_CLIENT_OPTIONS``), the one change it needs.
+  shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers.
 - ``mosaic``: ``streaming.MDSWriter`` (``size_limit``) writes shards of the same columns;
   ``StreamingDataset(remote="s3://...", local=..., cache_limit=..., shuffle=True, batch_size=...)`` in
   a ``torch.utils.data.DataLoader`` with ``workers`` workers; the endpoint is ``S3_ENDPOINT_URL``.
-  ``import streaming`` (0.13) imports torchvision for its vision datasets, which are not used here;
-  torchvision is not installed (its wheels require another torch), so the child first puts a stub of
-  the three names it imports in ``sys.modules``.
 
 LitData and Mosaic decode with Pillow (RGB) and augment with :class:`benchmarks.loaders.TrainAugment`
-(random-resized crop 224, flip, normalise: numpy and torch, no torchvision). A conversion runs as
-``python -m benchmarks disk_tier --convert {litdata,mosaic} SRC OUT SIZE``.
+(random-resized crop 224, flip, normalise: numpy and torch, no torchvision).
 """
 
 from __future__ import annotations
@@ -42,14 +35,13 @@ def _item(labels: dict[str, int], path: str) -> dict:
 
 def convert(kind: str, src: str, out: str, size: str) -> dict:
     """Writes the dataset under ``src`` as ``kind``'s chunks of ``size`` (e.g. ``8MB``) into ``out``; the
-    seconds its imports took and the seconds the conversion took (LitData's with 2 worker processes)."""
-    t0 = time.perf_counter()
+    seconds the conversion took (LitData's with 2 worker processes), its imports not counted."""
     if kind == "litdata":
         import litdata
     else:
         stub_torchvision()
         from streaming import MDSWriter
-    t1 = time.perf_counter()
+    t0 = time.perf_counter()
     files = sorted(str(p) for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
     item = functools.partial(_item, {c: k for k, c in enumerate(sorted({Path(p).parent.name for p in files}))})
     if kind == "litdata":
@@ -58,31 +50,25 @@ def convert(kind: str, src: str, out: str, size: str) -> dict:
         with MDSWriter(out=out, columns={"image": "bytes", "label": "int"}, size_limit=size.lower()) as w:
             for p in files:
                 w.write(item(p))
-    return {"import_s": t1 - t0, "convert_s": time.perf_counter() - t1}
+    return {"convert_s": time.perf_counter() - t0}
 
 
 def stub_torchvision() -> None:
-    """Puts a stub of the torchvision names ``import streaming`` needs into ``sys.modules`` (none is used)."""
+    """``import streaming`` (0.13) imports torchvision for its vision datasets, not used here; torchvision is
+    not installed (its wheels require another torch): a stub of the names it imports goes in ``sys.modules``."""
     import importlib.machinery
     import types
 
-    if "torchvision" in sys.modules:
-        return
-
-    class VisionDataset:
-        pass
-
-    def to_tensor(_):
-        raise NotImplementedError("torchvision is a stub here")
-
     names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
+    if names[0] in sys.modules:
+        return
     tv, datasets, transforms, functional = mods = [types.ModuleType(n) for n in names]
     for m in mods:
         m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)  # transformers calls find_spec on it
     tv.__version__ = "0.0+stub"
     tv.datasets, tv.transforms, transforms.functional = datasets, transforms, functional
-    datasets.VisionDataset = datasets.CIFAR10 = VisionDataset
-    functional.to_tensor = to_tensor
+    datasets.VisionDataset = datasets.CIFAR10 = type("VisionDataset", (), {})
+    functional.to_tensor = None
     sys.modules.update(zip(names, mods))
 
 
@@ -95,45 +81,31 @@ def decode(sample: dict):
     return AUGMENT(image), int(sample["label"])
 
 
-def _imports(kind: str):
-    """Imports what ``kind``'s loader uses (timed apart: ``import_s``); returns the function that makes it."""
-    import torch  # noqa: F401
-
-    if kind == "coordl":
-        import nvidia.dali.fn  # noqa: F401
-        import obstore  # noqa: F401
-
-        import coordl  # noqa: F401
-    elif kind == "litdata":
-        import litdata.streaming.downloader as downloader
-
-        downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
-    else:
-        stub_torchvision()
-        import streaming  # noqa: F401
-    return {"coordl": _coordl, "litdata": _litdata, "mosaic": _mosaic}[kind]
-
-
 def _coordl(spec: dict):
     import coordl
 
     disk = coordl.Disk(spec["tier"], direct=spec["direct"]) if spec["tier"] else None
-    cache = coordl.Cache(size=spec["memory"], disk=disk)
     kw = {"batch_size": spec["batch"], "shuffle": True, "pipeline": "imagenet-train", "device_id": None}
-    return coordl.CoordLoader(spec["url"], cache=cache, **kw)
+    return coordl.CoordLoader(spec["url"], cache=coordl.Cache(size=spec["memory"], disk=disk), **kw)
 
 
 def _litdata(spec: dict):
+    import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader, StreamingDataset
 
-    dataset = StreamingDataset(
-        spec["url"], cache_dir=spec["local"], max_cache_size=spec["cache_limit"], shuffle=True, transform=decode
+    # LitData 0.2.76 reads chunks with obstore, whose store it builds without allow_http: an http://
+    # endpoint fails with "builder error: BadScheme". This is the one change it needs.
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+    kw = {"cache_dir": spec["local"], "max_cache_size": spec["cache_limit"], "shuffle": True, "transform": decode}
+    return StreamingDataLoader(
+        StreamingDataset(spec["url"], **kw), batch_size=spec["batch"], num_workers=spec["workers"]
     )
-    return StreamingDataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
 
 
 def _mosaic(spec: dict):
     import torch
+
+    stub_torchvision()
     from streaming import StreamingDataset
 
     class Decoded(StreamingDataset):
@@ -146,14 +118,11 @@ def _mosaic(spec: dict):
 
 
 def child(spec: dict, parent) -> None:
-    """One run in a fresh process: the loader made, then ``epochs`` epochs, each said to ``parent``
-    (:class:`benchmarks.harness.jobs.Parent`, with coordl's ``stats()``) and awaited."""
-    t0 = time.perf_counter()
-    make = _imports(spec["kind"])
-    import_s = time.perf_counter() - t0
+    """One run in a fresh process: the loader made (its imports included), then ``epochs`` epochs, each said
+    to ``parent`` (:class:`benchmarks.harness.jobs.Parent`, with coordl's ``stats()``) and awaited."""
     t0, c0 = time.perf_counter(), cpu_seconds()
-    loader = make(spec)
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu_seconds() - c0, import_s=import_s)
+    loader = {"coordl": _coordl, "litdata": _litdata, "mosaic": _mosaic}[spec["kind"]](spec)
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu_seconds() - c0)
     parent.wait()
     for e in range(spec["epochs"]):
         t0, c0, n = time.perf_counter(), cpu_seconds(), 0
@@ -165,7 +134,6 @@ def child(spec: dict, parent) -> None:
             row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
         parent.say(event="epoch", **row)
         parent.wait()
-    t0 = time.perf_counter()
     if spec["kind"] == "coordl":
         loader.close()  # the tier's writer finishes what it was given
-    parent.say(event="done", close_s=time.perf_counter() - t0)
+    parent.say(event="done")

@@ -1,13 +1,9 @@
 """What the local tier's own work costs per entry: a write epoch and a read epoch through ``DiskTier``.
 
-Puts ``--entries`` samples of ``--size`` bytes into a fresh tier under ``--root`` (the writer thread:
-reservation, write, ``fdatasync``, ledger, link), flushes, then reads them back in a shuffled order
-(open, ``fstat`` check, ``readv``, drop the pages, CRC-32), and reports the process's CPU time (user +
-system) and the wall time per entry. On a tmpfs (``/dev/shm``) the disk costs next to nothing, so
-the figures are the code's own: the ownership checks and the block accounting among it. ``--before
-PATH`` times another version of the tier's module too (a file holding ``DiskTier``, ``tier_folder``
-and ``stamp``, e.g. the one before the checks: ``git show 7eab09f:src/coordl/fetch/disk.py >
-/tmp/disk_before.py``), alternating the two, ``--rounds`` times each, a fresh process per run.
+Entries put into a fresh tier under ``--root`` (reservation, write, ``fdatasync``, ledger, link), then
+read back shuffled (open, ``fstat`` check, ``readv``, pages dropped, CRC-32): process CPU and wall time
+per entry, a fresh process per run. On a tmpfs the figures are the code's own. ``--before PATH`` times
+another version of the tier's module alternately (e.g. ``git show 7eab09f:src/coordl/fetch/disk.py``).
 
     python -m benchmarks disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
 """
@@ -18,7 +14,6 @@ import argparse
 import importlib.util
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +21,8 @@ import time
 import numpy as np
 
 from benchmarks.harness import jobs, measure, report
+
+KEYS = ("write_us", "write_wall_us", "read_us", "read_wall_us")
 
 
 def one(module: str | None, root: str, entries: int, size: int) -> dict:
@@ -85,10 +82,9 @@ def run(args) -> dict | None:
         child = jobs.flags(root=args.root, entries=args.entries, size=args.size) + ["--one"]
         command = jobs.scenario_command("disk_tier_ops", *child, *[args.before] * (which == "before"))
         runs[which].append(jobs.run_json(command))
-    medians = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items() if rs}
-    return {"runs": runs, "medians": medians}
+    return {"runs": runs, "medians": measure.medians(runs, KEYS)}
 
 
 def table(r: dict) -> str:
-    rows = [[w, m["write_us"], m["write_wall_us"], m["read_us"], m["read_wall_us"]] for w, m in r["medians"].items()]
+    rows = [[w, *(m[k] for k in KEYS)] for w, m in r["medians"].items()]
     return report.table("tier|write us CPU/entry|write us wall/entry|read us CPU/entry|read us wall/entry", rows)

@@ -1,13 +1,12 @@
 """The cache under a memory limit: a loader in a v1 memory cgroup that leaves room for part of the dataset.
 
-Shared memory is charged to the memory cgroup of the process that writes it and cannot be reclaimed,
-so a cache sized from /dev/shm alone gets a container killed. (1) The loader's own memory: a child
-with ``cache_bytes=0`` in an unlimited cgroup (peak RSS; RSS over-counts the libraries' pages that
-another process read first, so the cgroup's own peak is beside it). (2) The limit: own memory x 1.2 +
-64 MiB + ``--cache-fraction`` of the dataset, or ``--limit``. (3) One child per ``--cache`` value in a
-fresh cgroup with that limit, ``--epochs`` epochs: exit status, the cgroup's peak, failcnt and OOM
-kills, the budget, what was cached, the warnings, every sample exactly once per epoch. Root and a v1
-memory cgroup (``memory:`` in ``/proc/self/cgroup``); says so and stops otherwise.
+Shared memory is charged to the cgroup of the process that writes it and cannot be reclaimed, so a
+cache sized from /dev/shm alone gets a container killed. (1) The loader's own memory: a child with
+``cache_bytes=0`` in an unlimited cgroup (peak RSS, and the cgroup's peak beside it: RSS counts the
+libraries' pages another process read first). (2) The limit: own memory x 1.2 + 64 MiB +
+``--cache-fraction`` of the dataset, or ``--limit``. (3) A child per ``--cache`` value in a fresh
+cgroup with that limit: exit status, the cgroup's peak, failcnt and OOM kills, the budget, what was
+cached, the warnings, every sample exactly once per epoch. Root and a v1 memory cgroup.
 
     python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
     python -m benchmarks memory_limit ... --limit 602MiB     # the issue's limit, as measured there
@@ -28,15 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, report
+from benchmarks.harness import dataset, jobs, measure, report
 from benchmarks.harness.limits import Cgroup, probe
 from benchmarks.harness.report import mb
 from coordl.units import parse_bytes
 
 MiB = 1 << 20
+STATS = ("storage_reads", "cache_hits", "cache_items", "cache_bytes")  # per epoch, of stats()
 
 
-def child(args) -> int:
+def child(args) -> None:
     """Runs in the cgroup: moves itself in first, then makes the loader and iterates it."""
     if args.cgroup:
         Path(args.cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
@@ -47,44 +47,35 @@ def child(args) -> int:
 
     import coordl
 
-    messages = []
+    said, ids, peak = [], [], [charged(args.cgroup)]
 
     class Keep(logging.Handler):
         def emit(self, record):
-            messages.append(record.getMessage())
+            said.append(record.getMessage())
+
+    def step(batch) -> None:
+        ids.append(batch[2].numpy())
+        peak[0] = max(peak[0], charged(args.cgroup))
 
     logging.getLogger("coordl").addHandler(Keep(logging.WARNING))
     warnings.simplefilter("always")
     cache = args.cache  # "auto", "40MB", an int of bytes or a float fraction, as CoordLoader takes it
     cache = int(cache) if cache.isdigit() else float(cache) if re.fullmatch(r"[0-9]*\.[0-9]+", cache) else cache
-    out = {"cache_bytes": args.cache, "epochs": []}
-    peak_charged = charged(args.cgroup)
+    kw = {"pipeline": coordl.ImageNetTrain(size=args.image_size), "fetch": coordl.Fetch(threads=args.io_threads)}
+    kw |= {"device_id": None, "return_index": True, "seed": 0, "cache": cache, "prep": args.num_threads}
     with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        recipe, fetch = coordl.ImageNetTrain(size=args.image_size), coordl.Fetch(threads=args.io_threads)
-        kw = {"pipeline": recipe, "device_id": None, "return_index": True, "seed": 0, "cache": cache, "fetch": fetch}
-        with coordl.CoordLoader(
-            args.data, batch_size=args.batch_size, prep=args.num_threads, shuffle=True, **kw
-        ) as loader:
-            n = len(loader.index)
-            out["budget"] = loader.node_cache.budget if loader.node_cache is not None else 0
-            for epoch in range(args.epochs):
-                loader.set_epoch(epoch)
-                t0, got = time.perf_counter(), []
-                for batch in loader:
-                    got.append(batch[2].numpy())
-                    peak_charged = max(peak_charged, charged(args.cgroup))
-                ids, s = np.concatenate(got), loader.stats()
-                once = bool(len(ids) == n and np.array_equal(np.sort(ids), np.arange(n)))
-                e = {"epoch": epoch, "seconds": round(time.perf_counter() - t0, 2), "exactly_once": once}
-                out["epochs"].append(
-                    e | {k: s[k] for k in ("storage_reads", "cache_hits", "cache_items", "cache_bytes")}
-                )
-    out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + messages
+        with coordl.CoordLoader(args.data, batch_size=args.batch_size, shuffle=True, **kw) as loader:
+            n, budget = len(loader.index), loader.node_cache.budget if loader.node_cache is not None else 0
+            es = measure.epochs(loader, args.epochs, step=step, keys=STATS)
+    got = np.split(np.concatenate(ids), np.cumsum([e["samples"] for e in es])[:-1])
+    out = {"cache_bytes": args.cache, "budget": budget, "epochs": [], "peak_charged": peak[0]}
+    for k, (e, g) in enumerate(zip(es, got)):
+        once = bool(np.array_equal(np.sort(g), np.arange(n)))
+        out["epochs"].append({"epoch": k, "seconds": round(e["seconds"], 2), "exactly_once": once, **e["stats"]})
+    out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + said
     status = Path("/proc/self/status").read_text()
     out["peak_rss"] = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) * 1024
-    out["peak_charged"] = peak_charged
-    print("RESULT " + json.dumps(out), flush=True)
+    jobs.say(**out)
 
 
 def charged(cgroup: str | None) -> int:
@@ -103,22 +94,16 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
     try:
         if limit is not None:
             cg.write("memory.limit_in_bytes", limit)
-        kw = {"epochs": args.epochs, "batch_size": args.batch_size, "image_size": args.image_size}
-        kw |= {"io_threads": args.io_threads, "num_threads": args.num_threads or None}
-        argv = jobs.flags(child=True, cgroup=cg.path, cache=cache, data=args.data, **kw)
-        cmd, t0 = jobs.scenario_command("memory_limit", *argv), time.perf_counter()
+        kw = {"epochs": args.epochs, "batch_size": args.batch_size, "image_size": args.image_size, "cache": cache}
+        kw |= {"io_threads": args.io_threads, "num_threads": args.num_threads or None, "cgroup": cg.path}
+        cmd, t0 = jobs.scenario_command("memory_limit", *jobs.flags(child=True, data=args.data, **kw)), time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "COORDL_SHM_DIR": shm})
         row = {"run": name, "cache_bytes": cache, "limit": limit, "returncode": r.returncode}
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        row["max_usage"] = int(cg.read("memory.max_usage_in_bytes"))
-        row["failcnt"] = int(cg.read("memory.failcnt"))
+        row |= {"seconds": round(time.time() - t0, 1), "max_usage": int(cg.read("memory.max_usage_in_bytes"))}
         oom = dict(line.split() for line in cg.read("memory.oom_control").splitlines())
-        row["oom_kill"] = int(oom.get("oom_kill", 0))
-        if "RESULT " in r.stdout:
-            row.update(json.loads(r.stdout.split("RESULT ", 1)[1]))
-        else:
-            row["stderr"] = r.stderr[-3000:]
-        return row
+        row |= {"failcnt": int(cg.read("memory.failcnt")), "oom_kill": int(oom.get("oom_kill", 0))}
+        said = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"stderr": r.stderr[-3000:]}
+        return row | said
     finally:
         cg.remove()
         shutil.rmtree(shm, ignore_errors=True)
@@ -141,9 +126,7 @@ def options(p) -> None:
 def run(args) -> dict | None:
     if args.child:
         return child(args)
-
-    ok = probe()
-    if not ok["memory"]:
+    if not (ok := probe())["memory"]:
         raise SystemExit("cannot run: " + "; ".join(ok["notes"]))
     data = dataset.dataset_from_args(args)
     print(f"dataset: {dataset.describe(data)}")
@@ -152,15 +135,11 @@ def run(args) -> dict | None:
         raise SystemExit(f"the loader failed without a cache:\n{own.get('stderr')}")
     limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * data["total_bytes"])
     how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
-    print(
-        f"own memory with cache_bytes=0: peak RSS {mb(own['peak_rss'])} MB, cgroup peak "
-        f"{mb(own['max_usage'])} MB; limit ({how}) = {mb(limit)} MB"
-    )
+    print(f"own memory with cache_bytes=0: peak RSS {mb(own['peak_rss'])} MB, cgroup peak {mb(own['max_usage'])} MB")
+    print(f"limit ({how}) = {mb(limit)} MB")
     rows = [own] + [run_child(args, f"c{k}", c, limit) for k, c in enumerate(args.cache.split(","))]
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k != "stderr"}))
-        if row["returncode"] != 0:
-            print(row.get("stderr", ""), file=sys.stderr)
+        print(row.get("stderr", ""), file=sys.stderr, end="")
     return {"dataset": data, "limit": limit, "runs": rows}
 
 

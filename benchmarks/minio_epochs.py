@@ -1,8 +1,8 @@
 """Storage bytes per epoch with the MinIO cache, from coordl's counters and from /proc/diskstats.
 
-Runs CoordLoader for several epochs over an ImageNet-like dataset with the cache at a
-fraction of the dataset, dropping the OS page cache before every epoch, and compares
-the bytes the block device delivered with the minimum, ``dataset - cached``.
+CoordLoader over an ImageNet-like dataset for several epochs, the cache a fraction of the dataset,
+the page cache dropped before every epoch: the bytes the block device delivered against the minimum,
+``dataset - cached``.
 
     python -m benchmarks minio_epochs --data /var/tmp/coordl-bench/train --images 2000 --cache 0.5
 """
@@ -22,14 +22,13 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--cache", type=float, default=0.5, help="cache budget as a fraction of the dataset")
     p.add_argument("--batch-size", type=int, default=64)
-    levels = "drop_caches level before each epoch: 3 (pages, dentries, inodes) or 1 (pages only)"
-    p.add_argument("--drop-level", type=int, default=3, choices=(1, 3), help=levels)
+    p.add_argument("--drop-level", type=int, default=3, choices=(1, 3), help="drop_caches: 3 (and dentries, inodes), 1")
 
 
 def run(args) -> dict | None:
     data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
     log(f"dataset: {dataset.describe(data)}; device {dev}")
-    rows, notes = [], []
+    rows, notes = [], set()
     kw = {"batch_size": args.batch_size, "device_id": None, "shuffle": True, "pipeline": "imagenet-train"}
     # Warm-up: DALI's libraries loaded and a pipeline built first, so that epoch 0's device reads are the dataset's.
     with coordl.CoordLoader(args.data, cache=0, **kw) as warm:
@@ -37,8 +36,7 @@ def run(args) -> dict | None:
             pass
     with coordl.CoordLoader(args.data, cache=args.cache, **kw) as loader:
         for epoch in range(args.epochs):
-            if (why := limits.drop_page_cache(args.drop_level)) and why not in notes:
-                notes.append(why)
+            notes.add(limits.drop_page_cache(args.drop_level))
             before, t0 = measure.sectors_read(dev), time.perf_counter()
             loader.set_epoch(epoch)
             for _ in loader:
@@ -50,13 +48,12 @@ def run(args) -> dict | None:
             row |= {"stats_over_min": round(s["storage_bytes"] / minimum, 4), "disk_over_min": round(disk / minimum, 4)}
             rows.append(row | {k: s[k] for k in ("cache_hits", "storage_reads", "cache_bytes")})
             log(json.dumps(rows[-1]))
-    return {"dataset": data, "notes": notes, "epochs": rows}
+    return {"dataset": data, "notes": sorted(notes - {None}), "epochs": rows}
 
 
 def table(result) -> str:
-    rows = [[r["epoch"], r["seconds"], r["samples_per_s"]] for r in result["epochs"]]
-    for row, r in zip(rows, result["epochs"]):
-        row += [mb(r[k]) for k in ("storage_bytes_stats", "storage_bytes_disk", "minimum_bytes")]
-        row += [f"{r['stats_over_min']:.4f}", f"{r['disk_over_min']:.4f}"]
+    mbs, ratios = ("storage_bytes_stats", "storage_bytes_disk", "minimum_bytes"), ("stats_over_min", "disk_over_min")
+    rows = [[r[k] for k in ("epoch", "seconds", "samples_per_s")] for r in result["epochs"]]
+    rows = [row + [mb(r[k]) for k in mbs] + [f"{r[k]:.4f}" for k in ratios] for row, r in zip(rows, result["epochs"])]
     head = "epoch|s|samples/s|storage MB (stats)|device MB (diskstats)|minimum MB|stats/min|disk/min"
     return "\n".join([report.table(head, rows)] + [f"NOTE: {n}" for n in result["notes"]])
