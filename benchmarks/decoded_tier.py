@@ -1,65 +1,76 @@
 """The decoded tier: steady samples/s against the cache's split beside the model's, and concurrent jobs.
 
-The dataset held in memory (the encoded tier holds it all): prep is measured, ``imagenet-train`` 224 on
-the CPU, each run a fresh process (:func:`job`) with a shm folder of its own. **split**: one job, its
-budget the files plus ``f`` of the decoded images (``decoded_cache``), ``f`` in ``--fractions``; ``"auto"``
-with a budget for the whole decoded dataset and for half; ``"auto"`` and ``0`` with
-``ImageNetTrain(max_short_side=N)`` (a change to the data); epoch 0 fills, the median of the rest is the
-steady rate, beside the model's (from the rates ``"auto"`` measured); ``--repeat`` rounds, each starting
-elsewhere. **jobs**: ``--jobs`` jobs at once, own seeds: makespan with ``decoded_cache=0``, with the
-decoded dataset in the tier, and as an ``hp_group``.
-
     python -m benchmarks decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
+
+The dataset is in memory (read once before; the encoded tier holds it all): what is measured is prep,
+``imagenet-train`` at 224 on the CPU, each run a fresh process with a shm folder of its own.
+
+1. **split**: one job whose budget is the dataset's files plus ``f`` of its decoded images (that share the
+   ``decoded_cache``), ``f`` in ``--fractions``; ``decoded_cache="auto"`` with a budget for the whole
+   decoded dataset and for half; ``"auto"`` and ``0`` with ``ImageNetTrain(max_short_side=N)``
+   (``--max-short-side``: a change to the data). Epoch 0 fills; the median of the rest is the steady rate,
+   beside the model's (:func:`coordl.analyze.model.tier_throughput`) from the rates ``"auto"`` measured.
+2. **jobs**: ``--jobs`` jobs at once, ``--job-epochs`` each, own seeds: makespan with ``decoded_cache=0``,
+   with the decoded dataset in the tier, and as an ``hp_group``.
 
 Writes ``decoded_tier.json`` and ``decoded_tier.png`` to the folder ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness import cli, dataset, limits, report
 from benchmarks.harness.report import log
 
 OUT = str(cli.RESULTS)  # a folder: decoded_tier.json, decoded_tier.png
-RATES = ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")  # of loader.tier_plan
-DECODE = RATES[2:]  # the prep rates TierRates takes after storage and cache
-KEYS = ("decoded_hits", "decoded_admitted", "cache_hits", "storage_reads", "decoded_cache_bytes", "cache_bytes")
+DECODE = ("encoded", "decoded", "decoded_only")  # the prep rates TierRates takes after storage and cache
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from coordl import CoordLoader
+    from coordl import Cache, ImageNetTrain
+    a = json.loads(sys.argv[1])
+    loader = CoordLoader(a["data"], batch_size=a["batch"], pipeline=ImageNetTrain(max_short_side=a.get("cap")),
+                         device_id=None, shuffle=True, prep=a.get("threads"), seed=a["seed"],
+                         cache=Cache(size=a["cache_bytes"], decoded=a["decoded_cache"]), hp_group=a.get("hp_group"))
+    out = {"tiers": loader.tier_plan.as_dict(), "epochs": []}
+    for e in range(a["epochs"]):
+        t0 = time.perf_counter()
+        n = sum(len(labels) for _, labels in loader)
+        dt = time.perf_counter() - t0
+        s = loader.stats()
+        out["epochs"].append({"samples": n, "seconds": dt, "samples_per_s": n / dt,
+                              **{k: s[k] for k in ("decoded_hits", "decoded_admitted", "cache_hits", "storage_reads",
+                                                   "decoded_cache_bytes", "cache_bytes")}})
+    loader.close()
+    print(json.dumps(out))
+    """
+)
 
 
-def job(a: dict) -> None:
-    """A child: the loader ``a`` describes, its epochs (with ``KEYS`` of its stats) and tier plan, said as JSON."""
-    import coordl
-
-    kw = {"pipeline": coordl.ImageNetTrain(max_short_side=a.get("cap")), "device_id": None, "shuffle": True}
-    kw |= {"cache": coordl.Cache(size=a["cache_bytes"], decoded=a["decoded_cache"]), "prep": a.get("threads")}
-    with coordl.CoordLoader(
-        a["data"], batch_size=a["batch"], seed=a["seed"], hp_group=a.get("hp_group"), **kw
-    ) as loader:
-        tiers, es = loader.tier_plan.as_dict(), measure.epochs(loader, a["epochs"], keys=KEYS)
-    jobs.say(tiers=tiers, epochs=[{**e.pop("stats"), **e, "samples_per_s": e["samples"] / e["seconds"]} for e in es])
+def start(args, **kw) -> subprocess.Popen:
+    shm = kw.pop("shm")
+    spec = {"data": args.data, "batch": args.batch, "threads": args.threads, "seed": 0, **kw}
+    env = {**os.environ, "COORDL_SHM_DIR": shm}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, text=True, **pipes)
 
 
-def at_once(args, specs: list[dict]) -> list[dict]:
-    """A child (:func:`job`) per spec, all at once, sharing one fresh shm folder; what each said."""
-    base = {"data": args.data, "batch": args.batch, "threads": args.threads, "seed": 0}
-    commands = [jobs.scenario_command("decoded_tier", "--job", json.dumps(base | s)) for s in specs]
-    with (
-        tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm,
-        ThreadPoolExecutor(len(specs)) as pool,
-    ):
-        return list(pool.map(lambda c: jobs.run_json(c, env={**os.environ, "COORDL_SHM_DIR": shm}), commands))
-
-
-def each(rates) -> str:
-    return ", ".join(f"{v:.0f}" for v in rates)
+def finish(p: subprocess.Popen) -> dict:
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"a benchmark job failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def decoded_bytes(root: str, cap: int | None = None) -> int:
@@ -78,42 +89,55 @@ def decoded_bytes(root: str, cap: int | None = None) -> int:
     return total
 
 
-def configs(args, dataset_bytes: int, decoded: int) -> dict:
-    """The split's configurations by name; threads None: ``"auto"`` chooses DALI's threads too."""
-    whole = {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
-    out = {"auto": whole, "auto-half": whole | {"cache_bytes": decoded // 2}}  # a node budget for half of it
-    for f in args.fractions:
-        out[f] = {"cache_bytes": dataset_bytes + int(f * decoded), "decoded_cache": int(f * decoded)}
-    for cap in args.max_short_side:  # images capped at a shorter side of cap: a change to the data
-        out |= {f"capped-auto-{cap}": whole | {"cap": cap}, f"capped-0-{cap}": whole | {"decoded_cache": 0, "cap": cap}}
-    return out
-
-
 def split(args, dataset_bytes: int, decoded: int) -> dict:
     from coordl.analyze.model import TierRates, tier_throughput
 
-    kws = configs(args, dataset_bytes, decoded)
-    names, repeats = list(kws), {f: [] for f in kws}
-    for rep in range(args.repeat):  # every configuration once a round
-        for f in names[rep % len(names) :] + names[: rep % len(names)]:
-            (r,) = at_once(args, [kws[f] | {"epochs": args.epochs}])
-            per_epoch = [e["samples_per_s"] for e in r["epochs"]]
-            repeats[f].append({"steady_samples_per_s": (steady := statistics.median(per_epoch[1:])), **r})
-            log(f"  [{rep + 1}/{args.repeat}] {f!s:>16}: {steady:7.1f} samples/s  (epochs: {each(per_epoch)})")
+    def config(f) -> dict:
+        if f == "auto":  # DALI's threads chosen too
+            return {"cache_bytes": dataset_bytes + decoded, "decoded_cache": "auto", "threads": None}
+        if f == "auto-half":  # a node budget that holds half the decoded dataset
+            return {"cache_bytes": decoded // 2, "decoded_cache": "auto", "threads": None}
+        if str(f).startswith("capped"):  # images capped at a shorter side of N: a change to the data
+            _, how, cap = f.split("-")
+            dc = "auto" if how == "auto" else 0
+            return {"cache_bytes": dataset_bytes + decoded, "decoded_cache": dc, "threads": None, "cap": int(cap)}
+        y = int(f * decoded)
+        return {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
+
+    names = ["auto", "auto-half", *args.fractions]
+    for c in args.max_short_side:
+        names += [f"capped-auto-{c}", f"capped-0-{c}"]
+    repeats: dict = {f: [] for f in names}
+    for rep in range(args.repeat):  # every configuration once a round: the machine's drift hits them alike
+        for f in names[rep % len(names) :] + names[: rep % len(names)]:  # each round starts elsewhere
+            kw = config(f)
+            with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
+                r = finish(start(args, shm=shm, epochs=args.epochs, **kw))
+            steady = statistics.median(e["samples_per_s"] for e in r["epochs"][1:])
+            repeats[f].append({"steady_samples_per_s": steady, "epochs": r["epochs"], "tiers": r["tiers"]})
+            epochs = ", ".join(f"{e['samples_per_s']:.0f}" for e in r["epochs"])
+            log(f"  [{rep + 1}/{args.repeat}] {f!s:>16}: {steady:7.1f} samples/s  (epochs: {epochs})")
     n = repeats["auto"][0]["epochs"][0]["samples"]
 
     def rates_of(f) -> dict:  # the median of what the runs of f measured when their loaders were made
-        return {k: statistics.median(x["tiers"]["rates"][k] for x in repeats[f]) for k in RATES}
+        measured = [r["tiers"]["rates"] for r in repeats[f]]
+        keys = ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")
+        return {k: statistics.median(m[k] for m in measured) for k in keys}
 
-    def model_of(r: dict, decoded_bytes: float) -> TierRates:
+    def model_of(rates: dict, decoded_bytes: float) -> TierRates:
+        r = rates
         return TierRates(n, dataset_bytes / n, decoded_bytes, r["storage"], float("inf"), *(r[k] for k in DECODE))
 
-    # The model with the rates "auto" measured and the decoded dataset's true size ("auto" knows it
-    # from a few samples); a capped run is another dataset, which its "auto" runs' rates predict.
-    rates, capped, runs = rates_of("auto"), {c: decoded_bytes(args.data, c) for c in args.max_short_side}, []
+    # The model with the rates "auto" measured and the decoded dataset's true size: the fixed
+    # shares are shares of it, where "auto" knows it only from a few samples.
+    rates = rates_of("auto")
+    n_decoded = {None: decoded, **{c: decoded_bytes(args.data, c) for c in args.max_short_side}}
     model = model_of(rates, decoded / n)
-    for f, kw in kws.items():
-        own = model_of(rates_of(f"capped-auto-{kw['cap']}"), capped[kw["cap"]] / n) if "cap" in kw else model
+    runs = []
+    for f in names:
+        kw = config(f)
+        # A capped run is another dataset: the capped "auto" runs' rates predict it.
+        own = model_of(rates_of(f"capped-auto-{kw['cap']}"), n_decoded[kw["cap"]] / n) if "cap" in kw else model
         y = statistics.median(r["tiers"]["decoded_budget"] for r in repeats[f])
         threads = repeats[f][0]["tiers"].get("threads") or kw.get("threads") or args.threads
         steady = [r["steady_samples_per_s"] for r in repeats[f]]
@@ -122,26 +146,37 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         run |= {"repeats": repeats[f], "tiers": repeats[f][0]["tiers"]}
         run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
         runs.append(run)
-        log(f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: {each(steady)}), ", end="")
-        log(f"predicted {run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})")
+        each = ", ".join(f"{v:.0f}" for v in run["steady_each"])
+        log(
+            f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: {each}), "
+            f"predicted {run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})"
+        )
+    points = [decoded * k / 50 for k in range(51)]
     curve = [
         {"decoded_bytes": int(y), "predicted_samples_per_s": tier_throughput(model, dataset_bytes + y, y)}
-        for y in (decoded * k / 50 for k in range(51))
+        for y in points
     ]
     return {"runs": runs, "rates": rates, "predicted_curve": curve}
 
 
 def concurrent(args, dataset_bytes: int, decoded: int) -> list[dict]:
-    out, whole = [], {"cache_bytes": dataset_bytes + decoded, "decoded_cache": decoded}
-    kws = {"decoded_cache=0": {"cache_bytes": dataset_bytes, "decoded_cache": 0}, "decoded tier": whole}
-    kws["hp_group"] = kws["decoded_cache=0"] | {"hp_group": "bench"}
+    out = []
     for n in args.jobs:
-        for name, kw in kws.items():
-            t0 = time.perf_counter()
-            specs = [kw | {"epochs": args.job_epochs, "seed": 0 if "hp_group" in kw else k} for k in range(n)]
-            results = at_once(args, specs)
-            out.append({"jobs": n, "config": name, "makespan_s": time.perf_counter() - t0, "results": results})
-            log(f"  {n} jobs, {name:>15}: makespan {out[-1]['makespan_s']:6.1f} s")
+        for name, kw in (
+            ("decoded_cache=0", {"cache_bytes": dataset_bytes, "decoded_cache": 0}),
+            ("decoded tier", {"cache_bytes": dataset_bytes + decoded, "decoded_cache": decoded}),
+            ("hp_group", {"cache_bytes": dataset_bytes, "decoded_cache": 0, "hp_group": "bench"}),
+        ):
+            with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
+                t0 = time.perf_counter()
+                procs = [
+                    start(args, shm=shm, epochs=args.job_epochs, **{**kw, "seed": 0 if "hp_group" in kw else k})
+                    for k in range(n)
+                ]
+                results = [finish(p) for p in procs]
+                makespan = time.perf_counter() - t0
+            out.append({"jobs": n, "config": name, "makespan_s": makespan, "results": results})
+            log(f"  {n} jobs, {name:>15}: makespan {makespan:6.1f} s")
     return out
 
 
@@ -160,7 +195,9 @@ def draw(plt, result: dict):
         xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
         if pts:
             ax.plot(xs, ys, marker, label=label.format(str(pts[0]["fraction"]).rsplit("-", 1)[-1]), **kw)
-    ax.set(xlabel="decoded tier (GB); encoded tier holds every file", ylabel="steady samples/s", ylim=(0, None))
+    ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
+    ax.set_ylabel("steady samples/s")
+    ax.set_ylim(bottom=0)
     ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
     ax.legend()
     return fig
@@ -172,28 +209,28 @@ def options(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="DALI threads per job")
     p.add_argument("--epochs", type=int, default=5, help="epochs per split run (the first fills)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--jobs", type=int, nargs="*", default=[2, 4], help="concurrent jobs (none: only the split)")
+    p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
     p.add_argument("--job-epochs", type=int, default=5)
+    p.add_argument("--skip-jobs", action="store_true", help="only the split")
     cap = 'also ImageNetTrain(max_short_side=N), a change to the data, with "auto" and decoded_cache=0 (default: 256)'
     p.add_argument("--max-short-side", type=int, nargs="*", default=[256], help=cap)
     p.add_argument("--repeat", type=int, default=3, help="rounds of the split's runs (the median is reported)")
-    p.add_argument("--job", help=argparse.SUPPRESS)  # a child: one loader, its spec in JSON
 
 
 def run(args) -> dict | None:
-    if args.job:
-        return job(json.loads(args.job))
     data = dataset.dataset_from_args(args)
     args.data = data["root"]
     # into the page cache: this benchmark measures prep, not storage
     dataset_bytes = limits.read_through(f for f in Path(args.data).rglob("*") if f.is_file())
     decoded = decoded_bytes(args.data)
     log(f"dataset: {dataset.describe(data)}; decoded {decoded / 1e9:.2f} GB ({decoded / dataset_bytes:.1f}x)")
-    result = {"dataset": data, "dataset_bytes": dataset_bytes, "decoded_bytes": decoded, "batch": args.batch}
+    result = {"dataset": data, "dataset_bytes": dataset_bytes, "decoded_bytes": decoded}
+    result |= {"batch": args.batch, "threads": args.threads}
     log("split (one job):")
-    result |= {"threads": args.threads, "split": split(args, dataset_bytes, decoded)}
-    log("concurrent jobs:")
-    result["jobs"] = concurrent(args, dataset_bytes, decoded)
+    result["split"] = split(args, dataset_bytes, decoded)
+    if not args.skip_jobs:
+        log("concurrent jobs:")
+        result["jobs"] = concurrent(args, dataset_bytes, decoded)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report.plot(Path(args.out) / "decoded_tier.png", lambda plt: draw(plt, result))
     return result
