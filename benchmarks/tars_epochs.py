@@ -1,16 +1,12 @@
 """Tar shards' steady epochs: coordl at cache 0/0.5/1 against WebDataset + DataLoader and DALI's reader.
 
-A photo dataset (``--images``) written as shards of ``--per-shard`` samples, then ``--epochs`` epochs of
-each loader in a child process, ABBA ``--reps`` times: coordl with the cache at each fraction of
-``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow decoding and a random
-resized crop in ``--workers`` DataLoader workers) and DALI's ``readers.webdataset``. Steady samples/s:
-the median of the epochs after the first.
-
-- ``--store local``: the shards on a file system of their own (a loop device over an image file, made
-  and removed by the run), so that ``/proc/diskstats`` counts their reads alone; the page cache dropped
-  before each epoch, the device throttled to ``--throttle`` in a blkio cgroup when given (root).
-- ``--store s3``: the shards on a local S3 server (moto behind ``coordl_testing.s3server``'s counting
-  proxy) adding ``--latency`` to each request: the GETs and bytes it served per epoch.
+A photo dataset written as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader in a child
+process, ABBA ``--reps`` times: coordl at each ``--cache`` fraction, WebDataset's pipeline (shard shuffle, a
+1,000-sample buffer, Pillow decoding, a random resized crop, ``--workers`` DataLoader workers) and DALI's
+``readers.webdataset``. Steady samples/s: the median of the epochs after the first. ``--store local``: the
+shards on a loop device of their own (its reads alone in ``/proc/diskstats``), the page cache dropped before
+each epoch, read at ``--throttle`` in a blkio cgroup (root); ``--store s3``: on a local S3 server (moto behind
+``coordl_testing.s3server``'s counting proxy) adding ``--latency`` to each request.
 
     python -m benchmarks tars_epochs --images 2000 --throttle 20MB                 # ~8 min
     python -m benchmarks tars_epochs --images 2000 --store s3 --latency 0.02       # ~30 min
@@ -80,28 +76,26 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
 def child(spec: dict) -> None:
     """In the child (in the cgroup): ``epochs`` epochs of its loader, each reported, each after the
     parent's go (it drops the page cache or resets the store's counts between them)."""
-    pattern, stats = spec["pattern"], None
+    pattern, loader = spec["pattern"], None
     if spec["loader"] == "coordl":
         import coordl
 
         kw = {"pipeline": "imagenet-train", "device_id": None, "cache": spec["cache"], "shuffle": True}
-        loader = coordl.CoordLoader(pattern, batch_size=spec["batch_size"], **kw)
-        make, stats = lambda e: (loader.set_epoch(e), iter(loader))[1], loader.stats  # noqa: E731
+        batches = loader = coordl.CoordLoader(pattern, batch_size=spec["batch_size"], **kw)
     else:
-        make = (webdataset if spec["loader"] == "webdataset" else dali)(spec)
+        batches = (webdataset if spec["loader"] == "webdataset" else dali)(spec)
     dev = None if pattern.startswith("s3://") else measure.device_of(os.path.dirname(pattern))
     parent = jobs.Parent()
     parent.say(event="ready")
     for e in range(spec["epochs"]):
         parent.wait()
-        before, t0, n = measure.sectors_read(dev) if dev else 0, time.perf_counter(), 0
-        for batch in make(e):
-            n += len(batch[1]) if spec["loader"] != "dali" else int(batch[0]["data"].shape[0])
+        before, t0 = measure.sectors_read(dev) if dev else 0, time.perf_counter()
+        n = sum(len(batch[1]) if spec["loader"] != "dali" else len(batch[0]["data"]) for batch in batches)
         row = {"epoch": e, "samples": n, "seconds": round(time.perf_counter() - t0, 3)}
         if dev:
             row["disk_bytes"] = measure.sectors_read(dev) - before
-        if stats:
-            row.update(storage_bytes=stats()["storage_bytes"], cache_bytes=stats()["cache_bytes"])
+        if loader:
+            row |= {k: loader.stats()[k] for k in ("storage_bytes", "cache_bytes")}
         parent.say(event="epoch", **row)
     parent.wait()
     parent.say(event="done")
@@ -129,8 +123,7 @@ def webdataset(spec):
         urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
     ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch_size"])
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
-    return lambda e: iter(dl)
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
 
 
 def dali(spec):
@@ -148,8 +141,7 @@ def dali(spec):
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, mirror=fn.random.coin_flip())
         return images, fn.pad(cls, axes=(0,), shape=(8,))  # the label's text, padded: a uniform tensor
 
-    it = DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
-    return lambda e: iter(it)
+    return DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
 
 
 @contextlib.contextmanager
@@ -187,21 +179,40 @@ def in_store(args, stack):
 def run(args) -> dict | None:
     if args.child:
         return child(json.loads(Path(args.child).read_text()))
-    data = dataset.dataset_from_args(args)
+    data, caps = dataset.dataset_from_args(args), limits.probe()
     with contextlib.ExitStack() as stack:
-        if args.store == "s3":
-            pattern, shards, server = in_store(args, stack)
-            where = {"store": "s3", "latency_s": args.latency}
-        else:
-            server, out = None, Path(args.shards_dir)
-            loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
-            pattern = write_photo_shards(args.data, out, args.per_shard)
-            shards = [str(p) for p in sorted(out.glob("*.tar"))]
-            where = {"store": "local", "device": loop}
         scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
-        rows = epoch_rows(args, data, pattern, shards, server, where, scratch)
-    return {"dataset": data, **where, "rows": rows}
+        if args.store == "s3":
+            pattern, shards, server = in_store(args, stack)
+            where, throttle, dev = {"store": "s3", "latency_s": args.latency}, None, None
+        else:
+            server, out, throttle = None, Path(args.shards_dir), args.throttle if caps["blkio"] else None
+            loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
+            pattern = write_photo_shards(args.data, out, args.per_shard)
+            shards, dev = [str(p) for p in sorted(out.glob("*.tar"))], measure.device_of(str(out))
+            where = {"store": "local", "device": loop}
+        dali_index = []  # on s3, without index files DALI's reader reads every shard's headers to make them
+        for f in sorted(Path(args.shards_dir).glob("*.tar")) if server else []:
+            dali_index.append(str(scratch / f"{f.stem}.idx"))
+            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
+            subprocess.run(wds2idx, check=True, capture_output=True)
+        env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
+        spec = {"pattern": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index or None}
+        spec |= {"batch_size": args.batch_size, "workers": args.workers}
+        configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
+        rows = []
+        for rep, (loader, cache) in measure.alternate(configs, args.reps):
+            (scratch / "spec.json").write_text(json.dumps(spec | {"loader": loader, "cache": cache}))
+            made_s, made, epochs = one_run(args, scratch / "spec.json", env, server, dev, throttle)
+            steady = statistics.median(e["samples"] / e["seconds"] for e in epochs[1:] or epochs)
+            row = {"rep": rep, "loader": loader if cache is None else f"coordl cache {cache:g}"}
+            row |= {"steady_samples_per_s": round(steady, 1), "made_s": round(made_s, 2)}
+            rows.append(row := row | {"made": made, "epochs": epochs})
+            if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
+                row["least_bytes"] = data["total_bytes"] - epochs[-1]["cache_bytes"]
+            report.log(row)
+    return {"dataset": data, **where, "throttle": throttle, "notes": caps["notes"], "rows": rows}
 
 
 def out_path(args) -> str:
@@ -218,64 +229,33 @@ def table(results: dict) -> str:
     return report.table("loader|steady samples/s|last epoch read (MB)", lines)
 
 
-def one_run(args, spec: dict, env: dict, lim, server, throttle) -> tuple[float, dict, list[dict]]:
-    """One loader's child in ``lim``'s cgroups: the seconds it took to be made, the store's counts
-    meanwhile, and its epochs, each started cold (pages dropped, or the store's counts reset)."""
-    t0, made, epochs = time.perf_counter(), {}, []
-
-    def store() -> dict:
-        return {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
+def one_run(args, spec: Path, env: dict, server, dev, throttle) -> tuple[float, dict, list[dict]]:
+    """One loader's child in a blkio cgroup: the seconds it took to be made, the store's counts meanwhile,
+    and its epochs, each started cold (pages dropped, or the store's counts reset)."""
+    lim, t0, made, epochs = (
+        limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None),
+        time.perf_counter(),
+        {},
+        [],
+    )
 
     def heard(event: str, msg: dict) -> None:
+        counts = {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
         if event == "ready":
-            made.update(made_s=time.perf_counter() - t0, **store())
-            lim.throttle(*throttle)
+            made.update(made_s=time.perf_counter() - t0, **counts)
+            lim.throttle(dev, throttle)
         else:
-            epochs.append({**msg, **store()})
+            epochs.append({**msg, **counts})
         if len(epochs) < args.epochs:
-            limits.drop_page_cache() if server is None else server.reset()
+            server.reset() if server else limits.drop_page_cache()
 
-    code, err, _ = jobs.converse(
-        jobs.scenario_command("tars_epochs", "--child", spec), heard, env=env, preexec_fn=lim.join
-    )
+    try:
+        command = jobs.scenario_command("tars_epochs", "--child", str(spec))
+        code, err, _ = jobs.converse(command, heard, env=env, preexec_fn=lim.join)
+    finally:
+        lim.remove()
+        shutil.rmtree(spec.with_name("index"), ignore_errors=True)
+        server and server.reset()
     if code or len(epochs) < args.epochs:
-        raise RuntimeError(f"{spec} failed ({code}):\n{jobs.error_text(err)}")
+        raise RuntimeError(f"{spec.read_text()} failed ({code}):\n{jobs.error_text(err)}")
     return made.pop("made_s"), made, epochs
-
-
-def epoch_rows(args, data, pattern, shards, server, where, scratch: Path) -> list[dict]:
-    local = server is None
-    caps = limits.probe()
-    throttle = args.throttle if local and caps["blkio"] else None
-    where.update(throttle=throttle, notes=caps["notes"])
-    configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
-    dali_index = []
-    if not local:  # without index files, DALI's reader infers them by reading every s3:// shard's headers
-        for f in sorted(Path(args.shards_dir).glob("*.tar")):
-            dali_index.append(str(scratch / f"{f.stem}.idx"))
-            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
-            subprocess.run(wds2idx, check=True, capture_output=True)
-    env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
-    device = (measure.device_of(os.path.dirname(pattern)) if local else None, throttle)
-    rows = []
-    for rep, (loader, cache) in measure.alternate(configs, args.reps):
-        spec = {"pattern": pattern, "loader": loader, "cache": cache, "epochs": args.epochs, "shards": shards}
-        spec |= {"batch_size": args.batch_size, "workers": args.workers, "dali_index": dali_index or None}
-        (scratch / "spec.json").write_text(json.dumps(spec))
-        lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
-        try:
-            made_s, made, epochs = one_run(args, str(scratch / "spec.json"), env, lim, server, device)
-        finally:
-            lim.remove()
-            shutil.rmtree(scratch / "index", ignore_errors=True)
-            if server:
-                server.reset()
-        steady = [e["samples"] / e["seconds"] for e in epochs[1:] or epochs]
-        name = loader if cache is None else f"coordl cache {cache:g}"
-        row = {"rep": rep, "loader": name, "steady_samples_per_s": round(statistics.median(steady), 1)}
-        row |= {"made_s": round(made_s, 2), "made": made, "epochs": epochs}
-        if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
-            row["least_bytes"] = data["total_bytes"] - epochs[-1]["cache_bytes"]
-        rows.append(row)
-        print(row, flush=True)
-    return rows
