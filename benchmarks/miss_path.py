@@ -11,31 +11,19 @@ first batch to its last; modes ABBA, ``--reps`` times.
     python -m benchmarks miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
     python -m benchmarks miss_path --recipe imagenet-train --modes warm,memory,dali-reader --batch-size 64 \\
         --data /var/tmp/coordl-bench/bench --images 4436 --classes 100 --width 400 --height 350 --reps 8
-
-``--in-flight``: the storage reads the loader keeps in flight (``Fetcher.concurrency``) on idle cores and with one
-busy loop per core, for files in the page cache and on a device throttled in a blkio cgroup (``--throttle``;
-root), each epoch a child with ``cache=0``: a busy node still needs the slow device's reads.
-
-    python -m benchmarks miss_path --in-flight --data /var/tmp/coordl-bench/inflight --images 4000 --batch-size 64
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
 
 import coordl
-from benchmarks.harness import dataset, jobs, limits, measure, report
+from benchmarks.harness import dataset, limits, measure, report
 from benchmarks.loaders import dali_imagenet_train, dali_iterator
-from coordl.units import parse_bytes
 
 MODES = ("dali-reader", "memory", "no-cache", "filling", "warm")
 BASES = ("dali-reader", "memory")  # DALI without coordl: the ratios' denominators
@@ -141,90 +129,6 @@ def epochs(args, data) -> dict:
     return out
 
 
-# -- reads in flight, idle and busy ---------------------------------------------------------
-def in_flight_epoch(args) -> None:
-    """One epoch of a loader with ``cache=0`` (run in the child): what the fetcher estimated after
-    each of its reads and how many reads ran at once, as the time-weighted mean while any ran."""
-    from coordl.fetch.fetcher import Fetcher
-
-    lock, read, estimates = threading.Lock(), Fetcher.read, []
-    state = {"running": 0, "since": time.perf_counter(), "weighted": 0.0, "busy_s": 0.0}
-
-    def step(delta: int) -> None:
-        with lock:
-            now, running = time.perf_counter(), state["running"]
-            state["weighted"] += running * (now - state["since"])
-            state["busy_s"] += (now - state["since"]) * (running > 0)
-            state.update(running=running + delta, since=now)
-
-    def counted(self, *a, **kw):  # observation only: the read itself is the loader's
-        step(+1)
-        try:
-            return read(self, *a, **kw)
-        finally:
-            step(-1)
-            estimates.append(self.concurrency())
-
-    Fetcher.read, parent = counted, jobs.Parent()
-    with coordl_loader(args, 0, fetch=coordl.Fetch(threads=args.fetch_threads)) as ld:
-        next(iter(ld))  # the first epoch: the pipeline, DALI's buffers and the estimate's start
-        parent.say(event="ready")
-        parent.wait()  # the parent drops the page cache (or warms it) and starts the spinners
-        rate, got = timed(ld)
-        mb_per_s = ld.stats()["storage_bytes"] / 1e6 / (got / rate)
-    late = [e for e in estimates[len(estimates) // 2 :] if e is not None]
-    out = {"samples_per_s": round(rate, 1), "samples": got, "read_calls": len(estimates)}
-    out["storage_mb_per_s"] = round(mb_per_s, 2)
-    out["reads_in_flight"] = round(state["weighted"] / state["busy_s"], 2) if state["busy_s"] else None
-    parent.say(event="epoch", **out, estimate=round(statistics.median(late), 2) if late else None)
-    parent.wait()
-    parent.say(event="done")
-
-
-def in_flight(args, data) -> dict:
-    """Each case (the page cache or the throttled device, idle or busy cores) a child's epoch, ABBA."""
-    caps = limits.probe()
-    if args.throttle and not (caps["blkio"] and caps["drop_caches"]):
-        raise SystemExit("--throttle needs root and a v1 blkio cgroup: " + "; ".join(caps["notes"]))
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(args.data) for f in fs]
-    cases = [(s, c) for s in ["page-cache"] + (["throttled"] if args.throttle else []) for c in ("idle", "busy")]
-    runs: dict[str, list] = {f"{s}/{c}": [] for s, c in cases}
-    for rep, (storage, load) in measure.alternate(cases, args.reps):
-        lim, spinners, got = limits.Limits(f"coordl-inflight-{os.getpid()}", False, storage == "throttled"), [], {}
-
-        def heard(event, msg, storage=storage, load=load, lim=lim, spinners=spinners, got=got):
-            if event == "epoch":
-                return got.update(msg)
-            if storage == "throttled":
-                limits.drop_page_cache()
-                lim.throttle(measure.device_of(args.data), args.throttle)
-            else:
-                limits.read_through(paths)
-            spin = [sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"]
-            for _ in range(len(os.sched_getaffinity(0)) if load == "busy" else 0):
-                spinners.append(subprocess.Popen(spin, stdout=subprocess.PIPE))
-                spinners[-1].stdout.readline()
-
-        try:
-            child = jobs.scenario_command("miss_path", "--in-flight-child", *args._argv)
-            code, err, _ = jobs.converse(child, heard, preexec_fn=lim.join)
-        finally:
-            for p in spinners:
-                p.kill()
-                p.wait()
-            lim.remove()
-        if code or not got:
-            raise SystemExit(f"the child failed ({code}):\n{jobs.error_text(err)}")
-        runs[f"{storage}/{load}"].append(got)
-        print(f"rep {rep} {storage:10s} {load:4s} {got}", flush=True)
-    keys = ("estimate", "reads_in_flight", "samples_per_s", "storage_mb_per_s")
-    med = {
-        key: {k: statistics.median([r[k] for r in rs if r[k] is not None] or [None]) for k in keys}
-        for key, rs in runs.items()
-    }
-    return {"dataset": data, "runs": runs, "median": med}
-
-
 def options(p) -> None:
     dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/tiny", images=40000, classes=100, width=32, height=32)
     p.add_argument("--batch-size", type=int, default=512)
@@ -236,29 +140,13 @@ def options(p) -> None:
     p.add_argument("--reps", type=int, default=5)
     modes = "dali-reader,no-cache,filling,warm"
     p.add_argument("--modes", default=modes, help=f"comma-separated, of {', '.join(MODES)} (default: {modes})")
-    p.add_argument("--in-flight", action="store_true", help="measure the reads in flight, idle and busy (see above)")
-    p.add_argument("--fetch-threads", type=int, default=16, help="Fetch(threads) of --in-flight (default: 16)")
-    throttle = "--in-flight's device throttle in bytes per second (default: 20MB); 0: page cache only"
-    p.add_argument("--throttle", type=parse_bytes, default=20 * 10**6, help=throttle)
-    p.add_argument("--in-flight-child", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args) -> dict | None:
-    if args.in_flight_child:
-        return in_flight_epoch(args)
-    data = dataset.dataset_from_args(args)
-    return (in_flight if args.in_flight else epochs)(args, data)
-
-
-def out_path(args) -> str:
-    """``--in-flight`` writes ``miss_path_in_flight.json`` where the epochs write ``miss_path.json``."""
-    return args.out.replace("miss_path.json", "miss_path_in_flight.json") if args.in_flight else args.out
+    return epochs(args, dataset.dataset_from_args(args))
 
 
 def table(r: dict) -> str:
-    if "runs" in r:  # --in-flight
-        head = "case|estimate|reads in flight|samples/s|MB/s from storage"
-        return report.table(head, [[key, *m.values()] for key, m in r["median"].items()])
     ratios = [r.get(f"ratio_to_{base.replace('-', '_')}", {}) for base in BASES]
     rows = [[m, v, *(x.get(m) for x in ratios)] for m, v in r["median"].items()]
     return report.table(["mode", "median samples/s", *(f"x {base}" for base in BASES)], rows)
