@@ -1,7 +1,7 @@
 """An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's reader; clients' CPU per GET.
 
 The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy, which adds ``--latency`` to
-each request and counts them. ``--repeat`` rounds, ABBA, each configuration a fresh process of ``--epochs``
+each request and counts them. ``--repeat`` rounds, ABBA, each configuration a fresh process of 2
 epochs: ``coordl-<f>`` (``CoordLoader("s3://...", cache=f, pipeline="imagenet-train")``), ``dali-s3``
 (``fn.readers.file(file_root="s3://...", random_shuffle=True)``, the same recipe), ``dali-local`` (the same on
 the local copy), ``capacity-0`` and ``capacity-<latency>`` (every object GET once with obstore, 64 in flight).
@@ -17,6 +17,7 @@ per run the time to make the loader, imports apart. Details: benchmarks/README.m
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -33,11 +34,12 @@ from benchmarks.loaders import dali_imagenet_train, dali_iterator
 
 CLIENTS = ("obstore", "boto3")
 BUCKET, PREFIX, IN_FLIGHT = "coordl-bench", "bench/train", 64
+EPOCHS, BATCH, CACHES, THREADS = 2, 64, (0.0, 0.5, 1.0), os.cpu_count()  # DALI as many threads as coordl
 
 
 def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+    """This process's CPU seconds, every thread (in nanoseconds: os.times counts in ticks of 10 ms)."""
+    return time.process_time()
 
 
 def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
@@ -65,54 +67,50 @@ def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
     return lambda ks: list(pool.map(one, ks))
 
 
-def child(spec: dict) -> None:
-    """One configuration made, then ``epochs`` epochs, each reported and awaited; ``capacity`` and ``client``:
-    every key GET once, with obstore or ``client``."""
-    parent, kind, n = jobs.Parent(), spec["kind"], len(spec["keys"])
-    # Every library a loader uses is imported before the clock starts (import_s): making the loader
-    # (create_s) is then listing, indexing and building the pipeline.
-    t0 = time.perf_counter()
-    import boto3  # noqa: F401
-    import nvidia.dali.fn  # noqa: F401
-    import obstore  # noqa: F401
-    import torch  # noqa: F401
-
-    import coordl
-
-    import_s, threads, loader = time.perf_counter() - t0, spec["threads"], None
-    t0, c0 = time.perf_counter(), _cpu()
+def made(spec: dict):
+    """An s3 configuration's loader: ``(epoch, threads, loader)``: ``epoch()`` runs one and returns its samples
+    (``capacity`` and ``client``: every key GET once, with obstore or ``client``); ``loader``: coordl's, or None."""
+    kind, n = spec["kind"], len(spec.get("keys", ()))
     if kind in ("capacity", "client"):
-        get, threads = getter(spec["client"], BUCKET, spec["keys"], spec["sizes"]), None
+        get = getter(spec["client"], BUCKET, spec["keys"], spec["sizes"])
         get(range(8))  # the client made, its first connections open
+        return lambda: (get(range(n)), n)[1], None, None
+    if kind == "coordl":
+        import coordl
 
-        def epoch() -> int:
-            get(range(n))
-            return n
-
-    elif kind == "coordl":
         kw = {"batch_size": spec["batch"], "cache": spec["cache"], "shuffle": True, "device_id": None}
         loader = coordl.CoordLoader(spec["url"], pipeline="imagenet-train", **kw)
-        threads, epoch = loader.num_threads, lambda: sum(len(batch[1]) for batch in loader)
-    else:
-        from nvidia.dali import fn, pipeline_def
+        return lambda: sum(len(batch[1]) for batch in loader), loader.num_threads, loader
+    from nvidia.dali import fn, pipeline_def
 
-        @pipeline_def(batch_size=spec["batch"], num_threads=threads, device_id=None, seed=1, prefetch_queue_depth=2)
-        def pipe():
-            jpegs, labels = fn.readers.file(file_root=spec["url"], random_shuffle=True, name="Reader")
-            return dali_imagenet_train(jpegs), labels
+    @pipeline_def(batch_size=spec["batch"], num_threads=spec["threads"], device_id=None, seed=1, prefetch_queue_depth=2)
+    def pipe():
+        jpegs, labels = fn.readers.file(file_root=spec["url"], random_shuffle=True, name="Reader")
+        return dali_imagenet_train(jpegs), labels
 
-        (p := pipe()).build()  # lists the root (an s3:// one with ListObjectsV2)
-        made = []  # the iterator, made at the first epoch: it starts the pipeline's read-ahead
+    (p := pipe()).build()  # lists the root (an s3:// one with ListObjectsV2)
+    it = []  # the iterator, made at the first epoch: it starts the pipeline's read-ahead
 
-        def epoch() -> int:
-            made[:] = made or [dali_iterator(p)]
-            return sum(len(batch[0]["labels"]) for batch in made[0])
+    def epoch() -> int:
+        it[:] = it or [dali_iterator(p)]
+        return sum(len(batch[0]["labels"]) for batch in it[0])
 
+    return epoch, spec["threads"], None
+
+
+def child(spec: dict, make=made) -> None:
+    """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each
+    reported to the parent (:func:`run_child`) and awaited."""
+    parent, t0 = jobs.Parent(), time.perf_counter()
+    for module in ("boto3", "nvidia.dali.fn", "obstore", "torch", "coordl") if make is made else ():
+        importlib.import_module(module)  # before the clock: making the loader is listing, indexing, building
+    import_s, t0, c0 = time.perf_counter() - t0, time.perf_counter(), _cpu()
+    epoch, threads, loader = make(spec)
     parent.say(
         event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads, import_s=import_s
     )
-    parent.wait()
     for e in range(spec["epochs"]):
+        parent.wait()
         t0, c0 = time.perf_counter(), _cpu()
         got = epoch()
         seconds = time.perf_counter() - t0
@@ -120,7 +118,7 @@ def child(spec: dict) -> None:
         if loader is not None:
             row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
         parent.say(event="epoch", **row)
-        parent.wait()
+    parent.wait()
     if loader is not None:
         loader.close()
     parent.say(event="done")
@@ -163,35 +161,43 @@ class Meter:
 def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
     kind, setting = name.split("-", 1)
-    spec = {"kind": kind, "url": f"s3://{BUCKET}/{PREFIX}", "batch": args.batch, "threads": args.threads}
-    spec |= {"epochs": 1 if kind in ("capacity", "client") else args.epochs, "keys": keys, "sizes": sizes}
+    spec = {"kind": kind, "url": f"s3://{BUCKET}/{PREFIX}", "batch": BATCH, "threads": THREADS}
+    spec |= {"epochs": 1 if kind in ("capacity", "client") else EPOCHS, "keys": keys, "sizes": sizes}
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
     spec["url"] = args.data if name == "dali-local" else spec["url"]
     server.latency_s = float(setting) if kind == "capacity" else args.latency
-    shm, index = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-"), tempfile.mkdtemp(prefix="coordl-s3bench-")
-    env = {**os.environ, **server.env(), "COORDL_SHM_DIR": shm, "COORDL_INDEX_DIR": index}
-    env.pop("COORDL_S3_REQUESTS", None)
+    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-")
+    env = {k: v for k, v in os.environ.items() if k != "COORDL_S3_REQUESTS"} | server.env() | {"COORDL_SHM_DIR": shm}
     if kind in ("capacity", "client"):
         env["COORDL_S3_REQUESTS"] = str(IN_FLIGHT)
     if kind == "client":  # moto itself, no proxy
         env["AWS_ENDPOINT_URL"] = server.direct
-    (spec_file := Path(index) / "spec.json").write_text(json.dumps(spec))
-    meter, run = Meter(server), {"config": name, "latency_s": server.latency_s, "epochs": []}
+    try:
+        return {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
+    finally:
+        server.latency_s = args.latency
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def run_child(scenario: str, spec: dict, meter, env: dict, created=None, **popen) -> dict:
+    """``python -m benchmarks <scenario> --one <spec>`` (a :func:`child`), ``meter.read()`` after its loader is made
+    (``create_requests``, then ``created()``) and after each epoch: its making (``made_s`` from its start), its epochs,
+    or its error. ``COORDL_INDEX_DIR`` a folder of its own."""
+    run, t0 = {"epochs": []}, time.perf_counter()
 
     def heard(event: str, msg: dict) -> None:
         counts = meter.read()
         if event == "created":
-            run.update(import_s=msg["import_s"], create_s=msg["create_s"], create_cpu_s=msg["cpu_s"])
-            run.update(threads=msg["threads"], create_requests=counts)
+            run.update(made_s=time.perf_counter() - t0, import_s=msg["import_s"], create_s=msg["create_s"])
+            run.update(create_cpu_s=msg["cpu_s"], threads=msg["threads"], create_requests=counts)
+            created and created()
         else:
             run["epochs"].append({**msg, "loader_cpu_s": msg.pop("cpu_s"), **counts})
 
-    try:
-        code, err, _ = jobs.converse(jobs.scenario_command("s3", "--one", str(spec_file)), heard, env=env)
-    finally:
-        server.latency_s = args.latency
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(index, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="coordl-bench-child-") as folder:
+        (Path(folder) / "spec.json").write_text(json.dumps(spec))
+        command = jobs.scenario_command(scenario, "--one", f"{folder}/spec.json")
+        code, err, _ = jobs.converse(command, heard, env=env | {"COORDL_INDEX_DIR": folder}, **popen)
     if code != 0 or len(run["epochs"]) < spec["epochs"]:
         run["error"] = jobs.error_text(err) or f"exit status {code}"
     return run
@@ -235,12 +241,7 @@ def options(p) -> None:
     p.add_argument("--clients", action="store_true", help="the clients' CPU per GET instead (see above)")
     p.add_argument("--objects", type=int, default=1000, help="--clients: objects GET per run (default: 1000)")
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
-    p.add_argument("--epochs", type=int, default=2, help="epochs per run: the first and steady ones (default: 2)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
-    p.add_argument("--batch", type=int, default=64)
-    caches = "coordl's cache_bytes, fractions of the dataset (default: 0 0.5 1)"
-    p.add_argument("--caches", type=float, nargs="+", default=[0.0, 0.5, 1.0], help=caches)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI's threads (default: os.cpu_count())")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
 
 
@@ -267,12 +268,8 @@ def run(args) -> dict | None:
 
     data = dataset.dataset_from_args(args)
     args.data, t_start = data["root"], time.time()
-    names = [f"coordl-{c:g}" for c in args.caches] + [
-        "dali-s3",
-        "dali-local",
-        "capacity-0",
-        f"capacity-{args.latency:g}",
-    ]
+    names = [f"coordl-{c:g}" for c in CACHES] + ["dali-s3", "dali-local", "capacity-0"]
+    names += [f"capacity-{args.latency:g}"]
     with S3Server() as server:
         moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
         server.create_bucket(BUCKET)
@@ -284,8 +281,8 @@ def run(args) -> dict | None:
         # dali-s3 failed before: the reason is recorded, it is not tried again
         failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log, failed)
-    config = {"latency_s": args.latency, "epochs": args.epochs, "repeat": args.repeat, "batch": args.batch}
-    config |= {"caches": args.caches, "dali_threads": args.threads, "coordl_s3_requests": IN_FLIGHT}
+    config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH}
+    config |= {"caches": CACHES, "dali_threads": THREADS, "coordl_s3_requests": IN_FLIGHT}
     config |= {"capacity_inflight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}", "pipeline": "imagenet-train"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}
     result |= {"wall_s": time.time() - t_start, "runs": runs, "summary": (summary := summarise(runs))}

@@ -25,12 +25,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks import s3
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.loaders import random_resized_crop
 from coordl.units import parse_bytes
 
@@ -49,7 +49,7 @@ def options(p) -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--store", choices=("local", "s3"), default="local", help="local files or a local S3 server")
     p.add_argument("--latency", type=float, default=0.02, help="seconds the S3 server adds to each request")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # one loader, in its cgroup: its spec, a JSON file
+    p.add_argument("--one", help=argparse.SUPPRESS)  # one loader, in its cgroup: its spec, a JSON file
 
 
 def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
@@ -73,32 +73,9 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
     return str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
 
 
-def child(spec: dict) -> None:
-    """In the child (in the cgroup): ``epochs`` epochs of its loader, each reported, each after the
-    parent's go (it drops the page cache or resets the store's counts between them)."""
-    pattern, loader = spec["pattern"], None
-    if spec["loader"] == "coordl":
-        import coordl
-
-        kw = {"pipeline": "imagenet-train", "device_id": None, "cache": spec["cache"], "shuffle": True}
-        batches = loader = coordl.CoordLoader(pattern, batch_size=spec["batch_size"], **kw)
-    else:
-        batches = (webdataset if spec["loader"] == "webdataset" else dali)(spec)
-    dev = None if pattern.startswith("s3://") else measure.device_of(os.path.dirname(pattern))
-    parent = jobs.Parent()
-    parent.say(event="ready")
-    for e in range(spec["epochs"]):
-        parent.wait()
-        before, t0 = measure.sectors_read(dev) if dev else 0, time.perf_counter()
-        n = sum(len(batch[1]) if spec["loader"] != "dali" else len(batch[0]["data"]) for batch in batches)
-        row = {"epoch": e, "samples": n, "seconds": round(time.perf_counter() - t0, 3)}
-        if dev:
-            row["disk_bytes"] = measure.sectors_read(dev) - before
-        if loader:
-            row |= {k: loader.stats()[k] for k in ("storage_bytes", "cache_bytes")}
-        parent.say(event="epoch", **row)
-    parent.wait()
-    parent.say(event="done")
+def made(spec: dict):
+    """The child's loader, as :func:`benchmarks.s3.made`: coordl's as there, WebDataset's or DALI's."""
+    return (s3.made if spec["kind"] == "coordl" else webdataset if spec["kind"] == "webdataset" else dali)(spec)
 
 
 def webdataset(spec):
@@ -122,8 +99,9 @@ def webdataset(spec):
         where = [dict(zip(("Bucket", "Key"), u[5:].split("/", 1))) for u in urls]
         urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
-    ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch_size"])
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
+    ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch"])
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
+    return lambda: sum(len(batch[1]) for batch in dl), spec["workers"], None
 
 
 def dali(spec):
@@ -131,7 +109,7 @@ def dali(spec):
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-    @pipeline_def(batch_size=spec["batch_size"], num_threads=len(os.sched_getaffinity(0)), device_id=None)
+    @pipeline_def(batch_size=spec["batch"], num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
         # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
         kw = {"index_paths": spec["dali_index"], "ext": ["jpg", "cls"], "random_shuffle": True, "dont_use_mmap": True}
@@ -141,7 +119,8 @@ def dali(spec):
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, mirror=fn.random.coin_flip())
         return images, fn.pad(cls, axes=(0,), shape=(8,))  # the label's text, padded: a uniform tensor
 
-    return DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
+    it = DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
+    return lambda: sum(len(batch[0]["data"]) for batch in it), len(os.sched_getaffinity(0)), None
 
 
 @contextlib.contextmanager
@@ -177,8 +156,8 @@ def in_store(args, stack):
 
 
 def run(args) -> dict | None:
-    if args.child:
-        return child(json.loads(Path(args.child).read_text()))
+    if args.one:
+        return s3.child(json.loads(Path(args.one).read_text()), made)
     data, caps = dataset.dataset_from_args(args), limits.probe()
     with contextlib.ExitStack() as stack:
         scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
@@ -197,20 +176,19 @@ def run(args) -> dict | None:
             dali_index.append(str(scratch / f"{f.stem}.idx"))
             wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
             subprocess.run(wds2idx, check=True, capture_output=True)
-        env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
-        spec = {"pattern": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index or None}
-        spec |= {"batch_size": args.batch_size, "workers": args.workers}
+        env = {**os.environ, **(server.env() if server else {})}
+        spec = {"url": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index or None}
+        spec |= {"batch": args.batch_size, "workers": args.workers}
         configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
         rows = []
-        for rep, (loader, cache) in measure.alternate(configs, args.reps):
-            (scratch / "spec.json").write_text(json.dumps(spec | {"loader": loader, "cache": cache}))
-            made_s, made, epochs = one_run(args, scratch / "spec.json", env, server, dev, throttle)
+        for rep, (kind, cache) in measure.alternate(configs, args.reps):
+            one = one_run(spec | {"kind": kind, "cache": cache}, env, server, dev, throttle)
+            epochs, name = one["epochs"], kind if cache is None else f"coordl cache {cache:g}"
             steady = statistics.median(e["samples"] / e["seconds"] for e in epochs[1:] or epochs)
-            row = {"rep": rep, "loader": loader if cache is None else f"coordl cache {cache:g}"}
-            row |= {"steady_samples_per_s": round(steady, 1), "made_s": round(made_s, 2)}
-            rows.append(row := row | {"made": made, "epochs": epochs})
+            row = {"rep": rep, "loader": name, "steady_samples_per_s": round(steady, 1), "epochs": epochs}
+            rows.append(row := row | {"made_s": round(one["made_s"], 2), "made": one["create_requests"]})
             if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
-                row["least_bytes"] = data["total_bytes"] - epochs[-1]["cache_bytes"]
+                row["least_bytes"] = data["total_bytes"] - epochs[-1]["stats"]["cache_bytes"]
             report.log(row)
     return {"dataset": data, **where, "throttle": throttle, "notes": caps["notes"], "rows": rows}
 
@@ -221,7 +199,7 @@ def out_path(args) -> str:
 
 def table(results: dict) -> str:
     rows, lines = results["rows"], []
-    moved = "store_bytes" if results["store"] == "s3" else "disk_bytes"
+    moved = "get_bytes" if results["store"] == "s3" else "disk_bytes"
     for name in dict.fromkeys(r["loader"] for r in rows):
         mine = [r for r in rows if r["loader"] == name]
         rate = statistics.median(r["steady_samples_per_s"] for r in mine)
@@ -229,33 +207,28 @@ def table(results: dict) -> str:
     return report.table("loader|steady samples/s|last epoch read (MB)", lines)
 
 
-def one_run(args, spec: Path, env: dict, server, dev, throttle) -> tuple[float, dict, list[dict]]:
-    """One loader's child in a blkio cgroup: the seconds it took to be made, the store's counts meanwhile,
-    and its epochs, each started cold (pages dropped, or the store's counts reset)."""
-    lim, t0, made, epochs = (
-        limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None),
-        time.perf_counter(),
-        {},
-        [],
-    )
-
-    def heard(event: str, msg: dict) -> None:
-        counts = {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
-        if event == "ready":
-            made.update(made_s=time.perf_counter() - t0, **counts)
-            lim.throttle(dev, throttle)
-        else:
-            epochs.append({**msg, **counts})
-        if len(epochs) < args.epochs:
-            server.reset() if server else limits.drop_page_cache()
-
+def one_run(spec: dict, env: dict, server, dev, throttle) -> dict:
+    """One loader's child in a blkio cgroup (the device throttled once the loader is made), each epoch cold:
+    the meter's reading resets the store's counts, or drops the page cache."""
+    lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
+    meter = s3.Meter(server) if server else DeviceMeter(dev)
     try:
-        command = jobs.scenario_command("tars_epochs", "--child", str(spec))
-        code, err, _ = jobs.converse(command, heard, env=env, preexec_fn=lim.join)
+        one = s3.run_child("tars_epochs", spec, meter, env, lambda: lim.throttle(dev, throttle), preexec_fn=lim.join)
     finally:
         lim.remove()
-        shutil.rmtree(spec.with_name("index"), ignore_errors=True)
-        server and server.reset()
-    if code or len(epochs) < args.epochs:
-        raise RuntimeError(f"{spec.read_text()} failed ({code}):\n{jobs.error_text(err)}")
-    return made.pop("made_s"), made, epochs
+    if "error" in one:
+        raise RuntimeError(f"{spec['kind']} {spec['cache']} failed:\n{one['error']}")
+    return one
+
+
+class DeviceMeter:
+    """The device's bytes read since the last reading; each reading then drops the page cache."""
+
+    def __init__(self, dev: tuple[int, int]):
+        self.dev, self.before = dev, measure.sectors_read(dev)
+
+    def read(self) -> dict:
+        out = {"disk_bytes": measure.sectors_read(self.dev) - self.before}
+        limits.drop_page_cache()
+        self.before = measure.sectors_read(self.dev)
+        return out
