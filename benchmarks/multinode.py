@@ -1,7 +1,7 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time on 2 and 4 nodes.
 
 Each "node" is a network namespace with a private /dev/shm (``coordl_testing.netns.Cluster``), its link shaped
-with ``tbf`` (``--rate``), its processes in a blkio cgroup throttling the dataset's device; one torchrun rank
+with ``tbf`` (1 Gbit/s), its processes in a blkio cgroup throttling the dataset's device; one torchrun rank
 per node, a CoordLoader per rank (``--job``). Per node count, first the prep rate (mode b at 100%, unthrottled),
 each node's throttle then ``--throttle-frac`` x that rate in bytes; per aggregate cache (``--aggregate``), the
 modes in a fresh cluster each, ABBA ``--reps`` times: ``a`` no peer cache, ``b`` partitioned, ``c`` partitioned
@@ -34,6 +34,7 @@ from benchmarks.harness.report import mb
 from coordl_testing import netns
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
+CROP, MARGIN, RATE = 64, 1.1, "1gbit"  # crops in pixels; at 100%, a node caches MARGIN / nodes; links' tbf
 MODES = {"a": "no peer cache", "b": "partitioned", "c": "partitioned + locality"}
 STAT_KEYS = "epoch samples samples_per_s stall_s storage_bytes peer_reads peer_bytes peer_served_bytes".split()
 STAT_KEYS += "cache_hits cache_hit_bytes cache_bytes cache_items cache_budget".split()
@@ -48,14 +49,9 @@ def options(p) -> None:
     dataset.add_dataset_options(p, data=None, images=2048, classes=16, data_help=root)
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
-    p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
-    p.add_argument("--modes", default="abc")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--reps", type=int, default=2, help="repetitions of every configuration's modes, ABBA")
-    p.add_argument("--seed", type=int, default=5)
     p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--crop", type=int, default=64, help="random-resized crop size in pixels (default: 64)")
-    p.add_argument("--rate", default="1gbit", help="tbf rate of every link (gbit, mbit or kbit)")
     p.add_argument("--throttle-frac", type=float, default=0.1, help="storage throttle, x the node's prep rate")
     p.add_argument("--close-first", action="store_true", help="close each loader before the final barrier")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
@@ -72,7 +68,7 @@ def job(a) -> None:
 
     dist.init_process_group("gloo")
     peers = coordl.Peers(enabled="auto" if a.mode != "a" else False, locality_aware=a.mode == "c")
-    kw = {"pipeline": coordl.ImageNetTrain(size=a.crop), "device_id": None, "seed": a.seed, "shuffle": True}
+    kw = {"pipeline": coordl.ImageNetTrain(size=CROP), "device_id": None, "seed": 5, "shuffle": True}
     loader = coordl.CoordLoader(a.job[0], batch_size=a.batch_size, cache=int(a.cache), prep=1, peers=peers, **kw)
     record = {"rank": dist.get_rank(), "epochs": []}
     for epoch in range(a.epochs):
@@ -97,20 +93,20 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     (``throttle`` bytes/s of the dataset's device)."""
     work, device = Path(tempfile.mkdtemp(prefix="cdl-mn-")), "{}:{}".format(*measure.device_of(data["root"]))
     job = ["-m", "benchmarks", "multinode", "--job", data["root"], str(work), "--mode", mode, "--device", device]
-    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget, crop=args.crop, seed=args.seed)
+    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget)
     job += ["--close-first"] * args.close_first
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", str(nodes)]
     env, t0 = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1"), time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, work)
-        cgroups = []
-        for k in range(nodes):  # the cluster kills what is left in them
+        cgroups = []  # the cluster kills what is left in them
+        for k in range(nodes):
             cgroups.append(cg := limits.Cgroup("blkio", f"cdl-mn{os.getpid()}-{port}-{k}"))
             stack.callback(cg.remove)
             if throttle:
                 cg.write("blkio.throttle.read_bps_device", f"{device} {throttle}")
         limits.evict(data["root"])
-        c, procs = stack.enter_context(netns.Cluster(nodes, rate=args.rate, shm_bytes=budget + (256 << 20))), []
+        c, procs = stack.enter_context(netns.Cluster(nodes, rate=RATE, shm_bytes=budget + (256 << 20))), []
         for k, cg in enumerate(cgroups):
             where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port)]
             rank = [*torchrun, *where, *job, "--blkio", str(cg.path / "blkio.throttle.io_service_bytes")]
@@ -167,9 +163,8 @@ def checks(runs: dict) -> list[dict]:
             if "a" in m:
                 row[f"a_time_over_{x}_time"] = round(row["a_time_s"] / row[f"{x}_time_s"], 3)
         if {"b", "c"} <= m:
-            row["c_peer_over_b_peer"] = (
-                round(row["c_peer_bytes"] / row["b_peer_bytes"], 5) if row["b_peer_bytes"] else None
-            )
+            b = row["b_peer_bytes"]
+            row["c_peer_over_b_peer"] = round(row["c_peer_bytes"] / b, 5) if b else None
             row["c_peer_at_most_10pct_of_b"] = row["c_peer_bytes"] <= 0.1 * row["b_peer_bytes"]
         if {"a", "b"} <= m and agg >= 1.0:
             row["b_at_least_2x_faster_than_a"] = row["a_time_s"] >= 2.0 * row["b_time_s"]
@@ -203,26 +198,24 @@ def run(args) -> dict | None:
 
     port, total = 29700 + os.getpid() % 100 * 10, data["total_bytes"]
     for nodes in (int(x) for x in args.nodes.split(",")):
-        port, full = port + 1, min(total, int(total * args.margin / nodes))
+        port, full = port + 1, min(total, int(total * MARGIN / nodes))
         prep = one_run(args, data, nodes, full, "b", port)
         rates = [e["samples_per_s"] for n in prep["per_node"] for e in n["epochs"][1:] or n["epochs"]]
         sps = statistics.mean(rates)  # per node, served from the caches
         throttle = int(args.throttle_frac * sps * data["mean_bytes"])
         result["prep"][str(nodes)] = {"samples_per_s_per_node": sps, "spread": measure.spread(rates), "run": prep}
         result["prep"][str(nodes)]["throttle_bps_per_node"] = throttle
-        head = f"### {nodes} nodes: prep-rate run (mode b, {args.margin:.0%} aggregate cache, no throttle): "
+        head = f"### {nodes} nodes: prep-rate run (mode b, {MARGIN:.0%} aggregate cache, no throttle): "
         say(head + f"{sps:.1f} samples/s per node; throttle {mb(throttle, 2)} MB/s per node", node_table(prep))
         for agg in (float(x) for x in args.aggregate.split(",")):
-            budget = min(total, int(total * (args.margin if agg >= 1.0 else agg) / nodes))
-            for rep, mode in measure.alternate(list(args.modes), args.reps):
+            budget = min(total, int(total * (MARGIN if agg >= 1.0 else agg) / nodes))
+            for rep, mode in measure.alternate(list(MODES), args.reps):
                 port += 1
                 one = one_run(args, data, nodes, budget, mode, port, throttle)
                 one["aggregate_cache"], one["repetition"] = agg, rep
-                head = (
-                    f"### {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode} ({MODES[mode]}), "
-                )
+                head = f"### {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode} ({MODES[mode]})"
                 warnings = [f"- node {k}: `{w}`" for k, ws in enumerate(one["warnings"]) for w in ws]
-                say(head + f"repetition {rep + 1}, wall {one['wall_s']} s", node_table(one), *warnings)
+                say(head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one), *warnings)
                 runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(one)
                 result["runs"].append(one)
                 result["checks"] = checks(runs)
@@ -236,11 +229,8 @@ def run(args) -> dict | None:
 def rows_table(rows: list[dict], keys: list[str], first=()) -> str:
     """A table of ``rows`` (dicts): the ``first`` columns, then ``keys``; bytes in MB, two decimals."""
     heads = [*first, *(k.replace("_bytes", " MB").replace("_bps", " MB/s").replace("steady_", "") for k in keys)]
-    cells = [
-        [*map(r.get, first), *(mb(r.get(k), 2) if re.search(r"_(bytes|bps)(_|$)", k) else r.get(k) for k in keys)]
-        for r in rows
-    ]
-    return report.table(heads, cells)
+    cell = lambda r, k: mb(r.get(k), 2) if re.search(r"_(bytes|bps)(_|$)", k) else r.get(k)  # noqa: E731
+    return report.table(heads, [[*map(r.get, first), *(cell(r, k) for k in keys)] for r in rows])
 
 
 def node_table(run: dict) -> str:
@@ -256,7 +246,7 @@ def table(results: dict) -> str:
 
 def render(a, result: dict, log: list[str]) -> str:
     """The Markdown report beside the JSON: the targets, every run, then ``log``: every node's epochs."""
-    what = f"{a.reps} repetition(s), modes ABBA; tbf {a.rate}; batch {a.batch_size} per rank; crops of {a.crop} px;"
+    what = f"{a.reps} repetition(s), modes ABBA; tbf {RATE}; batch {a.batch_size} per rank; crops of {CROP} px;"
     what += f" 1 DALI thread; throttle {a.throttle_frac} x the prep rate; {result['total_wall_s'] / 60:.1f} min."
     runs = [{**r, **r["summary"], "mode": f"{r['mode']}, rep {r['repetition'] + 1}"} for r in result["runs"]]
     keys = ["epoch0_time_s", *(f"steady_{k}" for k in STEADY)]
