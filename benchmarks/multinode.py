@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -53,7 +52,6 @@ def options(p) -> None:
     p.add_argument("--reps", type=int, default=2, help="repetitions of every configuration's modes, ABBA")
     p.add_argument("-b", "--batch-size", type=int, default=64)
     p.add_argument("--throttle-frac", type=float, default=0.1, help="storage throttle, x the node's prep rate")
-    p.add_argument("--close-first", action="store_true", help="close each loader before the final barrier")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
     for name in ("--cache", "--mode", "--blkio", "--device"):  # a rank's
         p.add_argument(name, help=argparse.SUPPRESS)
@@ -79,11 +77,7 @@ def job(a) -> None:
         e = {"time_s": time.perf_counter() - t0, "blkio_read_bytes": limits.blkio_read(a.blkio, a.device) - dev0}
         record["epochs"].append(e | {k: loader.stats()[k] for k in STAT_KEYS})
         Path(a.job[1], f"rank{record['rank']}.json").write_text(json.dumps(record))
-    # The nodes end together here; with --close-first a node closes first, and its server serves on
-    # until the others have finished their pass (Peers(linger)).
-    if a.close_first:
-        loader.close()
-    dist.barrier()
+    dist.barrier()  # the nodes end together (test_peers.py checks Peers(linger) for nodes that do not)
     loader.close()
     dist.destroy_process_group()
 
@@ -94,7 +88,6 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     work, device = Path(tempfile.mkdtemp(prefix="cdl-mn-")), "{}:{}".format(*measure.device_of(data["root"]))
     job = ["-m", "benchmarks", "multinode", "--job", data["root"], str(work), "--mode", mode, "--device", device]
     job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget)
-    job += ["--close-first"] * args.close_first
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", str(nodes)]
     env, t0 = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1"), time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -229,7 +222,7 @@ def run(args) -> dict | None:
 def rows_table(rows: list[dict], keys: list[str], first=()) -> str:
     """A table of ``rows`` (dicts): the ``first`` columns, then ``keys``; bytes in MB, two decimals."""
     heads = [*first, *(k.replace("_bytes", " MB").replace("_bps", " MB/s").replace("steady_", "") for k in keys)]
-    cell = lambda r, k: mb(r.get(k), 2) if re.search(r"_(bytes|bps)(_|$)", k) else r.get(k)  # noqa: E731
+    cell = lambda r, k: mb(r.get(k), 2) if "_bytes" in k or "_bps" in k else r.get(k)  # noqa: E731
     return report.table(heads, [[*map(r.get, first), *(cell(r, k) for k in keys)] for r in rows])
 
 
