@@ -74,7 +74,12 @@ def made(spec: dict):
     if kind in ("capacity", "client"):
         get = getter(spec["client"], BUCKET, spec["keys"], spec["sizes"])
         get(range(8))  # the client made, its first connections open
-        return lambda: (get(range(n)), n)[1], None, None
+
+        def epoch() -> int:
+            get(range(n))
+            return n
+
+        return epoch, None, None
     if kind == "coordl":
         import coordl
 
@@ -179,7 +184,7 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def run_child(scenario: str, spec: dict, meter, env: dict, created=None, **popen) -> dict:
+def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None, **popen) -> dict:
     """``python -m benchmarks <scenario> --one <spec>`` (a :func:`child`), ``meter.read()`` after its loader is made
     (``create_requests``, then ``created()``) and after each epoch: its making (``made_s`` from its start), its epochs,
     or its error. ``COORDL_INDEX_DIR`` a folder of its own."""
@@ -190,7 +195,7 @@ def run_child(scenario: str, spec: dict, meter, env: dict, created=None, **popen
         if event == "created":
             run.update(made_s=time.perf_counter() - t0, import_s=msg["import_s"], create_s=msg["create_s"])
             run.update(create_cpu_s=msg["cpu_s"], threads=msg["threads"], create_requests=counts)
-            created and created()
+            created()
         else:
             run["epochs"].append({**msg, "loader_cpu_s": msg.pop("cpu_s"), **counts})
 
