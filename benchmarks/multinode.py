@@ -1,20 +1,13 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time on 2 and 4 nodes.
 
-Each "node" is a network namespace with a private tmpfs at /dev/shm (``coordl_testing.netns.Cluster``),
-its link shaped with ``tbf`` (``--rate``), its processes in a blkio cgroup throttling the dataset's
-device. One torchrun rank per node (gloo), a CoordLoader per rank (``--job``: the loop of
-``tests/multinode_train.py`` plus per-epoch blkio counters and a barrier before ``close()``;
-``--close-first`` closes first, as the test does).
-
-Per node count, first the prep rate (mode b at 100%, unthrottled); every node's throttle is then
-``--throttle-frac`` x that rate in bytes. Per aggregate cache (50% and 100% x ``--margin`` of the
-dataset), three modes in a fresh cluster each, the dataset's pages evicted, ABBA ``--reps`` times:
-``a`` no peer cache; ``b`` partitioned, plain sharding; ``c`` partitioned, locality-aware. Per node and
-epoch: storage bytes (loader and blkio), peer bytes in and served, the epoch time, and what storage,
-network and prep alone would need (the bounds). Targets: b's and c's steady storage at the minimum
-(dataset - cached across nodes), c's peer bytes <= 10% of b's, b >= 2x faster than a at 100%. Writes
-the tables, per node and epoch too, in a .md beside the JSON. Needs root, network namespaces and v1
-blkio cgroups.
+Each "node" is a network namespace with a private /dev/shm (``coordl_testing.netns.Cluster``), its link shaped
+with ``tbf`` (1 Gbit/s), its processes in a blkio cgroup throttling the dataset's device; one torchrun rank
+per node, a CoordLoader per rank (``--job``). Per node count, first the prep rate (mode b at 100%, unthrottled),
+each node's throttle then ``--throttle-frac`` x that rate in bytes; per aggregate cache (``--aggregate``), the
+modes in a fresh cluster each, ABBA ``--reps`` times: ``a`` no peer cache, ``b`` partitioned, ``c`` partitioned
+and locality-aware. Per node and epoch: storage bytes (loader and blkio), peer bytes in and served, the time.
+Targets: b's and c's steady storage at the minimum (dataset - cached across nodes), c's peer bytes <= 10% of
+b's, b >= 2x faster than a at 100%. A .md beside the JSON has the tables. Root, network namespaces, v1 blkio.
 
     python -m benchmarks multinode                     # ~20 min on 2 cores
     python -m benchmarks multinode --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
@@ -23,9 +16,9 @@ blkio cgroups.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -40,11 +33,11 @@ from benchmarks.harness.report import mb
 from coordl_testing import netns
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
+CROP, MARGIN, RATE = 64, 1.1, "1gbit"  # crops in pixels; at 100%, a node caches MARGIN / nodes; links' tbf
 MODES = {"a": "no peer cache", "b": "partitioned", "c": "partitioned + locality"}
 STAT_KEYS = "epoch samples samples_per_s stall_s storage_bytes peer_reads peer_bytes peer_served_bytes".split()
 STAT_KEYS += "cache_hits cache_hit_bytes cache_bytes cache_items cache_budget".split()
 SUMMED = "storage_bytes blkio_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
-BOUNDS = "storage_bound_s network_bound_s prep_bound_s".split()
 CHECKS_FIRST = ("nodes", "aggregate_cache", "repetitions")
 STEADY = ["time_s", "storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes", "minimum_storage_bytes"]
 
@@ -55,16 +48,10 @@ def options(p) -> None:
     dataset.add_dataset_options(p, data=None, images=2048, classes=16, data_help=root)
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
     p.add_argument("--aggregate", default="0.5,1.0", help="aggregate cache sizes, fractions of the dataset")
-    p.add_argument("--margin", type=float, default=1.1, help="per-node budget at 100%%: margin / nodes of the dataset")
-    p.add_argument("--modes", default="abc")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--reps", type=int, default=2, help="repetitions of every configuration's modes, ABBA")
-    p.add_argument("--seed", type=int, default=5)
     p.add_argument("-b", "--batch-size", type=int, default=64)
-    p.add_argument("--crop", type=int, default=64, help="random-resized crop size in pixels (default: 64)")
-    p.add_argument("--rate", default="1gbit", help="tbf rate of every link (gbit, mbit or kbit)")
     p.add_argument("--throttle-frac", type=float, default=0.1, help="storage throttle, x the node's prep rate")
-    p.add_argument("--close-first", action="store_true", help="close each loader before the final barrier")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
     for name in ("--cache", "--mode", "--blkio", "--device"):  # a rank's
         p.add_argument(name, help=argparse.SUPPRESS)
@@ -79,7 +66,7 @@ def job(a) -> None:
 
     dist.init_process_group("gloo")
     peers = coordl.Peers(enabled="auto" if a.mode != "a" else False, locality_aware=a.mode == "c")
-    kw = {"pipeline": coordl.ImageNetTrain(size=a.crop), "device_id": None, "seed": a.seed, "shuffle": True}
+    kw = {"pipeline": coordl.ImageNetTrain(size=CROP), "device_id": None, "seed": 5, "shuffle": True}
     loader = coordl.CoordLoader(a.job[0], batch_size=a.batch_size, cache=int(a.cache), prep=1, peers=peers, **kw)
     record = {"rank": dist.get_rank(), "epochs": []}
     for epoch in range(a.epochs):
@@ -90,88 +77,67 @@ def job(a) -> None:
         e = {"time_s": time.perf_counter() - t0, "blkio_read_bytes": limits.blkio_read(a.blkio, a.device) - dev0}
         record["epochs"].append(e | {k: loader.stats()[k] for k in STAT_KEYS})
         Path(a.job[1], f"rank{record['rank']}.json").write_text(json.dumps(record))
-    # The nodes end together here; with --close-first a node closes first, and its server serves on
-    # until the others have finished their pass (Peers(linger)).
-    if a.close_first:
-        loader.close()
-    dist.barrier()
+    dist.barrier()  # the nodes end together (test_peers.py checks Peers(linger) for nodes that do not)
     loader.close()
     dist.destroy_process_group()
 
 
-def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, throttle=None, prep_sps=None) -> dict:
+def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, throttle=None) -> dict:
     """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup of its own
-    (``throttle`` bytes/s of the dataset's device); ``prep_sps``: the prep rate, for the bounds."""
-    work, logs, cgroups = Path(tempfile.mkdtemp(prefix="cdl-mn-")), [], []
-    device = "{}:{}".format(*measure.device_of(data["root"]))
+    (``throttle`` bytes/s of the dataset's device)."""
+    work, device = Path(tempfile.mkdtemp(prefix="cdl-mn-")), "{}:{}".format(*measure.device_of(data["root"]))
     job = ["-m", "benchmarks", "multinode", "--job", data["root"], str(work), "--mode", mode, "--device", device]
-    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget, crop=args.crop, seed=args.seed)
-    job += ["--close-first"] * args.close_first
+    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", str(nodes)]
-    try:
-        cgroups += [limits.Cgroup("blkio", f"cdl-mn{os.getpid()}-{port}-{k}") for k in range(nodes)]
-        for cg in cgroups if throttle else []:
-            cg.write("blkio.throttle.read_bps_device", f"{device} {throttle}")
-        os.sync()  # evict() cannot drop dirty pages (a dataset just written)
+    env, t0 = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1"), time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, work)
+        cgroups = []  # the cluster kills what is left in them
+        for k in range(nodes):
+            cgroups.append(cg := limits.Cgroup("blkio", f"cdl-mn{os.getpid()}-{port}-{k}"))
+            stack.callback(cg.remove)
+            if throttle:
+                cg.write("blkio.throttle.read_bps_device", f"{device} {throttle}")
         limits.evict(data["root"])
-        env, t0 = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1"), time.perf_counter()
-        with netns.Cluster(nodes, rate=args.rate, shm_bytes=budget + (256 << 20)) as c:
-            procs = []
-            for k, cg in enumerate(cgroups):
-                logs.append(open(work / f"node{k}.log", "w"))  # noqa: SIM115 - closed below
-                counter = str(cg.path / "blkio.throttle.io_service_bytes")
-                where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port)]
-                rank = [*torchrun, *where, *job, "--blkio", counter]
-                procs.append(
-                    c.popen(k, rank, env=env, cgroups=[str(cg.path)], stdout=logs[k], stderr=subprocess.STDOUT)
-                )
-            deadline, codes = time.monotonic() + 900, []
-            for p in procs:
-                try:
-                    codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    codes.append(None)  # the cluster's close() kills it
+        c, procs = stack.enter_context(netns.Cluster(nodes, rate=RATE, shm_bytes=budget + (256 << 20))), []
+        for k, cg in enumerate(cgroups):
+            where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port)]
+            rank = [*torchrun, *where, *job, "--blkio", str(cg.path / "blkio.throttle.io_service_bytes")]
+            log = stack.enter_context(open(work / f"node{k}.log", "w"))  # noqa: SIM115 - closed by the stack
+            procs.append(c.popen(k, rank, env=env, cgroups=[str(cg.path)], stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 900
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the cluster's close() kills it
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
         wall, texts = time.perf_counter() - t0, [(work / f"node{k}.log").read_text() for k in range(nodes)]
-        if any(code != 0 for code in codes):
+        if any(p.returncode != 0 for p in procs):
+            codes = [p.returncode for p in procs]
             raise RuntimeError(f"exit codes {codes}; logs:\n" + "\n----\n".join(t[-3000:] for t in texts))
         per_node = [json.loads((work / f"rank{k}.json").read_text()) for k in range(nodes)]
-    finally:
-        for f in logs:
-            f.close()
-        for cg in cgroups:  # the cluster killed what was left in them
-            cg.remove()
-        shutil.rmtree(work)
     # coordl's warnings in a node's log (peer failures, above all), each once, with a count.
     counts = [Counter(ln.strip() for ln in t.splitlines() if "coordl:" in ln) for t in texts]
-    warnings = [[f"{n} x {line}" for line, n in c.items()] for c in counts]
-    totals = epoch_totals(args, data, per_node, mode, throttle, prep_sps)
+    totals = epoch_totals(data, per_node, mode)
     steady = totals[1:] or totals
     summary = {"epoch0_time_s": totals[0]["time_s"], "epoch0_storage_bytes": totals[0]["storage_bytes"]}
-    for key in STEADY + BOUNDS:  # means over the steady epochs
+    for key in STEADY:  # means over the steady epochs
         summary[f"steady_{key}"] = None if steady[0][key] is None else statistics.mean(t[key] for t in steady)
     summary["aggregate_cached_bytes"] = sum(n["epochs"][-1]["cache_bytes"] for n in per_node)
     out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode], "budget_per_node": budget}
     out |= {"throttle_bps": throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
-    return out | {"summary": summary, "warnings": warnings}
+    return out | {"summary": summary, "warnings": [[f"{n} x {line}" for line, n in c.items()] for c in counts]}
 
 
-def epoch_totals(args, data: dict, per_node: list[dict], mode: str, throttle, prep_sps) -> list[dict]:
-    """Per epoch, over the nodes: the slowest node's time, the bytes summed, the minimum storage (dataset
-    less what the nodes cached at its start), and what each resource alone needs for the slowest node:
-    storage at the throttle, its link at the tbf rate, decoding at the prep rate."""
-    number, unit = re.fullmatch(r"([\d.]+)([gmk]?)bit", args.rate.lower()).groups()
-    link, totals = float(number) * {"g": 1e9, "m": 1e6, "k": 1e3, "": 1}[unit] / 8, []
+def epoch_totals(data: dict, per_node: list[dict], mode: str) -> list[dict]:
+    """Per epoch, over the nodes: the slowest node's time, the bytes summed, and the minimum storage
+    (the dataset less what the nodes cached at its start)."""
+    totals = []
     for k in range(len(per_node[0]["epochs"])):
         rows = [n["epochs"][k] for n in per_node]
         cached = sum(n["epochs"][k - 1]["cache_bytes"] for n in per_node) if k else 0
         t = {"epoch": k, "time_s": max(x["time_s"] for x in rows), "cached_bytes_start": cached}
         t |= {key: sum(x[key] or 0 for x in rows) for key in SUMMED}
         # The minimum holds when the nodes share their caches; without peers (mode a) it does not apply.
-        t["minimum_storage_bytes"] = data["total_bytes"] - cached if mode != "a" else None
-        t["storage_bound_s"] = max(x["storage_bytes"] for x in rows) / throttle if throttle else None
-        t["network_bound_s"] = max(max(x["peer_bytes"], x["peer_served_bytes"]) for x in rows) / link
-        t["prep_bound_s"] = max(x["samples"] for x in rows) / prep_sps if prep_sps else None
-        totals.append(t)
+        totals.append(t | {"minimum_storage_bytes": data["total_bytes"] - cached if mode != "a" else None})
     return totals
 
 
@@ -190,9 +156,8 @@ def checks(runs: dict) -> list[dict]:
             if "a" in m:
                 row[f"a_time_over_{x}_time"] = round(row["a_time_s"] / row[f"{x}_time_s"], 3)
         if {"b", "c"} <= m:
-            row["c_peer_over_b_peer"] = (
-                round(row["c_peer_bytes"] / row["b_peer_bytes"], 5) if row["b_peer_bytes"] else None
-            )
+            b = row["b_peer_bytes"]
+            row["c_peer_over_b_peer"] = round(row["c_peer_bytes"] / b, 5) if b else None
             row["c_peer_at_most_10pct_of_b"] = row["c_peer_bytes"] <= 0.1 * row["b_peer_bytes"]
         if {"a", "b"} <= m and agg >= 1.0:
             row["b_at_least_2x_faster_than_a"] = row["a_time_s"] >= 2.0 * row["b_time_s"]
@@ -210,7 +175,6 @@ def run(args) -> dict | None:
     if why:
         raise SystemExit(f"cannot run: {why}")
     started, data = time.perf_counter(), dataset.dataset_from_args(args)
-    print(f"dataset: {dataset.describe(data)}", flush=True)
     # Load the libraries (DALI's operators too: a pipeline runs) once, so that throttled nodes
     # find them in the page cache; the dataset's pages are evicted before every run.
     warm = (
@@ -219,34 +183,38 @@ def run(args) -> dict | None:
         " device_id=None, prep=1, shuffle=True, pipeline=coordl.ImageNetTrain(size=64)) as w:\n    next(iter(w))\n"
     )
     subprocess.run([sys.executable, "-c", warm, args.data], check=True)
-    result, runs = {"dataset": data, "prep": {}, "runs": [], "checks": []}, {}
+    result, runs, log = {"dataset": data, "prep": {}, "runs": [], "checks": []}, {}, []
+
+    def say(*sections: str) -> None:  # the .md's sections per node and epoch, printed as they come
+        print(*sections, sep="\n\n", flush=True)
+        log.extend(sections)
+
     port, total = 29700 + os.getpid() % 100 * 10, data["total_bytes"]
     for nodes in (int(x) for x in args.nodes.split(",")):
-        port, full = port + 1, min(total, int(total * args.margin / nodes))
-        print(f"\n== {nodes} nodes: prep rate (mode b, {args.margin:.0%} aggregate cache, no throttle)", flush=True)
+        port, full = port + 1, min(total, int(total * MARGIN / nodes))
         prep = one_run(args, data, nodes, full, "b", port)
-        print(node_table(prep), flush=True)
         rates = [e["samples_per_s"] for n in prep["per_node"] for e in n["epochs"][1:] or n["epochs"]]
         sps = statistics.mean(rates)  # per node, served from the caches
         throttle = int(args.throttle_frac * sps * data["mean_bytes"])
         result["prep"][str(nodes)] = {"samples_per_s_per_node": sps, "spread": measure.spread(rates), "run": prep}
         result["prep"][str(nodes)]["throttle_bps_per_node"] = throttle
-        print(f"prep rate {sps:.1f} samples/s per node; throttle {mb(throttle)} MB/s per node", flush=True)
+        head = f"### {nodes} nodes: prep-rate run (mode b, {MARGIN:.0%} aggregate cache, no throttle): "
+        say(head + f"{sps:.1f} samples/s per node; throttle {mb(throttle, 2)} MB/s per node", node_table(prep))
         for agg in (float(x) for x in args.aggregate.split(",")):
-            budget = min(total, int(total * (args.margin if agg >= 1.0 else agg) / nodes))
-            for rep, mode in measure.alternate(list(args.modes), args.reps):
+            budget = min(total, int(total * (MARGIN if agg >= 1.0 else agg) / nodes))
+            for rep, mode in measure.alternate(list(MODES), args.reps):
                 port += 1
-                print(f"\n== {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode}, rep {rep + 1}")
-                one = one_run(args, data, nodes, budget, mode, port, throttle, sps)
+                one = one_run(args, data, nodes, budget, mode, port, throttle)
                 one["aggregate_cache"], one["repetition"] = agg, rep
-                warnings = [f"node {k}: {w}" for k, ws in enumerate(one["warnings"]) for w in ws]
-                print(node_table(one), *warnings, sep="\n", flush=True)
+                head = f"### {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode} ({MODES[mode]})"
+                warnings = [f"- node {k}: `{w}`" for k, ws in enumerate(one["warnings"]) for w in ws]
+                say(head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one), *warnings)
                 runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(one)
                 result["runs"].append(one)
                 result["checks"] = checks(runs)
                 result["total_wall_s"] = round(time.perf_counter() - started, 1)
                 cli.save(args, dict(result), dataset=data)  # after every run
-    Path(args.out).with_suffix(".md").write_text(render(args, result))
+    Path(args.out).with_suffix(".md").write_text(render(args, result, log))
     return result
 
 
@@ -254,11 +222,8 @@ def run(args) -> dict | None:
 def rows_table(rows: list[dict], keys: list[str], first=()) -> str:
     """A table of ``rows`` (dicts): the ``first`` columns, then ``keys``; bytes in MB, two decimals."""
     heads = [*first, *(k.replace("_bytes", " MB").replace("_bps", " MB/s").replace("steady_", "") for k in keys)]
-
-    def cell(key, x):
-        return mb(x, 2) if re.search(r"_(bytes|bps)(_|$)", key) else x
-
-    return report.table(heads, [[*map(r.get, first), *(cell(k, r.get(k)) for k in keys)] for r in rows])
+    cell = lambda r, k: mb(r.get(k), 2) if "_bytes" in k or "_bps" in k else r.get(k)  # noqa: E731
+    return report.table(heads, [[*map(r.get, first), *(cell(r, k) for k in keys)] for r in rows])
 
 
 def node_table(run: dict) -> str:
@@ -272,25 +237,13 @@ def table(results: dict) -> str:
     return rows_table(results["checks"], keys, CHECKS_FIRST)
 
 
-def render(a, result: dict) -> str:
-    """The Markdown report beside the JSON: prep rates, the targets, every run and every node's epochs.
-    How to read it: the module's docstring and docs/benchmarks.md."""
-    what = f"{a.reps} repetition(s), modes ABBA; tbf {a.rate}; batch {a.batch_size} per rank; crops of {a.crop} px;"
+def render(a, result: dict, log: list[str]) -> str:
+    """The Markdown report beside the JSON: the targets, every run, then ``log``: every node's epochs."""
+    what = f"{a.reps} repetition(s), modes ABBA; tbf {RATE}; batch {a.batch_size} per rank; crops of {CROP} px;"
     what += f" 1 DALI thread; throttle {a.throttle_frac} x the prep rate; {result['total_wall_s'] / 60:.1f} min."
-    prep = [{"nodes": n, **p} for n, p in result["prep"].items()]
-    md = ["# Partitioned cache across nodes (`python -m benchmarks multinode`)", "", what, ""]
-    md += ["## Prep rate and throttle"]
-    md += ["", rows_table(prep, ["samples_per_s_per_node", "throttle_bps_per_node"], ["nodes"]), ""]
-    md += ["## Target checks (steady epochs; means over repetitions)", "", table(result), ""]
-    keys = ["epoch0_time_s", *(f"steady_{k}" for k in STEADY + BOUNDS)]
     runs = [{**r, **r["summary"], "mode": f"{r['mode']}, rep {r['repetition'] + 1}"} for r in result["runs"]]
-    md += ["## Per run (steady = mean over epochs 1..)", ""]
-    md += [rows_table(runs, keys, ("nodes", "aggregate_cache", "mode"))]
-    md += ["", "## Per node and epoch", ""]
-    for nodes, pr in result["prep"].items():
-        md += [f"### {nodes} nodes: prep-rate run (mode b, no throttle)", "", node_table(pr["run"]), ""]
-    for r in result["runs"]:
-        head = f"### {r['nodes']} nodes, aggregate {r['aggregate_cache']:.0%}, mode {r['mode']} ({r['mode_name']}), "
-        md += [head + f"repetition {r['repetition'] + 1}, wall {r['wall_s']} s", "", node_table(r), ""]
-        md += [f"- node {k}: `{line}`" for k, lines in enumerate(r["warnings"]) for line in lines]
-    return "\n".join(md) + "\n"
+    keys = ["epoch0_time_s", *(f"steady_{k}" for k in STEADY)]
+    md = ["# Partitioned cache across nodes (`python -m benchmarks multinode`)", what]
+    md += ["## Target checks (steady epochs; means over repetitions)", table(result)]
+    md += ["## Per run (steady = mean over epochs 1..)", rows_table(runs, keys, ("nodes", "aggregate_cache", "mode"))]
+    return "\n\n".join([*md, "## Per node and epoch", *log]) + "\n"

@@ -1,16 +1,12 @@
 """Tar shards' steady epochs: coordl at cache 0/0.5/1 against WebDataset + DataLoader and DALI's reader.
 
-A photo dataset (``--images``) written as shards of ``--per-shard`` samples, then ``--epochs`` epochs of
-each loader in a child process, ABBA ``--reps`` times: coordl with the cache at each fraction of
-``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow decoding and a random
-resized crop in ``--workers`` DataLoader workers) and DALI's ``readers.webdataset``. Steady samples/s:
-the median of the epochs after the first.
-
-- ``--store local``: the shards on a file system of their own (a loop device over an image file, made
-  and removed by the run), so that ``/proc/diskstats`` counts their reads alone; the page cache dropped
-  before each epoch, the device throttled to ``--throttle`` in a blkio cgroup when given (root).
-- ``--store s3``: the shards on a local S3 server (moto behind ``coordl_testing.s3server``'s counting
-  proxy) adding ``--latency`` to each request: the GETs and bytes it served per epoch.
+A photo dataset written as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader in a child
+process, ABBA ``--reps`` times: coordl at each ``--cache`` fraction, WebDataset's pipeline (shard shuffle, a
+1,000-sample buffer, Pillow decoding, a random resized crop, ``--workers`` DataLoader workers) and DALI's
+``readers.webdataset``. Steady samples/s: the median of the epochs after the first. ``--store local``: the
+shards on a loop device of their own (its reads alone in ``/proc/diskstats``), the page cache dropped before
+each epoch, read at ``--throttle`` in a blkio cgroup (root); ``--store s3``: on a local S3 server (moto behind
+``coordl_testing.s3server``'s counting proxy) adding ``--latency`` to each request.
 
     python -m benchmarks tars_epochs --images 2000 --throttle 20MB                 # ~8 min
     python -m benchmarks tars_epochs --images 2000 --store s3 --latency 0.02       # ~30 min
@@ -29,12 +25,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks import s3
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.loaders import random_resized_crop
 from coordl.units import parse_bytes
 
@@ -53,7 +49,7 @@ def options(p) -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--store", choices=("local", "s3"), default="local", help="local files or a local S3 server")
     p.add_argument("--latency", type=float, default=0.02, help="seconds the S3 server adds to each request")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # one loader, in its cgroup: its spec, a JSON file
+    p.add_argument("--one", help=argparse.SUPPRESS)  # one loader, in its cgroup: its spec, a JSON file
 
 
 def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
@@ -77,34 +73,9 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
     return str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
 
 
-def child(spec: dict) -> None:
-    """In the child (in the cgroup): ``epochs`` epochs of its loader, each reported, each after the
-    parent's go (it drops the page cache or resets the store's counts between them)."""
-    pattern, stats = spec["pattern"], None
-    if spec["loader"] == "coordl":
-        import coordl
-
-        kw = {"pipeline": "imagenet-train", "device_id": None, "cache": spec["cache"], "shuffle": True}
-        loader = coordl.CoordLoader(pattern, batch_size=spec["batch_size"], **kw)
-        make, stats = lambda e: (loader.set_epoch(e), iter(loader))[1], loader.stats  # noqa: E731
-    else:
-        make = (webdataset if spec["loader"] == "webdataset" else dali)(spec)
-    dev = None if pattern.startswith("s3://") else measure.device_of(os.path.dirname(pattern))
-    parent = jobs.Parent()
-    parent.say(event="ready")
-    for e in range(spec["epochs"]):
-        parent.wait()
-        before, t0, n = measure.sectors_read(dev) if dev else 0, time.perf_counter(), 0
-        for batch in make(e):
-            n += len(batch[1]) if spec["loader"] != "dali" else int(batch[0]["data"].shape[0])
-        row = {"epoch": e, "samples": n, "seconds": round(time.perf_counter() - t0, 3)}
-        if dev:
-            row["disk_bytes"] = measure.sectors_read(dev) - before
-        if stats:
-            row.update(storage_bytes=stats()["storage_bytes"], cache_bytes=stats()["cache_bytes"])
-        parent.say(event="epoch", **row)
-    parent.wait()
-    parent.say(event="done")
+def made(spec: dict):
+    """The child's loader, as :func:`benchmarks.s3.made`: coordl's as there, WebDataset's or DALI's."""
+    return (s3.made if spec["kind"] == "coordl" else webdataset if spec["kind"] == "webdataset" else dali)(spec)
 
 
 def webdataset(spec):
@@ -128,9 +99,9 @@ def webdataset(spec):
         where = [dict(zip(("Bucket", "Key"), u[5:].split("/", 1))) for u in urls]
         urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
-    ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch_size"])
+    ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch"])
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
-    return lambda e: iter(dl)
+    return lambda: sum(len(batch[1]) for batch in dl), spec["workers"], None
 
 
 def dali(spec):
@@ -138,7 +109,7 @@ def dali(spec):
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-    @pipeline_def(batch_size=spec["batch_size"], num_threads=len(os.sched_getaffinity(0)), device_id=None)
+    @pipeline_def(batch_size=spec["batch"], num_threads=len(os.sched_getaffinity(0)), device_id=None)
     def pipe():
         # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
         kw = {"index_paths": spec["dali_index"], "ext": ["jpg", "cls"], "random_shuffle": True, "dont_use_mmap": True}
@@ -149,7 +120,7 @@ def dali(spec):
         return images, fn.pad(cls, axes=(0,), shape=(8,))  # the label's text, padded: a uniform tensor
 
     it = DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
-    return lambda e: iter(it)
+    return lambda: sum(len(batch[0]["data"]) for batch in it), len(os.sched_getaffinity(0)), None
 
 
 @contextlib.contextmanager
@@ -185,23 +156,41 @@ def in_store(args, stack):
 
 
 def run(args) -> dict | None:
-    if args.child:
-        return child(json.loads(Path(args.child).read_text()))
-    data = dataset.dataset_from_args(args)
+    if args.one:
+        return s3.child(json.loads(Path(args.one).read_text()), made)
+    data, caps = dataset.dataset_from_args(args), limits.probe()
     with contextlib.ExitStack() as stack:
-        if args.store == "s3":
-            pattern, shards, server = in_store(args, stack)
-            where = {"store": "s3", "latency_s": args.latency}
-        else:
-            server, out = None, Path(args.shards_dir)
-            loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
-            pattern = write_photo_shards(args.data, out, args.per_shard)
-            shards = [str(p) for p in sorted(out.glob("*.tar"))]
-            where = {"store": "local", "device": loop}
         scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
-        rows = epoch_rows(args, data, pattern, shards, server, where, scratch)
-    return {"dataset": data, **where, "rows": rows}
+        if args.store == "s3":
+            pattern, shards, server = in_store(args, stack)
+            where, throttle, dev = {"store": "s3", "latency_s": args.latency}, None, None
+        else:
+            server, out, throttle = None, Path(args.shards_dir), args.throttle if caps["blkio"] else None
+            loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
+            pattern = write_photo_shards(args.data, out, args.per_shard)
+            shards, dev = [str(p) for p in sorted(out.glob("*.tar"))], measure.device_of(str(out))
+            where = {"store": "local", "device": loop}
+        dali_index = []  # on s3, without index files DALI's reader reads every shard's headers to make them
+        for f in sorted(Path(args.shards_dir).glob("*.tar")) if server else []:
+            dali_index.append(str(scratch / f"{f.stem}.idx"))
+            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
+            subprocess.run(wds2idx, check=True, capture_output=True)
+        env = {**os.environ, **(server.env() if server else {})}
+        spec = {"url": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index or None}
+        spec |= {"batch": args.batch_size, "workers": args.workers}
+        configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
+        rows = []
+        for rep, (kind, cache) in measure.alternate(configs, args.reps):
+            one = one_run(spec | {"kind": kind, "cache": cache}, env, server, dev, throttle)
+            epochs, name = one["epochs"], kind if cache is None else f"coordl cache {cache:g}"
+            steady = statistics.median(e["samples"] / e["seconds"] for e in epochs[1:] or epochs)
+            row = {"rep": rep, "loader": name, "steady_samples_per_s": round(steady, 1), "epochs": epochs}
+            rows.append(row := row | {"made_s": round(one["made_s"], 2), "made": one["create_requests"]})
+            if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
+                row["least_bytes"] = data["total_bytes"] - epochs[-1]["stats"]["cache_bytes"]
+            report.log(row)
+    return {"dataset": data, **where, "throttle": throttle, "notes": caps["notes"], "rows": rows}
 
 
 def out_path(args) -> str:
@@ -210,7 +199,7 @@ def out_path(args) -> str:
 
 def table(results: dict) -> str:
     rows, lines = results["rows"], []
-    moved = "store_bytes" if results["store"] == "s3" else "disk_bytes"
+    moved = "get_bytes" if results["store"] == "s3" else "disk_bytes"
     for name in dict.fromkeys(r["loader"] for r in rows):
         mine = [r for r in rows if r["loader"] == name]
         rate = statistics.median(r["steady_samples_per_s"] for r in mine)
@@ -218,64 +207,28 @@ def table(results: dict) -> str:
     return report.table("loader|steady samples/s|last epoch read (MB)", lines)
 
 
-def one_run(args, spec: dict, env: dict, lim, server, throttle) -> tuple[float, dict, list[dict]]:
-    """One loader's child in ``lim``'s cgroups: the seconds it took to be made, the store's counts
-    meanwhile, and its epochs, each started cold (pages dropped, or the store's counts reset)."""
-    t0, made, epochs = time.perf_counter(), {}, []
-
-    def store() -> dict:
-        return {"gets": server.count(), "store_bytes": server.bytes_sent()} if server else {}
-
-    def heard(event: str, msg: dict) -> None:
-        if event == "ready":
-            made.update(made_s=time.perf_counter() - t0, **store())
-            lim.throttle(*throttle)
-        else:
-            epochs.append({**msg, **store()})
-        if len(epochs) < args.epochs:
-            limits.drop_page_cache() if server is None else server.reset()
-
-    code, err, _ = jobs.converse(
-        jobs.scenario_command("tars_epochs", "--child", spec), heard, env=env, preexec_fn=lim.join
-    )
-    if code or len(epochs) < args.epochs:
-        raise RuntimeError(f"{spec} failed ({code}):\n{jobs.error_text(err)}")
-    return made.pop("made_s"), made, epochs
+def one_run(spec: dict, env: dict, server, dev, throttle) -> dict:
+    """One loader's child in a blkio cgroup (the device throttled once the loader is made), each epoch cold:
+    the meter's reading resets the store's counts, or drops the page cache."""
+    lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
+    meter = s3.Meter(server) if server else DeviceMeter(dev)
+    try:
+        one = s3.run_child("tars_epochs", spec, meter, env, lambda: lim.throttle(dev, throttle), preexec_fn=lim.join)
+    finally:
+        lim.remove()
+    if "error" in one:
+        raise RuntimeError(f"{spec['kind']} {spec['cache']} failed:\n{one['error']}")
+    return one
 
 
-def epoch_rows(args, data, pattern, shards, server, where, scratch: Path) -> list[dict]:
-    local = server is None
-    caps = limits.probe()
-    throttle = args.throttle if local and caps["blkio"] else None
-    where.update(throttle=throttle, notes=caps["notes"])
-    configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
-    dali_index = []
-    if not local:  # without index files, DALI's reader infers them by reading every s3:// shard's headers
-        for f in sorted(Path(args.shards_dir).glob("*.tar")):
-            dali_index.append(str(scratch / f"{f.stem}.idx"))
-            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
-            subprocess.run(wds2idx, check=True, capture_output=True)
-    env = {**os.environ, **(server.env() if server else {}), "COORDL_INDEX_DIR": str(scratch / "index")}
-    device = (measure.device_of(os.path.dirname(pattern)) if local else None, throttle)
-    rows = []
-    for rep, (loader, cache) in measure.alternate(configs, args.reps):
-        spec = {"pattern": pattern, "loader": loader, "cache": cache, "epochs": args.epochs, "shards": shards}
-        spec |= {"batch_size": args.batch_size, "workers": args.workers, "dali_index": dali_index or None}
-        (scratch / "spec.json").write_text(json.dumps(spec))
-        lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
-        try:
-            made_s, made, epochs = one_run(args, str(scratch / "spec.json"), env, lim, server, device)
-        finally:
-            lim.remove()
-            shutil.rmtree(scratch / "index", ignore_errors=True)
-            if server:
-                server.reset()
-        steady = [e["samples"] / e["seconds"] for e in epochs[1:] or epochs]
-        name = loader if cache is None else f"coordl cache {cache:g}"
-        row = {"rep": rep, "loader": name, "steady_samples_per_s": round(statistics.median(steady), 1)}
-        row |= {"made_s": round(made_s, 2), "made": made, "epochs": epochs}
-        if cache is not None:  # what an epoch after the first must read: the uncached samples' bytes
-            row["least_bytes"] = data["total_bytes"] - epochs[-1]["cache_bytes"]
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+class DeviceMeter:
+    """The device's bytes read since the last reading; each reading then drops the page cache."""
+
+    def __init__(self, dev: tuple[int, int]):
+        self.dev, self.before = dev, measure.sectors_read(dev)
+
+    def read(self) -> dict:
+        out = {"disk_bytes": measure.sectors_read(self.dev) - self.before}
+        limits.drop_page_cache()
+        self.before = measure.sectors_read(self.dev)
+        return out

@@ -508,11 +508,11 @@ def test_tars_epochs_small(tmp_path, store):
     total = result["dataset"]["total_bytes"]
     assert rows["coordl cache 0"]["least_bytes"] == total and rows["coordl cache 1"]["least_bytes"] == 0
     for r in (rows["coordl cache 0"], rows["coordl cache 1"]):
-        assert [e["storage_bytes"] for e in r["epochs"]] == [total, r["least_bytes"]]
+        assert [e["stats"]["storage_bytes"] for e in r["epochs"]] == [total, r["least_bytes"]]
     if store == "s3":
         assert rows["coordl cache 1"]["epochs"][1]["gets"] == 0
-        assert all(e["gets"] == 4 and e["store_bytes"] > total for e in rows["webdataset"]["epochs"])  # whole shards
-        assert rows["coordl cache 0"]["epochs"][1]["store_bytes"] >= total  # merged reads carry the headers too
+        assert all(e["gets"] == 4 and e["get_bytes"] > total for e in rows["webdataset"]["epochs"])  # whole shards
+        assert rows["coordl cache 0"]["epochs"][1]["get_bytes"] >= total  # merged reads carry the headers too
     else:
         assert result["device"].startswith("/dev/loop")
         assert not Path(result["device"]).exists() or result["device"] not in Path("/proc/mounts").read_text()
