@@ -1,15 +1,12 @@
 """coordl's torch backend vs DataLoader, the same Python per sample: warm throughput, and short memory and slow storage.
 
-Both loaders (:mod:`benchmarks.loaders`) run Pillow and ``loaders.TrainAugment`` in ``--workers`` DataLoader
-workers; ``torch`` opens each file by path, ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``)
-gets the bytes from coordl's cache or storage.
-
-``warm``: every byte in memory (page cache; coordl's cache at 100%), the loaders in this one process: a warm-up
-epoch each (``coordl-torch`` first: coordl drops the pages it reads), then ``--reps`` epochs each, ABBA, with
-the DALI path (``coordl``) too: median samples/s, coordl-torch / torch (target: at least 0.95).
-``limited``: ``python -m benchmarks run --loaders torch,coordl-torch`` at ``--cache`` and ``--bandwidth``
-(into ``torch_backend_run/``): per epoch seconds, device and ``stats()`` bytes against the minimum (dataset
-less what is cached), and torch / coordl-torch of the median steady epoch times.
+Both loaders (:mod:`benchmarks.loaders`) run Pillow and ``loaders.TrainAugment`` in ``--workers`` workers;
+``torch`` opens each file by path, ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``)
+gets the bytes from coordl's cache or storage. ``warm``: every byte in memory, the loaders (and the DALI
+path, ``coordl``) in this process, a warm-up epoch each then ``--reps`` epochs each ABBA: median samples/s,
+coordl-torch / torch (target >= 0.95). ``limited``: ``python -m benchmarks run --loaders torch,coordl-torch``
+at ``--cache`` and ``--bandwidth`` (into ``torch_backend_run/``): per epoch seconds, device and ``stats()``
+bytes against the minimum (dataset less what is cached), torch / coordl-torch of the steady epoch times.
 
     python -m benchmarks torch_backend                      # both parts, ~6 min; --part warm or limited
     python -m benchmarks torch_backend --quick              # tiny dataset, few epochs, no memory limit (tests)
@@ -51,28 +48,22 @@ def warm(args, data: dict, dev: tuple[int, int]) -> dict:
         for name in WARM:
             made[name] = loaders.Loader(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
         warmup = {name: time_epoch(made[name], dev) for name in WARM}
-        held = made["coordl-torch"].counters()
-        if held["cache_items"] != files:
-            raise RuntimeError(
-                f"coordl's cache holds {held['cache_items']} of {files} samples after its first epoch "
-                f"(budget {format_bytes(held['cache_budget'], 'MB')} of {format_bytes(total, 'MB')}): the warm "
-                "measurement needs all of them; free space in /dev/shm (see `coordl cache ls`) and run again"
-            )
+        if (held := made["coordl-torch"].counters()["cache_items"]) != files:
+            raise RuntimeError(f"coordl's cache holds {held} of {files} samples: free /dev/shm (`coordl cache ls`)")
         epochs = []
         for rep, name in measure.alternate(list(WARM), args.reps):
-            row = {"rep": rep, "loader": name, **time_epoch(made[name], dev)}
+            epochs.append(row := {"rep": rep, "loader": name, **time_epoch(made[name], dev)})
             if row["samples"] != files:
                 raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
             if (counters := made[name].counters()) is not None:
                 row["counters"] = counters
-            epochs.append(row)
             log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s  device {mb(row['device_bytes'])}")
     finally:
         for loader in made.values():
             loader.close()
     median = {name: statistics.median(e["samples_per_s"] for e in epochs if e["loader"] == name) for name in WARM}
-    ratio = round(median["coordl-torch"] / median["torch"], 4)
     out = {"cache_bytes": total, "reps": args.reps, "warmup": warmup, "epochs": epochs, "median_samples_per_s": median}
+    ratio = round(median["coordl-torch"] / median["torch"], 4)
     return out | {"ratio_coordl_torch_over_torch": ratio, "target_ratio": TARGET_RATIO}
 
 
@@ -101,18 +92,13 @@ def limited(args) -> dict:
             entry["steady_seconds"] = statistics.median(e["seconds"] for e in steady)
         part["loaders"][r["loader"]] = entry
     secs = [part["loaders"].get(name, {}).get("steady_seconds") for name in ("torch", "coordl-torch")]
-    if all(secs):
-        part["ratio_torch_over_coordl_torch"] = round(secs[0] / secs[1], 4)
-    return part
+    return part | ({"ratio_torch_over_coordl_torch": round(secs[0] / secs[1], 4)} if all(secs) else {})
 
 
 def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
-    """One epoch of a run.py run with the minimum bytes it had to read and the ratios to it.
-
-    The minimum of a steady epoch is the dataset less what is cached: coordl's resident cache
-    (its counters), or for a page-cache loader the memory granted for caching. The cold epoch 0
-    has none: the warm-up batches and the batches the workers fetched ahead of them were read
-    before its measurement began (its ``stats()`` bytes include them, its device bytes do not)."""
+    """One epoch of a run.py run with the minimum bytes it had to read (the dataset less coordl's resident
+    cache, or less the memory granted to a page-cache loader) and the ratios to it. The cold epoch 0 has
+    none: its warm-up batches, and those the workers fetched ahead, were read before it was timed."""
     c = e.get("counters")
     row = {k: e[k] for k in ("epoch", "seconds", "samples_per_s", "device_bytes", "wait_s", "peak_memory_bytes")}
     row |= {"storage_bytes": c["storage_bytes"] if c else None, "minimum_bytes": None}
@@ -125,39 +111,31 @@ def epoch_row(e: dict, total: int, cache_bytes: int) -> dict:
 
 
 def table(result: dict) -> str:
-    a = result["args"]
-    out = [f"Batch {a['batch_size']}, {a['workers']} workers per loader."]
+    out = []
     if w := result.get("warm"):
         rows = []
         for name, median in w["median_samples_per_s"].items():
             es = [e for e in w["epochs"] if e["loader"] == name]
             rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in es)
             rows.append([name, median, rates, mb(max(e["device_bytes"] for e in es))])
-        out += ["", f"Warm: page cache warm, coordl's cache 100%; epochs each: {w['reps']}, interleaved.", ""]
-        out += [report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows), ""]
-        ratio = f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}**"
-        out += [f"{ratio} (target: at least {w['target_ratio']})"]
+        out += [report.table("warm loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows)]
+        out += [f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** (target >= {w['target_ratio']})"]
     if lim := result.get("limited"):
-        bw = lim["bandwidth_bps"]
-        storage = format_bytes(bw, "MB") + "/s" if bw else "unthrottled"
-        out += [
-            "",
-            f"Limited: cache {lim['cache_fraction']:.0%} of the dataset, storage {storage}; epoch 0 cold, partly",
-        ]
-        out[-1] += " read before its measurement (warm-up), so without a minimum."
+        storage = format_bytes(lim["bandwidth_bps"], "MB") + "/s" if lim["bandwidth_bps"] else "unthrottled"
+        out += [f"Limited: cache {lim['cache_fraction']:.0%}, storage {storage}; epoch 0 cold, without a minimum."]
         out += [f"**NOTE:** {n}" for n in lim["limits"]["notes"]]
         rows = []
         for name, entry in lim["loaders"].items():
             rows += [[name, f"failed: {entry['error']}"]] if entry["error"] else []
             for e in entry["epochs"]:
-                rows.append([name, mb(entry["memory_limit_bytes"] or None, 0), e["epoch"], f"{e['seconds']:.2f}"])
-                rows[-1] += [f"{e['samples_per_s']:.0f}", mb(e["device_bytes"]), mb(e["storage_bytes"])]
-                rows[-1] += [mb(e["minimum_bytes"]), e.get("device_over_min"), e.get("storage_over_min")]
+                rows.append([name, mb(entry["memory_limit_bytes"] or None, 0), e["epoch"], e["seconds"]])
+                rows[-1] += [e["samples_per_s"], mb(e["device_bytes"]), mb(e["storage_bytes"]), mb(e["minimum_bytes"])]
+                rows[-1] += [e.get("device_over_min"), e.get("storage_over_min")]
         head = "loader|memory limit MB|epoch|s|samples/s|device MB|stats MB|minimum MB|device/min|stats/min"
-        out += ["", report.table(head, rows)]
+        out += [report.table(head, rows)]
         if "ratio_torch_over_coordl_torch" in lim:
-            out += ["", f"**steady epoch time torch / coordl-torch: {lim['ratio_torch_over_coordl_torch']:.3f}**"]
-    return "\n".join(out) + "\n"
+            out += [f"**steady epoch time torch / coordl-torch: {lim['ratio_torch_over_coordl_torch']:.3f}**"]
+    return "\n\n".join(out) + "\n"
 
 
 def options(p) -> None:
@@ -170,7 +148,7 @@ def options(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, help="warm: timed epochs per loader (default 4; --quick: 1)")
     p.add_argument("--cache", type=float, default=0.5, help="limited: cache fraction of the dataset")
-    throttle = "limited: storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'"
+    throttle = "limited: one storage throttle, '20MB' (per second) or a multiple of the prep rate, '0.5P'"
     p.add_argument("--bandwidth", default="0.5P", help=throttle)
     p.add_argument("--epochs", type=int, help="limited: epochs, the first cold (default 4; --quick: 2)")
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, few epochs")
@@ -181,15 +159,11 @@ def run(args) -> dict:
     cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
-    if args.reps < 1 or args.epochs < 2:
-        raise SystemExit("--reps must be at least 1, --epochs at least 2 (the first epoch is cold)")
-    if "," in args.bandwidth:
-        raise SystemExit("--bandwidth takes one throttle (benchmarks.run --bandwidth sweeps several)")
-    if not 0 < args.cache < 1:
-        raise SystemExit(f"--cache must be a fraction of the dataset between 0 and 1, got {args.cache}")
+    if args.reps < 1 or args.epochs < 2 or "," in args.bandwidth or not 0 < args.cache < 1:
+        raise SystemExit("--reps must be at least 1, --epochs 2, --bandwidth one throttle, --cache between 0 and 1")
     data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
-    result = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "dataset": data}
+    result = {"dataset": data}
     other = {"warm": "limited", "limited": "warm"}.get(args.part)
     if other and Path(args.out).exists():  # keep the other part of an earlier run on the same dataset
         old = json.loads(Path(args.out).read_text())
