@@ -8,8 +8,8 @@ in a group, one killed by SIGKILL mid-epoch: the survivors' longest wait), ``mix
 ``stage_batch=64``), ``handoff`` (``next()`` and the first read of a batch staged as 64 or 16), ``slow``
 (a pair training ``--sleep`` s a batch, with a third 3x slower in the group or beside it), ``sweep``
 (batches 16, 64, 128 entering one group in ``--orders``, staged by ``--modes``: the shorthand,
-``stage_batch=128``, or 16). Scenarios of an earlier run in ``--out`` that this one does not measure stay,
-each named under ``"earlier"`` with its command, commit and date.
+``stage_batch=128``, or 16). Scenarios of an earlier run in ``--out`` that this one does not measure stay
+(:func:`benchmarks.harness.results.kept`).
 
     python -m benchmarks hp_group --data /var/tmp/coordl-bench/train --images 2000 --scenarios same,mix   # ~15 min
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks import hp_trials as trials
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness import results as schema
 
 SWEEP = (16, 64, 128)
 ORDERS = {"16-first": SWEEP, "128-first": SWEEP[::-1]}
@@ -52,7 +53,8 @@ def run(args) -> dict | None:
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
     key = {name: f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios}
-    results = kept(args.out, list(key.values())) | {"epochs": args.epochs, "reps": args.reps}
+    results = schema.kept(args.out, [*key.values(), "epochs", "reps"], data)
+    results |= {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
         if "cold" in scenarios:
@@ -65,20 +67,6 @@ def run(args) -> dict | None:
         reaper.reap(include_kept=True)
         shutil.rmtree(workdir, ignore_errors=True)  # the trials' go/ready files and outputs
     return {**results, "dataset": data}
-
-
-def kept(out: str, measured: list[str]) -> dict:
-    """The scenarios of an earlier result at ``out`` that this run does not measure again, each named
-    in ``"earlier"`` with the command, commit and date it came from."""
-    if not os.path.exists(out):
-        return {}
-    before = json.loads(Path(out).read_text())
-    results = {k: v for k, v in before.get("results", {}).items() if k not in ("epochs", "reps")}
-    origin = {k: before[k] for k in ("command", "commit", "date") if k in before}
-    earlier = results.pop("earlier", {})
-    earlier |= {k: origin for k in results if k not in earlier}
-    kept = {k: v for k, v in results.items() if k not in measured}
-    return {**kept, "earlier": {k: v for k, v in earlier.items() if k in kept}} if kept else {}
 
 
 def grouped(args, workdir: Path, name: str, alone: list[dict], target: float) -> dict:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import loaders
-from benchmarks.harness import cli, dataset, jobs, measure, report
+from benchmarks.harness import cli, dataset, jobs, measure, report, results
 from benchmarks.harness.report import log, mb
 from coordl.units import format_bytes, parse_bytes
 
@@ -163,14 +163,10 @@ def run(args) -> dict:
         raise SystemExit("--reps must be at least 1, --epochs 2, --bandwidth one throttle, --cache between 0 and 1")
     data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
-    result = {"dataset": data}
-    other = {"warm": "limited", "limited": "warm"}.get(args.part)
-    if other and Path(args.out).exists():  # keep the other part of an earlier run on the same dataset
-        old = json.loads(Path(args.out).read_text())
-        if old.get("dataset", {}).get("total_bytes") == data["total_bytes"] and other in old["results"]:
-            result[other] = old["results"][other]
-    if args.part in ("both", "warm"):
+    parts = ("warm", "limited") if args.part == "both" else (args.part,)
+    result = {"dataset": data, **results.kept(args.out, parts, data)}  # the other part of an earlier run
+    if "warm" in parts:
         result["warm"] = warm(args, data, dev)
-    if args.part in ("both", "limited"):
+    if "limited" in parts:
         result["limited"] = limited(args)
     return result

@@ -82,6 +82,25 @@ def test_result_schema(tmp_path):
         results.load(tmp_path / "old.json")
 
 
+def test_an_earlier_result_keeps_what_a_run_does_not_measure_with_its_origin(tmp_path):
+    """``results.kept``: a run that measures some of a result file's figures keeps the others, each named
+    with the command, commit and date it came from (its own, or the one it already had); nothing from a
+    file of another dataset, of an old shape, or no file."""
+    import argparse
+
+    path = tmp_path / "r.json"
+    args = argparse.Namespace(out=str(path), _scenario="hp_group", _argv=["--scenarios", "a,b"])
+    origin_c = {"command": "python -m benchmarks hp_group --scenarios c", "commit": "x" * 40, "date": "2026-01-01"}
+    cli.save(args, {"dataset": {"total_bytes": 10}, "a": 1, "b": 2, "c": 3, "earlier": {"c": origin_c}})
+    first = results.load(path)
+    origin = {k: first[k] for k in ("command", "commit", "date")}
+    assert results.kept(path, ["a"], {"total_bytes": 10}) == {"b": 2, "c": 3, "earlier": {"b": origin, "c": origin_c}}
+    assert results.kept(path, ["a", "b", "c"], {"total_bytes": 10}) == {}
+    assert results.kept(path, ["a"], {"total_bytes": 11}) == {}
+    (tmp_path / "old.json").write_text(json.dumps({"machine": {}, "a": 1}))
+    assert results.kept(tmp_path / "old.json", []) == results.kept(tmp_path / "none.json", []) == {}
+
+
 def test_bandwidth_specs():
     assert run.parse_bandwidth("0.25P") == (0.25, "P")
     assert run.parse_bandwidth("2p") == (2.0, "P")
