@@ -285,11 +285,10 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
     temp = tempfile.mkdtemp(prefix="coordl-raybench-", dir="/tmp")  # short: Ray's socket paths
-    work, runs = Path(temp) / "runs", []
+    work, runs = Path(temp), []  # the trainers' results and logs beside Ray's session
     try:
         address = start_node(child_env(None), temp)
         log(f"dataset: {dataset.describe(data)}; Ray node at {address}, temp dir {temp}")
-        work.mkdir()
         for r, (backend, config) in measure.alternate([(b, c) for b in BACKENDS for c in CONFIGS], args.rounds):
             runs.append(run_one(args, child_env(address), r, backend, config, work))
             share = f", remote share {runs[-1]['remote_share']:.2f}" if "remote_share" in runs[-1] else ""
