@@ -9,7 +9,7 @@ in a group, one killed by SIGKILL mid-epoch: the survivors' longest wait), ``mix
 (a pair training ``--sleep`` s a batch, with a third 3x slower in the group or beside it), ``sweep``
 (batches 16, 64, 128 entering one group in ``--orders``, staged by ``--modes``: the shorthand,
 ``stage_batch=128``, or 16). Scenarios of an earlier run in ``--out`` that this one does not measure stay
-(:func:`benchmarks.harness.results.kept`).
+(:func:`kept`).
 
     python -m benchmarks hp_group --data /var/tmp/coordl-bench/train --images 2000 --scenarios same,mix   # ~15 min
 """
@@ -53,7 +53,7 @@ def run(args) -> dict | None:
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
     key = {name: f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios}
-    results = schema.kept(args.out, [*key.values(), "epochs", "reps"], data)
+    results = kept(args.out, [*key.values(), "epochs", "reps"], data)
     results |= {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
@@ -67,6 +67,21 @@ def run(args) -> dict | None:
         reaper.reap(include_kept=True)
         shutil.rmtree(workdir, ignore_errors=True)  # the trials' go/ready files and outputs
     return {**results, "dataset": data}
+
+
+def kept(path: str | Path, measured, dataset: dict | None = None) -> dict:
+    """What a run that measures ``measured`` keeps of the earlier result at ``path``: its other results, each
+    named in ``"earlier"`` with the command, commit and date it came from (the file's envelope is the new
+    run's). Nothing from a file of another shape, or of a dataset of another size than ``dataset``."""
+    try:
+        before = schema.load(path)
+    except (OSError, ValueError):
+        return {}
+    if dataset is not None and (before["dataset"] or {}).get("total_bytes") != dataset["total_bytes"]:
+        return {}
+    figures = {k: v for k, v in before["results"].items() if k not in measured}
+    earlier, origin = figures.pop("earlier", {}), {k: before[k] for k in ("command", "commit", "date")}
+    return {**figures, "earlier": {k: earlier.get(k, origin) for k in figures}} if figures else {}
 
 
 def grouped(args, workdir: Path, name: str, alone: list[dict], target: float) -> dict:

@@ -92,18 +92,3 @@ def check(result: dict) -> dict:
 def load(path: str | Path) -> dict:
     """A result file, checked against the schema."""
     return check(json.loads(Path(path).read_text()))
-
-
-def kept(path: str | Path, measured, dataset: dict | None = None) -> dict:
-    """What a run that measures ``measured`` keeps of the earlier result at ``path``: its other results, each
-    named in ``"earlier"`` with the command, commit and date it came from (the file's envelope is the new
-    run's). Nothing from a file of another shape, or of a dataset of another size than ``dataset``."""
-    try:
-        before = load(path)
-    except (OSError, ValueError):
-        return {}
-    if dataset is not None and (before["dataset"] or {}).get("total_bytes") != dataset["total_bytes"]:
-        return {}
-    results = {k: v for k, v in before["results"].items() if k not in measured}
-    earlier, origin = results.pop("earlier", {}), {k: before[k] for k in ("command", "commit", "date")}
-    return {**results, "earlier": {k: earlier.get(k, origin) for k in results}} if results else {}
