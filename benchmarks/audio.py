@@ -1,19 +1,11 @@
 """Audio on the CPU: coordl's AudioTrain against DALI's audio pipeline and a DataLoader; HP groups of M5 trials.
 
-Scenarios (``--scenarios``), run as :mod:`benchmarks.harness.compare` says, each loader decoding a clip,
-downmixing it to mono, resampling it to 8 kHz and cutting a random 4 s window (zeros after a short clip),
-yielding float32 ``(B, 1, 32000)`` and int64 labels:
-
-- ``prep``: ``coordl`` (``AudioTrain(sample_rate=8000, samples=32000)``, the node's cache holding the encoded
-  clips), ``dali`` (``fn.readers.file``, ``fn.decoders.audio(sample_rate=8000, downmix=True)``: libsndfile,
-  windowed-sinc resampling at DALI's default quality; a start drawn by ``fn.random.uniform``,
-  ``fn.slice(out_of_bounds_policy="pad")``) and ``torch`` (a ``DataLoader`` over :class:`SoundfileClips`:
-  ``soundfile.read``, the channels' mean, ``scipy.signal.resample_poly`` up 80 down 441), no training step;
-- ``hp``: two coordl trials training M5 (:func:`m5`, one torch thread) in the HP group ``bench-audio`` vs apart;
-- ``hp-prep``: the same with no model step (``x.sum()`` per batch).
-
-The dataset is FMA-like (``coordl.tools.datagen.music.make_clips``): ``--clips`` clips of 30 s, 44.1 kHz
-stereo, Ogg Vorbis, in 8 genre folders (``--smoke``: 40 short tones of ``datagen.tones``).
+Run as :mod:`benchmarks.harness.compare` says; each loader decodes a clip, downmixes it, resamples it to
+8 kHz and cuts a random 4 s window, yielding float32 ``(B, 1, 32000)`` and int64 labels. ``prep``:
+``coordl`` (``AudioTrain``, the clips cached), ``dali`` (:class:`DaliAudio`: ``readers.file``,
+``decoders.audio``, ``slice``), ``torch`` (:class:`SoundfileClips`: soundfile, ``resample_poly``); ``hp``:
+two coordl trials training M5 in an HP group vs apart; ``hp-prep``: the same without the model. FMA-like
+clips (``datagen.music.make_clips``: 30 s, 44.1 kHz stereo, Ogg Vorbis; ``--smoke``: 40 tones); docs/audio.md.
 
     python -m benchmarks audio                     # 300 clips, 3 reps: about 24 minutes on 2 cores
     python -m benchmarks audio --smoke --data /tmp/audio-smoke --out /tmp/audio.json
@@ -96,11 +88,11 @@ class SoundfileClips(compare.ForkedRng):
     them, with soundfile and scipy: ``dataset[i]`` is ``(waveform (1, SAMPLES) float32, label)``."""
 
     def __init__(self, root: str):
-        classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
-        found = [
-            (os.path.join(root, c, f), k) for k, c in enumerate(classes) for f in sorted(os.listdir(f"{root}/{c}"))
-        ]
-        self.clips = [(p, k) for p, k in found if p.lower().endswith((".wav", ".flac", ".ogg", ".oga", ".opus"))]
+        from coordl.audio.formats import AUDIO_EXTENSIONS
+
+        classes = enumerate(sorted(d.name for d in os.scandir(root) if d.is_dir()))
+        found = [(f"{root}/{c}/{f}", k) for k, c in classes for f in sorted(os.listdir(f"{root}/{c}"))]
+        self.clips = [(p, k) for p, k in found if p.lower().endswith(AUDIO_EXTENSIONS)]
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -150,27 +142,21 @@ class DaliAudio:
             yield out["waveforms"], out["labels"].flatten()
 
 
-def m5(classes: int):
-    """M5 (Dai et al., 2017, as torchaudio's tutorial builds it): a strided Conv1d(1, 32, 80, stride 4), then
-    three Conv1d(k=3) of 32, 64 and 64 channels, each with BatchNorm, ReLU and MaxPool(4); global
-    average pooling and a Linear layer to ``classes``."""
-    from torch import nn
-
-    layers, channels = [], 1
-    for out, kernel, stride in ((32, 80, 4), (32, 3, 1), (64, 3, 1), (64, 3, 1)):
-        layers += [nn.Conv1d(channels, out, kernel, stride=stride), nn.BatchNorm1d(out), nn.ReLU(), nn.MaxPool1d(4)]
-        channels = out
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
-
-
 class M5Step:
-    """One training step of :func:`m5` per batch: forward, cross-entropy, backward, Adam."""
+    """One training step per batch of M5 (Dai et al., 2017, as torchaudio's tutorial builds it: a strided
+    Conv1d(1, 32, 80, stride 4), then Conv1d(k=3) of 32, 64 and 64 channels, each with BatchNorm, ReLU and
+    MaxPool(4); global average pooling, a Linear layer to ``classes``): forward, cross-entropy, backward, Adam."""
 
     def __init__(self, classes: int, seed: int = 0):
         import torch
+        from torch import nn
 
         torch.manual_seed(seed)
-        self.model = m5(classes)
+        layers, channels = [], 1
+        for out, kernel, stride in ((32, 80, 4), (32, 3, 1), (64, 3, 1), (64, 3, 1)):
+            layers += [nn.Conv1d(channels, out, kernel, stride=stride), nn.BatchNorm1d(out), nn.ReLU(), nn.MaxPool1d(4)]
+            channels = out
+        self.model = nn.Sequential(*layers, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, weight_decay=1e-4)
         self.loss = torch.nn.CrossEntropyLoss()
 

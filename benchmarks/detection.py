@@ -1,23 +1,11 @@
 """Object detection on the CPU: coordl's SSDTrain against DALI's COCO pipeline and a DataLoader; an HP group.
 
-Scenarios (``--scenarios``), run as :mod:`benchmarks.harness.compare` says, each loader doing SSD300 v1.1's
-training augmentation and yielding ``(images, targets)``:
-
-- ``prep``: prep-bound, the whole dataset in memory (page cache warm, coordl's cache holding it), no
-  training step: ``coordl`` (``SSDTrain(size=300)``); ``dali``, DALI's own COCO pipeline as NVIDIA's SSD300
-  reference builds it (DeepLearningExamples' ``ssd/coco_pipeline.py``: ``fn.readers.coco``,
-  ``fn.random_bbox_crop``, ``fn.decoders.image_slice``, ``fn.bb_flip``, ``fn.resize``, ``fn.hsv``,
-  ``fn.brightness_contrast``, ``fn.crop_mirror_normalize``; boxes as coordl's targets, without the anchor
-  encoding coordl does not do); ``dali-1``, the same with ``num_attempts=1`` (DALI tries that many windows
-  per minimum IoU it draws; the reference and coordl draw again for every window: not in the default
-  set); ``torch``, ``DataLoader(CocoDetection(transforms=PythonSSD()))`` with torchvision's detection
-  collate. A child per run: a warm-up epoch, then ``--epochs``; ABBA ``--reps`` times; the medians,
-  coordl/dali and coordl/torch.
-- ``hp``: two coordl trials (``x.sum()`` per batch) in the HP group ``bench-detect`` vs apart, ABBA:
-  per-trial samples/s after the first epoch; speedup = group / separate.
-
-Also measured: the Python a coordl batch costs outside DALI (``crops.plan``, ``targets``). The dataset is
-COCO-like (``coordl.tools.datagen.coco.make_coco``), photo crops with 1-8 solid rectangles each.
+Run as :mod:`benchmarks.harness.compare` says; each loader does SSD300 v1.1's training augmentation and
+yields ``(images, targets)``. ``prep``, prep-bound, the dataset in memory: ``coordl`` (``SSDTrain(size=300)``),
+``dali`` (:class:`DaliCoco`, NVIDIA's SSD300 reference pipeline, boxes as coordl's targets), ``dali-1`` (the
+same with ``num_attempts=1``: not in the default set), ``torch`` (``CocoDetection`` with :class:`PythonSSD`).
+``hp``: two coordl trials (``x.sum()`` a batch) in an HP group vs apart. Also the Python a coordl batch
+costs outside DALI (``crops.plan``, ``targets``). COCO-like data (``datagen.coco.make_coco``); docs/detection.md.
 
     python -m benchmarks detection                 # 1500 images, 3 reps: about 11 minutes on 2 cores
     python -m benchmarks detection --smoke --data /tmp/coco-smoke --out /tmp/detection.json
@@ -53,7 +41,7 @@ def options(p) -> None:
 def run(args) -> dict | None:
     cli.defaults(args, args.smoke, images=(1500, 40), width=(640, 320), height=(480, 240))
     result = compare.run(args, coco, make, {"hp": "touch"}, "bench-detect")
-    return result and {**result, "python_per_batch": python_per_batch(args)}
+    return result and {**result, "python_per_batch": python_per_batch(args, result["dataset"])}
 
 
 def table(results: dict) -> str:
@@ -95,43 +83,32 @@ def make(args, data):
     return loader, compare.touch if args.step == "touch" else None
 
 
-def python_per_batch(args) -> dict:
-    """Milliseconds of Python per coordl batch outside DALI (medians of 50 epochs): ``crops.plan`` and
+def python_per_batch(args, data: dict) -> dict:
+    """Milliseconds of Python per coordl batch outside DALI, medians of 50 epochs: ``crops.plan`` and
     ``targets.targets`` (the batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
     import coordl
     from coordl.detection import crops, targets
 
-    c = coco(args)
-    index = coordl.Index.from_coco(c["images"], c["annotations"])
+    index = coordl.Index.from_coco(data["images"], data["annotations"])
     recipe, b = coordl.SSDTrain(size=SIZE), min(args.batch_size, len(index))
     ids = np.random.default_rng(0).permutation(len(index))[:b]
-    plans = [crops.plan(recipe, index.boxes, 0, epoch, ids) for epoch in range(50)]
-    image_ids = index.boxes.image_ids[ids].tolist()
-    steps = {
-        "plan": lambda epoch: crops.plan(recipe, index.boxes, 0, epoch, ids),
-        "targets": lambda e: targets.targets(plans[e].xyxy, plans[e].labels, plans[e].counts, image_ids),
-    }
-    out = {"batch": b}
-    for name, f in steps.items():
-        times = []
-        for epoch in range(50):
-            t0 = time.perf_counter()
-            f(epoch)
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_ms"] = 1000 * statistics.median(times)
-    return out
+    image_ids, times = index.boxes.image_ids[ids].tolist(), []
+    for epoch in range(50):
+        t0 = time.perf_counter()
+        plan = crops.plan(recipe, index.boxes, 0, epoch, ids)
+        t1 = time.perf_counter()
+        targets.targets(plan.xyxy, plan.labels, plan.counts, image_ids)
+        times.append((t1 - t0, time.perf_counter() - t1))
+    plan_s, targets_s = zip(*times)
+    return {"batch": b, "plan_ms": 1000 * statistics.median(plan_s), "targets_ms": 1000 * statistics.median(targets_s)}
 
 
 class PythonSSD(compare.ForkedRng):
-    """SSD300 v1.1's training augmentation in Pillow and numpy: ``transforms(image, target)``.
+    """SSD300 v1.1's training augmentation in Pillow and numpy, in SSDTrain's order: ``transforms(image, target)``.
 
-    The crop is the reference's ``SSDCropping``: a try picks "no crop", a minimum IoU or "any
-    window" uniformly; a window of 0.3-1.0 of each side with ``w / h`` in [0.5, 2] is placed
-    uniformly and taken when every box overlaps it by more than the minimum and a box's centre lies
-    inside it; after ``tries`` tries the whole image. Boxes whose centre is in the window are kept,
-    clipped, moved and scaled. Then a resize to ``size`` (bilinear), a horizontal flip of pixels and
-    boxes with probability 0.5, hue (degrees) and saturation in HSV (one round trip), brightness and
-    contrast around 128 back to the uint8 range, normalise, CHW float32: coordl's SSDTrain's order.
+    The crop is the reference's ``SSDCropping`` (:meth:`window`); boxes whose centre is in the window are kept,
+    clipped, moved and scaled; then a bilinear resize to ``size``, a flip of pixels and boxes with probability
+    0.5, hue and saturation in HSV, brightness and contrast around 128 back to uint8, normalise, CHW float32.
     """
 
     def __init__(self, size: int = SIZE, tries: int = 50):
@@ -140,7 +117,9 @@ class PythonSSD(compare.ForkedRng):
         self._inv_std = 1 / (np.array(STD, dtype=np.float32) * 255)
 
     def window(self, rng, boxes: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
-        """The crop window ``x0, y0, x1, y1`` in whole pixels (the whole image: no crop)."""
+        """The crop window ``x0, y0, x1, y1`` in whole pixels (the whole image: no crop): a try picks "no crop", a
+        minimum IoU or "any window"; a window of 0.3-1.0 of each side with ``w / h`` in [0.5, 2] placed uniformly is
+        taken when every box overlaps it by more than the minimum and a box's centre is inside; else the image."""
         options = (None, *THRESHOLDS, -np.inf)
         if len(boxes):
             area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])

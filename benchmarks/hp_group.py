@@ -1,30 +1,15 @@
 """Coordinated prep: trials sharing an hp_group vs alone; batch sizes, a slow trial, a sweep, a kill -9.
 
-Trials of :mod:`benchmarks.hp_trials` started together, the node's cache warm (filled first), prep-bound;
-per-trial samples/s over the epochs after the first; compared modes ABBA, ``--reps`` times. Scenarios
-(``--scenarios``), their targets:
-
-- ``same``: N (``--jobs``) trials of batch 64 alone (no ``hp_group``) vs in a group: per-trial samples/s and
-  their ratio (at least 0.9 N), batches decoded and CPU seconds per epoch, the staging memory's peak;
-- ``cold``: for each N and mode, one epoch with the dataset's pages evicted and no MinIO cache: the bytes
-  read from the block device;
-- ``recovery``: 3 trials in a group, one killed with SIGKILL in the middle of its second epoch: the
-  survivors' longest wait for a batch after the kill, beside their typical one;
-- ``mix``: trials of batch 16, 32 and 64 alone vs in a group (``HPGroup(stage_batch=64)``): at least 0.85 N x,
-  every epoch of every trial exactly once;
-- ``handoff``: one trial in a group training 0.2 s per batch (its producer always ahead): the median
-  ``next()`` and first read (the page faults of a mapped batch), batch 64 staged as 64 (a view of a slot),
-  16 as 64 (views of a quarter of one), 64 as 16 (a copy of four slots);
-- ``slow``: two trials training ``--sleep`` s per batch in a group ("pair"); with a third 3x slower per
-  batch in the group ("trio"); the slow one beside the group ("beside"): the fast lose at most 10% in the
-  trio, the slow one is no slower in the trio than beside;
-- ``sweep``: trials of batch 16, 64 and 128 entering one group in a set order (``--orders``: the first
-  makes the staging area), then consuming together; ``--modes``: ``shorthand`` (``hp_group="sweep"``),
-  ``stage128`` (``stage_batch=128``), ``first16`` (``stage_batch=16``, 16 first only): per-trial samples/s
-  (shorthand within 5% of stage128's), batches that were views, staged batch, first batch's latency.
-
-The scenarios run before in ``--out`` stay in it, each named under ``"earlier"`` with the command, commit
-and date that made it; those run now replace theirs.
+Trials of :mod:`benchmarks.hp_trials` started together, the node's cache warm (filled first), prep-bound,
+per-trial samples/s over the epochs after the first, compared modes ABBA ``--reps`` times. ``--scenarios``
+(targets and tables in docs/hp-search.md): ``same`` (``--jobs`` N trials of batch 64 alone vs in a group),
+``cold`` (one epoch of each, the dataset's pages evicted, no MinIO cache: device bytes), ``recovery`` (3
+in a group, one killed by SIGKILL mid-epoch: the survivors' longest wait), ``mix`` (batches 16, 32, 64,
+``stage_batch=64``), ``handoff`` (``next()`` and the first read of a batch staged as 64 or 16), ``slow``
+(a pair training ``--sleep`` s a batch, with a third 3x slower in the group or beside it), ``sweep``
+(batches 16, 64, 128 entering one group in ``--orders``, staged by ``--modes``: the shorthand,
+``stage_batch=128``, or 16). Scenarios of an earlier run in ``--out`` that this one does not measure stay
+(:func:`kept`).
 
     python -m benchmarks hp_group --data /var/tmp/coordl-bench/train --images 2000 --scenarios same,mix   # ~15 min
 """
@@ -42,6 +27,7 @@ from pathlib import Path
 
 from benchmarks import hp_trials as trials
 from benchmarks.harness import dataset, jobs, limits, measure
+from benchmarks.harness import results as schema
 
 SWEEP = (16, 64, 128)
 ORDERS = {"16-first": SWEEP, "128-first": SWEEP[::-1]}
@@ -66,8 +52,8 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
-    measured = [f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios]
-    results = kept(args.out, measured)
+    key = {name: f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios}
+    results = kept(args.out, [*key.values(), "epochs", "reps"], data)
     results |= {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
@@ -76,39 +62,44 @@ def run(args) -> dict | None:
         trials.launch(args, workdir, [{"batch": 64}])  # fills the node's cache (kept): every run after warm
         for name in ("same", "recovery", "mix", "handoff", "slow", "sweep"):
             if name in scenarios:
-                results[f"slow_sleep_{args.sleep:g}" if name == "slow" else name] = globals()[name](args, workdir)
+                results[key[name]] = globals()[name](args, workdir)
     finally:
         reaper.reap(include_kept=True)
         shutil.rmtree(workdir, ignore_errors=True)  # the trials' go/ready files and outputs
     return {**results, "dataset": data}
 
 
-def kept(out: str, measured: list[str]) -> dict:
-    """The scenarios of an earlier result at ``out`` that this run does not measure again, each named
-    in ``"earlier"`` with the command, commit and date it came from: the file's own envelope is this
-    run's."""
-    if not os.path.exists(out):
+def kept(path: str | Path, measured, dataset: dict | None = None) -> dict:
+    """What a run that measures ``measured`` keeps of the earlier result at ``path``: its other results, each
+    named in ``"earlier"`` with the command, commit and date it came from (the file's envelope is the new
+    run's). Nothing from a file of another shape, or of a dataset of another size than ``dataset``."""
+    try:
+        before = schema.load(path)
+    except (OSError, ValueError):
         return {}
-    before = json.loads(Path(out).read_text())
-    results = {k: v for k, v in before.get("results", {}).items() if k not in ("epochs", "reps")}
-    origin = {k: before[k] for k in ("command", "commit", "date") if k in before}
-    earlier = results.pop("earlier", {})
-    earlier |= {k: origin for k in results if k not in earlier}
-    kept = {k: v for k, v in results.items() if k not in measured}
-    return {**kept, "earlier": {k: v for k, v in earlier.items() if k in kept}} if kept else {}
+    if dataset is not None and (before["dataset"] or {}).get("total_bytes") != dataset["total_bytes"]:
+        return {}
+    figures = {k: v for k, v in before["results"].items() if k not in measured}
+    earlier, origin = figures.pop("earlier", {}), {k: before[k] for k in ("command", "commit", "date")}
+    return {**figures, "earlier": {k: earlier.get(k, origin) for k in figures}} if figures else {}
+
+
+def grouped(args, workdir: Path, name: str, alone: list[dict], target: float) -> dict:
+    """The trials of ``alone`` without a group vs in the group ``name``: per rep, group / alone per trial."""
+    runs = trials.compare(args, workdir, {"alone": alone, "group": [{**s, "group": name} for s in alone]})
+    ratios = trials.ratios(runs)
+    print(f"{name}: group / alone per job = {[round(x, 2) for x in ratios]} (target >= {target:.2f})")
+    return {"ratios": ratios, "ratio_median": statistics.median(ratios), "target": target, **runs}
 
 
 def same(args, workdir: Path) -> list[dict]:
-    rows = []
-    for n in [int(x) for x in args.jobs.split(",")]:
-        print(f"same batch, N={n}")
-        runs = trials.compare(
-            args, workdir, {"alone": [{"batch": 64}] * n, "group": [{"batch": 64, "group": f"same{n}"}] * n}
-        )
-        ratios = trials.ratios(runs)
-        print(f"N={n}: group / alone per job = {[round(x, 2) for x in ratios]} (target >= {0.9 * n:.1f})")
-        rows.append({"jobs": n, "ratios": ratios, "ratio_median": statistics.median(ratios), "target": 0.9 * n, **runs})
-    return rows
+    jobs_ = [int(x) for x in args.jobs.split(",")]
+    return [{"jobs": n, **grouped(args, workdir, f"same{n}", [{"batch": 64}] * n, 0.9 * n)} for n in jobs_]
+
+
+def mix(args, workdir: Path) -> dict:
+    r = grouped(args, workdir, "mix", [{"batch": b, "stage_batch": 64} for b in (16, 32, 64)], 0.85 * 3)
+    return r | {"exactly_once": all(x["exactly_once"] for m in ("alone", "group") for x in r[m])}
 
 
 def cold(args, workdir: Path, reaper) -> list[dict]:
@@ -124,14 +115,10 @@ def cold(args, workdir: Path, reaper) -> list[dict]:
         row = {"jobs": n}
         for mode in ("alone", "group"):
             reaper.reap(include_kept=True)
-            outs = trials.launch(
-                args, workdir, [{"batch": 64, "group": mode == "group" and f"cold{n}", "epochs": 1}] * n, evict
-            )
-            stats_bytes = sum(e["storage_bytes"] for o in outs for e in o["epochs"])
-            row[mode] = {
-                "device_bytes": measure.sectors_read(dev) - before["bytes"],
-                "stats_storage_bytes": stats_bytes,
-            }
+            specs = [{"batch": 64, "group": mode == "group" and f"cold{n}", "epochs": 1}] * n
+            outs = trials.launch(args, workdir, specs, evict)
+            row[mode] = {"device_bytes": measure.sectors_read(dev) - before["bytes"]}
+            row[mode]["stats_storage_bytes"] = sum(e["storage_bytes"] for o in outs for e in o["epochs"])
             print(f"cold epoch, N={n} {mode}: {row[mode]['device_bytes'] / 1e6:.1f} MB from the device")
         rows.append(row)
     return rows
@@ -161,21 +148,6 @@ def recovery(args, workdir: Path) -> list[dict]:
     return gaps
 
 
-def mix(args, workdir: Path) -> dict:
-    print("batch sizes 16, 32, 64")
-    group = [{"batch": b, "group": "mix", "stage_batch": 64} for b in (16, 32, 64)]
-    runs = trials.compare(args, workdir, {"alone": [{"batch": b} for b in (16, 32, 64)], "group": group})
-    ratios, once = trials.ratios(runs), all(r["exactly_once"] for rs in runs.values() for r in rs)
-    print(f"mix: group / alone per job = {[round(x, 2) for x in ratios]} (target >= 2.55); exactly once: {once}")
-    return {
-        "ratios": ratios,
-        "ratio_median": statistics.median(ratios),
-        "target": 0.85 * 3,
-        "exactly_once": once,
-        **runs,
-    }
-
-
 def handoff(args, workdir: Path) -> list[dict]:
     rows = []
     for batch, staged in ((64, 64), (16, 64), (64, 16)):
@@ -189,65 +161,50 @@ def handoff(args, workdir: Path) -> list[dict]:
 
 def slow(args, workdir: Path) -> dict:
     fast = {"batch": 64, "sleep": args.sleep, "group": "fast"}
-    per_batch = 64 / statistics.mean(
-        trials.summary(trials.launch(args, workdir, [fast, fast]))["per_job_samples_per_s"]
-    )
-    slow_sleep = 3 * per_batch  # its training step alone takes 3x a fast trial's whole batch
-    s_in, s_out = {"batch": 64, "sleep": slow_sleep, "group": "fast"}, {"batch": 64, "sleep": slow_sleep}
-    runs = trials.compare(
-        args, workdir, {"pair": [fast, fast], "trio": [fast, fast, s_in], "beside": [fast, fast, s_out]}
-    )
+    pair = trials.summary(trials.launch(args, workdir, [fast, fast]))
+    per_batch = 64 / statistics.mean(pair["per_job_samples_per_s"])
+    s_out = {"batch": 64, "sleep": 3 * per_batch}  # its training step alone takes 3x a fast trial's whole batch
+    modes = {"pair": [fast, fast], "trio": [fast, fast, {**s_out, "group": "fast"}], "beside": [fast, fast, s_out]}
+    runs = trials.compare(args, workdir, modes)
     rates = {m: [r["per_job_samples_per_s"] for r in rs] for m, rs in runs.items()}
     fast_loss = [1 - statistics.mean(t[:2]) / statistics.mean(p) for p, t in zip(rates["pair"], rates["trio"])]
     slow_ratio = [t[2] / b[2] for t, b in zip(rates["trio"], rates["beside"])]
     print(f"slow: the fast lose {fast_loss} in the trio (target <= 0.1); the slow one, trio / beside = {slow_ratio}")
-    kw = {"fast_sleep_s": args.sleep, "fast_batch_s_in_pair": per_batch, "slow_sleep_s": slow_sleep}
+    kw = {"fast_sleep_s": args.sleep, "fast_batch_s_in_pair": per_batch, "slow_sleep_s": s_out["sleep"]}
     return {**kw, "fast_loss": fast_loss, "slow_trio_over_beside": slow_ratio, **runs}
 
 
 def sweep(args, workdir: Path) -> dict:
     modes, orders = [m for m in args.modes.split(",") if m], [o for o in args.orders.split(",") if o]
     runs = {m: {o: [] for o in orders if m != "first16" or o == "16-first"} for m in modes}
+    entered = [workdir / f"entered{k}" for k in range(3)]
     for r, (order, m) in measure.alternate([(o, m) for o in orders for m in runs if o in runs[m]], args.reps):
-        entered, batches = [workdir / f"entered{k}" for k in range(3)], ORDERS[order]
         for e in entered:
             e.unlink(missing_ok=True)
         spec = {"group": "sweep", "stage_batch": STAGE[m], "last": entered[-1]}
         specs = [
             {**spec, "batch": b, "after": entered[k - 1] if k else None, "entered": entered[k]}
-            for k, b in enumerate(batches)
+            for k, b in enumerate(ORDERS[order])
         ]
         load = [round(x, 2) for x in os.getloadavg()]
-        outs = dict(zip(batches, trials.launch(args, workdir, specs)))
-        s = {
-            "samples_per_s": {b: trials.rate(o) for b, o in outs.items()},
-            "views": {b: o["views"] / o["batches"] for b, o in outs.items()},
-        }
-        s |= {
-            "first_batch_s": {b: o["first_batch_s"] for b, o in outs.items()},
-            "stage_batch": sorted({o["stage_batch"] for o in outs.values()}),
-        }
-        s |= {
-            "exactly_once": all(e["exactly_once"] for o in outs.values() for e in o["epochs"]),
-            "epochs": {b: o["epochs"] for b, o in outs.items()},
-        }
-        runs[m][order].append(s | {"loadavg_before": load, "loadavg_after": [round(x, 2) for x in os.getloadavg()]})
-        print(
-            f"  rep {r + 1} {order} {m}: staged {s['stage_batch']}, samples/s {s['samples_per_s']}, views {s['views']}"
-        )
+        outs = dict(zip(ORDERS[order], trials.launch(args, workdir, specs)))
+        s = {"samples_per_s": {b: trials.rate(o) for b, o in outs.items()}}
+        s["views"] = {b: o["views"] / o["batches"] for b, o in outs.items()}
+        s |= {k: {b: o[k] for b, o in outs.items()} for k in ("first_batch_s", "epochs")}
+        s |= {"stage_batch": sorted({o["stage_batch"] for o in outs.values()}), "loadavg_before": load}
+        s["exactly_once"] = all(e["exactly_once"] for o in outs.values() for e in o["epochs"])
+        runs[m][order].append(s | {"loadavg_after": [round(x, 2) for x in os.getloadavg()]})
+        print(f"  rep {r + 1} {order} {m}: staged {s['stage_batch']}, {s['samples_per_s']}/s, views {s['views']}")
     ratios = {}
     for order in orders if {"shorthand", "stage128"} <= set(runs) else ():
         short, by_hand = runs["shorthand"][order], runs["stage128"][order]
         per = [{b: a["samples_per_s"][b] / c["samples_per_s"][b] for b in SWEEP} for a, c in zip(short, by_hand)]
-        mean = {
-            b: statistics.mean(a["samples_per_s"][b] for a in short)
-            / statistics.mean(c["samples_per_s"][b] for c in by_hand)
-            for b in SWEEP
-        }
-        ratios[order] = {
-            "per_rep": per,
-            "median": {b: statistics.median(p[b] for p in per) for b in SWEEP},
-            "of_means": mean,
-        }
-        print(f"{order}: shorthand / stage_batch=128 per trial, median: {ratios[order]['median']} (target within 5%)")
+        median = {b: statistics.median(p[b] for p in per) for b in SWEEP}
+        of_means = {b: _mean(short, b) / _mean(by_hand, b) for b in SWEEP}
+        ratios[order] = {"per_rep": per, "median": median, "of_means": of_means}
+        print(f"{order}: shorthand / stage_batch=128 per trial, median: {median} (target within 5%)")
     return {"runs": runs, "shorthand_over_stage128": ratios}
+
+
+def _mean(runs: list[dict], batch: int) -> float:
+    return statistics.mean(r["samples_per_s"][batch] for r in runs)

@@ -1,11 +1,8 @@
-"""The trials :mod:`benchmarks.hp_group` starts together: each a child process with one CoordLoader over the
-same ImageNet-like dataset, the MinIO cache warm and kept (``Cache(size=1.0, keep=True)``), the standard
-training recipe at 224 on the CPU (prep-bound), reading each batch (``x.sum()``) and sleeping
-``--sleep-per-batch`` seconds per batch (its training step).
-
-A trial records per epoch its seconds, samples, batches, whether it saw every sample exactly once and its
-``stats()``; per batch the time ``next()`` took, the first read, when it arrived, and whether it was
-a view of a staged slot (no copy); its first batch's latency and its CPU seconds.
+"""The trials :mod:`benchmarks.hp_group` starts together: each a child with one CoordLoader, the MinIO cache
+warm and kept, ``imagenet-train`` on the CPU, reading each batch (``x.sum()``), then sleeping
+``--sleep-per-batch`` (its training step). It records per epoch its seconds, samples, batches, exactly once
+or not and its ``stats()``; per batch ``next()``'s time, the first read's, when it came and whether it was
+a view of a staged slot; its first batch's latency and its CPU seconds.
 """
 
 from __future__ import annotations
@@ -77,12 +74,8 @@ def trial(args) -> None:
 
 def _timed(it, out: dict):
     """The sample ids of each batch of ``it``, its ``next()`` and first read timed (in ``out``)."""
-    while True:
-        t = time.monotonic()
-        try:
-            x, _, ids = next(it)
-        except StopIteration:
-            return
+    t = time.monotonic()
+    for x, _, ids in it:
         t1 = time.monotonic()
         x.sum()
         out["take_s"].append(t1 - t)
@@ -91,6 +84,7 @@ def _timed(it, out: dict):
         out["views"] += not x.untyped_storage().resizable()  # a mapping of the slot, not a copy
         out["batches"] += 1
         yield ids
+        t = time.monotonic()
 
 
 def _wait_file(path: str | None) -> None:
@@ -101,14 +95,10 @@ def _wait_file(path: str | None) -> None:
 def command(args, spec: dict) -> list[str]:
     """The command of one trial of ``spec``: ``batch`` and optionally ``stage_batch``, ``sleep``, ``epochs``
     and those of ``SPEC`` (the group, and the files a trial waits for or writes)."""
-    kw = {
-        "data": args.data,
-        "images": args.images,
-        "batch_size": spec["batch"],
-        "epochs": spec.get("epochs", args.epochs),
-    }
-    kw |= {"sleep_per_batch": spec.get("sleep"), "stage_batch": spec.get("stage_batch")}
-    return jobs.scenario_command("hp_group", *jobs.flags(trial=True, **kw, **{k: spec.get(k) for k in SPEC}))
+    kw = {"data": args.data, "images": args.images, "batch_size": spec["batch"]}
+    kw |= {"epochs": spec.get("epochs", args.epochs), "sleep_per_batch": spec.get("sleep")}
+    kw |= {"stage_batch": spec.get("stage_batch"), **{k: spec.get(k) for k in SPEC}}
+    return jobs.scenario_command("hp_group", *jobs.flags(trial=True, **kw))
 
 
 def launch(args, workdir: Path, specs: list[dict], before_go=None) -> list[dict]:
@@ -129,9 +119,8 @@ def summary(outs: list[dict]) -> dict:
     n, every = len(outs[0]["epochs"]), [e for o in outs for e in o["epochs"]]
     out = {"per_job_samples_per_s": [rate(o) for o in outs], "exactly_once": all(e["exactly_once"] for e in every)}
     out |= {f"{k}_ms_median": [1000 * statistics.median(o[f"{k}_s"]) for o in outs] for k in ("take", "read")}
-    out["batches_decoded_per_epoch"] = (
-        sum(e["produced"] if o["group"] else e["batches"] for o in outs for e in o["epochs"]) / n
-    )
+    decoded = sum(e["produced"] if o["group"] else e["batches"] for o in outs for e in o["epochs"])
+    out["batches_decoded_per_epoch"] = decoded / n
     out["cpu_s_per_epoch"] = sum(o["cpu_s"] for o in outs) / n
     out["staging_peak_bytes"] = max(e["staging_peak_bytes"] or 0 for o in outs for e in o["epochs"][1:])
     return out | {"epochs": [o["epochs"] for o in outs]}

@@ -1,19 +1,16 @@
 """Where a sample's prep time goes: imagenet-train's DALI operators at 224, alone and together, on the CPU.
 
-From encoded bytes and from decoded images.
+Each line is a DALI pipeline fed from memory without a break, encoded or decoded images, the same crop
+windows and flips (computed once, outside the pipeline), for ``--seconds``: milliseconds per sample and
+thread. They bound what the decoded tier buys bit for bit (docs/decoded-tier.md). ``--max-short-side N``
+adds the same with images capped at a shorter side of N. Writes ``prep_ops.json`` into ``--out``.
 
     python -m benchmarks prep_ops --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
-
-Each line is a DALI pipeline fed without a break, from memory, with the same crop windows and
-flips (computed once, outside the pipeline), for ``--seconds``; the milliseconds are per sample
-and per thread. They bound what the decoded tier can buy bit for bit: a decoded image skips the
-decode of its window, not its slice, resize and normalisation. ``--max-short-side N`` adds the
-same with images capped at a shorter side of N (``ImageNetTrain(max_short_side=N)``).
-Writes ``prep_ops.json`` to ``--out``.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -45,61 +42,46 @@ def run(args) -> dict | None:
     files = sorted(f for f in Path(data["root"]).rglob("*") if f.is_file())[: args.samples]
     encoded = [np.fromfile(f, dtype=np.uint8) for f in files]
     B, T = args.batch, args.threads
-    mean = [m * 255 for m in IMAGENET_MEAN]
-    std = [s * 255 for s in IMAGENET_STD]
+    norm = {"mean": [m * 255 for m in IMAGENET_MEAN], "std": [s * 255 for s in IMAGENET_STD]}
 
-    def run_once(inputs, build):
-        @pipeline_def(
-            batch_size=B, num_threads=T, device_id=None, exec_async=False, exec_pipelined=False, prefetch_queue_depth=1
-        )
-        def pipe():
-            return build(fn.external_source(name="x", dtype=types.UINT8, ndim=1))
+    def pipeline(build, feeds, **kw):
+        """A pipeline of ``build`` over ``feeds``' batches, cycled."""
+        it = itertools.cycle([tuple(f[a : a + B] for f in feeds) for a in range(0, len(feeds[0]), B)])
 
-        out = []
-        p = pipe()
-        p.build()
-        for a in range(0, len(inputs), B):
-            p.feed_input("x", inputs[a : a + B])
-            out += [np.array(t) for t in p.run()[0]]
-        return out
-
-    def decode(x, cap=None):
-        images = fn.decoders.image(x, output_type=types.RGB)
-        return images if cap is None else fn.resize(images, resize_shorter=cap)
-
-    def timed(name, build, feeds) -> dict:
-        n = len(feeds[0])
-
-        def source():
-            k = 0
-            while True:
-                a = (k * B) % n
-                k += 1
-                yield tuple(f[a : a + B] for f in feeds)
-
-        it = source()
-
-        @pipeline_def(batch_size=B, num_threads=T, device_id=None, prefetch_queue_depth=2)
+        @pipeline_def(batch_size=B, num_threads=T, device_id=None, **kw)
         def pipe():
             return build(*fn.external_source(source=lambda: next(it), num_outputs=len(feeds), batch=True))
 
-        p = pipe()
-        p.build()
+        (p := pipe()).build()
+        return p
+
+    def outputs(build, inputs) -> list:
+        """``build`` run once over ``inputs``."""
+        p = pipeline(build, [inputs], exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+        return [np.array(t) for _ in range(0, len(inputs), B) for t in p.run()[0]]
+
+    def timed(name, build, feeds) -> dict:
+        p = pipeline(build, feeds, prefetch_queue_depth=2)
         for _ in range(4):
             p.run()
         t0, k = time.perf_counter(), 0
         while time.perf_counter() - t0 < args.seconds:
             p.run()
             k += 1
-        dt = time.perf_counter() - t0
-        rate = k * B / dt
+        rate = k * B / (time.perf_counter() - t0)
         log(f"  {name:44s} {rate:7.0f} samples/s  {T * 1e3 / rate:5.2f} ms/sample/thread")
         return {"name": name, "samples_per_s": rate, "ms_per_sample_thread": T * 1e3 / rate}
 
+    def decode(x, cap=None):
+        images = fn.decoders.image(x, output_type=types.RGB)
+        return images if cap is None else fn.resize(images, resize_shorter=cap)
+
+    def resize(images):
+        return fn.resize(images, resize_x=224, resize_y=224)
+
     def tail(images, mirror):
-        images = fn.resize(images, resize_x=224, resize_y=224)
-        kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, "mean": mean, "std": std}
-        return fn.crop_mirror_normalize(images, **kw)
+        kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, **norm}
+        return fn.crop_mirror_normalize(resize(images), **kw)
 
     def windows_of(images):
         h, w = np.array([im.shape[:2] for im in images]).T
@@ -107,34 +89,32 @@ def run(args) -> dict | None:
         anchor, size = windows.crop_windows(h, w, u, (3 / 4, 4 / 3))
         return list(anchor), list(size), list(windows.flips(u, 0.5)[:, None])
 
-    def cut(images, anchor, size):
-        return [
-            np.ascontiguousarray(im[int(y) : int(y + s[1]), int(x) : int(x + s[0])])
-            for im, (x, y), s in zip(images, anchor, size, strict=True)
-        ]
+    window = {"axis_names": "WH", "normalized_anchor": False, "normalized_shape": False}
 
     def islice(d, a, s):
-        kw = {"axis_names": "WH", "normalized_anchor": False, "normalized_shape": False, "output_type": types.RGB}
-        return fn.decoders.image_slice(d, a, s, **kw)
+        return fn.decoders.image_slice(d, a, s, output_type=types.RGB, **window)
 
     def slice_(d, a, s):
-        return fn.slice(d, a, s, axis_names="WH", normalized_anchor=False, normalized_shape=False)
+        return fn.slice(d, a, s, **window)
 
-    decoded = run_once(encoded, decode)
+    def full(cut):  # the window cut, resized, normalised
+        return lambda d, a, s, m: tail(cut(d, a, s), m)
+
+    decoded = outputs(decode, encoded)
     anchor, size, mirror = windows_of(decoded)
-    crops = cut(decoded, anchor, size)
+    cut = zip(decoded, np.array(anchor, dtype=int), np.array(size, dtype=int), strict=True)
+    crops = [np.ascontiguousarray(im[y : y + h, x : x + w]) for im, (x, y), (w, h) in cut]
     log(f"{len(files)} images, {T} threads, batch {B}:")
-    full = lambda cut: lambda d, a, s, m: tail(cut(d, a, s), m)  # noqa: E731 - the window cut, resize, normalise
     cases = [
         ("encoded: decode window, resize, normalise", full(islice), [encoded, anchor, size, mirror]),
         ("encoded: decode window", islice, [encoded, anchor, size]),
         ("decoded: slice, resize, normalise", full(slice_), [decoded, anchor, size, mirror]),
         ("decoded: slice", slice_, [decoded, anchor, size]),
         ("window given: resize, normalise", tail, [crops, mirror]),
-        ("window given: resize", lambda c: fn.resize(c, resize_x=224, resize_y=224), [crops]),
+        ("window given: resize", resize, [crops]),
     ]
     for cap in args.max_short_side:
-        capped = run_once(encoded, lambda x, cap=cap: decode(x, cap))
+        capped = outputs(lambda x, cap=cap: decode(x, cap), encoded)
         c_anchor, c_size, c_mirror = windows_of(capped)
         capped_cut = full(lambda d, a, s, cap=cap: slice_(decode(d, cap), a, s))
         cases += [

@@ -1,12 +1,11 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
-The trainer pinned to core 0, a one-CPU Ray node (``ray start``) pinned to core 1 (the trainer's own:
-``RayPrep(on_trainer_node=True)``), both in a network namespace with only loopback up. The loop does no
-work. Per backend (``dali``: ``imagenet-train``; ``torch``: ``ImageFolder`` + ``loaders.TrainAugment``):
-``local`` (no Ray), ``remote`` (``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh
-trainer per run, ``--skip`` warm-up epochs, configurations ABBA for ``--rounds``. Targets: both/local
->= 1.7, remote/local >= 0.9. The node is stopped by PID (never ``ray stop``); the JSON records that none
-remained. Needs root, cores 0 and 1, and Ray (``pip install -e ".[ray]"``).
+The trainer on core 0, a one-CPU Ray node (``ray start``, the trainer's own: ``on_trainer_node=True``) on
+core 1, both in a network namespace with only loopback up; the loop does no work. Per backend (``dali``:
+``imagenet-train``; ``torch``: ``ImageFolder`` + ``loaders.TrainAugment``): ``local`` (no Ray), ``remote``
+(``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh trainer per run, ``--skip`` warm-up
+epochs, ABBA for ``--rounds``. Targets: both/local >= 1.7, remote/local >= 0.9. The node is stopped by PID
+(never ``ray stop``); the JSON says none remained. Root, cores 0 and 1, Ray; docs/remote-prep.md.
 
     python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
@@ -27,7 +26,8 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
-from benchmarks.harness.report import log, mb
+from benchmarks.harness.report import log
+from coordl_testing import raycluster
 
 OUT = None  # results/ray_prep.json, or ray_prep_quick.json with --quick (out_path)
 DATA, QUICK_DATA = "/var/tmp/coordl-bench/ray-prep", "/var/tmp/coordl-bench/ray-prep-quick"
@@ -146,10 +146,8 @@ def stop_all() -> list[int]:
         for pid in others_in_my_netns():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        while (left := others_in_my_netns()) and time.monotonic() < deadline:
+        while others_in_my_netns() and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not left:
-            break
     return others_in_my_netns()
 
 
@@ -181,25 +179,22 @@ def run_one(args, env: dict, r: int, backend: str, config: str, work: Path) -> d
 
 def steady(epochs: list[dict], batch_size: int) -> dict:
     """A run's steady figures: its epochs after the warm-up, summed."""
-    seconds, samples = sum(e["seconds"] for e in epochs), sum(e["samples"] for e in epochs)
-
-    def total(key) -> float:
-        return sum(e["stats"].get(key, 0) for e in epochs)
-
+    seconds, samples = (sum(e[k] for e in epochs) for k in ("seconds", "samples"))
+    total = {k: sum(e["stats"].get(k, 0) for e in epochs) for k in STATS}
     out = {"steady_samples_per_s": round(samples / seconds, 1), "steady_seconds": round(seconds, 3)}
     mids = [e["mid"] for e in epochs]
-    mid = round(sum(m["samples"] for m in mids) / sum(m["seconds"] for m in mids), 1) if all(mids) else None
-    out["mid_samples_per_s"] = mid
+    mid = sum(m["samples"] for m in mids) / sum(m["seconds"] for m in mids) if all(mids) else None
+    out["mid_samples_per_s"] = mid and round(mid, 1)
     out["steady_cpu_s_per_sample"] = {k: sum(e["cpu_s"][k] for e in epochs) / samples for k in WHO}
     out["steady_device_bytes"] = sum(e["device_bytes"] for e in epochs)
-    out["trainer_s_per_batch"] = seconds / total("batches")
-    remote, local = total("remote_units"), total("local_units")
+    out["trainer_s_per_batch"] = seconds / total["batches"]
+    remote, local = total["remote_units"], total["local_units"]
     if remote or local:
         out |= {"remote_share": remote / (remote + local), "remote_units": remote, "local_units": local}
     if remote:
-        out["remote_result_bytes_per_sample"] = total("remote_result_bytes") / (remote * batch_size)
+        out["remote_result_bytes_per_sample"] = total["remote_result_bytes"] / (remote * batch_size)
         if not local:  # every read and prep second is the actor's: its time per unit
-            out["actor_s_per_unit"] = (total("read_s") + total("prep_s")) / remote
+            out["actor_s_per_unit"] = (total["read_s"] + total["prep_s"]) / remote
     return out
 
 
@@ -217,61 +212,44 @@ def summarise(runs: list[dict]) -> dict:
     out = {}
     for backend in BACKENDS:
         mine = [r for r in runs if r["backend"] == backend]
-        out[backend] = rates(mine, "steady_samples_per_s")
+        s = out[backend] = rates(mine, "steady_samples_per_s")
         if all(r["mid_samples_per_s"] for r in mine):  # epochs of MID_BATCHES batches or more
-            out[backend]["mid_epoch"] = rates(mine, "mid_samples_per_s")
-        out[backend]["figures"] = figures = {}
+            s["mid_epoch"] = rates(mine, "mid_samples_per_s")
+        s["figures"] = {}
         for c in CONFIGS:
             rs = [r for r in mine if r["config"] == c]
-            figures[c] = {k: statistics.median(r[k] for r in rs) for k in keys if k in rs[0]}
-            cpu = {k: statistics.median(r["steady_cpu_s_per_sample"][k] for r in rs) for k in WHO}
-            figures[c]["cpu_s_per_sample"] = cpu
-            figures[c]["device_bytes_max"] = max(r["steady_device_bytes"] for r in rs)
+            f = s["figures"][c] = {k: statistics.median(r[k] for r in rs) for k in keys if k in rs[0]}
+            f["cpu_s_per_sample"] = {k: statistics.median(r["steady_cpu_s_per_sample"][k] for r in rs) for k in WHO}
+            f["device_bytes_max"] = max(r["steady_device_bytes"] for r in rs)
     return out
 
 
 def table(result: dict) -> str:
-    a, rows, lines = result["args"], [], []
+    head = "backend|config|samples/s, median [min-max]|/ local|mid-epoch samples/s|/ local|remote share"
+    rows, lines = [], [head + "|result KB/sample|actor s/unit|trainer s/batch|CPU ms/sample: trainer, actor, ray"]
     for backend, s in result["summary"].items():
         mid, f = s.get("mid_epoch", {"samples_per_s": {}, "ratio": {}}), s["figures"]
         for c in CONFIGS:
-            kb = f[c].get("remote_result_bytes_per_sample")
+            kb, cpu = f[c].get("remote_result_bytes_per_sample"), f[c]["cpu_s_per_sample"]
             rows.append([backend, c, report.spread(s["samples_per_s"][c], "{:.1f}", rng=True), s["ratio"].get(c)])
             rows[-1] += [report.spread(mid["samples_per_s"].get(c), "{:.1f}"), mid["ratio"].get(c)]
-            rows[-1] += [f[c].get("remote_share"), None if kb is None else kb / 1e3, f[c].get("actor_s_per_unit")]
-            cpu = ", ".join(f"{1e3 * f[c]['cpu_s_per_sample'][k]:.1f}" for k in WHO)
-            rows[-1] += [f[c]["trainer_s_per_batch"], cpu]
+            rows[-1] += [f[c].get("remote_share"), kb and kb / 1e3, f[c].get("actor_s_per_unit")]
+            rows[-1] += [f[c]["trainer_s_per_batch"], ", ".join(f"{1e3 * cpu[k]:.1f}" for k in WHO)]
         meets = {c: "meets" if ok else "MISSES" for c, ok in s["meets_target"].items()}
-        line = f"{backend}: " + ", ".join(f"{c}/local {s['ratio'][c]:.3f} ({meets[c]} >= {TARGETS[c]})" for c in meets)
-        line += f"; a delivered sample is {f['local']['image_bytes'] / 1e3:.0f} KB"
-        if any(x.get("remote_result_bytes_per_sample") == 0 for x in f.values()):
-            line += " (stats() counts no remote_result_bytes for this backend)"
-        disk = max(x["device_bytes_max"] for x in f.values())
-        lines.append(line + f"; the device read at most {mb(disk)} MB in a run's steady epochs")
-    head = "backend|config|samples/s, median [min-max]|/ local|mid-epoch samples/s|/ local|remote share"
-    head += "|result KB/sample|actor s/unit|trainer s/batch|CPU ms/sample: trainer, actor, ray"
+        lines += [
+            f"{backend}: " + ", ".join(f"{c}/local {s['ratio'][c]:.3f} ({meets[c]} >= {TARGETS[c]})" for c in meets)
+        ]
     store = ", ".join(f"{k} {v}" for k, v in result["object_store"].items()) or "no figures (no debug_state.txt)"
     lines += [f"Ray's object store over all runs: {store}"]
     lines += [f"Ray processes left after the node was stopped: {len(result['ray_processes_left'])}"]
-    what = f"Batch {a['batch_size']}; trainer on core {TRAINER_CORE}, Ray node (1 CPU) on core {RAY_CORE}; "
-    what += f"{a['rounds']} rounds, {a['epochs']} epochs per run, the first {a['skip']} left out; "
-    what += f"RayPrep(output={a['output']!r}) on DALI."
-    return "\n".join([what, "", report.table(head, rows), "", *lines]) + "\n"
+    return "\n".join([report.table(lines[0], rows), "", *lines[1:]]) + "\n"
 
 
 # -- main ---------------------------------------------------------------------------------------
 def cannot_run() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root: the Ray node and the trainer run in a network namespace of their own (unshare -n)"
     if not {TRAINER_CORE, RAY_CORE} <= os.sched_getaffinity(0):
         return f"needs cores {TRAINER_CORE} and {RAY_CORE}"
-    if missing := [t for t in ("unshare", "ip", "taskset") if shutil.which(t) is None]:
-        return f"needs {', '.join(missing)} (util-linux, iproute2)"
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return 'needs Ray: pip install -e ".[ray]"'
-    return None
+    return raycluster.unavailable() or (None if shutil.which("taskset") else "needs taskset (util-linux)")
 
 
 def options(p) -> None:
@@ -307,11 +285,10 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
     temp = tempfile.mkdtemp(prefix="coordl-raybench-", dir="/tmp")  # short: Ray's socket paths
-    work, runs = Path(temp) / "runs", []
+    work, runs = Path(temp), []  # the trainers' results and logs beside Ray's session
     try:
         address = start_node(child_env(None), temp)
         log(f"dataset: {dataset.describe(data)}; Ray node at {address}, temp dir {temp}")
-        work.mkdir()
         for r, (backend, config) in measure.alternate([(b, c) for b in BACKENDS for c in CONFIGS], args.rounds):
             runs.append(run_one(args, child_env(address), r, backend, config, work))
             share = f", remote share {runs[-1]['remote_share']:.2f}" if "remote_share" in runs[-1] else ""
@@ -320,8 +297,7 @@ def run(args) -> dict | None:
     finally:
         left = stop_all()
         shutil.rmtree(temp, ignore_errors=True)
-    args_ = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    result = {"args": args_, "dataset": data, "ray_address": address, "ray_processes_left": left}
+    result = {"dataset": data, "ray_address": address, "ray_processes_left": left}
     result |= {"object_store": store, "runs": runs, "summary": summarise(runs)}
     if left:  # written all the same, with the processes left named
         cli.save(args, result)

@@ -82,6 +82,27 @@ def test_result_schema(tmp_path):
         results.load(tmp_path / "old.json")
 
 
+def test_an_earlier_result_keeps_what_a_run_does_not_measure_with_its_origin(tmp_path):
+    """``hp_group.kept``: a run that measures some of a result file's figures keeps the others, each named
+    with the command, commit and date it came from (its own, or the one it already had); nothing from a
+    file of another dataset, of an old shape, or no file."""
+    import argparse
+
+    path = tmp_path / "r.json"
+    args = argparse.Namespace(out=str(path), _scenario="hp_group", _argv=["--scenarios", "a,b"])
+    origin_c = {"command": "python -m benchmarks hp_group --scenarios c", "commit": "x" * 40, "date": "2026-01-01"}
+    cli.save(args, {"dataset": {"total_bytes": 10}, "a": 1, "b": 2, "c": 3, "earlier": {"c": origin_c}})
+    first = results.load(path)
+    origin = {k: first[k] for k in ("command", "commit", "date")}
+    from benchmarks.hp_group import kept
+
+    assert kept(path, ["a"], {"total_bytes": 10}) == {"b": 2, "c": 3, "earlier": {"b": origin, "c": origin_c}}
+    assert kept(path, ["a", "b", "c"], {"total_bytes": 10}) == {}
+    assert kept(path, ["a"], {"total_bytes": 11}) == {}
+    (tmp_path / "old.json").write_text(json.dumps({"machine": {}, "a": 1}))
+    assert kept(tmp_path / "old.json", []) == kept(tmp_path / "none.json", []) == {}
+
+
 def test_bandwidth_specs():
     assert run.parse_bandwidth("0.25P") == (0.25, "P")
     assert run.parse_bandwidth("2p") == (2.0, "P")
@@ -256,24 +277,20 @@ def test_pillow_loaders_do_the_same_work(tiny_dataset):
 
 @pytest.mark.slow
 def test_torch_backend_quick(tmp_path):
-    """torch_backend --quick on a tiny dataset: both parts for torch and coordl-torch, the JSON's
-    fields, coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads
-    exactly the dataset less its cache), the tables printed, and no cgroup left behind. (The
-    fixture fails the test on shared memory left behind.)"""
+    """torch_backend --quick on a tiny dataset, then ``run``'s limited scenario for torch and coordl-torch
+    (the command docs/torch-backend.md gives for short memory and slow storage): the JSON's fields,
+    coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads exactly the
+    dataset less its cache), the tables printed, and no cgroup left behind. (The fixture fails the
+    test on shared memory left behind.)"""
     before = _bench_cgroups()
-    out = tmp_path / "tb.json"
+    out, data = tmp_path / "tb.json", ["--data", str(tmp_path / "ds"), "--images", "48", "--classes", "3"]
     cmd = [
         sys.executable,
         "-m",
         "benchmarks",
         "torch_backend",
         "--quick",
-        "--data",
-        str(tmp_path / "ds"),
-        "--images",
-        "48",
-        "--classes",
-        "3",
+        *data,
         "--batch-size",
         "8",
         "--out",
@@ -292,22 +309,29 @@ def test_torch_backend_quick(tmp_path):
     assert warm["ratio_coordl_torch_over_torch"] > 0 and warm["target_ratio"] == 0.95
     coordl_epoch = warm["epochs"][0]["counters"]
     assert coordl_epoch["cache_hits"] == 48 and coordl_epoch["storage_reads"] == 0
+    assert "coordl-torch / torch" in p.stdout
 
-    limited = result["limited"]
-    assert limited["cache_fraction"] == 0.5 and limited["bandwidth_bps"] > 0
-    assert set(limited["loaders"]) == {"torch", "coordl-torch"}
-    for name, entry in limited["loaders"].items():
-        assert entry["error"] is None, entry["error"]
-        assert [e["epoch"] for e in entry["epochs"]] == [0, 1]
-        assert entry["epochs"][0]["minimum_bytes"] is None  # cold and partly read during the warm-up
-        steady = entry["epochs"][1]
-        assert steady["minimum_bytes"] > 0 and "device_over_min" in steady
-        assert (steady["storage_bytes"] is None) == (name == "torch")
-    steady = limited["loaders"]["coordl-torch"]["epochs"][1]
-    assert 0 < steady["minimum_bytes"] < total
-    assert steady["storage_bytes"] == steady["minimum_bytes"] and steady["storage_over_min"] == 1.0
-    assert limited["ratio_torch_over_coordl_torch"] > 0
-    assert "coordl-torch / torch" in p.stdout and "steady epoch time torch / coordl-torch" in p.stdout
+    # short memory (none here: a tiny dataset is smaller than a loader's memory swings), slow storage
+    run_out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "benchmarks", "run", *data, "--loaders", "torch,coordl-torch", "--cache", "0.5"]
+    cmd += ["--bandwidth", "0.5P", "--epochs", "2", "--fit-epochs", "2", "--warmup-batches", "1", "--workers", "2"]
+    cmd += ["--batch-size", "8", "--no-memory-limit", "--out", str(run_out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    limited = _figures(run_out / "results.json", "run")
+    runs = {r["loader"]: r for r in limited["runs"] if r["scenario"] == "0.5P@0.5"}
+    assert set(runs) == {"torch", "coordl-torch"} and limited["dataset"]["total_bytes"] == total
+    for name, r in runs.items():
+        assert "error" not in r, r["error"]
+        assert [e["epoch"] for e in r["epochs"]] == [0, 1] and r["bandwidth_bps"] > 0 and r["cache_fraction"] == 0.5
+        assert r["epochs"][1]["device_bytes"] >= 0 and r["epochs"][1]["samples"] == 48
+        assert ("counters" in r["epochs"][1]) == (name == "coordl-torch")
+    steady = runs["coordl-torch"]["epochs"][1]["counters"]
+    assert 0 < steady["storage_bytes"] == total - steady["cache_bytes"] < total
+    (summary,) = [s for s in limited["summary"] if s["scenario"] == "0.5P@0.5"]
+    assert summary["minimum_bytes"] > 0 and summary["coordl_torch_device_over_min"] > 0
+    assert summary["coordl_torch_speedup_vs_torch"] > 0
+    assert "coordl-torch vs torch" in (run_out / "results.md").read_text()
     assert _bench_cgroups() == before
 
 
