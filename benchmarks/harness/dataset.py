@@ -115,19 +115,6 @@ def dataset_from_args(
     }
 
 
-def dataset_argv(args: argparse.Namespace) -> list[str]:
-    """The dataset options of ``args`` as a command line, for a child to find the same dataset."""
-    argv = ["--data", args.data, "--classes", str(args.classes), "--dataset-seed", str(args.dataset_seed)]
-    argv += ["--width", str(args.width), "--height", str(args.height)]
-    argv += ["--size", str(args.size)] if args.size is not None else ["--images", str(args.images)]
-    return argv + source_argv(args)
-
-
-def source_argv(args: argparse.Namespace) -> list[str]:
-    photos = photos_of(args)
-    return ["--photos", photos] if photos else ["--synthetic"]
-
-
 def describe(dataset: dict) -> str:
     """A dataset's figures in a line: ``2000 files, 226.2 MB, mean 113.1 KB (photographs)``."""
     return (
