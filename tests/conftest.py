@@ -22,7 +22,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from coordl.lifecycle import WATCH_THREAD  # resends a SIGTERM to the main thread: one for the process's life
 from coordl.threads import LOOP_THREAD  # the process's event loop: one for its life, not a leak
+
+ONE_PER_PROCESS = (LOOP_THREAD, WATCH_THREAD)  # coordl threads that live as long as the process
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 pytest_plugins = ["coordl_testing.no_skips"]  # COORDL_NO_SKIPS=1 (.ci/run): a skip other than a GPU test's fails
@@ -143,7 +146,7 @@ def isolated(monkeypatch, tmp_path):
         threads = [
             t.name
             for t in threading.enumerate()
-            if t.ident not in threads_before and t.name.startswith("coordl") and t.name != LOOP_THREAD
+            if t.ident not in threads_before and t.name.startswith("coordl") and t.name not in ONE_PER_PROCESS
         ]
         children = multiprocessing.active_children()
         if not (left or threads or children) or time.monotonic() > deadline:

@@ -40,6 +40,7 @@ import weakref
 
 __all__ = [
     "SIGTERM_DEADLINE_S",
+    "WATCH_THREAD",
     "at_exit",
     "before_dali_exit",
     "close_all",
@@ -60,6 +61,14 @@ _after: list = []  # run at exit once the loaders are closed, the last registere
 _installed = False
 _terminating = False
 _parked = threading.Event()  # set while the main thread waits in the SIGTERM handler for the closing
+_handling = threading.Event()  # set once coordl's SIGTERM handler has begun (in the main thread)
+_wake_lock = threading.Lock()  # the handler's start and the watcher's resend of SIGTERM, one at a time
+_wake: tuple[int, int] | None = None  # the wakeup pipe coordl gave the interpreter (read end, write end)
+_watcher: threading.Thread | None = None  # reads it (_resend_sigterm)
+
+#: The thread that resends a SIGTERM the main thread did not get (:func:`_watch_sigterm`): one for
+#: the process's life, started with its first loader.
+WATCH_THREAD = "coordl-sigterm-watch"
 
 #: How long the SIGTERM handler lets the loaders close before the process ends by SIGTERM anyway.
 SIGTERM_DEADLINE_S = 1.5
@@ -146,6 +155,7 @@ def _exit() -> None:
             hook()
         except Exception as e:  # noqa: BLE001 - at exit, one hook's failure must not stop the others
             log.debug("coordl: %r at exit failed: %s", hook, e)
+    _stop_watch()
 
 
 def close_all() -> None:
@@ -192,12 +202,48 @@ def _after_fork_in_child() -> None:
     _making.clear()
     for hook in _child_hooks:
         hook()
+    _forget_wakeup_in_child()
     # The child has no loaders of its own yet: SIGTERM does what it did before coordl handled it.
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _blocked_for_fork:
         _blocked_for_fork = False
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _forget_wakeup_in_child() -> None:
+    """The wakeup pipe is the parent's (its watcher would resend the child's SIGTERM to the parent)."""
+    global _wake
+    fds, _wake = _wake, None
+    _handling.clear()
+    if fds is not None and _give_back_wakeup(fds[1]):
+        for fd in fds:
+            os.close(fd)
+
+
+def _stop_watch() -> None:
+    """At exit, once the loaders are closed: the wakeup pipe given back and its watcher ended, so that
+    no thread of coordl's runs into the interpreter's finalization."""
+    global _wake
+    fds, _wake = _wake, None
+    if fds is None or not _give_back_wakeup(fds[1]):
+        return
+    os.close(fds[1])  # the watcher reads the pipe's end and returns
+    if _watcher is not None:
+        _watcher.join(1.0)
+    os.close(fds[0])
+
+
+def _give_back_wakeup(ours: int) -> bool:
+    """Unsets the interpreter's wakeup fd if it is still ``ours``; False where this thread cannot (not
+    the main thread): the pipe must then stay open, so that no file takes the number written to."""
+    try:
+        now = signal.set_wakeup_fd(-1)
+    except ValueError:
+        return False
+    if now not in (-1, ours):  # someone else's since: theirs it stays
+        signal.set_wakeup_fd(now)
+    return True
 
 
 def _install_sigterm() -> None:
@@ -210,6 +256,49 @@ def _install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main interpreter
         return
+    _watch_sigterm()
+
+
+def _watch_sigterm() -> None:
+    """Python runs a signal's handler in the main thread, but the kernel may hand the process's
+    SIGTERM to any thread that does not block it. coordl's threads block it (:func:`quiet_thread`);
+    a library's need not (OpenBLAS starts one when numpy is imported). A main thread asleep in a
+    long step would then run coordl's handler only when it wakes, a minute later perhaps: a
+    preempted job killed before it closed. So coordl gives the interpreter a wakeup pipe (unless
+    someone has: asyncio's loop sets its own), into which whichever thread got a signal writes
+    its number, and a thread of its own reads it: a SIGTERM the main thread has not begun to
+    handle within 50 ms is sent again, to the main thread, whose sleep or system call it ends."""
+    global _wake, _watcher
+    if _wake is not None:
+        return
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(w, False)
+    theirs = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if theirs != -1:  # someone else's: theirs it stays
+        signal.set_wakeup_fd(theirs)
+        os.close(r)
+        os.close(w)
+        return
+    _wake = (r, w)
+    _watcher = threading.Thread(target=_resend_sigterm, args=(r,), name=WATCH_THREAD, daemon=True)
+    _watcher.start()
+
+
+def _resend_sigterm(fd: int) -> None:
+    quiet_thread()
+    main = threading.main_thread().ident
+    while True:
+        try:
+            got = os.read(fd, 512)  # a byte per signal caught: its number
+        except OSError:  # closed in a forked child
+            return
+        if not got:
+            return
+        if signal.SIGTERM not in got or _handling.wait(0.05):
+            continue
+        with _wake_lock:
+            if not _handling.is_set() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                signal.pthread_kill(main, signal.SIGTERM)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -219,9 +308,11 @@ def _on_sigterm(signum, frame) -> None:
         # replaced): that handler decides how the process ends, and the exit closes the loaders as
         # any exit does. Nothing changes here: a script that goes on keeps loaders that work as before.
         return
-    _terminating = True
-    # The default action from now on, as if coordl had never handled it: the process ends by SIGTERM.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _handling.set()
+    with _wake_lock:  # a SIGTERM resent after this point would end the process before its loaders closed
+        _terminating = True
+        # The default action from now on, as if coordl had never handled it: the process ends by SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # The main thread stops here, wherever it was (perhaps inside a lock of coordl's): a thread of
     # its own closes the loaders, which never waits for what the main thread holds.
     _parked.set()
