@@ -612,25 +612,6 @@ for _ in range(3):
 print("ready", flush=True)
 time.sleep(TIMEOUT)  # a long training step
 """,
-    # The kernel may hand a process's SIGTERM to any thread that does not block it, such as one a
-    # library started (OpenBLAS does when numpy is imported): the script's own thread here, told by
-    # the test, hands it to itself. The main thread sleeps in its step all the same.
-    "sigterm_to_a_library_thread": """
-def library_thread():
-    os.read(0, 1)  # not sys.stdin, whose lock a DataLoader worker forked meanwhile would wait for
-    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
-
-
-import threading
-
-threading.Thread(target=library_thread, daemon=True).start()
-loader = make(batch_size=32)
-it = iter(loader)
-for _ in range(3):
-    next(it)
-print("ready", flush=True)
-time.sleep(TIMEOUT)  # a long training step
-""",
     "sigterm_while_iterating": """
 loader = make(batch_size=32)
 it = iter(loader)
@@ -643,6 +624,21 @@ for epoch in range(1000):
     it = iter(loader)
 """,
 }
+
+# The kernel may hand a process's SIGTERM to any thread that does not block it, such as one a
+# library started (OpenBLAS does when numpy is imported): the script's own thread here, told by the
+# test, hands it to itself, while the main thread sleeps in its step as in "sigterm_in_a_step".
+CLOSING["sigterm_to_a_library_thread"] = """
+import threading
+
+
+def library_thread():
+    os.read(0, 1)  # not sys.stdin, whose lock a DataLoader worker forked meanwhile would wait for
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+
+threading.Thread(target=library_thread, daemon=True).start()
+""" + CLOSING["sigterm_in_a_step"]
 
 
 def exit_time(proc: subprocess.Popen) -> float:
