@@ -57,7 +57,10 @@ class PeerServer:
         self.served_reads = 0
         self.served_bytes = 0
         self.rejected = 0  # connections closed for failing the handshake or breaking the protocol
-        self._conns: dict[socket.socket, threading.Thread] = {}  # open connections and their threads
+        self._conns: set[socket.socket] = set()  # open connections
+        # Connection threads not yet seen ended: one that has left _conns may still be finishing,
+        # and close() joins it too.
+        self._threads: list[threading.Thread] = []
         self._peers: frozenset[int] | None = None  # the ranks of other nodes (None: any rank)
         self._pass = 0  # the pass this node is in
         self._done: dict[int, int] = {}  # rank -> the last pass it said it finished
@@ -128,7 +131,9 @@ class PeerServer:
             with self._lock:
                 refused = self._closed or len(self._conns) >= MAX_CONNECTIONS
                 if not refused:
-                    self._conns[conn] = thread
+                    self._conns.add(conn)
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                    self._threads.append(thread)
                     thread.start()  # under the lock: close() joins every thread it finds there
             if refused:
                 conn.close()
@@ -170,7 +175,7 @@ class PeerServer:
                 log.exception("coordl: peer connection failed")
         finally:
             with self._changed:
-                self._conns.pop(conn, None)
+                self._conns.discard(conn)
                 if rank is not None:
                     self._open[rank] -= 1
                     if self._open[rank] == 0 and self._done.get(rank, 0) < self._pass:
@@ -218,11 +223,12 @@ class PeerServer:
         self._sock.close()
         lifecycle.join(self._thread, CLOSE_S)
         with self._lock:
-            conns = dict(self._conns)  # no connection is added from now on: closed, under the lock
+            # No connection is added from now on: closed, under the lock.
+            conns, threads = list(self._conns), list(self._threads)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread in conns.values():
+        for thread in threads:
             lifecycle.join(thread, max(0.0, end - time.monotonic()))
