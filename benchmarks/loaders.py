@@ -1,11 +1,9 @@
-"""The loaders the benchmarks compare, on the CPU or delivering to a GPU, and the model they train.
+"""The loaders the benchmarks compare, on the CPU or delivering to a GPU, the model they train, an epoch timed.
 
-Every loader runs the same ImageNet training augmentation (random-resized crop to 224, scale 0.08-1, aspect
-3/4-4/3, flip, normalise, CHW float32), batch size and CPU workers/threads (docs/benchmarks.md describes
-them): ``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders
-(``dali-shuffle``, ``dali-seq``, ``dali-epoch-shuffle``) and :mod:`benchmarks.gpu`'s ``dali`` (decoded
-whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there), ``coordl-auto`` (``decoded_cache="auto"``),
-``coordl-cpu`` (DALI on the CPU, batches copied to the GPU) and ``coordl-torch`` (coordl's torch backend).
+Every loader runs the same ImageNet training augmentation, batch size and CPU workers (docs/benchmarks.md):
+``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders and
+:mod:`benchmarks.gpu`'s ``dali`` (decoded whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there),
+``coordl-auto`` (``decoded="auto"``), ``coordl-cpu`` (batches copied to the GPU) and ``coordl-torch``.
 """
 
 from __future__ import annotations
@@ -17,19 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import measure
+
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
 # Loaders that measure the storage when they are made: the runner throttles them from their start.
 MEASURE_WHEN_MADE = ("coordl-auto",)
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-SIZE = 224
-DALI_READERS = {
-    "dali-shuffle": {"random_shuffle": True},
-    "dali-seq": {},
-    "dali-epoch-shuffle": {"shuffle_after_epoch": True},
-    "dali": {"random_shuffle": True},
-}
+MEAN, STD, SIZE = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224
+SHUFFLE = {"random_shuffle": True}  # DALI's file reader's orders:
+DALI_READERS = {"dali-shuffle": SHUFFLE, "dali-seq": {}, "dali-epoch-shuffle": {"shuffle_after_epoch": True}}
+DALI_READERS["dali"] = SHUFFLE
 COUNTERS = "cache_hits storage_reads storage_bytes cache_bytes cache_items cache_budget stall_s fetch_wait_s"
 COUNTERS = (*COUNTERS.split(), "decoded_hits", "decoded_cache_budget")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
@@ -56,10 +51,9 @@ def random_resized_crop(width: int, height: int, scale=(0.08, 1.0), ratio=(3 / 4
 
 
 class TrainAugment:
-    """The Pillow loaders' training augmentation of an RGB ``PIL.Image``: random-resized crop
-    resized to 224 (bilinear, one ``resize`` with a box), horizontal flip with probability 0.5,
-    CHW float32, normalised. ``torch`` and ``coordl-torch`` both run it, so they do the same
-    work per sample; a module-level class, so a ``DataLoader`` can pickle it for its workers."""
+    """The Pillow loaders' training augmentation of an RGB ``PIL.Image``: random-resized crop resized to 224
+    (bilinear, one ``resize`` with a box), horizontal flip with probability 0.5, CHW float32, normalised; the
+    same work per sample in ``torch`` and ``coordl-torch``, and a class that a ``DataLoader`` can pickle."""
 
     def __call__(self, im):
         import torch
@@ -90,18 +84,15 @@ class PillowImageFolder:
 
         path, label = self.samples[i]
         with Image.open(path) as im:
-            image = im.convert("RGB")
-        return self.transform(image), label
+            return self.transform(im.convert("RGB")), label
 
 
 def dataloader(dataset, batch_size: int, workers: int, seed: int, **kw):
     """The DataLoader every Pillow baseline uses: shuffled (seeded), persistent workers."""
     import torch
 
-    kw |= {"num_workers": workers, "persistent_workers": workers > 0}
-    return torch.utils.data.DataLoader(
-        dataset, batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed), **kw
-    )
+    kw |= {"num_workers": workers, "persistent_workers": workers > 0, "generator": torch.Generator().manual_seed(seed)}
+    return torch.utils.data.DataLoader(dataset, batch_size, shuffle=True, **kw)
 
 
 def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader"):
@@ -133,17 +124,11 @@ def dali_imagenet_train(jpegs, size: int = SIZE, decode: str | None = None):
 
 class Loader:
     """Loader ``kind`` (of :data:`LOADERS`, or ``dali`` / ``coordl-cpu``) over the folder ``data``: ``n``,
-    ``batches(epoch)`` (``(images, labels)`` on GPU ``device_id``; None: on the CPU), ``epoch()`` (the
-    images alone), ``counters()`` (coordl's, else None) and ``close()``. ``cache_bytes`` is the coordl
-    loaders' cache budget (None: coordl's default)."""
+    ``batches(epoch)`` (``(images, labels)`` on GPU ``device_id``; None: on the CPU), ``counters()`` (coordl's,
+    else None) and ``close()``. ``cache_bytes`` is the coordl loaders' cache budget (None: coordl's default)."""
 
     def __init__(self, kind, data, batch_size, workers, seed, cache_bytes=None, device_id: int | None = None):
         self.kind, self.device_id, gpu = kind, device_id, device_id is not None
-        if kind.startswith("coordl"):
-            import coordl  # not in the baselines' children: their memory is theirs alone
-
-            decoded = "auto" if kind == "coordl-auto" else 0  # coordl-auto: the budget split by the model
-            cache = {} if cache_bytes is None else {"cache": coordl.Cache(size=cache_bytes, decoded=decoded)}
         if kind == "torch":
             self.n = len(dataset := PillowImageFolder(data, TrainAugment()))
             self.loader = dataloader(dataset, batch_size, workers, seed, pin_memory=gpu)
@@ -161,40 +146,39 @@ class Loader:
 
             self.loader = dali_iterator(p := pipe())
             self.n = p.reader_meta("Reader")["epoch_size"]
-        elif kind == "coordl-torch":
-            from coordl.datasets import ImageFolder
+        elif kind in ("coordl", "coordl-auto", "coordl-cpu", "coordl-torch"):
+            import coordl  # not in the baselines' children: their memory is theirs alone
 
-            kw = {"num_workers": workers, "persistent_workers": workers > 0, **cache}
-            dataset = ImageFolder(data, transform=TrainAugment())
-            self.loader = coordl.CoordLoader(dataset, batch_size=batch_size, seed=seed, shuffle=True, **kw)
-        elif kind in ("coordl", "coordl-auto", "coordl-cpu"):
-            kw = {"device_id": device_id if kind == "coordl" else None, "seed": seed, "prep": workers, **cache}
-            self.loader = coordl.CoordLoader(data, batch_size=batch_size, shuffle=True, pipeline="imagenet-train", **kw)
+            kw = {"seed": seed, "shuffle": True, "batch_size": batch_size}
+            if cache_bytes is not None:  # coordl-auto: the budget split by the model
+                kw["cache"] = coordl.Cache(size=cache_bytes, decoded="auto" if kind == "coordl-auto" else 0)
+            if kind == "coordl-torch":
+                from coordl.datasets import ImageFolder
+
+                kw |= {"num_workers": workers, "persistent_workers": workers > 0}
+                self.loader = coordl.CoordLoader(ImageFolder(data, transform=TrainAugment()), **kw)
+            else:
+                kw |= {"device_id": device_id if kind == "coordl" else None, "prep": workers}
+                self.loader = coordl.CoordLoader(data, pipeline="imagenet-train", **kw)
+            self.n = len(self.loader.index)
         else:
             raise ValueError(f"unknown loader {kind!r}; choose from {', '.join(LOADERS)}, dali, coordl-cpu")
-        if kind.startswith("coordl"):
-            self.n = len(self.loader.index)
 
     def batches(self, epoch: int | None = None):
         """One epoch's ``(images, labels)`` (coordl's set to ``epoch`` first, when given), on the GPU if any."""
         if epoch is not None and self.kind.startswith("coordl"):
             self.loader.set_epoch(epoch)
+        dali = self.kind in DALI_READERS
         for batch in self.loader:
-            dali = self.kind in DALI_READERS
             images, labels = (batch[0]["images"], batch[0]["labels"].flatten().long()) if dali else batch
             if self.device_id is not None:
                 to = {"device": f"cuda:{self.device_id}", "non_blocking": self.kind == "torch"}
                 images, labels = (t if t.is_cuda else t.to(**to) for t in (images, labels))
             yield images, labels
 
-    def epoch(self):
-        return (images for images, _ in self.batches())
-
     def counters(self) -> dict | None:
-        if self.kind not in (*COORDL_LOADERS, "coordl-cpu"):
-            return None
-        stats = self.loader.stats()
-        return {k: stats[k] for k in COUNTERS}
+        stats = self.loader.stats() if self.kind.startswith("coordl") else None
+        return stats and {k: stats[k] for k in COUNTERS}
 
     def close(self) -> None:
         if self.kind.startswith("coordl"):
@@ -209,3 +193,12 @@ def model(arch: str, classes: int):
     models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(models)
     return models.create(arch, classes)
+
+
+def epoch_row(batches, dev: tuple[int, int], step=None, more: int = 0) -> dict:
+    """One epoch of ``batches`` timed (:func:`measure.timed`; ``more`` samples, delivered before it, counted in):
+    seconds, samples, samples/s, seconds waiting for batches, and the bytes the device ``dev`` delivered."""
+    before, t = measure.sectors_read(dev), measure.timed(batches, step)
+    n, s = t["samples"] + more, t["seconds"]
+    row = {"seconds": round(s, 3), "samples": n, "samples_per_s": round(n / s, 1), "wait_s": round(t["wait_s"], 3)}
+    return row | {"device_bytes": measure.sectors_read(dev) - before}

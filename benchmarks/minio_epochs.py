@@ -9,12 +9,13 @@ the page cache dropped before every epoch: the bytes the block device delivered 
 
 from __future__ import annotations
 
+import itertools
 import json
-import time
 
 import coordl
 from benchmarks.harness import dataset, limits, measure, report
 from benchmarks.harness.report import log, mb
+from benchmarks.loaders import epoch_row
 
 
 def options(p) -> None:
@@ -32,18 +33,13 @@ def run(args) -> dict | None:
     kw = {"batch_size": args.batch_size, "device_id": None, "shuffle": True, "pipeline": "imagenet-train"}
     # Warm-up: DALI's libraries loaded and a pipeline built first, so that epoch 0's device reads are the dataset's.
     with coordl.CoordLoader(args.data, cache=0, **kw) as warm:
-        for _ in zip(range(3), warm):  # three batches
-            pass
+        list(itertools.islice(warm, 3))  # three batches
     with coordl.CoordLoader(args.data, cache=args.cache, **kw) as loader:
         for epoch in range(args.epochs):
             notes.add(limits.drop_page_cache(args.drop_level))
-            before, t0 = measure.sectors_read(dev), time.perf_counter()
             loader.set_epoch(epoch)
-            for _ in loader:
-                pass
-            seconds, disk, s = time.perf_counter() - t0, measure.sectors_read(dev) - before, loader.stats()
-            minimum = data["total_bytes"] - s["cache_bytes"] if epoch else data["total_bytes"]
-            row = {"epoch": epoch, "seconds": round(seconds, 2), "samples_per_s": round(s["samples"] / seconds, 1)}
+            row, s = {"epoch": epoch} | epoch_row(iter(loader), dev), loader.stats()
+            disk, minimum = row.pop("device_bytes"), data["total_bytes"] - (s["cache_bytes"] if epoch else 0)
             row |= {"storage_bytes_stats": s["storage_bytes"], "storage_bytes_disk": disk, "minimum_bytes": minimum}
             row |= {"stats_over_min": round(s["storage_bytes"] / minimum, 4), "disk_over_min": round(disk / minimum, 4)}
             rows.append(row | {k: s[k] for k in ("cache_hits", "storage_reads", "cache_bytes")})

@@ -4,10 +4,9 @@
 
 Per scenario (a cache fraction and a storage bandwidth) and loader (:mod:`benchmarks.loaders`), a child in its
 own memory and blkio cgroup, the page cache dropped, memory limited to ``working set + slack + cache fraction *
-dataset``, storage throttled; per epoch seconds, device bytes, waits, memory and coordl's counters. ``fits`` (no
-limits) measures the overhead, the working sets and the prep rate P of bandwidths such as ``0.25P``; the method
-is in docs/benchmarks.md. Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and
-``results.png`` to ``--out``. Without root or v1 cgroups it says so (also in the JSON) and runs unlimited.
+dataset``, storage throttled. ``fits`` (no limits) measures the overhead, the working sets and the prep rate P of
+bandwidths such as ``0.25P``. Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and
+``results.png`` to ``--out``; the method is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,16 +16,13 @@ import json
 import os
 import re
 import resource
-import select
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.harness.report import log
-from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, Loader, image_folder
+from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, Loader, epoch_row, image_folder
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
 
@@ -34,7 +30,7 @@ OUT = str(cli.RESULTS / "run")  # a folder: results.json, results.md, results.pn
 DEFAULT_LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl")
 # Pipelines of the same ops, whose fastest rate is the prep rate P: DALI's, else Pillow's.
 PIPELINES_OF_P = (("dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl"), ("torch", "coordl-torch"))
-TIMEOUT = 1800  # seconds without word from a child before giving up
+SHOWN = ("seconds", "samples_per_s", "device_bytes", "wait_s", "storage_bytes", "cache_hits")  # per epoch, in the log
 
 
 def parse_bandwidth(spec: str) -> tuple[float, str] | None:
@@ -43,13 +39,6 @@ def parse_bandwidth(spec: str) -> tuple[float, str] | None:
         return None
     m = re.fullmatch(r"([0-9.]+)\s*[pP]", spec.strip())
     return (float(m.group(1)), "P") if m else (float(parse_bytes(spec.strip())), "B/s")
-
-
-def scenarios(args) -> list[dict]:
-    cells = [] if args.no_fit else [{"name": "fits", "cache": 1.0, "bandwidth": None}]
-    for spec in args.bandwidth:
-        cells += [{"name": f"{spec}@{c:g}", "cache": c, "bandwidth": parse_bandwidth(spec)} for c in args.cache]
-    return cells
 
 
 def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
@@ -77,94 +66,77 @@ def memory(cgroup: str | None, samples: list) -> dict:
         kb = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return {"peak_memory_bytes": kb * 1024, "peak_memory_kind": "rss"}
     mean = [sum(x[i] for x in samples) // len(samples) for i in (0, 1)] if samples else usage(cgroup)
-    peak = {
-        "peak_memory_bytes": int(Path(cgroup, "memory.max_usage_in_bytes").read_text()),
-        "peak_memory_kind": "cgroup",
-    }
-    return peak | {"mean_memory_bytes": mean[0], "mean_file_cache_bytes": mean[1]}
+    peak = {"peak_memory_bytes": int(Path(cgroup, "memory.max_usage_in_bytes").read_text())}
+    return peak | {"peak_memory_kind": "cgroup", "mean_memory_bytes": mean[0], "mean_file_cache_bytes": mean[1]}
 
 
 def job(args) -> None:
-    """Makes the loader, runs the warm-up batches, says ``ready``, waits for ``go`` on stdin (the runner
-    sets the limits), then says one line per epoch. Epoch 0 (from the warm-up batches on) is the cold one."""
-    dev, t0 = tuple(int(x) for x in args.device.split(":")), time.perf_counter()
+    """Makes the loader, runs the warm-up batches, says ``ready`` and waits while the runner sets the limits,
+    then says each epoch (:class:`jobs.Parent`). Epoch 0 (from the warm-up batches on) is the cold one."""
+    parent, dev, t0 = jobs.Parent(), tuple(int(x) for x in args.device.split(":")), time.perf_counter()
     loader = Loader(args.job, args.data, args.batch_size, args.workers, args.seed, args.cache_bytes)
     batches = loader.batches()
     warm = sum(len(next(batches)[0]) for _ in range(args.warmup_batches))
     cache = (loader.counters() or {}).get("cache_bytes", 0)
-    jobs.say(ready=True, build_s=round(time.perf_counter() - t0, 2), warmup_samples=warm, cache_bytes=cache)
+    parent.say(event="ready", build_s=round(time.perf_counter() - t0, 2), warmup_samples=warm, cache_bytes=cache)
+    parent.wait()
     compute = (lambda _: time.sleep(args.compute_ms / 1000)) if args.compute_ms else None  # a stand-in GPU
-    for e in range(args.epochs if sys.stdin.readline().strip() == "go" else 0):
+    for e in range(args.epochs):
         if args.memcg:
             Path(args.memcg, "memory.max_usage_in_bytes").write_text("0")
         sampler = measure.Sampler(lambda: usage(args.memcg), 0.1) if args.memcg else None
-        before = measure.sectors_read(dev)
-        t = measure.timed(batches if e == 0 else loader.batches(), compute)
-        n, seconds = t["samples"] + (warm if e == 0 else 0), t["seconds"]
-        row = {"epoch": e, "seconds": round(seconds, 3), "samples": n, "samples_per_s": round(n / seconds, 1)}
-        row |= {"device_bytes": measure.sectors_read(dev) - before, "wait_s": round(t["wait_s"], 3)}
+        row = {"epoch": e} | epoch_row(batches if e == 0 else loader.batches(), dev, compute, warm if e == 0 else 0)
         row |= memory(args.memcg, sampler.stop() if sampler else [])
         if (counters := loader.counters()) is not None:
             row["counters"] = counters  # epoch 0's include the warm-up batches
-        jobs.say(**row)
+        parent.say(event="epoch", **row)
+        parent.wait()
     loader.close()
-    jobs.say(done=True)
+    parent.say(event="done")
 
 
 # -- the runner ---------------------------------------------------------------------------------
-def message(proc: subprocess.Popen, log_path: Path) -> dict:
-    """The child's next JSON line (other lines are a library's chatter), waiting at most TIMEOUT s for a line."""
-    while True:
-        if not select.select([proc.stdout], [], [], TIMEOUT)[0]:
-            raise TimeoutError(f"no word from the child for {TIMEOUT} s")
-        if not (line := proc.stdout.readline()):
-            raise RuntimeError(f"the child exited with status {proc.wait()}; see {log_path}")
-        if line.startswith(b"{"):
-            return json.loads(line)
-
-
 def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
     cache_bytes, fits = round(cell["cache"] * data["total_bytes"]), cell["name"] == "fits"
-    use = caps["memory"] or caps["blkio"]
-    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"]) if use else None
     kw = {"job": loader, "data": data["root"], "batch_size": args.batch_size, "workers": args.workers}
     kw |= {"epochs": args.fit_epochs if fits else args.epochs, "seed": args.seed, "cache_bytes": cache_bytes}
     kw |= {"compute_ms": args.compute_ms, "warmup_batches": args.warmup_batches, "device": f"{dev[0]}:{dev[1]}"}
-    log_path = Path(args.out) / "logs" / f"{cell['name'].replace('/', '_')}-{loader}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
-        limits.drop_page_cache(3)
-    if lim and loader in MEASURE_WHEN_MADE:
-        lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
     run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes}
     run |= {"bandwidth_bps": bandwidth, "epochs": []}
-    with open(log_path, "w") as err:
-        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim and lim.memory_path))
-        popen = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": err, "bufsize": 0}
-        proc = subprocess.Popen(command, preexec_fn=lim.join if lim else None, **popen)
-        try:
-            run["ready"] = message(proc, log_path)
+    if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
+        limits.drop_page_cache(3)
+    use = caps["memory"] or caps["blkio"]
+    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"]) if use else None
+
+    def on_message(event: str, msg: dict) -> None:
+        if event == "ready":  # the limits, before 'go'
+            run["ready"] = msg
             if caps["drop_caches"]:
                 limits.drop_page_cache(3)
             if lim and lim.memory and not fits:
                 limit_memory(args, run, lim)
             if lim:
                 lim.throttle(dev, bandwidth)
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-            while not (msg := message(proc, log_path)).get("done"):
-                run["epochs"].append(msg)
-                shown = {**msg, **msg.get("counters", {})}
-                keys = ("seconds", "samples_per_s", "device_bytes", "wait_s", "storage_bytes", "cache_hits")
-                log(f"  epoch {msg['epoch']}: " + ", ".join(f"{k} {shown[k]}" for k in keys if k in shown))
-        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-            run["error"] = f"{type(e).__name__}: {e}"
-            log(f"  FAILED: {run['error']}")
-        finally:
-            proc.kill()
-            proc.wait()
-            if lim:
-                lim.remove()
+            return
+        run["epochs"].append(msg)
+        shown = {**msg, **msg.get("counters", {})}
+        log(f"  epoch {msg['epoch']}: " + ", ".join(f"{k} {shown[k]}" for k in SHOWN if k in shown))
+
+    try:
+        if lim and loader in MEASURE_WHEN_MADE:
+            lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
+        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim and lim.memory_path))
+        status, err, _ = jobs.converse(command, on_message, preexec_fn=lim.join if lim else None)
+        if status:
+            tail = jobs.error_text(err).splitlines()[-1:]
+            run["error"] = f"the child exited with status {status}" + "".join(f": {t}" for t in tail)
+    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+        run["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if lim:
+            lim.remove()
+    if "error" in run:
+        log(f"  FAILED: {run['error']}")
     steady(args, run, data, fits and lim and lim.memory)
     return run
 
@@ -217,13 +189,11 @@ def summarise(result: dict) -> list[dict]:
     and coordl's torch backend against ``torch``, the baseline that runs the same Python."""
     total, p, out = result["dataset"]["total_bytes"], result.get("prep_rate_samples_per_s"), []
     for cell in result["scenarios"]:
-        runs = {r["loader"]: r for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r}
-        base = [r for name, r in runs.items() if name not in COORDL_LOADERS]
-        if not runs:
+        if not (runs := {r["loader"]: r for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r}):
             continue
         minimum, bw = total - round(cell["cache"] * total), cell.get("bandwidth_bps")
         row = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": bw, "minimum_bytes": minimum}
-        if base:
+        if base := [r for name, r in runs.items() if name not in COORDL_LOADERS]:
             best = min(base, key=lambda r: r["steady"]["seconds"])
             row.update(best_baseline=best["loader"], best_baseline_s=best["steady"]["seconds"])
         if mine := runs.get("coordl", {}).get("steady"):
@@ -251,18 +221,13 @@ def fmt_bw(bps: int | None) -> str:
     return "unthrottled" if not bps else f"{format_bytes(bps, 'MB', digits=0)}/s"
 
 
-def markdown(args, result: dict) -> str:
+def markdown(result: dict) -> str:
     """The conditions, a row per run and a row per scenario (coordl against the best baseline and the bound)."""
     d, p, lim = result["dataset"], result.get("prep_rate_samples_per_s"), result["limits"]
     applied = ", ".join(k for k in ("memory", "blkio", "drop_caches") if lim[k]) or "none"
-    lines = [
-        f"Dataset: {dataset.describe(d)}, {d['classes']} classes, at `{d['root']}`.",
-        f"Batch {args.batch_size}, {args.workers} workers/threads per loader, {args.epochs} epochs ({args.fit_epochs} "
-        f"in fits; epoch 0 cold), compute step {args.compute_ms} ms/batch; limits applied: {applied}.",
-        *([f"Prep rate P = {p:.0f} samples/s = {format_bytes(p * d['mean_bytes'], 'MB')}/s."] if p else []),
-        *(f"**NOTE:** {n}" for n in lim["notes"]),
-        "",
-    ]
+    lines = [f"Dataset: {dataset.describe(d)}, {d['classes']} classes, at `{d['root']}`; limits applied: {applied}."]
+    lines += [f"Prep rate P = {p:.0f} samples/s = {format_bytes(p * d['mean_bytes'], 'MB')}/s."] if p else []
+    lines += [*(f"**NOTE:** {n}" for n in lim["notes"]), ""]
     rows = []
     for r in result["runs"]:
         s, minimum = r.get("steady"), d["total_bytes"] * (1 - r["cache_fraction"])
@@ -296,10 +261,9 @@ def draw(plt, result: dict):
     loaders = [name for name in LOADERS if any(name == n for _, n in done)]
     fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
     width, total = 0.8 / max(1, len(loaders)), result["dataset"]["total_bytes"]
+    metrics = (("seconds", 1, "steady epoch s"), ("device_bytes", 1e6, "device MB per steady epoch"))
     for col, (key, cells) in enumerate(groups.items()):
-        for row, (metric, scale, label) in enumerate(
-            (("seconds", 1, "steady epoch s"), ("device_bytes", 1e6, "device MB per steady epoch"))
-        ):
+        for row, (metric, scale, label) in enumerate(metrics):
             ax = axes[row][col]
             for j, name in enumerate(loaders):
                 got = {
@@ -310,12 +274,10 @@ def draw(plt, result: dict):
                 y = total * (1 - cell["cache"]) / 1e6
                 ax.hlines(y, i - 0.45, i + 0.45, "k", "--", label="minimum" if i == 0 else None)
             ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
-            ax.set_title("" if row else key)
-            ax.set_ylabel(label)
+            ax.set(title="" if row else key, ylabel=label)
             axes[row][0].legend(fontsize=8)
-    fig.suptitle(
-        f"{result['dataset']['files']} images, {format_bytes(total, 'MB', digits=0)}; memory = working set + cache"
-    )
+    total_mb = format_bytes(total, "MB", digits=0)
+    fig.suptitle(f"{result['dataset']['files']} images, {total_mb}; memory = working set + cache")
     return fig
 
 
@@ -346,10 +308,8 @@ def options(p) -> None:
 def run(args) -> None:
     if args.job:
         return job(args)
-    args.cache, args.bandwidth, args.loaders = (
-        [x for x in a.split(",") if x] for a in (args.cache, args.bandwidth, args.loaders)
-    )
-    args.cache = [float(c) for c in args.cache]
+    args.cache = [float(c) for c in args.cache.split(",") if c]
+    args.bandwidth, args.loaders = ([x for x in a.split(",") if x] for a in (args.bandwidth, args.loaders))
     if unknown := set(args.loaders) - set(LOADERS):
         raise SystemExit(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
     out, caps = Path(args.out), limits.probe()
@@ -362,15 +322,18 @@ def run(args) -> None:
     data, dev, args.working_sets = dataset.dataset_from_args(args), measure.device_of(args.data), {}
     data["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())  # whole 4 KiB pages per file
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
-    result = {"dataset": data, "limits": caps, "scenarios": scenarios(args), "runs": []}
-    result["working_sets"] = args.working_sets
+    cells = [] if args.no_fit else [{"name": "fits", "cache": 1.0, "bandwidth": None}]
+    cells += [
+        {"name": f"{b}@{c:g}", "cache": c, "bandwidth": parse_bandwidth(b)} for b in args.bandwidth for c in args.cache
+    ]
+    result = {"dataset": data, "limits": caps, "scenarios": cells, "runs": [], "working_sets": args.working_sets}
     path, done = out / "results.json", {}
     old = json.loads(path.read_text()) if args.resume and path.exists() else {}
     if old.get("dataset", {}).get("total_bytes") == data["total_bytes"]:
         done = {(r["scenario"], r["loader"]): r for r in old["results"]["runs"] if "steady" in r}
         args.working_sets.update(old["results"].get("working_sets", {}))
     p_rate = args.prep_rate
-    for ci, cell in enumerate(result["scenarios"]):
+    for ci, cell in enumerate(cells):
         if cell["name"] != "fits" and p_rate is None and (p_rate := prep_rate(result["runs"])):
             log(f"prep rate P = {p_rate:.0f} samples/s = {format_bytes(p_rate * data['mean_bytes'], 'MB')}/s")
         result["prep_rate_samples_per_s"] = p_rate
@@ -385,6 +348,6 @@ def run(args) -> None:
     if why := report.plot(out / "results.png", lambda plt: draw(plt, result)):
         caps["notes"].append(why)
     cli.save(args, result, path)
-    (out / "results.md").write_text(markdown(args, result))
-    print(markdown(args, result))
+    (out / "results.md").write_text(markdown(result))
+    print(markdown(result))
     log(f"wrote {path}, {out / 'results.md'}, {out / 'results.png'}")

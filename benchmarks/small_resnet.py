@@ -21,13 +21,11 @@ from benchmarks.loaders import model
 
 
 def main() -> int:
-    raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="python -m benchmarks.small_resnet", description=__doc__, formatter_class=raw)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.small_resnet", description=__doc__.split("\n")[0])
     p.add_argument("data")
     p.add_argument("--cache", type=float, default=0.5, help="cache budget, fraction of the dataset")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--size", type=int, default=112, help="training crop")
     p.add_argument("--threads", type=int, help="torch's threads for the model (default: torch's choice)")
     p.add_argument("--prep-threads", type=int, help="DALI's threads (default: coordl's choice, all cores)")
     args = p.parse_args()
@@ -35,7 +33,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    kw = {"pipeline": coordl.ImageNetTrain(size=args.size), "device_id": None, "cache": args.cache, "shuffle": True}
+    kw = {"pipeline": coordl.ImageNetTrain(size=112), "device_id": None, "cache": args.cache, "shuffle": True}
     with coordl.CoordLoader(args.data, batch_size=args.batch_size, prep=args.prep_threads, **kw) as loader:
         net, _ = model("resnet_tiny", int(loader.index.labels.max()) + 1)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)

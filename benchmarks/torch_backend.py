@@ -1,21 +1,17 @@
 """coordl's torch backend vs DataLoader, the same Python per sample, everything in memory: warm throughput.
 
-Both loaders (:mod:`benchmarks.loaders`) run Pillow and ``loaders.TrainAugment`` in ``--workers`` workers;
-``torch`` opens each file by path, ``coordl-torch`` (``CoordLoader`` over ``coordl.datasets.ImageFolder``)
-gets the bytes from coordl's cache. The loaders (and the DALI path, ``coordl``) in this process, a warm-up
-epoch each, then ``--reps`` epochs each ABBA: median samples/s, coordl-torch / torch (target >= 0.95).
-With short memory and slow storage, the same two loaders are ``run``'s scenario (docs/torch-backend.md):
-``python -m benchmarks run --loaders torch,coordl-torch --cache 0.5 --bandwidth 0.5P --epochs 4 --fit-epochs 3
---workers 2 --out benchmarks/results/torch_backend_run``.
-
     python -m benchmarks torch_backend
     python -m benchmarks torch_backend --quick              # tiny dataset, one rep (tests)
+
+``torch`` (files opened by path) and ``coordl-torch`` (bytes from coordl's cache), Pillow and
+``loaders.TrainAugment`` in ``--workers`` workers, and the DALI path ``coordl``, in this process: a warm-up epoch
+each, then ``--reps`` epochs each ABBA; median samples/s, coordl-torch / torch (target >= 0.95). The same loaders
+with short memory and slow storage are ``run``'s (benchmarks/README.md gives both commands and the method).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 from benchmarks import loaders
 from benchmarks.harness import cli, dataset, measure, report
@@ -28,27 +24,18 @@ TARGET_RATIO = 0.95
 DATA, QUICK_DATA = "/var/tmp/coordl-bench/bench", "/var/tmp/coordl-bench/quick"  # run.py's dataset; --quick's
 
 
-def time_epoch(loader, dev: tuple[int, int]) -> dict:
-    """One whole epoch of ``loader``: seconds, samples, samples/s, bytes the device delivered."""
-    before, t0 = measure.sectors_read(dev), time.perf_counter()
-    samples = sum(images.shape[0] for images in loader.epoch())
-    seconds = time.perf_counter() - t0
-    row = {"seconds": round(seconds, 3), "samples": samples, "samples_per_s": round(samples / seconds, 1)}
-    return row | {"device_bytes": measure.sectors_read(dev) - before}
-
-
 def warm(args, data: dict, dev: tuple[int, int]) -> dict:
     """A warm-up epoch of every loader, then ``--reps`` epochs each, ABBA, in this process."""
     total, files, made = data["total_bytes"], data["files"], {}
     try:
         for name in WARM:
-            made[name] = loaders.Loader(name, args.data, args.batch_size, args.workers, args.seed, cache_bytes=total)
-        warmup = {name: time_epoch(made[name], dev) for name in WARM}
+            made[name] = loaders.Loader(name, args.data, args.batch_size, args.workers, 0, cache_bytes=total)
+        warmup = {name: loaders.epoch_row(made[name].batches(), dev) for name in WARM}
         if (held := made["coordl-torch"].counters()["cache_items"]) != files:
             raise RuntimeError(f"coordl's cache holds {held} of {files} samples: free /dev/shm (`coordl cache ls`)")
         epochs = []
         for rep, name in measure.alternate(list(WARM), args.reps):
-            epochs.append(row := {"rep": rep, "loader": name, **time_epoch(made[name], dev)})
+            epochs.append(row := {"rep": rep, "loader": name, **loaders.epoch_row(made[name].batches(), dev)})
             if row["samples"] != files:
                 raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
             if (counters := made[name].counters()) is not None:
@@ -70,9 +57,7 @@ def table(result: dict) -> str:
         rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in es)
         rows.append([name, median, rates, mb(max(e["device_bytes"] for e in es))])
     ratio = f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** (target >= {w['target_ratio']})"
-    return (
-        report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows) + f"\n\n{ratio}\n"
-    )
+    return report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows) + f"\n\n{ratio}"
 
 
 def options(p) -> None:
@@ -80,7 +65,6 @@ def options(p) -> None:
     dataset.add_dataset_options(p, data=None, images=None, size=None, classes=None, data_help=root)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per loader")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, help="timed epochs per loader (default 4; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="a tiny run for the tests: small defaults, one rep")
 
@@ -90,8 +74,6 @@ def run(args) -> dict:
     cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(100, 4), reps=(4, 1), out=(out, out))
     if args.images is None and args.size is None:
         args.images, args.size = (64, None) if q else (None, parse_bytes("500MB"))
-    if args.reps < 1:
-        raise SystemExit("--reps must be at least 1")
     data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
     return {"dataset": data, "warm": warm(args, data, dev)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -77,37 +76,33 @@ class OwnMemory:
         if args.follow and not coordl:
             self.follow = run["memory_limit_follows"] = slack + cache_bytes  # bytes beyond its own memory
         mb = [report.mb(n, 0) for n in (run["memory_limit_bytes"], own, slack)]
-        print(
-            f"  {run['loader']}: memory limit {mb[0]} MB = own {mb[1]} + slack {mb[2]} + {args.cache:.0%} of the data"
-        )
+        print(f"  {run['loader']}: memory limit {mb[0]} MB = own {mb[1]} + slack {mb[2]} + {args.cache:.0%} of data")
 
 
-def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
-    use, device = caps["memory"] or caps["blkio"], f"{dev[0]}:{dev[1]}"
+def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict, checkpoints: str, log) -> dict:
     warm_libraries()
     # no cache from an earlier run
     subprocess.run([sys.executable, "-m", "coordl.cli", "cache", "clean"], check=True, stdout=subprocess.DEVNULL)
     limits.evict(args.data)
-    cache_bytes, checkpoints = int(args.cache * dataset_bytes), tempfile.mkdtemp(prefix="coordl-train-example-")
     cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs)]
     cmd += ["-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size), "--seed", "0"]
     cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir", checkpoints]
-    run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
+    run, use = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}, caps["memory"] or caps["blkio"]
     # the cgroups made after what may fail before the run starts: no cgroup is left behind then
     lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) if use else None
     if lim:
         lim.throttle(dev, args.bandwidth)
-    log = open(Path(args.out) / f"train_example-{loader}.log", "w")
+    blkio, device = lim and lim.blkio and lim.blkio.path, f"{dev[0]}:{dev[1]}"
     t0, meter = time.perf_counter(), OwnMemory(lim) if lim and lim.memory else None
+    last = limits.blkio_read(blkio, device)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=lim.join if lim else None)
     try:
-        last = limits.blkio_read(lim and lim.blkio and lim.blkio.path, device)
         for line in proc.stdout:
             log.write(line)
             if meter and not meter.frozen and re.match(rf"=> saved .*\(start of epoch {args.limit_after + 1}\)", line):
-                meter.limit(args, run, cache_bytes)
+                meter.limit(args, run, int(args.cache * dataset_bytes))
             if m := SUMMARY.match(line.strip()):
-                now = limits.blkio_read(lim and lim.blkio and lim.blkio.path, device)
+                now = limits.blkio_read(blkio, device)
                 e = {"epoch": int(m[1]), "line": line.strip(), "device_bytes": None if now is None else now - last}
                 if meter:  # the mean page cache + shared memory since the epoch before: the data in memory
                     e["mean_data_in_memory_bytes"] = statistics.mean(data) if (data := meter.sampler.take()) else None
@@ -121,8 +116,6 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
         proc.wait()
         if meter:
             meter.sampler.stop()
-        shutil.rmtree(checkpoints, ignore_errors=True)
-        log.close()
         if lim:
             lim.remove()
     run["wall_s"] = time.perf_counter() - t0
@@ -131,22 +124,16 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict) -> dict:
 
 def table(result: dict) -> str:
     """A row per loader and epoch, and the summary lines the script printed."""
-    rows, lines = [], [e["line"] for r in result["runs"] for e in r["epochs"]]
-    for r in result["runs"]:
-        for e in r["epochs"]:
-            limit = (
-                "none (warm-up)" if e["epoch"] <= result["limit_after"] else report.mb(r.get("memory_limit_bytes"), 0)
-            )
-            if e["epoch"] > result["limit_after"] and r.get("memory_limit_follows"):
-                limit = f"own + {report.mb(r['memory_limit_follows'], 0)}"
-            cells = [e["seconds"], e["samples_per_s"], e["wait_s"], report.mb(e["device_bytes"])]
-            rows.append([r["loader"], e["epoch"], *cells, report.mb(e.get("mean_data_in_memory_bytes")), limit])
+    rows, runs = [], [(r, e) for r in result["runs"] for e in r["epochs"]]
+    for r, e in runs:
+        limit = "none (warm-up)" if e["epoch"] <= result["limit_after"] else report.mb(r.get("memory_limit_bytes"), 0)
+        if e["epoch"] > result["limit_after"] and r.get("memory_limit_follows"):
+            limit = f"own + {report.mb(r['memory_limit_follows'], 0)}"
+        cells = [e["seconds"], e["samples_per_s"], e["wait_s"], report.mb(e["device_bytes"])]
+        rows.append([r["loader"], e["epoch"], *cells, report.mb(e.get("mean_data_in_memory_bytes")), limit])
     head = "loader|epoch|seconds|samples/s|waited for data s|device MB|data in memory MB|memory limit MB"
-    title, block = (
-        "# examples/imagenet/train.py: `--loader coordl` vs `--loader torch`",
-        "\n".join(["```", *lines, "```"]),
-    )
-    return f"{title}\n\n{report.table(head, rows)}\n\n{block}\n"
+    title, block = "# examples/imagenet/train.py: `--loader coordl` vs `--loader torch`", [e["line"] for _, e in runs]
+    return "\n".join([title, "", report.table(head, rows), "", "```", *block, "```", ""])
 
 
 def options(p) -> None:
@@ -187,12 +174,13 @@ def run(args) -> dict:
     train = dataset.dataset_from_args(args, root=os.path.join(args.data, "train"))
     val = dataset.dataset_from_args(args, root=f"{args.data}/val", images=args.val_images, seed=args.dataset_seed + 1)
     data = {"train_files": train["files"], "val_files": val["files"], "source": train["source"]}
-    result = {"dataset": data | {"total_bytes": train["total_bytes"] + val["total_bytes"]}, "limits": caps, "runs": []}
-    result["limit_after"] = args.limit_after
+    data["total_bytes"], dev = train["total_bytes"] + val["total_bytes"], measure.device_of(train["root"])
+    result = {"dataset": data, "limits": caps, "runs": [], "limit_after": args.limit_after}
     for loader in args.loaders.split(","):
         print(f"{loader}:", flush=True)
-        dev = measure.device_of(train["root"])
-        result["runs"].append(run_one(args, loader, result["dataset"]["total_bytes"], dev, caps))
+        log_path = Path(args.out) / f"train_example-{loader}.log"
+        with tempfile.TemporaryDirectory(prefix="coordl-train-example-") as checkpoints, open(log_path, "w") as log:
+            result["runs"].append(run_one(args, loader, data["total_bytes"], dev, caps, checkpoints, log))
     out_path(args).with_suffix(".md").write_text(table(result))
     if any(r["returncode"] for r in result["runs"]):
         cli.save(args, result, out_path(args))
