@@ -30,13 +30,6 @@ COUNTERS = (*COUNTERS.split(), "decoded_hits", "decoded_cache_budget")
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "imagenet" / "models.py"
 
 
-def image_folder(root: str):
-    """The dataset's files and labels in torchvision ImageFolder's order (coordl's scan), not saved anywhere."""
-    from coordl.index import Index
-
-    return Index.scan(root, index_dir="")
-
-
 def random_resized_crop(width: int, height: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
     """torchvision's ``RandomResizedCrop.get_params``: (left, top, w, h) of the crop."""
     area, log_ratio = width * height, (math.log(ratio[0]), math.log(ratio[1]))
@@ -72,7 +65,9 @@ class PillowImageFolder:
     torchvision's ``pil_loader`` and coordl's ``pil_decode`` do), then ``transform``."""
 
     def __init__(self, root: str, transform):
-        index = image_folder(root)
+        from coordl.index import Index  # coordl's scan, in torchvision ImageFolder's order, not saved anywhere
+
+        index = Index.scan(root, index_dir="")
         self.samples = list(zip(index.paths, index.labels.tolist()))
         self.transform = transform
 

@@ -1,12 +1,15 @@
-"""Epoch time and storage bytes of coordl vs DataLoader and DALI, with short memory and slow storage.
+"""Epoch time and storage bytes of coordl vs DataLoader and DALI, with short memory and slow storage, or warm.
 
     python -m benchmarks run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
+    python -m benchmarks run --warm --loaders coordl-torch,coordl,torch --out benchmarks/results   # torch_backend.json
 
 Per scenario (a cache fraction and a storage bandwidth) and loader (:mod:`benchmarks.loaders`), a child in its
 own memory and blkio cgroup, the page cache dropped, memory limited to ``working set + slack + cache fraction *
 dataset``, storage throttled. ``fits`` (no limits) measures the overhead, the working sets and the prep rate P of
 bandwidths such as ``0.25P``. Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and
-``results.png`` to ``--out``; the method is in docs/benchmarks.md.
+``results.png`` to ``--out``; the method is in docs/benchmarks.md. ``--warm`` (was ``torch_backend``): the loaders
+in this process, everything in memory, a warm-up epoch each, then ``--reps`` epochs each ABBA; median samples/s and
+coordl-torch / torch (target >= 0.95), written to ``--out``/torch_backend.json (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.harness.report import log
-from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, Loader, epoch_row, image_folder
+from benchmarks.loaders import COORDL_LOADERS, LOADERS, MEASURE_WHEN_MADE, Loader, epoch_row
+from coordl.index import Index
 from coordl.shm.limits import MIN_MARGIN
 from coordl.units import format_bytes, parse_bytes
 
@@ -50,10 +54,8 @@ def resolve_bandwidth(cell: dict, prep_bps: float | None) -> int | None:
     return int(value * prep_bps) if unit == "P" else int(value)
 
 
-# -- the child: one loader, in the cgroups ---------------------------------------------------------
 def usage(cgroup: str) -> tuple[int, int]:
-    """The cgroup's usage and its unmapped file page cache (what the page-cache loaders hold of the
-    dataset; libraries are mapped), from ``memory.stat``."""
+    """The cgroup's usage and its unmapped file page cache (the page-cache loaders' data; libraries are mapped)."""
     stat = dict(line.split() for line in Path(cgroup, "memory.stat").read_text().splitlines())
     cache, rss = int(stat["total_cache"]), int(stat["total_rss"])
     return rss + cache, max(0, cache - int(stat["total_shmem"]) - int(stat["total_mapped_file"]))
@@ -73,12 +75,11 @@ def memory(cgroup: str | None, samples: list) -> dict:
 def job(args) -> None:
     """Makes the loader, runs the warm-up batches, says ``ready`` and waits while the runner sets the limits,
     then says each epoch (:class:`jobs.Parent`). Epoch 0 (from the warm-up batches on) is the cold one."""
-    parent, dev, t0 = jobs.Parent(), tuple(int(x) for x in args.device.split(":")), time.perf_counter()
-    loader = Loader(args.job, args.data, args.batch_size, args.workers, args.seed, args.cache_bytes)
+    parent, dev = jobs.Parent(), tuple(int(x) for x in args.device.split(":"))
+    loader = Loader(args.job, args.data, args.batch_size, args.workers, 0, args.cache_bytes)
     batches = loader.batches()
     warm = sum(len(next(batches)[0]) for _ in range(args.warmup_batches))
-    cache = (loader.counters() or {}).get("cache_bytes", 0)
-    parent.say(event="ready", build_s=round(time.perf_counter() - t0, 2), warmup_samples=warm, cache_bytes=cache)
+    parent.say(event="ready", warmup_samples=warm)
     parent.wait()
     compute = (lambda _: time.sleep(args.compute_ms / 1000)) if args.compute_ms else None  # a stand-in GPU
     for e in range(args.epochs):
@@ -95,11 +96,10 @@ def job(args) -> None:
     parent.say(event="done")
 
 
-# -- the runner ---------------------------------------------------------------------------------
 def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidth: int | None, k: int) -> dict:
     cache_bytes, fits = round(cell["cache"] * data["total_bytes"]), cell["name"] == "fits"
     kw = {"job": loader, "data": data["root"], "batch_size": args.batch_size, "workers": args.workers}
-    kw |= {"epochs": args.fit_epochs if fits else args.epochs, "seed": args.seed, "cache_bytes": cache_bytes}
+    kw |= {"epochs": args.fit_epochs if fits else args.epochs, "cache_bytes": cache_bytes}
     kw |= {"compute_ms": args.compute_ms, "warmup_batches": args.warmup_batches, "device": f"{dev[0]}:{dev[1]}"}
     run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes}
     run |= {"bandwidth_bps": bandwidth, "epochs": []}
@@ -175,7 +175,6 @@ def steady(args, run: dict, data: dict, working_set: bool) -> None:
         s["coordl_storage_bytes"] = sum(e["counters"]["storage_bytes"] for e in es) / len(es)
 
 
-# -- analysis ---------------------------------------------------------------------------------------
 def prep_rate(runs: list[dict]) -> float | None:
     """P in samples/s: the fastest steady rate in 'fits' of the DALI pipelines, else of the Pillow ones."""
     for family in PIPELINES_OF_P:
@@ -185,34 +184,31 @@ def prep_rate(runs: list[dict]) -> float | None:
 
 
 def summarise(result: dict) -> list[dict]:
-    """Per scenario: the best baseline, coordl, their ratio, bytes vs the minimum, the bound;
-    and coordl's torch backend against ``torch``, the baseline that runs the same Python."""
+    """Per scenario: the best baseline, coordl and coordl's torch backend, their bytes vs the minimum, coordl's
+    speedup over the best baseline and its bound, coordl-torch's over ``torch`` (which runs the same Python)."""
     total, p, out = result["dataset"]["total_bytes"], result.get("prep_rate_samples_per_s"), []
     for cell in result["scenarios"]:
-        if not (runs := {r["loader"]: r for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r}):
+        runs = {r["loader"]: r["steady"] for r in result["runs"] if r["scenario"] == cell["name"] and "steady" in r}
+        if not runs:
             continue
         minimum, bw = total - round(cell["cache"] * total), cell.get("bandwidth_bps")
         row = {"scenario": cell["name"], "cache_fraction": cell["cache"], "bandwidth_bps": bw, "minimum_bytes": minimum}
-        if base := [r for name, r in runs.items() if name not in COORDL_LOADERS]:
-            best = min(base, key=lambda r: r["steady"]["seconds"])
-            row.update(best_baseline=best["loader"], best_baseline_s=best["steady"]["seconds"])
-        if mine := runs.get("coordl", {}).get("steady"):
-            row |= {"coordl_s": mine["seconds"], "coordl_device_bytes": mine["device_bytes"]}
-            row["coordl_storage_bytes"] = mine.get("coordl_storage_bytes")
+        if base := {name: s["seconds"] for name, s in runs.items() if name not in COORDL_LOADERS}:
+            row["best_baseline"] = min(base, key=base.get)
+            row["best_baseline_s"] = base[row["best_baseline"]]
+        for key, mine in ((k.replace("-", "_"), runs[k]) for k in ("coordl", "coordl-torch") if k in runs):
+            row |= {f"{key}_s": mine["seconds"], f"{key}_device_bytes": mine["device_bytes"]}
+            row[f"{key}_storage_bytes"] = mine.get("coordl_storage_bytes")
             if minimum:
-                row["coordl_device_over_min"] = mine["device_bytes"] / minimum
-            if base:
-                row["speedup_vs_best"] = row["best_baseline_s"] / row["coordl_s"]
-            if p:
-                row["bound_s"] = max((1 - cell["cache"]) * total / bw if bw else 0.0, result["dataset"]["files"] / p)
-                row["coordl_over_bound"] = row["coordl_s"] / row["bound_s"]
-        if mine := runs.get("coordl-torch", {}).get("steady"):
-            row["coordl_torch_s"] = mine["seconds"]
-            if minimum:
-                row["coordl_torch_device_over_min"] = mine["device_bytes"] / minimum
-            if "torch" in runs:
-                row["torch_s"] = runs["torch"]["steady"]["seconds"]
-                row["coordl_torch_speedup_vs_torch"] = row["torch_s"] / row["coordl_torch_s"]
+                row[f"{key}_device_over_min"] = mine["device_bytes"] / minimum
+        if "coordl_s" in row and base:
+            row["speedup_vs_best"] = row["best_baseline_s"] / row["coordl_s"]
+        if "coordl_s" in row and p:
+            row["bound_s"] = max((1 - cell["cache"]) * total / bw if bw else 0.0, result["dataset"]["files"] / p)
+            row["coordl_over_bound"] = row["coordl_s"] / row["bound_s"]
+        if "coordl_torch_s" in row and "torch" in runs:
+            row["torch_s"] = runs["torch"]["seconds"]
+            row["coordl_torch_speedup_vs_torch"] = row["torch_s"] / row["coordl_torch_s"]
         out.append(row)
     return out
 
@@ -253,37 +249,72 @@ def markdown(result: dict) -> str:
 
 
 def draw(plt, result: dict):
-    """Steady epoch time and device bytes per loader, a column per storage bandwidth, a group per cache."""
-    groups: dict[str, list[dict]] = {}
-    for cell in result["scenarios"]:
-        groups.setdefault("fits" if cell["name"] == "fits" else fmt_bw(cell.get("bandwidth_bps")), []).append(cell)
+    """Steady epoch time and device bytes per scenario, a bar per loader; the minimum bytes dashed."""
+    cells, total = result["scenarios"], result["dataset"]["total_bytes"]
     done = {(r["scenario"], r["loader"]): r["steady"] for r in result["runs"] if "steady" in r}
     loaders = [name for name in LOADERS if any(name == n for _, n in done)]
-    fig, axes = plt.subplots(2, len(groups), figsize=(4.2 * len(groups), 7), squeeze=False)
-    width, total = 0.8 / max(1, len(loaders)), result["dataset"]["total_bytes"]
+    fig, axes = plt.subplots(2, 1, figsize=(3 + 1.2 * len(cells), 7))
+    width, at = 0.8 / max(1, len(loaders)), range(len(cells))
     metrics = (("seconds", 1, "steady epoch s"), ("device_bytes", 1e6, "device MB per steady epoch"))
-    for col, (key, cells) in enumerate(groups.items()):
-        for row, (metric, scale, label) in enumerate(metrics):
-            ax = axes[row][col]
-            for j, name in enumerate(loaders):
-                got = {
-                    i: done[c["name"], name][metric] / scale for i, c in enumerate(cells) if (c["name"], name) in done
-                }
-                ax.bar([i + (j - (len(loaders) - 1) / 2) * width for i in got], list(got.values()), width, label=name)
-            for i, cell in enumerate(cells if row else []):  # the minimum: what the cache does not hold
-                y = total * (1 - cell["cache"]) / 1e6
-                ax.hlines(y, i - 0.45, i + 0.45, "k", "--", label="minimum" if i == 0 else None)
-            ax.set_xticks(range(len(cells)), [f"cache {c['cache']:.0%}" for c in cells])
-            ax.set(title="" if row else key, ylabel=label)
-            axes[row][0].legend(fontsize=8)
-    total_mb = format_bytes(total, "MB", digits=0)
-    fig.suptitle(f"{result['dataset']['files']} images, {total_mb}; memory = working set + cache")
+    for ax, (metric, scale, label) in zip(axes, metrics):
+        for j, name in enumerate(loaders):
+            got = {i: done[c["name"], name][metric] / scale for i, c in enumerate(cells) if (c["name"], name) in done}
+            ax.bar([i + (j - (len(loaders) - 1) / 2) * width for i in got], list(got.values()), width, label=name)
+        ax.set_xticks(at, [f"{c['name']}\n{fmt_bw(c.get('bandwidth_bps'))}" for c in cells])
+        ax.set_ylabel(label)
+    lows = [total * (1 - c["cache"]) / 1e6 for c in cells]  # what the cache does not hold
+    axes[1].hlines(lows, [i - 0.45 for i in at], [i + 0.45 for i in at], "k", "--", label="minimum")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"{result['dataset']['files']} images, {format_bytes(total, 'MB')}; memory = working set + cache")
     return fig
 
 
-# -- the command -----------------------------------------------------------------------------------
+def warm(args, data: dict, dev: tuple[int, int]) -> dict:
+    """``--warm``: a warm-up epoch of every loader (coordl's caches then hold the dataset: checked), then ``--reps``
+    epochs each, ABBA, in this process. coordl-torch first: coordl drops the page cache of what it reads."""
+    total, files, made = data["total_bytes"], data["files"], {}
+    try:
+        for name in args.loaders:
+            made[name] = Loader(name, args.data, args.batch_size, args.workers, 0, cache_bytes=total)
+        warmup = {name: epoch_row(loader.batches(), dev) for name, loader in made.items()}
+        if (held := made["coordl-torch"].counters()["cache_items"]) != files:
+            raise RuntimeError(f"coordl's cache holds {held} of {files} samples: free /dev/shm (`coordl cache ls`)")
+        epochs = []
+        for rep, name in measure.alternate(args.loaders, args.reps):
+            epochs.append(row := {"rep": rep, "loader": name, **epoch_row(made[name].batches(), dev)})
+            if row["samples"] != files:
+                raise RuntimeError(f"{name} delivered {row['samples']} samples in an epoch of {files}")
+            if (counters := made[name].counters()) is not None:
+                row["counters"] = counters
+            log(f"[warm] rep {rep} {name:12s} {row['samples_per_s']:8.1f} samples/s, device {row['device_bytes']} B")
+    finally:
+        for loader in made.values():
+            loader.close()
+    median = {name: statistics.median(e["samples_per_s"] for e in epochs if e["loader"] == name) for name in made}
+    out = {"cache_bytes": total, "reps": args.reps, "warmup": warmup, "epochs": epochs, "median_samples_per_s": median}
+    ratio = round(median["coordl-torch"] / median["torch"], 4)
+    return out | {"ratio_coordl_torch_over_torch": ratio, "target_ratio": 0.95}
+
+
+def table(result: dict) -> str:
+    """``--warm``'s figures: a row per loader, and coordl-torch / torch."""
+    w, rows = result["warm"], []
+    for name, median in w["median_samples_per_s"].items():
+        es = [e for e in w["epochs"] if e["loader"] == name]
+        rates = ", ".join(f"{e['samples_per_s']:.0f}" for e in es)
+        rows.append([name, median, rates, report.mb(max(e["device_bytes"] for e in es))])
+    ratio = f"**coordl-torch / torch: {w['ratio_coordl_torch_over_torch']:.3f}** (target >= {w['target_ratio']})"
+    return report.table("loader|median samples/s|samples/s per epoch|device MB per epoch (max)", rows) + f"\n\n{ratio}"
+
+
+def out_path(args) -> Path:
+    return Path(args.out) / "torch_backend.json"  # --warm's; the sweep writes its own files
+
+
 def options(p) -> None:
     dataset.add_dataset_options(p, data="/var/tmp/coordl-bench/bench", images=None, size="500MB", classes=100)
+    p.add_argument("--warm", action="store_true", help="the loaders in this process, everything in memory")
+    p.add_argument("--reps", type=int, default=4, help="--warm's timed epochs per loader, ABBA")
     p.add_argument("--loaders", default=",".join(DEFAULT_LOADERS), help=f"a subset of {','.join(LOADERS)}")
     p.add_argument("--cache", default="0.25,0.5,0.75", help="cache fractions of the dataset (memory for caching)")
     p.add_argument("--bandwidth", default="0.25P,0.5P,2P", help="storage throttles: '20MB' (per second), or '0.5P'")
@@ -299,19 +330,23 @@ def options(p) -> None:
     p.add_argument("--no-memory-limit", action="store_true", help=no_limit)
     p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="coordl's memory beyond working set + cache")
     p.add_argument("--baseline-slack", type=parse_bytes, default=0, help="the others' (their page cache uses it)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.json")
     for name, kind in (("--job", str), ("--cache-bytes", int), ("--device", str), ("--memcg", str)):
         p.add_argument(name, type=kind, help=argparse.SUPPRESS)  # the child's: its loader, budget, MAJ:MIN, cgroup
 
 
-def run(args) -> None:
+def run(args) -> dict | None:
     if args.job:
         return job(args)
     args.cache = [float(c) for c in args.cache.split(",") if c]
     args.bandwidth, args.loaders = ([x for x in a.split(",") if x] for a in (args.bandwidth, args.loaders))
     if unknown := set(args.loaders) - set(LOADERS):
         raise SystemExit(f"unknown loaders {sorted(unknown)}; choose from {', '.join(LOADERS)}")
+    if args.warm and not {"torch", "coordl-torch"} <= set(args.loaders):
+        raise SystemExit("--warm compares coordl-torch with torch: give both in --loaders (coordl-torch,coordl,torch)")
+    if args.warm:
+        data, dev = dataset.dataset_from_args(args), measure.device_of(args.data)
+        return {"dataset": data, "warm": warm(args, data, dev)}
     out, caps = Path(args.out), limits.probe()
     out.mkdir(parents=True, exist_ok=True)
     if args.no_memory_limit and caps["memory"]:
@@ -320,7 +355,7 @@ def run(args) -> None:
     for n in caps["notes"]:
         log("NOTE:", n)
     data, dev, args.working_sets = dataset.dataset_from_args(args), measure.device_of(args.data), {}
-    data["page_bytes"] = int((-(-image_folder(args.data).sizes // 4096) * 4096).sum())  # whole 4 KiB pages per file
+    data["page_bytes"] = int((-(-Index.scan(args.data, index_dir="").sizes // 4096) * 4096).sum())  # whole 4 KiB pages
     log(f"dataset: {dataset.describe(data)}; device {dev[0]}:{dev[1]}")
     cells = [] if args.no_fit else [{"name": "fits", "cache": 1.0, "bandwidth": None}]
     cells += [

@@ -277,28 +277,18 @@ def test_pillow_loaders_do_the_same_work(tiny_dataset):
 
 @pytest.mark.slow
 def test_torch_backend_quick(tmp_path):
-    """torch_backend --quick on a tiny dataset, then ``run``'s limited scenario for torch and coordl-torch
-    (the command docs/torch-backend.md gives for short memory and slow storage): the JSON's fields,
-    coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads exactly the
+    """``run --warm`` (was torch_backend) on a tiny dataset, one rep, then ``run``'s limited scenario for torch
+    and coordl-torch (the commands docs/torch-backend.md gives, warm and with short memory and slow storage): the
+    JSON's fields, coordl's counters exact (every warm epoch from its cache; a steady limited epoch reads exactly the
     dataset less its cache), the tables printed, and no cgroup left behind. (The fixture fails the
     test on shared memory left behind.)"""
     before = _bench_cgroups()
-    out, data = tmp_path / "tb.json", ["--data", str(tmp_path / "ds"), "--images", "48", "--classes", "3"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "torch_backend",
-        "--quick",
-        *data,
-        "--batch-size",
-        "8",
-        "--out",
-        str(out),
-    ]
+    out, data = tmp_path / "tb", ["--data", str(tmp_path / "ds"), "--images", "48", "--classes", "3"]
+    cmd = [sys.executable, "-m", "benchmarks", "run", "--warm", "--loaders", "coordl-torch,coordl,torch", "--reps", "1"]
+    cmd += [*data, "--batch-size", "8", "--workers", "2", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    result = _figures(out, "torch_backend")
+    result = _figures(out / "torch_backend.json", "run")
     total = result["dataset"]["total_bytes"]
     assert result["dataset"]["files"] == 48
 
