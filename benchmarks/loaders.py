@@ -8,9 +8,9 @@ Every loader runs the same ImageNet training augmentation, batch size and CPU wo
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
+import runpy
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,7 @@ from benchmarks.harness import measure
 
 LOADERS = ("torch", "dali-shuffle", "dali-seq", "dali-epoch-shuffle", "coordl", "coordl-auto", "coordl-torch")
 COORDL_LOADERS = ("coordl", "coordl-auto", "coordl-torch")  # the loaders with a MinIO cache in shared memory
-# Loaders that measure the storage when they are made: the runner throttles them from their start.
-MEASURE_WHEN_MADE = ("coordl-auto",)
+MEASURE_WHEN_MADE = ("coordl-auto",)  # they measure the storage when made: the runner throttles them from the start
 MEAN, STD, SIZE = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224
 SHUFFLE = {"random_shuffle": True}  # DALI's file reader's orders:
 DALI_READERS = {"dali-shuffle": SHUFFLE, "dali-seq": {}, "dali-epoch-shuffle": {"shuffle_after_epoch": True}}
@@ -61,8 +60,7 @@ class TrainAugment:
 
 
 class PillowImageFolder:
-    """An ImageFolder-style dataset that opens each file by path: Pillow decode to RGB (as
-    torchvision's ``pil_loader`` and coordl's ``pil_decode`` do), then ``transform``."""
+    """An ImageFolder-style dataset that opens each file by path, Pillow decodes it to RGB, then ``transform``."""
 
     def __init__(self, root: str, transform):
         from coordl.index import Index  # coordl's scan, in torchvision ImageFolder's order, not saved anywhere
@@ -100,9 +98,8 @@ def dali_iterator(pipe, names=("images", "labels"), reader: str | None = "Reader
 
 
 def dali_imagenet_train(jpegs, size: int = SIZE, decode: str | None = None):
-    """``imagenet-train``'s ops in DALI, for the DALI baselines: a random-area crop decoded (with ``decode``,
-    ``"cpu"`` or ``"mixed"``: the image decoded whole there, then ``fn.random_resized_crop``), resized to
-    ``size``, flipped with probability 0.5, normalised to CHW float."""
+    """``imagenet-train``'s ops in DALI: a random-area crop decoded (``decode``, "cpu" or "mixed": decoded whole
+    there, then ``fn.random_resized_crop``), resized to ``size``, flipped with probability 0.5, CHW float normalised."""
     from nvidia.dali import fn, types
 
     crop = {"random_area": [0.08, 1.0], "random_aspect_ratio": [3 / 4, 4 / 3]}
@@ -132,9 +129,7 @@ class Loader:
 
             decode = ("mixed" if gpu else "cpu") if kind == "dali" else None
 
-            @pipeline_def(
-                batch_size=batch_size, num_threads=workers, device_id=device_id, seed=seed, prefetch_queue_depth=2
-            )
+            @pipeline_def(batch_size=batch_size, num_threads=workers, device_id=device_id, seed=seed)
             def pipe():
                 jpegs, labels = fn.readers.file(file_root=data, name="Reader", **DALI_READERS[kind])
                 return dali_imagenet_train(jpegs, decode=decode), labels.gpu() if gpu else labels
@@ -182,12 +177,8 @@ class Loader:
 
 
 def model(arch: str, classes: int):
-    """``examples/imagenet/models.py``'s ``create``: torchvision's model when it imports, else the same
-    layer plan in plain torch (``resnet_tiny`` always). Returns ``(model, where it came from)``."""
-    spec = importlib.util.spec_from_file_location("coordl_example_models", MODELS)
-    models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(models)
-    return models.create(arch, classes)
+    """``examples/imagenet/models.py``'s ``create``: ``(model, where it came from)`` (torchvision's or its plan)."""
+    return runpy.run_path(str(MODELS))["create"](arch, classes)
 
 
 def epoch_row(batches, dev: tuple[int, int], step=None, more: int = 0) -> dict:

@@ -1,10 +1,9 @@
 """Storage bytes per epoch with the MinIO cache, from coordl's counters and from /proc/diskstats.
 
-CoordLoader over an ImageNet-like dataset for several epochs, the cache a fraction of the dataset,
-the page cache dropped before every epoch: the bytes the block device delivered against the minimum,
-``dataset - cached``.
-
     python -m benchmarks minio_epochs --data /var/tmp/coordl-bench/train --images 2000 --cache 0.5
+
+CoordLoader over an ImageNet-like dataset, the cache a fraction of it, the page cache dropped before every epoch:
+the bytes the block device delivered against the minimum, ``dataset - cached``.
 """
 
 from __future__ import annotations

@@ -73,13 +73,12 @@ def memory(cgroup: str | None, samples: list) -> dict:
 
 
 def job(args) -> None:
-    """Makes the loader, runs the warm-up batches, says ``ready`` and waits while the runner sets the limits,
-    then says each epoch (:class:`jobs.Parent`). Epoch 0 (from the warm-up batches on) is the cold one."""
+    """The child (:class:`jobs.Parent`): the loader and warm-up batches, ``ready``, then epochs (0: the cold one)."""
     parent, dev = jobs.Parent(), tuple(int(x) for x in args.device.split(":"))
     loader = Loader(args.job, args.data, args.batch_size, args.workers, 0, args.cache_bytes)
     batches = loader.batches()
     warm = sum(len(next(batches)[0]) for _ in range(args.warmup_batches))
-    parent.say(event="ready", warmup_samples=warm)
+    parent.say(event="ready")  # the runner sets the limits before its 'go'
     parent.wait()
     compute = (lambda _: time.sleep(args.compute_ms / 1000)) if args.compute_ms else None  # a stand-in GPU
     for e in range(args.epochs):
@@ -109,8 +108,7 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"]) if use else None
 
     def on_message(event: str, msg: dict) -> None:
-        if event == "ready":  # the limits, before 'go'
-            run["ready"] = msg
+        if event == "ready":
             if caps["drop_caches"]:
                 limits.drop_page_cache(3)
             if lim and lim.memory and not fits:
@@ -326,8 +324,7 @@ def options(p) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="worker processes / DALI threads per loader")
     p.add_argument("--compute-ms", type=float, default=0.0, help="a fixed compute step per batch (a stand-in GPU)")
     p.add_argument("--warmup-batches", type=int, default=3)
-    no_limit = "no memory cgroup (the throttle and the page-cache drops still apply): for smoke runs on tiny datasets"
-    p.add_argument("--no-memory-limit", action="store_true", help=no_limit)
+    p.add_argument("--no-memory-limit", action="store_true", help="no memory cgroup (the throttle still applies)")
     p.add_argument("--slack", type=parse_bytes, default=32 << 20, help="coordl's memory beyond working set + cache")
     p.add_argument("--baseline-slack", type=parse_bytes, default=0, help="the others' (their page cache uses it)")
     p.add_argument("--resume", action="store_true", help="keep the runs already in OUT/results.json")

@@ -2,9 +2,8 @@
 
     python -m benchmarks.small_resnet /var/tmp/coordl-bench/train --cache 0.5 --epochs 3
 
-``examples/imagenet/models.py``'s ``resnet_tiny`` (ResNet-18's plan, one basic block per stage, a quarter of its
-width); one JSON line per epoch (``stats()`` and the loss). An ordinary script on a dataset made beforehand:
-``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged.
+``examples/imagenet/models.py``'s ``resnet_tiny``; one JSON line per epoch (``stats()`` and the loss). An ordinary
+script on a dataset made beforehand: ``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged.
 """
 
 from __future__ import annotations
@@ -46,10 +45,8 @@ def main() -> int:
                 loss.backward()
                 opt.step()
                 total, n = total + loss.item(), n + 1
-            s = loader.stats()
-            s.pop("skipped_paths", None)
-            s.update(loss=total / max(1, n), wall_s=time.perf_counter() - t0)
-            print(json.dumps(s), flush=True)
+            s = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
+            print(json.dumps(s | {"loss": total / max(1, n), "wall_s": time.perf_counter() - t0}), flush=True)
     return 0
 
 

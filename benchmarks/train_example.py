@@ -4,9 +4,8 @@
     python -m benchmarks train_example --quick               # resnet_tiny, 64 px, seconds (smoke test)
 
 Each run in its own memory and blkio cgroup, throttled, the dataset evicted; after ``--limit-after`` epochs
-memory is limited to the run's own peak + ``--cache`` of the dataset + a slack (:meth:`OwnMemory.limit`). Per
-epoch the script's summary line and the device bytes. Writes ``train_example{,_quick}.{json,md}`` in ``--out``;
-examples/imagenet/README.md has the method and the figures.
+memory is limited to the run's own peak + ``--cache`` of the dataset + a slack (:meth:`OwnMemory.limit`). Writes
+``train_example{,_quick}.{json,md}`` in ``--out``; examples/imagenet/README.md has the method and the figures.
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ def warm_libraries() -> None:
 
 
 class OwnMemory:
-    """Samples the run's own memory every 50 ms: the peak of its anonymous memory (a step's activations come
-    and go) plus the libraries it maps, not the data it caches (page cache, coordl's shared memory); once
-    :meth:`limit` has set the limit with ``follow``, the limit follows the own memory."""
+    """Samples the run's own memory every 50 ms: the peak of its anonymous memory plus the libraries it maps, not the
+    data it caches (page cache, coordl's shared memory); after :meth:`limit`, with ``follow`` the limit follows it."""
 
     def __init__(self, lim: limits.Limits):
         self.lim, self.anon, self.mapped, self.frozen, self.follow = lim, 0, 0, False, None
@@ -64,10 +62,9 @@ class OwnMemory:
         return stat["total_cache"]  # page cache + shared memory: the data it holds
 
     def limit(self, args, run: dict, cache_bytes: int) -> None:
-        """After the warm-up epochs: own peak memory + slack + the cache fraction. The own memory swings by
-        100-200 MB from step to step: coordl's fixed cache cannot shrink, so its limit is fixed and the slack is
-        OOM headroom; the DataLoader's page cache would use any memory the process leaves free, so with
-        ``--follow`` its limit follows its own memory, holding its page cache to the cache fraction + slack."""
+        """After the warm-up epochs: own peak memory + slack + the cache fraction. The own memory swings by 100-200
+        MB from step to step: coordl's fixed cache cannot shrink (its slack is OOM headroom); the DataLoader's page
+        cache would use any memory left free, so its limit follows its own memory (unless ``--no-follow``)."""
         self.frozen, coordl = True, run["loader"] == "coordl"
         own = run["working_set_bytes"] = self.anon + max(0, self.mapped)
         slack = args.slack if coordl else args.baseline_slack
