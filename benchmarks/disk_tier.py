@@ -1,14 +1,12 @@
 """The local-storage tier (Cache(disk=...)) on an s3:// dataset 4x the memory cache behind a slow store.
 
-The store: moto's S3 server behind ``S3Server``'s counting proxy, ``--latency`` before each request,
-bodies at ``--bandwidth`` (all connections together). ``--repeat`` rounds, ABBA, each configuration a
-fresh process (its own shm, index, TMPDIR and folders; page cache dropped unless ``--no-drop``),
-``--epochs`` epochs, batch 64: ``no-tier`` (``Cache(size=M)``, M = ``--memory`` of the dataset);
-``tier`` (``disk=Disk(folder in --tier-root)``); ``tier-direct`` (``direct=True``); ``local`` (the same
-loader on the local folder: the bound); ``litdata``, ``mosaic`` (:mod:`.disk_tier_baselines`: caches 4x
-their chunks; conversions timed apart). Per epoch: GETs and bytes, coordl's counters, CPU, the device's
-reads and writes, the page cache and the configuration's files in it (``fincore``); after a tier's run,
-its entries read back from ``--read-threads`` threads; the tiers' steady samples/s over the others'.
+The store: moto behind ``S3Server``'s counting proxy, ``--latency`` a request, ``--bandwidth`` in all.
+``--repeat`` rounds, ABBA, each configuration a fresh process (page cache dropped unless ``--no-drop``),
+``--epochs`` epochs, batch 64: ``no-tier`` (``Cache(size=M)``, M = ``--memory`` of the dataset); ``tier``
+(``disk=Disk(folder in --tier-root)``); ``tier-direct`` (``direct=True``); ``local`` (the local folder: the
+bound); ``litdata``, ``mosaic`` (:mod:`.disk_tier_baselines`). Per epoch: GETs and bytes, coordl's counters,
+CPU, the device's reads and writes, the page cache (``fincore``); after a tier's run, its entries read back
+from ``--read-threads`` threads; the tiers' steady samples/s over the others'.
 
     python -m benchmarks disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
 """
@@ -29,10 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import disk_tier_baselines
+from benchmarks import disk_tier_baselines, s3
 from benchmarks.harness import cli, dataset, jobs, limits, measure, report
 from benchmarks.harness.report import log, mb
-from benchmarks.s3 import Meter
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
 BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
@@ -96,12 +93,31 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     return out | {"bytes_per_s": total / s, "files_per_s": len(files) / s}
 
 
+class Meter(s3.Meter):
+    """The store's counts (:class:`benchmarks.s3.Meter`), the device's reads and writes, the page cache, and the
+    bytes of ``folder``'s files in it, between two readings."""
+
+    def __init__(self, server, device: tuple[int, int], folder: str | None):
+        self.device, self.folder = device, folder
+        super().__init__(server)
+
+    def start(self) -> None:
+        super().start()
+        self.io, self.mem = device_io(self.device), meminfo()
+
+    def read(self) -> dict:
+        io, mem = device_io(self.device), meminfo()
+        out = {"resident_bytes": resident(self.folder), "meminfo": mem}
+        out["device_read"], out["device_written"] = (a - b for a, b in zip(io, self.io))
+        return super().read() | out | {"page_cache_delta": mem["page_cache"] - self.mem["page_cache"]}
+
+
 def run_one(args, server, name: str, ctx: dict) -> dict:
     """One configuration in a fresh child; per epoch its figures, the proxy's counts and the machine's memory."""
     work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-run-")
     shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-disk-tier-")
     tmp = tempfile.mkdtemp(prefix="coordl-dt-")  # short: sockets of DataLoader workers go there (108 bytes at most)
-    spec = {"batch": args.batch, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "memory": ctx["memory"]}
+    spec = {"batch": args.batch, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "cache": ctx["memory"]}
     if name in ("litdata", "mosaic"):
         conv, local = ctx["conversions"][name], os.path.join(work, "cache")
         spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
@@ -112,38 +128,19 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         spec["url"] = ctx["data"] if name == "local" else ctx["url"]
         if spec["tier"]:
             os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
-    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm}
-    env.update(COORDL_INDEX_DIR=os.path.join(work, "index"), TMPDIR=tmp)
-    run = {"config": name, "epochs": [], "dropped_page_cache": None}  # None: not dropped; True; or why it could not
-    if not args.no_drop:
-        run["dropped_page_cache"] = limits.drop_page_cache() or True
-    meter, dev = Meter(server), ctx["device"]
-    io_was, mem_was = device_io(dev), meminfo()
-
-    def heard(event: str, msg: dict) -> None:
-        nonlocal io_was, mem_was
-        counts = meter.read()
-        if event == "created":
-            run.update(msg, create_requests=counts)
-        else:
-            io_now, mem = device_io(dev), meminfo()
-            msg.update(counts, loader_cpu_s=msg.pop("cpu_s"), resident_bytes=resident(local), meminfo=mem)
-            msg["device_read"], msg["device_written"] = (a - b for a, b in zip(io_now, io_was))
-            msg["page_cache_delta"] = mem["page_cache"] - mem_was["page_cache"]
-            run["epochs"].append(msg)
-        io_was, mem_was = device_io(dev), meminfo()
-
+    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm, "TMPDIR": tmp}
+    dropped = None if args.no_drop else limits.drop_page_cache() or True  # None: not dropped; True; or why not
     try:
-        code, err, _ = jobs.converse(jobs.scenario_command("disk_tier", "--one", json.dumps(spec)), heard, env=env)
-        if name.startswith("tier") and code == 0:  # the disk's rate for the tier's entries, the loader gone
+        run = {"config": name, "dropped_page_cache": dropped}
+        run |= s3.run_child("disk_tier", spec, Meter(server, ctx["device"], local), env)
+        if name.startswith("tier") and "error" not in run:  # the disk's rate for the tier's entries, the loader gone
             run["tier_read"] = [tier_capacity(local, spec["direct"], t, not args.no_drop) for t in args.read_threads]
     finally:
         for folder in (shm, work, tmp):
             shutil.rmtree(folder, ignore_errors=True)
-    if code != 0 or len(run["epochs"]) < args.epochs:
-        run["error"] = jobs.error_text(err) or f"exit status {code}"
-    elif short := [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]:
-        run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}\n{err[-2000:]}"
+    short = [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]
+    if short and "error" not in run:
+        run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}"
     return run
 
 
@@ -216,12 +213,9 @@ def table(result: dict) -> str:
             lines.append(f"steady samples/s {name}: {report.spread(s['steady_samples_per_s'], rng=True)}")
     for key, r in result["ratios"].items():
         lines.append(f"{key}: {r['of_medians']:.3f} (per round: {', '.join(f'{x:.3f}' for x in r['per_round'])})")
-    for name, rs in result["runs"].items():
-        reads = [x for r in rs for x in r.get("tier_read", [])]
-        for t in sorted({x["threads"] for x in reads}):
-            same = [x for x in reads if x["threads"] == t]
-            mbs = ", ".join(f"{x['bytes_per_s'] / 1e6:.0f} MB/s ({x['files_per_s']:.0f} entries/s)" for x in same)
-            lines.append(f"{name}: entries read back from {t} thread(s), page cache dropped: {mbs}")
+    for name, x in ((name, x) for name, rs in result["runs"].items() for r in rs for x in r.get("tier_read", [])):
+        rate = f"{x['bytes_per_s'] / 1e6:.0f} MB/s ({x['files_per_s']:.0f} entries/s)"
+        lines.append(f"{name}: entries read back from {x['threads']} thread(s), page cache dropped: {rate}")
     for name, conv in result["conversions"].items():
         lines.append(f"{name} conversion: {conv['seconds']:.1f} s, {conv['chunks']} chunks, {mb(conv['bytes'])} MB")
     head = f"memory cache {mb(c['memory_bytes'])} MB; {c['latency_s'] * 1e3:g} ms per request, "
@@ -252,7 +246,7 @@ def options(p) -> None:
 
 def run(args) -> dict | None:
     if args.one:
-        return disk_tier_baselines.child(json.loads(args.one), jobs.Parent())
+        return s3.child(json.loads(Path(args.one).read_text()), disk_tier_baselines.made, measure.cpu_seconds)
     if args.convert:
         return jobs.say(**disk_tier_baselines.convert(*args.convert))
     if args.smoke:  # the smoke's dataset, where the command line did not name one

@@ -1,8 +1,6 @@
-"""The loaders of ``benchmarks.disk_tier``, each run in a fresh process (:func:`child`): coordl's, and the
-local caches of LitData and Mosaic Streaming over the chunks :func:`convert` makes of the same files.
+"""The baselines of ``benchmarks.disk_tier`` (:func:`made`): LitData's and Mosaic Streaming's local caches
+over the chunks :func:`convert` makes of the same files.
 
-- ``coordl``: ``CoordLoader(url, cache=Cache(size=M, disk=None or Disk(tier, direct=...)),
-  pipeline="imagenet-train", device_id=None, shuffle=True)``.
 - ``litdata``: ``litdata.optimize`` (``chunk_bytes``, 2 workers) writes chunks of ``{"image": the
   JPEG's bytes, "label": int}``; ``StreamingDataset("s3://...", cache_dir=..., max_cache_size=...,
   shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers.
@@ -22,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness.measure import cpu_seconds  # with the DataLoader workers'
+from benchmarks import s3
 from benchmarks.loaders import TrainAugment
 
 AUGMENT = TrainAugment()
@@ -81,14 +79,6 @@ def decode(sample: dict):
     return AUGMENT(image), int(sample["label"])
 
 
-def _coordl(spec: dict):
-    import coordl
-
-    disk = coordl.Disk(spec["tier"], direct=spec["direct"]) if spec["tier"] else None
-    kw = {"batch_size": spec["batch"], "shuffle": True, "pipeline": "imagenet-train", "device_id": None}
-    return coordl.CoordLoader(spec["url"], cache=coordl.Cache(size=spec["memory"], disk=disk), **kw)
-
-
 def _litdata(spec: dict):
     import litdata.streaming.downloader as downloader
     from litdata import StreamingDataLoader, StreamingDataset
@@ -117,23 +107,9 @@ def _mosaic(spec: dict):
     return torch.utils.data.DataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
 
 
-def child(spec: dict, parent) -> None:
-    """One run in a fresh process: the loader made (its imports included), then ``epochs`` epochs, each said
-    to ``parent`` (:class:`benchmarks.harness.jobs.Parent`, with coordl's ``stats()``) and awaited."""
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    loader = {"coordl": _coordl, "litdata": _litdata, "mosaic": _mosaic}[spec["kind"]](spec)
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu_seconds() - c0)
-    parent.wait()
-    for e in range(spec["epochs"]):
-        t0, c0, n = time.perf_counter(), cpu_seconds(), 0
-        for batch in loader:
-            n += len(batch[1])  # (images, labels)
-        seconds = time.perf_counter() - t0
-        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": cpu_seconds() - c0}
-        if spec["kind"] == "coordl":
-            row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
-        parent.say(event="epoch", **row)
-        parent.wait()
+def made(spec: dict):
+    """A run's loader, as :func:`benchmarks.s3.made`: coordl's there, LitData's or Mosaic's here."""
     if spec["kind"] == "coordl":
-        loader.close()  # the tier's writer finishes what it was given
-    parent.say(event="done")
+        return s3.made(spec)
+    loader = (_litdata if spec["kind"] == "litdata" else _mosaic)(spec)
+    return lambda: sum(len(batch[1]) for batch in loader), spec["workers"], None  # (images, labels)

@@ -21,7 +21,6 @@ import importlib
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,12 +36,7 @@ BUCKET, PREFIX, IN_FLIGHT = "coordl-bench", "bench/train", 64
 EPOCHS, BATCH, CACHES, THREADS = 2, 64, (0.0, 0.5, 1.0), os.cpu_count()  # DALI as many threads as coordl
 
 
-def _cpu() -> float:
-    """This process's CPU seconds, every thread (in nanoseconds: os.times counts in ticks of 10 ms)."""
-    return time.process_time()
-
-
-def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
+def getter(client: str, keys: list[str], sizes: list[int]):
     """``get(ks)``: GETs the keys at positions ``ks`` with ``client`` into buffers of their sizes; with
     obstore through coordl's reads (``COORDL_S3_REQUESTS`` in flight), with boto3 from 64 threads."""
     buffers = [np.empty(s, dtype=np.uint8) for s in sizes]
@@ -50,7 +44,7 @@ def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
         from coordl.s3 import reads
 
         def get(ks):
-            urls, n = [f"s3://{bucket}/{keys[k]}" for k in ks], len(ks)
+            urls, n = [f"s3://{BUCKET}/{keys[k]}" for k in ks], len(ks)
             failed = reads.read_many(urls, [sizes[k] for k in ks], [None] * n, [[buffers[k]] for k in ks])
             assert not failed, failed
 
@@ -62,17 +56,18 @@ def getter(client: str, bucket: str, keys: list[str], sizes: list[int]):
     s3, pool = s3client.boto3_client(), cf.ThreadPoolExecutor(IN_FLIGHT)
 
     def one(k: int) -> None:
-        memoryview(buffers[k]).cast("B")[:] = s3.get_object(Bucket=bucket, Key=keys[k])["Body"].read()
+        memoryview(buffers[k]).cast("B")[:] = s3.get_object(Bucket=BUCKET, Key=keys[k])["Body"].read()
 
     return lambda ks: list(pool.map(one, ks))
 
 
 def made(spec: dict):
-    """An s3 configuration's loader: ``(epoch, threads, loader)``: ``epoch()`` runs one and returns its samples
-    (``capacity`` and ``client``: every key GET once, with obstore or ``client``); ``loader``: coordl's, or None."""
+    """A configuration's loader: ``(epoch, threads, loader)``: ``epoch()`` runs one and returns its samples
+    (``capacity`` and ``client``: every key GET once, with obstore or ``client``); ``loader``: coordl's
+    (``Cache(size=cache, disk=Disk(tier, direct=...) or None)``), or None."""
     kind, n = spec["kind"], len(spec.get("keys", ()))
     if kind in ("capacity", "client"):
-        get = getter(spec["client"], BUCKET, spec["keys"], spec["sizes"])
+        get = getter(spec["client"], spec["keys"], spec["sizes"])
         get(range(8))  # the client made, its first connections open
 
         def epoch() -> int:
@@ -83,8 +78,9 @@ def made(spec: dict):
     if kind == "coordl":
         import coordl
 
-        kw = {"batch_size": spec["batch"], "cache": spec["cache"], "shuffle": True, "device_id": None}
-        loader = coordl.CoordLoader(spec["url"], pipeline="imagenet-train", **kw)
+        disk = coordl.Disk(spec["tier"], direct=spec["direct"]) if spec.get("tier") else None
+        kw = {"batch_size": spec["batch"], "shuffle": True, "device_id": None, "pipeline": "imagenet-train"}
+        loader = coordl.CoordLoader(spec["url"], cache=coordl.Cache(size=spec["cache"], disk=disk), **kw)
         return lambda: sum(len(batch[1]) for batch in loader), loader.num_threads, loader
     from nvidia.dali import fn, pipeline_def
 
@@ -103,62 +99,50 @@ def made(spec: dict):
     return epoch, spec["threads"], None
 
 
-def child(spec: dict, make=made) -> None:
+def child(spec: dict, make=made, cpu=time.process_time) -> None:
     """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each
-    reported to the parent (:func:`run_child`) and awaited."""
+    reported to the parent (:func:`run_child`) and awaited. ``cpu()``: CPU seconds (default: this process's,
+    every thread, counted in ns where ``os.times`` counts ticks of 10 ms)."""
     parent, t0 = jobs.Parent(), time.perf_counter()
     for module in ("boto3", "nvidia.dali.fn", "obstore", "torch", "coordl") if make is made else ():
         importlib.import_module(module)  # before the clock: making the loader is listing, indexing, building
-    import_s, t0, c0 = time.perf_counter() - t0, time.perf_counter(), _cpu()
+    import_s, t0, c0 = time.perf_counter() - t0, time.perf_counter(), cpu()
     epoch, threads, loader = make(spec)
-    parent.say(
-        event="created", create_s=time.perf_counter() - t0, cpu_s=_cpu() - c0, threads=threads, import_s=import_s
-    )
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu() - c0, threads=threads, import_s=import_s)
     for e in range(spec["epochs"]):
         parent.wait()
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0 = time.perf_counter(), cpu()
         got = epoch()
         seconds = time.perf_counter() - t0
-        row = {"epoch": e, "samples": got, "seconds": seconds, "samples_per_s": got / seconds, "cpu_s": _cpu() - c0}
+        row = {"epoch": e, "samples": got, "seconds": seconds, "samples_per_s": got / seconds, "cpu_s": cpu() - c0}
         if loader is not None:
             row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
         parent.say(event="epoch", **row)
     parent.wait()
     if loader is not None:
-        loader.close()
+        loader.close()  # a tier's writer finishes what it was given
     parent.say(event="done")
-
-
-def _moto_cpu(server) -> float | None:
-    """moto's CPU seconds so far, None when it cannot be read."""
-    proc = getattr(server, "_proc", None)
-    return None if proc is None else measure.process_cpu_seconds(proc.pid)
 
 
 class Meter:
     """What the server did between two readings: requests, bytes, CPU of the proxy and moto."""
 
     def __init__(self, server):
-        self.server = server
+        self.server, self.moto = server, server._proc.pid
         self.start()
 
     def start(self) -> None:
         self.server.reset()
-        self.t_proxy, self.t_moto = _cpu(), _moto_cpu(self.server)
+        self.t_proxy, self.t_moto = time.process_time(), measure.process_cpu_seconds(self.moto)
 
     def read(self) -> dict:
-        s = self.server
-        moto = _moto_cpu(s)
-        out = {
-            "gets": s.count("GET"),
-            "get_bytes": s.bytes_sent("GET"),
-            "other_requests": len(s.requests()) - s.count("GET"),
-            "listing_requests": s.count("GET", objects_only=False) - s.count("GET"),
-            "errors": sum(1 for r in s.requests() if r[2] >= 400 or r[2] == 0),
-            "distinct_keys": len({r[1].split("?", 1)[0] for r in s.requests("GET") if r[2] < 300}),
-            "proxy_cpu_s": _cpu() - self.t_proxy,
-            "moto_cpu_s": None if moto is None or self.t_moto is None else moto - self.t_moto,
-        }
+        s, gets = self.server, self.server.count("GET")
+        out = {"gets": gets, "get_bytes": s.bytes_sent("GET"), "other_requests": len(s.requests()) - gets}
+        out["listing_requests"] = s.count("GET", objects_only=False) - gets
+        out["errors"] = sum(1 for r in s.requests() if r[2] >= 400 or r[2] == 0)
+        out["distinct_keys"] = len({r[1].split("?", 1)[0] for r in s.requests("GET") if r[2] < 300})
+        out["proxy_cpu_s"] = time.process_time() - self.t_proxy
+        out["moto_cpu_s"] = measure.process_cpu_seconds(self.moto) - self.t_moto
         self.start()
         return out
 
@@ -230,9 +214,8 @@ def table(result: dict) -> str:
             row = [name, ep["epoch"], cell(ep["samples_per_s"], rng=True), cell(ep["seconds"], "{:.1f}")]
             row += [cell(ep.get("gets")), cell(ep.get("get_bytes"), "{:.1f}", scale=1e6)]
             row += [cell(ep.get(k)) for k in ("listing_requests", "storage_reads", "cache_hits")]
-            rows.append(
-                row + [" / ".join(cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))]
-            )
+            cpu = (cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
+            rows.append([*row, " / ".join(cpu)])
         if s["ok"] < s["rounds"]:
             notes += [f"{name}: {s['rounds'] - s['ok']} of {s['rounds']} run(s) failed:", s["errors"][0]]
     head = "config|epoch|samples/s|s|object GETs|MB|listing reqs|storage_reads|cache_hits|CPU s loader / proxy / moto"
@@ -261,8 +244,8 @@ def clients(args, server, keys: list[str], sizes: list[int]) -> dict:
         rows.append(row := {"client": name, "round": r, "gets": e["samples"], "gets_per_s": e["samples_per_s"]})
         row["cpu_ms_per_get"] = 1e3 * e["loader_cpu_s"] / e["samples"]
         log(f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s")
-    figures = ("cpu_ms_per_get", "gets_per_s")
-    medians = {c: {k: statistics.median(x[k] for x in rows if x["client"] == c) for k in figures} for c in CLIENTS}
+    per_client = {c: [x for x in rows if x["client"] == c] for c in CLIENTS}
+    medians = measure.medians(per_client, ("cpu_ms_per_get", "gets_per_s"))
     return {"objects": len(keys), "in_flight": IN_FLIGHT, "rows": rows, "medians": medians}
 
 
@@ -276,7 +259,7 @@ def run(args) -> dict | None:
     names = [f"coordl-{c:g}" for c in CACHES] + ["dali-s3", "dali-local", "capacity-0"]
     names += [f"capacity-{args.latency:g}"]
     with S3Server() as server:
-        moto_pid = getattr(getattr(server, "_proc", None), "pid", None)
+        moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
         server.create_bucket(BUCKET)
         keys = server.upload_tree(args.data, BUCKET, PREFIX)
         sizes = [Path(args.data, k[len(PREFIX) + 1 :]).stat().st_size for k in keys]
