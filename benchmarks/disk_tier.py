@@ -28,8 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks import disk_tier_baselines, s3
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.harness.report import log, mb
+from benchmarks.indexing import fresh
+from coordl.fetch.storage import read_whole
+from coordl.units import parse_bytes
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
 BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
@@ -76,12 +79,8 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     def read(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         try:
-            if direct:
-                with mmap.mmap(-1, -(-os.fstat(fd).st_size // 4096) * 4096 or 4096) as buf:  # page-aligned
-                    return os.preadv(fd, [buf], 0)
-            n = len(os.pread(fd, os.fstat(fd).st_size, 0))
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return n
+            with mmap.mmap(-1, -(-os.fstat(fd).st_size // 4096) * 4096 or 4096) as buf:  # page-aligned
+                return os.preadv(fd, [buf], 0) if direct else read_whole(fd, [buf], drop_page_cache=True)
         finally:
             os.close(fd)
 
@@ -115,9 +114,8 @@ class Meter(s3.Meter):
 def run_one(args, server, name: str, ctx: dict) -> dict:
     """One configuration in a fresh child; per epoch its figures, the proxy's counts and the machine's memory."""
     work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-run-")
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-disk-tier-")
     tmp = tempfile.mkdtemp(prefix="coordl-dt-")  # short: sockets of DataLoader workers go there (108 bytes at most)
-    spec = {"batch": args.batch, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "cache": ctx["memory"]}
+    spec = {"batch": s3.BATCH, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "cache": ctx["memory"]}
     if name in ("litdata", "mosaic"):
         conv, local = ctx["conversions"][name], os.path.join(work, "cache")
         spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
@@ -128,7 +126,7 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         spec["url"] = ctx["data"] if name == "local" else ctx["url"]
         if spec["tier"]:
             os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
-    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm, "TMPDIR": tmp}
+    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "TMPDIR": tmp}
     dropped = None if args.no_drop else limits.drop_page_cache() or True  # None: not dropped; True; or why not
     try:
         run = {"config": name, "dropped_page_cache": dropped}
@@ -136,7 +134,7 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
         if name.startswith("tier") and "error" not in run:  # the disk's rate for the tier's entries, the loader gone
             run["tier_read"] = [tier_capacity(local, spec["direct"], t, not args.no_drop) for t in args.read_threads]
     finally:
-        for folder in (shm, work, tmp):
+        for folder in (work, tmp):
             shutil.rmtree(folder, ignore_errors=True)
     short = [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]
     if short and "error" not in run:
@@ -144,20 +142,15 @@ def run_one(args, server, name: str, ctx: dict) -> dict:
     return run
 
 
-def convert(args, server, kind: str, data: str, work: str) -> dict:
+def convert(args, server, kind: str, data: str) -> dict:
     """``kind``'s chunks of the dataset, made in a child (the conversion timed there), uploaded straight to moto."""
-    out, tmp = os.path.join(work, kind), tempfile.mkdtemp(prefix="coordl-dt-")
-    try:
-        cmd = jobs.scenario_command("disk_tier", "--convert", kind, data, out, args.chunk)
-        seconds = jobs.run_json(cmd, env={**os.environ, "TMPDIR": tmp})["convert_s"]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    files = [p for p in Path(out).rglob("*") if p.is_file()]
-    r = {"seconds": seconds, "files": len(files), "chunks": sum(p.suffix in (".bin", ".mds") for p in files)}
-    r |= {"bytes": sum(p.stat().st_size for p in files), "url": f"s3://{BUCKET}/{kind}"}
-    server.upload_tree(out, BUCKET, kind)
-    shutil.rmtree(out)
-    return r
+    with tempfile.TemporaryDirectory(dir=args.tier_root) as work, tempfile.TemporaryDirectory() as tmp:
+        how = {"how": "benchmarks.disk_tier_baselines:convert", "args": [kind, data, f"{work}/{kind}", args.chunk]}
+        seconds = fresh(how, env={"TMPDIR": tmp})["convert_s"]  # TMPDIR: short, for the sockets of its workers
+        files = [p for p in Path(work, kind).rglob("*") if p.is_file()]
+        r = {"seconds": seconds, "files": len(files), "chunks": sum(p.suffix in (".bin", ".mds") for p in files)}
+        server.upload_tree(f"{work}/{kind}", BUCKET, kind)
+        return r | {"bytes": sum(p.stat().st_size for p in files), "url": f"s3://{BUCKET}/{kind}"}
 
 
 def steady(run: dict) -> float:
@@ -232,7 +225,6 @@ def options(p) -> None:
     p.add_argument("--tier-root", default="/var/tmp", help="where the tier (and the run's folders) go (/var/tmp)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="LitData's and Mosaic's DataLoader workers (default: 2)")
     chunk = "LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
     p.add_argument("--chunk", default="8MB", help=chunk + "2 workers share chunks, which it reads whole per item)")
@@ -241,18 +233,13 @@ def options(p) -> None:
     p.add_argument("--read-threads", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8], help=threads)
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in JSON
-    p.add_argument("--convert", nargs=4, help=argparse.SUPPRESS)  # a child: KIND SRC OUT SIZE, one conversion
 
 
 def run(args) -> dict | None:
     if args.one:
         return s3.child(json.loads(Path(args.one).read_text()), disk_tier_baselines.made, measure.cpu_seconds)
-    if args.convert:
-        return jobs.say(**disk_tier_baselines.convert(*args.convert))
     if args.smoke:  # the smoke's dataset, where the command line did not name one
         vars(args).update(vars(cli.parser("disk_tier", sys.modules[__name__]).parse_args(SMOKE + args._argv)))
-
-    from coordl.units import parse_bytes
     from coordl_testing.s3server import S3Server
 
     names = [n for n in args.configs.split(",") if n]
@@ -262,23 +249,19 @@ def run(args) -> dict | None:
     log(f"dataset: {dataset.describe(data)}")
     ctx = {"data": data["root"], "url": f"s3://{BUCKET}/raw/train", "conversions": {}, "files": data["files"]}
     ctx |= {"memory": int(args.memory * data["total_bytes"]), "device": measure.device_of(args.tier_root)}
-    t_start, work = time.time(), tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-convert-")
-    try:
-        with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
-            moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
-            server.create_bucket(BUCKET)
-            server.upload_tree(data["root"], BUCKET, "raw/train")
-            for kind in (k for k in ("litdata", "mosaic") if k in names):
-                ctx["conversions"][kind] = conv = convert(args, server, kind, data["root"], work)
-                log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks)")
-            server.latency_s = args.latency
-            runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    t_start = time.time()
+    with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
+        moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
+        server.create_bucket(BUCKET)
+        server.upload_tree(data["root"], BUCKET, "raw/train")
+        for kind in (k for k in ("litdata", "mosaic") if k in names):
+            ctx["conversions"][kind] = conv = convert(args, server, kind, data["root"])
+            log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks)")
+        server.latency_s = args.latency
+        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
     summary = summarise(runs)
-    # cgroups None: no memory or blkio limit, the page cache measured
     config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "repeat": args.repeat}
-    config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"]), "cgroups": None}
+    config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"])}
     result = {"smoke": args.smoke, "config": config | {"url": ctx["url"]}, "dataset": data, "moto_pid": moto_pid}
     result |= {"conversions": ctx["conversions"], "wall_s": time.time() - t_start}
     return result | {"runs": runs, "summary": summary, "ratios": ratios(runs, summary)}

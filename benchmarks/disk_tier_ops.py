@@ -10,7 +10,6 @@ another version of the tier's module alternately (e.g. ``git show 7eab09f:src/co
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import shutil
@@ -20,7 +19,8 @@ import time
 
 import numpy as np
 
-from benchmarks.harness import jobs, measure, report
+from benchmarks.harness import measure, report
+from benchmarks.indexing import fresh
 
 KEYS = ("write_us", "write_wall_us", "read_us", "read_wall_us")
 
@@ -71,17 +71,13 @@ def options(p) -> None:
     p.add_argument("--size", type=int, default=4000, help="bytes per sample (default 4000)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--before", help="a file holding another version of the tier's module, timed alternately")
-    p.add_argument("--one", nargs="?", const="", default=None, help=argparse.SUPPRESS)  # a child: one run
 
 
-def run(args) -> dict | None:
-    if args.one is not None:
-        return jobs.say(**one(args.one or None, args.root, args.entries, args.size))
+def run(args) -> dict:
     runs: dict[str, list[dict]] = {"now": [], "before": []}
     for _, which in measure.alternate(["before", "now"] if args.before else ["now"], args.rounds):
-        child = jobs.flags(root=args.root, entries=args.entries, size=args.size) + ["--one"]
-        command = jobs.scenario_command("disk_tier_ops", *child, *[args.before] * (which == "before"))
-        runs[which].append(jobs.run_json(command))
+        module = args.before if which == "before" else None  # each run in a fresh process
+        runs[which].append(fresh({"how": f"{__name__}:one", "args": [module, args.root, args.entries, args.size]}))
     return {"runs": runs, "medians": measure.medians(runs, KEYS)}
 
 

@@ -1,17 +1,14 @@
 """An s3:// dataset behind added latency: coordl at 0%, 50% and 100% cache against DALI's reader; clients' CPU per GET.
 
-The store is moto's S3 server behind ``coordl_testing.s3server.S3Server``'s proxy, which adds ``--latency`` to
-each request and counts them. ``--repeat`` rounds, ABBA, each configuration a fresh process of 2
-epochs: ``coordl-<f>`` (``CoordLoader("s3://...", cache=f, pipeline="imagenet-train")``), ``dali-s3``
-(``fn.readers.file(file_root="s3://...", random_shuffle=True)``, the same recipe), ``dali-local`` (the same on
-the local copy), ``capacity-0`` and ``capacity-<latency>`` (every object GET once with obstore, 64 in flight).
-Per epoch: samples/s, GETs, bytes and listings, coordl's counters, CPU seconds of the loader, proxy and moto;
-per run the time to make the loader, imports apart. Details: benchmarks/README.md.
+The store: moto behind ``coordl_testing.s3server.S3Server``'s counting proxy, ``--latency`` a request.
+``--repeat`` rounds, ABBA, each configuration a fresh process of 2 epochs: ``coordl-<f>`` (``cache=f``,
+``imagenet-train``), ``dali-s3`` (``fn.readers.file(file_root="s3://...")``, the same recipe), ``dali-local``
+(the same on the local copy), ``capacity-0`` and ``capacity-<latency>`` (every object GET once, 64 in flight).
+Per epoch: samples/s, GETs, bytes, listings, coordl's counters, CPU of the loader, proxy and moto; per run
+the time to make the loader. ``--clients``: the client CPU per GET, obstore (coordl's) against boto3, each
+GETting ``--objects`` objects, 64 in flight, from moto (no proxy), into s3_clients.json. Details: benchmarks/README.md.
 
     python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
-
-``--clients``: the client CPU per GET, obstore (coordl's data plane) against boto3, each GETting the same
-``--objects`` objects, 64 in flight, in a process of its own against moto (no proxy); writes s3_clients.json.
 """
 
 from __future__ import annotations
@@ -20,9 +17,9 @@ import argparse
 import importlib
 import json
 import os
-import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +46,9 @@ def getter(client: str, keys: list[str], sizes: list[int]):
             assert not failed, failed
 
         return get
-    import concurrent.futures as cf
-
     from coordl.s3 import client as s3client
 
-    s3, pool = s3client.boto3_client(), cf.ThreadPoolExecutor(IN_FLIGHT)
+    s3, pool = s3client.boto3_client(), ThreadPoolExecutor(IN_FLIGHT)
 
     def one(k: int) -> None:
         memoryview(buffers[k]).cast("B")[:] = s3.get_object(Bucket=BUCKET, Key=keys[k])["Body"].read()
@@ -63,8 +58,8 @@ def getter(client: str, keys: list[str], sizes: list[int]):
 
 def made(spec: dict):
     """A configuration's loader: ``(epoch, threads, loader)``: ``epoch()`` runs one and returns its samples
-    (``capacity`` and ``client``: every key GET once, with obstore or ``client``); ``loader``: coordl's
-    (``Cache(size=cache, disk=Disk(tier, direct=...) or None)``), or None."""
+    (``capacity`` and ``client``: every key GET once, with obstore or ``client``; ``dali``: its reader of files, or
+    of tar ``shards``); ``loader``: coordl's (``Cache(size=cache, disk=Disk(tier, direct=...) or None)``), or None."""
     kind, n = spec["kind"], len(spec.get("keys", ()))
     if kind in ("capacity", "client"):
         get = getter(spec["client"], spec["keys"], spec["sizes"])
@@ -86,11 +81,16 @@ def made(spec: dict):
 
     @pipeline_def(batch_size=spec["batch"], num_threads=spec["threads"], device_id=None, seed=1, prefetch_queue_depth=2)
     def pipe():
-        jpegs, labels = fn.readers.file(file_root=spec["url"], random_shuffle=True, name="Reader")
-        return dali_imagenet_train(jpegs), labels
+        if "shards" not in spec:
+            jpegs, labels = fn.readers.file(file_root=spec["url"], random_shuffle=True, name="Reader")
+            return dali_imagenet_train(jpegs), labels
+        # tar shards; dont_use_mmap: read as the others do (a mapping keeps the shards' pages through drop_caches)
+        kw = {"index_paths": spec["dali_index"], "ext": ["jpg", "cls"], "random_shuffle": True, "dont_use_mmap": True}
+        jpegs, labels = fn.readers.webdataset(paths=spec["shards"], name="Reader", **kw)
+        return dali_imagenet_train(jpegs), fn.pad(labels, axes=(0,), shape=(8,))  # the label's text, padded
 
     (p := pipe()).build()  # lists the root (an s3:// one with ListObjectsV2)
-    it = []  # the iterator, made at the first epoch: it starts the pipeline's read-ahead
+    it = [dali_iterator(p)] if "shards" in spec else []  # files: made at the first epoch (it starts the read-ahead)
 
     def epoch() -> int:
         it[:] = it or [dali_iterator(p)]
@@ -136,12 +136,9 @@ class Meter:
         self.t_proxy, self.t_moto = time.process_time(), measure.process_cpu_seconds(self.moto)
 
     def read(self) -> dict:
-        s, gets = self.server, self.server.count("GET")
-        out = {"gets": gets, "get_bytes": s.bytes_sent("GET"), "other_requests": len(s.requests()) - gets}
-        out["listing_requests"] = s.count("GET", objects_only=False) - gets
-        out["errors"] = sum(1 for r in s.requests() if r[2] >= 400 or r[2] == 0)
-        out["distinct_keys"] = len({r[1].split("?", 1)[0] for r in s.requests("GET") if r[2] < 300})
-        out["proxy_cpu_s"] = time.process_time() - self.t_proxy
+        s, cpu = self.server, time.process_time() - self.t_proxy
+        out = {"gets": s.count("GET"), "get_bytes": s.bytes_sent("GET"), "proxy_cpu_s": cpu}
+        out["listing_requests"] = s.count("GET", objects_only=False) - out["gets"]
         out["moto_cpu_s"] = measure.process_cpu_seconds(self.moto) - self.t_moto
         self.start()
         return out
@@ -155,23 +152,20 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
     spec["url"] = args.data if name == "dali-local" else spec["url"]
     server.latency_s = float(setting) if kind == "capacity" else args.latency
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-s3bench-")
-    env = {k: v for k, v in os.environ.items() if k != "COORDL_S3_REQUESTS"} | server.env() | {"COORDL_SHM_DIR": shm}
+    env = {k: v for k, v in os.environ.items() if k != "COORDL_S3_REQUESTS"} | server.env()
     if kind in ("capacity", "client"):
         env["COORDL_S3_REQUESTS"] = str(IN_FLIGHT)
     if kind == "client":  # moto itself, no proxy
         env["AWS_ENDPOINT_URL"] = server.direct
-    try:
-        return {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
-    finally:
-        server.latency_s = args.latency
-        shutil.rmtree(shm, ignore_errors=True)
+    run = {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
+    server.latency_s = args.latency
+    return run
 
 
 def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None, **popen) -> dict:
     """``python -m benchmarks <scenario> --one <spec>`` (a :func:`child`), ``meter.read()`` after its loader is made
     (``create_requests``, then ``created()``) and after each epoch: its making (``made_s`` from its start), its epochs,
-    or its error. ``COORDL_INDEX_DIR`` a folder of its own."""
+    or its error. ``COORDL_INDEX_DIR`` and ``COORDL_SHM_DIR`` folders of its own."""
     run, t0 = {"epochs": []}, time.perf_counter()
 
     def heard(event: str, msg: dict) -> None:
@@ -183,10 +177,11 @@ def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None,
         else:
             run["epochs"].append({**msg, "loader_cpu_s": msg.pop("cpu_s"), **counts})
 
-    with tempfile.TemporaryDirectory(prefix="coordl-bench-child-") as folder:
-        (Path(folder) / "spec.json").write_text(json.dumps(spec))
-        command = jobs.scenario_command(scenario, "--one", f"{folder}/spec.json")
-        code, err, _ = jobs.converse(command, heard, env=env | {"COORDL_INDEX_DIR": folder}, **popen)
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        command = jobs.scenario_command(scenario, "--one", f"{tmp}/spec.json")
+        env = env | {"COORDL_INDEX_DIR": tmp, "COORDL_SHM_DIR": shm}
+        code, err, _ = jobs.converse(command, heard, env=env, **popen)
     if code != 0 or len(run["epochs"]) < spec["epochs"]:
         run["error"] = jobs.error_text(err) or f"exit status {code}"
     return run
@@ -256,8 +251,7 @@ def run(args) -> dict | None:
 
     data = dataset.dataset_from_args(args)
     args.data, t_start = data["root"], time.time()
-    names = [f"coordl-{c:g}" for c in CACHES] + ["dali-s3", "dali-local", "capacity-0"]
-    names += [f"capacity-{args.latency:g}"]
+    names = [*(f"coordl-{c:g}" for c in CACHES), "dali-s3", "dali-local", "capacity-0", f"capacity-{args.latency:g}"]
     with S3Server() as server:
         moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
         server.create_bucket(BUCKET)
@@ -269,9 +263,8 @@ def run(args) -> dict | None:
         # dali-s3 failed before: the reason is recorded, it is not tried again
         failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log, failed)
-    config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH}
-    config |= {"caches": CACHES, "dali_threads": THREADS, "coordl_s3_requests": IN_FLIGHT}
-    config |= {"capacity_inflight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}", "pipeline": "imagenet-train"}
+    config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH, "caches": CACHES}
+    config |= {"dali_threads": THREADS, "in_flight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}
     result |= {"wall_s": time.time() - t_start, "runs": runs, "summary": (summary := summarise(runs))}
     if dali := summary.get("dali-s3"):
