@@ -1,15 +1,9 @@
-"""The baselines of ``benchmarks.disk_tier`` (:func:`made`): LitData's and Mosaic Streaming's local caches
-over the chunks :func:`convert` makes of the same files.
-
-- ``litdata``: ``litdata.optimize`` (``chunk_bytes``, 2 workers) writes chunks of ``{"image": the
-  JPEG's bytes, "label": int}``; ``StreamingDataset("s3://...", cache_dir=..., max_cache_size=...,
-  shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers.
-- ``mosaic``: ``streaming.MDSWriter`` (``size_limit``) writes shards of the same columns;
-  ``StreamingDataset(remote="s3://...", local=..., cache_limit=..., shuffle=True, batch_size=...)`` in
-  a ``torch.utils.data.DataLoader`` with ``workers`` workers; the endpoint is ``S3_ENDPOINT_URL``.
-
-LitData and Mosaic decode with Pillow (RGB) and augment with :class:`benchmarks.loaders.TrainAugment`
-(random-resized crop 224, flip, normalise: numpy and torch, no torchvision).
+"""The baselines of ``benchmarks.disk_tier`` (:func:`made`): LitData's and Mosaic Streaming's local caches over
+the chunks :func:`convert` makes of the same files (``{"image": the JPEG's bytes, "label": int}``): LitData's
+``optimize`` (``chunk_bytes``, 2 workers) read by its ``StreamingDataset(cache_dir, max_cache_size, shuffle=True)``
+in a ``StreamingDataLoader``; Mosaic's ``MDSWriter`` (``size_limit``) read by its ``StreamingDataset(remote, local,
+cache_limit, shuffle=True)`` in a ``DataLoader`` (endpoint: ``S3_ENDPOINT_URL``); ``workers`` workers each. Both
+decode with Pillow and augment with :class:`benchmarks.loaders.TrainAugment` (crop 224, flip, normalise).
 """
 
 from __future__ import annotations
@@ -18,12 +12,16 @@ import functools
 import io
 import sys
 import time
+import types
 from pathlib import Path
 
 from benchmarks import s3
 from benchmarks.loaders import TrainAugment
 
 AUGMENT = TrainAugment()
+# Mosaic's vision datasets (streaming.vision, 0.13) import torchvision, not installed (its wheels require another
+# torch) and not used here: a module of that name, empty, stands in for them
+NO_VISION = types.ModuleType("streaming.vision")
 
 
 def _item(labels: dict[str, int], path: str) -> dict:
@@ -37,7 +35,7 @@ def convert(kind: str, src: str, out: str, size: str) -> dict:
     if kind == "litdata":
         import litdata
     else:
-        stub_torchvision()
+        sys.modules.setdefault("streaming.vision", NO_VISION)
         from streaming import MDSWriter
     t0 = time.perf_counter()
     files = sorted(str(p) for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -49,25 +47,6 @@ def convert(kind: str, src: str, out: str, size: str) -> dict:
             for p in files:
                 w.write(item(p))
     return {"convert_s": time.perf_counter() - t0}
-
-
-def stub_torchvision() -> None:
-    """``import streaming`` (0.13) imports torchvision for its vision datasets, not used here; torchvision is
-    not installed (its wheels require another torch): a stub of the names it imports goes in ``sys.modules``."""
-    import importlib.machinery
-    import types
-
-    names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
-    if names[0] in sys.modules:
-        return
-    tv, datasets, transforms, functional = mods = [types.ModuleType(n) for n in names]
-    for m in mods:
-        m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)  # transformers calls find_spec on it
-    tv.__version__ = "0.0+stub"
-    tv.datasets, tv.transforms, transforms.functional = datasets, transforms, functional
-    datasets.VisionDataset = datasets.CIFAR10 = type("VisionDataset", (), {})
-    functional.to_tensor = None
-    sys.modules.update(zip(names, mods))
 
 
 def decode(sample: dict):
@@ -95,7 +74,7 @@ def _litdata(spec: dict):
 def _mosaic(spec: dict):
     import torch
 
-    stub_torchvision()
+    sys.modules.setdefault("streaming.vision", NO_VISION)
     from streaming import StreamingDataset
 
     class Decoded(StreamingDataset):

@@ -10,12 +10,12 @@ another version of the tier's module alternately (e.g. ``git show 7eab09f:src/co
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import runpy
 import shutil
-import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -27,12 +27,9 @@ KEYS = ("write_us", "write_wall_us", "read_us", "read_wall_us")
 
 def one(module: str | None, root: str, entries: int, size: int) -> dict:
     """One write epoch and one read epoch in this process; ``module``: a file to take the tier from."""
-    if module:
-        spec = importlib.util.spec_from_file_location("disk_before", module)
-        disk = sys.modules["disk_before"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(disk)
-    else:
-        from coordl.fetch import disk
+    from coordl.fetch import disk
+
+    disk = types.SimpleNamespace(**runpy.run_path(module, run_name="disk_before")) if module else disk
     base, rng = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root), np.random.default_rng(0)
 
     def per_entry(cpu: float, t: float) -> tuple[float, float]:  # CPU and wall microseconds an entry

@@ -127,11 +127,9 @@ def run(args) -> dict | None:
     with contextlib.ExitStack() as stack:
         scratch, server, throttle, dev = stack.enter_context(tempfile.TemporaryDirectory()), None, None, None
         if args.store == "local":  # the shards on a file system of their own, throttled
-            where = {
-                "store": "local",
-                "device": stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20))),
-            }
-            throttle, dev = args.throttle if caps["blkio"] else None, measure.device_of(str(out))
+            loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
+            where, dev = {"store": "local", "device": loop}, measure.device_of(str(out))
+            throttle = args.throttle if caps["blkio"] else None
         pattern = write_photo_shards(args.data, out, args.per_shard)
         shards, dali_index = sorted(str(p) for p in out.glob("*.tar")), None
         if args.store == "s3":
@@ -145,10 +143,8 @@ def run(args) -> dict | None:
             for f, idx in zip(shards, dali_index):
                 wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", f, idx]
                 subprocess.run(wds2idx, check=True, capture_output=True)
-            pattern, shards = (
-                f"s3://tars/shards/{Path(pattern).name}",
-                [f"s3://tars/shards/{Path(f).name}" for f in shards],
-            )
+            pattern = f"s3://tars/shards/{Path(pattern).name}"
+            shards = [f"s3://tars/shards/{Path(f).name}" for f in shards]
             where = {"store": "s3", "latency_s": args.latency}
         env = {**os.environ, **(server.env() if server else {})}
         spec = {"url": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index}
