@@ -11,8 +11,6 @@ from ``--read-threads`` threads; the tiers' steady samples/s over the others'.
     python -m benchmarks disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import mmap
@@ -113,29 +111,24 @@ class Meter(s3.Meter):
 
 def run_one(args, server, name: str, ctx: dict) -> dict:
     """One configuration in a fresh child; per epoch its figures, the proxy's counts and the machine's memory."""
-    work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-run-")
-    tmp = tempfile.mkdtemp(prefix="coordl-dt-")  # short: sockets of DataLoader workers go there (108 bytes at most)
     spec = {"batch": s3.BATCH, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "cache": ctx["memory"]}
-    if name in ("litdata", "mosaic"):
-        conv, local = ctx["conversions"][name], os.path.join(work, "cache")
-        spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
-        spec["cache_limit"] = 4 * conv["bytes"]
-    else:
-        local = {"no-tier": None, "local": ctx["data"]}.get(name, os.path.join(work, "tier"))
-        spec |= {"tier": local if name.startswith("tier") else None, "direct": name == "tier-direct"}
-        spec["url"] = ctx["data"] if name == "local" else ctx["url"]
-        if spec["tier"]:
-            os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
-    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "TMPDIR": tmp}
-    dropped = None if args.no_drop else limits.drop_page_cache() or True  # None: not dropped; True; or why not
-    try:
-        run = {"config": name, "dropped_page_cache": dropped}
+    # TMPDIR short: the sockets of DataLoader workers go there (108 bytes at most)
+    with tempfile.TemporaryDirectory(dir=args.tier_root) as work, tempfile.TemporaryDirectory() as tmp:
+        if name in ("litdata", "mosaic"):
+            conv, local = ctx["conversions"][name], os.path.join(work, "cache")
+            spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
+            spec["cache_limit"] = 4 * conv["bytes"]
+        else:
+            local = {"no-tier": None, "local": ctx["data"]}.get(name, os.path.join(work, "tier"))
+            spec |= {"tier": local if name.startswith("tier") else None, "direct": name == "tier-direct"}
+            spec["url"] = ctx["data"] if name == "local" else ctx["url"]
+            if spec["tier"]:
+                os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
+        env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "TMPDIR": tmp}
+        run = {"config": name, "dropped_page_cache": None if args.no_drop else limits.drop_page_cache() or True}
         run |= s3.run_child("disk_tier", spec, Meter(server, ctx["device"], local), env)
         if name.startswith("tier") and "error" not in run:  # the disk's rate for the tier's entries, the loader gone
             run["tier_read"] = [tier_capacity(local, spec["direct"], t, not args.no_drop) for t in args.read_threads]
-    finally:
-        for folder in (work, tmp):
-            shutil.rmtree(folder, ignore_errors=True)
     short = [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]
     if short and "error" not in run:
         run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}"
@@ -157,20 +150,6 @@ def steady(run: dict) -> float:
     """Samples/s over the epochs after the first."""
     rest = run["epochs"][1:]
     return sum(e["samples"] for e in rest) / sum(e["seconds"] for e in rest)
-
-
-def summarise(runs: dict[str, list[dict]]) -> dict:
-    """Per configuration: median, min, max of every figure per epoch, and of the steady samples/s of each run."""
-    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "loader_cpu_s", "device_read", "device_written")
-    fields += ("resident_bytes", "page_cache_delta")
-    counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
-    counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
-
-    def extra(ok):
-        figures = {"create_s": [r["create_s"] for r in ok], "steady_samples_per_s": [steady(r) for r in ok]}
-        return {k: measure.spread_all(v) for k, v in figures.items()}
-
-    return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
 def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
@@ -259,7 +238,11 @@ def run(args) -> dict | None:
             log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks)")
         server.latency_s = args.latency
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
-    summary = summarise(runs)
+    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "loader_cpu_s", "device_read", "device_written")
+    fields += ("resident_bytes", "page_cache_delta")
+    counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
+    counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
+    summary = s3.summarise(runs, fields, counters, create_s=lambda r: r["create_s"], steady_samples_per_s=steady)
     config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "repeat": args.repeat}
     config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"])}
     result = {"smoke": args.smoke, "config": config | {"url": ctx["url"]}, "dataset": data, "moto_pid": moto_pid}

@@ -6,8 +6,6 @@ cache_limit, shuffle=True)`` in a ``DataLoader`` (endpoint: ``S3_ENDPOINT_URL``)
 decode with Pillow and augment with :class:`benchmarks.loaders.TrainAugment` (crop 224, flip, normalise).
 """
 
-from __future__ import annotations
-
 import functools
 import io
 import sys

@@ -8,8 +8,6 @@ another version of the tier's module alternately (e.g. ``git show 7eab09f:src/co
     python -m benchmarks disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
 """
 
-from __future__ import annotations
-
 import os
 import runpy
 import shutil

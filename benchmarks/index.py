@@ -13,8 +13,6 @@ COCO-sized file, cold and saved. ``tars``, ``tars-s3``: :mod:`benchmarks.index_t
     python -m benchmarks index --what tars-s3                      # ~2 min, results/tars_s3_index.json
 """
 
-from __future__ import annotations
-
 import functools
 import json
 import math
@@ -31,7 +29,7 @@ import numpy as np
 from benchmarks import index_tars
 from benchmarks.harness import cli, limits, report
 from benchmarks.harness.report import log
-from benchmarks.indexing import delta, figures, fresh, made, memory, remove
+from benchmarks.indexing import figures, fresh, made, memory, remove
 
 OUT = None  # results/<OUTS[--what]>.json (out_path)
 
@@ -78,8 +76,8 @@ def walk(index) -> dict:
 
 def walked() -> dict:
     m0, t0, paths, sizes = memory(), time.perf_counter(), WALKED.paths, WALKED.sizes
-    total = sum(len(paths[i]) + int(sizes[i]) for i in range(len(WALKED)))
-    return {"walk_s": time.perf_counter() - t0, "worker_after_walk": delta(memory(), m0), "check": total}
+    out = {"check": sum(len(paths[i]) + int(sizes[i]) for i in range(len(WALKED))), "walk_s": time.perf_counter() - t0}
+    return out | {"worker_after_walk": {k: v - m0[k] for k, v in memory().items()}}
 
 
 def scale(args, work: Path) -> dict:

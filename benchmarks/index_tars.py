@@ -5,8 +5,6 @@ each, indexed in one process and by workers, cold, warm and from the saved index
 device's floor). ``tars-s3``: members of each size in ``--members`` on moto behind ``--latency-ms`` a request,
 indexed by range GETs, streamed, and left to choose. Both alternated ABBA ``--reps`` times."""
 
-from __future__ import annotations
-
 import concurrent.futures as cf
 import os
 import tarfile

@@ -1,7 +1,5 @@
-"""What the index scenarios share: the files they make once, and an index made or loaded in a fresh Python
-(:func:`fresh` runs :func:`child`: ``python -m benchmarks.indexing SPEC``)."""
-
-from __future__ import annotations
+"""What the index scenarios share: the files they make once, and an index made or loaded (or a function run) in a
+fresh Python (:func:`fresh` runs :func:`child`: ``python -m benchmarks.indexing SPEC``)."""
 
 import contextlib
 import importlib
@@ -23,10 +21,9 @@ def made(root: Path, key: str, write) -> float:
     mark = root / MARK
     if mark.exists() and mark.read_text() == key:
         return 0.0
-    if root.exists():
-        if not mark.exists():
-            raise SystemExit(f"{root} exists and was not made by this benchmark; give another --data, or delete it")
-        shutil.rmtree(root)
+    if root.exists() and not mark.exists():
+        raise SystemExit(f"{root} exists and was not made by this benchmark; give another --data, or delete it")
+    shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     mark.write_text("incomplete")
     t0 = time.perf_counter()
@@ -56,10 +53,6 @@ def memory() -> dict:
     f = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines}
     out = {"rss": f["Rss"], "pss": f["Pss"], "uss": f["Private_Clean"] + f["Private_Dirty"]}
     return out | {"dirty": f["Private_Dirty"], "anon": f["Anonymous"]}
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
 
 
 def function(name: str):
@@ -93,7 +86,7 @@ def child(spec: dict) -> dict:
     index = getattr(Index, spec["how"])(*spec["args"], **spec.get("kwargs", {}))
     out = {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "samples": len(index)}
     gc.collect()
-    out |= {"fingerprint": index.fingerprint, "after_load": delta(memory(), m0)}
+    out |= {"fingerprint": index.fingerprint, "after_load": {k: v - m0[k] for k, v in memory().items()}}
     if spec.get("heap"):
         out["heap_bytes"] = tracemalloc.get_traced_memory()[0]
     out["changed"] = getattr(index, "changed", None)  # the check's finding (None: an index before the check)

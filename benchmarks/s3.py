@@ -11,8 +11,6 @@ GETting ``--objects`` objects, 64 in flight, from moto (no proxy), into s3_clien
     python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import json
@@ -100,9 +98,8 @@ def made(spec: dict):
 
 
 def child(spec: dict, make=made, cpu=time.process_time) -> None:
-    """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each
-    reported to the parent (:func:`run_child`) and awaited. ``cpu()``: CPU seconds (default: this process's,
-    every thread, counted in ns where ``os.times`` counts ticks of 10 ms)."""
+    """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each said
+    to the parent (:func:`run_child`) and awaited; ``cpu()``: CPU seconds (default: this process's, in ns)."""
     parent, t0 = jobs.Parent(), time.perf_counter()
     for module in ("boto3", "nvidia.dali.fn", "obstore", "torch", "coordl") if make is made else ():
         importlib.import_module(module)  # before the clock: making the loader is listing, indexing, building
@@ -147,10 +144,10 @@ class Meter:
 def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     """One configuration in a fresh child process; its per-epoch rows with the server's counts."""
     kind, setting = name.split("-", 1)
-    spec = {"kind": kind, "url": f"s3://{BUCKET}/{PREFIX}", "batch": BATCH, "threads": THREADS}
+    spec = {"kind": kind, "url": args.data if name == "dali-local" else f"s3://{BUCKET}/{PREFIX}", "batch": BATCH}
     spec |= {"epochs": 1 if kind in ("capacity", "client") else EPOCHS, "keys": keys, "sizes": sizes}
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
-    spec["url"] = args.data if name == "dali-local" else spec["url"]
+    spec["threads"] = THREADS  # DALI's
     server.latency_s = float(setting) if kind == "capacity" else args.latency
     env = {k: v for k, v in os.environ.items() if k != "COORDL_S3_REQUESTS"} | server.env()
     if kind in ("capacity", "client"):
@@ -187,17 +184,14 @@ def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None,
     return run
 
 
-def summarise(runs: dict[str, list[dict]]) -> dict:
-    """Per configuration and epoch: the median and range of every measured value over the rounds."""
-    fields = "seconds samples_per_s gets get_bytes listing_requests loader_cpu_s proxy_cpu_s moto_cpu_s"
-    stats_fields = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
+def summarise(runs: dict[str, list[dict]], fields, counters, **figures) -> dict:
+    """Per configuration and epoch, the spread (median, min, max, all) of each of ``fields`` and of coordl's
+    ``counters`` over the rounds; per configuration, that of each of ``figures`` (name: its value in a run)."""
 
     def extra(ok):
-        figures = {"import_s": [r["import_s"] for r in ok], "create_s": [r["create_s"] for r in ok]}
-        figures["create_listing_requests"] = [r["create_requests"]["listing_requests"] for r in ok]
-        return {k: measure.spread_all(v) for k, v in figures.items()}
+        return {k: measure.spread_all([f(r) for r in ok]) for k, f in figures.items()}
 
-    return measure.rounds(runs, fields.split(), stats_fields, measure.spread_all, extra)
+    return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
 def table(result: dict) -> str:
@@ -250,7 +244,7 @@ def run(args) -> dict | None:
     from coordl_testing.s3server import S3Server
 
     data = dataset.dataset_from_args(args)
-    args.data, t_start = data["root"], time.time()
+    args.data = data["root"]
     names = [*(f"coordl-{c:g}" for c in CACHES), "dali-s3", "dali-local", "capacity-0", f"capacity-{args.latency:g}"]
     with S3Server() as server:
         moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
@@ -266,7 +260,10 @@ def run(args) -> dict | None:
     config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH, "caches": CACHES}
     config |= {"dali_threads": THREADS, "in_flight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}
-    result |= {"wall_s": time.time() - t_start, "runs": runs, "summary": (summary := summarise(runs))}
+    fields = "seconds samples_per_s gets get_bytes listing_requests loader_cpu_s proxy_cpu_s moto_cpu_s".split()
+    counters = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_fetch_s", "stall_prep_s")
+    listing = {"create_listing_requests": lambda r: r["create_requests"]["listing_requests"]}  # making the loader
+    result |= {"runs": runs, "summary": (summary := summarise(runs, fields, counters, **listing))}
     if dali := summary.get("dali-s3"):
         result["dali_s3"] = {"works": dali["ok"] > 0, "error": dali["errors"][0] if dali["errors"] else None}
     return result

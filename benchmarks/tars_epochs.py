@@ -11,8 +11,6 @@ behind the counting proxy of ``coordl_testing.s3server``, ``--latency`` a reques
     python -m benchmarks tars_epochs --images 2000 --store s3 --latency 0.02       # ~30 min
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json
