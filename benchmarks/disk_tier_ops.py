@@ -2,18 +2,15 @@
 
 Entries put into a fresh tier under ``--root`` (reservation, write, ``fdatasync``, ledger, link), then
 read back shuffled (open, ``fstat`` check, ``readv``, pages dropped, CRC-32): process CPU and wall time
-per entry, a fresh process per run. On a tmpfs the figures are the code's own. ``--before PATH`` times
-another version of the tier's module alternately (e.g. ``git show 7eab09f:src/coordl/fetch/disk.py``).
+per entry, a fresh process per run. On a tmpfs the figures are the code's own.
 
-    python -m benchmarks disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
+    python -m benchmarks disk_tier_ops --root /dev/shm
 """
 
 import os
-import runpy
 import shutil
 import tempfile
 import time
-import types
 
 import numpy as np
 
@@ -23,11 +20,10 @@ from benchmarks.indexing import fresh
 KEYS = ("write_us", "write_wall_us", "read_us", "read_wall_us")
 
 
-def one(module: str | None, root: str, entries: int, size: int) -> dict:
-    """One write epoch and one read epoch in this process; ``module``: a file to take the tier from."""
+def one(root: str, entries: int, size: int) -> dict:
+    """One write epoch and one read epoch in this process."""
     from coordl.fetch import disk
 
-    disk = types.SimpleNamespace(**runpy.run_path(module, run_name="disk_before")) if module else disk
     base, rng = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root), np.random.default_rng(0)
 
     def per_entry(cpu: float, t: float) -> tuple[float, float]:  # CPU and wall microseconds an entry
@@ -51,7 +47,7 @@ def one(module: str | None, root: str, entries: int, size: int) -> dict:
             got = tier.read_into(
                 [names[i] for i in ids], [stamps[i] for i in ids], [size] * len(ids), [[into[i]] for i in ids]
             )
-            if not np.all(np.asarray(got) == 1):  # GOOD (True in the version before the checks)
+            if not np.all(np.asarray(got) == 1):  # GOOD: read whole and checked
                 raise SystemExit(f"the tier read back {got}")
         out["read_us"], out["read_wall_us"] = per_entry(c, t)
         tier.close()
@@ -65,15 +61,11 @@ def options(p) -> None:
     p.add_argument("--entries", type=int, default=5000)
     p.add_argument("--size", type=int, default=4000, help="bytes per sample (default 4000)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--before", help="a file holding another version of the tier's module, timed alternately")
 
 
 def run(args) -> dict:
-    runs: dict[str, list[dict]] = {"now": [], "before": []}
-    for _, which in measure.alternate(["before", "now"] if args.before else ["now"], args.rounds):
-        module = args.before if which == "before" else None  # each run in a fresh process
-        runs[which].append(fresh({"how": f"{__name__}:one", "args": [module, args.root, args.entries, args.size]}))
-    return {"runs": runs, "medians": measure.medians(runs, KEYS)}
+    runs = [fresh({"how": f"{__name__}:one", "args": [args.root, args.entries, args.size]}) for _ in range(args.rounds)]
+    return {"runs": runs, "medians": measure.medians({"now": runs}, KEYS)}  # each run in a fresh process
 
 
 def table(r: dict) -> str:

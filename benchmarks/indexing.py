@@ -95,13 +95,5 @@ def child(spec: dict) -> dict:
     return out
 
 
-def figures(x, name: str = "") -> list[list]:
-    """Every value in ``x`` (dicts and lists within each other) beside its path: ``[["files.scan.seconds", 8.1]]``."""
-    if isinstance(x, dict | list):
-        pairs = x.items() if isinstance(x, dict) else enumerate(x)
-        return [row for k, v in pairs for row in figures(v, f"{name}.{k}" if name else str(k))]
-    return [] if x is None else [[name, x]]
-
-
 if __name__ == "__main__":
     jobs.say(**child(json.loads(sys.argv[1])))

@@ -4,15 +4,14 @@ The store: moto behind ``coordl_testing.s3server.S3Server``'s counting proxy, ``
 ``--repeat`` rounds, ABBA, each configuration a fresh process of 2 epochs: ``coordl-<f>`` (``cache=f``,
 ``imagenet-train``), ``dali-s3`` (``fn.readers.file(file_root="s3://...")``, the same recipe), ``dali-local``
 (the same on the local copy), ``capacity-0`` and ``capacity-<latency>`` (every object GET once, 64 in flight).
-Per epoch: samples/s, GETs, bytes, listings, coordl's counters, CPU of the loader, proxy and moto; per run
-the time to make the loader. ``--clients``: the client CPU per GET, obstore (coordl's) against boto3, each
-GETting ``--objects`` objects, 64 in flight, from moto (no proxy), into s3_clients.json. Details: benchmarks/README.md.
+Per epoch: samples/s, GETs, bytes, listings, coordl's counters, CPU of the loader, proxy and moto; per run the
+time to make the loader. ``--clients``: the client CPU per GET, obstore (coordl's) against boto3, each GETting
+``--objects`` objects, 64 in flight, from moto (no proxy), into s3_clients.json. Details: benchmarks/README.md.
 
     python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
 """
 
 import argparse
-import importlib
 import json
 import os
 import tempfile
@@ -100,12 +99,9 @@ def made(spec: dict):
 def child(spec: dict, make=made, cpu=time.process_time) -> None:
     """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each said
     to the parent (:func:`run_child`) and awaited; ``cpu()``: CPU seconds (default: this process's, in ns)."""
-    parent, t0 = jobs.Parent(), time.perf_counter()
-    for module in ("boto3", "nvidia.dali.fn", "obstore", "torch", "coordl") if make is made else ():
-        importlib.import_module(module)  # before the clock: making the loader is listing, indexing, building
-    import_s, t0, c0 = time.perf_counter() - t0, time.perf_counter(), cpu()
-    epoch, threads, loader = make(spec)
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu() - c0, threads=threads, import_s=import_s)
+    parent, t0, c0 = jobs.Parent(), time.perf_counter(), cpu()
+    epoch, threads, loader = make(spec)  # its imports included
+    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu() - c0, threads=threads)
     for e in range(spec["epochs"]):
         parent.wait()
         t0, c0 = time.perf_counter(), cpu()
@@ -168,7 +164,7 @@ def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None,
     def heard(event: str, msg: dict) -> None:
         counts = meter.read()
         if event == "created":
-            run.update(made_s=time.perf_counter() - t0, import_s=msg["import_s"], create_s=msg["create_s"])
+            run.update(made_s=time.perf_counter() - t0, create_s=msg["create_s"])
             run.update(create_cpu_s=msg["cpu_s"], threads=msg["threads"], create_requests=counts)
             created()
         else:

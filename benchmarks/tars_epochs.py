@@ -107,9 +107,7 @@ def own_device(folder: Path, size: int):
     folder.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as undo:
         undo.callback(image.unlink)
-        with open(image, "wb") as f:
-            f.truncate(size)
-        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image), f"{size >> 10}k"], check=True)  # the image file made
         losetup = ["losetup", "--find", "--show", "--direct-io=on", str(image)]
         loop = subprocess.run(losetup, capture_output=True, text=True, check=True).stdout.strip()
         undo.callback(subprocess.run, ["losetup", "-d", loop], check=True)
