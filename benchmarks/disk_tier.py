@@ -172,8 +172,7 @@ COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache 
 
 
 def table(result: dict) -> str:
-    """Per configuration and epoch, the medians (samples/s: [min-max] too); the steady rates, the ratios, the
-    tiers' entries read back and the conversions below."""
+    """Per configuration and epoch, the medians; the steady rates, ratios, tiers read back and conversions below."""
     c, rows, lines = result["config"], [], [""]
     for name, s in result["summary"].items():
         if not s["ok"]:
@@ -205,8 +204,7 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="LitData's and Mosaic's DataLoader workers (default: 2)")
-    chunk = "LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
-    p.add_argument("--chunk", default="8MB", help=chunk + "2 workers share chunks, which it reads whole per item)")
+    p.add_argument("--chunk", default="8MB", help="LitData's chunk_bytes and Mosaic's size_limit (default: 8MB)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     threads = "after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)"
     p.add_argument("--read-threads", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8], help=threads)
@@ -228,7 +226,6 @@ def run(args) -> dict | None:
     log(f"dataset: {dataset.describe(data)}")
     ctx = {"data": data["root"], "url": f"s3://{BUCKET}/raw/train", "conversions": {}, "files": data["files"]}
     ctx |= {"memory": int(args.memory * data["total_bytes"]), "device": measure.device_of(args.tier_root)}
-    t_start = time.time()
     with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
         moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
         server.create_bucket(BUCKET)
@@ -246,5 +243,5 @@ def run(args) -> dict | None:
     config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "repeat": args.repeat}
     config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"])}
     result = {"smoke": args.smoke, "config": config | {"url": ctx["url"]}, "dataset": data, "moto_pid": moto_pid}
-    result |= {"conversions": ctx["conversions"], "wall_s": time.time() - t_start}
-    return result | {"runs": runs, "summary": summary, "ratios": ratios(runs, summary)}
+    result |= {"conversions": ctx["conversions"], "runs": runs, "summary": summary}
+    return result | {"ratios": ratios(runs, summary)}

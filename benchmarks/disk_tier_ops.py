@@ -8,7 +8,6 @@ per entry, a fresh process per run. On a tmpfs the figures are the code's own.
 """
 
 import os
-import shutil
 import tempfile
 import time
 
@@ -24,17 +23,17 @@ def one(root: str, entries: int, size: int) -> dict:
     """One write epoch and one read epoch in this process."""
     from coordl.fetch import disk
 
-    base, rng = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root), np.random.default_rng(0)
+    rng, out = np.random.default_rng(0), {}
 
     def per_entry(cpu: float, t: float) -> tuple[float, float]:  # CPU and wall microseconds an entry
         cpu = measure.process_cpu_seconds(os.getpid()) - cpu
         return cpu / entries * 1e6, (time.perf_counter() - t) / entries * 1e6
 
-    try:
+    with tempfile.TemporaryDirectory(prefix="coordl-bench-disk-ops-", dir=root) as base:
         tier = disk.DiskTier(disk.tier_folder(base))
         data = [rng.integers(0, 256, size, np.uint8) for _ in range(entries)]
         names = [f"s3://bucket/train/{k:07d}.jpg" for k in range(entries)]
-        stamps, out = [disk.stamp(n, size, "etag") for n in names], {}
+        stamps = [disk.stamp(n, size, "etag") for n in names]
         c, t = measure.process_cpu_seconds(os.getpid()), time.perf_counter()
         for k in range(0, entries, 64):
             tier.put(names[k : k + 64], stamps[k : k + 64], data[k : k + 64])
@@ -51,9 +50,7 @@ def one(root: str, entries: int, size: int) -> dict:
                 raise SystemExit(f"the tier read back {got}")
         out["read_us"], out["read_wall_us"] = per_entry(c, t)
         tier.close()
-        return out
-    finally:
-        shutil.rmtree(base)
+    return out
 
 
 def options(p) -> None:

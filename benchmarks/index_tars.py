@@ -50,10 +50,8 @@ def write_shards(root: Path, shards: int, per_shard: int, low: int, high: int, s
 
 
 def header_reads(index, in_flight: int) -> dict:
-    """The reads indexing makes, without the parsing: in each shard, one after the other, 4 KB at its
-    start and at the header after each image (where the indexer's window moves to), ``in_flight``
-    shards at once; how many, and their seconds: the device's floor for any indexer that walks the
-    headers with that many reads in flight."""
+    """The reads indexing makes, without the parsing (the device's floor): in each shard one after the other,
+    4 KB at its start and at the header after each image, ``in_flight`` shards at once; how many, and seconds."""
     from coordl.tars.format import BLOCK, WINDOW
 
     sh, t0 = index.shards, time.perf_counter()
@@ -74,8 +72,7 @@ def header_reads(index, in_flight: int) -> dict:
 
 
 def indexed(data: str, shards: int, index_dir: Path, *, way="auto", one=False, then=None, env=None) -> dict:
-    """``Index.from_tars`` of the shards in a fresh Python (``one``: in that process only), ``then`` as
-    :func:`benchmarks.indexing.child` says."""
+    """``Index.from_tars`` of the shards in a fresh Python (``one``: in that process only; ``then``: as ``child``)."""
     kwargs = {"index_dir": str(index_dir), "stream": {"range": False, "stream": True, "auto": None}[way]}
     spec = {"how": "from_tars", "args": [f"{data}/shard-{{000000..{shards - 1:06d}}}.tar"], "kwargs": kwargs}
     spec |= {"set": {"coordl.tars.scan.PARALLEL_SHARDS": 1 << 40} if one else {}, "then": then}

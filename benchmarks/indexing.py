@@ -47,8 +47,7 @@ def fresh(spec: dict, env: dict | None = None) -> dict:
 
 
 def memory() -> dict:
-    """This process's memory in bytes: RSS, PSS, USS (pages only it maps), private dirty pages (its heap, and
-    what a forked child copied by writing), anonymous memory."""
+    """This process's memory in bytes: RSS, PSS, USS, private dirty pages (its heap, a fork's copies), anonymous."""
     lines = Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]
     f = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines}
     out = {"rss": f["Rss"], "pss": f["Pss"], "uss": f["Private_Clean"] + f["Private_Dirty"]}
@@ -61,10 +60,9 @@ def function(name: str):
 
 
 def child(spec: dict) -> dict:
-    """``Index.<how>(*args, **kwargs)`` timed (wall and CPU seconds), and the process's memory after it against
-    before. First: the module attributes in ``set``, the functions in ``before`` (``"module:function"``: a run's
-    fixed cost, not the index's), tracemalloc with ``heap``. After: ``then`` (``["module:function", *args]``) adds
-    its figures of the index. A ``how`` that names a function returns what ``function(*args)`` measured."""
+    """``Index.<how>(*args, **kwargs)`` timed (wall, CPU), the memory it took. First: the attributes in ``set``,
+    the functions in ``before`` (``"module:function"``: a run's fixed cost), tracemalloc with ``heap``; after:
+    ``then`` (``["module:function", *args]``) adds its figures of the index. A ``how`` "module:function": its own."""
     import gc
     import tracemalloc
 

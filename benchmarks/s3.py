@@ -54,9 +54,8 @@ def getter(client: str, keys: list[str], sizes: list[int]):
 
 
 def made(spec: dict):
-    """A configuration's loader: ``(epoch, threads, loader)``: ``epoch()`` runs one and returns its samples
-    (``capacity`` and ``client``: every key GET once, with obstore or ``client``; ``dali``: its reader of files, or
-    of tar ``shards``); ``loader``: coordl's (``Cache(size=cache, disk=Disk(tier, direct=...) or None)``), or None."""
+    """``(epoch, threads, loader)``: ``epoch()`` runs one, returns its samples (``capacity``, ``client``: every key
+    GET once; ``dali``: files, or tar ``shards``); ``loader``: coordl's (``Cache(size=cache, disk=tier)``) or None."""
     kind, n = spec["kind"], len(spec.get("keys", ()))
     if kind in ("capacity", "client"):
         get = getter(spec["client"], spec["keys"], spec["sizes"])
@@ -156,9 +155,8 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
 
 
 def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None, **popen) -> dict:
-    """``python -m benchmarks <scenario> --one <spec>`` (a :func:`child`), ``meter.read()`` after its loader is made
-    (``create_requests``, then ``created()``) and after each epoch: its making (``made_s`` from its start), its epochs,
-    or its error. ``COORDL_INDEX_DIR`` and ``COORDL_SHM_DIR`` folders of its own."""
+    """``python -m benchmarks <scenario> --one <spec>`` (a :func:`child`, with an index and shm folder of its own),
+    ``meter.read()`` after its loader is made (then ``created()``) and after each epoch: its making, epochs or error."""
     run, t0 = {"epochs": []}, time.perf_counter()
 
     def heard(event: str, msg: dict) -> None:

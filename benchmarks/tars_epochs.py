@@ -100,9 +100,8 @@ def webdataset(spec):
 
 @contextlib.contextmanager
 def own_device(folder: Path, size: int):
-    """``folder`` as the mount of an ext4 file system of its own, on a loop device (direct I/O) over
-    an image file beside it: the device's read counter then sees the shards' reads alone, not the
-    libraries a loader's process pages in again after the page cache is dropped. All removed after."""
+    """``folder`` as the mount of an ext4 file system on a loop device (direct I/O) of its own, removed after: its
+    read counter sees the shards' reads alone, not the libraries a process pages in again after a drop."""
     image = folder.with_name(folder.name + ".img")
     folder.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as undo:
@@ -174,8 +173,7 @@ def table(results: dict) -> str:
 
 
 def one_run(spec: dict, env: dict, server, dev, throttle) -> dict:
-    """One loader's child in a blkio cgroup (the device throttled once the loader is made), each epoch cold:
-    the meter's reading resets the store's counts, or drops the page cache."""
+    """One loader's child in a blkio cgroup (throttled once the loader is made), each epoch cold (the meter's doing)."""
     lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
     meter = s3.Meter(server) if server else DeviceMeter(dev)
     try:
