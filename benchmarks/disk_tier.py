@@ -65,9 +65,8 @@ def device_io(dev: tuple[int, int]) -> tuple[int, int]:
 
 
 def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
-    """Reads every entry of the tier under ``folder`` once, shuffled, from ``threads`` threads, as the tier
-    reads (``O_DIRECT`` into an aligned buffer, or a read whose pages are dropped behind it), the page cache
-    dropped first unless ``drop`` is False: the disk's rate for the tier's entries."""
+    """The disk's rate for the tier's entries under ``folder``: each read once, shuffled, from ``threads`` threads as
+    the tier reads (``direct``: ``O_DIRECT``; else pages dropped behind), the page cache dropped first (``drop``)."""
     entry = re.compile(r"[0-9a-f]{32}")  # an entry's name; the tier's ledger, users and tmp/ are not read
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if entry.fullmatch(f)]
     random.Random(0).shuffle(files)
@@ -91,8 +90,7 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
 
 
 class Meter(s3.Meter):
-    """The store's counts (:class:`benchmarks.s3.Meter`), the device's reads and writes, the page cache, and the
-    bytes of ``folder``'s files in it, between two readings."""
+    """Between two readings: the store's counts (``s3.Meter``), the device's I/O, the page cache, ``folder``'s in it."""
 
     def __init__(self, server, device: tuple[int, int], folder: str | None):
         self.device, self.folder = device, folder

@@ -28,8 +28,7 @@ def _item(labels: dict[str, int], path: str) -> dict:
 
 
 def convert(kind: str, src: str, out: str, size: str) -> dict:
-    """Writes the dataset under ``src`` as ``kind``'s chunks of ``size`` (e.g. ``8MB``) into ``out``; the
-    seconds the conversion took (LitData's with 2 worker processes), its imports not counted."""
+    """The dataset under ``src`` as ``kind``'s chunks of ``size`` (``8MB``) in ``out``: the seconds (imports apart)."""
     if kind == "litdata":
         import litdata
     else:

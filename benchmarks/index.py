@@ -1,10 +1,9 @@
 """Indexes at scale: building, loading and checking folder, COCO and tar-shard indexes, their time and memory.
 
 Each step in a fresh Python (:mod:`benchmarks.indexing`); the files made in ``--data`` deleted after unless
-``--keep``. ``scale``: ImageNet's 1,281,000 tiny files scanned, saved, loaded, the memory, the pages a forked
-worker copies. ``currency``: the check of a saved index warm, cold and by ``--threads``, on that tree and on
-``s3://`` keys behind ``--latency-ms`` (scaled to ImageNet's 2,001 pages). ``coco``: ``Index.from_coco`` of a
-COCO-sized file, cold and saved. ``tars``, ``tars-s3``: :mod:`benchmarks.index_tars`.
+``--keep``. ``scale``: 1,281,000 tiny files scanned, saved, loaded, the memory, a forked worker's copies;
+``currency``: the check of a saved index (warm, cold, by ``--threads``) on that tree and on ``s3://`` keys behind
+``--latency-ms``; ``coco``: a COCO-sized ``Index.from_coco``; ``tars``, ``tars-s3``: :mod:`benchmarks.index_tars`.
 
     python -m benchmarks index --what scale                        # ~3 min, results/index_scale.json
     python -m benchmarks index --what currency     # ~25 min, root for the cold checks; results/index_currency.json
@@ -97,12 +96,10 @@ def scale(args, work: Path) -> dict:
 
 def check(root: str, index_dir: Path, threads: int | None = None, rebuild: bool = False, env=None) -> dict:
     """``Index.scan`` finding its saved index (``rebuild``: a new scan), with ``threads`` stat threads."""
-    from coordl.currency import STAT_THREADS
-
     spec = {"how": "scan", "args": [root], "kwargs": {"index_dir": str(index_dir), "rebuild": rebuild}}
     spec |= {"set": {"coordl.currency.STAT_THREADS": threads} if threads else {}}
     spec["before"] = ["coordl.s3.client:boto3_client"] if root.startswith("s3://") else []
-    return fresh(spec, env=env) | {"threads": threads or STAT_THREADS}
+    return fresh(spec, env=env) | {"threads": threads}  # None: coordl.currency.STAT_THREADS
 
 
 def files(args, work: Path) -> dict:

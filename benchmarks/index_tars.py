@@ -22,8 +22,7 @@ WAYS = {"range": "range GETs of the headers", "stream": "one GET per shard, stre
 
 
 def write_tar(path: Path, members) -> None:
-    """A tar file (GNU format) of ``members``: ``(name, bytes)``, or ``(name, size)`` for bytes left a hole of a
-    sparse file (never written, never read)."""
+    """A tar file (GNU format) of ``members``: ``(name, bytes)``, or ``(name, size)``: a hole of a sparse file."""
     with open(path, "wb") as f:
         for name, data in members:
             info = tarfile.TarInfo(name)

@@ -16,8 +16,7 @@ MARK = ".made-by-benchmarks"  # in a folder a scenario made (and may delete): wh
 
 
 def made(root: Path, key: str, write) -> float:
-    """Makes ``root`` by ``write(root)`` unless a complete one made with ``key`` is there (an earlier ``--keep``'s),
-    never replacing a folder no scenario made; returns the seconds it took."""
+    """``write(root)``'s seconds, unless a complete ``root`` made with ``key`` is there; never replaces another's."""
     mark = root / MARK
     if mark.exists() and mark.read_text() == key:
         return 0.0

@@ -31,8 +31,7 @@ EPOCHS, BATCH, CACHES, THREADS = 2, 64, (0.0, 0.5, 1.0), os.cpu_count()  # DALI 
 
 
 def getter(client: str, keys: list[str], sizes: list[int]):
-    """``get(ks)``: GETs the keys at positions ``ks`` with ``client`` into buffers of their sizes; with
-    obstore through coordl's reads (``COORDL_S3_REQUESTS`` in flight), with boto3 from 64 threads."""
+    """``get(ks)``: GETs keys ``ks`` with ``client`` (obstore: coordl's reads; boto3: 64 threads) into buffers."""
     buffers = [np.empty(s, dtype=np.uint8) for s in sizes]
     if client == "obstore":
         from coordl.s3 import reads
@@ -96,8 +95,7 @@ def made(spec: dict):
 
 
 def child(spec: dict, make=made, cpu=time.process_time) -> None:
-    """A configuration's child: its loader made (``make(spec)``, as :func:`made`), then ``epochs`` epochs, each said
-    to the parent (:func:`run_child`) and awaited; ``cpu()``: CPU seconds (default: this process's, in ns)."""
+    """A child: ``make(spec)`` (:func:`made`), then its epochs, each said to the parent and awaited (CPU: ``cpu()``)."""
     parent, t0, c0 = jobs.Parent(), time.perf_counter(), cpu()
     epoch, threads, loader = make(spec)  # its imports included
     parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu() - c0, threads=threads)
@@ -144,9 +142,7 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
     spec["threads"] = THREADS  # DALI's
     server.latency_s = float(setting) if kind == "capacity" else args.latency
-    env = {k: v for k, v in os.environ.items() if k != "COORDL_S3_REQUESTS"} | server.env()
-    if kind in ("capacity", "client"):
-        env["COORDL_S3_REQUESTS"] = str(IN_FLIGHT)
+    env = {**os.environ, **server.env(), "COORDL_S3_REQUESTS": str(IN_FLIGHT)}  # coordl's default, the clients' too
     if kind == "client":  # moto itself, no proxy
         env["AWS_ENDPOINT_URL"] = server.direct
     run = {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
@@ -179,8 +175,7 @@ def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None,
 
 
 def summarise(runs: dict[str, list[dict]], fields, counters, **figures) -> dict:
-    """Per configuration and epoch, the spread (median, min, max, all) of each of ``fields`` and of coordl's
-    ``counters`` over the rounds; per configuration, that of each of ``figures`` (name: its value in a run)."""
+    """Per configuration and epoch, the spread of ``fields`` and coordl's ``counters``; of ``figures`` (its runs')."""
 
     def extra(ok):
         return {k: measure.spread_all([f(r) for r in ok]) for k, f in figures.items()}
@@ -248,9 +243,7 @@ def run(args) -> dict | None:
         if args.clients:
             return {"dataset": data, **clients(args, server, keys[: args.objects], sizes[: args.objects])}
         server.latency_s = args.latency
-        # dali-s3 failed before: the reason is recorded, it is not tried again
-        failed = lambda name, done: name == "dali-s3" and done and all("error" in r for r in done)  # noqa: E731
-        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log, failed)
+        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log)
     config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH, "caches": CACHES}
     config |= {"dali_threads": THREADS, "in_flight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}

@@ -1,11 +1,9 @@
 """Tar shards' steady epochs: coordl at cache 0/0.5/1 against WebDataset + DataLoader and DALI's reader.
 
-A photo dataset as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader in a child, ABBA
-``--reps`` times: coordl at each ``--cache``, WebDataset's pipeline (shard shuffle, a 1,000-sample buffer,
-Pillow, a random resized crop, ``--workers`` DataLoader workers), DALI's ``readers.webdataset``; steady
-samples/s: the median of the epochs after the first. ``--store local``: the shards on a loop device of their
-own, the page cache dropped before each epoch, read at ``--throttle`` (blkio, root); ``--store s3``: on moto
-behind the counting proxy of ``coordl_testing.s3server``, ``--latency`` a request.
+A photo dataset as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader (:func:`made`) in a
+child, ABBA ``--reps`` times; steady samples/s: the median of the epochs after the first. ``--store local``: the
+shards on a loop device of their own, the page cache dropped before each epoch, read at ``--throttle`` (blkio,
+root); ``--store s3``: on moto behind the counting proxy of ``coordl_testing.s3server``, ``--latency`` a request.
 
     python -m benchmarks tars_epochs --images 2000 --throttle 20MB                 # ~8 min
     python -m benchmarks tars_epochs --images 2000 --store s3 --latency 0.02       # ~30 min
@@ -68,13 +66,11 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
 
 
 def made(spec: dict):
-    """The child's loader, as :func:`benchmarks.s3.made`: coordl's and DALI's there, WebDataset's here."""
-    return (webdataset if spec["kind"] == "webdataset" else s3.made)(spec)
-
-
-def webdataset(spec):
-    """WebDataset's pipeline: shard shuffle, a 1,000-sample buffer, Pillow decoding and a random resized
-    crop to 224 in ``workers`` DataLoader workers; an ``s3://`` shard read by curl, a presigned GET."""
+    """The child's loader: coordl's and DALI's as :func:`benchmarks.s3.made`; WebDataset's pipeline (shard shuffle, a
+    1,000-sample buffer, Pillow decoding and a random resized crop to 224 in ``workers`` DataLoader workers; an
+    ``s3://`` shard read by curl, a presigned GET)."""
+    if spec["kind"] != "webdataset":
+        return s3.made(spec)
     import torch
     import webdataset as wds
     from PIL import Image
@@ -86,12 +82,10 @@ def webdataset(spec):
 
     urls = spec["shards"]
     if urls[0].startswith("s3://"):
-        import boto3
-        from botocore.config import Config
+        from coordl.s3.client import boto3_client  # the AWS_* variables
 
-        s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # the AWS_* variables
         where = [dict(zip(("Bucket", "Key"), u[5:].split("/", 1))) for u in urls]
-        urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
+        urls = [f"pipe:curl -s -f '{boto3_client().generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
     ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch"])
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
