@@ -1,19 +1,15 @@
 """The local-storage tier (Cache(disk=...)) on an s3:// dataset 4x the memory cache behind a slow store.
 
-The store: moto's S3 server behind ``S3Server``'s counting proxy, ``--latency`` before each request,
-bodies at ``--bandwidth`` (all connections together). ``--repeat`` rounds, ABBA, each configuration a
-fresh process (its own shm, index, TMPDIR and folders; page cache dropped unless ``--no-drop``),
-``--epochs`` epochs, batch 64: ``no-tier`` (``Cache(size=M)``, M = ``--memory`` of the dataset);
-``tier`` (``disk=Disk(folder in --tier-root)``); ``tier-direct`` (``direct=True``); ``local`` (the same
-loader on the local folder: the bound); ``litdata``, ``mosaic`` (:mod:`.disk_tier_baselines`: caches 4x
-their chunks; conversions timed apart). Per epoch: GETs and bytes, coordl's counters, CPU, the device's
-reads and writes, the page cache and the configuration's files in it (``fincore``); after a tier's run,
-its entries read back from ``--read-threads`` threads; the tiers' steady samples/s over the others'.
+The store: moto behind ``S3Server``'s counting proxy, ``--latency`` a request, ``--bandwidth`` in all.
+``--repeat`` rounds, ABBA, each configuration a fresh process (page cache dropped unless ``--no-drop``),
+``--epochs`` epochs, batch 64: ``no-tier`` (``Cache(size=M)``, M = ``--memory`` of the dataset); ``tier``
+(``disk=Disk(folder in --tier-root)``); ``tier-direct`` (``direct=True``); ``local`` (the local folder: the
+bound); ``litdata``, ``mosaic`` (:mod:`.disk_tier_baselines`). Per epoch: GETs and bytes, coordl's counters,
+CPU, the device's reads and writes, the page cache (``fincore``); after a tier's run, its entries read back
+from ``--read-threads`` threads; the tiers' steady samples/s over the others'.
 
     python -m benchmarks disk_tier            # ~15 min on 2 cores; --smoke: 48 small photos, no Mosaic, ~35 s
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -29,10 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import disk_tier_baselines
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks import disk_tier_baselines, s3
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.harness.report import log, mb
-from benchmarks.s3 import Meter
+from benchmarks.indexing import fresh
+from coordl.fetch.storage import read_whole
+from coordl.units import parse_bytes
 
 CONFIGS = ("no-tier", "tier", "tier-direct", "local", "litdata", "mosaic")
 BASELINES = ("local", "no-tier", "litdata", "mosaic")  # (b) / each
@@ -67,9 +65,8 @@ def device_io(dev: tuple[int, int]) -> tuple[int, int]:
 
 
 def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
-    """Reads every entry of the tier under ``folder`` once, shuffled, from ``threads`` threads, as the tier
-    reads (``O_DIRECT`` into an aligned buffer, or a read whose pages are dropped behind it), the page cache
-    dropped first unless ``drop`` is False: the disk's rate for the tier's entries."""
+    """The disk's rate for the tier's entries under ``folder``: each read once, shuffled, from ``threads`` threads as
+    the tier reads (``direct``: ``O_DIRECT``; else pages dropped behind), the page cache dropped first (``drop``)."""
     entry = re.compile(r"[0-9a-f]{32}")  # an entry's name; the tier's ledger, users and tmp/ are not read
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if entry.fullmatch(f)]
     random.Random(0).shuffle(files)
@@ -79,12 +76,8 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     def read(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         try:
-            if direct:
-                with mmap.mmap(-1, -(-os.fstat(fd).st_size // 4096) * 4096 or 4096) as buf:  # page-aligned
-                    return os.preadv(fd, [buf], 0)
-            n = len(os.pread(fd, os.fstat(fd).st_size, 0))
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return n
+            with mmap.mmap(-1, -(-os.fstat(fd).st_size // 4096) * 4096 or 4096) as buf:  # page-aligned
+                return os.preadv(fd, [buf], 0) if direct else read_whole(fd, [buf], drop_page_cache=True)
         finally:
             os.close(fd)
 
@@ -96,91 +89,65 @@ def tier_capacity(folder: str, direct: bool, threads: int, drop: bool) -> dict:
     return out | {"bytes_per_s": total / s, "files_per_s": len(files) / s}
 
 
+class Meter(s3.Meter):
+    """Between two readings: the store's counts (``s3.Meter``), the device's I/O, the page cache, ``folder``'s in it."""
+
+    def __init__(self, server, device: tuple[int, int], folder: str | None):
+        self.device, self.folder = device, folder
+        super().__init__(server)
+
+    def start(self) -> None:
+        super().start()
+        self.io, self.mem = device_io(self.device), meminfo()
+
+    def read(self) -> dict:
+        io, mem = device_io(self.device), meminfo()
+        out = {"resident_bytes": resident(self.folder), "meminfo": mem}
+        out["device_read"], out["device_written"] = (a - b for a, b in zip(io, self.io))
+        return super().read() | out | {"page_cache_delta": mem["page_cache"] - self.mem["page_cache"]}
+
+
 def run_one(args, server, name: str, ctx: dict) -> dict:
     """One configuration in a fresh child; per epoch its figures, the proxy's counts and the machine's memory."""
-    work = tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-run-")
-    shm = tempfile.mkdtemp(dir="/dev/shm", prefix="coordl-disk-tier-")
-    tmp = tempfile.mkdtemp(prefix="coordl-dt-")  # short: sockets of DataLoader workers go there (108 bytes at most)
-    spec = {"batch": args.batch, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "memory": ctx["memory"]}
-    if name in ("litdata", "mosaic"):
-        conv, local = ctx["conversions"][name], os.path.join(work, "cache")
-        spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
-        spec["cache_limit"] = 4 * conv["bytes"]
-    else:
-        local = {"no-tier": None, "local": ctx["data"]}.get(name, os.path.join(work, "tier"))
-        spec |= {"tier": local if name.startswith("tier") else None, "direct": name == "tier-direct"}
-        spec["url"] = ctx["data"] if name == "local" else ctx["url"]
-        if spec["tier"]:
-            os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
-    env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "COORDL_SHM_DIR": shm}
-    env.update(COORDL_INDEX_DIR=os.path.join(work, "index"), TMPDIR=tmp)
-    run = {"config": name, "epochs": [], "dropped_page_cache": None}  # None: not dropped; True; or why it could not
-    if not args.no_drop:
-        run["dropped_page_cache"] = limits.drop_page_cache() or True
-    meter, dev = Meter(server), ctx["device"]
-    io_was, mem_was = device_io(dev), meminfo()
-
-    def heard(event: str, msg: dict) -> None:
-        nonlocal io_was, mem_was
-        counts = meter.read()
-        if event == "created":
-            run.update(msg, create_requests=counts)
+    spec = {"batch": s3.BATCH, "epochs": args.epochs, "kind": "coordl", "url": ctx["url"], "cache": ctx["memory"]}
+    # TMPDIR short: the sockets of DataLoader workers go there (108 bytes at most)
+    with tempfile.TemporaryDirectory(dir=args.tier_root) as work, tempfile.TemporaryDirectory() as tmp:
+        if name in ("litdata", "mosaic"):
+            conv, local = ctx["conversions"][name], os.path.join(work, "cache")
+            spec |= {"kind": name, "url": conv["url"], "local": local, "workers": args.workers}
+            spec["cache_limit"] = 4 * conv["bytes"]
         else:
-            io_now, mem = device_io(dev), meminfo()
-            msg.update(counts, loader_cpu_s=msg.pop("cpu_s"), resident_bytes=resident(local), meminfo=mem)
-            msg["device_read"], msg["device_written"] = (a - b for a, b in zip(io_now, io_was))
-            msg["page_cache_delta"] = mem["page_cache"] - mem_was["page_cache"]
-            run["epochs"].append(msg)
-        io_was, mem_was = device_io(dev), meminfo()
-
-    try:
-        code, err, _ = jobs.converse(jobs.scenario_command("disk_tier", "--one", json.dumps(spec)), heard, env=env)
-        if name.startswith("tier") and code == 0:  # the disk's rate for the tier's entries, the loader gone
+            local = {"no-tier": None, "local": ctx["data"]}.get(name, os.path.join(work, "tier"))
+            spec |= {"tier": local if name.startswith("tier") else None, "direct": name == "tier-direct"}
+            spec["url"] = ctx["data"] if name == "local" else ctx["url"]
+            if spec["tier"]:
+                os.makedirs(local)  # Disk(path) must exist: the tier is its sub-folder
+        env = {**os.environ, **server.env(), "S3_ENDPOINT_URL": server.endpoint, "TMPDIR": tmp}
+        run = {"config": name, "dropped_page_cache": None if args.no_drop else limits.drop_page_cache() or True}
+        run |= s3.run_child("disk_tier", spec, Meter(server, ctx["device"], local), env)
+        if name.startswith("tier") and "error" not in run:  # the disk's rate for the tier's entries, the loader gone
             run["tier_read"] = [tier_capacity(local, spec["direct"], t, not args.no_drop) for t in args.read_threads]
-    finally:
-        for folder in (shm, work, tmp):
-            shutil.rmtree(folder, ignore_errors=True)
-    if code != 0 or len(run["epochs"]) < args.epochs:
-        run["error"] = jobs.error_text(err) or f"exit status {code}"
-    elif short := [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]:
-        run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}\n{err[-2000:]}"
+    short = [(e["epoch"], e["samples"]) for e in run["epochs"] if e["samples"] != ctx["files"]]
+    if short and "error" not in run:
+        run["error"] = f"epochs delivered other than {ctx['files']} samples (epoch, samples): {short}"
     return run
 
 
-def convert(args, server, kind: str, data: str, work: str) -> dict:
+def convert(args, server, kind: str, data: str) -> dict:
     """``kind``'s chunks of the dataset, made in a child (the conversion timed there), uploaded straight to moto."""
-    out, tmp = os.path.join(work, kind), tempfile.mkdtemp(prefix="coordl-dt-")
-    try:
-        cmd = jobs.scenario_command("disk_tier", "--convert", kind, data, out, args.chunk)
-        seconds = jobs.run_json(cmd, env={**os.environ, "TMPDIR": tmp})["convert_s"]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    files = [p for p in Path(out).rglob("*") if p.is_file()]
-    r = {"seconds": seconds, "files": len(files), "chunks": sum(p.suffix in (".bin", ".mds") for p in files)}
-    r |= {"bytes": sum(p.stat().st_size for p in files), "url": f"s3://{BUCKET}/{kind}"}
-    server.upload_tree(out, BUCKET, kind)
-    shutil.rmtree(out)
-    return r
+    with tempfile.TemporaryDirectory(dir=args.tier_root) as work, tempfile.TemporaryDirectory() as tmp:
+        how = {"how": "benchmarks.disk_tier_baselines:convert", "args": [kind, data, f"{work}/{kind}", args.chunk]}
+        seconds = fresh(how, env={"TMPDIR": tmp})["convert_s"]  # TMPDIR: short, for the sockets of its workers
+        files = [p for p in Path(work, kind).rglob("*") if p.is_file()]
+        r = {"seconds": seconds, "files": len(files), "chunks": sum(p.suffix in (".bin", ".mds") for p in files)}
+        server.upload_tree(f"{work}/{kind}", BUCKET, kind)
+        return r | {"bytes": sum(p.stat().st_size for p in files), "url": f"s3://{BUCKET}/{kind}"}
 
 
 def steady(run: dict) -> float:
     """Samples/s over the epochs after the first."""
     rest = run["epochs"][1:]
     return sum(e["samples"] for e in rest) / sum(e["seconds"] for e in rest)
-
-
-def summarise(runs: dict[str, list[dict]]) -> dict:
-    """Per configuration: median, min, max of every figure per epoch, and of the steady samples/s of each run."""
-    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "loader_cpu_s", "device_read", "device_written")
-    fields += ("resident_bytes", "page_cache_delta")
-    counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
-    counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
-
-    def extra(ok):
-        figures = {"create_s": [r["create_s"] for r in ok], "steady_samples_per_s": [steady(r) for r in ok]}
-        return {k: measure.spread_all(v) for k, v in figures.items()}
-
-    return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
 def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
@@ -203,8 +170,7 @@ COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache 
 
 
 def table(result: dict) -> str:
-    """Per configuration and epoch, the medians (samples/s: [min-max] too); the steady rates, the ratios, the
-    tiers' entries read back and the conversions below."""
+    """Per configuration and epoch, the medians; the steady rates, ratios, tiers read back and conversions below."""
     c, rows, lines = result["config"], [], [""]
     for name, s in result["summary"].items():
         if not s["ok"]:
@@ -216,12 +182,9 @@ def table(result: dict) -> str:
             lines.append(f"steady samples/s {name}: {report.spread(s['steady_samples_per_s'], rng=True)}")
     for key, r in result["ratios"].items():
         lines.append(f"{key}: {r['of_medians']:.3f} (per round: {', '.join(f'{x:.3f}' for x in r['per_round'])})")
-    for name, rs in result["runs"].items():
-        reads = [x for r in rs for x in r.get("tier_read", [])]
-        for t in sorted({x["threads"] for x in reads}):
-            same = [x for x in reads if x["threads"] == t]
-            mbs = ", ".join(f"{x['bytes_per_s'] / 1e6:.0f} MB/s ({x['files_per_s']:.0f} entries/s)" for x in same)
-            lines.append(f"{name}: entries read back from {t} thread(s), page cache dropped: {mbs}")
+    for name, x in ((name, x) for name, rs in result["runs"].items() for r in rs for x in r.get("tier_read", [])):
+        rate = f"{x['bytes_per_s'] / 1e6:.0f} MB/s ({x['files_per_s']:.0f} entries/s)"
+        lines.append(f"{name}: entries read back from {x['threads']} thread(s), page cache dropped: {rate}")
     for name, conv in result["conversions"].items():
         lines.append(f"{name} conversion: {conv['seconds']:.1f} s, {conv['chunks']} chunks, {mb(conv['bytes'])} MB")
     head = f"memory cache {mb(c['memory_bytes'])} MB; {c['latency_s'] * 1e3:g} ms per request, "
@@ -238,27 +201,20 @@ def options(p) -> None:
     p.add_argument("--tier-root", default="/var/tmp", help="where the tier (and the run's folders) go (/var/tmp)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="LitData's and Mosaic's DataLoader workers (default: 2)")
-    chunk = "LitData's chunk_bytes and Mosaic's size_limit (default: 8MB, ~28 chunks: with a few 64MB ones LitData's "
-    p.add_argument("--chunk", default="8MB", help=chunk + "2 workers share chunks, which it reads whole per item)")
+    p.add_argument("--chunk", default="8MB", help="LitData's chunk_bytes and Mosaic's size_limit (default: 8MB)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     threads = "after a tier's run, read its entries once from this many threads, for each (default: 1,8; '': none)"
     p.add_argument("--read-threads", type=lambda t: [int(x) for x in t.split(",") if x], default=[1, 8], help=threads)
     p.add_argument("--no-drop", action="store_true", help="do not drop the page cache before each run")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, its spec in JSON
-    p.add_argument("--convert", nargs=4, help=argparse.SUPPRESS)  # a child: KIND SRC OUT SIZE, one conversion
 
 
 def run(args) -> dict | None:
     if args.one:
-        return disk_tier_baselines.child(json.loads(args.one), jobs.Parent())
-    if args.convert:
-        return jobs.say(**disk_tier_baselines.convert(*args.convert))
+        return s3.child(json.loads(Path(args.one).read_text()), disk_tier_baselines.made, measure.cpu_seconds)
     if args.smoke:  # the smoke's dataset, where the command line did not name one
         vars(args).update(vars(cli.parser("disk_tier", sys.modules[__name__]).parse_args(SMOKE + args._argv)))
-
-    from coordl.units import parse_bytes
     from coordl_testing.s3server import S3Server
 
     names = [n for n in args.configs.split(",") if n]
@@ -268,23 +224,22 @@ def run(args) -> dict | None:
     log(f"dataset: {dataset.describe(data)}")
     ctx = {"data": data["root"], "url": f"s3://{BUCKET}/raw/train", "conversions": {}, "files": data["files"]}
     ctx |= {"memory": int(args.memory * data["total_bytes"]), "device": measure.device_of(args.tier_root)}
-    t_start, work = time.time(), tempfile.mkdtemp(dir=args.tier_root, prefix="coordl-disk-tier-convert-")
-    try:
-        with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
-            moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
-            server.create_bucket(BUCKET)
-            server.upload_tree(data["root"], BUCKET, "raw/train")
-            for kind in (k for k in ("litdata", "mosaic") if k in names):
-                ctx["conversions"][kind] = conv = convert(args, server, kind, data["root"], work)
-                log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks)")
-            server.latency_s = args.latency
-            runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    summary = summarise(runs)
-    # cgroups None: no memory or blkio limit, the page cache measured
+    with S3Server(bandwidth_bps=parse_bytes(args.bandwidth)) as server:
+        moto_pid = server._proc.pid  # gone after the run: tests/test_benchmarks.py checks
+        server.create_bucket(BUCKET)
+        server.upload_tree(data["root"], BUCKET, "raw/train")
+        for kind in (k for k in ("litdata", "mosaic") if k in names):
+            ctx["conversions"][kind] = conv = convert(args, server, kind, data["root"])
+            log(f"{kind}: converted in {conv['seconds']:.1f} s ({conv['chunks']} chunks)")
+        server.latency_s = args.latency
+        runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, ctx), log)
+    fields = ("seconds", "samples_per_s", "gets", "get_bytes", "loader_cpu_s", "device_read", "device_written")
+    fields += ("resident_bytes", "page_cache_delta")
+    counters = ("storage_reads", "storage_bytes", "cache_hits", "disk_reads", "disk_bytes", "disk_admitted")
+    counters += ("disk_cache_bytes", "stall_fetch_s", "stall_prep_s", "read_s", "prep_s")
+    summary = s3.summarise(runs, fields, counters, create_s=lambda r: r["create_s"], steady_samples_per_s=steady)
     config = {"latency_s": args.latency, "bandwidth_bps": parse_bytes(args.bandwidth), "repeat": args.repeat}
-    config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"]), "cgroups": None}
+    config |= {"memory_bytes": ctx["memory"], "tier_device": "{}:{}".format(*ctx["device"])}
     result = {"smoke": args.smoke, "config": config | {"url": ctx["url"]}, "dataset": data, "moto_pid": moto_pid}
-    result |= {"conversions": ctx["conversions"], "wall_s": time.time() - t_start}
-    return result | {"runs": runs, "summary": summary, "ratios": ratios(runs, summary)}
+    result |= {"conversions": ctx["conversions"], "runs": runs, "summary": summary}
+    return result | {"ratios": ratios(runs, summary)}

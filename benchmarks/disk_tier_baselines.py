@@ -1,31 +1,25 @@
-"""The loaders of ``benchmarks.disk_tier``, each run in a fresh process (:func:`child`): coordl's, and the
-local caches of LitData and Mosaic Streaming over the chunks :func:`convert` makes of the same files.
-
-- ``coordl``: ``CoordLoader(url, cache=Cache(size=M, disk=None or Disk(tier, direct=...)),
-  pipeline="imagenet-train", device_id=None, shuffle=True)``.
-- ``litdata``: ``litdata.optimize`` (``chunk_bytes``, 2 workers) writes chunks of ``{"image": the
-  JPEG's bytes, "label": int}``; ``StreamingDataset("s3://...", cache_dir=..., max_cache_size=...,
-  shuffle=True)`` in a ``StreamingDataLoader`` with ``workers`` workers.
-- ``mosaic``: ``streaming.MDSWriter`` (``size_limit``) writes shards of the same columns;
-  ``StreamingDataset(remote="s3://...", local=..., cache_limit=..., shuffle=True, batch_size=...)`` in
-  a ``torch.utils.data.DataLoader`` with ``workers`` workers; the endpoint is ``S3_ENDPOINT_URL``.
-
-LitData and Mosaic decode with Pillow (RGB) and augment with :class:`benchmarks.loaders.TrainAugment`
-(random-resized crop 224, flip, normalise: numpy and torch, no torchvision).
+"""The baselines of ``benchmarks.disk_tier`` (:func:`made`): LitData's and Mosaic Streaming's local caches over
+the chunks :func:`convert` makes of the same files (``{"image": the JPEG's bytes, "label": int}``): LitData's
+``optimize`` (``chunk_bytes``, 2 workers) read by its ``StreamingDataset(cache_dir, max_cache_size, shuffle=True)``
+in a ``StreamingDataLoader``; Mosaic's ``MDSWriter`` (``size_limit``) read by its ``StreamingDataset(remote, local,
+cache_limit, shuffle=True)`` in a ``DataLoader`` (endpoint: ``S3_ENDPOINT_URL``); ``workers`` workers each. Both
+decode with Pillow and augment with :class:`benchmarks.loaders.TrainAugment` (crop 224, flip, normalise).
 """
-
-from __future__ import annotations
 
 import functools
 import io
 import sys
 import time
+import types
 from pathlib import Path
 
-from benchmarks.harness.measure import cpu_seconds  # with the DataLoader workers'
+from benchmarks import s3
 from benchmarks.loaders import TrainAugment
 
 AUGMENT = TrainAugment()
+# Mosaic's vision datasets (streaming.vision, 0.13) import torchvision, not installed (its wheels require another
+# torch) and not used here: a module of that name, empty, stands in for them
+NO_VISION = types.ModuleType("streaming.vision")
 
 
 def _item(labels: dict[str, int], path: str) -> dict:
@@ -34,12 +28,11 @@ def _item(labels: dict[str, int], path: str) -> dict:
 
 
 def convert(kind: str, src: str, out: str, size: str) -> dict:
-    """Writes the dataset under ``src`` as ``kind``'s chunks of ``size`` (e.g. ``8MB``) into ``out``; the
-    seconds the conversion took (LitData's with 2 worker processes), its imports not counted."""
+    """The dataset under ``src`` as ``kind``'s chunks of ``size`` (``8MB``) in ``out``: the seconds (imports apart)."""
     if kind == "litdata":
         import litdata
     else:
-        stub_torchvision()
+        sys.modules.setdefault("streaming.vision", NO_VISION)
         from streaming import MDSWriter
     t0 = time.perf_counter()
     files = sorted(str(p) for p in Path(src).rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -53,25 +46,6 @@ def convert(kind: str, src: str, out: str, size: str) -> dict:
     return {"convert_s": time.perf_counter() - t0}
 
 
-def stub_torchvision() -> None:
-    """``import streaming`` (0.13) imports torchvision for its vision datasets, not used here; torchvision is
-    not installed (its wheels require another torch): a stub of the names it imports goes in ``sys.modules``."""
-    import importlib.machinery
-    import types
-
-    names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
-    if names[0] in sys.modules:
-        return
-    tv, datasets, transforms, functional = mods = [types.ModuleType(n) for n in names]
-    for m in mods:
-        m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)  # transformers calls find_spec on it
-    tv.__version__ = "0.0+stub"
-    tv.datasets, tv.transforms, transforms.functional = datasets, transforms, functional
-    datasets.VisionDataset = datasets.CIFAR10 = type("VisionDataset", (), {})
-    functional.to_tensor = None
-    sys.modules.update(zip(names, mods))
-
-
 def decode(sample: dict):
     """Pillow decode to RGB, then the training augmentation: ``(CHW float tensor, label)``."""
     from PIL import Image
@@ -79,14 +53,6 @@ def decode(sample: dict):
     with Image.open(io.BytesIO(sample["image"])) as im:
         image = im.convert("RGB")
     return AUGMENT(image), int(sample["label"])
-
-
-def _coordl(spec: dict):
-    import coordl
-
-    disk = coordl.Disk(spec["tier"], direct=spec["direct"]) if spec["tier"] else None
-    kw = {"batch_size": spec["batch"], "shuffle": True, "pipeline": "imagenet-train", "device_id": None}
-    return coordl.CoordLoader(spec["url"], cache=coordl.Cache(size=spec["memory"], disk=disk), **kw)
 
 
 def _litdata(spec: dict):
@@ -105,7 +71,7 @@ def _litdata(spec: dict):
 def _mosaic(spec: dict):
     import torch
 
-    stub_torchvision()
+    sys.modules.setdefault("streaming.vision", NO_VISION)
     from streaming import StreamingDataset
 
     class Decoded(StreamingDataset):
@@ -117,23 +83,9 @@ def _mosaic(spec: dict):
     return torch.utils.data.DataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
 
 
-def child(spec: dict, parent) -> None:
-    """One run in a fresh process: the loader made (its imports included), then ``epochs`` epochs, each said
-    to ``parent`` (:class:`benchmarks.harness.jobs.Parent`, with coordl's ``stats()``) and awaited."""
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    loader = {"coordl": _coordl, "litdata": _litdata, "mosaic": _mosaic}[spec["kind"]](spec)
-    parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu_seconds() - c0)
-    parent.wait()
-    for e in range(spec["epochs"]):
-        t0, c0, n = time.perf_counter(), cpu_seconds(), 0
-        for batch in loader:
-            n += len(batch[1])  # (images, labels)
-        seconds = time.perf_counter() - t0
-        row = {"epoch": e, "samples": n, "seconds": seconds, "samples_per_s": n / seconds, "cpu_s": cpu_seconds() - c0}
-        if spec["kind"] == "coordl":
-            row["stats"] = {k: v for k, v in loader.stats().items() if k != "skipped_paths"}
-        parent.say(event="epoch", **row)
-        parent.wait()
+def made(spec: dict):
+    """A run's loader, as :func:`benchmarks.s3.made`: coordl's there, LitData's or Mosaic's here."""
     if spec["kind"] == "coordl":
-        loader.close()  # the tier's writer finishes what it was given
-    parent.say(event="done")
+        return s3.made(spec)
+    loader = (_litdata if spec["kind"] == "litdata" else _mosaic)(spec)
+    return lambda: sum(len(batch[1]) for batch in loader), spec["workers"], None  # (images, labels)

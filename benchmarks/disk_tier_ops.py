@@ -2,48 +2,38 @@
 
 Entries put into a fresh tier under ``--root`` (reservation, write, ``fdatasync``, ledger, link), then
 read back shuffled (open, ``fstat`` check, ``readv``, pages dropped, CRC-32): process CPU and wall time
-per entry, a fresh process per run. On a tmpfs the figures are the code's own. ``--before PATH`` times
-another version of the tier's module alternately (e.g. ``git show 7eab09f:src/coordl/fetch/disk.py``).
+per entry, a fresh process per run. On a tmpfs the figures are the code's own.
 
-    python -m benchmarks disk_tier_ops --root /dev/shm --before /tmp/disk_before.py
+    python -m benchmarks disk_tier_ops --root /dev/shm
 """
 
-from __future__ import annotations
-
-import argparse
-import importlib.util
 import os
-import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks.harness import jobs, measure, report
+from benchmarks.harness import measure, report
+from benchmarks.indexing import fresh
 
 KEYS = ("write_us", "write_wall_us", "read_us", "read_wall_us")
 
 
-def one(module: str | None, root: str, entries: int, size: int) -> dict:
-    """One write epoch and one read epoch in this process; ``module``: a file to take the tier from."""
-    if module:
-        spec = importlib.util.spec_from_file_location("disk_before", module)
-        disk = sys.modules["disk_before"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(disk)
-    else:
-        from coordl.fetch import disk
-    base, rng = tempfile.mkdtemp(prefix="coordl-bench-disk-ops-", dir=root), np.random.default_rng(0)
+def one(root: str, entries: int, size: int) -> dict:
+    """One write epoch and one read epoch in this process."""
+    from coordl.fetch import disk
+
+    rng, out = np.random.default_rng(0), {}
 
     def per_entry(cpu: float, t: float) -> tuple[float, float]:  # CPU and wall microseconds an entry
         cpu = measure.process_cpu_seconds(os.getpid()) - cpu
         return cpu / entries * 1e6, (time.perf_counter() - t) / entries * 1e6
 
-    try:
+    with tempfile.TemporaryDirectory(prefix="coordl-bench-disk-ops-", dir=root) as base:
         tier = disk.DiskTier(disk.tier_folder(base))
         data = [rng.integers(0, 256, size, np.uint8) for _ in range(entries)]
         names = [f"s3://bucket/train/{k:07d}.jpg" for k in range(entries)]
-        stamps, out = [disk.stamp(n, size, "etag") for n in names], {}
+        stamps = [disk.stamp(n, size, "etag") for n in names]
         c, t = measure.process_cpu_seconds(os.getpid()), time.perf_counter()
         for k in range(0, entries, 64):
             tier.put(names[k : k + 64], stamps[k : k + 64], data[k : k + 64])
@@ -56,13 +46,11 @@ def one(module: str | None, root: str, entries: int, size: int) -> dict:
             got = tier.read_into(
                 [names[i] for i in ids], [stamps[i] for i in ids], [size] * len(ids), [[into[i]] for i in ids]
             )
-            if not np.all(np.asarray(got) == 1):  # GOOD (True in the version before the checks)
+            if not np.all(np.asarray(got) == 1):  # GOOD: read whole and checked
                 raise SystemExit(f"the tier read back {got}")
         out["read_us"], out["read_wall_us"] = per_entry(c, t)
         tier.close()
-        return out
-    finally:
-        shutil.rmtree(base)
+    return out
 
 
 def options(p) -> None:
@@ -70,19 +58,11 @@ def options(p) -> None:
     p.add_argument("--entries", type=int, default=5000)
     p.add_argument("--size", type=int, default=4000, help="bytes per sample (default 4000)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--before", help="a file holding another version of the tier's module, timed alternately")
-    p.add_argument("--one", nargs="?", const="", default=None, help=argparse.SUPPRESS)  # a child: one run
 
 
-def run(args) -> dict | None:
-    if args.one is not None:
-        return jobs.say(**one(args.one or None, args.root, args.entries, args.size))
-    runs: dict[str, list[dict]] = {"now": [], "before": []}
-    for _, which in measure.alternate(["before", "now"] if args.before else ["now"], args.rounds):
-        child = jobs.flags(root=args.root, entries=args.entries, size=args.size) + ["--one"]
-        command = jobs.scenario_command("disk_tier_ops", *child, *[args.before] * (which == "before"))
-        runs[which].append(jobs.run_json(command))
-    return {"runs": runs, "medians": measure.medians(runs, KEYS)}
+def run(args) -> dict:
+    runs = [fresh({"how": f"{__name__}:one", "args": [args.root, args.entries, args.size]}) for _ in range(args.rounds)]
+    return {"runs": runs, "medians": measure.medians({"now": runs}, KEYS)}  # each run in a fresh process
 
 
 def table(r: dict) -> str:

@@ -1,12 +1,9 @@
 """Indexes at scale: building, loading and checking folder, COCO and tar-shard indexes, their time and memory.
 
-Each step in a fresh Python (:mod:`benchmarks.indexing`) importing coordl as this one does; the files made in
-``--data`` are deleted after unless ``--keep``. ``--what scale``: ImageNet's 1,281,000 tiny files: the scan, the
-save, the load, the memory it takes, and the pages a forked worker copies reading every path. ``currency``: the
-check of a saved index (:mod:`coordl.currency`) warm, cold (root) and by ``--threads``, on that tree and on
-``s3://`` keys in moto behind ``--latency-ms`` (scaled to ImageNet's 2,001 pages). ``coco``: ``Index.from_coco``
-of an annotations file shaped like COCO's train2017, cold and from its saved index, the boxes' memory. ``tars``,
-``tars-s3``: :mod:`benchmarks.index_tars`.
+Each step in a fresh Python (:mod:`benchmarks.indexing`); the files made in ``--data`` deleted after unless
+``--keep``. ``scale``: 1,281,000 tiny files scanned, saved, loaded, the memory, a forked worker's copies;
+``currency``: the check of a saved index (warm, cold, by ``--threads``) on that tree and on ``s3://`` keys behind
+``--latency-ms``; ``coco``: a COCO-sized ``Index.from_coco``; ``tars``, ``tars-s3``: :mod:`benchmarks.index_tars`.
 
     python -m benchmarks index --what scale                        # ~3 min, results/index_scale.json
     python -m benchmarks index --what currency     # ~25 min, root for the cold checks; results/index_currency.json
@@ -14,8 +11,6 @@ of an annotations file shaped like COCO's train2017, cold and from its saved ind
     python -m benchmarks index --what tars         # ~20 min, root (drops the page cache); results/tars_index.json
     python -m benchmarks index --what tars-s3                      # ~2 min, results/tars_s3_index.json
 """
-
-from __future__ import annotations
 
 import functools
 import json
@@ -31,15 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import index_tars
-from benchmarks.harness import cli, limits, report
+from benchmarks.harness import cli, limits
 from benchmarks.harness.report import log
-from benchmarks.indexing import delta, figures, fresh, made, memory, remove
+from benchmarks.indexing import fresh, made, memory, remove
 
 OUT = None  # results/<OUTS[--what]>.json (out_path)
 
 
-def tree(args) -> tuple[Path, float]:
-    """The tree (ImageNet's names: ``n<8 digits>/n<8 digits>_<i>.jpg``), made unless there; seconds it took."""
+def tree(args) -> tuple[Path, dict]:
+    """The tree (ImageNet's names: ``n<8 digits>/n<8 digits>_<i>.jpg``), made unless there; its figures."""
+    root, n = Path(args.data) / "train", args.classes * args.per_class
 
     def write(root: Path) -> None:
         for c in range(args.classes):
@@ -47,11 +43,10 @@ def tree(args) -> tuple[Path, float]:
             for i in range(args.per_class):
                 (root / f"n{c:08d}" / f"n{c:08d}_{i}.jpg").write_bytes(b"\xff\xd8" + b"x" * (i % 13))
 
-    log(f"making {args.classes} x {args.per_class} files in {args.data}/train")
-    return Path(args.data) / "train", made(Path(args.data) / "train", f"{args.classes} {args.per_class}", write)
+    log(f"making {args.classes} x {args.per_class} files in {root}")
+    return root, {"root": str(root), "files": n, "made_s": made(root, f"{args.classes} {args.per_class}", write)}
 
 
-# -- scale ------------------------------------------------------------------------------------
 def scan_and_save(root: str, index_dir: str) -> dict:
     """The tree's listing and its saving timed apart (saving is in coordl.saved now, in coordl.index before)."""
     from coordl import index as ix
@@ -80,13 +75,13 @@ def walk(index) -> dict:
 
 def walked() -> dict:
     m0, t0, paths, sizes = memory(), time.perf_counter(), WALKED.paths, WALKED.sizes
-    total = sum(len(paths[i]) + int(sizes[i]) for i in range(len(WALKED)))
-    return {"walk_s": time.perf_counter() - t0, "worker_after_walk": delta(memory(), m0), "check": total}
+    out = {"check": sum(len(paths[i]) + int(sizes[i]) for i in range(len(WALKED))), "walk_s": time.perf_counter() - t0}
+    return out | {"worker_after_walk": {k: v - m0[k] for k, v in memory().items()}}
 
 
 def scale(args, work: Path) -> dict:
     """The figures of the coordl this Python imports (``PYTHONPATH=<an older checkout>/src``: an older one's)."""
-    root, made_s = tree(args)
+    root, made_tree = tree(args)
     scan = fresh({"how": "benchmarks.index:scan_and_save", "args": [str(root), str(work / "index")]})
     load = {"how": "scan", "args": [str(root)], "kwargs": {"index_dir": str(work / "index")}}
     runs = [fresh(load | {"then": ["benchmarks.index:walk"]}) for _ in range(args.reps)]
@@ -94,44 +89,33 @@ def scale(args, work: Path) -> dict:
     if any(r["fingerprint"] != scan["fingerprint"] for r in [*runs, traced]):
         raise SystemExit("a load scanned the tree again")
     best, loads = min(runs, key=lambda r: r["seconds"]), [r["seconds"] for r in runs]
-    out = {"tree": {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s}, **scan}
+    out = {"tree": made_tree, **scan}
     out |= {"load_s": statistics.median(loads), "load_s_all": loads, "heap_bytes": traced["heap_bytes"]}
     return out | {k: best[k] for k in ("after_load", "walk_s", "worker_after_walk")}
 
 
-# -- currency ---------------------------------------------------------------------------------
-def currency(args, work: Path) -> dict:
-    return {k: part(args, work) for k, part in (("files", files), ("s3", s3)) if k not in args.skip}
-
-
 def check(root: str, index_dir: Path, threads: int | None = None, rebuild: bool = False, env=None) -> dict:
     """``Index.scan`` finding its saved index (``rebuild``: a new scan), with ``threads`` stat threads."""
-    from coordl.currency import STAT_THREADS
-
     spec = {"how": "scan", "args": [root], "kwargs": {"index_dir": str(index_dir), "rebuild": rebuild}}
     spec |= {"set": {"coordl.currency.STAT_THREADS": threads} if threads else {}}
     spec["before"] = ["coordl.s3.client:boto3_client"] if root.startswith("s3://") else []
-    return fresh(spec, env=env) | {"threads": threads or STAT_THREADS}
+    return fresh(spec, env=env) | {"threads": threads}  # None: coordl.currency.STAT_THREADS
 
 
 def files(args, work: Path) -> dict:
-    root, made_s = tree(args)
-    out: dict = {"root": str(root), "files": args.classes * args.per_class, "made_s": made_s}
+    root, out = tree(args)
     at = functools.partial(check, str(root), work / "index-files")  # at(threads, rebuild)
     out["scan"] = at(rebuild=True)
     warm = [at() for _ in range(args.reps)]
     out["check_warm"] = {"median_s": statistics.median(r["seconds"] for r in warm), "runs": warm}
     out["check_warm_by_threads"] = [at(t) for t in args.threads]
-    out["check_cold_by_threads"] = []
-    for t in [] if args.no_cold else args.threads:
-        if why := limits.drop_page_cache(3):
-            out["check_cold_skipped"] = why
-            break
-        out["check_cold_by_threads"].append(at(t))
-    n = args.classes * args.per_class
-    for k in range(0, n, max(1, n // args.changed))[: args.changed]:
-        path = root / f"n{k // args.per_class:08d}" / f"n{k // args.per_class:08d}_{k % args.per_class}.jpg"
-        st = path.stat()  # rewritten in place, at its size, 5 s later in time
+    cold = [] if args.no_cold else args.threads  # each after the page cache is dropped (as root; else not measured)
+    out["check_cold_by_threads"] = [at(t) for t in cold if not limits.drop_page_cache(3)]
+    for k in range(0, out["files"], max(1, out["files"] // args.changed))[: args.changed]:
+        c, i = divmod(k, args.per_class)
+        st = (
+            path := root / f"n{c:08d}" / f"n{c:08d}_{i}.jpg"
+        ).stat()  # rewritten in place, at its size, 5 s later in time
         path.write_bytes(path.read_bytes()[::-1])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     out["changed"], out["after_changed"] = at(), at()
@@ -147,10 +131,9 @@ def s3(args, work: Path) -> dict:
     out: dict = {"objects": len(keys), "classes": args.s3_classes, "per_class": args.s3_per_class}
     with S3Server() as server:
         server.create_bucket("coordl-currency-bench")
-        s3c = server.client()
         log(f"putting {len(keys)} objects into moto")
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda k: s3c.put_object(Bucket="coordl-currency-bench", Key=k, Body=b"\xff\xd8x"), keys))
+            list(pool.map(lambda k: server.put("coordl-currency-bench", k, b"\xff\xd8x"), keys))
 
         def measured(latency_ms: float, rebuild: bool = False) -> dict:
             server.latency_s = latency_ms / 1000
@@ -163,7 +146,7 @@ def s3(args, work: Path) -> dict:
         out["scan"] = [measured(args.latency_ms, rebuild=True) for _ in range(args.reps)]
         out["check"] = [measured(args.latency_ms) for _ in range(args.reps)]
         out["check_no_latency"] = [measured(0.0) for _ in range(args.reps)]
-        s3c.put_object(Bucket="coordl-currency-bench", Key=keys[len(keys) // 2], Body=b"\xff\xd8y")
+        server.put("coordl-currency-bench", keys[len(keys) // 2], b"\xff\xd8y")
         out["changed"] = measured(args.latency_ms)
         if out["changed"]["changed"] != 1:
             raise SystemExit(f"the check found {out['changed']['changed']} objects changed, not 1")
@@ -186,7 +169,6 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
     return out | {"wall_per_page_no_latency_ms": 1000 * quiet["seconds"] / pages}  # moto's time and the client's
 
 
-# -- coco -------------------------------------------------------------------------------------
 CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 
@@ -230,7 +212,6 @@ def coco(args, work: Path) -> dict:
     return r | {"load_s": statistics.median(x["seconds"] for x in loads), "loads_s": [x["seconds"] for x in loads]}
 
 
-# -- the scenario -----------------------------------------------------------------------------
 def options(p) -> None:
     p.add_argument("--what", choices=list(WHATS), default="scale", help="what is measured (default: scale)")
     p.add_argument("--data", default="/var/tmp/coordl-bench/index", help="where the files are made")
@@ -249,6 +230,10 @@ def options(p) -> None:
     p.add_argument("--shards", type=int, help="tar shards (default: tars 1000, tars-s3 10)")
     p.add_argument("--per-shard", type=int, help="samples a shard (default: tars 1281, tars-s3 200)")
     p.add_argument("--members", default="2KB-4KB,60KB-160KB", help="tars-s3: the image members' sizes, low-high")
+
+
+def currency(args, work: Path) -> dict:
+    return {k: part(args, work) for k, part in (("files", files), ("s3", s3)) if k not in args.skip}
 
 
 WHATS = {"scale": scale, "currency": currency, "coco": coco, "tars": index_tars.local, "tars-s3": index_tars.s3}
@@ -271,4 +256,4 @@ def out_path(args) -> str:
 
 
 def table(results: dict) -> str:
-    return report.table("figure|value", figures(results))
+    return json.dumps(results, indent=1)  # every figure, where it is in the result file

@@ -1,12 +1,9 @@
 """Tar shards indexed at scale (:mod:`benchmarks.index`'s ``tars`` and ``tars-s3``), each way in a fresh process.
 
-``tars``: ``--shards`` of ``--per-shard`` samples, a ``.jpg`` of 60-160 KB (holes of sparse files: a real shard's
-geometry on a few GB of disk) and a ``.cls`` each, indexed in one process and with worker processes, page cache
-dropped, then warm and from the saved index; and the same reads alone (the device's floor). ``tars-s3``: random
-bytes, members of each size in ``--members``, on moto behind ``--latency-ms`` a request: indexed by range GETs,
-streamed, and left to choose; seconds, GETs, bytes. Both alternated ABBA ``--reps`` times."""
-
-from __future__ import annotations
+``tars``: ``--shards`` of ``--per-shard`` samples, a ``.jpg`` of 60-160 KB (holes of sparse files) and a ``.cls``
+each, indexed in one process and by workers, cold, warm and from the saved index; the same reads alone (the
+device's floor). ``tars-s3``: members of each size in ``--members`` on moto behind ``--latency-ms`` a request,
+indexed by range GETs, streamed, and left to choose. Both alternated ABBA ``--reps`` times."""
 
 import concurrent.futures as cf
 import os
@@ -24,34 +21,36 @@ from coordl.units import parse_bytes
 WAYS = {"range": "range GETs of the headers", "stream": "one GET per shard, streamed", "auto": "left to choose"}
 
 
+def write_tar(path: Path, members) -> None:
+    """A tar file (GNU format) of ``members``: ``(name, bytes)``, or ``(name, size)``: a hole of a sparse file."""
+    with open(path, "wb") as f:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = data if isinstance(data, int) else len(data)
+            f.write(info.tobuf(tarfile.GNU_FORMAT))
+            if isinstance(data, int):
+                f.seek(-(-data // 512) * 512, os.SEEK_CUR)
+            else:
+                f.write(data + b"\0" * (-len(data) % 512))
+        f.write(b"\0" * 1024)
+
+
 def write_shards(root: Path, shards: int, per_shard: int, low: int, high: int, sparse: bool) -> None:
-    """Shards of samples whose ``.jpg`` member is ``low``-``high`` bytes (holes of a sparse file, or random
-    bytes) and a ``.cls``."""
+    """Shards of samples whose ``.jpg`` member is ``low``-``high`` bytes (a hole, or random bytes) and a ``.cls``."""
     rng = np.random.default_rng(0)
 
-    def header(name: str, size: int) -> bytes:
-        info = tarfile.TarInfo(name)
-        info.size = size
-        return info.tobuf(tarfile.GNU_FORMAT)
+    def members(s: int):
+        for i, size in enumerate(rng.integers(low, high + 1, per_shard).tolist()):
+            yield f"{s * per_shard + i:09d}.jpg", size if sparse else rng.bytes(size)
+            yield f"{s * per_shard + i:09d}.cls", str(i % 1000).encode()
 
     for s in range(shards):
-        with open(root / f"shard-{s:06d}.tar", "wb") as f:
-            for i, size in enumerate(rng.integers(low, high + 1, per_shard).tolist()):
-                f.write(header(f"{s * per_shard + i:09d}.jpg", size))
-                if sparse:
-                    f.seek(-(-size // 512) * 512, os.SEEK_CUR)  # a hole: the image's bytes are never read
-                else:
-                    f.write(rng.bytes(size) + b"\0" * (-size % 512))
-                label = str(i % 1000).encode()
-                f.write(header(f"{s * per_shard + i:09d}.cls", len(label)) + label + b"\0" * (512 - len(label)))
-            f.write(b"\0" * 1024)
+        write_tar(root / f"shard-{s:06d}.tar", members(s))
 
 
 def header_reads(index, in_flight: int) -> dict:
-    """The reads indexing makes, without the parsing: in each shard, one after the other, 4 KB at its
-    start and at the header after each image (where the indexer's window moves to), ``in_flight``
-    shards at once; how many, and their seconds: the device's floor for any indexer that walks the
-    headers with that many reads in flight."""
+    """The reads indexing makes, without the parsing (the device's floor): in each shard one after the other,
+    4 KB at its start and at the header after each image, ``in_flight`` shards at once; how many, and seconds."""
     from coordl.tars.format import BLOCK, WINDOW
 
     sh, t0 = index.shards, time.perf_counter()
@@ -72,8 +71,7 @@ def header_reads(index, in_flight: int) -> dict:
 
 
 def indexed(data: str, shards: int, index_dir: Path, *, way="auto", one=False, then=None, env=None) -> dict:
-    """``Index.from_tars`` of the shards in a fresh Python (``one``: in that process only), ``then`` as
-    :func:`benchmarks.indexing.child` says."""
+    """``Index.from_tars`` of the shards in a fresh Python (``one``: in that process only; ``then``: as ``child``)."""
     kwargs = {"index_dir": str(index_dir), "stream": {"range": False, "stream": True, "auto": None}[way]}
     spec = {"how": "from_tars", "args": [f"{data}/shard-{{000000..{shards - 1:06d}}}.tar"], "kwargs": kwargs}
     spec |= {"set": {"coordl.tars.scan.PARALLEL_SHARDS": 1 << 40} if one else {}, "then": then}

@@ -1,7 +1,5 @@
-"""What the index scenarios share: the files they make once, and an index made or loaded in a fresh Python
-(:func:`fresh` runs :func:`child`: ``python -m benchmarks.indexing SPEC``)."""
-
-from __future__ import annotations
+"""What the index scenarios share: the files they make once, and an index made or loaded (or a function run) in a
+fresh Python (:func:`fresh` runs :func:`child`: ``python -m benchmarks.indexing SPEC``)."""
 
 import contextlib
 import importlib
@@ -18,15 +16,13 @@ MARK = ".made-by-benchmarks"  # in a folder a scenario made (and may delete): wh
 
 
 def made(root: Path, key: str, write) -> float:
-    """Makes ``root`` by ``write(root)`` unless a complete one made with ``key`` is there (an earlier ``--keep``'s),
-    never replacing a folder no scenario made; returns the seconds it took."""
+    """``write(root)``'s seconds, unless a complete ``root`` made with ``key`` is there; never replaces another's."""
     mark = root / MARK
     if mark.exists() and mark.read_text() == key:
         return 0.0
-    if root.exists():
-        if not mark.exists():
-            raise SystemExit(f"{root} exists and was not made by this benchmark; give another --data, or delete it")
-        shutil.rmtree(root)
+    if root.exists() and not mark.exists():
+        raise SystemExit(f"{root} exists and was not made by this benchmark; give another --data, or delete it")
+    shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     mark.write_text("incomplete")
     t0 = time.perf_counter()
@@ -50,16 +46,11 @@ def fresh(spec: dict, env: dict | None = None) -> dict:
 
 
 def memory() -> dict:
-    """This process's memory in bytes: RSS, PSS, USS (pages only it maps), private dirty pages (its heap, and
-    what a forked child copied by writing), anonymous memory."""
+    """This process's memory in bytes: RSS, PSS, USS, private dirty pages (its heap, a fork's copies), anonymous."""
     lines = Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]
     f = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines}
     out = {"rss": f["Rss"], "pss": f["Pss"], "uss": f["Private_Clean"] + f["Private_Dirty"]}
     return out | {"dirty": f["Private_Dirty"], "anon": f["Anonymous"]}
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
 
 
 def function(name: str):
@@ -68,10 +59,9 @@ def function(name: str):
 
 
 def child(spec: dict) -> dict:
-    """``Index.<how>(*args, **kwargs)`` timed (wall and CPU seconds), and the process's memory after it against
-    before. First: the module attributes in ``set``, the functions in ``before`` (``"module:function"``: a run's
-    fixed cost, not the index's), tracemalloc with ``heap``. After: ``then`` (``["module:function", *args]``) adds
-    its figures of the index. A ``how`` that names a function returns what ``function(*args)`` measured."""
+    """``Index.<how>(*args, **kwargs)`` timed (wall, CPU), the memory it took. First: the attributes in ``set``,
+    the functions in ``before`` (``"module:function"``: a run's fixed cost), tracemalloc with ``heap``; after:
+    ``then`` (``["module:function", *args]``) adds its figures of the index. A ``how`` "module:function": its own."""
     import gc
     import tracemalloc
 
@@ -93,21 +83,13 @@ def child(spec: dict) -> dict:
     index = getattr(Index, spec["how"])(*spec["args"], **spec.get("kwargs", {}))
     out = {"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "samples": len(index)}
     gc.collect()
-    out |= {"fingerprint": index.fingerprint, "after_load": delta(memory(), m0)}
+    out |= {"fingerprint": index.fingerprint, "after_load": {k: v - m0[k] for k, v in memory().items()}}
     if spec.get("heap"):
         out["heap_bytes"] = tracemalloc.get_traced_memory()[0]
     out["changed"] = getattr(index, "changed", None)  # the check's finding (None: an index before the check)
     if then := spec.get("then"):
         out |= function(then[0])(index, *then[1:])
     return out
-
-
-def figures(x, name: str = "") -> list[list]:
-    """Every value in ``x`` (dicts and lists within each other) beside its path: ``[["files.scan.seconds", 8.1]]``."""
-    if isinstance(x, dict | list):
-        pairs = x.items() if isinstance(x, dict) else enumerate(x)
-        return [row for k, v in pairs for row in figures(v, f"{name}.{k}" if name else str(k))]
-    return [] if x is None else [[name, x]]
 
 
 if __name__ == "__main__":

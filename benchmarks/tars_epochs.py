@@ -1,29 +1,21 @@
 """Tar shards' steady epochs: coordl at cache 0/0.5/1 against WebDataset + DataLoader and DALI's reader.
 
-A photo dataset written as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader in a child
-process, ABBA ``--reps`` times: coordl at each ``--cache`` fraction, WebDataset's pipeline (shard shuffle, a
-1,000-sample buffer, Pillow decoding, a random resized crop, ``--workers`` DataLoader workers) and DALI's
-``readers.webdataset``. Steady samples/s: the median of the epochs after the first. ``--store local``: the
-shards on a loop device of their own (its reads alone in ``/proc/diskstats``), the page cache dropped before
-each epoch, read at ``--throttle`` in a blkio cgroup (root); ``--store s3``: on a local S3 server (moto behind
-``coordl_testing.s3server``'s counting proxy) adding ``--latency`` to each request.
+A photo dataset as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader (:func:`made`) in a
+child, ABBA ``--reps`` times; steady samples/s: the median of the epochs after the first. ``--store local``: the
+shards on a loop device of their own, the page cache dropped before each epoch, read at ``--throttle`` (blkio,
+root); ``--store s3``: on moto behind the counting proxy of ``coordl_testing.s3server``, ``--latency`` a request.
 
     python -m benchmarks tars_epochs --images 2000 --throttle 20MB                 # ~8 min
     python -m benchmarks tars_epochs --images 2000 --store s3 --latency 0.02       # ~30 min
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
-import io
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -31,6 +23,7 @@ import numpy as np
 
 from benchmarks import s3
 from benchmarks.harness import cli, dataset, limits, measure, report
+from benchmarks.index_tars import write_tar
 from benchmarks.loaders import random_resized_crop
 from coordl.units import parse_bytes
 
@@ -57,30 +50,27 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
     from coordl import Index
 
     index = Index.scan(folder, index_dir="")
-    n = -(-len(index) // per_shard)
-    mark = out / ".made-by-benchmarks-tars"
-    if not (mark.exists() and mark.read_text() == f"{index.fingerprint} {per_shard}"):
+    n, key, mark = -(-len(index) // per_shard), f"{index.fingerprint} {per_shard}", out / ".made-by-benchmarks-tars"
+
+    def members(s: int):
+        for i in range(s * per_shard, min(len(index), (s + 1) * per_shard)):
+            yield f"{i:09d}.jpg", Path(index.paths[i]).read_bytes()
+            yield f"{i:09d}.cls", str(int(index.labels[i])).encode()
+
+    if not (mark.exists() and mark.read_text() == key):
         out.mkdir(parents=True, exist_ok=True)
         for s in range(n):
-            with tarfile.open(out / f"shard-{s:06d}.tar", "w", format=tarfile.GNU_FORMAT) as tf:
-                for i in range(s * per_shard, min(len(index), (s + 1) * per_shard)):
-                    label = str(int(index.labels[i])).encode()
-                    for ext, data in (("jpg", Path(index.paths[i]).read_bytes()), ("cls", label)):
-                        info = tarfile.TarInfo(f"{i:09d}.{ext}")
-                        info.size = len(data)
-                        tf.addfile(info, io.BytesIO(data))
-        mark.write_text(f"{index.fingerprint} {per_shard}")
+            write_tar(out / f"shard-{s:06d}.tar", members(s))
+        mark.write_text(key)
     return str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
 
 
 def made(spec: dict):
-    """The child's loader, as :func:`benchmarks.s3.made`: coordl's as there, WebDataset's or DALI's."""
-    return (s3.made if spec["kind"] == "coordl" else webdataset if spec["kind"] == "webdataset" else dali)(spec)
-
-
-def webdataset(spec):
-    """WebDataset's pipeline: shard shuffle, a 1,000-sample buffer, Pillow decoding and a random resized
-    crop to 224 in ``workers`` DataLoader workers; an ``s3://`` shard read by curl, a presigned GET."""
+    """The child's loader: coordl's and DALI's as :func:`benchmarks.s3.made`; WebDataset's pipeline (shard shuffle, a
+    1,000-sample buffer, Pillow decoding and a random resized crop to 224 in ``workers`` DataLoader workers; an
+    ``s3://`` shard read by curl, a presigned GET)."""
+    if spec["kind"] != "webdataset":
+        return s3.made(spec)
     import torch
     import webdataset as wds
     from PIL import Image
@@ -92,49 +82,25 @@ def webdataset(spec):
 
     urls = spec["shards"]
     if urls[0].startswith("s3://"):
-        import boto3
-        from botocore.config import Config
+        from coordl.s3.client import boto3_client  # the AWS_* variables
 
-        s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # the AWS_* variables
         where = [dict(zip(("Bucket", "Key"), u[5:].split("/", 1))) for u in urls]
-        urls = [f"pipe:curl -s -f '{s3.generate_presigned_url('get_object', Params=w)}'" for w in where]
+        urls = [f"pipe:curl -s -f '{boto3_client().generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
     ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch"])
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
     return lambda: sum(len(batch[1]) for batch in dl), spec["workers"], None
 
 
-def dali(spec):
-    """DALI's ``readers.webdataset``, its random-crop decoder, resize to 224, a coin-flip mirror."""
-    from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator
-
-    @pipeline_def(batch_size=spec["batch"], num_threads=len(os.sched_getaffinity(0)), device_id=None)
-    def pipe():
-        # dont_use_mmap: read as the others do; a mapping keeps the shards' pages through drop_caches
-        kw = {"index_paths": spec["dali_index"], "ext": ["jpg", "cls"], "random_shuffle": True, "dont_use_mmap": True}
-        jpg, cls = fn.readers.webdataset(paths=spec["shards"], name="reader", **kw)
-        images = fn.decoders.image_random_crop(jpg, device="cpu", output_type=types.RGB)
-        images = fn.resize(images, size=(224, 224))
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, mirror=fn.random.coin_flip())
-        return images, fn.pad(cls, axes=(0,), shape=(8,))  # the label's text, padded: a uniform tensor
-
-    it = DALIGenericIterator(pipe(), ["data", "label"], reader_name="reader", auto_reset=True)
-    return lambda: sum(len(batch[0]["data"]) for batch in it), len(os.sched_getaffinity(0)), None
-
-
 @contextlib.contextmanager
 def own_device(folder: Path, size: int):
-    """``folder`` as the mount of an ext4 file system of its own, on a loop device (direct I/O) over
-    an image file beside it: the device's read counter then sees the shards' reads alone, not the
-    libraries a loader's process pages in again after the page cache is dropped. All removed after."""
+    """``folder`` as the mount of an ext4 file system on a loop device (direct I/O) of its own, removed after: its
+    read counter sees the shards' reads alone, not the libraries a process pages in again after a drop."""
     image = folder.with_name(folder.name + ".img")
     folder.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as undo:
         undo.callback(image.unlink)
-        with open(image, "wb") as f:
-            f.truncate(size)
-        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image), f"{size >> 10}k"], check=True)  # the image file made
         losetup = ["losetup", "--find", "--show", "--direct-io=on", str(image)]
         loop = subprocess.run(losetup, capture_output=True, text=True, check=True).stdout.strip()
         undo.callback(subprocess.run, ["losetup", "-d", loop], check=True)
@@ -143,42 +109,35 @@ def own_device(folder: Path, size: int):
         yield loop
 
 
-def in_store(args, stack):
-    """The shards uploaded to a local S3 server behind ``--latency``: their pattern, URLs and the server."""
-    from coordl_testing.s3server import S3Server
-
-    pattern = write_photo_shards(args.data, Path(args.shards_dir), args.per_shard)
-    server = stack.enter_context(S3Server(latency_s=args.latency))
-    server.create_bucket("tars")
-    keys = server.upload_tree(args.shards_dir, "tars", "shards")
-    shards = [f"s3://tars/{k}" for k in keys if k.endswith(".tar")]
-    return f"s3://tars/shards/{os.path.basename(pattern)}", shards, server
-
-
 def run(args) -> dict | None:
     if args.one:
         return s3.child(json.loads(Path(args.one).read_text()), made)
-    data, caps = dataset.dataset_from_args(args), limits.probe()
+    data, caps, out = dataset.dataset_from_args(args), limits.probe(), Path(args.shards_dir)
     with contextlib.ExitStack() as stack:
-        scratch = Path(tempfile.mkdtemp(prefix="coordl-tars-bench-"))
-        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
-        if args.store == "s3":
-            pattern, shards, server = in_store(args, stack)
-            where, throttle, dev = {"store": "s3", "latency_s": args.latency}, None, None
-        else:
-            server, out, throttle = None, Path(args.shards_dir), args.throttle if caps["blkio"] else None
+        scratch, server, throttle, dev = stack.enter_context(tempfile.TemporaryDirectory()), None, None, None
+        if args.store == "local":  # the shards on a file system of their own, throttled
             loop = stack.enter_context(own_device(out, 2 * data["total_bytes"] + (64 << 20)))
-            pattern = write_photo_shards(args.data, out, args.per_shard)
-            shards, dev = [str(p) for p in sorted(out.glob("*.tar"))], measure.device_of(str(out))
-            where = {"store": "local", "device": loop}
-        dali_index = []  # on s3, without index files DALI's reader reads every shard's headers to make them
-        for f in sorted(Path(args.shards_dir).glob("*.tar")) if server else []:
-            dali_index.append(str(scratch / f"{f.stem}.idx"))
-            wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", str(f), dali_index[-1]]
-            subprocess.run(wds2idx, check=True, capture_output=True)
+            where, dev = {"store": "local", "device": loop}, measure.device_of(str(out))
+            throttle = args.throttle if caps["blkio"] else None
+        pattern = write_photo_shards(args.data, out, args.per_shard)
+        shards, dali_index = sorted(str(p) for p in out.glob("*.tar")), None
+        if args.store == "s3":
+            from coordl_testing.s3server import S3Server
+
+            server = stack.enter_context(S3Server(latency_s=args.latency))
+            server.create_bucket("tars")
+            server.upload_tree(str(out), "tars", "shards")
+            # without index files DALI's reader reads every shard's headers to make them
+            dali_index = [f"{scratch}/{Path(f).stem}.idx" for f in shards]
+            for f, idx in zip(shards, dali_index):
+                wds2idx = [sys.executable, "-c", "import sys, wds2idx; sys.exit(wds2idx.main())", f, idx]
+                subprocess.run(wds2idx, check=True, capture_output=True)
+            pattern = f"s3://tars/shards/{Path(pattern).name}"
+            shards = [f"s3://tars/shards/{Path(f).name}" for f in shards]
+            where = {"store": "s3", "latency_s": args.latency}
         env = {**os.environ, **(server.env() if server else {})}
-        spec = {"url": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index or None}
-        spec |= {"batch": args.batch_size, "workers": args.workers}
+        spec = {"url": pattern, "epochs": args.epochs, "shards": shards, "dali_index": dali_index}
+        spec |= {"batch": args.batch_size, "workers": args.workers, "threads": len(os.sched_getaffinity(0))}
         configs = [("coordl", float(c)) for c in args.cache.split(",")] + [("webdataset", None), ("dali", None)]
         rows = []
         for rep, (kind, cache) in measure.alternate(configs, args.reps):
@@ -208,8 +167,7 @@ def table(results: dict) -> str:
 
 
 def one_run(spec: dict, env: dict, server, dev, throttle) -> dict:
-    """One loader's child in a blkio cgroup (the device throttled once the loader is made), each epoch cold:
-    the meter's reading resets the store's counts, or drops the page cache."""
+    """One loader's child in a blkio cgroup (throttled once the loader is made), each epoch cold (the meter's doing)."""
     lim = limits.Limits(f"coordl-tars-{os.getpid()}", False, throttle is not None)
     meter = s3.Meter(server) if server else DeviceMeter(dev)
     try:
