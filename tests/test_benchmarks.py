@@ -44,7 +44,7 @@ def test_scenarios_listed():
     """``python -m benchmarks`` lists every scenario module (one with ``options`` and ``run``) with its
     one-line description, and nothing else; ``NAME --help`` shows a scenario's options."""
     modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if "\ndef run(" in p.read_text()}
-    helpers = {"loaders", "small_resnet", "hp_trials", "__init__", "__main__"}
+    helpers = {"loaders", "small_resnet", "__init__", "__main__"}
     helpers |= {p.stem for p in (ROOT / "benchmarks").glob("*_baselines.py")}
     assert modules and not modules & helpers
     p = subprocess.run([sys.executable, "-m", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=60)
