@@ -1,12 +1,9 @@
 """The cache under a memory limit: a loader in a v1 memory cgroup that leaves room for part of the dataset.
 
-Shared memory is charged to the cgroup of the process that writes it and cannot be reclaimed, so a
-cache sized from /dev/shm alone gets a container killed. (1) The loader's own memory: a child with
-``cache_bytes=0`` in an unlimited cgroup (peak RSS, and the cgroup's peak beside it: RSS counts the
-libraries' pages another process read first). (2) The limit: own memory x 1.2 + 64 MiB +
-``--cache-fraction`` of the dataset, or ``--limit``. (3) A child per ``--cache`` value in a fresh
-cgroup with that limit: exit status, the cgroup's peak, failcnt and OOM kills, the budget, what was
-cached, the warnings, every sample exactly once per epoch. Root and a v1 memory cgroup.
+(1) The loader's own memory: a child with ``cache=0`` in an unlimited cgroup (peak RSS; the cgroup's peak).
+(2) The limit: its peak RSS x 1.2 + 64 MiB + ``--cache-fraction`` of the dataset, or ``--limit``. (3) A child
+per ``--cache`` value in a fresh cgroup with that limit: exit status, the cgroup's peak, failcnt and OOM kills,
+the budget, what was cached, the warnings, every sample exactly once per epoch. Root, a v1 memory cgroup.
 
     python -m benchmarks memory_limit --data /var/tmp/coordl-bench/memlimit --size 158MiB --classes 10
     python -m benchmarks memory_limit ... --limit 602MiB     # the issue's limit, as measured there
@@ -38,26 +35,22 @@ STATS = ("storage_reads", "cache_hits", "cache_items", "cache_bytes")  # per epo
 
 def child(args) -> None:
     """Runs in the cgroup: moves itself in first, then makes the loader and iterates it."""
-    if args.cgroup:
-        Path(args.cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
-    import logging
+    Path(args.cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
+    import logging.handlers
+    import resource
     import warnings
 
     import numpy as np
 
     import coordl
 
-    said, ids, peak = [], [], [charged(args.cgroup)]
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            said.append(record.getMessage())
+    said, ids, peak = logging.handlers.BufferingHandler(1 << 20), [], [charged(args.cgroup)]
 
     def step(batch) -> None:
         ids.append(batch[2].numpy())
         peak[0] = max(peak[0], charged(args.cgroup))
 
-    logging.getLogger("coordl").addHandler(Keep(logging.WARNING))
+    logging.getLogger("coordl").addHandler(said)
     warnings.simplefilter("always")
     cache = args.cache  # "auto", "40MB", an int of bytes or a float fraction, as CoordLoader takes it
     cache = int(cache) if cache.isdigit() else float(cache) if re.fullmatch(r"[0-9]*\.[0-9]+", cache) else cache
@@ -72,16 +65,14 @@ def child(args) -> None:
     for k, (e, g) in enumerate(zip(es, got)):
         once = bool(np.array_equal(np.sort(g), np.arange(n)))
         out["epochs"].append({"epoch": k, "seconds": round(e["seconds"], 2), "exactly_once": once, **e["stats"]})
-    out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] + said
-    status = Path("/proc/self/status").read_text()
-    out["peak_rss"] = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmHWM:"))) * 1024
+    out["warnings"] = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    out["warnings"] += [r.getMessage() for r in said.buffer if r.levelno >= logging.WARNING]
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # VmHWM
     jobs.say(**out)
 
 
-def charged(cgroup: str | None) -> int:
+def charged(cgroup: str) -> int:
     """What the cgroup is charged for beyond the page cache: its usage less its reclaimable file pages."""
-    if not cgroup:
-        return 0
     usage = int(Path(cgroup, "memory.usage_in_bytes").read_text())
     stat = dict(ln.split() for ln in Path(cgroup, "memory.stat").read_text().splitlines())
     return usage - int(stat["total_cache"]) + int(stat["total_shmem"])

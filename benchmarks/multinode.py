@@ -1,13 +1,11 @@
 """The partitioned cache across nodes: storage bytes, peer bytes and epoch time on 2 and 4 nodes.
 
-Each "node" is a network namespace with a private /dev/shm (``coordl_testing.netns.Cluster``), its link shaped
-with ``tbf`` (1 Gbit/s), its processes in a blkio cgroup throttling the dataset's device; one torchrun rank
-per node, a CoordLoader per rank (``--job``). Per node count, first the prep rate (mode b at 100%, unthrottled),
-each node's throttle then ``--throttle-frac`` x that rate in bytes; per aggregate cache (``--aggregate``), the
-modes in a fresh cluster each, ABBA ``--reps`` times: ``a`` no peer cache, ``b`` partitioned, ``c`` partitioned
-and locality-aware. Per node and epoch: storage bytes (loader and blkio), peer bytes in and served, the time.
-Targets: b's and c's steady storage at the minimum (dataset - cached across nodes), c's peer bytes <= 10% of
-b's, b >= 2x faster than a at 100%. A .md beside the JSON has the tables. Root, network namespaces, v1 blkio.
+Each "node" a network namespace with a private /dev/shm (``coordl_testing.netns.Cluster``), a 1 Gbit/s ``tbf``
+link, a blkio cgroup throttling the dataset's device to ``--throttle-frac`` x the node's prep rate (measured
+first, unthrottled); one torchrun rank per node. Per aggregate cache, ABBA ``--reps`` times, a fresh cluster per
+run: ``a`` no peer cache, ``b`` partitioned, ``c`` partitioned and locality-aware. Targets: b's and c's steady
+storage at the minimum (dataset - cached across nodes), c's peer bytes <= 10% of b's, b >= 2x faster than a at
+100%. A .md beside the JSON has the tables per node and epoch. Root, network namespaces, v1 blkio.
 
     python -m benchmarks multinode                     # ~20 min on 2 cores
     python -m benchmarks multinode --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
@@ -25,25 +23,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness import cli, dataset, limits, measure, report
 from benchmarks.harness.report import mb
 from coordl_testing import netns
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 CROP, MARGIN, RATE = 64, 1.1, "1gbit"  # crops in pixels; at 100%, a node caches MARGIN / nodes; links' tbf
 MODES = {"a": "no peer cache", "b": "partitioned", "c": "partitioned + locality"}
-STAT_KEYS = "epoch samples samples_per_s stall_s storage_bytes peer_reads peer_bytes peer_served_bytes".split()
-STAT_KEYS += "cache_hits cache_hit_bytes cache_bytes cache_items cache_budget".split()
+STAT_KEYS = "epoch samples samples_per_s storage_bytes peer_bytes peer_served_bytes cache_hit_bytes cache_bytes".split()
 SUMMED = "storage_bytes blkio_read_bytes peer_bytes peer_served_bytes cache_hit_bytes samples".split()
 CHECKS_FIRST = ("nodes", "aggregate_cache", "repetitions")
-STEADY = ["time_s", "storage_bytes", "blkio_read_bytes", "peer_bytes", "peer_served_bytes", "minimum_storage_bytes"]
 
 
 def options(p) -> None:
-    p.add_argument("--job", nargs=2, metavar=("DATA", "OUT"), help="one rank (started by torchrun)")
+    p.add_argument("--job", help=argparse.SUPPRESS)  # one rank's spec (JSON: one_run), started by torchrun
     root = "dataset root (default: /var/tmp/coordl-bench/multinode-<images>)"
     dataset.add_dataset_options(p, data=None, images=2048, classes=16, data_help=root)
     p.add_argument("--nodes", default="2,4", help="node counts, e.g. 2,4")
@@ -53,30 +48,27 @@ def options(p) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=64)
     p.add_argument("--throttle-frac", type=float, default=0.1, help="storage throttle, x the node's prep rate")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 images, 2 nodes, 2 epochs")
-    for name in ("--cache", "--mode", "--blkio", "--device"):  # a rank's
-        p.add_argument(name, help=argparse.SUPPRESS)
 
 
-def job(a) -> None:
-    """One rank (started by torchrun): ``tests/multinode_train.py``'s loop, plus the node's blkio
-    counter around every epoch."""
+def job(a: dict) -> None:
+    """One rank (started by torchrun): ``tests/multinode_train.py``'s loop, and the node's blkio counter."""
     import torch.distributed as dist
 
     import coordl
 
     dist.init_process_group("gloo")
-    peers = coordl.Peers(enabled="auto" if a.mode != "a" else False, locality_aware=a.mode == "c")
+    peers = coordl.Peers(enabled="auto" if a["mode"] != "a" else False, locality_aware=a["mode"] == "c")
     kw = {"pipeline": coordl.ImageNetTrain(size=CROP), "device_id": None, "seed": 5, "shuffle": True}
-    loader = coordl.CoordLoader(a.job[0], batch_size=a.batch_size, cache=int(a.cache), prep=1, peers=peers, **kw)
+    loader = coordl.CoordLoader(a["data"], batch_size=a["batch_size"], cache=a["cache"], prep=1, peers=peers, **kw)
     record = {"rank": dist.get_rank(), "epochs": []}
-    for epoch in range(a.epochs):
+    for epoch in range(a["epochs"]):
         loader.set_epoch(epoch)
-        dev0, t0 = limits.blkio_read(a.blkio, a.device), time.perf_counter()
+        dev0, t0 = limits.blkio_read(a["blkio"], a["device"]), time.perf_counter()
         for _ in loader:
             pass
-        e = {"time_s": time.perf_counter() - t0, "blkio_read_bytes": limits.blkio_read(a.blkio, a.device) - dev0}
+        e = {"time_s": time.perf_counter() - t0, "blkio_read_bytes": limits.blkio_read(a["blkio"], a["device"]) - dev0}
         record["epochs"].append(e | {k: loader.stats()[k] for k in STAT_KEYS})
-        Path(a.job[1], f"rank{record['rank']}.json").write_text(json.dumps(record))
+        Path(a["work"], f"rank{record['rank']}.json").write_text(json.dumps(record))
     dist.barrier()  # the nodes end together (test_peers.py checks Peers(linger) for nodes that do not)
     loader.close()
     dist.destroy_process_group()
@@ -86,8 +78,8 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
     """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup of its own
     (``throttle`` bytes/s of the dataset's device)."""
     work, device = Path(tempfile.mkdtemp(prefix="cdl-mn-")), "{}:{}".format(*measure.device_of(data["root"]))
-    job = ["-m", "benchmarks", "multinode", "--job", data["root"], str(work), "--mode", mode, "--device", device]
-    job += jobs.flags(epochs=args.epochs, batch_size=args.batch_size, cache=budget)
+    job = {"data": data["root"], "work": str(work), "mode": mode, "device": device, "cache": budget}
+    job |= {"epochs": args.epochs, "batch_size": args.batch_size}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", str(nodes)]
     env, t0 = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1"), time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -101,8 +93,8 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
         limits.evict(data["root"])
         c, procs = stack.enter_context(netns.Cluster(nodes, rate=RATE, shm_bytes=budget + (256 << 20))), []
         for k, cg in enumerate(cgroups):
-            where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port)]
-            rank = [*torchrun, *where, *job, "--blkio", str(cg.path / "blkio.throttle.io_service_bytes")]
+            where = ["--node_rank", str(k), "--master_addr", c.address(0), "--master_port", str(port), "-m"]
+            rank = [*torchrun, *where, "benchmarks", "multinode", "--job", json.dumps(job | {"blkio": str(cg.path)})]
             log = stack.enter_context(open(work / f"node{k}.log", "w"))  # noqa: SIM115 - closed by the stack
             procs.append(c.popen(k, rank, env=env, cgroups=[str(cg.path)], stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 900
@@ -110,21 +102,11 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
             with contextlib.suppress(subprocess.TimeoutExpired):  # the cluster's close() kills it
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
         wall, texts = time.perf_counter() - t0, [(work / f"node{k}.log").read_text() for k in range(nodes)]
-        if any(p.returncode != 0 for p in procs):
-            codes = [p.returncode for p in procs]
+        if any(codes := [p.returncode for p in procs]):
             raise RuntimeError(f"exit codes {codes}; logs:\n" + "\n----\n".join(t[-3000:] for t in texts))
         per_node = [json.loads((work / f"rank{k}.json").read_text()) for k in range(nodes)]
-    # coordl's warnings in a node's log (peer failures, above all), each once, with a count.
-    counts = [Counter(ln.strip() for ln in t.splitlines() if "coordl:" in ln) for t in texts]
-    totals = epoch_totals(data, per_node, mode)
-    steady = totals[1:] or totals
-    summary = {"epoch0_time_s": totals[0]["time_s"], "epoch0_storage_bytes": totals[0]["storage_bytes"]}
-    for key in STEADY:  # means over the steady epochs
-        summary[f"steady_{key}"] = None if steady[0][key] is None else statistics.mean(t[key] for t in steady)
-    summary["aggregate_cached_bytes"] = sum(n["epochs"][-1]["cache_bytes"] for n in per_node)
-    out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode], "budget_per_node": budget}
-    out |= {"throttle_bps": throttle, "wall_s": round(wall, 1), "per_node": per_node, "epochs": totals}
-    return out | {"summary": summary, "warnings": [[f"{n} x {line}" for line, n in c.items()] for c in counts]}
+    out = {"nodes": nodes, "mode": mode, "mode_name": MODES[mode], "budget_per_node": budget, "throttle_bps": throttle}
+    return out | {"wall_s": round(wall, 1), "per_node": per_node, "epochs": epoch_totals(data, per_node, mode)}
 
 
 def epoch_totals(data: dict, per_node: list[dict], mode: str) -> list[dict]:
@@ -142,14 +124,14 @@ def epoch_totals(data: dict, per_node: list[dict], mode: str) -> list[dict]:
 
 
 def checks(runs: dict) -> list[dict]:
-    """The targets per node count and aggregate cache (``runs[(nodes, aggregate)][mode]`` lists that mode's
-    runs): each mode's steady figures, means over its runs, and the verdicts."""
+    """Per node count and aggregate cache (``runs[(nodes, aggregate)][mode]``: that mode's runs): each mode's
+    means over its runs' steady epochs, and the verdicts."""
     out = []
     for (nodes, agg), by_mode in sorted(runs.items()):
         row, m = {"nodes": nodes, "aggregate_cache": agg, "repetitions": len(by_mode[min(by_mode)])}, set(by_mode)
         for mode, rs in sorted(by_mode.items()):
             for k in ("time_s", "storage_bytes", "minimum_storage_bytes", "blkio_read_bytes", "peer_bytes"):
-                values = [r["summary"][f"steady_{k}"] for r in rs]
+                values = [t[k] for r in rs for t in r["epochs"][1:] or r["epochs"]]  # the steady epochs
                 row[f"{mode}_{k}"] = None if None in values else statistics.mean(values)
         for x in sorted(set("bc") & m):  # 1%: the few items padding repeats
             row[f"{x}_storage_at_minimum"] = row[f"{x}_storage_bytes"] <= 1.01 * row[f"{x}_minimum_storage_bytes"]
@@ -167,22 +149,13 @@ def checks(runs: dict) -> list[dict]:
 
 def run(args) -> dict | None:
     if args.job:
-        return job(args)
+        return job(json.loads(args.job))
     if args.quick:
         args.images, args.size, args.nodes, args.epochs, args.reps = 128, None, "2", 2, 1
     args.data = args.data or f"/var/tmp/coordl-bench/multinode-{args.images or args.size}"
-    why = netns.unavailable() or (None if (BLKIO / "blkio.throttle.read_bps_device").exists() else "no v1 blkio cgroup")
-    if why:
+    if why := netns.unavailable() or (None if (BLKIO / "blkio.throttle.read_bps_device").exists() else "no v1 blkio"):
         raise SystemExit(f"cannot run: {why}")
     started, data = time.perf_counter(), dataset.dataset_from_args(args)
-    # Load the libraries (DALI's operators too: a pipeline runs) once, so that throttled nodes
-    # find them in the page cache; the dataset's pages are evicted before every run.
-    warm = (
-        "import sys, torch, torch.distributed.run, coordl\n"
-        "with coordl.CoordLoader(coordl.Index.scan(sys.argv[1], index_dir=''), batch_size=8, cache=0,"
-        " device_id=None, prep=1, shuffle=True, pipeline=coordl.ImageNetTrain(size=64)) as w:\n    next(iter(w))\n"
-    )
-    subprocess.run([sys.executable, "-c", warm, args.data], check=True)
     result, runs, log = {"dataset": data, "prep": {}, "runs": [], "checks": []}, {}, []
 
     def say(*sections: str) -> None:  # the .md's sections per node and epoch, printed as they come
@@ -192,12 +165,13 @@ def run(args) -> dict | None:
     port, total = 29700 + os.getpid() % 100 * 10, data["total_bytes"]
     for nodes in (int(x) for x in args.nodes.split(",")):
         port, full = port + 1, min(total, int(total * MARGIN / nodes))
+        # Unthrottled, it also leaves the libraries in the page cache for the throttled runs (each evicts the dataset).
         prep = one_run(args, data, nodes, full, "b", port)
         rates = [e["samples_per_s"] for n in prep["per_node"] for e in n["epochs"][1:] or n["epochs"]]
         sps = statistics.mean(rates)  # per node, served from the caches
         throttle = int(args.throttle_frac * sps * data["mean_bytes"])
         result["prep"][str(nodes)] = {"samples_per_s_per_node": sps, "spread": measure.spread(rates), "run": prep}
-        result["prep"][str(nodes)]["throttle_bps_per_node"] = throttle
+        result["prep"][str(nodes)] |= {"throttle_bps_per_node": throttle}
         head = f"### {nodes} nodes: prep-rate run (mode b, {MARGIN:.0%} aggregate cache, no throttle): "
         say(head + f"{sps:.1f} samples/s per node; throttle {mb(throttle, 2)} MB/s per node", node_table(prep))
         for agg in (float(x) for x in args.aggregate.split(",")):
@@ -207,8 +181,7 @@ def run(args) -> dict | None:
                 one = one_run(args, data, nodes, budget, mode, port, throttle)
                 one["aggregate_cache"], one["repetition"] = agg, rep
                 head = f"### {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode} ({MODES[mode]})"
-                warnings = [f"- node {k}: `{w}`" for k, ws in enumerate(one["warnings"]) for w in ws]
-                say(head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one), *warnings)
+                say(head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one))
                 runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(one)
                 result["runs"].append(one)
                 result["checks"] = checks(runs)
@@ -238,12 +211,9 @@ def table(results: dict) -> str:
 
 
 def render(a, result: dict, log: list[str]) -> str:
-    """The Markdown report beside the JSON: the targets, every run, then ``log``: every node's epochs."""
+    """The Markdown report beside the JSON: the targets, then ``log``: every run's nodes and epochs."""
     what = f"{a.reps} repetition(s), modes ABBA; tbf {RATE}; batch {a.batch_size} per rank; crops of {CROP} px;"
     what += f" 1 DALI thread; throttle {a.throttle_frac} x the prep rate; {result['total_wall_s'] / 60:.1f} min."
-    runs = [{**r, **r["summary"], "mode": f"{r['mode']}, rep {r['repetition'] + 1}"} for r in result["runs"]]
-    keys = ["epoch0_time_s", *(f"steady_{k}" for k in STEADY)]
     md = ["# Partitioned cache across nodes (`python -m benchmarks multinode`)", what]
-    md += ["## Target checks (steady epochs; means over repetitions)", table(result)]
-    md += ["## Per run (steady = mean over epochs 1..)", rows_table(runs, keys, ("nodes", "aggregate_cache", "mode"))]
-    return "\n\n".join([*md, "## Per node and epoch", *log]) + "\n"
+    md += ["## Target checks (steady epochs; means over repetitions)", table(result), "## Per node and epoch"]
+    return "\n\n".join([*md, *log]) + "\n"

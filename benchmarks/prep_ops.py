@@ -1,25 +1,23 @@
 """Where a sample's prep time goes: imagenet-train's DALI operators at 224, alone and together, on the CPU.
 
-Each line is a DALI pipeline fed from memory without a break, encoded or decoded images, the same crop
-windows and flips (computed once, outside the pipeline), for ``--seconds``: milliseconds per sample and
-thread. They bound what the decoded tier buys bit for bit (docs/decoded-tier.md). ``--max-short-side N``
-adds the same with images capped at a shorter side of N. Writes ``prep_ops.json`` into ``--out``.
+Each line a DALI pipeline fed from memory, encoded or decoded images, the same crop windows and flips (computed
+once, outside it), for ``--seconds``: ms per sample and thread, the bound of what the decoded tier buys bit for bit
+(docs/decoded-tier.md); ``--max-short-side N``: images capped at N too.
 
     python -m benchmarks prep_ops --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import cli, dataset
+from benchmarks.harness import dataset
 from benchmarks.harness.report import log
-
-OUT = str(cli.RESULTS)  # a folder: prep_ops.json
 
 
 def options(p) -> None:
@@ -76,8 +74,7 @@ def run(args) -> dict | None:
         images = fn.decoders.image(x, output_type=types.RGB)
         return images if cap is None else fn.resize(images, resize_shorter=cap)
 
-    def resize(images):
-        return fn.resize(images, resize_x=224, resize_y=224)
+    resize = functools.partial(fn.resize, resize_x=224, resize_y=224)
 
     def tail(images, mirror):
         kw = {"dtype": types.FLOAT, "output_layout": "CHW", "mirror": mirror, **norm}
@@ -90,12 +87,8 @@ def run(args) -> dict | None:
         return list(anchor), list(size), list(windows.flips(u, 0.5)[:, None])
 
     window = {"axis_names": "WH", "normalized_anchor": False, "normalized_shape": False}
-
-    def islice(d, a, s):
-        return fn.decoders.image_slice(d, a, s, output_type=types.RGB, **window)
-
-    def slice_(d, a, s):
-        return fn.slice(d, a, s, **window)
+    islice = functools.partial(fn.decoders.image_slice, output_type=types.RGB, **window)
+    slice_ = functools.partial(fn.slice, **window)
 
     def full(cut):  # the window cut, resized, normalised
         return lambda d, a, s, m: tail(cut(d, a, s), m)
@@ -123,7 +116,3 @@ def run(args) -> dict | None:
         ]
     lines = [timed(name, build, feeds) for name, build, feeds in cases]
     return {"dataset": data, "samples": len(files), "threads": T, "batch": B, "lines": lines}
-
-
-def out_path(args) -> Path:
-    return Path(args.out) / "prep_ops.json"

@@ -1,11 +1,11 @@
 """Remote prep on a Ray node (``coordl.RayPrep``) against local prep alone, one core each.
 
 The trainer on core 0, a one-CPU Ray node (``ray start``, the trainer's own: ``on_trainer_node=True``) on
-core 1, both in a network namespace with only loopback up; the loop does no work. Per backend (``dali``:
+core 1, in a network namespace with only loopback up; the loop does no work. Per backend (``dali``:
 ``imagenet-train``; ``torch``: ``ImageFolder`` + ``loaders.TrainAugment``): ``local`` (no Ray), ``remote``
-(``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh trainer per run, ``--skip`` warm-up
-epochs, ABBA for ``--rounds``. Targets: both/local >= 1.7, remote/local >= 0.9. The node is stopped by PID
-(never ``ray stop``); the JSON says none remained. Root, cores 0 and 1, Ray; docs/remote-prep.md.
+(``RayPrep(workers=1, local=False)``), ``both`` (``local=True``); a fresh trainer per run, its first epoch
+left out, ABBA for ``--rounds``. Targets: both/local >= 1.7, remote/local >= 0.9. The node is stopped by PID
+(never ``ray stop``). Root, cores 0 and 1, Ray; docs/remote-prep.md.
 
     python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
@@ -34,24 +34,19 @@ DATA, QUICK_DATA = "/var/tmp/coordl-bench/ray-prep", "/var/tmp/coordl-bench/ray-
 BACKENDS, CONFIGS = ("dali", "torch"), ("local", "remote", "both")
 TARGETS = {"both": 1.7, "remote": 0.9}  # at least this many times local's samples/s
 TRAINER_CORE, RAY_CORE = 0, 1
-MID_BATCHES = 8  # the fewest batches in an epoch for a mid-epoch rate (its middle half)
-STATS = ("samples", "batches", "elapsed_s", "stall_s", "read_s", "prep_s", "storage_reads", "storage_bytes")
-STATS += ("remote_units", "local_units", "remote_workers", "remote_retried", "remote_result_bytes")
+MID_BATCHES, SKIP = 8, 1  # the fewest batches for a mid-epoch rate (its middle half); warm-up epochs
+STATS = "batches read_s prep_s remote_units local_units remote_retried remote_result_bytes".split()
 WHO = ("trainer", "actor", "ray")  # whose CPU seconds: the trainer's process, the actor's, Ray's others
 
 
+def netns(pid) -> str | None:
+    with contextlib.suppress(OSError):  # gone, or a zombie: None
+        return os.readlink(f"/proc/{pid}/ns/net")
+
+
 def others_in_my_netns() -> list[int]:
-    """Every other live process in this process's network namespace: in a private one, only what
-    this benchmark started."""
-
-    def netns(pid) -> str | None:
-        try:
-            return os.readlink(f"/proc/{pid}/ns/net")
-        except OSError:  # gone, or a zombie
-            return None
-
-    mine = netns("self")
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and netns(p) == mine and int(p) != os.getpid()]
+    """Every other live process in this network namespace: in a private one, what this benchmark started."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and netns(p) == netns("self") and int(p) != os.getpid()]
 
 
 # -- the trainer: one configuration, in a child pinned to core 0 --------------------------------
@@ -59,7 +54,7 @@ def make_loader(args):
     import coordl
 
     backend, config = args.trainer
-    kw = {"batch_size": args.batch_size, "shuffle": True, "seed": args.seed, "cache": 0}
+    kw = {"batch_size": args.batch_size, "shuffle": True, "seed": 0, "cache": 0}
     remote = {"on_trainer_node": True, "local": config == "both"}  # the one node is the trainer's, its core apart
     if backend == "dali":
         remote |= {"threads": 1, "output": args.output}
@@ -73,12 +68,11 @@ def make_loader(args):
 
 
 def trainer(args) -> None:
-    """Runs ``--epochs`` epochs of one configuration; writes per-epoch figures to ``--out``
-    (a process connected to Ray has its stdout redirected, so not there)."""
+    """Runs one configuration; per-epoch figures to ``--out`` (Ray redirects a connected process's stdout)."""
     import torch
 
     torch.set_num_threads(1)  # one core: intra-op threads would only take turns on it
-    dev, me, parent, loader = measure.device_of(args.data), os.getpid(), os.getppid(), make_loader(args)
+    me, parent, loader = os.getpid(), os.getppid(), make_loader(args)
     result, actors = {"epochs": []}, set()
 
     def cpu() -> dict:
@@ -89,7 +83,7 @@ def trainer(args) -> None:
 
     try:
         for epoch in range(args.epochs):
-            c0, d0, t = cpu(), measure.sectors_read(dev), time.perf_counter()
+            c0, t = cpu(), time.perf_counter()
             arrivals = []  # (when, samples so far) per batch
             for images, labels in loader:
                 result["image_bytes"] = images[0].numel() * images.element_size()  # one sample, as delivered
@@ -99,10 +93,9 @@ def trainer(args) -> None:
             mid = {"samples": n1 - n0, "seconds": round(mid1 - mid0, 4)} if len(arrivals) >= MID_BATCHES else None
             c1, s = cpu(), loader.stats()
             e = {"epoch": epoch, "seconds": round(seconds, 4), "samples": samples, "mid": mid}
-            e |= {"samples_per_s": round(samples / seconds, 1), "device_bytes": measure.sectors_read(dev) - d0}
             e["cpu_s"] = {who: round(c1[who] - c0[who], 3) for who in WHO}
             result["epochs"].append(e | {"stats": {k: s[k] for k in STATS if k in s}})
-            if args.trainer[1] != "local" and epoch + 1 == args.skip:
+            if args.trainer[1] != "local" and epoch + 1 == SKIP:
                 # The actor starts in the background and may still be starting (its imports, its pipeline)
                 # when the warm-up epochs end, above all where the local pipeline takes every unit meanwhile.
                 pool = loader.resources.remote.pool
@@ -116,8 +109,7 @@ def trainer(args) -> None:
 
 # -- the Ray node, pinned to core 1 -------------------------------------------------------------
 def start_node(env: dict, temp: str) -> str:
-    """Starts a one-CPU Ray head on ``RAY_CORE`` with its temp dir ``temp``; returns its address (Ray's
-    default port: nothing else listens in this network namespace)."""
+    """Starts a one-CPU Ray head on ``RAY_CORE``, its temp dir ``temp``; its address (the default port: ours)."""
     ray = Path(sys.executable).with_name("ray")
     cmd = ["taskset", "-c", str(RAY_CORE), str(ray if ray.exists() else "ray"), "start", "--head", "--num-cpus=1"]
     cmd += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--node-ip-address=127.0.0.1"]
@@ -128,8 +120,7 @@ def start_node(env: dict, temp: str) -> str:
 
 
 def spilling(temp: str, after: float) -> dict:
-    """The raylet's cumulative spill and restore counters (its ``debug_state.txt``, written every
-    10 s), from a dump made after ``after`` (``time.time()``), waiting up to 15 s for one."""
+    """The raylet's spill and restore counters, from a ``debug_state.txt`` (every 10 s) written after ``after``."""
     path, deadline = Path(temp) / "session_latest" / "logs" / "debug_state.txt", time.monotonic() + 15
     while time.monotonic() < deadline and not (path.exists() and path.stat().st_mtime > after):
         time.sleep(0.5)
@@ -139,8 +130,7 @@ def spilling(temp: str, after: float) -> dict:
 
 
 def stop_all() -> list[int]:
-    """Ends every other process in this namespace (SIGTERM, then SIGKILL after 10 s); returns
-    those still there, which should be none."""
+    """Ends every other process in this namespace (SIGTERM, SIGKILL after 10 s); returns those left (none)."""
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         deadline = time.monotonic() + wait
         for pid in others_in_my_netns():
@@ -156,25 +146,23 @@ def child_env(address: str | None) -> dict:
     """This checkout's coordl and benchmarks first on the path (for the actors too), and the node's address."""
     path = [str(dataset.ROOT / "src"), str(dataset.ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))}
-    env["PYTHONPATH"] = os.pathsep.join(path)
-    # Without it, `ray start` turns token auth on when ~/.ray/auth_token exists (another session may have
-    # made or may replace it) and the trainer is refused. Nothing outside this namespace can reach the node.
-    env["RAY_AUTH_MODE"] = "disabled"
+    # RAY_AUTH_MODE: without it, `ray start` turns token auth on when ~/.ray/auth_token exists (another session may
+    # have made or may replace it) and the trainer is refused. Nothing outside this namespace can reach the node.
+    env |= {"PYTHONPATH": os.pathsep.join(path), "RAY_AUTH_MODE": "disabled"}
     return env | ({"RAY_ADDRESS": address} if address else {})
 
 
 def run_one(args, env: dict, r: int, backend: str, config: str, work: Path) -> dict:
     """Round ``r`` of one configuration: a fresh trainer on ``TRAINER_CORE``; its figures and :func:`steady`'s."""
     out, logfile = work / f"{backend}-{config}-{r}.json", work / f"{backend}-{config}-{r}.log"
-    kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "seed": args.seed, "skip": args.skip}
-    cmd = jobs.scenario_command("ray_prep", "--trainer", backend, config)
-    cmd += jobs.flags(**kw, out=out, output=args.output)
+    kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "out": out, "output": args.output}
+    cmd = jobs.scenario_command("ray_prep", "--trainer", backend, config, *jobs.flags(**kw))
     with open(logfile, "w") as f:
         code = subprocess.run(["taskset", "-c", str(TRAINER_CORE), *cmd], env=env, stdout=f, stderr=f).returncode
     if code or not out.exists():
         raise RuntimeError(f"the trainer ({backend}, {config}) exited with {code}:\n{logfile.read_text()[-4000:]}")
     run = {"round": r, "backend": backend, "config": config, **json.loads(out.read_text())}
-    return run | steady(run["epochs"][args.skip :], args.batch_size)
+    return run | steady(run["epochs"][SKIP:], args.batch_size)
 
 
 def steady(epochs: list[dict], batch_size: int) -> dict:
@@ -186,7 +174,6 @@ def steady(epochs: list[dict], batch_size: int) -> dict:
     mid = sum(m["samples"] for m in mids) / sum(m["seconds"] for m in mids) if all(mids) else None
     out["mid_samples_per_s"] = mid and round(mid, 1)
     out["steady_cpu_s_per_sample"] = {k: sum(e["cpu_s"][k] for e in epochs) / samples for k in WHO}
-    out["steady_device_bytes"] = sum(e["device_bytes"] for e in epochs)
     out["trainer_s_per_batch"] = seconds / total["batches"]
     remote, local = total["remote_units"], total["local_units"]
     if remote or local:
@@ -198,51 +185,47 @@ def steady(epochs: list[dict], batch_size: int) -> dict:
     return out
 
 
-def rates(runs: list[dict], key: str) -> dict:
+def rates(runs: dict[str, list[dict]], key: str) -> dict:
     """Per configuration: the spread of ``key`` (samples/s) over its runs; the ratios to local of the medians."""
-    s = {c: measure.spread_all([r[key] for r in runs if r["config"] == c]) for c in CONFIGS}
+    s = {c: measure.spread_all([r[key] for r in rs]) for c, rs in runs.items()}
     ratio = {c: round(s[c]["median"] / s["local"]["median"], 3) for c in TARGETS}
     return {"samples_per_s": s, "ratio": ratio, "meets_target": {c: ratio[c] >= t for c, t in TARGETS.items()}}
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per backend: :func:`rates` of whole steady epochs and of their middle halves, and per configuration
-    the medians of what explains its rate (maxima for bytes)."""
+    """Per backend: :func:`rates` of steady epochs and of their middle halves; what explains them (medians)."""
     keys = ("remote_share", "remote_result_bytes_per_sample", "actor_s_per_unit", "trainer_s_per_batch", "image_bytes")
     out = {}
     for backend in BACKENDS:
-        mine = [r for r in runs if r["backend"] == backend]
-        s = out[backend] = rates(mine, "steady_samples_per_s")
-        if all(r["mid_samples_per_s"] for r in mine):  # epochs of MID_BATCHES batches or more
-            s["mid_epoch"] = rates(mine, "mid_samples_per_s")
-        s["figures"] = {}
-        for c in CONFIGS:
-            rs = [r for r in mine if r["config"] == c]
+        by = {c: [r for r in runs if (r["backend"], r["config"]) == (backend, c)] for c in CONFIGS}
+        s = out[backend] = rates(by, "steady_samples_per_s") | {"figures": {}}
+        if all(r["mid_samples_per_s"] for rs in by.values() for r in rs):  # epochs of MID_BATCHES batches or more
+            s["mid_epoch"] = rates(by, "mid_samples_per_s")
+        for c, rs in by.items():
             f = s["figures"][c] = {k: statistics.median(r[k] for r in rs) for k in keys if k in rs[0]}
             f["cpu_s_per_sample"] = {k: statistics.median(r["steady_cpu_s_per_sample"][k] for r in rs) for k in WHO}
-            f["device_bytes_max"] = max(r["steady_device_bytes"] for r in rs)
     return out
 
 
 def table(result: dict) -> str:
-    head = "backend|config|samples/s, median [min-max]|/ local|mid-epoch samples/s|/ local|remote share"
-    rows, lines = [], [head + "|result KB/sample|actor s/unit|trainer s/batch|CPU ms/sample: trainer, actor, ray"]
+    head = "backend|config|samples/s, median [min-max]|/ local|mid-epoch / local|remote share|result KB/sample"
+    rows, lines = [], []
     for backend, s in result["summary"].items():
-        mid, f = s.get("mid_epoch", {"samples_per_s": {}, "ratio": {}}), s["figures"]
-        for c in CONFIGS:
-            kb, cpu = f[c].get("remote_result_bytes_per_sample"), f[c]["cpu_s_per_sample"]
+        mid = s.get("mid_epoch", {}).get("ratio", {})
+        for c, f in s["figures"].items():
+            kb, cpu = f.get("remote_result_bytes_per_sample"), f["cpu_s_per_sample"]
             rows.append([backend, c, report.spread(s["samples_per_s"][c], "{:.1f}", rng=True), s["ratio"].get(c)])
-            rows[-1] += [report.spread(mid["samples_per_s"].get(c), "{:.1f}"), mid["ratio"].get(c)]
-            rows[-1] += [f[c].get("remote_share"), kb and kb / 1e3, f[c].get("actor_s_per_unit")]
-            rows[-1] += [f[c]["trainer_s_per_batch"], ", ".join(f"{1e3 * cpu[k]:.1f}" for k in WHO)]
-        meets = {c: "meets" if ok else "MISSES" for c, ok in s["meets_target"].items()}
-        lines += [
-            f"{backend}: " + ", ".join(f"{c}/local {s['ratio'][c]:.3f} ({meets[c]} >= {TARGETS[c]})" for c in meets)
-        ]
+            rows[-1] += [mid.get(c), f.get("remote_share"), kb and kb / 1e3, f.get("actor_s_per_unit")]
+            rows[-1] += [f["trainer_s_per_batch"], ", ".join(f"{1e3 * cpu[k]:.1f}" for k in WHO)]
+        ok = {c: "meets" if m else "MISSES" for c, m in s["meets_target"].items()}
+        lines.append(
+            f"{backend}: " + ", ".join(f"{c}/local {r:.3f} ({ok[c]} >= {TARGETS[c]})" for c, r in s["ratio"].items())
+        )
     store = ", ".join(f"{k} {v}" for k, v in result["object_store"].items()) or "no figures (no debug_state.txt)"
     lines += [f"Ray's object store over all runs: {store}"]
     lines += [f"Ray processes left after the node was stopped: {len(result['ray_processes_left'])}"]
-    return "\n".join([report.table(lines[0], rows), "", *lines[1:]]) + "\n"
+    head += "|actor s/unit|trainer s/batch|CPU ms/sample: trainer, actor, ray"
+    return "\n".join([report.table(head, rows), "", *lines]) + "\n"
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -257,9 +240,7 @@ def options(p) -> None:
     dataset.add_dataset_options(p, data=None, images=None, classes=None, width=480, height=360, data_help=root)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, help="rounds of every configuration, alternated (default 5; --quick: 1)")
-    p.add_argument("--epochs", type=int, help="epochs per run, the first --skip left out (default 4; --quick: 2)")
-    p.add_argument("--skip", type=int, default=1, help="epochs left out of the steady rate (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, help="epochs per run, the first left out (default 4; --quick: 2)")
     uint8 = "RayPrep(output) of DALI's remote and both: 'uint8' sends pixels, normalised on the trainer"
     p.add_argument("--output", choices=["pipeline", "uint8"], default="pipeline", help=uint8)
     p.add_argument("--quick", action="store_true", help="a smoke run for the tests: 64 images, 1 round, 2 epochs")
@@ -274,8 +255,8 @@ def run(args) -> dict | None:
     cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(8, 2), rounds=(5, 1), epochs=(4, 2), out=(out, out))
     if args.images is None and args.size is None:
         args.images = 64 if q else 1024
-    if args.rounds < 1 or args.epochs <= args.skip:
-        raise SystemExit("--rounds must be at least 1 and --epochs more than --skip")
+    if args.rounds < 1 or args.epochs <= SKIP:
+        raise SystemExit(f"--rounds must be at least 1 and --epochs more than {SKIP}")
     if not args.in_netns:  # here the dataset (with its progress bar); the rest in a network namespace of its own
         if why := cannot_run():
             raise SystemExit(f"ray_prep: {why}")

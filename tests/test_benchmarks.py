@@ -44,7 +44,7 @@ def test_scenarios_listed():
     """``python -m benchmarks`` lists every scenario module (one with ``options`` and ``run``) with its
     one-line description, and nothing else; ``NAME --help`` shows a scenario's options."""
     modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if "\ndef run(" in p.read_text()}
-    helpers = {"loaders", "small_resnet", "hp_trials", "__init__", "__main__"}
+    helpers = {"loaders", "small_resnet", "__init__", "__main__"}
     helpers |= {p.stem for p in (ROOT / "benchmarks").glob("*_baselines.py")}
     assert modules and not modules & helpers
     p = subprocess.run([sys.executable, "-m", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -592,7 +592,7 @@ def test_prep_ops_small(tmp_path):
     data, out = tmp_path / "data", tmp_path / "out"
     command = [sys.executable, "-m", "benchmarks", "prep_ops", "--data", str(data), "--images", "64", "--classes", "2"]
     command += ["--width", "160", "--height", "120", "--samples", "64", "--batch", "16", "--seconds", "0.2"]
-    command += ["--max-short-side", "64", "--out", str(out)]
+    command += ["--max-short-side", "64", "--out", str(out / "prep_ops.json")]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = _figures(out / "prep_ops.json", "prep_ops")["lines"]
