@@ -1,11 +1,10 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
 ``coordl`` (GPU decode), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (batches copied to the GPU) and
-``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a
-bf16 ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``.
-Per loader and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch
-time), CPU seconds per sample; the JSON written after every run. ``--budget`` skips a run that would start too
-late, ``--run-timeout`` ends one that hangs; benchmarks/README.md has the rest.
+``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a bf16
+ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``. Per loader
+and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch time), CPU seconds
+per sample; the JSON written after every run. ``--budget``, ``--run-timeout``: benchmarks/README.md.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
@@ -99,8 +98,7 @@ def summary(run: dict) -> dict:
     """Per mode, over the measured epochs: samples/s, stall fractions and CPU seconds per sample."""
     out = {}
     for mode in MODES:
-        es = [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]
-        if es:
+        if es := [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]:
             seconds = sum(e["seconds"] for e in es)
             out[mode] = {"epochs": len(es), **measure.steady({"epochs": es})}
             out[mode]["stall_fraction"] = sum(e["wait_s"] for e in es) / seconds
@@ -115,17 +113,9 @@ def run_all(args, result: dict, started: float) -> None:
     kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
     kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
     for rep, name in measure.alternate(args.loaders, args.reps):
-        left = args.budget - (time.perf_counter() - started)
-        reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
-        if name == "torch" and importlib.util.find_spec("PIL") is None:  # the GPU machine may lack it
-            reason = (
-                "Pillow is not installed: the DataLoader baseline decodes with it (scripts/gpu_extras.sh fetches it)"
-            )
-        elif left >= longest:
-            reason = None
-        if reason is not None:
-            runs[name].append({"skipped": reason})
-            print(f"  rep {rep + 1} {name}: skipped ({reason})")
+        if (left := args.budget - (time.perf_counter() - started)) < longest:
+            runs[name].append({"skipped": f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left"})
+            print(f"  rep {rep + 1} {name}: skipped (out of time: a run took {longest:.0f} s, {left:.0f} s left)")
             continue
         t0, load = time.perf_counter(), os.getloadavg()[0]
         command = jobs.scenario_command("gpu", *jobs.flags(job=name, **kw, cpu_smoke=args.cpu_smoke))
@@ -151,12 +141,11 @@ def medians(result: dict) -> dict:
     """Per loader and mode, the median of the runs' figures; and coordl's ratios to each other loader."""
     med: dict[str, dict] = {}
     for name, runs in result["runs"].items():
-        for mode in MODES:
-            if cells := [r["summary"][mode] for r in runs if mode in r.get("summary", {})]:
-                keys = [k for k in cells[0] if k != "epochs"]
-                med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
-    pairs = [(o, m) for o in LOADERS[1:] for m in MODES if m in med.get("coordl", {}) and m in med.get(o, {})]
-    ratios = {f"coordl/{o} {m}": med["coordl"][m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
+        if cells := [r["summary"] for r in runs if "summary" in r]:
+            med[name] = {m: {k: statistics.median(c[m][k] for c in cells) for k in s} for m, s in cells[0].items()}
+    c = med.get("coordl", {})
+    pairs = [(o, m) for o in med if o != "coordl" for m in c if m in med[o]]
+    ratios = {f"coordl/{o} {m}": c[m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
     return {"median": med, "ratios": ratios}
 
 
