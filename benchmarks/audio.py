@@ -13,14 +13,17 @@ coordl trials training M5 in an HP group vs apart; ``hp-prep``: without the mode
 from __future__ import annotations
 
 import math
+import runpy
 import statistics
 
 import numpy as np
 
 from benchmarks.harness import compare
+from benchmarks.harness.dataset import ROOT
 from benchmarks.loaders import dali_iterator, dataloader
 
 RATE, SAMPLES = 8000, 32000
+M5 = ROOT / "examples" / "audio" / "model.py"  # the model the audio example trains
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/fma", "/var/tmp/coordl-bench/audio-smoke"
 
 
@@ -134,20 +137,14 @@ class DaliAudio:
 
 
 class M5Step:
-    """One training step per batch of M5 (Dai et al., 2017, as torchaudio's tutorial builds it: a strided
-    Conv1d(1, 32, 80, stride 4), then Conv1d(k=3) of 32, 64 and 64 channels, each with BatchNorm, ReLU and
-    MaxPool(4); global average pooling, a Linear layer to ``classes``): forward, cross-entropy, backward, Adam."""
+    """One training step per batch of ``examples/audio/model.py``'s M5 (torchaudio's tutorial's layout): forward,
+    cross-entropy, backward, Adam."""
 
     def __init__(self, classes: int, seed: int = 0):
         import torch
-        from torch import nn
 
         torch.manual_seed(seed)
-        layers, channels = [], 1
-        for out, kernel, stride in ((32, 80, 4), (32, 3, 1), (64, 3, 1), (64, 3, 1)):
-            layers += [nn.Conv1d(channels, out, kernel, stride=stride), nn.BatchNorm1d(out), nn.ReLU(), nn.MaxPool1d(4)]
-            channels = out
-        self.model = nn.Sequential(*layers, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
+        self.model = runpy.run_path(str(M5))["M5"](classes)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, weight_decay=1e-4)
         self.loss = torch.nn.CrossEntropyLoss()
 
