@@ -47,10 +47,9 @@ class TrainStep:
     def __call__(self, batch) -> None:
         import torch
 
-        images, labels = batch
-        images = images.contiguous(memory_format=torch.channels_last)
+        images = batch[0].contiguous(memory_format=torch.channels_last)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.loss(self.model(images), labels)
+            loss = self.loss(self.model(images), batch[1])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()  # no .item(): the loop does not wait for the GPU between steps
@@ -68,13 +67,10 @@ def job(args) -> None:
     sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)  # GPU work done
     t0 = time.perf_counter()
     loader = Loader(args.job, args.data, args.batch_size, args.threads, seed=1, device_id=device_id)
-    out, step = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}, None
-    if "train" in args.modes:
-        step = TrainStep(args.arch, device_id)
-        out.update(model=args.arch, model_from=step.origin, params=step.params)
-    out["build_s"] = time.perf_counter() - t0
-    first = "train" if step is not None else args.modes[0]
-    schedule = [(first, True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in args.modes]
+    step = TrainStep(args.arch, device_id)
+    out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "model": args.arch, "epochs": []}
+    out |= {"model_from": step.origin, "params": step.params, "build_s": time.perf_counter() - t0}
+    schedule = [("train", True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in MODES]
     try:
         for k, (mode, warmup) in enumerate(schedule):
             e = measure.timed(loader.batches(k), step if mode == "train" else None, sync)
@@ -111,7 +107,7 @@ def summary(run: dict) -> dict:
 def run_all(args, result: dict, started: float) -> None:
     runs, longest = result.setdefault("runs", {name: [] for name in args.loaders}), 0.0
     kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
-    kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
+    kw |= {"arch": args.arch, "device_id": args.device_id, "data": args.root}
     for rep, name in measure.alternate(args.loaders, args.reps):
         if (left := args.budget - (time.perf_counter() - started)) < longest:
             runs[name].append({"skipped": f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left"})
@@ -171,7 +167,6 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=1, help="measured epochs of each mode per run (default: 1)")
     p.add_argument("--reps", type=int, default=1, help="rounds of runs, in a rotating order (default: 1)")
     p.add_argument("--loaders", default=",".join(LOADERS), help="(default: %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
     p.add_argument("--arch", default="resnet50", help="the model (default: resnet50; --cpu-smoke: resnet_tiny)")
     p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the runs, data included (default: 330)")
@@ -181,7 +176,6 @@ def options(p) -> None:
 
 
 def run(args) -> dict | None:
-    args.modes = args.modes.split(",")
     if args.job:
         return job(args)
     started = time.perf_counter()
@@ -200,7 +194,7 @@ def run(args) -> dict | None:
     data = images(args)
     args.root = data["root"]
     print(f"dataset: {dataset.describe(data)}, in the page cache after {data['page_cache_read_s']:.1f} s")
-    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "modes", "arch")}
+    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "arch")}
     config |= {"device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}", "budget_s": args.budget}
     result = {"cpu_smoke": args.cpu_smoke, "dataset": data, "config": config}
     print(f"{config}: runs in ABBA order")
