@@ -69,24 +69,20 @@ def run(args) -> dict | None:
     out_dir.mkdir(parents=True, exist_ok=True)
     script = jobs.module_command("small_resnet", root, "--batch-size", str(args.batch_size))
     torch_threads, prep_threads = (int(v) for v in args.threads.split(","))
-    script += ["--threads", str(torch_threads)] if torch_threads else []
-    script += ["--prep-threads", str(prep_threads)] if prep_threads else []
+    script += jobs.flags(threads=torch_threads or None, prep_threads=prep_threads or None)  # 0: their defaults
     log(f"dataset {dataset.describe(data)}; limits: {caps}")
 
     if args.bandwidth is None:  # 1. the throttle: a fraction of what training on cached data needs
         kw = {"out": str(out_dir), "steps": args.steps, "warmup": 5, "run_id": uuid.uuid4().hex[:12], "timeout": 900}
-        R = sum(
-            r["R_samples_per_s"] for r in run_phase(script + ["--cache", "0"], "P", **kw, extra={"subset_batches": 16})
-        )
+        phases = run_phase(script + ["--cache", "0"], "P", **kw, extra={"subset_batches": 16})
+        R = sum(r["R_samples_per_s"] for r in phases)
         args.bandwidth = args.storage_factor * R * b
         log(f"calibration: R = {R:.0f} samples/s -> storage throttled to {format_bytes(args.bandwidth, 'MB')}/s")
     bw = max(int(args.bandwidth), 200_000_000 if args.quick else 0)  # --quick: storage need not be slow
 
     # 2. One analysis, at the job's cache size.
-    memory, t0 = (
-        int(args.working_set + args.analyze_cache * total + 16 * args.batch_size * b * 1.1),
-        time.perf_counter(),
-    )
+    memory = int(args.working_set + args.analyze_cache * total + 16 * args.batch_size * b * 1.1)
+    t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--steps", str(args.steps), "--out", str(out_dir)]
     cmd += ["--json", str(out_dir / "report.json"), "--", *script, "--cache", str(args.analyze_cache)]
     limited(root, cmd, memory, bw, dev, caps)
@@ -118,14 +114,10 @@ def run(args) -> dict | None:
 
 
 def table(result: dict) -> str:
-    rows = [
-        [f"{r['cache_fraction']:.0%}", round(r["predicted_samples_per_s"]), round(r["measured_samples_per_s"])]
-        + [f"{r['error']:+.1%}", r["bound"]]
-        for r in result["rows"]
-    ]
-    g, head = result["rates"], "cache|predicted samples/s|measured samples/s|error|bound"
-    return (
-        report.table(head, rows)
-        + f"\nrates: G {g['G']:.0f}, P {g['P']:.0f}, R {g['R']:.0f} samples/s; S {format_bytes(g['S'], 'MB')}/s;"
-        f" analysis took {result['analyze_seconds']:.0f} s; plot: {result['plot']}"
-    )
+    keys = ("cache_fraction", "predicted_samples_per_s", "measured_samples_per_s", "error", "bound")
+    cells = ([r[k] for k in keys] for r in result["rows"])
+    rows = [[f"{x:.0%}", round(p), round(m), f"{e:+.1%}", bound] for x, p, m, e, bound in cells]
+    g, took, plot = result["rates"], result["analyze_seconds"], result["plot"]
+    rates = f"rates: G {g['G']:.0f}, P {g['P']:.0f}, R {g['R']:.0f} samples/s; S {format_bytes(g['S'], 'MB')}/s"
+    head = "cache|predicted samples/s|measured samples/s|error|bound"
+    return f"{report.table(head, rows)}\n{rates}; analysis took {took:.0f} s; plot: {plot}"

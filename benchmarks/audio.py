@@ -1,11 +1,10 @@
 """Audio on the CPU: coordl's AudioTrain against DALI's audio pipeline and a DataLoader; HP groups of M5 trials.
 
-Run as :mod:`benchmarks.harness.compare` says; each loader decodes a clip, downmixes it, resamples it to
-8 kHz and cuts a random 4 s window, yielding float32 ``(B, 1, 32000)`` and int64 labels. ``prep``:
-``coordl`` (``AudioTrain``, the clips cached), ``dali`` (:class:`DaliAudio`: ``readers.file``,
-``decoders.audio``, ``slice``), ``torch`` (:class:`SoundfileClips`: soundfile, ``resample_poly``); ``hp``:
-two coordl trials training M5 in an HP group vs apart; ``hp-prep``: the same without the model. FMA-like
-clips (``datagen.music.make_clips``: 30 s, 44.1 kHz stereo, Ogg Vorbis; ``--smoke``: 40 tones); docs/audio.md.
+As :mod:`benchmarks.harness.compare` runs it, each loader decoding a clip, downmixing, resampling it to 8 kHz and
+cutting a random 4 s window: float32 ``(B, 1, 32000)``, int64 labels. ``prep``: ``coordl`` (``AudioTrain``),
+``dali`` (:class:`DaliAudio`), ``torch`` (:class:`SoundfileClips`: soundfile, ``resample_poly``); ``hp``: two
+coordl trials training M5 in an HP group vs apart; ``hp-prep``: without the model. FMA-like clips
+(``datagen.music.make_clips``: 30 s, 44.1 kHz stereo, Ogg Vorbis; ``--smoke``: 40 tones); docs/audio.md.
 
     python -m benchmarks audio                     # 300 clips, 3 reps: about 24 minutes on 2 cores
     python -m benchmarks audio --smoke --data /tmp/audio-smoke --out /tmp/audio.json
@@ -14,14 +13,17 @@ clips (``datagen.music.make_clips``: 30 s, 44.1 kHz stereo, Ogg Vorbis; ``--smok
 from __future__ import annotations
 
 import math
-import os
+import runpy
 import statistics
 
 import numpy as np
 
 from benchmarks.harness import compare
+from benchmarks.harness.dataset import ROOT
+from benchmarks.loaders import dali_iterator, dataloader
 
 RATE, SAMPLES = 8000, 32000
+M5 = ROOT / "examples" / "audio" / "model.py"  # the model the audio example trains
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/fma", "/var/tmp/coordl-bench/audio-smoke"
 
 
@@ -56,13 +58,9 @@ def clips(args) -> dict:
         kw = {"classes": args.classes, "seconds": args.seconds, "format": args.format, "seed": args.dataset_seed}
         s = music.make_clips(args.data, args.clips, **kw)
         kind = f"music-like clips by coordl.tools.datagen.music.make_clips: 44.1 kHz stereo, {args.format}"
-    rs = s.records
-    out = {"root": s.root, "files": len(rs), "classes": len(s.classes), "total_bytes": s.total_bytes}
-    out |= {
-        "mean_bytes": round(s.total_bytes / len(rs)),
-        "mean_seconds": statistics.mean(r.frames / r.rate for r in rs),
-    }
-    return out | {"source": kind}
+    rs, total = s.records, s.total_bytes
+    out = {"root": s.root, "files": len(rs), "classes": len(s.classes), "total_bytes": total, "source": kind}
+    return out | {"mean_bytes": round(total / len(rs)), "mean_seconds": statistics.mean(r.frames / r.rate for r in rs)}
 
 
 def make(args, data):
@@ -70,7 +68,6 @@ def make(args, data):
     import torch
 
     import coordl
-    from benchmarks.loaders import dataloader
 
     torch.set_num_threads(1)  # a trial's model step, and nothing of the loaders' own
     if args.job == "dali":
@@ -88,11 +85,11 @@ class SoundfileClips(compare.ForkedRng):
     them, with soundfile and scipy: ``dataset[i]`` is ``(waveform (1, SAMPLES) float32, label)``."""
 
     def __init__(self, root: str):
+        from coordl import Index
         from coordl.audio.formats import AUDIO_EXTENSIONS
 
-        classes = enumerate(sorted(d.name for d in os.scandir(root) if d.is_dir()))
-        found = [(f"{root}/{c}/{f}", k) for k, c in classes for f in sorted(os.listdir(f"{root}/{c}"))]
-        self.clips = [(p, k) for p, k in found if p.lower().endswith(AUDIO_EXTENSIONS)]
+        index = Index.scan(root, extensions=AUDIO_EXTENSIONS, index_dir="")  # ImageFolder's order
+        self.clips = list(zip(index.paths, index.labels.tolist()))
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -108,9 +105,8 @@ class SoundfileClips(compare.ForkedRng):
             g = math.gcd(rate, RATE)
             mono = resample_poly(mono, RATE // g, rate // g)  # 44100 -> 8000: up 80, down 441
         start = int(self.rng().integers(max(len(mono) - SAMPLES, 0) + 1))
-        window = np.zeros(SAMPLES, dtype=np.float32)
         piece = mono[start : start + SAMPLES]
-        window[: len(piece)] = piece
+        window = np.pad(piece, (0, SAMPLES - len(piece))).astype(np.float32)  # zeros after a short clip
         return torch.from_numpy(window).reshape(1, SAMPLES), self.clips[i][1]
 
 
@@ -120,8 +116,6 @@ class DaliAudio:
     def __init__(self, root: str, batch_size: int, threads: int, seed: int = 1):
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali import math as dmath
-
-        from benchmarks.loaders import dali_iterator
 
         @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
         def pipe():
@@ -143,20 +137,14 @@ class DaliAudio:
 
 
 class M5Step:
-    """One training step per batch of M5 (Dai et al., 2017, as torchaudio's tutorial builds it: a strided
-    Conv1d(1, 32, 80, stride 4), then Conv1d(k=3) of 32, 64 and 64 channels, each with BatchNorm, ReLU and
-    MaxPool(4); global average pooling, a Linear layer to ``classes``): forward, cross-entropy, backward, Adam."""
+    """One training step per batch of ``examples/audio/model.py``'s M5 (torchaudio's tutorial's layout): forward,
+    cross-entropy, backward, Adam."""
 
     def __init__(self, classes: int, seed: int = 0):
         import torch
-        from torch import nn
 
         torch.manual_seed(seed)
-        layers, channels = [], 1
-        for out, kernel, stride in ((32, 80, 4), (32, 3, 1), (64, 3, 1), (64, 3, 1)):
-            layers += [nn.Conv1d(channels, out, kernel, stride=stride), nn.BatchNorm1d(out), nn.ReLU(), nn.MaxPool1d(4)]
-            channels = out
-        self.model = nn.Sequential(*layers, nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
+        self.model = runpy.run_path(str(M5))["M5"](classes)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, weight_decay=1e-4)
         self.loss = torch.nn.CrossEntropyLoss()
 

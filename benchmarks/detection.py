@@ -1,11 +1,9 @@
 """Object detection on the CPU: coordl's SSDTrain against DALI's COCO pipeline and a DataLoader; an HP group.
 
-Run as :mod:`benchmarks.harness.compare` says; each loader does SSD300 v1.1's training augmentation and
-yields ``(images, targets)``. ``prep``, prep-bound, the dataset in memory: ``coordl`` (``SSDTrain(size=300)``),
-``dali`` (:class:`DaliCoco`, NVIDIA's SSD300 reference pipeline, boxes as coordl's targets), ``dali-1`` (the
-same with ``num_attempts=1``: not in the default set), ``torch`` (``CocoDetection`` with :class:`PythonSSD`).
-``hp``: two coordl trials (``x.sum()`` a batch) in an HP group vs apart. Also the Python a coordl batch
-costs outside DALI (``crops.plan``, ``targets``). COCO-like data (``datagen.coco.make_coco``); docs/detection.md.
+As :mod:`benchmarks.harness.compare` runs it, each loader doing SSD300 v1.1's training augmentation. ``prep``
+(prep-bound, data in memory): ``coordl`` (``SSDTrain(size=300)``), ``dali`` (:class:`DaliCoco`, NVIDIA's SSD300
+pipeline), ``dali-1`` (``num_attempts=1``, not by default), ``torch`` (``CocoDetection`` + :class:`PythonSSD`);
+``hp``: two coordl trials in an HP group vs apart; the Python of a coordl batch outside DALI. docs/detection.md.
 
     python -m benchmarks detection                 # 1500 images, 3 reps: about 11 minutes on 2 cores
     python -m benchmarks detection --smoke --data /tmp/coco-smoke --out /tmp/detection.json
@@ -19,9 +17,9 @@ import time
 import numpy as np
 
 from benchmarks.harness import cli, compare, dataset
+from benchmarks.loaders import MEAN, STD, dataloader
 
-SIZE = 300
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIZE, QUALITY = 300, 90  # SSD300's input side; the generated JPEGs' quality
 THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -32,7 +30,6 @@ def options(p) -> None:
     dataset.add_source_options(g)
     g.add_argument("--width", type=int, help="mean image width, +-12.5%% (default: 640; 320 with --smoke)")
     g.add_argument("--height", type=int, help="mean image height, +-12.5%% (default: 480; 240 with --smoke)")
-    g.add_argument("--quality", type=int, default=90, help="JPEG quality (default: %(default)s)")
     g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
     loaders = ("coordl", "dali", "torch")
     compare.add_options(p, loaders, (*loaders, "dali-1"), "prep,hp")
@@ -51,25 +48,23 @@ def table(results: dict) -> str:
 
 
 def coco(args) -> dict:
-    """Generates (or finds) the dataset; returns its figures."""
+    """Generates (or finds) the dataset (each side +-12.5%, 1-8 boxes an image); returns its figures."""
     from coordl.tools.datagen.coco import make_coco
 
-    photos = dataset.photos_of(args)
-    spread = lambda m: (m - m // 8, m + m // 8)  # noqa: E731
-    kw = {"seed": args.dataset_seed, "width": spread(args.width), "height": spread(args.height), "boxes": (1, 8)}
-    s = make_coco(args.data, args.images, quality=args.quality, photos_dir=photos, **kw)
+    photos, (w, h) = dataset.photos_of(args), (args.width, args.height)
+    kw = {"width": (w - w // 8, w + w // 8), "height": (h - h // 8, h + h // 8), "boxes": (1, 8), "quality": QUALITY}
+    s = make_coco(args.data, args.images, seed=args.dataset_seed, photos_dir=photos, **kw)
     truths = list(s.truths.values())
     n, pixels = len(truths), sum(t.width * t.height for t in truths)
     out = {"root": s.root, "images": s.images, "annotations": s.annotations, "files": n, "total_bytes": s.total_bytes}
     out |= {"mean_bytes": round(s.total_bytes / n), "bytes_per_pixel": round(s.total_bytes / pixels, 3)}
     out |= {"boxes": sum(len(t.boxes) for t in truths), "empty_images": sum(not t.boxes for t in truths)}
-    return out | {"jpeg_quality": args.quality, "source": "photographs" if photos else "generated"}
+    return out | {"jpeg_quality": QUALITY, "source": "photographs" if photos else "generated"}
 
 
 def make(args, data):
     """The child's loader (``--job``); its step: ``x.sum()`` with ``--step touch``."""
     import coordl
-    from benchmarks.loaders import dataloader
 
     images, annotations = data["images"], data["annotations"]
     if args.job.startswith("dali"):
@@ -111,10 +106,7 @@ class PythonSSD(compare.ForkedRng):
     0.5, hue and saturation in HSV, brightness and contrast around 128 back to uint8, normalise, CHW float32.
     """
 
-    def __init__(self, size: int = SIZE, tries: int = 50):
-        self.size, self.tries = size, tries
-        self._mean = np.array(MEAN, dtype=np.float32) * 255
-        self._inv_std = 1 / (np.array(STD, dtype=np.float32) * 255)
+    mean, inv_std = np.array(MEAN, dtype=np.float32) * 255, 1 / (np.array(STD, dtype=np.float32) * 255)
 
     def window(self, rng, boxes: np.ndarray, width: int, height: int) -> tuple[int, int, int, int]:
         """The crop window ``x0, y0, x1, y1`` in whole pixels (the whole image: no crop): a try picks "no crop", a
@@ -124,7 +116,7 @@ class PythonSSD(compare.ForkedRng):
         if len(boxes):
             area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
             cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
-            for _ in range(self.tries):
+            for _ in range(50):  # tries
                 minimum = options[rng.integers(len(options))]
                 if minimum is None:
                     break
@@ -147,10 +139,8 @@ class PythonSSD(compare.ForkedRng):
         import torch
         from PIL import Image
 
-        rng, size = self.rng(), self.size
+        rng, size, (width, height) = self.rng(), SIZE, image.size
         boxes = target["boxes"].numpy().astype(np.float64).reshape(-1, 4)
-        labels = target["labels"]
-        width, height = image.size
         x0, y0, x1, y1 = self.window(rng, boxes, width, height)
         if (x0, y0, x1, y1) != (0, 0, width, height):
             image = image.crop((x0, y0, x1, y1))
@@ -173,10 +163,10 @@ class PythonSSD(compare.ForkedRng):
         pixels += brightness * 128 * (1 - contrast)
         np.clip(pixels, 0, 255, out=pixels)
         np.rint(pixels, out=pixels)
-        pixels -= self._mean
-        pixels *= self._inv_std
+        pixels -= self.mean
+        pixels *= self.inv_std
         chw = torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
-        out = {"boxes": torch.from_numpy(boxes.astype(np.float32)), "labels": labels[torch.from_numpy(keep)]}
+        out = {"boxes": torch.from_numpy(boxes.astype(np.float32)), "labels": target["labels"][torch.from_numpy(keep)]}
         return chw, {**out, "image_id": target["image_id"]}
 
 
@@ -192,10 +182,8 @@ class DaliCoco:
         def pipe():
             # avoid_class_remapping: COCO's category ids, as coordl's labels
             kw = {"ratio": True, "ltrb": True, "random_shuffle": True, "skip_empty": False, "image_ids": True}
-            kw |= {"avoid_class_remapping": True}
-            jpegs, bboxes, labels, ids = fn.readers.coco(
-                name="Reader", file_root=images, annotations_file=annotations, **kw
-            )
+            kw |= {"avoid_class_remapping": True, "file_root": images, "annotations_file": annotations}
+            jpegs, bboxes, labels, ids = fn.readers.coco(name="Reader", **kw)
             kw = {"aspect_ratio": [0.5, 2.0], "thresholds": [0, *THRESHOLDS], "scaling": [0.3, 1.0]}
             kw |= {"bbox_layout": "xyXY", "allow_no_crop": True, "num_attempts": attempts}
             begin, size, bboxes, labels = fn.random_bbox_crop(bboxes, labels, **kw)

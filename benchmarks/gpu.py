@@ -1,11 +1,10 @@
 """ResNet-50 training on one GPU fed by four loaders, and the same loaders' prep alone (issue 46).
 
 ``coordl`` (GPU decode), ``dali`` (DALI's own GPU pipeline), ``coordl-cpu`` (batches copied to the GPU) and
-``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a
-bf16 ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``.
-Per loader and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch
-time), CPU seconds per sample; the JSON written after every run. ``--budget`` skips a run that would start too
-late, ``--run-timeout`` ends one that hangs; benchmarks/README.md has the rest.
+``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a bf16
+ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``. Per loader
+and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch time), CPU seconds
+per sample; the JSON written after every run. ``--budget``, ``--run-timeout``: benchmarks/README.md.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
@@ -48,10 +47,9 @@ class TrainStep:
     def __call__(self, batch) -> None:
         import torch
 
-        images, labels = batch
-        images = images.contiguous(memory_format=torch.channels_last)
+        images = batch[0].contiguous(memory_format=torch.channels_last)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.loss(self.model(images), labels)
+            loss = self.loss(self.model(images), batch[1])
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()  # no .item(): the loop does not wait for the GPU between steps
@@ -69,13 +67,10 @@ def job(args) -> None:
     sync = (lambda: torch.cuda.synchronize(device_id)) if device_id is not None else (lambda: None)  # GPU work done
     t0 = time.perf_counter()
     loader = Loader(args.job, args.data, args.batch_size, args.threads, seed=1, device_id=device_id)
-    out, step = {"loader": args.job, "device_id": device_id, "samples": loader.n, "epochs": []}, None
-    if "train" in args.modes:
-        step = TrainStep(args.arch, device_id)
-        out.update(model=args.arch, model_from=step.origin, params=step.params)
-    out["build_s"] = time.perf_counter() - t0
-    first = "train" if step is not None else args.modes[0]
-    schedule = [(first, True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in args.modes]
+    step = TrainStep(args.arch, device_id)
+    out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "model": args.arch, "epochs": []}
+    out |= {"model_from": step.origin, "params": step.params, "build_s": time.perf_counter() - t0}
+    schedule = [("train", True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in MODES]
     try:
         for k, (mode, warmup) in enumerate(schedule):
             e = measure.timed(loader.batches(k), step if mode == "train" else None, sync)
@@ -99,8 +94,7 @@ def summary(run: dict) -> dict:
     """Per mode, over the measured epochs: samples/s, stall fractions and CPU seconds per sample."""
     out = {}
     for mode in MODES:
-        es = [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]
-        if es:
+        if es := [e for e in run["epochs"] if e["mode"] == mode and not e["warmup"]]:
             seconds = sum(e["seconds"] for e in es)
             out[mode] = {"epochs": len(es), **measure.steady({"epochs": es})}
             out[mode]["stall_fraction"] = sum(e["wait_s"] for e in es) / seconds
@@ -113,19 +107,11 @@ def summary(run: dict) -> dict:
 def run_all(args, result: dict, started: float) -> None:
     runs, longest = result.setdefault("runs", {name: [] for name in args.loaders}), 0.0
     kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
-    kw |= {"modes": ",".join(args.modes), "arch": args.arch, "device_id": args.device_id, "data": args.root}
+    kw |= {"arch": args.arch, "device_id": args.device_id, "data": args.root}
     for rep, name in measure.alternate(args.loaders, args.reps):
-        left = args.budget - (time.perf_counter() - started)
-        reason = f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left, a run took {longest:.0f} s"
-        if name == "torch" and importlib.util.find_spec("PIL") is None:  # the GPU machine may lack it
-            reason = (
-                "Pillow is not installed: the DataLoader baseline decodes with it (scripts/gpu_extras.sh fetches it)"
-            )
-        elif left >= longest:
-            reason = None
-        if reason is not None:
-            runs[name].append({"skipped": reason})
-            print(f"  rep {rep + 1} {name}: skipped ({reason})")
+        if (left := args.budget - (time.perf_counter() - started)) < longest:
+            runs[name].append({"skipped": f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left"})
+            print(f"  rep {rep + 1} {name}: skipped (out of time: a run took {longest:.0f} s, {left:.0f} s left)")
             continue
         t0, load = time.perf_counter(), os.getloadavg()[0]
         command = jobs.scenario_command("gpu", *jobs.flags(job=name, **kw, cpu_smoke=args.cpu_smoke))
@@ -151,12 +137,11 @@ def medians(result: dict) -> dict:
     """Per loader and mode, the median of the runs' figures; and coordl's ratios to each other loader."""
     med: dict[str, dict] = {}
     for name, runs in result["runs"].items():
-        for mode in MODES:
-            if cells := [r["summary"][mode] for r in runs if mode in r.get("summary", {})]:
-                keys = [k for k in cells[0] if k != "epochs"]
-                med.setdefault(name, {})[mode] = {k: statistics.median(c[k] for c in cells) for k in keys}
-    pairs = [(o, m) for o in LOADERS[1:] for m in MODES if m in med.get("coordl", {}) and m in med.get(o, {})]
-    ratios = {f"coordl/{o} {m}": med["coordl"][m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
+        if cells := [r["summary"] for r in runs if "summary" in r]:
+            med[name] = {m: {k: statistics.median(c[m][k] for c in cells) for k in s} for m, s in cells[0].items()}
+    c = med.get("coordl", {})
+    pairs = [(o, m) for o in med if o != "coordl" for m in c if m in med[o]]
+    ratios = {f"coordl/{o} {m}": c[m]["samples_per_s"] / med[o][m]["samples_per_s"] for o, m in pairs}
     return {"median": med, "ratios": ratios}
 
 
@@ -182,7 +167,6 @@ def options(p) -> None:
     p.add_argument("--epochs", type=int, default=1, help="measured epochs of each mode per run (default: 1)")
     p.add_argument("--reps", type=int, default=1, help="rounds of runs, in a rotating order (default: 1)")
     p.add_argument("--loaders", default=",".join(LOADERS), help="(default: %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help="(default: %(default)s)")
     p.add_argument("--arch", default="resnet50", help="the model (default: resnet50; --cpu-smoke: resnet_tiny)")
     p.add_argument("--device-id", type=int, default=0, help="the GPU (default: 0)")
     p.add_argument("--budget", type=float, default=330.0, help="seconds for the runs, data included (default: 330)")
@@ -192,7 +176,6 @@ def options(p) -> None:
 
 
 def run(args) -> dict | None:
-    args.modes = args.modes.split(",")
     if args.job:
         return job(args)
     started = time.perf_counter()
@@ -211,7 +194,7 @@ def run(args) -> dict | None:
     data = images(args)
     args.root = data["root"]
     print(f"dataset: {dataset.describe(data)}, in the page cache after {data['page_cache_read_s']:.1f} s")
-    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "modes", "arch")}
+    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "arch")}
     config |= {"device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}", "budget_s": args.budget}
     result = {"cpu_smoke": args.cpu_smoke, "dataset": data, "config": config}
     print(f"{config}: runs in ABBA order")

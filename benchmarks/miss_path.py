@@ -1,12 +1,11 @@
 """The miss path and the overhead: how the bytes reach DALI's decoder, coordl's ways against DALI's own.
 
-Every mode runs the same recipe (``--recipe small``: decode, resize to 16 px square; ``imagenet-train``: random
-crop to 224, flip, normalise), batch and DALI threads, in this process; what differs is how the encoded
-bytes reach the decoder: ``dali-reader`` (``fn.readers.file(shuffle_after_epoch=True)``); ``memory`` (every
-sample from a Python list through ``fn.external_source``); ``no-cache`` (coordl, ``cache=0``); ``filling``
-(coordl's first epoch with a new cache of ``--fill`` of the dataset); ``warm`` (coordl's second epoch, the whole
-dataset cached). Each epoch starts with the files in the page cache (``--cold``: dropped), is timed from its
-first batch to its last; modes ABBA, ``--reps`` times.
+One recipe (``--recipe small``: decode, resize to 16 px square; ``imagenet-train``), batch and DALI threads, in
+this process; the modes differ in how the encoded bytes reach the decoder: ``dali-reader``
+(``fn.readers.file(shuffle_after_epoch=True)``), ``memory`` (``fn.external_source`` from a Python list),
+``no-cache`` (coordl, ``cache=0``), ``filling`` (coordl's first epoch, a new cache of half the dataset),
+``warm`` (coordl's second epoch, all cached). Files in the page cache (``--cold``: dropped) before each epoch,
+timed from its first batch to its last; modes ABBA, ``--reps`` times.
 
     python -m benchmarks miss_path --data /var/tmp/coordl-bench/tiny --images 40000 --width 32 --height 32
     python -m benchmarks miss_path --recipe imagenet-train --modes warm,memory,dali-reader --batch-size 64 \\
@@ -27,6 +26,7 @@ from benchmarks.loaders import dali_imagenet_train, dali_iterator
 
 MODES = ("dali-reader", "memory", "no-cache", "filling", "warm")
 BASES = ("dali-reader", "memory")  # DALI without coordl: the ratios' denominators
+COUNTERS = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "cache_bytes")
 
 
 def dali_ops(args, jpegs, decoder="cpu", device="cpu"):
@@ -39,12 +39,10 @@ def dali_ops(args, jpegs, decoder="cpu", device="cpu"):
     return fn.resize(images, device=device, resize_x=16, resize_y=16)
 
 
-def coordl_loader(args, cache, **kw) -> coordl.CoordLoader:
-    if args.recipe == "imagenet-train":
-        recipe = coordl.ImageNetTrain()
-    else:
-        recipe = lambda encoded, ctx: dali_ops(args, encoded, ctx.decoder_device, ctx.device)  # noqa: E731
-    kw |= {"pipeline": recipe, "device_id": None, "cache": cache, "prep": args.threads, "shuffle": True}
+def coordl_loader(args, cache: float) -> coordl.CoordLoader:
+    recipe = lambda encoded, ctx: dali_ops(args, encoded, ctx.decoder_device, ctx.device)  # noqa: E731
+    recipe = coordl.ImageNetTrain() if args.recipe == "imagenet-train" else recipe
+    kw = {"pipeline": recipe, "device_id": None, "cache": cache, "prep": args.threads, "shuffle": True}
     return coordl.CoordLoader(args.data, batch_size=args.batch_size, **kw)
 
 
@@ -80,21 +78,18 @@ def from_memory(args, index):
 
 def timed(batches) -> tuple[float, int]:
     """Samples per second from the first batch to the last (the first batch's samples not counted)."""
-    n = first = 0
-    t0 = None
-    for batch in batches:
-        images = batch[0]["images"] if isinstance(batch, list) else batch[0]
-        if t0 is None:
-            t0, first = time.perf_counter(), images.shape[0]
-        n += images.shape[0]
+    sizes = (len(b[0]["images"] if isinstance(b, list) else b[0]) for b in batches)  # DALI's dicts or coordl's
+    n = first = next(sizes)
+    t0 = time.perf_counter()
+    n += sum(sizes)
     return (n - first) / (time.perf_counter() - t0), n
 
 
-def epochs(args, data) -> dict:
+def run(args) -> dict | None:
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
-    index = coordl.Index.scan(args.data, index_dir="")
+    data, index = dataset.dataset_from_args(args), coordl.Index.scan(args.data, index_dir="")
     paths, n = list(index.paths), len(index)
     kept = {"dali-reader": lambda: dali_pipeline(args), "memory": lambda: from_memory(args, index)}
     kept = {m: kept[m]() for m in BASES if m in modes}  # DALI's pipelines, made once
@@ -108,20 +103,19 @@ def epochs(args, data) -> dict:
             prepare()
             rate, got = timed(kept[mode])
         else:  # a new loader and a new cache: every coordl epoch starts with an empty one
-            with coordl_loader(args, {"no-cache": 0, "filling": args.fill, "warm": 1.0}[mode]) as ld:
+            with coordl_loader(args, {"no-cache": 0, "filling": 0.5, "warm": 1.0}[mode]) as ld:
                 if mode == "warm":
                     timed(ld)  # fills the cache
                     assert ld.stats()["cache_items"] == n, "the cache did not take the whole dataset"
                 prepare()
                 rate, got = timed(ld)
-                stats = ld.stats()
+                stats = {k: v for k, v in ld.stats().items() if k in COUNTERS}
         assert got == n, f"{mode}: {got} samples of {n}"
         assert mode != "warm" or stats["storage_reads"] == 0, "a warm epoch read storage"
         assert mode != "filling" or stats["storage_reads"] == n, "a filling epoch found samples cached"
-        keys = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "cache_bytes")
         runs[mode].append(round(rate, 1))
-        details[mode].append({k: stats[k] for k in keys if k in stats})
-        print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {details[mode][-1]}", flush=True)
+        details[mode].append(stats)
+        print(f"rep {rep} {mode:12s} {rate:9.1f} samples/s {stats}", flush=True)
     med = {m: statistics.median(v) for m, v in runs.items()}
     out = {"dataset": data, "samples_per_s": runs, "median": med, "stats": details}
     for base in (b for b in BASES if b in med):
@@ -134,16 +128,11 @@ def options(p) -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="DALI threads (default: 2)")
     p.add_argument("--recipe", choices=("small", "imagenet-train"), default="small", help="(default: small)")
-    p.add_argument("--fill", type=float, default=0.5, help="the filling epoch's cache budget (default: 0.5)")
     cold = "drop the files from the page cache before each epoch instead of reading them in"
     p.add_argument("--cold", action="store_true", help=cold)
     p.add_argument("--reps", type=int, default=5)
     modes = "dali-reader,no-cache,filling,warm"
     p.add_argument("--modes", default=modes, help=f"comma-separated, of {', '.join(MODES)} (default: {modes})")
-
-
-def run(args) -> dict | None:
-    return epochs(args, dataset.dataset_from_args(args))
 
 
 def table(r: dict) -> str:
