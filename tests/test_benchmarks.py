@@ -903,3 +903,28 @@ def test_gpu_smoke(tmp_path):
         assert os.listdir(shm) == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_child_that_writes_much_to_stderr_does_not_block_its_conversation(tmp_path):
+    """``jobs.converse`` keeps a child's stderr in a file, not a pipe: a child that logs more than a
+    pipe holds (64 KiB) before its next message still reaches it (with a pipe read only at the end,
+    each side waited for the other)."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, sys\n"
+        "sys.stderr.write('x' * 200_000 + '\\n')\n"
+        "print(json.dumps({'event': 'epoch', 'n': 1}), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(json.dumps({'event': 'done', 'ok': True}), flush=True)\n"
+    )
+    parent = (
+        "import json, sys\n"
+        "from benchmarks.harness import jobs\n"
+        "heard = []\n"
+        f"code, err, done = jobs.converse([sys.executable, {str(child)!r}], lambda e, m: heard.append([e, m]))\n"
+        "print(json.dumps([code, len(err), done, heard]))\n"
+    )
+    # In a child of its own, so that a hang fails the test (killed: its child's stderr pipe breaks too).
+    p = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [0, 200_001, {"ok": True}, [["epoch", {"n": 1}]]]

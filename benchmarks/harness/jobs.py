@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,9 +126,8 @@ def converse(command: list[str], on_message, **popen) -> tuple[int, str, dict]:
     """Runs a child speaking :class:`Parent`'s side: calls ``on_message(event, msg)`` for each JSON line
     it says (other lines are a library's chatter) until its ``done``, answering ``go`` after each.
     Returns its exit status, its standard error and its ``done`` message."""
-    proc = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
-    )
+    errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a child's long stderr never blocks it
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, **popen)
     done = {}
     try:
         while line := proc.stdout.readline():
@@ -143,12 +143,15 @@ def converse(command: list[str], on_message, **popen) -> tuple[int, str, dict]:
             proc.stdin.write("go\n")
             proc.stdin.flush()
         proc.stdin.close()
-        err = proc.stderr.read()
         proc.wait(120)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
+    finally:
+        errors.seek(0)
+        err = errors.read()
+        errors.close()
     return proc.returncode, err, done
 
 
