@@ -14,18 +14,15 @@ the budget, what was cached, the warnings, every sample exactly once per epoch. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import dataset, jobs, measure, report
-from benchmarks.harness.limits import Cgroup, probe
+from benchmarks.harness import dataset, jobs, limits, measure, report
 from benchmarks.harness.report import mb
 from coordl.units import parse_bytes
 
@@ -73,14 +70,13 @@ def child(args) -> None:
 
 def charged(cgroup: str) -> int:
     """What the cgroup is charged for beyond the page cache: its usage less its reclaimable file pages."""
-    usage = int(Path(cgroup, "memory.usage_in_bytes").read_text())
-    stat = dict(ln.split() for ln in Path(cgroup, "memory.stat").read_text().splitlines())
-    return usage - int(stat["total_cache"]) + int(stat["total_shmem"])
+    stat = limits.memory_stat(cgroup)
+    return int(Path(cgroup, "memory.usage_in_bytes").read_text()) - stat["total_cache"] + stat["total_shmem"]
 
 
 def run_child(args, name: str, cache: str, limit: int | None) -> dict:
     """One child in a fresh memory cgroup (``limit`` None: unlimited); its report and the cgroup's counters."""
-    cg = Cgroup("memory", f"coordl-memlimit-{os.getpid()}-{name}")
+    cg = limits.Cgroup("memory", f"coordl-memlimit-{os.getpid()}-{name}")
     shm = tempfile.mkdtemp(prefix="coordl-memlimit-", dir="/dev/shm")  # what a killed child leaves goes with it
     try:
         if limit is not None:
@@ -88,13 +84,11 @@ def run_child(args, name: str, cache: str, limit: int | None) -> dict:
         kw = {"epochs": args.epochs, "batch_size": args.batch_size, "image_size": args.image_size, "cache": cache}
         kw |= {"io_threads": args.io_threads, "num_threads": args.num_threads or None, "cgroup": cg.path}
         cmd, t0 = jobs.scenario_command("memory_limit", *jobs.flags(child=True, data=args.data, **kw)), time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "COORDL_SHM_DIR": shm})
-        row = {"run": name, "cache_bytes": cache, "limit": limit, "returncode": r.returncode}
+        said = jobs.outcome(cmd, timeout=1800, env={**os.environ, "COORDL_SHM_DIR": shm})
+        row = {"run": name, "cache_bytes": cache, "limit": limit, "returncode": said.pop("returncode", 0)}
         row |= {"seconds": round(time.time() - t0, 1), "max_usage": int(cg.read("memory.max_usage_in_bytes"))}
         oom = dict(line.split() for line in cg.read("memory.oom_control").splitlines())
-        row |= {"failcnt": int(cg.read("memory.failcnt")), "oom_kill": int(oom.get("oom_kill", 0))}
-        said = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"stderr": r.stderr[-3000:]}
-        return row | said
+        return row | {"failcnt": int(cg.read("memory.failcnt")), "oom_kill": int(oom.get("oom_kill", 0))} | said
     finally:
         cg.remove()
         shutil.rmtree(shm, ignore_errors=True)
@@ -117,20 +111,19 @@ def options(p) -> None:
 def run(args) -> dict | None:
     if args.child:
         return child(args)
-    if not (ok := probe())["memory"]:
+    if not (ok := limits.probe())["memory"]:
         raise SystemExit("cannot run: " + "; ".join(ok["notes"]))
     data = dataset.dataset_from_args(args)
     print(f"dataset: {dataset.describe(data)}")
     own = run_child(args, "own", "0", None)
     if own["returncode"] != 0:
-        raise SystemExit(f"the loader failed without a cache:\n{own.get('stderr')}")
+        raise SystemExit(f"the loader failed without a cache: {own['error']}")
     limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * data["total_bytes"])
     how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
     print(f"own memory with cache_bytes=0: peak RSS {mb(own['peak_rss'])} MB, cgroup peak {mb(own['max_usage'])} MB")
     print(f"limit ({how}) = {mb(limit)} MB")
     rows = [own] + [run_child(args, f"c{k}", c, limit) for k, c in enumerate(args.cache.split(","))]
-    for row in rows:
-        print(row.get("stderr", ""), file=sys.stderr, end="")
+    print(*(r["error"] + "\n" for r in rows if "error" in r), sep="", end="", file=sys.stderr)
     return {"dataset": data, "limit": limit, "runs": rows}
 
 

@@ -44,10 +44,22 @@ def run_json(command: list[str], *, timeout: float | None = None, **kwargs) -> d
 
     A child that fails raises ``SystemExit`` with the end of its standard error.
     """
-    p = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    if "error" in (said := outcome(command, timeout=timeout, **kwargs)):
+        raise SystemExit(f"{' '.join(command[:6])} ... failed: {said['error']}")
+    return said
+
+
+def outcome(command: list[str], *, timeout: float | None = None, out: Path | None = None, **kwargs) -> dict:
+    """Runs ``command`` to its end: the JSON it said (the last line of its output, or the file ``out``), or
+    when it failed ``{"error", "returncode"}``: its exit status and its last traceback, or that ``timeout`` ran out."""
+    try:
+        p = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        return {"error": f"still running after {e.timeout:.0f} s; its output ended: {said[-1500:]}", "returncode": None}
     if p.returncode != 0:
-        raise SystemExit(f"{' '.join(command[:6])} ... failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+        return {"error": f"exit status {p.returncode}: {error_text(p.stderr)}", "returncode": p.returncode}
+    return json.loads(Path(out).read_text() if out else p.stdout.strip().splitlines()[-1])
 
 
 def say(**msg) -> None:
@@ -56,14 +68,6 @@ def say(**msg) -> None:
 
 
 # -- jobs started together ------------------------------------------------------------------
-def job_files(workdir: Path, k: int) -> tuple[Path, Path]:
-    """Job ``k``'s output and ready files in ``workdir``, neither left from a run before."""
-    out, ready = workdir / f"out{k}.json", workdir / f"ready{k}"
-    out.unlink(missing_ok=True)
-    ready.unlink(missing_ok=True)
-    return out, ready
-
-
 def start_together(commands: list[list[str]], readies: list[Path], go: Path, before_go=None, **popen) -> list:
     """Starts the jobs' ``commands``; once every one has touched its ready file (its loader is made),
     calls ``before_go`` and touches ``go``, which they all wait for (:func:`wait_for_go`)."""
@@ -84,12 +88,11 @@ def start_together(commands: list[list[str]], readies: list[Path], go: Path, bef
 def start_jobs(commands: list[list[str]], workdir: Path, before_go=None, **popen) -> tuple[list, list[Path]]:
     """Starts ``commands`` (each given ``--out``, ``--ready`` and ``--go``) together, ``before_go``
     called once all are ready; returns the processes and their ``--out`` files."""
-    go, outs, full = workdir / "go", [], []
-    for k, c in enumerate(commands):
-        out, ready = job_files(workdir, k)
-        outs.append(out)
-        full.append([*c, "--out", str(out), "--ready", str(ready), "--go", str(go)])
-    readies = [workdir / f"ready{k}" for k in range(len(commands))]
+    go, n = workdir / "go", len(commands)
+    outs, readies = [workdir / f"out{k}.json" for k in range(n)], [workdir / f"ready{k}" for k in range(n)]
+    for f in (*outs, *readies):  # none left from a run before
+        f.unlink(missing_ok=True)
+    full = [[*c, "--out", str(o), "--ready", str(r), "--go", str(go)] for c, o, r in zip(commands, outs, readies)]
     return start_together(full, readies, go, before_go, **popen), outs
 
 

@@ -95,6 +95,11 @@ def blkio_read(path: str | Path | None, device: str) -> int | None:
     return 0  # nothing read from that device yet
 
 
+def memory_stat(path: str | Path) -> dict[str, int]:
+    """A v1 memory cgroup's ``memory.stat`` (the cgroup's folder ``path``): every counter by name."""
+    return {k: int(v) for k, v in (line.split() for line in Path(path, "memory.stat").read_text().splitlines())}
+
+
 class Cgroup:
     """A fresh v1 cgroup below this process's own, in one controller; removed by ``remove()``."""
 
@@ -114,14 +119,11 @@ class Cgroup:
     def remove(self, timeout: float = 10.0) -> None:
         """Removes the cgroup once its processes are gone (their exit can lag their wait)."""
         deadline = time.monotonic() + timeout
-        while True:
+        while self.path.exists():
             try:
                 self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
             except OSError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and self.path.exists():
                     raise
                 time.sleep(0.1)
 
@@ -152,13 +154,7 @@ class Limits:
         return int(self.memory.read("memory.usage_in_bytes")) if self.memory else None
 
     def stat(self, key: str) -> int | None:
-        if not self.memory:
-            return None
-        for line in self.memory.read("memory.stat").splitlines():
-            k, v = line.split()
-            if k == key:
-                return int(v)
-        return None
+        return memory_stat(self.memory.path).get(key) if self.memory else None
 
     def limit_memory(self, nbytes: int) -> None:
         if self.memory:
