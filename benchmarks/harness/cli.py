@@ -1,9 +1,6 @@
-"""``python -m benchmarks``: lists the scenarios; ``python -m benchmarks NAME [options]`` runs one.
-
-A scenario is a module of ``benchmarks`` with ``options(parser)`` and ``run(args)`` (see the
-package's docstring); its docstring's first line is its description in the list. The harness
-parses the scenario's options (with ``--out``, its result file), runs it, writes what it returns
-in the schema of :mod:`.results` and prints its ``table``.
+"""``python -m benchmarks``: lists the scenarios; ``python -m benchmarks NAME [options]`` runs one (see the
+package's docstring): parses its options (with ``--out``, its result file), runs it, writes what it returns in
+the schema of :mod:`.results` and prints its ``table``.
 """
 
 from __future__ import annotations

@@ -67,22 +67,14 @@ def alternate(names: list, reps: int) -> list[tuple[int, object]]:
 
 
 def epochs(loader, epochs: int, *, warmup: int = 0, step=None, keys=STATS) -> list[dict]:
-    """Iterates ``loader`` for ``warmup + epochs`` epochs; per epoch: seconds, samples, the batch's
-    shape, CPU seconds (process tree) and the loader's ``stats()`` (``keys``) if it has them.
-
-    ``step(batch)`` is the training step; a batch is a tuple whose first element is the samples.
-    """
+    """Iterates ``loader`` for ``warmup + epochs`` epochs, each :func:`timed` (``step(batch)`` the training step), with
+    the batch's shape and the loader's ``stats()`` (``keys``) if it has them."""
     out = []
     for epoch in range(warmup + epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        cpu, t0, n, shape = cpu_seconds(), time.perf_counter(), 0, None
-        for batch in loader:
-            if step is not None:
-                step(batch)
-            n, shape = n + len(batch[0]), list(getattr(batch[0], "shape", [])) or None
-        e = {"warmup": epoch < warmup, "seconds": time.perf_counter() - t0, "samples": n, "shape": shape}
-        e["cpu_s"] = cpu_seconds() - cpu
+        e = {"warmup": epoch < warmup, **timed(iter(loader), step)}
+        e["shape"] = (last := e.pop("last")) and list(getattr(last[0], "shape", [])) or None
         if hasattr(loader, "stats"):
             s = loader.stats()
             e["stats"] = {k: s.get(k) for k in keys}
