@@ -18,6 +18,7 @@ import statistics
 
 import numpy as np
 
+import coordl
 from benchmarks.harness import compare
 from benchmarks.harness.dataset import ROOT
 from benchmarks.loaders import dali_iterator, dataloader
@@ -28,19 +29,22 @@ DATA, SMOKE_DATA = "/var/tmp/coordl-bench/fma", "/var/tmp/coordl-bench/audio-smo
 
 
 def options(p) -> None:
-    g = p.add_argument_group("dataset", "generated under --data if missing, found again by a later run")
-    g.add_argument("--data", help=f"dataset root (default: {DATA}; with --smoke, {SMOKE_DATA})")
+    data = f"dataset root (default: {DATA}; with --smoke, {SMOKE_DATA})"
+    g = compare.add_options(p, LOADERS, tuple(LOADERS), "prep,hp,hp-prep", data)
     g.add_argument("--clips", type=int, default=300, help="clips to generate (default: %(default)s)")
     g.add_argument("--classes", type=int, default=8, help="genre folders (default: %(default)s)")
     g.add_argument("--seconds", type=float, default=30.0, help="each clip's duration (default: %(default)s)")
     g.add_argument("--format", default="ogg", help="ogg (Vorbis), opus, flac or wav (default: %(default)s)")
-    g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
-    compare.add_options(p, ("coordl", "dali", "torch"), ("coordl", "dali", "torch"), "prep,hp,hp-prep")
 
 
 def run(args) -> dict | None:
     args.data = args.data or (SMOKE_DATA if args.smoke else DATA)
-    result = compare.run(args, clips, make, {"hp": "m5", "hp-prep": "touch"}, "bench-audio", hp_epochs=2)
+    if args.job:
+        import torch
+
+        torch.set_num_threads(1)  # a trial's model step, and nothing of the loaders' own
+    steps = {"m5": lambda data: M5Step(data["classes"]), "touch": lambda data: compare.touch}
+    result = compare.run(args, clips, LOADERS, steps, {"hp": "m5", "hp-prep": "touch"}, "bench-audio", hp_epochs=2)
     return result and {**result, "recipe": {"sample_rate": RATE, "samples": SAMPLES}}
 
 
@@ -63,32 +67,14 @@ def clips(args) -> dict:
     return out | {"mean_bytes": round(total / len(rs)), "mean_seconds": statistics.mean(r.frames / r.rate for r in rs)}
 
 
-def make(args, data):
-    """The child's loader (``--job``) and training step (``--step``: ``m5``, ``touch`` or none)."""
-    import torch
-
-    import coordl
-
-    torch.set_num_threads(1)  # a trial's model step, and nothing of the loaders' own
-    if args.job == "dali":
-        loader = DaliAudio(data["root"], args.batch_size, args.threads)
-    elif args.job == "torch":
-        loader = dataloader(SoundfileClips(data["root"]), args.batch_size, args.threads, 0)
-    else:
-        loader = compare.coordl_loader(data["root"], coordl.AudioTrain(sample_rate=RATE, samples=SAMPLES), args)
-    steps = {"m5": lambda: M5Step(data["classes"]), "touch": lambda: compare.touch}
-    return loader, steps[args.step]() if args.step in steps else None
-
-
 class SoundfileClips(compare.ForkedRng):
     """A map-style ``Dataset`` of an ImageFolder-style tree of clips as a torchaudio-style M5 script reads
     them, with soundfile and scipy: ``dataset[i]`` is ``(waveform (1, SAMPLES) float32, label)``."""
 
     def __init__(self, root: str):
-        from coordl import Index
         from coordl.audio.formats import AUDIO_EXTENSIONS
 
-        index = Index.scan(root, extensions=AUDIO_EXTENSIONS, index_dir="")  # ImageFolder's order
+        index = coordl.Index.scan(root, extensions=AUDIO_EXTENSIONS, index_dir="")  # ImageFolder's order
         self.clips = list(zip(index.paths, index.labels.tolist()))
 
     def __len__(self) -> int:
@@ -111,15 +97,15 @@ class SoundfileClips(compare.ForkedRng):
 
 
 class DaliAudio:
-    """DALI's own audio pipeline on the CPU (``device_id=None``); iterate for one epoch of ``(waveforms, labels)``."""
+    """DALI's own audio pipeline on the CPU over ``data``; iterate for one epoch of ``(waveforms, labels)``."""
 
-    def __init__(self, root: str, batch_size: int, threads: int, seed: int = 1):
+    def __init__(self, args, data: dict):
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali import math as dmath
 
-        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
+        @pipeline_def(batch_size=args.batch_size, num_threads=args.threads, device_id=None, seed=1)  # queue depth 2
         def pipe():
-            encoded, labels = fn.readers.file(file_root=root, random_shuffle=True, name="Reader")
+            encoded, labels = fn.readers.file(file_root=data["root"], random_shuffle=True, name="Reader")
             audio, _ = fn.decoders.audio(encoded, sample_rate=float(RATE), downmix=True, dtype=types.FLOAT)
             length = fn.cast(audio.shape(), dtype=types.FLOAT)[0]
             room = dmath.max(length - float(SAMPLES), 0.0)  # the starts there are, less one
@@ -152,3 +138,12 @@ class M5Step:
         self.optimizer.zero_grad(set_to_none=True)
         self.loss(self.model(batch[0]), batch[1]).backward()
         self.optimizer.step()
+
+
+LOADERS = {  # each child's loader (``--job``), from the options and the dataset's figures
+    "coordl": lambda args, data: compare.coordl_loader(
+        data["root"], coordl.AudioTrain(sample_rate=RATE, samples=SAMPLES), args
+    ),
+    "dali": DaliAudio,
+    "torch": lambda args, data: dataloader(SoundfileClips(data["root"]), args.batch_size, args.threads, 0),
+}

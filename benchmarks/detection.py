@@ -11,33 +11,32 @@ pipeline), ``dali-1`` (``num_attempts=1``, not by default), ``torch`` (``CocoDet
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import numpy as np
 
+import coordl
 from benchmarks.harness import cli, compare, dataset
 from benchmarks.loaders import MEAN, STD, dataloader
 
 SIZE, QUALITY = 300, 90  # SSD300's input side; the generated JPEGs' quality
+DATA = "/var/tmp/coordl-bench/coco"
 THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def options(p) -> None:
-    g = p.add_argument_group("dataset", "generated under --data if missing, found again by a later run")
-    g.add_argument("--data", default="/var/tmp/coordl-bench/coco", help="dataset root (default: %(default)s)")
+    g = compare.add_options(p, LOADERS, ("coordl", "dali", "torch"), "prep,hp", f"dataset root (default: {DATA})")
     g.add_argument("--images", type=int, help="JPEGs to generate (default: 1500; 40 with --smoke)")
     dataset.add_source_options(g)
     g.add_argument("--width", type=int, help="mean image width, +-12.5%% (default: 640; 320 with --smoke)")
     g.add_argument("--height", type=int, help="mean image height, +-12.5%% (default: 480; 240 with --smoke)")
-    g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
-    loaders = ("coordl", "dali", "torch")
-    compare.add_options(p, loaders, (*loaders, "dali-1"), "prep,hp")
 
 
 def run(args) -> dict | None:
-    cli.defaults(args, args.smoke, images=(1500, 40), width=(640, 320), height=(480, 240))
-    result = compare.run(args, coco, make, {"hp": "touch"}, "bench-detect")
+    cli.defaults(args, args.smoke, data=(DATA, DATA), images=(1500, 40), width=(640, 320), height=(480, 240))
+    result = compare.run(args, coco, LOADERS, {"touch": lambda data: compare.touch}, {"hp": "touch"}, "bench-detect")
     return result and {**result, "python_per_batch": python_per_batch(args, result["dataset"])}
 
 
@@ -62,29 +61,22 @@ def coco(args) -> dict:
     return out | {"jpeg_quality": QUALITY, "source": "photographs" if photos else "generated"}
 
 
-def make(args, data):
-    """The child's loader (``--job``); its step: ``x.sum()`` with ``--step touch``."""
-    import coordl
+def coco_index(data: dict):
+    return coordl.Index.from_coco(data["images"], data["annotations"])
 
-    images, annotations = data["images"], data["annotations"]
-    if args.job.startswith("dali"):
-        attempts = 1 if args.job == "dali-1" else 50
-        loader = DaliCoco(images, annotations, args.batch_size, args.threads, attempts=attempts)
-    elif args.job == "torch":
-        coco_data = coordl.datasets.CocoDetection(images, annotations, transforms=PythonSSD())
-        loader = dataloader(coco_data, args.batch_size, args.threads, 0, collate_fn=lambda b: tuple(zip(*b)))
-    else:
-        loader = compare.coordl_loader(coordl.Index.from_coco(images, annotations), coordl.SSDTrain(size=SIZE), args)
-    return loader, compare.touch if args.step == "touch" else None
+
+def torch_loader(args, data):
+    """``CocoDetection`` with :class:`PythonSSD` in a ``DataLoader``."""
+    coco = coordl.datasets.CocoDetection(data["images"], data["annotations"], transforms=PythonSSD())
+    return dataloader(coco, args.batch_size, args.threads, 0, collate_fn=lambda b: tuple(zip(*b)))
 
 
 def python_per_batch(args, data: dict) -> dict:
     """Milliseconds of Python per coordl batch outside DALI, medians of 50 epochs: ``crops.plan`` and
     ``targets.targets`` (the batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
-    import coordl
     from coordl.detection import crops, targets
 
-    index = coordl.Index.from_coco(data["images"], data["annotations"])
+    index = coco_index(data)
     recipe, b = coordl.SSDTrain(size=SIZE), min(args.batch_size, len(index))
     ids = np.random.default_rng(0).permutation(len(index))[:b]
     image_ids, times = index.boxes.image_ids[ids].tolist(), []
@@ -171,18 +163,18 @@ class PythonSSD(compare.ForkedRng):
 
 
 class DaliCoco:
-    """NVIDIA's SSD300 COCO pipeline on DALI's CPU (``device_id=None``); iterate for one epoch of
-    ``(images, targets)``, ``targets`` as coordl's (boxes in pixels of the output)."""
+    """NVIDIA's SSD300 COCO pipeline on DALI's CPU (``device_id=None``) over the dataset ``data``; iterate for one
+    epoch of ``(images, targets)``, ``targets`` as coordl's (boxes in pixels of the output)."""
 
-    def __init__(self, images: str, annotations: str, batch_size: int, threads: int, seed: int = 1, attempts: int = 50):
+    def __init__(self, args, data: dict, attempts: int = 50):
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIRaggedIterator, LastBatchPolicy
 
-        @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed, prefetch_queue_depth=2)
+        @pipeline_def(batch_size=args.batch_size, num_threads=args.threads, device_id=None, seed=1)  # queue depth 2
         def pipe():
             # avoid_class_remapping: COCO's category ids, as coordl's labels
             kw = {"ratio": True, "ltrb": True, "random_shuffle": True, "skip_empty": False, "image_ids": True}
-            kw |= {"avoid_class_remapping": True, "file_root": images, "annotations_file": annotations}
+            kw |= {"avoid_class_remapping": True, "file_root": data["images"], "annotations_file": data["annotations"]}
             jpegs, bboxes, labels, ids = fn.readers.coco(name="Reader", **kw)
             kw = {"aspect_ratio": [0.5, 2.0], "thresholds": [0, *THRESHOLDS], "scaling": [0.3, 1.0]}
             kw |= {"bbox_layout": "xyXY", "allow_no_crop": True, "num_attempts": attempts}
@@ -212,3 +204,11 @@ class DaliCoco:
             ids = out["ids"].flatten().tolist()
             targets = zip(out["boxes"], out["labels"], ids, strict=True)
             yield out["images"], [{"boxes": b, "labels": c.long(), "image_id": i} for b, c, i in targets]
+
+
+LOADERS = {  # each child's loader (``--job``), from the options and the dataset's figures
+    "coordl": lambda args, data: compare.coordl_loader(coco_index(data), coordl.SSDTrain(size=SIZE), args),
+    "dali": DaliCoco,
+    "dali-1": functools.partial(DaliCoco, attempts=1),
+    "torch": torch_loader,
+}

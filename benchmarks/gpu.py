@@ -16,19 +16,17 @@ import argparse
 import importlib.util
 import os
 import statistics
-import subprocess
 import time
 
-from benchmarks.harness import cli, dataset, jobs, limits, measure, report
+from benchmarks.harness import cli, compare, dataset, jobs, limits, measure, report
 from benchmarks.loaders import Loader, model
 
 DATA, SMOKE_DATA = "/var/tmp/coordl-bench/gpu", "/var/tmp/coordl-bench/gpu-smoke"
 LOADERS = ("coordl", "dali", "coordl-cpu", "torch")
-MODES = ("train", "prep")
+MODES, WARMUP = ("train", "prep"), 1  # a run: WARMUP epochs of train, then each mode --epochs times
 CLASSES = 1000  # the model's outputs: ImageNet's head, whatever the dataset's folders
 
 
-# -- one run (a child process) ----------------------------------------------------------------
 class TrainStep:
     """One training step of ``arch`` per batch: forward and loss under bf16 autocast, channels_last
     activations, backward, SGD with momentum; on GPU ``device_id`` or (None) the CPU."""
@@ -70,7 +68,7 @@ def job(args) -> None:
     step = TrainStep(args.arch, device_id)
     out = {"loader": args.job, "device_id": device_id, "samples": loader.n, "model": args.arch, "epochs": []}
     out |= {"model_from": step.origin, "params": step.params, "build_s": time.perf_counter() - t0}
-    schedule = [("train", True)] * args.warmup + [(m, False) for _ in range(args.epochs) for m in MODES]
+    schedule = [("train", True)] * WARMUP + [(m, False) for _ in range(args.epochs) for m in MODES]
     try:
         for k, (mode, warmup) in enumerate(schedule):
             e = measure.timed(loader.batches(k), step if mode == "train" else None, sync)
@@ -103,36 +101,6 @@ def summary(run: dict) -> dict:
     return out
 
 
-# -- the runs -----------------------------------------------------------------------------------
-def run_all(args, result: dict, started: float) -> None:
-    runs, longest = result.setdefault("runs", {name: [] for name in args.loaders}), 0.0
-    kw = {"batch_size": args.batch_size, "threads": args.threads, "epochs": args.epochs, "warmup": args.warmup}
-    kw |= {"arch": args.arch, "device_id": args.device_id, "data": args.root}
-    for rep, name in measure.alternate(args.loaders, args.reps):
-        if (left := args.budget - (time.perf_counter() - started)) < longest:
-            runs[name].append({"skipped": f"out of time: {left:.0f} s of --budget {args.budget:.0f} s left"})
-            print(f"  rep {rep + 1} {name}: skipped (out of time: a run took {longest:.0f} s, {left:.0f} s left)")
-            continue
-        t0, load = time.perf_counter(), os.getloadavg()[0]
-        command = jobs.scenario_command("gpu", *jobs.flags(job=name, **kw, cpu_smoke=args.cpu_smoke))
-        try:
-            run = jobs.run_json(command, timeout=max(min(left, args.run_timeout), 30))
-        except SystemExit as e:
-            run = {"error": str(e)}
-        except subprocess.TimeoutExpired as e:
-            said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
-            run = {"error": f"still running after {e.timeout:.0f} s (--run-timeout, --budget); ended: {said[-1500:]}"}
-        run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
-        if "error" in run:
-            print(f"  rep {rep + 1} {name}: failed after {run['wall_s']:.0f} s: {run['error'][-600:]}")
-        else:
-            longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
-            run["summary"] = summary(run)
-            print(f"  rep {rep + 1} {name}: {run['summary']}; {run['wall_s']:.0f} s")
-        runs[name].append(run)
-        cli.save(args, result)  # after every run: what finished survives an interrupted command
-
-
 def medians(result: dict) -> dict:
     """Per loader and mode, the median of the runs' figures; and coordl's ratios to each other loader."""
     med: dict[str, dict] = {}
@@ -157,10 +125,8 @@ def images(args) -> dict:
     return figures | {"page_cache_read_s": time.perf_counter() - t0, "page_cache_read_bytes": read}
 
 
-# -- the command ------------------------------------------------------------------------------
 def options(p) -> None:
     p.add_argument("--job", choices=LOADERS, help=argparse.SUPPRESS)
-    p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     dataset.add_dataset_options(p, data=None, images=20000, classes=100)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="DALI threads / DataLoader workers (all CPUs)")
@@ -194,11 +160,15 @@ def run(args) -> dict | None:
     data = images(args)
     args.root = data["root"]
     print(f"dataset: {dataset.describe(data)}, in the page cache after {data['page_cache_read_s']:.1f} s")
-    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "warmup", "reps", "arch")}
+    config = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "reps", "arch")} | {"warmup": WARMUP}
     config |= {"device": "cpu" if args.cpu_smoke else f"cuda:{args.device_id}", "budget_s": args.budget}
     result = {"cpu_smoke": args.cpu_smoke, "dataset": data, "config": config}
     print(f"{config}: runs in ABBA order")
-    run_all(args, result, started)
+    kw = {k: getattr(args, k) for k in ("batch_size", "threads", "epochs", "arch", "device_id", "cpu_smoke")}
+    command = lambda name: jobs.scenario_command("gpu", *jobs.flags(job=name, data=args.root, **kw))  # noqa: E731
+    saved = lambda runs: cli.save(args, result | {"runs": runs})  # noqa: E731 (what finished survives an interruption)
+    when = {"deadline": started + args.budget, "timeout": args.run_timeout, "saved": saved}
+    result["runs"] = compare.alone(args.loaders, args.reps, command, lambda run: {"summary": summary(run)}, **when)
     result |= medians(result)
     result["wall_s"] = time.perf_counter() - started
     if [r for rs in result["runs"].values() for r in rs if "error" in r]:
@@ -214,6 +184,6 @@ def table(result: dict) -> str:
         for mode, m in result["median"].get(name, {}).items():
             rows.append([name, mode, m["samples_per_s"], f"{m['stall_fraction']:.3f}"])
             rows[-1] += [m.get("stats_stall_fraction"), f"{1000 * m['cpu_s_per_sample']:.2f}"]
-        rows += [[name, "-", r.get("skipped") or r["error"].splitlines()[0]] for r in runs if "summary" not in r]
+        rows += [[name, "-", r.get("skipped") or r["error"].splitlines()[-1]] for r in runs if "summary" not in r]
     head = "loader|mode|samples/s|stall (next)|stall (stats)|CPU-ms/sample"
     return "\n".join([report.table(head, rows), *(f"{key}: {r:.3f}" for key, r in result["ratios"].items())])

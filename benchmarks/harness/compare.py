@@ -1,20 +1,20 @@
 """Loaders compared in child processes, alternated ABBA, and two trials in an HP group vs apart.
 
-The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`run`): the dataset made
-or found; ``prep``: each of ``--loaders`` alone in a child (the scenario again with ``--job NAME``:
-:func:`job`, a warm-up epoch then ``--epochs``), ``--reps`` times in ABBA order, the medians and
-coordl/each other; each HP comparison: two coordl trials started together, in an HP group vs without
-one, ABBA, per-trial samples/s after the first epoch and speedup = group / separate.
-"""
+The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`run`), and the loop of
+:mod:`benchmarks.gpu` (:func:`alone`). ``prep``: each of ``--loaders`` alone in a child (the scenario again with
+``--job NAME``: :func:`job`, a warm-up epoch then ``--epochs``), the medians and coordl/each other; each HP
+comparison: two coordl trials started together, in an HP group vs without one, ABBA, per-trial samples/s after
+the first epoch and speedup = group / separate."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
-import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +22,10 @@ import numpy as np
 from . import cli, jobs, measure, report
 
 
-def add_options(p: argparse.ArgumentParser, loaders: tuple[str, ...], jobs_of, scenarios: str) -> None:
-    """The comparison's options (None: set by :func:`run`, smaller with ``--smoke``) and a child's (hidden)."""
-    p.add_argument("--job", choices=jobs_of, help=argparse.SUPPRESS)
+def add_options(p: argparse.ArgumentParser, loaders: dict, default: tuple[str, ...], scenarios: str, data: str):
+    """The comparison's options (None: set by :func:`run`, smaller with ``--smoke``) and a child's (hidden); returns
+    the dataset's group, with ``--data`` (``data``: its help) and ``--dataset-seed``, for the scenario's own."""
+    p.add_argument("--job", choices=list(loaders), help=argparse.SUPPRESS)
     for a in ("--group", "--ready", "--go"):
         p.add_argument(a, help=argparse.SUPPRESS)
     p.add_argument("--step", default="none", help=argparse.SUPPRESS)
@@ -33,18 +34,23 @@ def add_options(p: argparse.ArgumentParser, loaders: tuple[str, ...], jobs_of, s
     p.add_argument("--epochs", type=int, help="measured epochs per run (default: 2; 1 with --smoke)")
     p.add_argument("--hp-epochs", type=int, help="epochs per HP trial, the first not measured (default: 3 or 2)")
     p.add_argument("--reps", type=int, help="alternated repetitions (default: 3; 1 with --smoke)")
-    p.add_argument("--loaders", default=",".join(loaders), help="of the prep scenario (default: %(default)s)")
+    p.add_argument("--loaders", default=",".join(default), help="of the prep scenario (default: %(default)s)")
     p.add_argument("--scenarios", default=scenarios, help="(default: %(default)s)")
     p.add_argument("--smoke", action="store_true", help="a small dataset, batch 16, 1 rep, 1 epoch: a test's run")
+    g = p.add_argument_group("dataset", "generated under --data if missing, found again by a later run")
+    g.add_argument("--data", help=data)
+    g.add_argument("--dataset-seed", type=int, default=0, help="the generator's seed (default: 0)")
+    return g
 
 
-def run(args, dataset, make, hps: dict[str, str], group: str, hp_epochs: int = 3) -> dict | None:
-    """``dataset(args)`` made or found; in a child, ``make(args, dataset) -> (loader, step)`` run by :func:`job`;
-    else ``prep`` and each HP comparison of ``hps`` (name: the trials' step) that ``--scenarios`` names."""
+def run(args, dataset, loaders: dict, steps: dict, hps: dict[str, str], group: str, hp_epochs: int = 3) -> dict | None:
+    """``dataset(args)`` made or found; in a child, :func:`job` of ``loaders[--job](args, dataset)``, its step
+    ``steps[--step](dataset)`` (none if not there); else ``prep`` and each HP comparison of ``hps`` (name: the
+    trials' step) that ``--scenarios`` names."""
     cli.defaults(args, args.smoke, batch_size=(64, 16), epochs=(2, 1), hp_epochs=(hp_epochs, 2), reps=(3, 1))
     data = dataset(args)
     if args.job:
-        return job(args, *make(args, data))
+        return job(args, loaders[args.job](args, data), steps[args.step](data) if args.step in steps else None)
     args.loaders, scenarios = args.loaders.split(","), args.scenarios.split(",")
     print(f"dataset: {data['files']} files, {data['total_bytes'] / 1e6:.1f} MB ({data['source']})")
     result = {"dataset": data}
@@ -102,17 +108,38 @@ class ForkedRng:
 def prep(args, command) -> dict:
     """Each of ``args.loaders`` alone in a child (``command(name, *extra)``), ABBA for ``args.reps``:
     each run, the medians, coordl/each other."""
-    runs: dict[str, list[dict]] = {name: [] for name in args.loaders}
     with tempfile.TemporaryDirectory(prefix="coordl-bench-") as tmp:
-        for rep, name in measure.alternate(args.loaders, args.reps):
-            out, load = Path(tmp) / f"{name}.json", os.getloadavg()[0]
-            subprocess.run([*command(name, "--epochs", str(args.epochs)), "--out", str(out)], check=True)
-            run = {**json.loads(out.read_text()), "load_before": load, "load_after": os.getloadavg()[0]}
-            run.update(measure.steady(run))
-            runs[name].append(run)
-            print(f"  rep {rep + 1} {name:>10}: {run['samples_per_s']:7.1f} samples/s")
+        each = lambda name: command(name, "--epochs", str(args.epochs))  # noqa: E731
+        runs = alone(args.loaders, args.reps, each, measure.steady, out=Path(tmp))
+    if failed := [r["error"] for rs in runs.values() for r in rs if "error" in r]:
+        raise SystemExit(f"a run failed: {failed[0]}")
     median = measure.medians(runs)
     return {"runs": runs, "median": median, "ratios": measure.ratios(median)}
+
+
+def alone(names, reps, command, figures, *, deadline=math.inf, timeout=None, out=None, saved=lambda runs: None):
+    """Each of ``names`` alone in a child (``command(name)``, with ``--out`` a file of the folder ``out`` if given),
+    ABBA for ``reps``: the JSON it said, ``figures(it)``, its wall time and the load before and after, or its error
+    (``timeout`` seconds at most); skipped once the ``deadline`` (``time.perf_counter()``) is nearer than the
+    longest run took; ``saved(runs)`` after every run. Returns the runs per name."""
+    runs, longest = {name: [] for name in names}, 0.0
+    for rep, name in measure.alternate(names, reps):
+        if (left := deadline - time.perf_counter()) < longest:
+            runs[name].append({"skipped": f"out of time: {left:.0f} s left, a run took {longest:.0f} s"})
+            print(f"  rep {rep + 1} {name}: skipped ({runs[name][-1]['skipped']})")
+            continue
+        file, t0, load = out and out / f"{name}.json", time.perf_counter(), os.getloadavg()[0]
+        wait = timeout and max(min(left, timeout), 30)
+        run = jobs.outcome([*command(name), *(["--out", str(file)] if out else [])], timeout=wait, out=file)
+        run.update(wall_s=time.perf_counter() - t0, load_before=load, load_after=os.getloadavg()[0])
+        said = f"failed: {run['error'][-600:]}" if "error" in run else figures(run)
+        if "error" not in run:
+            longest = max(longest, run["wall_s"])  # what a run takes here: a hung one says nothing of it
+            run.update(said)
+        print(f"  rep {rep + 1} {name}: {said}; {run['wall_s']:.0f} s")
+        runs[name].append(run)
+        saved(runs)
+    return runs
 
 
 def hp(args, command, group: str, step: str) -> dict:
