@@ -141,7 +141,6 @@ def stop_all() -> list[int]:
     return others_in_my_netns()
 
 
-# -- the measurement ----------------------------------------------------------------------------
 def child_env(address: str | None) -> dict:
     """This checkout's coordl and benchmarks first on the path (for the actors too), and the node's address."""
     path = [str(dataset.ROOT / "src"), str(dataset.ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
@@ -154,14 +153,12 @@ def child_env(address: str | None) -> dict:
 
 def run_one(args, env: dict, r: int, backend: str, config: str, work: Path) -> dict:
     """Round ``r`` of one configuration: a fresh trainer on ``TRAINER_CORE``; its figures and :func:`steady`'s."""
-    out, logfile = work / f"{backend}-{config}-{r}.json", work / f"{backend}-{config}-{r}.log"
+    out = work / f"{backend}-{config}-{r}.json"
     kw = {"data": args.data, "batch_size": args.batch_size, "epochs": args.epochs, "out": out, "output": args.output}
     cmd = jobs.scenario_command("ray_prep", "--trainer", backend, config, *jobs.flags(**kw))
-    with open(logfile, "w") as f:
-        code = subprocess.run(["taskset", "-c", str(TRAINER_CORE), *cmd], env=env, stdout=f, stderr=f).returncode
-    if code or not out.exists():
-        raise RuntimeError(f"the trainer ({backend}, {config}) exited with {code}:\n{logfile.read_text()[-4000:]}")
-    run = {"round": r, "backend": backend, "config": config, **json.loads(out.read_text())}
+    if "error" in (run := jobs.outcome(["taskset", "-c", str(TRAINER_CORE), *cmd], env=env, out=out)):
+        raise RuntimeError(f"the trainer ({backend}, {config}) failed: {run['error']}")
+    run = {"round": r, "backend": backend, "config": config, **run}
     return run | steady(run["epochs"][SKIP:], args.batch_size)
 
 
@@ -228,7 +225,6 @@ def table(result: dict) -> str:
     return "\n".join([report.table(head, rows), "", *lines]) + "\n"
 
 
-# -- main ---------------------------------------------------------------------------------------
 def cannot_run() -> str | None:
     if not {TRAINER_CORE, RAY_CORE} <= os.sched_getaffinity(0):
         return f"needs cores {TRAINER_CORE} and {RAY_CORE}"
@@ -253,8 +249,7 @@ def run(args) -> dict | None:
         return trainer(args)
     q, out = args.quick, str(cli.RESULTS / f"ray_prep{'_quick' if args.quick else ''}.json")
     cli.defaults(args, q, data=(DATA, QUICK_DATA), classes=(8, 2), rounds=(5, 1), epochs=(4, 2), out=(out, out))
-    if args.images is None and args.size is None:
-        args.images = 64 if q else 1024
+    cli.defaults(args, q, images=(1024, 64))  # unless --size: it has the last word (dataset.dataset_from_args)
     if args.rounds < 1 or args.epochs <= SKIP:
         raise SystemExit(f"--rounds must be at least 1 and --epochs more than {SKIP}")
     if not args.in_netns:  # here the dataset (with its progress bar); the rest in a network namespace of its own
@@ -266,7 +261,7 @@ def run(args) -> dict | None:
     data = dataset.dataset_from_args(args)
     limits.read_through(p for p in Path(args.data).rglob("*") if p.is_file())  # into the page cache
     temp = tempfile.mkdtemp(prefix="coordl-raybench-", dir="/tmp")  # short: Ray's socket paths
-    work, runs = Path(temp), []  # the trainers' results and logs beside Ray's session
+    work, runs = Path(temp), []  # the trainers' results beside Ray's session
     try:
         address = start_node(child_env(None), temp)
         log(f"dataset: {dataset.describe(data)}; Ray node at {address}, temp dir {temp}")
