@@ -61,10 +61,6 @@ def coco(args) -> dict:
     return out | {"jpeg_quality": QUALITY, "source": "photographs" if photos else "generated"}
 
 
-def coco_index(data: dict):
-    return coordl.Index.from_coco(data["images"], data["annotations"])
-
-
 def torch_loader(args, data):
     """``CocoDetection`` with :class:`PythonSSD` in a ``DataLoader``."""
     coco = coordl.datasets.CocoDetection(data["images"], data["annotations"], transforms=PythonSSD())
@@ -76,7 +72,7 @@ def python_per_batch(args, data: dict) -> dict:
     ``targets.targets`` (the batch's targets from its plan's boxes, as ``SSDTrain.targets`` makes them)."""
     from coordl.detection import crops, targets
 
-    index = coco_index(data)
+    index = coordl.Index.from_coco(data["images"], data["annotations"])
     recipe, b = coordl.SSDTrain(size=SIZE), min(args.batch_size, len(index))
     ids = np.random.default_rng(0).permutation(len(index))[:b]
     image_ids, times = index.boxes.image_ids[ids].tolist(), []
@@ -207,7 +203,9 @@ class DaliCoco:
 
 
 LOADERS = {  # each child's loader (``--job``), from the options and the dataset's figures
-    "coordl": lambda args, data: compare.coordl_loader(coco_index(data), coordl.SSDTrain(size=SIZE), args),
+    "coordl": lambda args, data: compare.coordl_loader(
+        coordl.Index.from_coco(data["images"], data["annotations"]), coordl.SSDTrain(size=SIZE), args
+    ),
     "dali": DaliCoco,
     "dali-1": functools.partial(DaliCoco, attempts=1),
     "torch": torch_loader,

@@ -152,11 +152,8 @@ def run(args) -> dict | None:
         args.batch_size, args.threads, args.epochs, args.reps = 16, 2, 1, 1
         args.arch = "resnet_tiny" if args.arch == "resnet50" else args.arch
     args.loaders = args.loaders.split(",")
-    if not args.cpu_smoke:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run this on a GPU machine, or --cpu-smoke for its CPU side")
+    if not args.cpu_smoke and not importlib.import_module("torch").cuda.is_available():
+        raise SystemExit("no CUDA device: run this on a GPU machine, or --cpu-smoke for its CPU side")
     data = images(args)
     args.root = data["root"]
     print(f"dataset: {dataset.describe(data)}, in the page cache after {data['page_cache_read_s']:.1f} s")

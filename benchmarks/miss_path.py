@@ -128,8 +128,7 @@ def options(p) -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--threads", type=int, default=2, help="DALI threads (default: 2)")
     p.add_argument("--recipe", choices=("small", "imagenet-train"), default="small", help="(default: small)")
-    cold = "drop the files from the page cache before each epoch instead of reading them in"
-    p.add_argument("--cold", action="store_true", help=cold)
+    p.add_argument("--cold", action="store_true", help="drop the dataset from the page cache before each epoch")
     p.add_argument("--reps", type=int, default=5)
     modes = "dali-reader,no-cache,filling,warm"
     p.add_argument("--modes", default=modes, help=f"comma-separated, of {', '.join(MODES)} (default: {modes})")

@@ -215,9 +215,8 @@ def table(result: dict) -> str:
             rows[-1] += [mid.get(c), f.get("remote_share"), kb and kb / 1e3, f.get("actor_s_per_unit")]
             rows[-1] += [f["trainer_s_per_batch"], ", ".join(f"{1e3 * cpu[k]:.1f}" for k in WHO)]
         ok = {c: "meets" if m else "MISSES" for c, m in s["meets_target"].items()}
-        lines.append(
-            f"{backend}: " + ", ".join(f"{c}/local {r:.3f} ({ok[c]} >= {TARGETS[c]})" for c, r in s["ratio"].items())
-        )
+        meets = ", ".join(f"{c}/local {r:.3f} ({ok[c]} >= {TARGETS[c]})" for c, r in s["ratio"].items())
+        lines.append(f"{backend}: {meets}")
     store = ", ".join(f"{k} {v}" for k, v in result["object_store"].items()) or "no figures (no debug_state.txt)"
     lines += [f"Ray's object store over all runs: {store}"]
     lines += [f"Ray processes left after the node was stopped: {len(result['ray_processes_left'])}"]

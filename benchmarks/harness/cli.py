@@ -47,10 +47,8 @@ def defaults(args: argparse.Namespace, quick: bool, **values: tuple) -> None:
 
 
 def parser(name: str, module) -> argparse.ArgumentParser:
-    doc = module.__doc__ or ""
-    p = argparse.ArgumentParser(
-        prog=f"python -m benchmarks {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=module.__doc__, formatter_class=raw)
     default = getattr(module, "OUT", str(RESULTS / f"{name}.json"))
     p.add_argument("--out", default=default, help="the result file (default: %(default)s)")
     module.options(p)

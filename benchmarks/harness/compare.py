@@ -1,10 +1,8 @@
 """Loaders compared in child processes, alternated ABBA, and two trials in an HP group vs apart.
 
-The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`run`), and the loop of
-:mod:`benchmarks.gpu` (:func:`alone`). ``prep``: each of ``--loaders`` alone in a child (the scenario again with
-``--job NAME``: :func:`job`, a warm-up epoch then ``--epochs``), the medians and coordl/each other; each HP
-comparison: two coordl trials started together, in an HP group vs without one, ABBA, per-trial samples/s after
-the first epoch and speedup = group / separate."""
+The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`run`: :func:`prep`, :func:`hp`),
+and the loop of :mod:`benchmarks.gpu` (:func:`alone`). A child is the scenario again with ``--job NAME`` (:func:`job`).
+"""
 
 from __future__ import annotations
 
@@ -154,20 +152,13 @@ def hp(args, command, group: str, step: str) -> dict:
             trials = jobs.run_together([trial, trial], Path(tmp))
             rates = [measure.steady(j)["samples_per_s"] for j in trials]
             cpu = sum(measure.steady(j)["cpu_s_per_sample"] * 0.5 for j in trials)  # per sample a trial gets
-            runs[mode].append(
-                {"per_trial_samples_per_s": rates, "cpu_s_per_sample": cpu, "jobs": trials, "load_before": load}
-            )
+            run = {"per_trial_samples_per_s": rates, "cpu_s_per_sample": cpu, "jobs": trials, "load_before": load}
+            runs[mode].append(run)
             print(f"  rep {rep + 1} {mode:>8}: per trial {[round(r, 1) for r in rates]} samples/s")
     means = {m: [statistics.mean(r["per_trial_samples_per_s"]) for r in rs] for m, rs in runs.items()}
     speedups = [g / s for s, g in zip(means["separate"], means["group"], strict=True)]
-    return {
-        "trials": 2,
-        "group": group,
-        "step": step,
-        **runs,
-        "speedups": speedups,
-        "speedup_median": statistics.median(speedups),
-    }
+    out = {"trials": 2, "group": group, "step": step, **runs}
+    return out | {"speedups": speedups, "speedup_median": statistics.median(speedups)}
 
 
 def table(results: dict) -> str:

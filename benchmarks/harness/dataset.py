@@ -95,29 +95,16 @@ def dataset_from_args(
         howmany = {"num_images": args.images if images is None else images}
     else:
         howmany = {"total_bytes": args.size}
+    kw = {"num_classes": args.classes, "photos_dir": photos, "size": (args.width, args.height), **howmany}
     s = make_dataset(
-        root or args.data,
-        num_classes=args.classes,
-        photos_dir=photos,
-        size=(args.width, args.height),
-        seed=args.dataset_seed if seed is None else seed,
-        progress=sys.stderr.isatty(),
-        **howmany,
+        root or args.data, seed=args.dataset_seed if seed is None else seed, progress=sys.stderr.isatty(), **kw
     )
-    return {
-        "root": s.root,
-        "files": s.files,
-        "classes": s.classes,
-        "total_bytes": s.total_bytes,
-        "mean_bytes": round(s.mean_bytes),
-        "bytes_per_pixel": round(s.bytes_per_pixel, 3),
-        "source": "photographs" if photos else "generated",
-    }
+    out = {"root": s.root, "files": s.files, "classes": s.classes, "total_bytes": s.total_bytes}
+    out |= {"mean_bytes": round(s.mean_bytes), "bytes_per_pixel": round(s.bytes_per_pixel, 3)}
+    return out | {"source": "photographs" if photos else "generated"}
 
 
 def describe(dataset: dict) -> str:
     """A dataset's figures in a line: ``2000 files, 226.2 MB, mean 113.1 KB (photographs)``."""
-    return (
-        f"{dataset['files']} files, {format_bytes(dataset['total_bytes'], 'MB')}, "
-        f"mean {format_bytes(dataset['mean_bytes'], 'KB')} ({dataset['source']})"
-    )
+    mb, kb = format_bytes(dataset["total_bytes"], "MB"), format_bytes(dataset["mean_bytes"], "KB")
+    return f"{dataset['files']} files, {mb}, mean {kb} ({dataset['source']})"

@@ -40,10 +40,8 @@ def module_command(module: str, *args: str) -> list[str]:
 
 
 def run_json(command: list[str], *, timeout: float | None = None, **kwargs) -> dict:
-    """Runs ``command`` to its end; returns the JSON of the last line of its output.
-
-    A child that fails raises ``SystemExit`` with the end of its standard error.
-    """
+    """Runs ``command`` to its end; returns the JSON of the last line of its output (:func:`outcome`), or
+    raises ``SystemExit`` with the end of its standard error if it failed."""
     if "error" in (said := outcome(command, timeout=timeout, **kwargs)):
         raise SystemExit(f"{' '.join(command[:6])} ... failed: {said['error']}")
     return said

@@ -16,15 +16,10 @@ STATS = ("storage_reads", "storage_bytes", "cache_hits", "cache_items", "stall_s
 def cpu_seconds(pid: int | None = None) -> float:
     """CPU seconds of process ``pid`` (default: this one; every thread), its live descendants and its
     reaped children."""
-    stats = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                text = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            f = text[text.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
-            stats[int(name)] = (int(f[1]), sum(int(x) for x in f[11:15]))  # ppid; utime stime cutime cstime
+    stats = {}  # pid: ppid, utime + stime + cutime + cstime
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        if f := _stat(name):
+            stats[int(name)] = (int(f[1]), sum(int(x) for x in f[11:15]))
     children: dict[int, list[int]] = {}
     for p, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(p)
@@ -38,11 +33,16 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process, all its threads, not its children (0 when it is gone)."""
+    f = _stat(pid)
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") if f else 0.0
+
+
+def _stat(pid) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` from the 3rd (state) on; None when the process is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
 
 
 def device_of(path: str) -> tuple[int, int]:
@@ -96,11 +96,8 @@ def medians(runs: dict[str, list[dict]], keys=("samples_per_s", "cpu_s_per_sampl
 
 def ratios(median: dict, base: str = "coordl", keys=("samples_per_s", "cpu_s_per_sample")) -> dict:
     """``base/other`` for every other configuration: the ratio of each of ``keys``' medians."""
-    if base not in median:
-        return {}
-    return {
-        f"{base}/{other}": {k: median[base][k] / median[other][k] for k in keys} for other in median if other != base
-    }
+    others = [other for other in median if other != base] if base in median else []
+    return {f"{base}/{other}": {k: median[base][k] / median[other][k] for k in keys} for other in others}
 
 
 def spread(values: list[float]) -> dict:
@@ -125,10 +122,8 @@ def in_rounds(names: list[str], reps: int, run_one, log, skip=lambda name, done:
         r["round"] = rnd
         runs[name].append(r)
         epochs = ", ".join(f"{e['samples_per_s']:.0f}/s ({e['gets']} GETs)" for e in r["epochs"])
-        log(
-            f"  [{rnd + 1}/{reps}] {name:>14}: "
-            + (f"FAILED: {r['error'].splitlines()[-1][:300]}" if "error" in r else epochs)
-        )
+        said = f"FAILED: {r['error'].splitlines()[-1][:300]}" if "error" in r else epochs
+        log(f"  [{rnd + 1}/{reps}] {name:>14}: {said}")
     return runs
 
 

@@ -31,15 +31,8 @@ def machine() -> dict:
             versions[dist.split("-cuda")[0]] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    return {
-        "cores": os.cpu_count(),
-        "cpu_model": next(model, ""),
-        "memory_bytes": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": versions,
-        "load": os.getloadavg(),
-    }
+    values = (os.cpu_count(), next(model, ""), mem, platform.release(), platform.python_version(), versions)
+    return dict(zip(MACHINE, (*values, os.getloadavg()), strict=True))  # in the order MACHINE declares
 
 
 def commit() -> str:
@@ -55,17 +48,10 @@ def commit() -> str:
 
 def envelope(scenario: str, argv: list[str], options: dict, dataset: dict | None, results: dict) -> dict:
     """A result in the schema."""
-    return {
-        "schema": SCHEMA,
-        "scenario": scenario,
-        "command": " ".join(["python -m benchmarks", scenario, *argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": machine(),
-        "options": options,
-        "dataset": dataset,
-        "results": results,
-    }
+    command = " ".join(["python -m benchmarks", scenario, *argv])
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    values = (SCHEMA, scenario, command, date, commit(), machine(), options, dataset, results)
+    return dict(zip(FIELDS, values, strict=True))  # in the order FIELDS declares
 
 
 def write(path: str | Path, result: dict) -> Path:
@@ -79,13 +65,10 @@ def write(path: str | Path, result: dict) -> Path:
 
 def check(result: dict) -> dict:
     """Raises ``ValueError`` naming what a result lacks of the schema; returns it."""
-    missing = [k for k in FIELDS if k not in result] + [
-        f"machine.{k}" for k in MACHINE if k not in (result.get("machine") or {})
-    ]
-    if missing or result.get("schema") != SCHEMA:
-        raise ValueError(
-            f"not a result of schema {SCHEMA}: missing {missing or 'nothing'}, schema {result.get('schema')}"
-        )
+    got, schema = result.get("machine") or {}, result.get("schema")
+    missing = [k for k in FIELDS if k not in result] + [f"machine.{k}" for k in MACHINE if k not in got]
+    if missing or schema != SCHEMA:
+        raise ValueError(f"not a result of schema {SCHEMA}: missing {missing or 'nothing'}, schema {schema}")
     return result
 
 
