@@ -4,7 +4,7 @@
 ``torch`` (:mod:`benchmarks.loaders`), each in a child: a warm-up epoch, then ``--epochs`` of ``train`` (a bf16
 ResNet-50 step per batch) and ``prep`` (the batches alone), alternating; loaders ABBA for ``--reps``. Per loader
 and mode: samples/s, stall fraction (time in ``next()``, and coordl's ``stall_s``, over epoch time), CPU seconds
-per sample; the JSON written after every run. ``--budget``, ``--run-timeout``: benchmarks/README.md.
+per sample; the JSON written after every run, a run skipped when less of ``--budget`` is left than one took.
 
     python -m benchmarks gpu --out benchmarks/results/gpu.json      # on the GPU machine, < 6 minutes
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
