@@ -12,6 +12,7 @@ coordl trials training M5 in an HP group vs apart; ``hp-prep``: without the mode
 
 from __future__ import annotations
 
+import importlib
 import math
 import runpy
 import statistics
@@ -39,10 +40,8 @@ def options(p) -> None:
 
 def run(args) -> dict | None:
     args.data = args.data or (SMOKE_DATA if args.smoke else DATA)
-    if args.job:
-        import torch
-
-        torch.set_num_threads(1)  # a trial's model step, and nothing of the loaders' own
+    if args.job:  # a trial's model step on one thread, and nothing of the loaders' own
+        importlib.import_module("torch").set_num_threads(1)
     steps = {"m5": lambda data: M5Step(data["classes"]), "touch": lambda data: compare.touch}
     result = compare.run(args, clips, LOADERS, steps, {"hp": "m5", "hp-prep": "touch"}, "bench-audio", hp_epochs=2)
     return result and {**result, "recipe": {"sample_rate": RATE, "samples": SAMPLES}}

@@ -26,7 +26,6 @@ from benchmarks.harness import dataset, jobs, limits, measure, report
 from benchmarks.harness.report import mb
 from coordl.units import parse_bytes
 
-MiB = 1 << 20
 STATS = ("storage_reads", "cache_hits", "cache_items", "cache_bytes")  # per epoch, of stats()
 
 
@@ -118,7 +117,7 @@ def run(args) -> dict | None:
     own = run_child(args, "own", "0", None)
     if own["returncode"] != 0:
         raise SystemExit(f"the loader failed without a cache: {own['error']}")
-    limit = args.limit or int(own["peak_rss"] * 1.2) + 64 * MiB + int(args.cache_fraction * data["total_bytes"])
+    limit = args.limit or int(own["peak_rss"] * 1.2) + (64 << 20) + int(args.cache_fraction * data["total_bytes"])
     how = "--limit" if args.limit else f"peak RSS x1.2 + 64 MiB + {args.cache_fraction:.0%} of the dataset"
     print(f"own memory with cache_bytes=0: peak RSS {mb(own['peak_rss'])} MB, cgroup peak {mb(own['max_usage'])} MB")
     print(f"limit ({how}) = {mb(limit)} MB")

@@ -107,8 +107,7 @@ def prep(args, command) -> dict:
     """Each of ``args.loaders`` alone in a child (``command(name, *extra)``), ABBA for ``args.reps``:
     each run, the medians, coordl/each other."""
     with tempfile.TemporaryDirectory(prefix="coordl-bench-") as tmp:
-        each = lambda name: command(name, "--epochs", str(args.epochs))  # noqa: E731
-        runs = alone(args.loaders, args.reps, each, measure.steady, out=Path(tmp))
+        runs = alone(args.loaders, args.reps, command, measure.steady, out=Path(tmp))  # a child's --epochs: as here
     if failed := [r["error"] for rs in runs.values() for r in rs if "error" in r]:
         raise SystemExit(f"a run failed: {failed[0]}")
     median = measure.medians(runs)

@@ -1,9 +1,5 @@
-"""The options that name a benchmark's dataset, and the dataset they make.
-
-Every scenario that makes or reads an image folder takes the same options
-(:func:`add_dataset_options`) and gets it from :func:`dataset_from_args`, which generates it once
-(``coordl.tools.datagen``, as ``coordl make-dataset`` does) and finds it again on the next run.
-"""
+"""The options that name a benchmark's image folder, and the folder they make once (``coordl.tools.datagen``, as
+``coordl make-dataset`` does) and find again on the next run."""
 
 from __future__ import annotations
 
@@ -28,12 +24,9 @@ def add_dataset_options(
     height: int = 350,
     data_help: str = "dataset root",
 ) -> argparse._ArgumentGroup:
-    """Adds ``--data``, ``--images`` or ``--size`` (the one given replaces the other's default),
-    ``--classes``, ``--photos`` or ``--synthetic``, ``--width``, ``--height`` and ``--dataset-seed``.
-
-    The keyword arguments are the scenario's defaults (``None``: it picks one after parsing).
-    Returns the group, for a scenario to add options of its own dataset to.
-    """
+    """Adds ``--data``, ``--images`` or ``--size`` (the one given replaces the other's default), ``--classes``,
+    ``--photos`` or ``--synthetic``, ``--width``, ``--height`` and ``--dataset-seed``, their defaults the keyword
+    arguments (``None``: the scenario picks one after parsing); returns the group, for the scenario's own options."""
     g = parser.add_argument_group("dataset", "generated there if missing, found again by a later run")
 
     def default(text, value):
@@ -75,19 +68,14 @@ def _byte_size(text: str) -> int:
 
 def photos_of(args: argparse.Namespace) -> str | None:
     """The photographs the dataset is cropped from, or None for generated images."""
-    if args.synthetic:
-        return None
-    return args.photos or (str(SHARED_PHOTOS) if SHARED_PHOTOS.is_dir() else None)
+    return None if args.synthetic else args.photos or (str(SHARED_PHOTOS) if SHARED_PHOTOS.is_dir() else None)
 
 
 def dataset_from_args(
     args: argparse.Namespace, *, root: str | None = None, images: int | None = None, seed: int | None = None
 ) -> dict:
-    """Generates (or finds) the dataset the options name; returns its figures.
-
-    ``root``, ``images`` and ``seed`` replace ``--data``, ``--images`` (or ``--size``) and
-    ``--dataset-seed``: for a second split of the same kind.
-    """
+    """Generates (or finds) the dataset the options name; returns its figures. ``root``, ``images`` and ``seed``
+    replace ``--data``, ``--images`` (or ``--size``) and ``--dataset-seed``: for a second split of the same kind."""
     from coordl.tools.datagen import make_dataset
 
     photos = photos_of(args)

@@ -2,7 +2,7 @@
 
 A scenario's child runs the scenario again (``python -m benchmarks NAME --job ...``,
 :func:`scenario_command`) and says what it measured as JSON: in a file, or as the last line of its
-standard output (:func:`run_json`), or line by line to a parent that answers (:func:`converse`).
+standard output (:func:`outcome`), or line by line to a parent that answers (:func:`converse`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from pathlib import Path
 
 
 def scenario_command(name: str, *args: str) -> list[str]:
-    """The command that runs scenario ``name`` in a child Python (``python -m benchmarks NAME``).
-
-    The child finds the ``benchmarks`` package as its parent did: in the working directory it
-    inherits (the repository root), or on the ``PYTHONPATH`` it inherits.
-    """
+    """The command that runs scenario ``name`` in a child Python (``python -m benchmarks NAME``), which finds the
+    ``benchmarks`` package as its parent did: in the working directory (the repository root) or ``PYTHONPATH``."""
     return [sys.executable, "-m", "benchmarks", name, *args]
 
 

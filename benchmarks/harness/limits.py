@@ -1,11 +1,11 @@
-"""The conditions a scenario sets on the machine: v1 memory and blkio cgroups for one child, and the
-page cache dropped or filled.
+"""The conditions a scenario sets on the machine: v1 memory and blkio cgroups for one child, and the page cache dropped
+or filled.
 
-The memory cgroup caps everything the child charges: its anonymous memory, the page cache of the
-files it reads and the shared memory (``/dev/shm``) it writes. That is what makes a comparison
-fair: a page-cache loader and coordl's shared-memory cache get the same bytes. The blkio cgroup
-throttles the child's reads from the dataset's block device. :func:`probe` says what this machine
-allows; a scenario that cannot apply a limit records why and runs without it.
+The memory cgroup caps everything the child charges: its anonymous memory, the page cache of the files it reads and
+the shared memory (``/dev/shm``) it writes. That is what makes a comparison fair: a page-cache loader and coordl's
+shared-memory cache get the same bytes. The blkio cgroup throttles the child's reads from the dataset's block
+device. :func:`probe` says what this machine allows; a scenario that cannot apply a limit records why and runs
+without it.
 """
 
 from __future__ import annotations
@@ -113,9 +113,6 @@ class Cgroup:
     def read(self, knob: str) -> str:
         return (self.path / knob).read_text()
 
-    def add(self, pid: int) -> None:
-        self.write("cgroup.procs", pid)
-
     def remove(self, timeout: float = 10.0) -> None:
         """Removes the cgroup once its processes are gone (their exit can lag their wait)."""
         deadline = time.monotonic() + timeout
@@ -142,9 +139,8 @@ class Limits:
 
     def join(self) -> None:
         """Moves the calling process in (use as ``preexec_fn``, so the child starts inside)."""
-        for cg in (self.memory, self.blkio):
-            if cg:
-                cg.add(os.getpid())
+        for cg in filter(None, (self.memory, self.blkio)):
+            cg.write("cgroup.procs", os.getpid())
 
     @property
     def memory_path(self) -> str | None:
@@ -165,6 +161,5 @@ class Limits:
             self.blkio.write("blkio.throttle.read_bps_device", f"{device[0]}:{device[1]} {int(bytes_per_s)}")
 
     def remove(self) -> None:
-        for cg in (self.blkio, self.memory):
-            if cg:
-                cg.remove()
+        for cg in filter(None, (self.blkio, self.memory)):
+            cg.remove()

@@ -1,6 +1,5 @@
-"""What the harness measures: CPU seconds of a process tree, the device's read counter, a loader's
-epochs, rates over the steady epochs, medians, and the ABBA order configurations alternate in.
-"""
+"""What the harness measures: CPU seconds of a process tree, the device's read counter, a loader's epochs, rates
+over the steady epochs, medians, and the ABBA order configurations alternate in."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The one shape of every result file: what ran, where, from which commit, and what it measured.
+"""The one shape of every result file (``FIELDS``): what ran, where, from which commit, and what it measured.
 
-``{"schema": 1, "scenario", "command", "date", "commit", "machine", "options", "dataset", "results"}``:
-``command`` is the line that reproduces it (``python -m benchmarks NAME ...``), ``machine`` the
-cores, memory, kernel and library versions and the load, ``options`` every option's value,
-``dataset`` the figures of what was read (or None), ``results`` the scenario's own figures.
+``command`` is the line that reproduces it (``python -m benchmarks NAME ...``), ``machine`` the cores, memory,
+kernel and library versions and the load (``MACHINE``), ``options`` every option's value, ``dataset`` the figures
+of what was read (or None), ``results`` the scenario's own figures.
 """
 
 from __future__ import annotations
