@@ -69,8 +69,7 @@ def finish(p: subprocess.Popen) -> dict:
 
 
 def decoded_bytes(root: str, cap: int | None = None) -> int:
-    """The decoded dataset's bytes (RGB, each image at its own resolution, or capped at a shorter
-    side of ``cap`` as ``ImageNetTrain(max_short_side=cap)`` does, to a pixel), from the headers."""
+    """The decoded dataset's RGB bytes from the headers (or capped as ``ImageNetTrain(max_short_side=cap)`` does)."""
     from PIL import Image
 
     total = 0
@@ -183,9 +182,7 @@ def draw(plt, result: dict):
         xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
         if pts:
             ax.plot(xs, ys, marker, label=label.format(str(pts[0]["fraction"]).rsplit("-", 1)[-1]), **kw)
-    ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
-    ax.set_ylabel("steady samples/s")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="decoded tier (GB); encoded tier holds every file", ylabel="steady samples/s", ylim=(0, None))
     ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
     ax.legend()
     return fig
