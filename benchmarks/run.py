@@ -100,37 +100,34 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes}
     run |= {"bandwidth_bps": bandwidth, "epochs": []}
     limits.drop_page_cache(3)  # libraries the child loads are read (and charged to it) alike for every loader
-    use = caps["memory"] or caps["blkio"]
-    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"]) if use else None
+    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"])  # either may be absent
 
     def on_message(event: str, msg: dict) -> None:
         if event == "ready":
-            limits.drop_page_cache(3)  # not root: says why not, and the notes say so
-            if lim and lim.memory and not fits:
+            limits.drop_page_cache(3)
+            if lim.memory and not fits:
                 limit_memory(args, run, lim)
-            if lim:
-                lim.throttle(dev, bandwidth)
+            lim.throttle(dev, bandwidth)
             return
         run["epochs"].append(msg)
         shown = {**msg, **msg.get("counters", {})}
         log(f"  epoch {msg['epoch']}: " + ", ".join(f"{k} {shown[k]}" for k in SHOWN if k in shown))
 
     try:
-        if lim and loader in MEASURE_WHEN_MADE:
+        if loader in MEASURE_WHEN_MADE:
             lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
-        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim and lim.memory_path))
-        status, err, _ = jobs.converse(command, on_message, preexec_fn=lim.join if lim else None)
+        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim.memory_path))
+        status, err, _ = jobs.converse(command, on_message, preexec_fn=lim.join)
         if status:
             tail = jobs.error_text(err).splitlines()[-1:]
             run["error"] = f"the child exited with status {status}" + "".join(f": {t}" for t in tail)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         run["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if lim:
-            lim.remove()
+        lim.remove()
     if "error" in run:
         log(f"  FAILED: {run['error']}")
-    steady(args, run, data, fits and lim and lim.memory)
+    steady(args, run, data, fits and lim.memory)
     return run
 
 
