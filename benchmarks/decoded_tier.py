@@ -2,17 +2,12 @@
 
     python -m benchmarks decoded_tier --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 
-The dataset is in memory (read once before; the encoded tier holds it all): what is measured is prep,
-``imagenet-train`` at 224 on the CPU, each run a fresh process with a shm folder of its own.
-
-1. **split**: one job whose budget is the dataset's files plus ``f`` of its decoded images (that share the
-   ``decoded_cache``), ``f`` in ``--fractions``; ``decoded_cache="auto"`` with a budget for the whole
-   decoded dataset and for half; ``"auto"`` and ``0`` with ``ImageNetTrain(max_short_side=N)``
-   (``--max-short-side``: a change to the data). Epoch 0 fills; the median of the rest is the steady rate,
-   beside the model's (:func:`coordl.analyze.model.tier_throughput`) from the rates ``"auto"`` measured.
-2. **jobs**: ``--jobs`` jobs at once, ``--job-epochs`` each, own seeds: makespan with ``decoded_cache=0``,
-   with the decoded dataset in the tier, and as an ``hp_group``.
-
+Prep alone (the files read once before, the encoded tier holds them all): ``imagenet-train`` at 224 on the CPU,
+each run a fresh process with a shm folder of its own; the method is in docs/decoded-tier.md. **split**: one job
+whose budget is the files plus ``f`` (``--fractions``) of the decoded images, ``"auto"`` with a budget for the
+whole decoded dataset and for half, ``"auto"`` and ``0`` with ``ImageNetTrain(max_short_side=N)``: the median
+of epochs 1.. beside :func:`coordl.analyze.model.tier_throughput` of the rates ``"auto"`` measured. **jobs**:
+``--jobs`` jobs at once, own seeds: makespan with ``decoded_cache=0``, the decoded tier, and an ``hp_group``.
 Writes ``decoded_tier.json`` and ``decoded_tier.png`` to the folder ``--out``.
 """
 
@@ -74,8 +69,7 @@ def finish(p: subprocess.Popen) -> dict:
 
 
 def decoded_bytes(root: str, cap: int | None = None) -> int:
-    """The decoded dataset's bytes (RGB, each image at its own resolution, or capped at a shorter
-    side of ``cap`` as ``ImageNetTrain(max_short_side=cap)`` does, to a pixel), from the headers."""
+    """The decoded dataset's RGB bytes from the headers (or capped as ``ImageNetTrain(max_short_side=cap)`` does)."""
     from PIL import Image
 
     total = 0
@@ -105,8 +99,7 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         return {"cache_bytes": dataset_bytes + y, "decoded_cache": y}
 
     names = ["auto", "auto-half", *args.fractions]
-    for c in args.max_short_side:
-        names += [f"capped-auto-{c}", f"capped-0-{c}"]
+    names += [f"capped-{how}-{c}" for c in args.max_short_side for how in ("auto", "0")]
     repeats: dict = {f: [] for f in names}
     for rep in range(args.repeat):  # every configuration once a round: the machine's drift hits them alike
         for f in names[rep % len(names) :] + names[: rep % len(names)]:  # each round starts elsewhere
@@ -124,8 +117,7 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         keys = ("decoded_bytes", "storage", "encoded", "decoded", "decoded_only")
         return {k: statistics.median(m[k] for m in measured) for k in keys}
 
-    def model_of(rates: dict, decoded_bytes: float) -> TierRates:
-        r = rates
+    def model_of(r: dict, decoded_bytes: float) -> TierRates:
         return TierRates(n, dataset_bytes / n, decoded_bytes, r["storage"], float("inf"), *(r[k] for k in DECODE))
 
     # The model with the rates "auto" measured and the decoded dataset's true size: the fixed
@@ -141,16 +133,13 @@ def split(args, dataset_bytes: int, decoded: int) -> dict:
         y = statistics.median(r["tiers"]["decoded_budget"] for r in repeats[f])
         threads = repeats[f][0]["tiers"].get("threads") or kw.get("threads") or args.threads
         steady = [r["steady_samples_per_s"] for r in repeats[f]]
-        run = {"fraction": f, **kw, "threads": threads, "steady_samples_per_s": statistics.median(steady)}
-        run |= {"steady_each": steady, "predicted_samples_per_s": tier_throughput(own, kw["cache_bytes"], y)}
-        run |= {"repeats": repeats[f], "tiers": repeats[f][0]["tiers"]}
-        run["error"] = run["steady_samples_per_s"] / run["predicted_samples_per_s"] - 1
+        got, want = statistics.median(steady), tier_throughput(own, kw["cache_bytes"], y)
+        run = {"fraction": f, **kw, "threads": threads, "steady_samples_per_s": got}
+        run |= {"steady_each": steady, "predicted_samples_per_s": want}
+        run |= {"repeats": repeats[f], "tiers": repeats[f][0]["tiers"], "error": got / want - 1}
         runs.append(run)
-        each = ", ".join(f"{v:.0f}" for v in run["steady_each"])
-        log(
-            f"  {f!s:>16}: measured {run['steady_samples_per_s']:6.0f} (each: {each}), "
-            f"predicted {run['predicted_samples_per_s']:6.0f} samples/s ({run['error']:+.1%})"
-        )
+        each = ", ".join(f"{v:.0f}" for v in steady)
+        log(f"  {f!s:>16}: measured {got:6.0f} (each: {each}), predicted {want:6.0f} samples/s ({run['error']:+.1%})")
     points = [decoded * k / 50 for k in range(51)]
     curve = [
         {"decoded_bytes": int(y), "predicted_samples_per_s": tier_throughput(model, dataset_bytes + y, y)}
@@ -167,12 +156,10 @@ def concurrent(args, dataset_bytes: int, decoded: int) -> list[dict]:
             ("decoded tier", {"cache_bytes": dataset_bytes + decoded, "decoded_cache": decoded}),
             ("hp_group", {"cache_bytes": dataset_bytes, "decoded_cache": 0, "hp_group": "bench"}),
         ):
+            same = "hp_group" in kw  # the group's jobs share a seed
             with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="coordl-bench-") as shm:
                 t0 = time.perf_counter()
-                procs = [
-                    start(args, shm=shm, epochs=args.job_epochs, **{**kw, "seed": 0 if "hp_group" in kw else k})
-                    for k in range(n)
-                ]
+                procs = [start(args, shm=shm, epochs=args.job_epochs, seed=0 if same else k, **kw) for k in range(n)]
                 results = [finish(p) for p in procs]
                 makespan = time.perf_counter() - t0
             out.append({"jobs": n, "config": name, "makespan_s": makespan, "results": results})
@@ -195,9 +182,7 @@ def draw(plt, result: dict):
         xs, ys = [r["tiers"]["decoded_budget"] / 1e9 for r in pts], [r["steady_samples_per_s"] for r in pts]
         if pts:
             ax.plot(xs, ys, marker, label=label.format(str(pts[0]["fraction"]).rsplit("-", 1)[-1]), **kw)
-    ax.set_xlabel("decoded tier (GB); encoded tier holds every file")
-    ax.set_ylabel("steady samples/s")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="decoded tier (GB); encoded tier holds every file", ylabel="steady samples/s", ylim=(0, None))
     ax.set_title("imagenet-train 224, DALI on 2 CPU threads")
     ax.legend()
     return fig
@@ -209,9 +194,8 @@ def options(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="DALI threads per job")
     p.add_argument("--epochs", type=int, default=5, help="epochs per split run (the first fills)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--jobs", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--jobs", type=int, nargs="*", default=[2, 4], help="none: only the split")
     p.add_argument("--job-epochs", type=int, default=5)
-    p.add_argument("--skip-jobs", action="store_true", help="only the split")
     cap = 'also ImageNetTrain(max_short_side=N), a change to the data, with "auto" and decoded_cache=0 (default: 256)'
     p.add_argument("--max-short-side", type=int, nargs="*", default=[256], help=cap)
     p.add_argument("--repeat", type=int, default=3, help="rounds of the split's runs (the median is reported)")
@@ -228,9 +212,8 @@ def run(args) -> dict | None:
     result |= {"batch": args.batch, "threads": args.threads}
     log("split (one job):")
     result["split"] = split(args, dataset_bytes, decoded)
-    if not args.skip_jobs:
-        log("concurrent jobs:")
-        result["jobs"] = concurrent(args, dataset_bytes, decoded)
+    log("concurrent jobs:")
+    result["jobs"] = concurrent(args, dataset_bytes, decoded)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report.plot(Path(args.out) / "decoded_tier.png", lambda plt: draw(plt, result))
     return result

@@ -1,7 +1,7 @@
 """Coordinated prep: trials sharing an hp_group vs alone; batch sizes, a slow trial, a sweep, a kill -9.
 
 Trials (:func:`trial`: a child with one CoordLoader, ``imagenet-train`` on the CPU, reading each batch, then
-sleeping ``--sleep-per-batch``, its training step) started together, the node's cache warm, prep-bound, per-trial
+sleeping, its training step) started together, the node's cache warm, prep-bound, per-trial
 samples/s after the first epoch, modes ABBA ``--reps`` times. ``--scenarios`` (docs/hp-search.md): ``same`` (``--jobs``
 trials of batch 64), ``cold`` (a cold epoch's device bytes), ``recovery`` (one of 3 killed by SIGKILL), ``mix``
 (batches 16, 32, 64), ``handoff`` (taking a batch staged as 64 or 16), ``slow`` (a pair training ``--sleep`` s
@@ -54,8 +54,7 @@ def run(args) -> dict | None:
     args.images, scenarios = data["files"], args.scenarios.split(",")  # a trial checks every epoch against it
     print(f"dataset: {dataset.describe(data)}")
     key = {name: f"slow_sleep_{args.sleep:g}" if name == "slow" else name for name in scenarios}
-    results = kept(args.out, [*key.values(), "epochs", "reps"], data)
-    results |= {"epochs": args.epochs, "reps": args.reps}
+    results = kept(args.out, [*key.values(), "epochs", "reps"], data) | {"epochs": args.epochs, "reps": args.reps}
     workdir = Path(tempfile.mkdtemp(prefix="coordl-hp-"))
     try:
         if "cold" in scenarios:
@@ -254,8 +253,7 @@ def _wait_file(path: str | None) -> None:
 
 
 def command(args, spec: dict) -> list[str]:
-    """The command of one trial of ``spec``: its ``batch``, and optionally its ``group``, ``stage_batch``, ``sleep``,
-    ``epochs`` and the files it waits for (``after``, ``last``) or writes (``entered``, ``progress``)."""
+    """One trial of ``spec`` (``batch``; ``group``, ``stage_batch``, ``sleep``, ``epochs``, files: :func:`trial`)."""
     spec = json.dumps({"epochs": args.epochs, "images": args.images, **spec}, default=str)
     return jobs.scenario_command("hp_group", "--data", args.data, "--trial", spec)
 

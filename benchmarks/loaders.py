@@ -1,8 +1,7 @@
-"""The loaders the benchmarks compare, on the CPU or delivering to a GPU, the model they train, an epoch timed.
-
-Every loader runs the same ImageNet training augmentation, batch size and CPU workers (docs/benchmarks.md):
-``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders and
-:mod:`benchmarks.gpu`'s ``dali`` (decoded whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there),
+"""The loaders the benchmarks compare (:class:`Loader`), on the CPU or delivering to a GPU, the model they train,
+an epoch timed. Every loader runs the same ImageNet training augmentation, batch size and CPU workers
+(docs/benchmarks.md): ``torch`` (``DataLoader``, Pillow, :class:`TrainAugment`), DALI's file reader in three orders
+and :mod:`benchmarks.gpu`'s ``dali`` (decoded whole, ``mixed`` on a GPU), ``coordl`` (on a GPU: decoding there),
 ``coordl-auto`` (``decoded="auto"``), ``coordl-cpu`` (batches copied to the GPU) and ``coordl-torch``.
 """
 

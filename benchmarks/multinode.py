@@ -75,8 +75,7 @@ def job(a: dict) -> None:
 
 
 def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, throttle=None) -> dict:
-    """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup of its own
-    (``throttle`` bytes/s of the dataset's device)."""
+    """One job of ``nodes`` nodes in a fresh cluster, each node in a blkio cgroup (``throttle``: bytes/s)."""
     work, device = Path(tempfile.mkdtemp(prefix="cdl-mn-")), "{}:{}".format(*measure.device_of(data["root"]))
     job = {"data": data["root"], "work": str(work), "mode": mode, "device": device, "cache": budget}
     job |= {"epochs": args.epochs, "batch_size": args.batch_size}
@@ -110,8 +109,7 @@ def one_run(args, data: dict, nodes: int, budget: int, mode: str, port: int, thr
 
 
 def epoch_totals(data: dict, per_node: list[dict], mode: str) -> list[dict]:
-    """Per epoch, over the nodes: the slowest node's time, the bytes summed, and the minimum storage
-    (the dataset less what the nodes cached at its start)."""
+    """Per epoch over the nodes: the slowest time, the bytes summed, the minimum storage (dataset - cached)."""
     totals = []
     for k in range(len(per_node[0]["epochs"])):
         rows = [n["epochs"][k] for n in per_node]
@@ -156,12 +154,7 @@ def run(args) -> dict | None:
     if why := netns.unavailable() or (None if (BLKIO / "blkio.throttle.read_bps_device").exists() else "no v1 blkio"):
         raise SystemExit(f"cannot run: {why}")
     started, data = time.perf_counter(), dataset.dataset_from_args(args)
-    result, runs, log = {"dataset": data, "prep": {}, "runs": [], "checks": []}, {}, []
-
-    def say(*sections: str) -> None:  # the .md's sections per node and epoch, printed as they come
-        print(*sections, sep="\n\n", flush=True)
-        log.extend(sections)
-
+    result, runs, log = {"dataset": data, "prep": {}, "runs": [], "checks": []}, {}, []  # log: the .md's sections
     port, total = 29700 + os.getpid() % 100 * 10, data["total_bytes"]
     for nodes in (int(x) for x in args.nodes.split(",")):
         port, full = port + 1, min(total, int(total * MARGIN / nodes))
@@ -173,7 +166,8 @@ def run(args) -> dict | None:
         result["prep"][str(nodes)] = {"samples_per_s_per_node": sps, "spread": measure.spread(rates), "run": prep}
         result["prep"][str(nodes)] |= {"throttle_bps_per_node": throttle}
         head = f"### {nodes} nodes: prep-rate run (mode b, {MARGIN:.0%} aggregate cache, no throttle): "
-        say(head + f"{sps:.1f} samples/s per node; throttle {mb(throttle, 2)} MB/s per node", node_table(prep))
+        log += [head + f"{sps:.1f} samples/s per node; throttle {mb(throttle, 2)} MB/s per node", node_table(prep)]
+        print(*log[-2:], sep="\n\n", flush=True)
         for agg in (float(x) for x in args.aggregate.split(",")):
             budget = min(total, int(total * (MARGIN if agg >= 1.0 else agg) / nodes))
             for rep, mode in measure.alternate(list(MODES), args.reps):
@@ -181,7 +175,8 @@ def run(args) -> dict | None:
                 one = one_run(args, data, nodes, budget, mode, port, throttle)
                 one["aggregate_cache"], one["repetition"] = agg, rep
                 head = f"### {nodes} nodes, aggregate {agg:.0%}, {mb(budget)} MB per node, mode {mode} ({MODES[mode]})"
-                say(head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one))
+                log += [head + f", repetition {rep + 1}, wall {one['wall_s']} s", node_table(one)]
+                print(*log[-2:], sep="\n\n", flush=True)
                 runs.setdefault((nodes, agg), {}).setdefault(mode, []).append(one)
                 result["runs"].append(one)
                 result["checks"] = checks(runs)

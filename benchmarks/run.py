@@ -3,13 +3,11 @@
     python -m benchmarks run --data /var/tmp/coordl-bench/bench --size 500MB --classes 100
     python -m benchmarks run --warm --loaders coordl-torch,coordl,torch --out benchmarks/results   # torch_backend.json
 
-Per scenario (a cache fraction and a storage bandwidth) and loader (:mod:`benchmarks.loaders`), a child in its
-own memory and blkio cgroup, the page cache dropped, memory limited to ``working set + slack + cache fraction *
-dataset``, storage throttled. ``fits`` (no limits) measures the overhead, the working sets and the prep rate P of
-bandwidths such as ``0.25P``. Writes ``results.json`` (after every run: ``--resume``), ``results.md`` and
-``results.png`` to ``--out``; the method is in docs/benchmarks.md. ``--warm`` (was ``torch_backend``): the loaders
-in this process, everything in memory, a warm-up epoch each, then ``--reps`` epochs each ABBA; median samples/s and
-coordl-torch / torch (target >= 0.95), written to ``--out``/torch_backend.json (benchmarks/README.md).
+Per scenario (a cache fraction and a storage bandwidth; ``fits``: no limits, the working sets and the prep rate P)
+and loader (:mod:`benchmarks.loaders`), a child in its own memory and blkio cgroup; ``results.json``, ``.md`` and
+``.png`` in ``--out``, the method in docs/benchmarks.md. ``--warm`` (was ``torch_backend``): the loaders in this
+process, everything in memory, ``--reps`` epochs each ABBA, coordl-torch / torch (target >= 0.95) in
+``--out``/torch_backend.json (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ def usage(cgroup: str) -> tuple[int, int]:
 
 
 def memory(cgroup: str | None, samples: list) -> dict:
-    """An epoch's memory: its cgroup's peak (reset per epoch) and the means of ``samples`` of :func:`usage`;
-    without a cgroup, the peak resident set of this process and its children."""
+    """An epoch's memory: its cgroup's peak (reset per epoch) and mean :func:`usage`, else the process tree's peak."""
     if not cgroup:
         kb = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return {"peak_memory_bytes": kb * 1024, "peak_memory_kind": "rss"}
@@ -102,46 +99,40 @@ def run_one(args, cell: dict, loader: str, data: dict, dev, caps: dict, bandwidt
     kw |= {"compute_ms": args.compute_ms, "warmup_batches": args.warmup_batches, "device": f"{dev[0]}:{dev[1]}"}
     run = {"scenario": cell["name"], "loader": loader, "cache_fraction": cell["cache"], "cache_bytes": cache_bytes}
     run |= {"bandwidth_bps": bandwidth, "epochs": []}
-    if caps["drop_caches"]:  # libraries the child loads are read (and charged to it) alike for every loader
-        limits.drop_page_cache(3)
-    use = caps["memory"] or caps["blkio"]
-    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"]) if use else None
+    limits.drop_page_cache(3)  # libraries the child loads are read (and charged to it) alike for every loader
+    lim = limits.Limits(f"coordl-bench-{os.getpid()}-{k}", caps["memory"], caps["blkio"])  # either may be absent
 
     def on_message(event: str, msg: dict) -> None:
         if event == "ready":
-            if caps["drop_caches"]:
-                limits.drop_page_cache(3)
-            if lim and lim.memory and not fits:
+            limits.drop_page_cache(3)
+            if lim.memory and not fits:
                 limit_memory(args, run, lim)
-            if lim:
-                lim.throttle(dev, bandwidth)
+            lim.throttle(dev, bandwidth)
             return
         run["epochs"].append(msg)
         shown = {**msg, **msg.get("counters", {})}
         log(f"  epoch {msg['epoch']}: " + ", ".join(f"{k} {shown[k]}" for k in SHOWN if k in shown))
 
     try:
-        if lim and loader in MEASURE_WHEN_MADE:
+        if loader in MEASURE_WHEN_MADE:
             lim.throttle(dev, bandwidth)  # it measures the storage when it is made: the throttle must be there then
-        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim and lim.memory_path))
-        status, err, _ = jobs.converse(command, on_message, preexec_fn=lim.join if lim else None)
+        command = jobs.scenario_command("run", *jobs.flags(**kw, memcg=lim.memory_path))
+        status, err, _ = jobs.converse(command, on_message, preexec_fn=lim.join)
         if status:
             tail = jobs.error_text(err).splitlines()[-1:]
             run["error"] = f"the child exited with status {status}" + "".join(f": {t}" for t in tail)
     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
         run["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if lim:
-            lim.remove()
+        lim.remove()
     if "error" in run:
         log(f"  FAILED: {run['error']}")
-    steady(args, run, data, fits and lim and lim.memory)
+    steady(args, run, data, fits and lim.memory)
     return run
 
 
 def limit_memory(args, run: dict, lim: limits.Limits) -> None:
-    """Working set (measured in 'fits', else the usage after warm-up) + cache fraction + slack: coordl's, OOM
-    headroom, beside the margin it keeps free under a limit (10%, at least 256 MiB); the page cache's none."""
+    """Working set ('fits', else after warm-up) + cache + slack (coordl's, with its margin; docs/benchmarks.md)."""
     coordl = run["loader"] in COORDL_LOADERS
     ws, source = args.working_sets.get(run["loader"]), "fits-peak"
     if ws is None:  # coordl's cache is not its working set
@@ -258,8 +249,7 @@ def draw(plt, result: dict):
         for j, name in enumerate(loaders):
             got = {i: done[c["name"], name][metric] / scale for i, c in enumerate(cells) if (c["name"], name) in done}
             ax.bar([i + (j - (len(loaders) - 1) / 2) * width for i in got], list(got.values()), width, label=name)
-        ax.set_xticks(at, [f"{c['name']}\n{fmt_bw(c.get('bandwidth_bps'))}" for c in cells])
-        ax.set_ylabel(label)
+        ax.set(xticks=at, xticklabels=[f"{c['name']}\n{fmt_bw(c.get('bandwidth_bps'))}" for c in cells], ylabel=label)
     lows = [total * (1 - c["cache"]) / 1e6 for c in cells]  # what the cache does not hold
     axes[1].hlines(lows, [i - 0.45 for i in at], [i + 0.45 for i in at], "k", "--", label="minimum")
     axes[1].legend(fontsize=8)

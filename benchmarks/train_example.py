@@ -84,15 +84,14 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict, checkpoints:
     cmd = [sys.executable, "-u", str(TRAIN), args.data, "-a", args.arch, "--epochs", str(args.epochs)]
     cmd += ["-b", str(args.batch_size), "-j", str(args.workers), "--image-size", str(args.image_size), "--seed", "0"]
     cmd += ["--loader", loader, "--cache", str(args.cache), "-p", "1000000", "--checkpoint-dir", checkpoints]
-    run, use = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}, caps["memory"] or caps["blkio"]
+    run = {"loader": loader, "cmd": " ".join(cmd[1:]), "epochs": []}
     # the cgroups made after what may fail before the run starts: no cgroup is left behind then
-    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"]) if use else None
-    if lim:
-        lim.throttle(dev, args.bandwidth)
-    blkio, device = lim and lim.blkio and lim.blkio.path, f"{dev[0]}:{dev[1]}"
-    t0, meter = time.perf_counter(), OwnMemory(lim) if lim and lim.memory else None
+    lim = limits.Limits(f"coordl-train-{os.getpid()}-{loader}", caps["memory"], caps["blkio"])  # either may be absent
+    lim.throttle(dev, args.bandwidth)
+    blkio, device = lim.blkio and lim.blkio.path, f"{dev[0]}:{dev[1]}"
+    t0, meter = time.perf_counter(), OwnMemory(lim) if lim.memory else None
     last = limits.blkio_read(blkio, device)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=lim.join if lim else None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=lim.join)
     try:
         for line in proc.stdout:
             log.write(line)
@@ -113,8 +112,7 @@ def run_one(args, loader: str, dataset_bytes: int, dev, caps: dict, checkpoints:
         proc.wait()
         if meter:
             meter.sampler.stop()
-        if lim:
-            lim.remove()
+        lim.remove()
     run["wall_s"] = time.perf_counter() - t0
     return run
 
