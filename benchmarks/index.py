@@ -112,10 +112,8 @@ def files(args, work: Path) -> dict:
     cold = [] if args.no_cold else args.threads  # each after the page cache is dropped (as root; else not measured)
     out["check_cold_by_threads"] = [at(t) for t in cold if not limits.drop_page_cache(3)]
     for k in range(0, out["files"], max(1, out["files"] // args.changed))[: args.changed]:
-        c, i = divmod(k, args.per_class)
-        st = (
-            path := root / f"n{c:08d}" / f"n{c:08d}_{i}.jpg"
-        ).stat()  # rewritten in place, at its size, 5 s later in time
+        path = root / "n{0:08d}/n{0:08d}_{1}.jpg".format(*divmod(k, args.per_class))
+        st = path.stat()  # rewritten in place, at its size, 5 s later in time
         path.write_bytes(path.read_bytes()[::-1])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     out["changed"], out["after_changed"] = at(), at()
