@@ -227,13 +227,6 @@ PER_GET = {"cpu_ms_per_get": lambda r: 1e3 * r["epochs"][0]["loader_cpu_s"] / r[
 PER_GET["gets_per_s"] = lambda r: r["epochs"][0]["samples_per_s"]
 
 
-def clients(args, server, keys: list[str], sizes: list[int]) -> dict:
-    """Each client in a process of its own against moto alone (no proxy), rounds alternated: its CPU per GET."""
-    names = [f"client-{c}" for c in CLIENTS]
-    runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log)
-    return {"objects": len(keys), "in_flight": IN_FLIGHT, "runs": runs, "summary": summarise(runs, (), (), **PER_GET)}
-
-
 def run(args) -> dict | None:
     if args.one:
         return child(json.loads(Path(args.one).read_text()))  # a failure: exit 1
@@ -247,10 +240,13 @@ def run(args) -> dict | None:
         server.create_bucket(BUCKET)
         keys = server.upload_tree(args.data, BUCKET, PREFIX)
         sizes = [Path(args.data, k[len(PREFIX) + 1 :]).stat().st_size for k in keys]
-        if args.clients:
-            return {"dataset": data, **clients(args, server, keys[: args.objects], sizes[: args.objects])}
+        if args.clients:  # each client in a process of its own, against moto alone (run_one: no proxy)
+            names, keys, sizes = [f"client-{c}" for c in CLIENTS], keys[: args.objects], sizes[: args.objects]
         server.latency_s = args.latency
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log)
+    if args.clients:
+        summary = summarise(runs, (), (), **PER_GET)
+        return {"dataset": data, "objects": len(keys), "in_flight": IN_FLIGHT, "runs": runs, "summary": summary}
     config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH, "caches": CACHES}
     config |= {"dali_threads": THREADS, "in_flight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}
