@@ -38,6 +38,11 @@ BUCKET = "coordl-disk-tier"
 SMOKE = ["--data", "/var/tmp/coordl-bench/disk-tier-smoke", "--images", "48", "--classes", "4", "--width", "160"]
 SMOKE += ["--height", "120", "--epochs", "2", "--repeat", "1", "--chunk", "1MB", "--configs", ",".join(CONFIGS[:-1])]
 SMOKE += ["--out", os.path.join(tempfile.gettempdir(), "disk_tier_smoke.json")]
+N, M = s3.N, s3.M  # a count, megabytes
+COLUMNS = {"samples/s": ("samples_per_s", *N), "GETs": ("gets", *N), "store MB": ("get_bytes", *M)}
+COLUMNS |= {"tier reads": ("disk_reads", *N), "CPU s": ("loader_cpu_s", *s3.S)}
+COLUMNS |= {"device MB read": ("device_read", *M), "device MB written": ("device_written", *M)}
+COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
 
 
 def meminfo() -> dict:
@@ -160,13 +165,6 @@ def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
             per = [steady(r) / rounds[r["round"]] for r in runs[tier] if "error" not in r and r["round"] in rounds]
             out[f"{tier}/{base}"] = {"of_medians": med, "per_round": per}
     return out
-
-
-N, M = s3.N, s3.M  # a count, megabytes
-COLUMNS = {"samples/s": ("samples_per_s", *N), "GETs": ("gets", *N), "store MB": ("get_bytes", *M)}
-COLUMNS |= {"tier reads": ("disk_reads", *N), "CPU s": ("loader_cpu_s", *s3.S)}
-COLUMNS |= {"device MB read": ("device_read", *M), "device MB written": ("device_written", *M)}
-COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
 
 
 def table(result: dict) -> str:

@@ -31,6 +31,7 @@ from benchmarks.harness.report import log
 from benchmarks.indexing import fresh, made, memory, remove
 
 OUT = None  # results/<OUTS[--what]>.json (out_path)
+CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 
 def tree(args) -> tuple[Path, dict]:
@@ -165,9 +166,6 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
     out |= {"latency_bound_s": latency_s, "client_cpu_s": cpu_s, "measured_pages": pages}
     out |= {"client_cpu_per_page_ms": 1000 * quiet["cpu_s"] / pages, "estimate_s": max(latency_s, cpu_s)}
     return out | {"wall_per_page_no_latency_ms": 1000 * quiet["seconds"] / pages}  # moto's time and the client's
-
-
-CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 
 def write_coco(root: Path, images: int) -> None:

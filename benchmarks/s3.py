@@ -27,6 +27,12 @@ from benchmarks.loaders import dali_imagenet_train, dali_iterator
 CLIENTS = ("obstore", "boto3")
 BUCKET, PREFIX, IN_FLIGHT = "coordl-bench", "bench/train", 64
 EPOCHS, BATCH, CACHES, THREADS = 2, 64, (0.0, 0.5, 1.0), os.cpu_count()  # DALI as many threads as coordl
+N, M, S = (1, "{:.0f}"), (1e6, "{:.1f}"), (1, "{:.1f}")  # a count, megabytes, seconds
+COLUMNS = {"samples/s": ("samples_per_s", *N), "s": ("seconds", *S), "object GETs": ("gets", *N)}
+COLUMNS |= {"MB": ("get_bytes", *M)} | {k: (k, *N) for k in ("listing_requests", "storage_reads", "cache_hits")}
+COLUMNS |= {f"CPU s {p}": (f"{p}_cpu_s", *S) for p in ("loader", "proxy", "moto")}
+PER_GET = {"cpu_ms_per_get": lambda r: 1e3 * r["epochs"][0]["loader_cpu_s"] / r["epochs"][0]["samples"]}
+PER_GET["gets_per_s"] = lambda r: r["epochs"][0]["samples_per_s"]  # --clients: per run, of its one epoch
 
 
 def getter(client: str, keys: list[str], sizes: list[int]):
@@ -186,12 +192,6 @@ def summarise(runs: dict[str, list[dict]], fields, counters, **figures) -> dict:
     return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
-N, M, S = (1, "{:.0f}"), (1e6, "{:.1f}"), (1, "{:.1f}")  # a count, megabytes, seconds
-COLUMNS = {"samples/s": ("samples_per_s", *N), "s": ("seconds", *S), "object GETs": ("gets", *N)}
-COLUMNS |= {"MB": ("get_bytes", *M)} | {k: (k, *N) for k in ("listing_requests", "storage_reads", "cache_hits")}
-COLUMNS |= {f"CPU s {p}": (f"{p}_cpu_s", *S) for p in ("loader", "proxy", "moto")}
-
-
 def epochs_table(summary: dict, columns: dict) -> str:
     """Per configuration and epoch, the medians of ``columns`` (heading: (field, scale, format); samples/s with
     [min-max]), then each configuration's failed runs and their first error."""
@@ -221,10 +221,6 @@ def options(p) -> None:
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
-
-
-PER_GET = {"cpu_ms_per_get": lambda r: 1e3 * r["epochs"][0]["loader_cpu_s"] / r["epochs"][0]["samples"]}
-PER_GET["gets_per_s"] = lambda r: r["epochs"][0]["samples_per_s"]
 
 
 def run(args) -> dict | None:
