@@ -150,13 +150,11 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     spec |= {"epochs": 1 if kind in ("capacity", "client") else EPOCHS, "keys": keys, "sizes": sizes}
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
     spec["threads"] = THREADS  # DALI's
-    server.latency_s = float(setting) if kind == "capacity" else args.latency
+    server.latency_s = float(setting) if kind == "capacity" else args.latency  # each run's own
     env = {**os.environ, **server.env(), "COORDL_S3_REQUESTS": str(IN_FLIGHT)}  # coordl's default, the clients' too
     if kind == "client":  # moto itself, no proxy
         env["AWS_ENDPOINT_URL"] = server.direct
-    run = {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
-    server.latency_s = args.latency
-    return run
+    return {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
 
 
 def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None, **popen) -> dict:
@@ -238,7 +236,6 @@ def run(args) -> dict | None:
         sizes = [Path(args.data, k[len(PREFIX) + 1 :]).stat().st_size for k in keys]
         if args.clients:  # each client in a process of its own, against moto alone (run_one: no proxy)
             names, keys, sizes = [f"client-{c}" for c in CLIENTS], keys[: args.objects], sizes[: args.objects]
-        server.latency_s = args.latency
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log)
     if args.clients:
         summary = summarise(runs, (), (), **PER_GET)
