@@ -38,6 +38,11 @@ BUCKET = "coordl-disk-tier"
 SMOKE = ["--data", "/var/tmp/coordl-bench/disk-tier-smoke", "--images", "48", "--classes", "4", "--width", "160"]
 SMOKE += ["--height", "120", "--epochs", "2", "--repeat", "1", "--chunk", "1MB", "--configs", ",".join(CONFIGS[:-1])]
 SMOKE += ["--out", os.path.join(tempfile.gettempdir(), "disk_tier_smoke.json")]
+N, M = s3.N, s3.M  # a count, megabytes
+COLUMNS = {"samples/s": ("samples_per_s", *N), "GETs": ("gets", *N), "store MB": ("get_bytes", *M)}
+COLUMNS |= {"tier reads": ("disk_reads", *N), "CPU s": ("loader_cpu_s", *s3.S)}
+COLUMNS |= {"device MB read": ("device_read", *M), "device MB written": ("device_written", *M)}
+COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
 
 
 def meminfo() -> dict:
@@ -162,22 +167,10 @@ def ratios(runs: dict[str, list[dict]], summary: dict) -> dict:
     return out
 
 
-N, M = (1, "{:.0f}"), (1e6, "{:.1f}")  # a count, megabytes
-COLUMNS = {"samples/s": ("samples_per_s", *N), "GETs": ("gets", *N), "store MB": ("get_bytes", *M)}
-COLUMNS |= {"tier reads": ("disk_reads", *N), "CPU s": ("loader_cpu_s", 1, "{:.1f}")}
-COLUMNS |= {"device MB read": ("device_read", *M), "device MB written": ("device_written", *M)}
-COLUMNS |= {"local files in page cache MB": ("resident_bytes", *M), "page cache delta MB": ("page_cache_delta", *M)}
-
-
 def table(result: dict) -> str:
     """Per configuration and epoch, the medians; the steady rates, ratios, tiers read back and conversions below."""
-    c, rows, lines = result["config"], [], [""]
+    c, lines = result["config"], [""]
     for name, s in result["summary"].items():
-        if not s["ok"]:
-            rows.append([name, "-", f"failed: {s['errors'][0].splitlines()[-1][:150]}"])
-        for ep in s.get("epochs", []):
-            cells = (report.spread(ep.get(k), f, k == "samples_per_s", sc) for k, sc, f in COLUMNS.values())
-            rows.append([name, ep["epoch"], *cells])
         if s["ok"]:
             lines.append(f"steady samples/s {name}: {report.spread(s['steady_samples_per_s'], rng=True)}")
     for key, r in result["ratios"].items():
@@ -189,7 +182,7 @@ def table(result: dict) -> str:
         lines.append(f"{name} conversion: {conv['seconds']:.1f} s, {conv['chunks']} chunks, {mb(conv['bytes'])} MB")
     head = f"memory cache {mb(c['memory_bytes'])} MB; {c['latency_s'] * 1e3:g} ms per request, "
     head += f"{c['bandwidth_bps'] / 1e6:g} MB/s; {c['repeat']} round(s); medians\n"
-    return head + report.table(["config", "epoch", *COLUMNS], rows) + "\n".join(lines)
+    return head + s3.epochs_table(result["summary"], COLUMNS) + "\n".join(lines)
 
 
 def options(p) -> None:
@@ -212,7 +205,7 @@ def options(p) -> None:
 
 def run(args) -> dict | None:
     if args.one:
-        return s3.child(json.loads(Path(args.one).read_text()), disk_tier_baselines.made, measure.cpu_seconds)
+        return s3.child(json.loads(Path(args.one).read_text()), disk_tier_baselines.LOADERS, measure.cpu_seconds)
     if args.smoke:  # the smoke's dataset, where the command line did not name one
         vars(args).update(vars(cli.parser("disk_tier", sys.modules[__name__]).parse_args(SMOKE + args._argv)))
     from coordl_testing.s3server import S3Server

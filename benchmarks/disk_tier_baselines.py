@@ -1,4 +1,4 @@
-"""The baselines of ``benchmarks.disk_tier`` (:func:`made`): LitData's and Mosaic Streaming's local caches over
+"""The baselines of ``benchmarks.disk_tier`` (:data:`LOADERS`): LitData's and Mosaic Streaming's local caches over
 the chunks :func:`convert` makes of the same files (``{"image": the JPEG's bytes, "label": int}``): LitData's
 ``optimize`` (``chunk_bytes``, 2 workers) read by its ``StreamingDataset(cache_dir, max_cache_size, shuffle=True)``
 in a ``StreamingDataLoader``; Mosaic's ``MDSWriter`` (``size_limit``) read by its ``StreamingDataset(remote, local,
@@ -13,7 +13,6 @@ import time
 import types
 from pathlib import Path
 
-from benchmarks import s3
 from benchmarks.loaders import TrainAugment
 
 AUGMENT = TrainAugment()
@@ -83,9 +82,4 @@ def _mosaic(spec: dict):
     return torch.utils.data.DataLoader(dataset, batch_size=spec["batch"], num_workers=spec["workers"])
 
 
-def made(spec: dict):
-    """A run's loader, as :func:`benchmarks.s3.made`: coordl's there, LitData's or Mosaic's here."""
-    if spec["kind"] == "coordl":
-        return s3.made(spec)
-    loader = (_litdata if spec["kind"] == "litdata" else _mosaic)(spec)
-    return lambda: sum(len(batch[1]) for batch in loader), spec["workers"], None  # (images, labels)
+LOADERS = {"litdata": _litdata, "mosaic": _mosaic}  # for benchmarks.s3.made

@@ -31,6 +31,7 @@ from benchmarks.harness.report import log
 from benchmarks.indexing import fresh, made, memory, remove
 
 OUT = None  # results/<OUTS[--what]>.json (out_path)
+CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 
 def tree(args) -> tuple[Path, dict]:
@@ -112,10 +113,8 @@ def files(args, work: Path) -> dict:
     cold = [] if args.no_cold else args.threads  # each after the page cache is dropped (as root; else not measured)
     out["check_cold_by_threads"] = [at(t) for t in cold if not limits.drop_page_cache(3)]
     for k in range(0, out["files"], max(1, out["files"] // args.changed))[: args.changed]:
-        c, i = divmod(k, args.per_class)
-        st = (
-            path := root / f"n{c:08d}" / f"n{c:08d}_{i}.jpg"
-        ).stat()  # rewritten in place, at its size, 5 s later in time
+        path = root / "n{0:08d}/n{0:08d}_{1}.jpg".format(*divmod(k, args.per_class))
+        st = path.stat()  # rewritten in place, at its size, 5 s later in time
         path.write_bytes(path.read_bytes()[::-1])
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     out["changed"], out["after_changed"] = at(), at()
@@ -167,9 +166,6 @@ def extrapolate(out: dict, latency_ms: float, classes: int = 1000, per_class: in
     out |= {"latency_bound_s": latency_s, "client_cpu_s": cpu_s, "measured_pages": pages}
     out |= {"client_cpu_per_page_ms": 1000 * quiet["cpu_s"] / pages, "estimate_s": max(latency_s, cpu_s)}
     return out | {"wall_per_page_no_latency_ms": 1000 * quiet["seconds"] / pages}  # moto's time and the client's
-
-
-CATEGORIES = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]  # COCO's 80 ids
 
 
 def write_coco(root: Path, images: int) -> None:

@@ -4,11 +4,10 @@ The store: moto behind ``coordl_testing.s3server.S3Server``'s counting proxy, ``
 ``--repeat`` rounds, ABBA, each configuration a fresh process of 2 epochs: ``coordl-<f>`` (``cache=f``,
 ``imagenet-train``), ``dali-s3`` (``fn.readers.file(file_root="s3://...")``, the same recipe), ``dali-local``
 (the same on the local copy), ``capacity-0`` and ``capacity-<latency>`` (every object GET once, 64 in flight).
-Per epoch: samples/s, GETs, bytes, listings, coordl's counters, CPU of the loader, proxy and moto; per run the
-time to make the loader. ``--clients``: the client CPU per GET, obstore (coordl's) against boto3, each GETting
-``--objects`` objects, 64 in flight, from moto (no proxy), into s3_clients.json. Details: benchmarks/README.md.
+``--clients``: the client CPU per GET, obstore (coordl's) against boto3, each GETting ``--objects`` objects, 64 in
+flight, from moto (no proxy), into s3_clients.json. What each epoch records: benchmarks/README.md.
 
-    python -m benchmarks s3 --data /var/tmp/coordl-bench/bench --images 4436 --classes 100   # ~16 min
+    python -m benchmarks s3            # ~16 min; --clients ~40 s
 """
 
 import argparse
@@ -28,6 +27,12 @@ from benchmarks.loaders import dali_imagenet_train, dali_iterator
 CLIENTS = ("obstore", "boto3")
 BUCKET, PREFIX, IN_FLIGHT = "coordl-bench", "bench/train", 64
 EPOCHS, BATCH, CACHES, THREADS = 2, 64, (0.0, 0.5, 1.0), os.cpu_count()  # DALI as many threads as coordl
+N, M, S = (1, "{:.0f}"), (1e6, "{:.1f}"), (1, "{:.1f}")  # a count, megabytes, seconds
+COLUMNS = {"samples/s": ("samples_per_s", *N), "s": ("seconds", *S), "object GETs": ("gets", *N)}
+COLUMNS |= {"MB": ("get_bytes", *M)} | {k: (k, *N) for k in ("listing_requests", "storage_reads", "cache_hits")}
+COLUMNS |= {f"CPU s {p}": (f"{p}_cpu_s", *S) for p in ("loader", "proxy", "moto")}
+PER_GET = {"cpu_ms_per_get": lambda r: 1e3 * r["epochs"][0]["loader_cpu_s"] / r["epochs"][0]["samples"]}
+PER_GET["gets_per_s"] = lambda r: r["epochs"][0]["samples_per_s"]  # --clients: per run, of its one epoch
 
 
 def getter(client: str, keys: list[str], sizes: list[int]):
@@ -52,10 +57,14 @@ def getter(client: str, keys: list[str], sizes: list[int]):
     return lambda ks: list(pool.map(one, ks))
 
 
-def made(spec: dict):
+def made(spec: dict, others=None):
     """``(epoch, threads, loader)``: ``epoch()`` runs one, returns its samples (``capacity``, ``client``: every key
-    GET once; ``dali``: files, or tar ``shards``); ``loader``: coordl's (``Cache(size=cache, disk=tier)``) or None."""
+    GET once; ``dali``: files, or tar ``shards``; ``others[kind](spec)``: another library's loader, in ``workers``
+    DataLoader workers); ``loader``: coordl's (``Cache(size=cache, disk=tier)``) or None."""
     kind, n = spec["kind"], len(spec.get("keys", ()))
+    if kind in (others or {}):
+        dl = others[kind](spec)
+        return lambda: sum(len(batch[1]) for batch in dl), spec["workers"], None  # (images, labels)
     if kind in ("capacity", "client"):
         get = getter(spec["client"], spec["keys"], spec["sizes"])
         get(range(8))  # the client made, its first connections open
@@ -94,10 +103,10 @@ def made(spec: dict):
     return epoch, spec["threads"], None
 
 
-def child(spec: dict, make=made, cpu=time.process_time) -> None:
-    """A child: ``make(spec)`` (:func:`made`), then its epochs, each said to the parent and awaited (CPU: ``cpu()``)."""
+def child(spec: dict, others=None, cpu=time.process_time) -> None:
+    """A child: its loader made (:func:`made`), its epochs each said to the parent and awaited (CPU: ``cpu()``)."""
     parent, t0, c0 = jobs.Parent(), time.perf_counter(), cpu()
-    epoch, threads, loader = make(spec)  # its imports included
+    epoch, threads, loader = made(spec, others)  # its imports included
     parent.say(event="created", create_s=time.perf_counter() - t0, cpu_s=cpu() - c0, threads=threads)
     for e in range(spec["epochs"]):
         parent.wait()
@@ -141,13 +150,11 @@ def run_one(args, server, name: str, keys: list[str], sizes: list[int]) -> dict:
     spec |= {"epochs": 1 if kind in ("capacity", "client") else EPOCHS, "keys": keys, "sizes": sizes}
     spec |= {"cache": float(setting) if kind == "coordl" else 0, "client": setting if kind == "client" else "obstore"}
     spec["threads"] = THREADS  # DALI's
-    server.latency_s = float(setting) if kind == "capacity" else args.latency
+    server.latency_s = float(setting) if kind == "capacity" else args.latency  # each run's own
     env = {**os.environ, **server.env(), "COORDL_S3_REQUESTS": str(IN_FLIGHT)}  # coordl's default, the clients' too
     if kind == "client":  # moto itself, no proxy
         env["AWS_ENDPOINT_URL"] = server.direct
-    run = {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
-    server.latency_s = args.latency
-    return run
+    return {"config": name, "latency_s": server.latency_s} | run_child("s3", spec, Meter(server), env)
 
 
 def run_child(scenario: str, spec: dict, meter, env: dict, created=lambda: None, **popen) -> dict:
@@ -183,23 +190,26 @@ def summarise(runs: dict[str, list[dict]], fields, counters, **figures) -> dict:
     return measure.rounds(runs, fields, counters, measure.spread_all, extra)
 
 
-def table(result: dict) -> str:
-    if "medians" in result:  # --clients
-        return report.table("client|ms CPU per GET|GET/s", [[c, *m.values()] for c, m in result["medians"].items()])
-    cell, rows, notes = report.spread, [], []
-    for name, s in result["summary"].items():
+def epochs_table(summary: dict, columns: dict) -> str:
+    """Per configuration and epoch, the medians of ``columns`` (heading: (field, scale, format); samples/s with
+    [min-max]), then each configuration's failed runs and their first error."""
+    rows, notes = [], []
+    for name, s in summary.items():
         for ep in s.get("epochs", []):
-            row = [name, ep["epoch"], cell(ep["samples_per_s"], rng=True), cell(ep["seconds"], "{:.1f}")]
-            row += [cell(ep.get("gets")), cell(ep.get("get_bytes"), "{:.1f}", scale=1e6)]
-            row += [cell(ep.get(k)) for k in ("listing_requests", "storage_reads", "cache_hits")]
-            cpu = (cell(ep.get(k), "{:.1f}") for k in ("loader_cpu_s", "proxy_cpu_s", "moto_cpu_s"))
-            rows.append([*row, " / ".join(cpu)])
+            cells = (report.spread(ep.get(k), f, k == "samples_per_s", sc) for k, sc, f in columns.values())
+            rows.append([name, ep["epoch"], *cells])
         if s["ok"] < s["rounds"]:
             notes += [f"{name}: {s['rounds'] - s['ok']} of {s['rounds']} run(s) failed:", s["errors"][0]]
-    head = "config|epoch|samples/s|s|object GETs|MB|listing reqs|storage_reads|cache_hits|CPU s loader / proxy / moto"
+    return "\n".join([report.table(["config", "epoch", *columns], rows), *notes])
+
+
+def table(result: dict) -> str:
+    if "config" not in result:  # --clients
+        cells = ([n, *(report.spread(s.get(k), "{:.2f}", True) for k in PER_GET)] for n, s in result["summary"].items())
+        return report.table("client|ms CPU per GET|GET/s", list(cells))
     what = f"latency {result['config']['latency_s'] * 1000:g} ms per request; {result['config']['repeat']} round(s)"
     server = f"server capacity: the capacity-* rows (obstore, {IN_FLIGHT} GETs in flight, every object once)"
-    return "\n".join([f"{what}; medians, [min-max]", report.table(head, rows), server, *notes])
+    return "\n".join([f"{what}; medians, [min-max]", epochs_table(result["summary"], COLUMNS), server])
 
 
 def options(p) -> None:
@@ -209,22 +219,6 @@ def options(p) -> None:
     p.add_argument("--latency", type=float, default=0.02, help="seconds added before each request (default: 0.02)")
     p.add_argument("--repeat", type=int, default=3, help="rounds of every configuration (default: 3)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, spec in this JSON file
-
-
-def clients(args, server, keys: list[str], sizes: list[int]) -> dict:
-    """Each client in a process of its own against moto alone (no proxy), rounds alternated."""
-    rows = []
-    for r, name in measure.alternate(list(CLIENTS), args.repeat):
-        one = run_one(args, server, f"client-{name}", keys, sizes)
-        if "error" in one:
-            raise SystemExit(f"{name} failed:\n{one['error']}")
-        (e,) = one["epochs"]
-        rows.append(row := {"client": name, "round": r, "gets": e["samples"], "gets_per_s": e["samples_per_s"]})
-        row["cpu_ms_per_get"] = 1e3 * e["loader_cpu_s"] / e["samples"]
-        log(f"round {r} {name:8s} {row['cpu_ms_per_get']:.2f} ms CPU per GET, {row['gets_per_s']:.0f} GET/s")
-    per_client = {c: [x for x in rows if x["client"] == c] for c in CLIENTS}
-    medians = measure.medians(per_client, ("cpu_ms_per_get", "gets_per_s"))
-    return {"objects": len(keys), "in_flight": IN_FLIGHT, "rows": rows, "medians": medians}
 
 
 def run(args) -> dict | None:
@@ -240,10 +234,12 @@ def run(args) -> dict | None:
         server.create_bucket(BUCKET)
         keys = server.upload_tree(args.data, BUCKET, PREFIX)
         sizes = [Path(args.data, k[len(PREFIX) + 1 :]).stat().st_size for k in keys]
-        if args.clients:
-            return {"dataset": data, **clients(args, server, keys[: args.objects], sizes[: args.objects])}
-        server.latency_s = args.latency
+        if args.clients:  # each client in a process of its own, against moto alone (run_one: no proxy)
+            names, keys, sizes = [f"client-{c}" for c in CLIENTS], keys[: args.objects], sizes[: args.objects]
         runs = measure.in_rounds(names, args.repeat, lambda name: run_one(args, server, name, keys, sizes), log)
+    if args.clients:
+        summary = summarise(runs, (), (), **PER_GET)
+        return {"dataset": data, "objects": len(keys), "in_flight": IN_FLIGHT, "runs": runs, "summary": summary}
     config = {"latency_s": args.latency, "epochs": EPOCHS, "repeat": args.repeat, "batch": BATCH, "caches": CACHES}
     config |= {"dali_threads": THREADS, "in_flight": IN_FLIGHT, "url": f"s3://{BUCKET}/{PREFIX}"}
     result = {"config": config | {"configurations": names}, "dataset": data, "objects": len(keys), "moto_pid": moto_pid}

@@ -1,6 +1,6 @@
 """Tar shards' steady epochs: coordl at cache 0/0.5/1 against WebDataset + DataLoader and DALI's reader.
 
-A photo dataset as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader (:func:`made`) in a
+A photo dataset as shards of ``--per-shard`` samples; ``--epochs`` epochs of each loader (``s3.made``) in a
 child, ABBA ``--reps`` times; steady samples/s: the median of the epochs after the first. ``--store local``: the
 shards on a loop device of their own, the page cache dropped before each epoch, read at ``--throttle`` (blkio,
 root); ``--store s3``: on moto behind the counting proxy of ``coordl_testing.s3server``, ``--latency`` a request.
@@ -65,12 +65,9 @@ def write_photo_shards(folder: str, out: Path, per_shard: int) -> str:
     return str(out / f"shard-{{000000..{n - 1:06d}}}.tar")
 
 
-def made(spec: dict):
-    """The child's loader: coordl's and DALI's as :func:`benchmarks.s3.made`; WebDataset's pipeline (shard shuffle, a
-    1,000-sample buffer, Pillow decoding and a random resized crop to 224 in ``workers`` DataLoader workers; an
-    ``s3://`` shard read by curl, a presigned GET)."""
-    if spec["kind"] != "webdataset":
-        return s3.made(spec)
+def webdataset(spec: dict):
+    """WebDataset's pipeline (shard shuffle, a 1,000-sample buffer, Pillow decoding and a random resized crop to 224
+    in ``workers`` DataLoader workers; an ``s3://`` shard read by curl, a presigned GET)."""
     import torch
     import webdataset as wds
     from PIL import Image
@@ -88,8 +85,7 @@ def made(spec: dict):
         urls = [f"pipe:curl -s -f '{boto3_client().generate_presigned_url('get_object', Params=w)}'" for w in where]
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).decode("pil")
     ds = ds.to_tuple("jpg", "cls").map_tuple(crop, int).batched(spec["batch"])
-    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
-    return lambda: sum(len(batch[1]) for batch in dl), spec["workers"], None
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=spec["workers"])
 
 
 @contextlib.contextmanager
@@ -111,7 +107,7 @@ def own_device(folder: Path, size: int):
 
 def run(args) -> dict | None:
     if args.one:
-        return s3.child(json.loads(Path(args.one).read_text()), made)
+        return s3.child(json.loads(Path(args.one).read_text()), {"webdataset": webdataset})
     data, caps, out = dataset.dataset_from_args(args), limits.probe(), Path(args.shards_dir)
     with contextlib.ExitStack() as stack:
         scratch, server, throttle, dev = stack.enter_context(tempfile.TemporaryDirectory()), None, None, None

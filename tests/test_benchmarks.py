@@ -648,8 +648,10 @@ def test_s3_clients_small(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = _figures(out, "s3")
     assert result["command"].startswith("python -m benchmarks s3 --clients")
-    assert sorted(r["client"] for r in result["rows"]) == ["boto3", "obstore"]
-    assert all(r["gets"] == 24 and r["cpu_ms_per_get"] > 0 and r["gets_per_s"] > 0 for r in result["rows"])
+    assert set(result["runs"]) == set(result["summary"]) == {"client-boto3", "client-obstore"}
+    for name, (one,) in result["runs"].items():
+        assert "error" not in one and [e["samples"] for e in one["epochs"]] == [24], one
+        assert all(result["summary"][name][k]["median"] > 0 for k in ("cpu_ms_per_get", "gets_per_s"))
 
 
 def test_hp_mix_small(tmp_path):
