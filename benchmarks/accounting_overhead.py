@@ -8,8 +8,6 @@ consumer and enters and leaves the DALI-wait clock in the driver; per storage re
     python -m benchmarks accounting_overhead [--data /var/tmp/coordl-bench/train]
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 

@@ -9,8 +9,6 @@ x the mean sample size (0.4: fetch-bound below about 60% cache). docs/analyze.md
     python -m benchmarks analyze_accuracy            # ~10 minutes on 2 cores
 """
 
-from __future__ import annotations
-
 import json
 import os
 import statistics

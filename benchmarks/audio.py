@@ -10,8 +10,6 @@ coordl trials training M5 in an HP group vs apart; ``hp-prep``: without the mode
     python -m benchmarks audio --smoke --data /tmp/audio-smoke --out /tmp/audio.json
 """
 
-from __future__ import annotations
-
 import importlib
 import math
 import runpy

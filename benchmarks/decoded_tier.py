@@ -11,8 +11,6 @@ of epochs 1.. beside :func:`coordl.analyze.model.tier_throughput` of the rates `
 Writes ``decoded_tier.json`` and ``decoded_tier.png`` to the folder ``--out``.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import statistics

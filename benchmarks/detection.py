@@ -9,8 +9,6 @@ pipeline), ``dali-1`` (``num_attempts=1``, not by default), ``torch`` (``CocoDet
     python -m benchmarks detection --smoke --data /tmp/coco-smoke --out /tmp/detection.json
 """
 
-from __future__ import annotations
-
 import functools
 import statistics
 import time

@@ -10,8 +10,6 @@ per sample; the JSON written after every run, a run skipped when less of ``--bud
     python -m benchmarks gpu --cpu-smoke --out /tmp/gpu-smoke.json  # the CPU side: ~1 minute on 2 cores
 """
 
-from __future__ import annotations
-
 import argparse
 import importlib.util
 import os

@@ -11,8 +11,6 @@ either order, staged by ``--modes``). What an earlier run in ``--out`` measured 
     python -m benchmarks hp_group --data /var/tmp/coordl-bench/train --images 2000 --scenarios same,mix   # ~15 min
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

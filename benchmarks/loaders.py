@@ -5,8 +5,6 @@ and :mod:`benchmarks.gpu`'s ``dali`` (decoded whole, ``mixed`` on a GPU), ``coor
 ``coordl-auto`` (``decoded="auto"``), ``coordl-cpu`` (batches copied to the GPU) and ``coordl-torch``.
 """
 
-from __future__ import annotations
-
 import math
 import random
 import runpy

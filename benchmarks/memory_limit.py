@@ -11,8 +11,6 @@ the budget, what was cached, the warnings, every sample exactly once per epoch. 
         --image-size 64 --batch-size 16 --num-threads 2 --io-threads 2     # tests/test_memory_limit.py's scenario
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import re

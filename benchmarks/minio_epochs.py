@@ -6,8 +6,6 @@ CoordLoader over an ImageNet-like dataset, the cache a fraction of it, the page 
 the bytes the block device delivered against the minimum, ``dataset - cached``.
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 

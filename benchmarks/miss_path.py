@@ -12,8 +12,6 @@ timed from its first batch to its last; modes ABBA, ``--reps`` times.
         --data /var/tmp/coordl-bench/bench --images 4436 --classes 100 --width 400 --height 350 --reps 8
 """
 
-from __future__ import annotations
-
 import itertools
 import statistics
 import time

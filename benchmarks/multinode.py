@@ -11,8 +11,6 @@ storage at the minimum (dataset - cached across nodes), c's peer bytes <= 10% of
     python -m benchmarks multinode --quick             # smoke test: 128 images, 2 nodes, 2 epochs, ~1 min
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json

@@ -7,8 +7,6 @@ once, outside it), for ``--seconds``: ms per sample and thread, the bound of wha
     python -m benchmarks prep_ops --data /var/tmp/coordl-bench/bench --images 4436 --classes 100
 """
 
-from __future__ import annotations
-
 import functools
 import itertools
 import time

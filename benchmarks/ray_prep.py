@@ -10,8 +10,6 @@ left out, ABBA for ``--rounds``. Targets: both/local >= 1.7, remote/local >= 0.9
     python -m benchmarks ray_prep            # ~10 min; --quick: 64 images, 1 round, 2 epochs, < 1 min
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json

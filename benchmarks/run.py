@@ -10,8 +10,6 @@ process, everything in memory, ``--reps`` epochs each ABBA, coordl-torch / torch
 ``--out``/torch_backend.json (benchmarks/README.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

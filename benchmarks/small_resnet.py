@@ -6,8 +6,6 @@
 script on a dataset made beforehand: ``coordl analyze -- python -m benchmarks.small_resnet ...`` runs it unchanged.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import time

@@ -8,8 +8,6 @@ memory is limited to the run's own peak + ``--cache`` of the dataset + a slack (
 ``train_example{,_quick}.{json,md}`` in ``--out``; examples/imagenet/README.md has the method and the figures.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import re

@@ -3,8 +3,6 @@ package's docstring): parses its options (with ``--out``, its result file), runs
 the schema of :mod:`.results` and prints its ``table``.
 """
 
-from __future__ import annotations
-
 import argparse
 import ast
 import importlib

@@ -4,8 +4,6 @@ The shape :mod:`benchmarks.detection` and :mod:`benchmarks.audio` share (:func:`
 and the loop of :mod:`benchmarks.gpu` (:func:`alone`). A child is the scenario again with ``--job NAME`` (:func:`job`).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

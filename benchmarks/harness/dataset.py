@@ -1,8 +1,6 @@
 """The options that name a benchmark's image folder, and the folder they make once (``coordl.tools.datagen``, as
 ``coordl make-dataset`` does) and find again on the next run."""
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path

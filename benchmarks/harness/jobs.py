@@ -5,8 +5,6 @@ A scenario's child runs the scenario again (``python -m benchmarks NAME --job ..
 standard output (:func:`outcome`), or line by line to a parent that answers (:func:`converse`).
 """
 
-from __future__ import annotations
-
 import json
 import os
 import subprocess

@@ -8,8 +8,6 @@ device. :func:`probe` says what this machine allows; a scenario that cannot appl
 without it.
 """
 
-from __future__ import annotations
-
 import os
 import time
 from pathlib import Path

@@ -1,8 +1,6 @@
 """What the harness measures: CPU seconds of a process tree, the device's read counter, a loader's epochs, rates
 over the steady epochs, medians, and the ABBA order configurations alternate in."""
 
-from __future__ import annotations
-
 import os
 import statistics
 import threading

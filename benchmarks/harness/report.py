@@ -1,7 +1,5 @@
 """Tables in Markdown and plots (when matplotlib is installed) of a scenario's results."""
 
-from __future__ import annotations
-
 import sys
 
 from coordl.units import format_bytes

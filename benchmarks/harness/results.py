@@ -5,8 +5,6 @@ kernel and library versions and the load (``MACHINE``), ``options`` every option
 of what was read (or None), ``results`` the scenario's own figures.
 """
 
-from __future__ import annotations
-
 import datetime
 import json
 import os
