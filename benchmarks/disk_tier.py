@@ -109,7 +109,8 @@ class Meter(s3.Meter):
         io, mem = device_io(self.device), meminfo()
         out = {"resident_bytes": resident(self.folder), "meminfo": mem}
         out["device_read"], out["device_written"] = (a - b for a, b in zip(io, self.io))
-        return super().read() | out | {"page_cache_delta": mem["page_cache"] - self.mem["page_cache"]}
+        out["page_cache_delta"] = mem["page_cache"] - self.mem["page_cache"]  # before super() starts anew
+        return super().read() | out
 
 
 def run_one(args, server, name: str, ctx: dict) -> dict:

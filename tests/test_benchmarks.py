@@ -812,6 +812,7 @@ def test_disk_tier_smoke(tmp_path):
     assert all(e["gets"] == 0 for e in r["runs"]["local"][0]["epochs"])
     first, steady = r["runs"]["litdata"][0]["epochs"]
     assert first["gets"] >= conv["chunks"] and first["get_bytes"] > r["dataset"]["total_bytes"] and steady["gets"] == 0
+    assert first["page_cache_delta"] > r["dataset"]["total_bytes"] / 2  # its chunks, downloaded to its cache folder
     for tier in ("tier", "tier-direct"):
         assert {f"{tier}/{b}" for b in ("local", "no-tier", "litdata")} <= set(r["ratios"])
     assert all(x["of_medians"] > 0 for x in r["ratios"].values())
